@@ -1,1 +1,221 @@
-//! (in progress)
+//! The model's own Jinja chat template, rendered with minijinja exactly as HF `transformers`
+//! renders it (`trim_blocks` and `lstrip_blocks` on, Python string methods available,
+//! `raise_exception`), never a hand-written imitation.
+
+use std::path::Path;
+
+use minijinja::{Environment, ErrorKind};
+use serde::Serialize;
+
+use super::ChatMessage;
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("{source_name}: no chat template (expected a `chat_template` entry)")]
+    Missing { source_name: String },
+    #[error("{source_name}: {message}")]
+    Invalid {
+        source_name: String,
+        message: String,
+    },
+    #[error("chat template of {source_name} failed to render: {message}")]
+    Render {
+        source_name: String,
+        message: String,
+    },
+}
+
+/// A compiled chat template plus the special tokens it may refer to.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    source_name: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source_name", &self.source_name)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Serialize)]
+struct RenderContext<'a> {
+    messages: &'a [ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &'a str,
+    eos_token: &'a str,
+}
+
+fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; `source_name` (a file) is named in every error.
+    pub fn new(
+        source: &str,
+        source_name: &str,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned(TEMPLATE_NAME, source.to_string())
+            .map_err(|e| TemplateError::Invalid {
+                source_name: source_name.into(),
+                message: format!("chat template does not compile: {e}"),
+            })?;
+        Ok(Self {
+            env,
+            source: source.to_string(),
+            source_name: source_name.to_string(),
+            bos_token: bos_token.to_string(),
+            eos_token: eos_token.to_string(),
+        })
+    }
+
+    /// Reads `chat_template`, `bos_token` and `eos_token` from an HF `tokenizer_config.json`
+    /// (a `chat_template.jinja` file beside it wins, as in recent `transformers`).
+    pub fn from_tokenizer_config(path: &Path) -> Result<Self, TemplateError> {
+        let name = path.display().to_string();
+        let invalid = |message: String| TemplateError::Invalid {
+            source_name: name.clone(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
+        let cfg: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+        let token = |key: &str| -> String {
+            match &cfg[key] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Object(o) => o
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .unwrap_or_default()
+                    .to_string(),
+                _ => String::new(),
+            }
+        };
+        let jinja_file = path.with_file_name("chat_template.jinja");
+        if jinja_file.is_file() {
+            let src = std::fs::read_to_string(&jinja_file).map_err(|e| TemplateError::Invalid {
+                source_name: jinja_file.display().to_string(),
+                message: e.to_string(),
+            })?;
+            return Self::new(
+                &src,
+                &jinja_file.display().to_string(),
+                &token("bos_token"),
+                &token("eos_token"),
+            );
+        }
+        let source = match &cfg["chat_template"] {
+            serde_json::Value::String(s) => s.clone(),
+            // A list of named templates: take the one called "default".
+            serde_json::Value::Array(items) => items
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(String::from)
+                .ok_or_else(|| TemplateError::Missing {
+                    source_name: name.clone(),
+                })?,
+            _ => {
+                return Err(TemplateError::Missing {
+                    source_name: name.clone(),
+                })
+            }
+        };
+        Self::new(&source, &name, &token("bos_token"), &token("eos_token"))
+    }
+
+    /// Renders a conversation; with `add_generation_prompt` the text ends where the assistant's
+    /// reply begins.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| self.render_error(e))?;
+        tmpl.render(RenderContext {
+            messages,
+            add_generation_prompt,
+            bos_token: &self.bos_token,
+            eos_token: &self.eos_token,
+        })
+        .map_err(|e| self.render_error(e))
+    }
+
+    fn render_error(&self, e: minijinja::Error) -> TemplateError {
+        TemplateError::Render {
+            source_name: self.source_name.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+    pub fn source_name(&self) -> &str {
+        &self.source_name
+    }
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+    pub fn eos_token(&self) -> &str {
+        &self.eos_token
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2-135M-Instruct's template, as stored in its GGUF and tokenizer_config.json.
+    pub const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    #[test]
+    fn renders_smollm2_like_transformers() {
+        let t = ChatTemplate::new(SMOLLM2, "test", "", "<|im_end|>").unwrap();
+        let out = t
+            .render(&[ChatMessage::user("What is 12345 + 678?")], true)
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let no_gen = t.render(&[ChatMessage::system("S"), ChatMessage::user("U")], false).unwrap();
+        assert_eq!(no_gen, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n");
+    }
+
+    #[test]
+    fn python_methods_and_raise_exception_work() {
+        let src = "{% if messages[0]['role'] == 'bad' %}{{ raise_exception('roles must alternate') }}{% endif %}{{ messages[0]['content'].strip() | upper }}";
+        let t = ChatTemplate::new(src, "t", "", "").unwrap();
+        assert_eq!(t.render(&[ChatMessage::user("  hi ")], false).unwrap(), "HI");
+        let err = t.render(&[ChatMessage::new("bad", "x")], false).unwrap_err();
+        assert!(err.to_string().contains("roles must alternate"), "{err}");
+    }
+
+    #[test]
+    fn missing_template_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("tokenizer_config.json");
+        std::fs::write(&p, r#"{"eos_token": "</s>"}"#).unwrap();
+        let err = ChatTemplate::from_tokenizer_config(&p).unwrap_err();
+        assert!(matches!(err, TemplateError::Missing { .. }));
+        assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
+    }
+}

@@ -1,1 +1,629 @@
-//! (in progress)
+//! Llama-family model for inference (SmolLM2, Llama 2/3, TinyLlama…), from a GGUF file or HF
+//! safetensors, with a KV cache the caller owns so that one prefilled prompt can be copied
+//! into a batch of samples and finished samples can be dropped from the batch.
+//!
+//! Weight layouts: GGUF stores Q and K rows permuted for *interleaved* rotary embeddings
+//! (`rope_i`); HF safetensors store them for the half-split variant (`rope`). The model keeps
+//! whichever layout it was loaded in and applies the matching rotary function.
+
+use std::path::Path;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor};
+use serde::Deserialize;
+
+use super::gguf_tokenizer::meta_u32;
+
+type Result<T> = candle_core::Result<T>;
+
+/// Hyper-parameters, mirroring the fields of an HF llama `config.json`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+}
+
+fn default_rms_eps() -> f64 {
+    1e-5
+}
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+fn default_max_pos() -> usize {
+    2048
+}
+
+/// Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct RopeScaling {
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    pub factor: f64,
+    #[serde(default)]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+impl LlamaConfig {
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// Reads the `llama.*` keys of a GGUF file.
+    pub fn from_gguf(content: &gguf_file::Content) -> std::result::Result<Self, String> {
+        let arch = super::gguf_tokenizer::meta_str(content, "general.architecture").unwrap_or("");
+        if arch != "llama" {
+            return Err(format!(
+                "architecture `{arch}` is not supported (only the llama family)"
+            ));
+        }
+        let req = |k: &str| -> std::result::Result<usize, String> {
+            meta_u32(content, k)
+                .map(|v| v as usize)
+                .ok_or_else(|| format!("missing metadata key `{k}`"))
+        };
+        let f = |k: &str| content.metadata.get(k).and_then(|v| v.to_f32().ok());
+        let heads = req("llama.attention.head_count")?;
+        let hidden = req("llama.embedding_length")?;
+        let vocab = match meta_u32(content, "llama.vocab_size") {
+            Some(v) => v as usize,
+            None => content
+                .metadata
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.to_vec().ok())
+                .map(|v| v.len())
+                .ok_or("missing vocabulary size")?,
+        };
+        Ok(Self {
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: req("llama.feed_forward_length")?,
+            num_hidden_layers: req("llama.block_count")?,
+            num_attention_heads: heads,
+            num_key_value_heads: Some(
+                meta_u32(content, "llama.attention.head_count_kv").map_or(heads, |v| v as usize),
+            ),
+            head_dim: meta_u32(content, "llama.rope.dimension_count").map(|v| v as usize),
+            rms_norm_eps: f64::from(f("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5)),
+            rope_theta: f64::from(f("llama.rope.freq_base").unwrap_or(10_000.0)),
+            max_position_embeddings: meta_u32(content, "llama.context_length")
+                .map_or(2048, |v| v as usize),
+            tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
+            rope_scaling: None,
+            bos_token_id: None,
+            eos_token_id: None,
+        })
+    }
+
+    /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them.
+    fn inv_freqs(&self) -> Vec<f64> {
+        let d = self.head_dim();
+        let base: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64))
+            .collect();
+        match &self.rope_scaling {
+            Some(s) if s.rope_type == "llama3" => {
+                let low = s.low_freq_factor.unwrap_or(1.0);
+                let high = s.high_freq_factor.unwrap_or(4.0);
+                let orig = s.original_max_position_embeddings.unwrap_or(8192) as f64;
+                let low_wavelen = orig / low;
+                let high_wavelen = orig / high;
+                base.into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / s.factor
+                        } else {
+                            let smooth = (orig / wavelen - low) / (high - low);
+                            (1.0 - smooth) * f / s.factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+            _ => base,
+        }
+    }
+}
+
+/// How the linear layers are stored in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// Keep what the file has, except quantized formats without a fast CPU kernel (Q4_1, Q5_x),
+    /// which are re-quantized to Q8_0 (DESIGN §8).
+    #[default]
+    Auto,
+    /// Re-quantize every linear layer to Q8_0 (~4× less memory traffic than f32).
+    Q8_0,
+    /// Dequantize everything to f32 (exact reference path; slow and large).
+    F32,
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
+    wo: QMatMul,
+    ffn_norm: Tensor,
+    w_gate: QMatMul,
+    w_up: QMatMul,
+    w_down: QMatMul,
+}
+
+/// Per-layer key/value cache for a batch of rows that all sit at the same position.
+pub struct KvCache {
+    /// (k, v) per layer, each (batch, kv_heads, capacity, head_dim).
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn batch(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map_or(0, |(k, _)| k.dims()[0])
+    }
+
+    /// Copies row 0 into `n` rows with room for `extra` more positions: one prefill, `n`
+    /// samples.
+    pub fn fork(&self, n: usize, extra: usize) -> Result<KvCache> {
+        let capacity = self.len + extra;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let Some((k, v)) = l else {
+                layers.push(None);
+                continue;
+            };
+            let grow = |t: &Tensor| -> Result<Tensor> {
+                let cur = t.narrow(0, 0, 1)?.narrow(2, 0, self.len)?;
+                let (_, h, _, d) = cur.dims4()?;
+                let full = Tensor::zeros((n, h, capacity, d), cur.dtype(), cur.device())?;
+                full.slice_set(&cur.repeat((n, 1, 1, 1))?.contiguous()?, 2, 0)?;
+                Ok(full)
+            };
+            layers.push(Some((grow(k)?, grow(v)?)));
+        }
+        Ok(KvCache {
+            layers,
+            len: self.len,
+            capacity,
+        })
+    }
+
+    /// Keeps only the given batch rows, in that order.
+    pub fn retain_rows(&mut self, rows: &[usize]) -> Result<()> {
+        let Some(Some((k0, _))) = self.layers.first() else {
+            return Ok(());
+        };
+        let idx = Tensor::from_vec(
+            rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+            rows.len(),
+            k0.device(),
+        )?;
+        for l in self.layers.iter_mut().flatten() {
+            l.0 = l.0.index_select(&idx, 0)?;
+            l.1 = l.1.index_select(&idx, 0)?;
+        }
+        Ok(())
+    }
+
+    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let seq = k.dim(2)?;
+        let need = self.len + seq;
+        let slot = &mut self.layers[layer];
+        match slot {
+            None => {
+                let (b, h, _, d) = k.dims4()?;
+                let cap = need.max(self.capacity);
+                let kk = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
+                let vv = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
+                kk.slice_set(k, 2, self.len)?;
+                vv.slice_set(v, 2, self.len)?;
+                *slot = Some((kk, vv));
+            }
+            Some((kk, vv)) => {
+                if need > kk.dim(2)? {
+                    let (b, h, cap, d) = kk.dims4()?;
+                    let more = (need - cap).max(256);
+                    let pad = Tensor::zeros((b, h, more, d), kk.dtype(), kk.device())?;
+                    *kk = Tensor::cat(&[&*kk, &pad], 2)?;
+                    *vv = Tensor::cat(&[&*vv, &pad], 2)?;
+                }
+                kk.slice_set(k, 2, self.len)?;
+                vv.slice_set(v, 2, self.len)?;
+            }
+        }
+        let (kk, vv) = slot.as_ref().expect("slot was just filled");
+        Ok((kk.narrow(2, 0, need)?, vv.narrow(2, 0, need)?))
+    }
+}
+
+pub struct LlamaModel {
+    cfg: LlamaConfig,
+    embed: QMatMul,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: QMatMul,
+    interleaved_rope: bool,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+}
+
+fn to_qmatmul(t: QTensor, format: WeightFormat) -> Result<QMatMul> {
+    to_qmatmul_shared(Arc::new(t), format)
+}
+
+/// Like [`to_qmatmul`], but shares the data when no conversion is needed (a tied output head
+/// and the embedding then use one copy).
+fn to_qmatmul_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<QMatMul> {
+    let cols = t.shape().dims().last().copied().unwrap_or(0);
+    let target = match (format, t.dtype()) {
+        (WeightFormat::F32, _) => None,
+        (_, GgmlDType::Q8_0) => Some(GgmlDType::Q8_0),
+        (WeightFormat::Q8_0, _) => Some(GgmlDType::Q8_0),
+        (WeightFormat::Auto, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) => {
+            Some(GgmlDType::Q8_0)
+        }
+        (WeightFormat::Auto, d) => Some(d),
+    };
+    match target {
+        None => Ok(QMatMul::Tensor(t.dequantize(&t.device())?)),
+        Some(d) if d == t.dtype() => QMatMul::from_arc(t),
+        Some(d) if cols % d.block_size() == 0 => {
+            let f = t.dequantize(&t.device())?;
+            QMatMul::from_qtensor(QTensor::quantize(&f, d)?)
+        }
+        // The row length does not fit the block size: stay exact.
+        Some(_) => Ok(QMatMul::Tensor(t.dequantize(&t.device())?)),
+    }
+}
+
+fn tensor_to_qmatmul(t: Tensor, format: WeightFormat) -> Result<QMatMul> {
+    let cols = t.dims().last().copied().unwrap_or(0);
+    if format == WeightFormat::Q8_0 && cols % GgmlDType::Q8_0.block_size() == 0 {
+        return QMatMul::from_qtensor(QTensor::quantize(&t, GgmlDType::Q8_0)?);
+    }
+    Ok(QMatMul::Tensor(t))
+}
+
+fn rope_tables(cfg: &LlamaConfig, factors: Option<Vec<f32>>, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let mut inv = cfg.inv_freqs();
+    if let Some(f) = factors {
+        for (x, k) in inv.iter_mut().zip(f) {
+            *x /= f64::from(k);
+        }
+    }
+    let n = cfg.max_position_embeddings;
+    let half = inv.len();
+    let mut cos = Vec::with_capacity(n * half);
+    let mut sin = Vec::with_capacity(n * half);
+    for p in 0..n {
+        for f in &inv {
+            let a = p as f64 * f;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (n, half), dev)?,
+        Tensor::from_vec(sin, (n, half), dev)?,
+    ))
+}
+
+impl LlamaModel {
+    /// Loads from a GGUF file whose header has already been read.
+    pub fn from_gguf<R: std::io::Read + std::io::Seek>(
+        content: &gguf_file::Content,
+        reader: &mut R,
+        cfg: LlamaConfig,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut get = |name: &str| content.tensor(reader, name, device);
+        let embed_q = Arc::new(get("token_embd.weight")?);
+        let norm = get("output_norm.weight")?.dequantize(device)?;
+        let lm_head = if content.tensor_infos.contains_key("output.weight") {
+            to_qmatmul(get("output.weight")?, format)?
+        } else {
+            to_qmatmul_shared(embed_q.clone(), format)?
+        };
+        let factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
+            Some(get("rope_freqs.weight")?.dequantize(device)?.to_vec1::<f32>()?)
+        } else {
+            None
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("blk.{i}");
+            let mut lin = |n: &str| to_qmatmul(get(&format!("{p}.{n}.weight"))?, format);
+            let wq = lin("attn_q")?;
+            let wk = lin("attn_k")?;
+            let wv = lin("attn_v")?;
+            let wo = lin("attn_output")?;
+            let w_gate = lin("ffn_gate")?;
+            let w_up = lin("ffn_up")?;
+            let w_down = lin("ffn_down")?;
+            layers.push(Layer {
+                attn_norm: get(&format!("{p}.attn_norm.weight"))?.dequantize(device)?,
+                ffn_norm: get(&format!("{p}.ffn_norm.weight"))?.dequantize(device)?,
+                wq,
+                wk,
+                wv,
+                wo,
+                w_gate,
+                w_up,
+                w_down,
+            });
+        }
+        // The embedding table stays quantized: rows are dequantized on lookup.
+        let embed = QMatMul::from_arc(embed_q)?;
+        let (cos, sin) = rope_tables(&cfg, factors, device)?;
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            interleaved_rope: true,
+            cos,
+            sin,
+            device: device.clone(),
+        })
+    }
+
+    /// Loads HF llama safetensors (`model.layers.N.self_attn.q_proj.weight`, …).
+    pub fn from_safetensors(
+        files: &[impl AsRef<Path>],
+        cfg: LlamaConfig,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self> {
+        // SAFETY: the files are memory-mapped read-only; they must not be modified while
+        // loading, which is the usual contract of every safetensors loader.
+        let vb = unsafe {
+            candle_nn::VarBuilder::from_mmaped_safetensors(files, DType::F32, device)?
+        };
+        let h = cfg.hidden_size;
+        let (q_out, kv_out) = (
+            cfg.num_attention_heads * cfg.head_dim(),
+            cfg.num_kv_heads() * cfg.head_dim(),
+        );
+        let embed_w = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
+        let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+            tensor_to_qmatmul(embed_w.clone(), format)?
+        } else {
+            tensor_to_qmatmul(vb.get((cfg.vocab_size, h), "lm_head.weight")?, format)?
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let lin = |n: &str, shape: (usize, usize)| {
+                tensor_to_qmatmul(vb.get(shape, &format!("{p}.{n}.weight"))?, format)
+            };
+            let im = cfg.intermediate_size;
+            layers.push(Layer {
+                attn_norm: vb.get(h, &format!("{p}.input_layernorm.weight"))?,
+                ffn_norm: vb.get(h, &format!("{p}.post_attention_layernorm.weight"))?,
+                wq: lin("self_attn.q_proj", (q_out, h))?,
+                wk: lin("self_attn.k_proj", (kv_out, h))?,
+                wv: lin("self_attn.v_proj", (kv_out, h))?,
+                wo: lin("self_attn.o_proj", (h, q_out))?,
+                w_gate: lin("mlp.gate_proj", (im, h))?,
+                w_up: lin("mlp.up_proj", (im, h))?,
+                w_down: lin("mlp.down_proj", (h, im))?,
+            });
+        }
+        let norm = vb.get(h, "model.norm.weight")?;
+        let (cos, sin) = rope_tables(&cfg, None, device)?;
+        Ok(Self {
+            cfg,
+            embed: QMatMul::Tensor(embed_w),
+            layers,
+            norm,
+            lm_head,
+            interleaved_rope: false,
+            cos,
+            sin,
+            device: device.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// An empty cache; `capacity` positions are allocated on first use.
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        KvCache {
+            layers: (0..self.layers.len()).map(|_| None).collect(),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Runs `tokens` (batch, seq) at the cache's position and returns the logits of the last
+    /// position, (batch, vocab).
+    pub fn forward_last(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let hidden = self.hidden_states(tokens, cache)?;
+        let seq = hidden.dim(1)?;
+        let last = hidden.narrow(1, seq - 1, 1)?;
+        self.lm_head.forward(&last)?.squeeze(1)
+    }
+
+    /// Runs `tokens` and returns the logits of every position, (batch, seq, vocab).
+    pub fn forward_all(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let hidden = self.hidden_states(tokens, cache)?;
+        self.lm_head.forward(&hidden)
+    }
+
+    fn hidden_states(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (_b, seq) = tokens.dims2()?;
+        let pos = cache.len;
+        if pos + seq > self.cfg.max_position_embeddings {
+            candle_core::bail!(
+                "sequence of {} tokens exceeds the context length {}",
+                pos + seq,
+                self.cfg.max_position_embeddings
+            );
+        }
+        let mut x = self.embed.embedding(tokens)?.to_dtype(DType::F32)?;
+        let cos = self.cos.narrow(0, pos, seq)?;
+        let sin = self.sin.narrow(0, pos, seq)?;
+        let mask = if seq > 1 {
+            Some(self.causal_mask(seq, pos)?)
+        } else {
+            None
+        };
+        let eps = self.cfg.rms_norm_eps as f32;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let attn = self.attention(i, layer, &h, &cos, &sin, mask.as_ref(), cache)?;
+            x = (x + attn)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let gate = layer.w_gate.forward(&h)?.silu()?;
+            let up = layer.w_up.forward(&h)?;
+            x = (x + layer.w_down.forward(&(gate * up)?)?)?;
+        }
+        cache.len = pos + seq;
+        candle_nn::ops::rms_norm(&x, &self.norm, eps)
+    }
+
+    /// (groups·seq, pos+seq) additive mask: query row `j·seq + i` sees keys `0..=pos+i`.
+    fn causal_mask(&self, seq: usize, pos: usize) -> Result<Tensor> {
+        let groups = self.cfg.num_attention_heads / self.cfg.num_kv_heads();
+        let total = pos + seq;
+        let mut m = Vec::with_capacity(groups * seq * total);
+        for _ in 0..groups {
+            for i in 0..seq {
+                for j in 0..total {
+                    m.push(if j <= pos + i { 0f32 } else { f32::NEG_INFINITY });
+                }
+            }
+        }
+        Tensor::from_vec(m, (groups * seq, total), &self.device)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        layer_idx: usize,
+        layer: &Layer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (b, seq, _) = x.dims3()?;
+        let (nh, kvh, hd) = (
+            self.cfg.num_attention_heads,
+            self.cfg.num_kv_heads(),
+            self.cfg.head_dim(),
+        );
+        let groups = nh / kvh;
+        // (b, seq, heads·hd) -> (b, heads, seq, hd)
+        let heads = |t: Tensor, n: usize| -> Result<Tensor> {
+            t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let q = heads(layer.wq.forward(x)?, nh)?;
+        let k = heads(layer.wk.forward(x)?, kvh)?;
+        let v = heads(layer.wv.forward(x)?, kvh)?;
+        let (q, k) = if self.interleaved_rope {
+            (
+                candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
+            )
+        } else {
+            (
+                candle_nn::rotary_emb::rope(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope(&k, cos, sin)?,
+            )
+        };
+        let (k_all, v_all) = cache.append(layer_idx, &k, &v)?;
+        // Grouped-query attention without copying K/V per head: the `groups` query heads that
+        // share a KV head are stacked along the sequence axis, (b, kvh, groups·seq, hd).
+        let q = q.reshape((b, kvh, groups * seq, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut att = (q.matmul(&k_all.t()?)? * scale)?;
+        if let Some(m) = mask {
+            att = att.broadcast_add(m)?;
+        }
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.matmul(&v_all.contiguous()?)?; // (b, kvh, groups·seq, hd)
+        let y = y
+            .reshape((b, nh, seq, hd))?
+            .transpose(1, 2)?
+            .reshape((b, seq, nh * hd))?;
+        layer.wo.forward(&y)
+    }
+
+    /// Vocabulary-sized logits of the last position for a plain token sequence (batch 1).
+    pub fn last_logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let mut cache = self.new_cache(ids.len());
+        let t = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
+        self.forward_last(&t, &mut cache)?
+            .squeeze(0)?
+            .to_dtype(DType::F32)?
+            .to_vec1()
+    }
+}
+
+
+/// Index of the largest value.
+pub fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| {
+            if x > bv {
+                (i, x)
+            } else {
+                (bi, bv)
+            }
+        })
+        .0
+}
