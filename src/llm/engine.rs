@@ -1,1 +1,465 @@
-//! (in progress)
+//! The local inference engine: a loaded model with its tokenizer, chat template and
+//! end-of-turn tokens, and generation (prefill once, decode `n` samples as one batch).
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use sha2::{Digest, Sha256};
+use tokenizers::Tokenizer;
+
+use super::chat_template::ChatTemplate;
+use super::gguf_tokenizer::{meta_str, meta_u32, tokenizer_from_gguf};
+use super::llama::{LlamaConfig, LlamaModel, WeightFormat};
+use super::sampling::{restricted_probs, Sampler};
+use super::spec::LocalModelFiles;
+use super::{ChatMessage, FinishReason};
+
+/// Token strings that end a turn in common chat formats; those present in a vocabulary stop
+/// generation in addition to the declared EOS id.
+const END_OF_TURN_TOKENS: &[&str] = &[
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "</s>",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{path}: {message}")]
+    Load { path: PathBuf, message: String },
+    #[error("{model}: {message}")]
+    Generate { model: String, message: String },
+    #[error("{model}: prompt of {prompt} tokens does not fit the context length {context}")]
+    PromptTooLong {
+        model: String,
+        prompt: usize,
+        context: usize,
+    },
+}
+
+/// How to load a local model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    pub weights: WeightFormat,
+    /// Cap on prompt + completion tokens (default: the model's own context length).
+    pub context_length: Option<usize>,
+}
+
+/// Sampling parameters of one generation call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenParams {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub max_new_tokens: usize,
+    pub stop: Vec<String>,
+    /// Sample `i` uses seed `seed + i`; `None` draws a fresh seed.
+    pub seed: Option<u64>,
+    pub n: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generation {
+    pub text: String,
+    pub finish: FinishReason,
+    /// Tokens generated, the end-of-turn token included.
+    pub tokens: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenOutput {
+    pub prompt_tokens: usize,
+    pub samples: Vec<Generation>,
+}
+
+pub struct Engine {
+    name: String,
+    fingerprint: String,
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    eos_ids: Vec<u32>,
+    context_length: usize,
+}
+
+fn load_err(path: &Path, message: impl std::fmt::Display) -> EngineError {
+    EngineError::Load {
+        path: path.to_path_buf(),
+        message: message.to_string(),
+    }
+}
+
+/// First 16 hex digits of the SHA-256 of the files' contents: identifies the weights in cache
+/// keys, so a retrained checkpoint at the same path never reuses stale answers.
+fn fingerprint(files: &[PathBuf]) -> Result<String, EngineError> {
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for f in files {
+        let mut file = std::fs::File::open(f).map_err(|e| load_err(f, e))?;
+        loop {
+            let n = file.read(&mut buf).map_err(|e| load_err(f, e))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(hex::encode(h.finalize())[..16].to_string())
+}
+
+fn json_ids(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| x as u32).into_iter().collect(),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl Engine {
+    pub fn load(files: &LocalModelFiles, opts: &LoadOptions) -> Result<Engine, EngineError> {
+        let device = Device::Cpu;
+        let mut engine = match files {
+            LocalModelFiles::Gguf(path) => Self::load_gguf(path, opts, &device)?,
+            LocalModelFiles::HfDir(dir) => Self::load_hf_dir(dir, opts, &device)?,
+        };
+        if let Some(c) = opts.context_length {
+            engine.context_length = engine.context_length.min(c);
+        }
+        Ok(engine)
+    }
+
+    fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<Engine, EngineError> {
+        let mut file = std::fs::File::open(path).map_err(|e| load_err(path, e))?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| load_err(path, format!("not a readable GGUF file: {e}")))?;
+        let cfg = LlamaConfig::from_gguf(&content).map_err(|e| load_err(path, e))?;
+        let tokenizer = tokenizer_from_gguf(&content).map_err(|e| load_err(path, e))?;
+        let token_str = |key: &str| {
+            meta_u32(&content, key)
+                .and_then(|id| tokenizer.id_to_token(id))
+                .unwrap_or_default()
+        };
+        let source = meta_str(&content, "tokenizer.chat_template").ok_or_else(|| {
+            load_err(path, "no chat template (GGUF key `tokenizer.chat_template`)")
+        })?;
+        let template = ChatTemplate::new(
+            source,
+            &path.display().to_string(),
+            &token_str("tokenizer.ggml.bos_token_id"),
+            &token_str("tokenizer.ggml.eos_token_id"),
+        )
+        .map_err(|e| load_err(path, e))?;
+        let eos_ids = end_ids(
+            &tokenizer,
+            meta_u32(&content, "tokenizer.ggml.eos_token_id").into_iter(),
+        );
+        let context_length = cfg.max_position_embeddings;
+        let model = LlamaModel::from_gguf(&content, &mut file, cfg, opts.weights, device)
+            .map_err(|e| load_err(path, format!("reading weights: {e}")))?;
+        Ok(Engine {
+            name: model_name(path),
+            fingerprint: fingerprint(&[path.to_path_buf()])?,
+            model,
+            tokenizer,
+            template,
+            eos_ids,
+            context_length,
+        })
+    }
+
+    fn load_hf_dir(dir: &Path, opts: &LoadOptions, device: &Device) -> Result<Engine, EngineError> {
+        let read_json = |name: &str| -> Result<serde_json::Value, EngineError> {
+            let p = dir.join(name);
+            let text = std::fs::read_to_string(&p).map_err(|e| load_err(&p, e))?;
+            serde_json::from_str(&text).map_err(|e| load_err(&p, format!("invalid JSON: {e}")))
+        };
+        let config_path = dir.join("config.json");
+        let raw = read_json("config.json")?;
+        let model_type = raw["model_type"].as_str().unwrap_or("");
+        if model_type != "llama" {
+            return Err(load_err(
+                &config_path,
+                format!("model_type `{model_type}` is not supported (only `llama`)"),
+            ));
+        }
+        let cfg: LlamaConfig = serde_json::from_value(raw.clone())
+            .map_err(|e| load_err(&config_path, format!("invalid llama config: {e}")))?;
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| load_err(&tok_path, e))?;
+        let tc_path = dir.join("tokenizer_config.json");
+        if !tc_path.is_file() {
+            return Err(load_err(&tc_path, "missing (it holds the chat template)"));
+        }
+        let template =
+            ChatTemplate::from_tokenizer_config(&tc_path).map_err(|e| load_err(&tc_path, e))?;
+        let mut declared = json_ids(raw.get("eos_token_id"));
+        if dir.join("generation_config.json").is_file() {
+            declared.extend(json_ids(read_json("generation_config.json")?.get("eos_token_id")));
+        }
+        declared.extend(tokenizer.token_to_id(template.eos_token()));
+        let eos_ids = end_ids(&tokenizer, declared.into_iter());
+        let mut weights: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| load_err(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        weights.sort();
+        if weights.is_empty() {
+            return Err(load_err(dir, "no *.safetensors weights"));
+        }
+        let context_length = cfg.max_position_embeddings;
+        let model = LlamaModel::from_safetensors(&weights, cfg, opts.weights, device)
+            .map_err(|e| load_err(dir, format!("reading weights: {e}")))?;
+        Ok(Engine {
+            name: model_name(dir),
+            fingerprint: fingerprint(&weights)?,
+            model,
+            tokenizer,
+            template,
+            eos_ids,
+            context_length,
+        })
+    }
+
+    /// Display name: the file stem or directory name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+    pub fn context_length(&self) -> usize {
+        self.context_length
+    }
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+    pub fn model(&self) -> &LlamaModel {
+        &self.model
+    }
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    fn gen_err(&self, message: impl std::fmt::Display) -> EngineError {
+        EngineError::Generate {
+            model: self.name.clone(),
+            message: message.to_string(),
+        }
+    }
+
+    /// The chat prompt as the model's own template writes it.
+    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        self.template
+            .render(messages, true)
+            .map_err(|e| self.gen_err(e))
+    }
+
+    /// Token ids of a text whose special tokens are written out (as a rendered template is);
+    /// no BOS/EOS is added, as in `apply_chat_template(tokenize=True)`.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.tokenizer
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| self.gen_err(format!("tokenizing: {e}")))
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| self.gen_err(format!("decoding: {e}")))
+    }
+
+    /// Logits of the token that follows `ids`.
+    pub fn next_token_logits(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.model.last_logits(ids).map_err(|e| self.gen_err(e))
+    }
+
+    /// Probabilities of each option's first token after `prefix` opens the assistant's reply
+    /// to `messages`, renormalised over the options.
+    pub fn option_probs(
+        &self,
+        messages: &[ChatMessage],
+        prefix: &str,
+        options: &[String],
+    ) -> Result<Vec<f64>, EngineError> {
+        let text = format!("{}{}", self.render(messages)?, prefix);
+        let ids = self.encode(&text)?;
+        let option_ids = options
+            .iter()
+            .map(|o| {
+                self.encode(o)?
+                    .first()
+                    .copied()
+                    .ok_or_else(|| self.gen_err(format!("option `{o}` has no tokens")))
+            })
+            .collect::<Result<Vec<u32>, _>>()?;
+        let logits = self.next_token_logits(&ids)?;
+        Ok(restricted_probs(&logits, &option_ids))
+    }
+
+    /// Generates `params.n` continuations of `prompt`: one prefill, then the samples decode
+    /// together as one batch; a finished sample leaves the batch.
+    pub fn generate(&self, prompt: &[u32], params: &GenParams) -> Result<GenOutput, EngineError> {
+        let context = self.context_length;
+        if prompt.is_empty() || prompt.len() >= context {
+            return Err(EngineError::PromptTooLong {
+                model: self.name.clone(),
+                prompt: prompt.len(),
+                context,
+            });
+        }
+        let max_new = params.max_new_tokens.min(context - prompt.len());
+        let device = self.model.device();
+        let err = |e: candle_core::Error| self.gen_err(e);
+
+        let mut prefill = self.model.new_cache(prompt.len());
+        let input = Tensor::new(prompt, device)
+            .and_then(|t| t.unsqueeze(0))
+            .map_err(err)?;
+        let first_logits = self
+            .model
+            .forward_last(&input, &mut prefill)
+            .and_then(|l| l.squeeze(0))
+            .and_then(|l| l.to_vec1::<f32>())
+            .map_err(err)?;
+        let mut cache = prefill.fork(params.n, max_new).map_err(err)?;
+        drop(prefill);
+
+        let base_seed = params.seed.unwrap_or_else(rand::random);
+        let mut rows: Vec<Row> = (0..params.n)
+            .map(|i| Row {
+                sample: i,
+                sampler: Sampler::new(
+                    params.temperature,
+                    params.top_p,
+                    base_seed.wrapping_add(i as u64),
+                ),
+                ids: Vec::new(),
+                text: String::new(),
+                tokens: 0,
+            })
+            .collect();
+        let mut done: Vec<Option<Generation>> = vec![None; params.n];
+        let mut logits: Vec<Vec<f32>> = vec![first_logits; params.n];
+
+        for step in 0..max_new {
+            let mut next = Vec::with_capacity(rows.len());
+            let mut keep = Vec::with_capacity(rows.len());
+            for (r, row) in rows.iter_mut().enumerate() {
+                // An empty reply is never an answer: end-of-turn is withheld until the reply
+                // has visible text.
+                let banned: &[u32] = if row.text.trim().is_empty() {
+                    &self.eos_ids
+                } else {
+                    &[]
+                };
+                let tok = row.sampler.sample(&logits[r], banned);
+                row.tokens += 1;
+                if self.eos_ids.contains(&tok) {
+                    done[row.sample] = Some(row.finish(FinishReason::Stop));
+                    continue;
+                }
+                row.ids.push(tok);
+                row.text = self.decode(&row.ids)?;
+                if let Some(cut) = first_stop(&row.text, &params.stop) {
+                    row.text.truncate(cut);
+                    done[row.sample] = Some(row.finish(FinishReason::Stop));
+                    continue;
+                }
+                if step + 1 == max_new {
+                    done[row.sample] = Some(row.finish(FinishReason::Length));
+                    continue;
+                }
+                keep.push(r);
+                next.push(tok);
+            }
+            if keep.is_empty() {
+                break;
+            }
+            if keep.len() < rows.len() {
+                cache.retain_rows(&keep).map_err(err)?;
+                let mut kept = Vec::with_capacity(keep.len());
+                for (r, row) in rows.into_iter().enumerate() {
+                    if keep.contains(&r) {
+                        kept.push(row);
+                    }
+                }
+                rows = kept;
+            }
+            let input = Tensor::from_vec(next, (rows.len(), 1), device).map_err(err)?;
+            logits = self
+                .model
+                .forward_last(&input, &mut cache)
+                .and_then(|l| l.to_vec2::<f32>())
+                .map_err(err)?;
+        }
+        let samples = done
+            .into_iter()
+            .map(|g| g.ok_or_else(|| self.gen_err("a sample ended without a result")))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(GenOutput {
+            prompt_tokens: prompt.len(),
+            samples,
+        })
+    }
+}
+
+struct Row {
+    sample: usize,
+    sampler: Sampler,
+    ids: Vec<u32>,
+    text: String,
+    tokens: usize,
+}
+
+impl Row {
+    fn finish(&self, finish: FinishReason) -> Generation {
+        Generation {
+            text: self.text.clone(),
+            finish,
+            tokens: self.tokens,
+        }
+    }
+}
+
+/// Byte offset of the earliest stop string in `text`.
+fn first_stop(text: &str, stop: &[String]) -> Option<usize> {
+    stop.iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+}
+
+/// The declared end ids plus every known end-of-turn token the vocabulary has.
+fn end_ids(tokenizer: &Tokenizer, declared: impl Iterator<Item = u32>) -> Vec<u32> {
+    let mut ids: Vec<u32> = declared.collect();
+    ids.extend(
+        END_OF_TURN_TOKENS
+            .iter()
+            .filter_map(|t| tokenizer.token_to_id(t)),
+    );
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+fn model_name(path: &Path) -> String {
+    let p = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    p.map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}

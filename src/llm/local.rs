@@ -1,1 +1,214 @@
-//! (in progress)
+//! The local candle engine as a [`ChatBackend`]. All local model work in a process runs on one
+//! worker thread, fed by a queue: concurrent callers are served in turn, and two models never
+//! compete for the same cores (candle's CPU kernels spin-wait, DESIGN §8). A model spec loaded
+//! twice with the same options is loaded once.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::{Arc, OnceLock, Weak};
+
+use async_trait::async_trait;
+
+pub use super::engine::LoadOptions;
+use super::engine::{Engine, EngineError, GenParams};
+use super::spec::{resolve_local, ModelSpec, SpecError};
+use super::{
+    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, LlmError, TokenUsage,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LocalLoadError {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+fn worker() -> &'static mpsc::Sender<Job> {
+    static WORKER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
+    WORKER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("collabllm-model".into())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    // A panicking job must not take the queue down with it; its caller sees
+                    // the dropped reply channel.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                }
+            })
+            .expect("spawning the model worker thread");
+        tx
+    })
+}
+
+/// Runs `f` on the model worker thread and waits for its result without blocking the runtime.
+async fn on_worker<T: Send + 'static>(
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    worker()
+        .send(Box::new(move || {
+            let _ = tx.send(f());
+        }))
+        .map_err(|_| format!("{what}: the model worker has stopped"))?;
+    rx.await
+        .map_err(|_| format!("{what}: the model worker panicked"))
+}
+
+type Registry = HashMap<(PathBuf, String), Weak<Engine>>;
+
+fn registry() -> &'static tokio::sync::Mutex<Registry> {
+    static REG: OnceLock<tokio::sync::Mutex<Registry>> = OnceLock::new();
+    REG.get_or_init(Default::default)
+}
+
+/// A local model served through the [`ChatBackend`] interface.
+pub struct LocalBackend {
+    id: BackendId,
+    engine: Arc<Engine>,
+}
+
+impl LocalBackend {
+    /// Resolves `spec` (fetching an HF id into the HF cache if needed) and loads it, or reuses
+    /// an already loaded copy.
+    pub async fn load(
+        spec: &ModelSpec,
+        opts: &LoadOptions,
+    ) -> Result<Arc<LocalBackend>, LocalLoadError> {
+        let files = resolve_local(spec).await?;
+        let path = files.path().to_path_buf();
+        let key = (
+            std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone()),
+            format!("{opts:?}"),
+        );
+        let mut reg = registry().lock().await;
+        let engine = match reg.get(&key).and_then(Weak::upgrade) {
+            Some(e) => e,
+            None => {
+                let opts = *opts;
+                let loaded = on_worker("loading", move || Engine::load(&files, &opts))
+                    .await
+                    .map_err(|message| EngineError::Load {
+                        path: path.clone(),
+                        message,
+                    })??;
+                let e = Arc::new(loaded);
+                reg.insert(key, Arc::downgrade(&e));
+                e
+            }
+        };
+        tracing::info!(
+            model = engine.name(),
+            fingerprint = engine.fingerprint(),
+            context = engine.context_length(),
+            "local model ready"
+        );
+        Ok(Arc::new(LocalBackend {
+            id: BackendId {
+                kind: "local".into(),
+                model: format!("{}@{}", engine.name(), engine.fingerprint()),
+                endpoint: String::new(),
+            },
+            engine,
+        }))
+    }
+
+    pub fn model_name(&self) -> String {
+        self.engine.name().to_string()
+    }
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    fn local_err(&self, e: impl std::fmt::Display) -> LlmError {
+        LlmError::Local {
+            model: self.engine.name().to_string(),
+            message: e.to_string(),
+        }
+    }
+}
+
+fn to_llm_error(model: &str, e: EngineError) -> LlmError {
+    match e {
+        EngineError::PromptTooLong { .. } => LlmError::InvalidRequest(e.to_string()),
+        other => LlmError::Local {
+            model: model.to_string(),
+            message: other.to_string(),
+        },
+    }
+}
+
+#[async_trait]
+impl ChatBackend for LocalBackend {
+    fn id(&self) -> &BackendId {
+        &self.id
+    }
+
+    async fn chat(&self, req: &ChatRequest) -> Result<ChatResponse, LlmError> {
+        req.validate()?;
+        let engine = self.engine.clone();
+        let messages = req.messages.clone();
+        let params = GenParams {
+            temperature: req.temperature,
+            top_p: req.top_p,
+            max_new_tokens: req.max_tokens,
+            stop: req.stop.clone(),
+            seed: req.seed,
+            n: req.n,
+        };
+        let out = on_worker("generation", move || {
+            let prompt = engine.encode(&engine.render(&messages)?)?;
+            engine.generate(&prompt, &params)
+        })
+        .await
+        .map_err(|e| self.local_err(e))?
+        .map_err(|e| to_llm_error(self.engine.name(), e))?;
+        if out.samples.iter().any(|s| s.text.trim().is_empty()) {
+            return Err(LlmError::EmptyReply {
+                backend: self.id.to_string(),
+                attempts: 1,
+            });
+        }
+        let completion_tokens = out.samples.iter().map(|s| s.tokens as u64).sum();
+        Ok(ChatResponse {
+            choices: out
+                .samples
+                .into_iter()
+                .enumerate()
+                .map(|(index, s)| Choice {
+                    index,
+                    content: s.text,
+                    finish_reason: s.finish,
+                })
+                .collect(),
+            usage: TokenUsage {
+                prompt_tokens: out.prompt_tokens as u64,
+                completion_tokens,
+            },
+            model: self.engine.name().to_string(),
+            retries: 0,
+            cached: false,
+        })
+    }
+
+    async fn option_probs(
+        &self,
+        messages: &[ChatMessage],
+        prefix: &str,
+        options: &[String],
+    ) -> Result<Vec<f64>, LlmError> {
+        let engine = self.engine.clone();
+        let (messages, prefix, options) = (messages.to_vec(), prefix.to_string(), options.to_vec());
+        on_worker("scoring", move || {
+            engine.option_probs(&messages, &prefix, &options)
+        })
+        .await
+        .map_err(|e| self.local_err(e))?
+        .map_err(|e| to_llm_error(self.engine.name(), e))
+    }
+}
