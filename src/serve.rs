@@ -1,1 +1,802 @@
-//! (in progress)
+//! OpenAI-compatible HTTP front over any [`ChatBackend`]: `POST /v1/chat/completions`
+//! (plain and SSE streaming), `GET /v1/models`, `GET /health`. Single-model server: the
+//! request's `model` field is accepted whatever it says, and responses report the served
+//! model id. Errors are OpenAI-shaped JSON (`{"error": {message, type, param, code}}`), for
+//! malformed input as well as backend failures; bad input never panics.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+
+use crate::llm::{ChatMessage, ChatRequest, ChatResponse, LlmError, SharedBackend};
+
+/// Largest `n` one request may ask for.
+pub const MAX_N: usize = 16;
+/// Largest number of stop strings one request may give.
+pub const MAX_STOP: usize = 16;
+/// `max_tokens` when the request gives none.
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+/// Largest request body accepted (long multi-turn prompts fit easily).
+pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+
+#[derive(Clone)]
+struct AppState {
+    backend: SharedBackend,
+    model_id: Arc<str>,
+}
+
+/// The HTTP routes over `backend`, reporting `model_id` as the model name. Paths are served
+/// both under `/v1` and at the root (some clients are configured without the `/v1` prefix).
+pub fn router(backend: SharedBackend, model_id: String) -> Router {
+    let state = AppState {
+        backend,
+        model_id: model_id.into(),
+    };
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/chat/completions", post(chat_completions))
+        .route("/v1/models", get(list_models))
+        .route("/models", get(list_models))
+        .route("/health", get(health))
+        .route("/v1/health", get(health))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn(access_log))
+        .with_state(state)
+}
+
+/// Serves until ctrl-c (or SIGTERM on unix), then finishes the requests in flight.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    backend: SharedBackend,
+    model_id: String,
+) -> std::io::Result<()> {
+    serve_with_shutdown(listener, backend, model_id, shutdown_signal()).await
+}
+
+/// Serves until `shutdown` resolves, then finishes the requests in flight. Tests use this with
+/// a channel (or a never-ending future) so that no process-wide signal handler is installed.
+pub async fn serve_with_shutdown(
+    listener: tokio::net::TcpListener,
+    backend: SharedBackend,
+    model_id: String,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(backend, model_id))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            // No signal handling available: serve until killed.
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    tracing::info!("shutting down: finishing requests in flight");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+/// An OpenAI-shaped error response.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<String>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_string),
+            code: None,
+        }
+    }
+
+    fn from_llm(e: &LlmError) -> Self {
+        let message = e.to_string();
+        let (status, kind, code) = match e {
+            LlmError::InvalidRequest(msg) => {
+                let mut err = Self::invalid(message, backticked(msg).as_deref());
+                err.code = Some("invalid_value");
+                return err;
+            }
+            LlmError::Unsupported { .. } => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("unsupported"),
+            ),
+            LlmError::RateLimited { .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("rate_limit_exceeded"),
+            ),
+            LlmError::Timeout { .. } | LlmError::Connection { .. } | LlmError::Server { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("service_unavailable"),
+            ),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        Self {
+            status,
+            message,
+            kind,
+            param: None,
+            code,
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+}
+
+/// The first `name` quoted in backticks in a validation message (our messages name the
+/// offending parameter that way).
+fn backticked(msg: &str) -> Option<String> {
+    let start = msg.find('`')? + 1;
+    let len = msg[start..].find('`')?;
+    Some(msg[start..start + len].to_string())
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        });
+        let mut resp = (self.status, Json(body)).into_response();
+        resp.extensions_mut().insert(ErrorNote(self.message));
+        resp
+    }
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!("no route for {method} {}", uri.path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("not_found"),
+    }
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("method {method} is not allowed on {}", uri.path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("method_not_allowed"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Simple routes
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn list_models(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": &*state.model_id,
+            "object": "model",
+            "created": unix_now(),
+            "owned_by": "collabllm",
+        }]
+    }))
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn completion_id() -> String {
+    format!(
+        "chatcmpl-{:016x}{:08x}",
+        rand::random::<u64>(),
+        rand::random::<u32>()
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request parsing
+
+/// A parsed chat-completion request: what the backend needs plus the transport options.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParsedRequest {
+    pub request: ChatRequest,
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk with empty choices carries the usage.
+    pub include_usage: bool,
+}
+
+/// Parses an OpenAI chat-completion request body. Fields this server does not know are
+/// ignored, as OpenAI does; known fields of the wrong type or with invalid values are a 400.
+pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}"), None))?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::invalid(
+            "the request body must be a JSON object",
+            None,
+        ));
+    };
+    let field = |name: &str| obj.get(name).filter(|v| !v.is_null());
+
+    if let Some(m) = field("model") {
+        if !m.is_string() {
+            return Err(type_error("model", "a string"));
+        }
+    }
+    let messages = parse_messages(field("messages").ok_or_else(|| {
+        ApiError::invalid("missing required parameter: `messages`", Some("messages"))
+    })?)?;
+    let mut req = ChatRequest::new(messages);
+    if let Some(v) = field("temperature") {
+        req.temperature = number(v, "temperature")?;
+    }
+    if let Some(v) = field("top_p") {
+        req.top_p = number(v, "top_p")?;
+    }
+    // `max_completion_tokens` is the current name; `max_tokens` the deprecated one.
+    if let Some(v) = field("max_completion_tokens") {
+        req.max_tokens = uint(v, "max_completion_tokens")?;
+    } else if let Some(v) = field("max_tokens") {
+        req.max_tokens = uint(v, "max_tokens")?;
+    }
+    if let Some(v) = field("n") {
+        req.n = uint(v, "n")?;
+        if req.n > MAX_N {
+            return Err(ApiError::invalid(
+                format!("`n` must be at most {MAX_N}, got {}", req.n),
+                Some("n"),
+            ));
+        }
+    }
+    if let Some(v) = field("stop") {
+        req.stop = parse_stop(v)?;
+    }
+    if let Some(v) = field("seed") {
+        // OpenAI takes any 64-bit integer; a negative seed keeps its bits.
+        req.seed = Some(
+            v.as_u64()
+                .or_else(|| v.as_i64().map(|s| s as u64))
+                .ok_or_else(|| type_error("seed", "an integer"))?,
+        );
+    }
+    if let Some(v) = field("response_format") {
+        req.json_mode = parse_response_format(v)?;
+    }
+    let stream = match field("stream") {
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| type_error("stream", "a boolean"))?,
+        None => false,
+    };
+    let include_usage = match field("stream_options") {
+        Some(Value::Object(o)) => match o.get("include_usage").filter(|v| !v.is_null()) {
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| type_error("stream_options.include_usage", "a boolean"))?,
+            None => false,
+        },
+        Some(_) => return Err(type_error("stream_options", "an object")),
+        None => false,
+    };
+    // Features whose silent omission would mislead the client.
+    if field("logprobs").and_then(Value::as_bool) == Some(true) {
+        return Err(unsupported(
+            "logprobs",
+            "`logprobs` is not supported by this server",
+        ));
+    }
+    if field("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty())
+    {
+        return Err(unsupported(
+            "tools",
+            "tool calling is not supported by this server",
+        ));
+    }
+    req.validate().map_err(|e| ApiError::from_llm(&e))?;
+    Ok(ParsedRequest {
+        request: req,
+        stream,
+        include_usage,
+    })
+}
+
+fn type_error(param: &str, expected: &str) -> ApiError {
+    let mut e = ApiError::invalid(format!("`{param}` must be {expected}"), Some(param));
+    e.code = Some("invalid_type");
+    e
+}
+
+fn unsupported(param: &str, message: &str) -> ApiError {
+    let mut e = ApiError::invalid(message, Some(param));
+    e.code = Some("unsupported_parameter");
+    e
+}
+
+fn number(v: &Value, param: &str) -> Result<f32, ApiError> {
+    v.as_f64()
+        .map(|x| x as f32)
+        .ok_or_else(|| type_error(param, "a number"))
+}
+
+fn uint(v: &Value, param: &str) -> Result<usize, ApiError> {
+    if let Some(x) = v.as_u64() {
+        return Ok(usize::try_from(x).unwrap_or(usize::MAX));
+    }
+    if v.as_i64().is_some() {
+        return Err(ApiError::invalid(
+            format!("`{param}` must not be negative, got {v}"),
+            Some(param),
+        ));
+    }
+    Err(type_error(param, "a non-negative integer"))
+}
+
+fn parse_stop(v: &Value) -> Result<Vec<String>, ApiError> {
+    let stops: Vec<String> = match v {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) => items
+            .iter()
+            .map(|s| s.as_str().map(str::to_string))
+            .collect::<Option<_>>()
+            .ok_or_else(|| type_error("stop", "a string or an array of strings"))?,
+        _ => return Err(type_error("stop", "a string or an array of strings")),
+    };
+    if stops.len() > MAX_STOP {
+        return Err(ApiError::invalid(
+            format!(
+                "`stop` may hold at most {MAX_STOP} strings, got {}",
+                stops.len()
+            ),
+            Some("stop"),
+        ));
+    }
+    // An empty stop string would cut every reply to nothing.
+    Ok(stops.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+fn parse_response_format(v: &Value) -> Result<bool, ApiError> {
+    let kind = v
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| type_error("response_format", "an object with a string `type`"))?;
+    match kind {
+        "text" => Ok(false),
+        "json_object" => Ok(true),
+        // Best effort: JSON output is asked for, the schema itself is not enforced.
+        "json_schema" => Ok(true),
+        other => Err(ApiError::invalid(
+            format!("unknown `response_format.type` `{other}` (expected text, json_object or json_schema)"),
+            Some("response_format"),
+        )),
+    }
+}
+
+fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+    let items = v
+        .as_array()
+        .ok_or_else(|| type_error("messages", "an array of messages"))?;
+    if items.is_empty() {
+        return Err(ApiError::invalid(
+            "`messages` must not be empty",
+            Some("messages"),
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| parse_message(i, m))
+        .collect()
+}
+
+fn parse_message(i: usize, v: &Value) -> Result<ChatMessage, ApiError> {
+    let param = |name: &str| format!("messages[{i}].{name}");
+    let obj: &Map<String, Value> = v
+        .as_object()
+        .ok_or_else(|| type_error(&format!("messages[{i}]"), "an object"))?;
+    let role = obj
+        .get("role")
+        .ok_or_else(|| {
+            ApiError::invalid(
+                format!("missing required parameter: `{}`", param("role")),
+                Some(&param("role")),
+            )
+        })?
+        .as_str()
+        .ok_or_else(|| type_error(&param("role"), "a string"))?;
+    let role = match role {
+        "system" | "user" | "assistant" => role,
+        // OpenAI's newer name for system instructions.
+        "developer" => "system",
+        "tool" | "function" => {
+            return Err(unsupported(
+                &param("role"),
+                &format!("role `{role}` is not supported by this server (no tool calling)"),
+            ))
+        }
+        other => {
+            return Err(ApiError::invalid(
+                format!(
+                "`{}` has unknown role `{other}` (expected system, developer, user or assistant)",
+                param("role")
+            ),
+                Some(&param("role")),
+            ))
+        }
+    };
+    let content = match obj.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let p = format!("messages[{i}].content[{j}]");
+                match part.get("type").and_then(Value::as_str) {
+                    Some("text") => match part.get("text").and_then(Value::as_str) {
+                        Some(t) => text.push_str(t),
+                        None => return Err(type_error(&format!("{p}.text"), "a string")),
+                    },
+                    Some(other) => {
+                        return Err(unsupported(
+                            &p,
+                            &format!("content part type `{other}` is not supported (text only)"),
+                        ))
+                    }
+                    None => return Err(type_error(&p, "an object with a string `type`")),
+                }
+            }
+            text
+        }
+        // An assistant turn may carry no content (OpenAI allows it alongside tool calls).
+        Some(Value::Null) | None if role == "assistant" => String::new(),
+        None => {
+            return Err(ApiError::invalid(
+                format!("missing required parameter: `{}`", param("content")),
+                Some(&param("content")),
+            ))
+        }
+        Some(_) => {
+            return Err(type_error(
+                &param("content"),
+                "a string or an array of content parts",
+            ))
+        }
+    };
+    Ok(ChatMessage::new(role, content))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses
+
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+}
+
+impl Usage {
+    fn of(resp: &ChatResponse) -> Self {
+        Self {
+            prompt_tokens: resp.usage.prompt_tokens,
+            completion_tokens: resp.usage.completion_tokens,
+            total_tokens: resp.usage.prompt_tokens + resp.usage.completion_tokens,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Completion<'a> {
+    id: String,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<Value>,
+    usage: Usage,
+    system_fingerprint: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Chunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Usage>,
+    system_fingerprint: Option<String>,
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        message: rejection.body_text(),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    })?;
+    let parsed = parse_request(&body)?;
+    let resp = state
+        .backend
+        .chat(&parsed.request)
+        .await
+        .map_err(|e| ApiError::from_llm(&e))?;
+    let stats = ChatStats {
+        n: parsed.request.n,
+        stream: parsed.stream,
+        prompt_tokens: resp.usage.prompt_tokens,
+        completion_tokens: resp.usage.completion_tokens,
+    };
+    let id = completion_id();
+    let created = unix_now();
+    let mut response = if parsed.stream {
+        stream_response(&id, created, &state.model_id, &resp, parsed.include_usage)
+    } else {
+        let choices = resp
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.content, "refusal": null},
+                    "finish_reason": c.finish_reason.as_str(),
+                    "logprobs": null,
+                })
+            })
+            .collect();
+        Json(Completion {
+            id,
+            object: "chat.completion",
+            created,
+            model: &state.model_id,
+            choices,
+            usage: Usage::of(&resp),
+            system_fingerprint: None,
+        })
+        .into_response()
+    };
+    response.extensions_mut().insert(stats);
+    Ok(response)
+}
+
+/// The finished answer as an SSE stream: per choice one chunk with the role and the whole
+/// content and one with its finish reason, then (if asked) a usage chunk, then `[DONE]`.
+/// True token-by-token streaming would need the engine to hand out tokens as they are
+/// sampled (a streaming method on `ChatBackend`); the wire format would stay the same.
+fn stream_response(
+    id: &str,
+    created: u64,
+    model: &str,
+    resp: &ChatResponse,
+    include_usage: bool,
+) -> Response {
+    let chunk = |choices: Vec<Value>, usage: Option<Usage>| {
+        let c = Chunk {
+            id,
+            object: "chat.completion.chunk",
+            created,
+            model,
+            choices,
+            usage,
+            system_fingerprint: None,
+        };
+        Event::default().data(serde_json::to_string(&c).expect("chunk serializes"))
+    };
+    let mut events = Vec::with_capacity(2 * resp.choices.len() + 2);
+    for (i, c) in resp.choices.iter().enumerate() {
+        events.push(chunk(
+            vec![json!({
+                "index": i,
+                "delta": {"role": "assistant", "content": c.content},
+                "finish_reason": null,
+                "logprobs": null,
+            })],
+            None,
+        ));
+        events.push(chunk(
+            vec![json!({
+                "index": i,
+                "delta": {},
+                "finish_reason": c.finish_reason.as_str(),
+                "logprobs": null,
+            })],
+            None,
+        ));
+    }
+    if include_usage {
+        events.push(chunk(Vec::new(), Some(Usage::of(resp))));
+    }
+    events.push(Event::default().data("[DONE]"));
+    let stream = futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>));
+    Sse::new(stream).into_response()
+}
+
+/// What the chat handler tells the access log about a completed request.
+#[derive(Clone, Copy, Debug)]
+struct ChatStats {
+    n: usize,
+    stream: bool,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+}
+
+/// The error message of a failed request, for the access log.
+#[derive(Clone, Debug)]
+struct ErrorNote(String);
+
+/// One log line per request: method, path, status, latency, and for completions n and tokens.
+async fn access_log(req: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    let latency_ms = started.elapsed().as_millis() as u64;
+    if let Some(s) = resp.extensions().get::<ChatStats>() {
+        tracing::info!(
+            %method, path, status, n = s.n, stream = s.stream,
+            prompt_tokens = s.prompt_tokens, completion_tokens = s.completion_tokens,
+            latency_ms, "request"
+        );
+    } else if let Some(ErrorNote(msg)) = resp.extensions().get::<ErrorNote>() {
+        if resp.status().is_server_error() {
+            tracing::error!(%method, path, status, latency_ms, error = %msg, "request failed");
+        } else {
+            tracing::warn!(%method, path, status, latency_ms, error = %msg, "request rejected");
+        }
+    } else {
+        tracing::info!(%method, path, status, latency_ms, "request");
+    }
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: Value) -> Result<ParsedRequest, ApiError> {
+        parse_request(v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn parses_defaults_and_variants() {
+        let p =
+            parse(json!({"model": "x", "messages": [{"role": "user", "content": "hi"}]})).unwrap();
+        assert_eq!(p.request, ChatRequest::new(vec![ChatMessage::user("hi")]));
+        assert!(!p.stream);
+
+        let p = parse(json!({
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null},
+                {"role": "user", "content": "q", "name": "bob"}
+            ],
+            "temperature": 0, "top_p": 0.5, "max_tokens": 9, "max_completion_tokens": 7,
+            "n": 2, "stop": "END", "seed": -1, "response_format": {"type": "json_object"},
+            "stream": true, "stream_options": {"include_usage": true}, "frequency_penalty": 0.1
+        }))
+        .unwrap();
+        let r = &p.request;
+        assert_eq!(r.messages[0], ChatMessage::system("ab"));
+        assert_eq!(r.messages[1], ChatMessage::assistant(""));
+        assert_eq!(
+            (r.temperature, r.top_p, r.max_tokens, r.n),
+            (0.0, 0.5, 7, 2)
+        );
+        assert_eq!(r.stop, vec!["END".to_string()]);
+        assert_eq!(r.seed, Some(u64::MAX));
+        assert!(r.json_mode && p.stream && p.include_usage);
+    }
+
+    #[test]
+    fn rejects_bad_input_with_param() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let cases = [
+            (json!({}), Some("messages")),
+            (json!({"messages": []}), Some("messages")),
+            (json!({"messages": "hi"}), Some("messages")),
+            (
+                json!({"messages": [{"role": "robot", "content": "x"}]}),
+                Some("messages[0].role"),
+            ),
+            (
+                json!({"messages": [{"role": "user"}]}),
+                Some("messages[0].content"),
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": 3}]}),
+                Some("messages[0].content"),
+            ),
+            (json!({"messages": user, "n": 0}), Some("n")),
+            (json!({"messages": user, "n": 99}), Some("n")),
+            (json!({"messages": user, "n": "2"}), Some("n")),
+            (
+                json!({"messages": user, "temperature": -1}),
+                Some("temperature"),
+            ),
+            (json!({"messages": user, "top_p": 0}), Some("top_p")),
+            (json!({"messages": user, "top_p": 1.5}), Some("top_p")),
+            (
+                json!({"messages": user, "max_tokens": -3}),
+                Some("max_tokens"),
+            ),
+            (
+                json!({"messages": user, "max_tokens": 0}),
+                Some("max_tokens"),
+            ),
+            (json!({"messages": user, "stop": [1]}), Some("stop")),
+            (
+                json!({"messages": user, "response_format": {"type": "yaml"}}),
+                Some("response_format"),
+            ),
+            (json!({"messages": user, "stream": "yes"}), Some("stream")),
+            (json!({"messages": user, "model": 5}), Some("model")),
+            (json!([1, 2]), None),
+        ];
+        for (body, param) in cases {
+            let e = parse(body.clone()).expect_err(&body.to_string());
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
+        }
+        let e = parse_request(b"{not json").unwrap_err();
+        assert_eq!(e.kind, "invalid_request_error");
+        assert!(e.message.contains("not valid JSON"));
+    }
+}

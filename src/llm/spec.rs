@@ -138,7 +138,10 @@ impl FromStr for ModelSpec {
         if path.is_dir() {
             return Ok(ModelSpec::HfDir(path));
         }
-        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
             // Existence is checked at load time, where the error can name the file.
             return Ok(ModelSpec::Gguf(path));
         }
@@ -323,16 +326,19 @@ pub async fn fetch_hf_model(repo: &str, revision: Option<&str>) -> Result<PathBu
     match get("model.safetensors").await {
         Ok(_) => {}
         Err(single_err) => {
-            let index = get("model.safetensors.index.json").await.map_err(|_| {
-                unavailable(format!("model.safetensors: {single_err}"))
-            })?;
-            let text =
-                std::fs::read_to_string(&index).map_err(|e| unavailable(e.to_string()))?;
+            let index = get("model.safetensors.index.json")
+                .await
+                .map_err(|_| unavailable(format!("model.safetensors: {single_err}")))?;
+            let text = std::fs::read_to_string(&index).map_err(|e| unavailable(e.to_string()))?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| unavailable(e.to_string()))?;
             let mut shards: Vec<String> = v["weight_map"]
                 .as_object()
-                .map(|m| m.values().filter_map(|s| s.as_str().map(String::from)).collect())
+                .map(|m| {
+                    m.values()
+                        .filter_map(|s| s.as_str().map(String::from))
+                        .collect()
+                })
                 .unwrap_or_default();
             shards.sort();
             shards.dedup();
@@ -391,14 +397,18 @@ mod tests {
     fn parses_every_form() {
         assert_eq!("default".parse::<ModelSpec>().unwrap(), ModelSpec::Default);
         assert_eq!(
-            "openai:gpt-4o-mini@http://127.0.0.1:8000/v1/".parse::<ModelSpec>().unwrap(),
+            "openai:gpt-4o-mini@http://127.0.0.1:8000/v1/"
+                .parse::<ModelSpec>()
+                .unwrap(),
             ModelSpec::OpenAi {
                 model: "gpt-4o-mini".into(),
                 base_url: Some("http://127.0.0.1:8000/v1".into())
             }
         );
         assert_eq!(
-            "HuggingFaceTB/SmolLM2-135M-Instruct".parse::<ModelSpec>().unwrap(),
+            "HuggingFaceTB/SmolLM2-135M-Instruct"
+                .parse::<ModelSpec>()
+                .unwrap(),
             ModelSpec::HfId {
                 repo: "HuggingFaceTB/SmolLM2-135M-Instruct".into(),
                 revision: None
@@ -415,7 +425,13 @@ mod tests {
             "x/y.gguf".parse::<ModelSpec>().unwrap(),
             ModelSpec::Gguf("x/y.gguf".into())
         );
-        for s in ["", "openai:", "openai:m@ftp://x", "hf:nope", "./no/such/dir"] {
+        for s in [
+            "",
+            "openai:",
+            "openai:m@ftp://x",
+            "hf:nope",
+            "./no/such/dir",
+        ] {
             assert!(s.parse::<ModelSpec>().is_err(), "{s} should not parse");
         }
     }

@@ -1,0 +1,438 @@
+//! The `serve` HTTP front over a scripted backend, driven by the real `async-openai` client
+//! and by raw HTTP for the error paths.
+
+#[path = "common/serve_util.rs"]
+mod serve_util;
+
+use std::collections::BTreeMap;
+
+use async_openai::error::OpenAIError;
+use async_openai::types::chat::{
+    ChatCompletionRequestSystemMessage, ChatCompletionRequestUserMessage,
+    ChatCompletionStreamOptions, CreateChatCompletionRequestArgs, FinishReason, StopConfiguration,
+};
+use collabllm::llm::scripted::ScriptedBackend;
+use collabllm::llm::{LlmError, SharedBackend};
+use futures::StreamExt;
+use serde_json::{json, Value};
+use serve_util::{api_error, get_raw, openai_client, post_raw, spawn_server, sse_data};
+
+const MODEL: &str = "test-model";
+
+async fn echo_server() -> std::net::SocketAddr {
+    spawn_server(ScriptedBackend::echo("echo"), MODEL).await
+}
+
+fn messages() -> Vec<async_openai::types::chat::ChatCompletionRequestMessage> {
+    vec![
+        ChatCompletionRequestSystemMessage::from("be brief").into(),
+        ChatCompletionRequestUserMessage::from("hello there world").into(),
+    ]
+}
+
+#[tokio::test]
+async fn n_choices_and_usage() {
+    let addr = echo_server().await;
+    let req = CreateChatCompletionRequestArgs::default()
+        .model("anything")
+        .messages(messages())
+        .n(3u8)
+        .build()
+        .unwrap();
+    let resp = openai_client(addr).chat().create(req).await.unwrap();
+    assert!(resp.id.starts_with("chatcmpl-"), "{}", resp.id);
+    assert_eq!(resp.object, "chat.completion");
+    assert_eq!(resp.model, MODEL);
+    assert_eq!(resp.choices.len(), 3);
+    for (i, c) in resp.choices.iter().enumerate() {
+        assert_eq!(c.index as usize, i);
+        assert_eq!(
+            c.message.content.as_deref(),
+            Some(format!("echo #{i}: hello there world").as_str())
+        );
+        assert_eq!(c.finish_reason, Some(FinishReason::Stop));
+    }
+    // The scripted backend counts words: prompt 2 + 3, each reply 5.
+    let usage = resp.usage.expect("usage");
+    assert_eq!(usage.prompt_tokens, 5);
+    assert_eq!(usage.completion_tokens, 15);
+    assert_eq!(usage.total_tokens, 20);
+}
+
+#[tokio::test]
+async fn stop_strings_and_max_tokens() {
+    let backend = ScriptedBackend::cycle("c", vec!["The answer is 42. END trailing words".into()]);
+    let addr = spawn_server(backend, MODEL).await;
+    let client = openai_client(addr);
+
+    let req = CreateChatCompletionRequestArgs::default()
+        .model(MODEL)
+        .messages(messages())
+        .stop(StopConfiguration::StringArray(vec![
+            "END".into(),
+            "zzz".into(),
+        ]))
+        .build()
+        .unwrap();
+    let resp = client.chat().create(req).await.unwrap();
+    let content = resp.choices[0].message.content.clone().unwrap();
+    assert_eq!(content, "The answer is 42. ");
+    assert_eq!(resp.choices[0].finish_reason, Some(FinishReason::Stop));
+
+    // A single stop string, and the deprecated `max_tokens` name, over raw HTTP.
+    let (status, body) = post_raw(
+        addr,
+        json!({"model": "m", "messages": [{"role": "user", "content": "q"}],
+               "stop": "42", "max_tokens": 2})
+        .to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "The answer");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+
+    let req = CreateChatCompletionRequestArgs::default()
+        .model(MODEL)
+        .messages(messages())
+        .max_completion_tokens(3u32)
+        .build()
+        .unwrap();
+    let resp = client.chat().create(req).await.unwrap();
+    assert_eq!(
+        resp.choices[0].message.content.as_deref(),
+        Some("The answer is")
+    );
+    assert_eq!(resp.choices[0].finish_reason, Some(FinishReason::Length));
+}
+
+#[tokio::test]
+async fn content_parts_roles_and_unknown_fields() {
+    let addr = echo_server().await;
+    let (status, body) = post_raw(
+        addr,
+        json!({
+            "model": "x",
+            "messages": [
+                {"role": "developer", "content": "sys"},
+                {"role": "assistant", "content": null},
+                {"role": "user", "content": [{"type": "text", "text": "part one "},
+                                             {"type": "text", "text": "part two"}]}
+            ],
+            "response_format": {"type": "json_object"},
+            "seed": 7, "temperature": 0, "presence_penalty": 0.5, "user": "someone",
+            "some_future_field": {"a": 1}
+        })
+        .to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        "echo #0: part one part two"
+    );
+}
+
+#[tokio::test]
+async fn models_and_health() {
+    let addr = echo_server().await;
+    let (status, body) = get_raw(addr, "/v1/models").await;
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], MODEL);
+    assert_eq!(v["data"][0]["object"], "model");
+    assert_eq!(v["data"][0]["owned_by"], "collabllm");
+    assert!(v["data"][0]["created"].is_u64());
+
+    let (status, body) = get_raw(addr, "/health").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap(),
+        json!({"status": "ok"})
+    );
+}
+
+#[tokio::test]
+async fn bad_requests_are_openai_errors() {
+    let addr = echo_server().await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        ("{\"messages\": [", None),
+        ("not json at all", None),
+        ("", None),
+        ("{\"model\": \"m\"}", Some("messages")),
+        (&*json!({"messages": []}).to_string(), Some("messages")),
+        (&*json!({"messages": user, "n": 0}).to_string(), Some("n")),
+        (
+            &*json!({"messages": user, "n": 1000}).to_string(),
+            Some("n"),
+        ),
+        (&*json!({"messages": user, "n": "3"}).to_string(), Some("n")),
+        (
+            &*json!({"messages": user, "temperature": -0.5}).to_string(),
+            Some("temperature"),
+        ),
+        (
+            &*json!({"messages": user, "top_p": 0}).to_string(),
+            Some("top_p"),
+        ),
+        (
+            &*json!({"messages": user, "top_p": 2}).to_string(),
+            Some("top_p"),
+        ),
+        (
+            &*json!({"messages": user, "max_tokens": 0}).to_string(),
+            Some("max_tokens"),
+        ),
+        (
+            &*json!({"messages": user, "stop": 5}).to_string(),
+            Some("stop"),
+        ),
+        (
+            &*json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string(),
+            Some("messages[0].role"),
+        ),
+        (
+            &*json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+                .to_string(),
+            Some("messages[0].content[0]"),
+        ),
+    ];
+    for (body, param) in cases {
+        let (status, text) = post_raw(addr, body).await;
+        assert_eq!(status, 400, "{body} -> {text}");
+        let err = api_error(&text);
+        assert_eq!(err["type"], "invalid_request_error", "{body} -> {text}");
+        assert_eq!(err["param"].as_str(), param, "{body} -> {text}");
+    }
+
+    // The real client sees a typed API error.
+    let req = CreateChatCompletionRequestArgs::default()
+        .model(MODEL)
+        .messages(messages())
+        .top_p(0.0)
+        .build()
+        .unwrap();
+    match openai_client(addr).chat().create(req).await {
+        Err(OpenAIError::ApiError(e)) => {
+            assert_eq!(e.status_code.as_u16(), 400);
+            assert_eq!(e.api_error.r#type.as_deref(), Some("invalid_request_error"));
+            assert!(
+                e.api_error.message.contains("top_p"),
+                "{}",
+                e.api_error.message
+            );
+        }
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_are_json() {
+    let addr = echo_server().await;
+    let (status, text) = get_raw(addr, "/v1/nope").await;
+    assert_eq!(status, 404);
+    assert_eq!(api_error(&text)["code"], "not_found");
+
+    let (status, text) = get_raw(addr, "/v1/chat/completions").await;
+    assert_eq!(status, 405);
+    api_error(&text);
+
+    let huge = format!(
+        "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}",
+        "a".repeat(collabllm::serve::MAX_BODY_BYTES + 1)
+    );
+    let (status, text) = post_raw(addr, huge).await;
+    assert_eq!(status, 413);
+    api_error(&text);
+}
+
+#[tokio::test]
+async fn backend_errors_map_to_status() {
+    let cases: Vec<(LlmError, u16, &str)> = vec![
+        (
+            LlmError::Local {
+                model: "m".into(),
+                message: "out of memory".into(),
+            },
+            500,
+            "server_error",
+        ),
+        (
+            LlmError::Timeout {
+                endpoint: "e".into(),
+                timeout_s: 1.0,
+                attempts: 1,
+            },
+            503,
+            "server_error",
+        ),
+        (
+            LlmError::InvalidRequest("`messages` is too long for the context window".into()),
+            400,
+            "invalid_request_error",
+        ),
+    ];
+    for (error, status, kind) in cases {
+        let message = error.to_string();
+        let slot = std::sync::Mutex::new(Some(error));
+        let backend: SharedBackend = ScriptedBackend::new("failing", move |_, _| {
+            Err(slot.lock().unwrap().take().expect("called once"))
+        });
+        let addr = spawn_server(backend, MODEL).await;
+        let (got, text) = post_raw(
+            addr,
+            json!({"messages": [{"role": "user", "content": "hi"}]}).to_string(),
+        )
+        .await;
+        assert_eq!(got, status, "{text}");
+        let err = api_error(&text);
+        assert_eq!(err["type"], kind);
+        assert_eq!(err["message"], message);
+    }
+}
+
+#[tokio::test]
+async fn streaming_with_the_openai_client() {
+    let addr = echo_server().await;
+    let req = CreateChatCompletionRequestArgs::default()
+        .model(MODEL)
+        .messages(messages())
+        .n(2u8)
+        .stream_options(ChatCompletionStreamOptions {
+            include_usage: Some(true),
+            include_obfuscation: None,
+        })
+        .build()
+        .unwrap();
+    let mut stream = openai_client(addr).chat().create_stream(req).await.unwrap();
+    let mut text: BTreeMap<u32, String> = BTreeMap::new();
+    let mut finish = BTreeMap::new();
+    let mut usage = None;
+    let mut ids = std::collections::HashSet::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.unwrap();
+        assert_eq!(chunk.object, "chat.completion.chunk");
+        assert_eq!(chunk.model, MODEL);
+        ids.insert(chunk.id.clone());
+        for c in chunk.choices {
+            if let Some(t) = c.delta.content {
+                text.entry(c.index).or_default().push_str(&t);
+            }
+            if let Some(f) = c.finish_reason {
+                finish.insert(c.index, f);
+            }
+        }
+        if chunk.usage.is_some() {
+            usage = chunk.usage;
+        }
+    }
+    assert_eq!(ids.len(), 1, "every chunk carries the same id");
+    assert_eq!(text.len(), 2);
+    assert_eq!(text[&0], "echo #0: hello there world");
+    assert_eq!(text[&1], "echo #1: hello there world");
+    assert_eq!(finish[&0], FinishReason::Stop);
+    assert_eq!(finish[&1], FinishReason::Stop);
+    let usage = usage.expect("usage chunk");
+    assert_eq!(
+        (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.total_tokens
+        ),
+        (5, 10, 15)
+    );
+}
+
+#[tokio::test]
+async fn streaming_raw_sse() {
+    let addr = echo_server().await;
+    let resp = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let ctype = resp.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(ctype.starts_with("text/event-stream"), "{ctype}");
+    let body = resp.text().await.unwrap();
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks.len(), 2, "{body}");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["content"], "echo #0: hi");
+    assert_eq!(chunks[1]["choices"][0]["finish_reason"], "stop");
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+
+    // Errors are reported before the stream starts, as plain JSON.
+    let (status, text) = post_raw(
+        addr,
+        json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "n": 0})
+            .to_string(),
+    )
+    .await;
+    assert_eq!(status, 400);
+    api_error(&text);
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(collabllm::serve::serve_with_shutdown(
+        listener,
+        ScriptedBackend::echo("e"),
+        MODEL.into(),
+        async {
+            let _ = rx.await;
+        },
+    ));
+    assert_eq!(get_raw(addr, "/health").await.0, 200);
+    tx.send(()).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), server)
+        .await
+        .expect("server stops")
+        .unwrap()
+        .unwrap();
+}
+
+#[test]
+fn binary_help_and_spec_checks() {
+    let bin = env!("CARGO_BIN_EXE_serve");
+    let out = std::process::Command::new(bin)
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--model",
+        "--host",
+        "--port",
+        "--threads",
+        "--model-id",
+        "127.0.0.1",
+        "8000",
+    ] {
+        assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
+    }
+
+    let out = std::process::Command::new(bin)
+        .args(["--model", "openai:gpt-4o-mini"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("local models only"), "{err}");
+}
