@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
+use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::{ModelSpec, SharedBackend};
 
 /// Serve a local model over an OpenAI-compatible HTTP API.
@@ -54,25 +55,15 @@ fn parse_local_spec(s: &str) -> Result<ModelSpec, String> {
 }
 
 /// Loads the local engine for `spec` and returns it with its model name.
-///
-/// INTEGRATION: the local engine is not merged yet. Replace the body with:
-/// ```ignore
-/// use collabllm::llm::local::{LoadOptions, LocalBackend};
-/// let backend = LocalBackend::load(spec, &LoadOptions { threads, ..Default::default() }).await?;
-/// let name = backend.model_name();
-/// Ok((backend, name))
-/// ```
-async fn load_backend(
-    spec: &ModelSpec,
-    threads: Option<usize>,
-) -> anyhow::Result<(SharedBackend, String)> {
-    let _ = threads;
-    anyhow::bail!("cannot load {spec}: local engine not yet available")
+async fn load_backend(spec: &ModelSpec) -> anyhow::Result<(SharedBackend, String)> {
+    let backend = LocalBackend::load(spec, &LoadOptions::default()).await?;
+    let name = backend.model_name();
+    Ok((backend, name))
 }
 
-async fn run(args: Args, threads: Option<usize>) -> anyhow::Result<()> {
+async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(model = %args.model, "loading model");
-    let (backend, name) = load_backend(&args.model, threads)
+    let (backend, name) = load_backend(&args.model)
         .await
         .with_context(|| format!("loading model {}", args.model))?;
     let model_id = args.model_id.unwrap_or(name);
@@ -99,5 +90,5 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => return collabllm::cli::exit_on_error(Err(e.into())),
     };
-    collabllm::cli::exit_on_error(runtime.block_on(run(args, threads)))
+    collabllm::cli::exit_on_error(runtime.block_on(run(args)))
 }

@@ -1,0 +1,78 @@
+//! The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF, fetched by
+//! `scripts/fetch_default_model.sh`) against llama.cpp's reference token ids and logits in
+//! `../shared/reference/smollm2_llamacpp_reference.json`.
+
+#[path = "common/model_util.rs"]
+mod model_util;
+
+use collabllm::llm::engine::{Engine, LoadOptions};
+use collabllm::llm::local::LocalBackend;
+use collabllm::llm::spec::LocalModelFiles;
+use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, FinishReason, ModelSpec};
+use model_util::*;
+use serde_json::Value;
+
+fn reference() -> Value {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/reference/smollm2_llamacpp_reference.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (the shared/ folder must sit beside the repo)", path.display()));
+    serde_json::from_str(&text).expect("reference JSON")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn engine() -> Engine {
+    one_thread();
+    Engine::load(&LocalModelFiles::Gguf(default_model_path()), &LoadOptions::default())
+        .expect("loading the default model")
+}
+
+#[test]
+fn token_ids_equal_llama_cpp() {
+    let e = engine();
+    let r = reference();
+    for case in r["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        assert_eq!(e.encode(text).unwrap(), ids(&case["ids"]), "text {text:?}");
+    }
+    // And the chat template renders the reference prompt exactly.
+    let nt = &r["next_token_reference"];
+    let rendered = e
+        .render(&[ChatMessage::user("What is the capital of France?")])
+        .unwrap();
+    assert_eq!(rendered, nt["prompt"].as_str().unwrap());
+    assert_eq!(e.encode(&rendered).unwrap(), ids(&nt["prompt_ids"]));
+}
+
+#[test]
+fn next_token_top10_overlaps_llama_cpp() {
+    let e = engine();
+    let nt = &reference()["next_token_reference"];
+    let logits = e.next_token_logits(&ids(&nt["prompt_ids"])).unwrap();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let ours: Vec<u32> = order[..10].iter().map(|&i| i as u32).collect();
+    let theirs = ids(&nt["top10_ids"]);
+    let overlap = ours.iter().filter(|i| theirs.contains(i)).count();
+    assert!(overlap >= 8, "top-10 overlap {overlap}: ours {ours:?}, llama.cpp {theirs:?}");
+}
+
+#[tokio::test]
+async fn greedy_reply_stops_at_end_of_turn() {
+    one_thread();
+    let backend = LocalBackend::load(&ModelSpec::Default, &Default::default())
+        .await
+        .expect("loading the default model");
+    let req = ChatRequest::new(vec![ChatMessage::user("Say hello in one short sentence.")])
+        .temperature(0.0)
+        .max_tokens(64);
+    let resp = backend.chat(&req).await.unwrap();
+    let reply = &resp.choices[0];
+    assert!(!reply.content.trim().is_empty());
+    assert_eq!(reply.finish_reason, FinishReason::Stop, "reply: {:?}", reply.content);
+    assert!(!reply.content.contains("<|im_end|>"), "{:?}", reply.content);
+    assert!(resp.usage.completion_tokens < 64);
+}

@@ -1,0 +1,209 @@
+//! The local engine on the tiny random llama, loaded through the normal HF-directory path.
+
+#[path = "common/model_util.rs"]
+mod model_util;
+
+use candle_core::Tensor;
+use collabllm::llm::engine::{Engine, LoadOptions};
+use collabllm::llm::llama::WeightFormat;
+use collabllm::llm::local::LocalBackend;
+use collabllm::llm::spec::LocalModelFiles;
+use collabllm::llm::tiny::TinySpec;
+use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, FinishReason, ModelSpec};
+use model_util::*;
+
+fn question() -> Vec<ChatMessage> {
+    vec![ChatMessage::user("Tell me about the sea.")]
+}
+
+#[tokio::test]
+async fn greedy_generation_is_deterministic_and_counts_tokens() {
+    let (_g, backend) = load_tiny(&TinySpec::default()).await;
+    let req = ChatRequest::new(question()).temperature(0.0).max_tokens(24);
+    let a = backend.chat(&req).await.unwrap();
+    let b = backend.chat(&req).await.unwrap();
+    assert_eq!(a.choices.len(), 1);
+    assert!(!a.choices[0].content.trim().is_empty());
+    assert_eq!(a.choices[0].content, b.choices[0].content);
+    assert!(a.usage.prompt_tokens > 20, "{:?}", a.usage);
+    assert!(a.usage.completion_tokens >= 1 && a.usage.completion_tokens <= 24);
+    if a.choices[0].finish_reason == FinishReason::Length {
+        assert_eq!(a.usage.completion_tokens, 24);
+    }
+}
+
+/// The batch of `n` samples decodes exactly as `n` separate single-sample calls would: sample
+/// `i` of a seeded request equals a one-sample request with seed `seed + i`.
+#[tokio::test]
+async fn batched_samples_equal_single_stream_samples() {
+    let (_g, backend) = load_tiny(&TinySpec::default()).await;
+    let base = ChatRequest::new(question()).temperature(1.0).max_tokens(16);
+    let batch = backend.chat(&base.clone().n(4).seed(11)).await.unwrap();
+    assert_eq!(batch.choices.len(), 4);
+    let mut distinct = std::collections::HashSet::new();
+    for (i, choice) in batch.choices.iter().enumerate() {
+        assert_eq!(choice.index, i);
+        let single = backend.chat(&base.clone().seed(11 + i as u64)).await.unwrap();
+        assert_eq!(single.choices[0].content, choice.content, "sample {i}");
+        assert_eq!(single.choices[0].finish_reason, choice.finish_reason, "sample {i}");
+        distinct.insert(choice.content.clone());
+    }
+    assert!(distinct.len() > 1, "temperature 1 should give different samples");
+    let total: u64 = (0..4)
+        .map(|i| batch.choices[i].content.len() as u64)
+        .sum();
+    assert!(total > 0 && batch.usage.completion_tokens >= 4);
+}
+
+#[tokio::test]
+async fn stop_strings_cut_the_reply() {
+    let (_g, backend) = load_tiny(&TinySpec::default()).await;
+    // A seeded sample long enough to cut (the random model often ends early).
+    let (req, full) = {
+        let mut found = None;
+        for seed in 0..50 {
+            let req = ChatRequest::new(question()).temperature(1.0).max_tokens(32).seed(seed);
+            let text = backend.chat(&req).await.unwrap().choices[0].content.clone();
+            let chars: Vec<char> = text.chars().collect();
+            let usable = chars.len() >= 8
+                && !chars[..6].contains(&char::REPLACEMENT_CHARACTER)
+                && !chars[..4].iter().collect::<String>().trim().is_empty();
+            if usable {
+                found = Some((req, text));
+                break;
+            }
+        }
+        found.expect("some seed gives a reply of 8+ characters")
+    };
+    let stop: String = full.chars().skip(4).take(2).collect();
+    let expected = full[..full.find(&stop).unwrap()].to_string();
+    let cut = backend
+        .chat(&req.clone().stop(vec![stop.clone()]))
+        .await
+        .unwrap();
+    assert_eq!(cut.choices[0].content, expected, "stop {stop:?} in {full:?}");
+    assert_eq!(cut.choices[0].finish_reason, FinishReason::Stop);
+}
+
+/// Decoding token by token through the KV cache gives the logits of one full forward pass.
+#[test]
+fn kv_cache_decoding_matches_full_forward() {
+    one_thread();
+    let (_g, dir) = tiny_model_dir(&TinySpec::default());
+    let opts = LoadOptions {
+        weights: WeightFormat::F32,
+        context_length: None,
+    };
+    let engine = Engine::load(&LocalModelFiles::HfDir(dir), &opts).unwrap();
+    let model = engine.model();
+    let ids: Vec<u32> = engine.encode("<|im_start|>user\nhello there<|im_end|>\n").unwrap();
+    let dev = model.device();
+    let mut c1 = model.new_cache(ids.len());
+    let full = model
+        .forward_all(&Tensor::new(ids.as_slice(), dev).unwrap().unsqueeze(0).unwrap(), &mut c1)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let split = 5;
+    let mut c2 = model.new_cache(4);
+    let _ = model
+        .forward_last(&Tensor::new(&ids[..split], dev).unwrap().unsqueeze(0).unwrap(), &mut c2)
+        .unwrap();
+    for (pos, &id) in ids.iter().enumerate().skip(split) {
+        let step = model
+            .forward_last(&Tensor::new(&[id], dev).unwrap().unsqueeze(0).unwrap(), &mut c2)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let max_diff = step
+            .iter()
+            .zip(&full[pos])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(max_diff < 1e-4, "position {pos}: max diff {max_diff}");
+    }
+}
+
+#[tokio::test]
+async fn option_probs_form_a_distribution() {
+    let (_g, backend) = load_tiny(&TinySpec::default()).await;
+    let opts: Vec<String> = ["1", "2", "3"].iter().map(|s| s.to_string()).collect();
+    let p = backend
+        .option_probs(&question(), "Score: ", &opts)
+        .await
+        .unwrap();
+    assert_eq!(p.len(), 3);
+    assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{p:?}");
+    assert!(p.iter().all(|x| *x > 0.0));
+}
+
+#[tokio::test]
+async fn untied_head_and_q8_weights_load() {
+    one_thread();
+    let spec = TinySpec {
+        tie_word_embeddings: false,
+        ..TinySpec::default()
+    };
+    let (_g, dir) = tiny_model_dir(&spec);
+    let f32_engine = Engine::load(
+        &LocalModelFiles::HfDir(dir.clone()),
+        &LoadOptions {
+            weights: WeightFormat::F32,
+            context_length: None,
+        },
+    )
+    .unwrap();
+    let q8_engine = Engine::load(
+        &LocalModelFiles::HfDir(dir),
+        &LoadOptions {
+            weights: WeightFormat::Q8_0,
+            context_length: None,
+        },
+    )
+    .unwrap();
+    let ids = f32_engine.encode("<|im_start|>user\nhi<|im_end|>\n").unwrap();
+    let a = f32_engine.next_token_logits(&ids).unwrap();
+    let b = q8_engine.next_token_logits(&ids).unwrap();
+    let top = |v: &[f32]| {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&i, &j| v[j].total_cmp(&v[i]));
+        idx.truncate(10);
+        idx
+    };
+    let overlap = top(&a).iter().filter(|i| top(&b).contains(i)).count();
+    assert!(overlap >= 7, "Q8_0 top-10 overlaps f32 top-10 in {overlap}");
+}
+
+#[tokio::test]
+async fn bad_model_inputs_name_the_file() {
+    one_thread();
+    let tmp = tempfile::tempdir().unwrap();
+    let load = |spec: ModelSpec| async move {
+        match LocalBackend::load(&spec, &LoadOptions::default()).await {
+            Ok(_) => panic!("loading {spec} should fail"),
+            Err(e) => e.to_string(),
+        }
+    };
+    // A missing GGUF path.
+    let missing = tmp.path().join("nope.gguf");
+    let msg = load(ModelSpec::Gguf(missing.clone())).await;
+    assert!(msg.contains("nope.gguf") && msg.contains("does not exist"), "{msg}");
+    // A corrupt GGUF.
+    let corrupt = tmp.path().join("corrupt.gguf");
+    std::fs::write(&corrupt, b"GGUF\x03\x00\x00\x00garbage").unwrap();
+    let msg = load(ModelSpec::Gguf(corrupt)).await;
+    assert!(msg.contains("corrupt.gguf") && msg.contains("GGUF"), "{msg}");
+    // A tokenizer_config.json without a chat template.
+    let (_g, dir) = tiny_model_dir(&TinySpec::default());
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<|im_end|>"}"#).unwrap();
+    let msg = load(ModelSpec::HfDir(dir.clone())).await;
+    assert!(msg.contains("tokenizer_config.json") && msg.contains("chat template"), "{msg}");
+    // A directory without weights.
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let msg = load(ModelSpec::HfDir(dir)).await;
+    assert!(msg.contains("safetensors"), "{msg}");
+}
