@@ -298,14 +298,13 @@ pub async fn fetch_hf_model(repo: &str, revision: Option<&str>) -> Result<PathBu
         let handle = handle.clone();
         let revision = revision.map(str::to_string);
         async move {
-            let mut b = handle
+            handle
                 .download_file()
                 .filename(filename)
-                .local_files_only(offline);
-            if let Some(r) = revision {
-                b = b.revision(r);
-            }
-            b.send().await
+                .local_files_only(offline)
+                .maybe_revision(revision)
+                .send()
+                .await
         }
     };
     let config = get("config.json")
@@ -338,14 +337,12 @@ pub async fn fetch_hf_model(repo: &str, revision: Option<&str>) -> Result<PathBu
             shards.sort();
             shards.dedup();
             for shard in shards {
-                let mut b = handle
+                handle
                     .download_file()
                     .filename(shard.clone())
-                    .local_files_only(offline);
-                if let Some(r) = revision {
-                    b = b.revision(r.to_string());
-                }
-                b.send()
+                    .local_files_only(offline)
+                    .maybe_revision(revision.map(str::to_string))
+                    .send()
                     .await
                     .map_err(|e| unavailable(format!("{shard}: {e}")))?;
             }
