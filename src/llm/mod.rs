@@ -20,6 +20,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+pub use cache::{CachedBackend, RequestCache};
+pub use openai::OpenAiBackend;
 pub use spec::{EndpointOptions, ModelSpec};
 pub use usage::{UsageMeter, UsageSnapshot};
 

@@ -1,0 +1,4 @@
+//! Helpers shared by the integration test suites.
+#![allow(dead_code)]
+
+pub mod fault_server;
