@@ -15,19 +15,30 @@ use serde_json::Value;
 fn reference() -> Value {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../shared/reference/smollm2_llamacpp_reference.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (the shared/ folder must sit beside the repo)", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (the shared/ folder must sit beside the repo)",
+            path.display()
+        )
+    });
     serde_json::from_str(&text).expect("reference JSON")
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn engine() -> Engine {
     one_thread();
-    Engine::load(&LocalModelFiles::Gguf(default_model_path()), &LoadOptions::default())
-        .expect("loading the default model")
+    Engine::load(
+        &LocalModelFiles::Gguf(default_model_path()),
+        &LoadOptions::default(),
+    )
+    .expect("loading the default model")
 }
 
 #[test]
@@ -57,7 +68,10 @@ fn next_token_top10_overlaps_llama_cpp() {
     let ours: Vec<u32> = order[..10].iter().map(|&i| i as u32).collect();
     let theirs = ids(&nt["top10_ids"]);
     let overlap = ours.iter().filter(|i| theirs.contains(i)).count();
-    assert!(overlap >= 8, "top-10 overlap {overlap}: ours {ours:?}, llama.cpp {theirs:?}");
+    assert!(
+        overlap >= 8,
+        "top-10 overlap {overlap}: ours {ours:?}, llama.cpp {theirs:?}"
+    );
 }
 
 #[tokio::test]
@@ -72,7 +86,12 @@ async fn greedy_reply_stops_at_end_of_turn() {
     let resp = backend.chat(&req).await.unwrap();
     let reply = &resp.choices[0];
     assert!(!reply.content.trim().is_empty());
-    assert_eq!(reply.finish_reason, FinishReason::Stop, "reply: {:?}", reply.content);
+    assert_eq!(
+        reply.finish_reason,
+        FinishReason::Stop,
+        "reply: {:?}",
+        reply.content
+    );
     assert!(!reply.content.contains("<|im_end|>"), "{:?}", reply.content);
     assert!(resp.usage.completion_tokens < 64);
 }

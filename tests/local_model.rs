@@ -43,15 +43,22 @@ async fn batched_samples_equal_single_stream_samples() {
     let mut distinct = std::collections::HashSet::new();
     for (i, choice) in batch.choices.iter().enumerate() {
         assert_eq!(choice.index, i);
-        let single = backend.chat(&base.clone().seed(11 + i as u64)).await.unwrap();
+        let single = backend
+            .chat(&base.clone().seed(11 + i as u64))
+            .await
+            .unwrap();
         assert_eq!(single.choices[0].content, choice.content, "sample {i}");
-        assert_eq!(single.choices[0].finish_reason, choice.finish_reason, "sample {i}");
+        assert_eq!(
+            single.choices[0].finish_reason, choice.finish_reason,
+            "sample {i}"
+        );
         distinct.insert(choice.content.clone());
     }
-    assert!(distinct.len() > 1, "temperature 1 should give different samples");
-    let total: u64 = (0..4)
-        .map(|i| batch.choices[i].content.len() as u64)
-        .sum();
+    assert!(
+        distinct.len() > 1,
+        "temperature 1 should give different samples"
+    );
+    let total: u64 = (0..4).map(|i| batch.choices[i].content.len() as u64).sum();
     assert!(total > 0 && batch.usage.completion_tokens >= 4);
 }
 
@@ -62,7 +69,10 @@ async fn stop_strings_cut_the_reply() {
     let (req, full) = {
         let mut found = None;
         for seed in 0..50 {
-            let req = ChatRequest::new(question()).temperature(1.0).max_tokens(32).seed(seed);
+            let req = ChatRequest::new(question())
+                .temperature(1.0)
+                .max_tokens(32)
+                .seed(seed);
             let text = backend.chat(&req).await.unwrap().choices[0].content.clone();
             let chars: Vec<char> = text.chars().collect();
             let usable = chars.len() >= 8
@@ -81,7 +91,10 @@ async fn stop_strings_cut_the_reply() {
         .chat(&req.clone().stop(vec![stop.clone()]))
         .await
         .unwrap();
-    assert_eq!(cut.choices[0].content, expected, "stop {stop:?} in {full:?}");
+    assert_eq!(
+        cut.choices[0].content, expected,
+        "stop {stop:?} in {full:?}"
+    );
     assert_eq!(cut.choices[0].finish_reason, FinishReason::Stop);
 }
 
@@ -96,11 +109,19 @@ fn kv_cache_decoding_matches_full_forward() {
     };
     let engine = Engine::load(&LocalModelFiles::HfDir(dir), &opts).unwrap();
     let model = engine.model();
-    let ids: Vec<u32> = engine.encode("<|im_start|>user\nhello there<|im_end|>\n").unwrap();
+    let ids: Vec<u32> = engine
+        .encode("<|im_start|>user\nhello there<|im_end|>\n")
+        .unwrap();
     let dev = model.device();
     let mut c1 = model.new_cache(ids.len());
     let full = model
-        .forward_all(&Tensor::new(ids.as_slice(), dev).unwrap().unsqueeze(0).unwrap(), &mut c1)
+        .forward_all(
+            &Tensor::new(ids.as_slice(), dev)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap(),
+            &mut c1,
+        )
         .unwrap()
         .squeeze(0)
         .unwrap()
@@ -109,11 +130,20 @@ fn kv_cache_decoding_matches_full_forward() {
     let split = 5;
     let mut c2 = model.new_cache(4);
     let _ = model
-        .forward_last(&Tensor::new(&ids[..split], dev).unwrap().unsqueeze(0).unwrap(), &mut c2)
+        .forward_last(
+            &Tensor::new(&ids[..split], dev)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap(),
+            &mut c2,
+        )
         .unwrap();
     for (pos, &id) in ids.iter().enumerate().skip(split) {
         let step = model
-            .forward_last(&Tensor::new(&[id], dev).unwrap().unsqueeze(0).unwrap(), &mut c2)
+            .forward_last(
+                &Tensor::new(&[id], dev).unwrap().unsqueeze(0).unwrap(),
+                &mut c2,
+            )
             .unwrap()
             .squeeze(0)
             .unwrap()
@@ -165,7 +195,9 @@ async fn untied_head_and_q8_weights_load() {
         },
     )
     .unwrap();
-    let ids = f32_engine.encode("<|im_start|>user\nhi<|im_end|>\n").unwrap();
+    let ids = f32_engine
+        .encode("<|im_start|>user\nhi<|im_end|>\n")
+        .unwrap();
     let a = f32_engine.next_token_logits(&ids).unwrap();
     let b = q8_engine.next_token_logits(&ids).unwrap();
     let top = |v: &[f32]| {
@@ -191,17 +223,30 @@ async fn bad_model_inputs_name_the_file() {
     // A missing GGUF path.
     let missing = tmp.path().join("nope.gguf");
     let msg = load(ModelSpec::Gguf(missing.clone())).await;
-    assert!(msg.contains("nope.gguf") && msg.contains("does not exist"), "{msg}");
+    assert!(
+        msg.contains("nope.gguf") && msg.contains("does not exist"),
+        "{msg}"
+    );
     // A corrupt GGUF.
     let corrupt = tmp.path().join("corrupt.gguf");
     std::fs::write(&corrupt, b"GGUF\x03\x00\x00\x00garbage").unwrap();
     let msg = load(ModelSpec::Gguf(corrupt)).await;
-    assert!(msg.contains("corrupt.gguf") && msg.contains("GGUF"), "{msg}");
+    assert!(
+        msg.contains("corrupt.gguf") && msg.contains("GGUF"),
+        "{msg}"
+    );
     // A tokenizer_config.json without a chat template.
     let (_g, dir) = tiny_model_dir(&TinySpec::default());
-    std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<|im_end|>"}"#).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"eos_token": "<|im_end|>"}"#,
+    )
+    .unwrap();
     let msg = load(ModelSpec::HfDir(dir.clone())).await;
-    assert!(msg.contains("tokenizer_config.json") && msg.contains("chat template"), "{msg}");
+    assert!(
+        msg.contains("tokenizer_config.json") && msg.contains("chat template"),
+        "{msg}"
+    );
     // A directory without weights.
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     let msg = load(ModelSpec::HfDir(dir)).await;

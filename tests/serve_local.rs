@@ -37,7 +37,10 @@ async fn openai_client_against_the_tiny_model() {
     let usage = resp.usage.expect("usage");
     assert!(usage.prompt_tokens > 20);
     assert!(usage.completion_tokens >= 3 && usage.completion_tokens <= 36);
-    assert_eq!(usage.total_tokens, usage.prompt_tokens + usage.completion_tokens);
+    assert_eq!(
+        usage.total_tokens,
+        usage.prompt_tokens + usage.completion_tokens
+    );
     for c in &resp.choices {
         assert!(!c.message.content.as_deref().unwrap_or("").trim().is_empty());
     }
@@ -45,7 +48,10 @@ async fn openai_client_against_the_tiny_model() {
     // A stop string taken from the seeded reply cuts it there.
     let seeded = |stop: Option<String>| {
         let mut b = CreateChatCompletionRequestArgs::default();
-        b.model("tiny").messages(user()).max_tokens(32u32).temperature(1.0);
+        b.model("tiny")
+            .messages(user())
+            .max_tokens(32u32)
+            .temperature(1.0);
         if let Some(s) = stop {
             b.stop(StopConfiguration::String(s));
         }

@@ -196,16 +196,26 @@ mod tests {
             out,
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 12345 + 678?<|im_end|>\n<|im_start|>assistant\n"
         );
-        let no_gen = t.render(&[ChatMessage::system("S"), ChatMessage::user("U")], false).unwrap();
-        assert_eq!(no_gen, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n");
+        let no_gen = t
+            .render(&[ChatMessage::system("S"), ChatMessage::user("U")], false)
+            .unwrap();
+        assert_eq!(
+            no_gen,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+        );
     }
 
     #[test]
     fn python_methods_and_raise_exception_work() {
         let src = "{% if messages[0]['role'] == 'bad' %}{{ raise_exception('roles must alternate') }}{% endif %}{{ messages[0]['content'].strip() | upper }}";
         let t = ChatTemplate::new(src, "t", "", "").unwrap();
-        assert_eq!(t.render(&[ChatMessage::user("  hi ")], false).unwrap(), "HI");
-        let err = t.render(&[ChatMessage::new("bad", "x")], false).unwrap_err();
+        assert_eq!(
+            t.render(&[ChatMessage::user("  hi ")], false).unwrap(),
+            "HI"
+        );
+        let err = t
+            .render(&[ChatMessage::new("bad", "x")], false)
+            .unwrap_err();
         assert!(err.to_string().contains("roles must alternate"), "{err}");
     }
 

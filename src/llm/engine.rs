@@ -60,6 +60,8 @@ pub struct GenParams {
     /// Sample `i` uses seed `seed + i`; `None` draws a fresh seed.
     pub seed: Option<u64>,
     pub n: usize,
+    /// Keep generating through end-of-turn tokens (fixed-length benchmarks only).
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -74,6 +76,10 @@ pub struct Generation {
 pub struct GenOutput {
     pub prompt_tokens: usize,
     pub samples: Vec<Generation>,
+    /// Seconds spent on the prompt (one forward pass over it).
+    pub prefill_secs: f64,
+    /// Seconds spent decoding all samples.
+    pub decode_secs: f64,
 }
 
 pub struct Engine {
@@ -147,7 +153,10 @@ impl Engine {
                 .unwrap_or_default()
         };
         let source = meta_str(&content, "tokenizer.chat_template").ok_or_else(|| {
-            load_err(path, "no chat template (GGUF key `tokenizer.chat_template`)")
+            load_err(
+                path,
+                "no chat template (GGUF key `tokenizer.chat_template`)",
+            )
         })?;
         let template = ChatTemplate::new(
             source,
@@ -201,7 +210,9 @@ impl Engine {
             ChatTemplate::from_tokenizer_config(&tc_path).map_err(|e| load_err(&tc_path, e))?;
         let mut declared = json_ids(raw.get("eos_token_id"));
         if dir.join("generation_config.json").is_file() {
-            declared.extend(json_ids(read_json("generation_config.json")?.get("eos_token_id")));
+            declared.extend(json_ids(
+                read_json("generation_config.json")?.get("eos_token_id"),
+            ));
         }
         declared.extend(tokenizer.token_to_id(template.eos_token()));
         let eos_ids = end_ids(&tokenizer, declared.into_iter());
@@ -323,6 +334,7 @@ impl Engine {
         let device = self.model.device();
         let err = |e: candle_core::Error| self.gen_err(e);
 
+        let started = std::time::Instant::now();
         let mut prefill = self.model.new_cache(prompt.len());
         let input = Tensor::new(prompt, device)
             .and_then(|t| t.unsqueeze(0))
@@ -333,6 +345,8 @@ impl Engine {
             .and_then(|l| l.squeeze(0))
             .and_then(|l| l.to_vec1::<f32>())
             .map_err(err)?;
+        let prefill_secs = started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
         let mut cache = prefill.fork(params.n, max_new).map_err(err)?;
         drop(prefill);
 
@@ -363,6 +377,11 @@ impl Engine {
                     &self.eos_ids
                 } else {
                     &[]
+                };
+                let banned = if params.ignore_eos {
+                    &self.eos_ids
+                } else {
+                    banned
                 };
                 let tok = row.sampler.sample(&logits[r], banned);
                 row.tokens += 1;
@@ -411,6 +430,8 @@ impl Engine {
         Ok(GenOutput {
             prompt_tokens: prompt.len(),
             samples,
+            prefill_secs,
+            decode_secs: started.elapsed().as_secs_f64(),
         })
     }
 }

@@ -49,11 +49,7 @@ fn string_array(content: &Content, key: &str) -> Result<Vec<String>, String> {
     v.to_vec()
         .map_err(|e| format!("`{key}`: {e}"))?
         .iter()
-        .map(|x| {
-            x.to_string()
-                .cloned()
-                .map_err(|e| format!("`{key}`: {e}"))
-        })
+        .map(|x| x.to_string().cloned().map_err(|e| format!("`{key}`: {e}")))
         .collect()
 }
 
@@ -72,17 +68,16 @@ fn int_array(content: &Content, key: &str) -> Option<Vec<i32>> {
 }
 
 fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, String> {
-    let byte_level = |use_regex: bool| {
-        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex))
-    };
+    let byte_level =
+        |use_regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
     match pre {
         // SmolLM / StarCoder family: every digit its own token, then GPT-2 byte-level.
-        "smollm" | "starcoder" | "refact" => Ok(PreTokenizerWrapper::Sequence(Sequence::new(
-            vec![
+        "smollm" | "starcoder" | "refact" => {
+            Ok(PreTokenizerWrapper::Sequence(Sequence::new(vec![
                 PreTokenizerWrapper::Digits(Digits::new(true)),
                 byte_level(true),
-            ],
-        ))),
+            ])))
+        }
         "gpt2" | "default" => Ok(byte_level(true)),
         "llama-bpe" | "llama3" | "smaug-bpe" => {
             let split = Split::new(

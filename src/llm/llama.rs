@@ -328,7 +328,11 @@ fn tensor_to_qmatmul(t: Tensor, format: WeightFormat) -> Result<QMatMul> {
     Ok(QMatMul::Tensor(t))
 }
 
-fn rope_tables(cfg: &LlamaConfig, factors: Option<Vec<f32>>, dev: &Device) -> Result<(Tensor, Tensor)> {
+fn rope_tables(
+    cfg: &LlamaConfig,
+    factors: Option<Vec<f32>>,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
     let mut inv = cfg.inv_freqs();
     if let Some(f) = factors {
         for (x, k) in inv.iter_mut().zip(f) {
@@ -370,7 +374,11 @@ impl LlamaModel {
             to_qmatmul_shared(embed_q.clone(), format)?
         };
         let factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
-            Some(get("rope_freqs.weight")?.dequantize(device)?.to_vec1::<f32>()?)
+            Some(
+                get("rope_freqs.weight")?
+                    .dequantize(device)?
+                    .to_vec1::<f32>()?,
+            )
         } else {
             None
         };
@@ -422,9 +430,8 @@ impl LlamaModel {
     ) -> Result<Self> {
         // SAFETY: the files are memory-mapped read-only; they must not be modified while
         // loading, which is the usual contract of every safetensors loader.
-        let vb = unsafe {
-            candle_nn::VarBuilder::from_mmaped_safetensors(files, DType::F32, device)?
-        };
+        let vb =
+            unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(files, DType::F32, device)? };
         let h = cfg.hidden_size;
         let (q_out, kv_out) = (
             cfg.num_attention_heads * cfg.head_dim(),
@@ -541,7 +548,11 @@ impl LlamaModel {
         for _ in 0..groups {
             for i in 0..seq {
                 for j in 0..total {
-                    m.push(if j <= pos + i { 0f32 } else { f32::NEG_INFINITY });
+                    m.push(if j <= pos + i {
+                        0f32
+                    } else {
+                        f32::NEG_INFINITY
+                    });
                 }
             }
         }
@@ -594,7 +605,7 @@ impl LlamaModel {
             att = att.broadcast_add(m)?;
         }
         let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v_all.contiguous()?)?; // (b, kvh, groups·seq, hd)
+        let y = att.matmul(&v_all)?; // (b, kvh, groups·seq, hd)
         let y = y
             .reshape((b, nh, seq, hd))?
             .transpose(1, 2)?
@@ -612,7 +623,6 @@ impl LlamaModel {
             .to_vec1()
     }
 }
-
 
 /// Index of the largest value.
 pub fn argmax(v: &[f32]) -> usize {

@@ -160,6 +160,7 @@ impl ChatBackend for LocalBackend {
             stop: req.stop.clone(),
             seed: req.seed,
             n: req.n,
+            ignore_eos: false,
         };
         let out = on_worker("generation", move || {
             let prompt = engine.encode(&engine.render(&messages)?)?;

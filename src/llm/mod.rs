@@ -120,7 +120,10 @@ impl ChatRequest {
             return bad("`n` must be at least 1".into());
         }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!("`temperature` must be >= 0, got {}", self.temperature));
+            return bad(format!(
+                "`temperature` must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("`top_p` must be in (0, 1], got {}", self.top_p));

@@ -36,7 +36,10 @@ impl ScriptedBackend {
 
     /// Replies with the given texts in turn (sample `i` of call `c` gets entry `(c·n + i) mod len`).
     pub fn cycle(name: &str, replies: Vec<String>) -> Arc<Self> {
-        assert!(!replies.is_empty(), "a scripted backend needs at least one reply");
+        assert!(
+            !replies.is_empty(),
+            "a scripted backend needs at least one reply"
+        );
         let counter = AtomicU64::new(0);
         Self::new(name, move |_, _| {
             let k = counter.fetch_add(1, Ordering::Relaxed) as usize;

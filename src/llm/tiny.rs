@@ -56,7 +56,8 @@ fn byte_to_char() -> Vec<char> {
     let mut out = vec!['\0'; 256];
     let mut extra = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         out[b as usize] = if printable {
             char::from_u32(b).unwrap_or('?')
         } else {
@@ -126,7 +127,10 @@ pub fn write_tiny_llama(dir: &Path, spec: &TinySpec) -> anyhow::Result<()> {
         "eos_token_id": end_id,
         "torch_dtype": "float32",
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     std::fs::write(
         dir.join("generation_config.json"),
         serde_json::to_string_pretty(&serde_json::json!({"eos_token_id": [end_id]}))?,

@@ -54,8 +54,10 @@ impl UsageMeter {
     pub fn record_failure(&self, err: &LlmError) {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.failures.fetch_add(1, Ordering::Relaxed);
-        self.retries
-            .fetch_add(u64::from(attempts(err).saturating_sub(1)), Ordering::Relaxed);
+        self.retries.fetch_add(
+            u64::from(attempts(err).saturating_sub(1)),
+            Ordering::Relaxed,
+        );
     }
 
     pub fn snapshot(&self) -> UsageSnapshot {

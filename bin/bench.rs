@@ -1,0 +1,143 @@
+//! `bench`: reproducible performance measurements recorded in BENCHMARKS.md.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use collabllm::llm::engine::{Engine, GenParams, LoadOptions};
+use collabllm::llm::spec::resolve_local;
+use collabllm::llm::{ChatMessage, ModelSpec};
+
+/// Performance measurements (see BENCHMARKS.md for the recorded figures).
+#[derive(Parser, Debug)]
+#[command(name = "bench", version, about)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Local decoding speed: prompt tokens/s, generated tokens/s for one stream, aggregate
+    /// generated tokens/s for `--n` samples of one prompt, and peak RSS.
+    Decode {
+        /// Model spec (`default`, a .gguf file, an HF directory or id).
+        #[arg(long, default_value = "default")]
+        model: ModelSpec,
+        /// Compute threads.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Approximate prompt length in tokens (the chat template's own tokens included).
+        #[arg(long, default_value_t = 200)]
+        prompt_tokens: usize,
+        /// Tokens generated per sample (end-of-turn is ignored so every run is this long).
+        #[arg(long, default_value_t = 128)]
+        new_tokens: usize,
+        /// Samples decoded together in the batched run.
+        #[arg(long, default_value_t = 4)]
+        n: usize,
+        /// Timed repetitions; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+    },
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// A user message whose rendered prompt is about `target` tokens long.
+fn prompt_of(engine: &Engine, target: usize) -> anyhow::Result<Vec<u32>> {
+    let sentence = "The committee reviewed the quarterly report on river water quality, \
+                    noting that nitrate levels fell while turbidity rose after the spring floods. ";
+    let mut text = String::new();
+    loop {
+        let ids = engine.encode(&engine.render(&[ChatMessage::user(text.clone())])?)?;
+        if ids.len() >= target {
+            return Ok(ids);
+        }
+        text.push_str(sentence);
+    }
+}
+
+fn decode(
+    model: ModelSpec,
+    prompt_tokens: usize,
+    new_tokens: usize,
+    n: usize,
+    repeats: usize,
+) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let files = rt.block_on(resolve_local(&model))?;
+    let t0 = std::time::Instant::now();
+    let engine = Engine::load(&files, &LoadOptions::default())?;
+    let load_secs = t0.elapsed().as_secs_f64();
+    let prompt = prompt_of(&engine, prompt_tokens)?;
+    let params = |n| GenParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        max_new_tokens: new_tokens,
+        stop: Vec::new(),
+        seed: Some(0),
+        n,
+        ignore_eos: true,
+    };
+    engine.generate(&prompt, &params(1)).context("warm-up")?;
+    let (mut pf, mut single, mut batched) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..repeats.max(1) {
+        let out = engine.generate(&prompt, &params(1))?;
+        pf.push(out.prompt_tokens as f64 / out.prefill_secs);
+        single.push(out.samples[0].tokens as f64 / out.decode_secs);
+        let out = engine.generate(&prompt, &params(n))?;
+        let total: usize = out.samples.iter().map(|s| s.tokens).sum();
+        batched.push(total as f64 / out.decode_secs);
+    }
+    let (pf, single, batched) = (median(pf), median(single), median(batched));
+    let rss = collabllm::cli::peak_rss_bytes().unwrap_or(0) as f64 / 1e6;
+    println!(
+        "model            {} ({})",
+        engine.name(),
+        files.path().display()
+    );
+    println!(
+        "threads          {}",
+        std::env::var("CANDLE_NUM_THREADS").unwrap_or_default()
+    );
+    println!("load             {load_secs:.2} s");
+    println!("prompt           {} tokens: {pf:.1} tokens/s", prompt.len());
+    println!("generate n=1     {new_tokens} tokens: {single:.1} tokens/s");
+    println!(
+        "generate n={n}     {new_tokens} tokens each: {batched:.1} tokens/s aggregate ({:.2}x single)",
+        batched / single
+    );
+    println!("peak RSS         {rss:.0} MB");
+    println!(
+        "{}",
+        serde_json::json!({"bench": "decode", "prompt_tokens": prompt.len(), "prompt_tps": pf,
+            "gen_tps_n1": single, "n": n, "gen_tps_batched": batched, "peak_rss_mb": rss,
+            "load_s": load_secs})
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    collabllm::cli::init_logging();
+    let result = match args.command {
+        Command::Decode {
+            model,
+            threads,
+            prompt_tokens,
+            new_tokens,
+            n,
+            repeats,
+        } => {
+            collabllm::cli::set_compute_threads(Some(threads));
+            decode(model, prompt_tokens, new_tokens, n, repeats)
+        }
+    };
+    collabllm::cli::exit_on_error(result)
+}
