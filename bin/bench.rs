@@ -40,7 +40,38 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// generate_conv's orchestration against a local OpenAI-compatible endpoint that answers
+    /// after a fixed latency with at most `--cap` requests in service: achieved calls/s against
+    /// the ideal cap/latency, conversation wall time against its critical path, peak RSS.
+    Orchestration {
+        /// Endpoint latency per request, milliseconds.
+        #[arg(long, default_value_t = 200)]
+        latency_ms: u64,
+        /// Requests the endpoint serves at once (others queue); also the client's limit.
+        #[arg(long, default_value_t = 4)]
+        cap: usize,
+        /// Tasks (conversations).
+        #[arg(long, default_value_t = 8)]
+        tasks: usize,
+        /// Turns per conversation (T).
+        #[arg(long, default_value_t = 3)]
+        turns: usize,
+        /// Candidates per turn (N).
+        #[arg(long, default_value_t = 3)]
+        candidates: usize,
+        /// Futures per candidate (S).
+        #[arg(long, default_value_t = 3)]
+        samples: usize,
+        /// Messages per future (W).
+        #[arg(long, default_value_t = 4)]
+        window: usize,
+        /// Conversations in flight.
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+    },
 }
+
+mod orchestration;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -138,6 +169,31 @@ fn main() -> ExitCode {
             collabllm::cli::set_compute_threads(Some(threads));
             decode(model, prompt_tokens, new_tokens, n, repeats)
         }
+        Command::Orchestration {
+            latency_ms,
+            cap,
+            tasks,
+            turns,
+            candidates,
+            samples,
+            window,
+            concurrency,
+        } => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| {
+                rt.block_on(orchestration::run(orchestration::Params {
+                    latency: std::time::Duration::from_millis(latency_ms),
+                    cap,
+                    tasks,
+                    turns,
+                    candidates,
+                    samples,
+                    window,
+                    concurrency,
+                }))
+            }),
     };
     collabllm::cli::exit_on_error(result)
 }

@@ -5,5 +5,13 @@
 //! `llm` (backends, local engine, cache) → `serve` (HTTP front over `llm`).
 
 pub mod cli;
+pub mod dataset;
+pub mod generate;
 pub mod llm;
+pub mod pairs;
+pub mod parse;
+pub mod prompts;
+pub mod reward;
 pub mod serve;
+pub mod simulate;
+pub mod task;

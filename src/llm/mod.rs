@@ -9,10 +9,12 @@ pub mod gguf_tokenizer;
 pub mod llama;
 pub mod local;
 pub mod openai;
+pub mod roles;
 pub mod sampling;
 pub mod scripted;
 pub mod spec;
 pub mod tiny;
+pub mod tokens;
 pub mod usage;
 
 use std::sync::Arc;

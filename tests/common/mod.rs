@@ -2,3 +2,4 @@
 #![allow(dead_code)]
 
 pub mod fault_server;
+pub mod collab_script;

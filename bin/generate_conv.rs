@@ -1,0 +1,211 @@
+//! `generate_conv`: build multi-turn conversations with a simulated user, score every
+//! candidate reply by the futures it leads to, and write DPO preference pairs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use collabllm::generate::{self, GenerateConfig};
+use collabllm::llm::ModelSpec;
+use collabllm::pairs::PairMode;
+use collabllm::reward::judge::JudgeMode;
+use collabllm::reward::metrics::parse_metric_weight;
+use collabllm::reward::mr::MrFormula;
+
+/// Multiturn-aware rewards → DPO preference pairs (CollabLLM).
+///
+/// For every task a simulated user (who knows the hidden goal) opens a conversation; each turn
+/// the policy proposes N candidate replies, the user simulator plays S futures from each, the
+/// judges and task metrics score every future, and the mean weighted score (the multiturn-aware
+/// reward, MR) ranks the candidates. The best continues the conversation; best vs worst becomes
+/// a preference pair. Outputs in --output: conversations.jsonl (append-only, every score kept),
+/// flat.parquet (upstream schema), pairs/{train,test}.parquet (TRL format, split by
+/// conversation), manifest.json, and cache/ (every model answer, so reruns are free).
+///
+/// Killed at any moment, a rerun with the same --output resumes: finished tasks are kept,
+/// half-finished ones replay from the cache. Settings are: built-in defaults ← --config TOML ←
+/// flags.
+#[derive(Parser, Debug)]
+#[command(name = "generate_conv", version, about, long_about)]
+struct Args {
+    /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}
+    /// [default: data/math.jsonl].
+    #[arg(long, value_name = "PATH")]
+    tasks: Option<String>,
+    /// Run directory [default: outputs/run].
+    #[arg(long, value_name = "DIR")]
+    output: Option<PathBuf>,
+    /// TOML file with any of the settings below (flags override it).
+    #[arg(long, value_name = "TOML")]
+    config: Option<PathBuf>,
+    /// Policy model proposing the candidates: `default`, a .gguf file, an HF directory or id,
+    /// or `openai:<model>[@<base_url>]` [default: default].
+    #[arg(long, value_name = "SPEC")]
+    policy: Option<ModelSpec>,
+    /// Simulated user model [default: default].
+    #[arg(long, value_name = "SPEC")]
+    user: Option<ModelSpec>,
+    /// Judge and extractor model [default: default].
+    #[arg(long, value_name = "SPEC")]
+    judge: Option<ModelSpec>,
+    /// Model for the assistant turns inside futures [default: the policy].
+    #[arg(long, value_name = "SPEC")]
+    assistant: Option<ModelSpec>,
+    /// Candidate replies per turn, N [default: 3].
+    #[arg(long, value_name = "N")]
+    candidates: Option<usize>,
+    /// Simulated futures per candidate, S [default: 3].
+    #[arg(long, value_name = "S")]
+    samples: Option<usize>,
+    /// Messages per future (user, assistant, …), W [default: 4].
+    #[arg(long, value_name = "W")]
+    window: Option<usize>,
+    /// Cap on the real conversation's length in messages [default: 14].
+    #[arg(long, value_name = "M")]
+    max_messages: Option<usize>,
+    /// Use only the first K tasks.
+    #[arg(long, value_name = "K")]
+    max_tasks: Option<usize>,
+    /// Metric weight, repeatable: accuracy, interactivity, token_amount, bleu, pass_rate
+    /// (e.g. --metric accuracy=1 --metric token_amount=-0.1) [default: per task type, DESIGN §2].
+    #[arg(long = "metric", value_name = "NAME=WEIGHT", value_parser = parse_metric)]
+    metrics: Vec<(String, f64)>,
+    /// MR formula: mean (Σ_m w_m·mean_k s) or verl_clamp (Σ_m clamp(w_m·mean_k s, −1, 1)) [default: mean].
+    #[arg(long, value_name = "FORMULA")]
+    mr_formula: Option<MrFormula>,
+    /// Minimum MR gap between chosen and rejected [default: 0.02].
+    #[arg(long, value_name = "G")]
+    min_gap: Option<f64>,
+    /// Pairs per turn: best (best vs worst) or all (every pair above the gap) [default: best].
+    #[arg(long, value_name = "MODE")]
+    pairs: Option<PairMode>,
+    /// Fraction of candidates using the proactive-collaborator prompt [default: 0.5].
+    #[arg(long, value_name = "R")]
+    proact_ratio: Option<f64>,
+    /// Share of conversations in pairs/test.parquet [default: 0.1].
+    #[arg(long, value_name = "F")]
+    test_fraction: Option<f64>,
+    /// Seed of every sampling decision and of the train/test split [default: 0].
+    #[arg(long, value_name = "X")]
+    seed: Option<u64>,
+    /// Conversations in flight at once [default: 8].
+    #[arg(long, value_name = "C")]
+    concurrency: Option<usize>,
+    /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
+    #[arg(long, value_name = "MODE")]
+    judge_mode: Option<JudgeMode>,
+    /// Environment variable holding the API key of OpenAI-compatible endpoints [default: OPENAI_API_KEY].
+    #[arg(long, value_name = "VAR")]
+    api_key_env: Option<String>,
+    /// Requests in flight per endpoint [default: 16].
+    #[arg(long, value_name = "N")]
+    max_concurrency: Option<usize>,
+    /// Seconds before one endpoint attempt is abandoned [default: 120].
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
+    /// Retries per endpoint call after the first attempt [default: 5].
+    #[arg(long, value_name = "N")]
+    max_retries: Option<u32>,
+    /// Compute threads for local models [default: CANDLE_NUM_THREADS, else all cores].
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// Folder of prompt templates replacing the built-in ones (same file names as prompts/).
+    #[arg(long, value_name = "DIR")]
+    prompts: Option<PathBuf>,
+    /// Rebuild MR, pairs and parquet files from conversations.jsonl with the given weights,
+    /// --min-gap, --pairs and --mr-formula, without any model call.
+    #[arg(long)]
+    rescore: bool,
+    /// Print the plan and an upper bound on the model calls, then exit.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+fn parse_metric(s: &str) -> Result<(String, f64), String> {
+    parse_metric_weight(s).map_err(|e| e.to_string())
+}
+
+fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
+    let mut cfg = match &args.config {
+        Some(p) => GenerateConfig::from_toml_file(p)?,
+        None => GenerateConfig::default(),
+    };
+    macro_rules! set {
+        ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )* };
+    }
+    set!(tasks, output, policy, user, judge, candidates, samples, window, max_messages, mr_formula,
+         min_gap, pairs, proact_ratio, test_fraction, seed, concurrency, judge_mode);
+    if args.assistant.is_some() {
+        cfg.assistant = args.assistant.clone();
+    }
+    if args.max_tasks.is_some() {
+        cfg.max_tasks = args.max_tasks;
+    }
+    if args.threads.is_some() {
+        cfg.threads = args.threads;
+    }
+    if args.prompts.is_some() {
+        cfg.prompts = args.prompts.clone();
+    }
+    if !args.metrics.is_empty() {
+        cfg.metrics = args.metrics.iter().cloned().collect();
+    }
+    if let Some(v) = &args.api_key_env {
+        cfg.endpoint.api_key_env = v.clone();
+    }
+    if let Some(v) = args.max_concurrency {
+        cfg.endpoint.max_concurrency = v;
+    }
+    if let Some(v) = args.timeout {
+        cfg.endpoint.timeout_s = v;
+    }
+    if let Some(v) = args.max_retries {
+        cfg.endpoint.max_retries = v;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+async fn run(args: Args, cfg: GenerateConfig) -> anyhow::Result<()> {
+    if args.dry_run {
+        let tasks = generate::run::load_config_tasks(&cfg)?;
+        println!("{}", generate::plan(&cfg, &tasks));
+        return Ok(());
+    }
+    let summary = if args.rescore {
+        generate::rescore(&cfg)?
+    } else {
+        generate::generate(cfg.clone()).await?
+    };
+    println!("{summary}");
+    let pairs = cfg.output.join("pairs");
+    println!(
+        "pairs: {} and {}",
+        pairs.join("train.parquet").display(),
+        pairs.join("test.parquet").display()
+    );
+    if !summary.tasks_failed.is_empty() {
+        anyhow::bail!(
+            "{} task(s) failed; rerun the same command to retry them (finished work is kept)",
+            summary.tasks_failed.len()
+        );
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    collabllm::cli::init_logging();
+    let cfg = match resolve(&args) {
+        Ok(c) => c,
+        Err(e) => return collabllm::cli::exit_on_error(Err(e)),
+    };
+    collabllm::cli::set_compute_threads(cfg.threads);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime");
+    let result = runtime.and_then(|rt| rt.block_on(run(args, cfg)));
+    collabllm::cli::exit_on_error(result)
+}

@@ -1,0 +1,253 @@
+//! The resolved configuration of a `generate_conv` run: defaults ← `--config` TOML ← flags,
+//! validated once at start-up.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::llm::{EndpointOptions, ModelSpec};
+use crate::pairs::PairMode;
+use crate::reward::judge::JudgeMode;
+use crate::reward::metrics::check_metric_name;
+use crate::reward::mr::MrFormula;
+use crate::simulate::Sampling;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config {path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("invalid setting `{field}`: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GenerateConfig {
+    /// Tasks file (JSONL or parquet).
+    pub tasks: String,
+    /// Run directory (conversations, pairs, manifest, request cache).
+    pub output: PathBuf,
+    pub policy: ModelSpec,
+    pub user: ModelSpec,
+    pub judge: ModelSpec,
+    /// Model for the assistant turns inside futures (default: the policy).
+    pub assistant: Option<ModelSpec>,
+    /// Candidate replies per turn (N).
+    pub candidates: usize,
+    /// Simulated futures per candidate (S).
+    pub samples: usize,
+    /// Messages per future (user, assistant, user, …).
+    pub window: usize,
+    /// Cap on the real conversation's length, in messages.
+    pub max_messages: usize,
+    /// Use only the first K tasks.
+    pub max_tasks: Option<usize>,
+    /// Fraction of candidates drawn with the proactive-collaborator system prompt.
+    pub proact_ratio: f64,
+    /// Metric weights; empty = the task type's defaults (DESIGN §2).
+    pub metrics: BTreeMap<String, f64>,
+    pub mr_formula: MrFormula,
+    /// Minimum MR gap between chosen and rejected.
+    pub min_gap: f64,
+    pub pairs: PairMode,
+    pub seed: u64,
+    /// Share of conversations in pairs/test.parquet.
+    pub test_fraction: f64,
+    /// What the simulated user says to end the conversation.
+    pub termination: String,
+    /// Conversations in flight at once.
+    pub concurrency: usize,
+    pub judge_mode: JudgeMode,
+    /// Extra judge attempts when an answer is unusable.
+    pub judge_retries: u32,
+    /// Extra user-simulator attempts when an output is unusable.
+    pub user_retries: u32,
+    pub judge_max_tokens: usize,
+    pub policy_sampling: Sampling,
+    pub user_sampling: Sampling,
+    pub assistant_sampling: Sampling,
+    /// OpenAI-compatible endpoints: key variable, concurrency, timeout, retries, backoff.
+    pub endpoint: EndpointOptions,
+    /// Compute threads for local models.
+    pub threads: Option<usize>,
+    /// Folder replacing the built-in prompt templates.
+    pub prompts: Option<PathBuf>,
+    /// Seconds of wall time per sandboxed test run (pass_rate).
+    pub sandbox_timeout_s: f64,
+}
+
+impl Default for GenerateConfig {
+    fn default() -> Self {
+        Self {
+            tasks: "data/math.jsonl".into(),
+            output: PathBuf::from("outputs/run"),
+            policy: ModelSpec::Default,
+            user: ModelSpec::Default,
+            judge: ModelSpec::Default,
+            assistant: None,
+            candidates: 3,
+            samples: 3,
+            window: 4,
+            max_messages: 14,
+            max_tasks: None,
+            proact_ratio: 0.5,
+            metrics: BTreeMap::new(),
+            mr_formula: MrFormula::Mean,
+            min_gap: 0.02,
+            pairs: PairMode::Best,
+            seed: 0,
+            test_fraction: 0.1,
+            termination: "[[TERMINATE CHAT]]".into(),
+            concurrency: 8,
+            judge_mode: JudgeMode::Auto,
+            judge_retries: 3,
+            user_retries: 3,
+            judge_max_tokens: 512,
+            policy_sampling: Sampling::default(),
+            user_sampling: Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                max_tokens: 128,
+            },
+            assistant_sampling: Sampling::default(),
+            endpoint: EndpointOptions::default(),
+            threads: None,
+            prompts: None,
+            sandbox_timeout_s: 10.0,
+        }
+    }
+}
+
+impl GenerateConfig {
+    pub fn from_toml_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::File {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.tasks.trim().is_empty() {
+            return Err(invalid("tasks", "a tasks file is required"));
+        }
+        if self.candidates == 0 {
+            return Err(invalid("candidates", "must be at least 1 (2 or more to form pairs)"));
+        }
+        if self.samples == 0 {
+            return Err(invalid("samples", "must be at least 1"));
+        }
+        if self.window == 0 {
+            return Err(invalid("window", "must be at least 1"));
+        }
+        if self.max_messages < 2 {
+            return Err(invalid("max_messages", "must be at least 2"));
+        }
+        if !(0.0..=1.0).contains(&self.proact_ratio) {
+            return Err(invalid("proact_ratio", "must be in [0, 1]"));
+        }
+        if !(0.0..1.0).contains(&self.test_fraction) {
+            return Err(invalid("test_fraction", "must be in [0, 1)"));
+        }
+        if !(self.min_gap >= 0.0 && self.min_gap.is_finite()) {
+            return Err(invalid("min_gap", "must be a finite number >= 0"));
+        }
+        if self.concurrency == 0 {
+            return Err(invalid("concurrency", "must be at least 1"));
+        }
+        if self.termination.trim().is_empty() {
+            return Err(invalid("termination", "must not be empty"));
+        }
+        if !(self.sandbox_timeout_s > 0.0) {
+            return Err(invalid("sandbox_timeout_s", "must be > 0"));
+        }
+        for (name, w) in &self.metrics {
+            check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;
+            if !w.is_finite() {
+                return Err(invalid("metrics", format!("weight of {name} must be finite")));
+            }
+        }
+        for (field, s) in [
+            ("policy_sampling", &self.policy_sampling),
+            ("user_sampling", &self.user_sampling),
+            ("assistant_sampling", &self.assistant_sampling),
+        ] {
+            if !(s.temperature >= 0.0 && s.top_p > 0.0 && s.top_p <= 1.0 && s.max_tokens > 0) {
+                return Err(invalid(
+                    field,
+                    "temperature >= 0, top_p in (0, 1] and max_tokens >= 1 are required",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn assistant_spec(&self) -> &ModelSpec {
+        self.assistant.as_ref().unwrap_or(&self.policy)
+    }
+
+    /// Candidates per turn drawn with the proactive prompt.
+    pub fn proactive_count(&self) -> usize {
+        ((self.candidates as f64) * self.proact_ratio).round() as usize
+    }
+
+    /// The settings that decide what the model calls are; a run directory can only be resumed
+    /// with the same ones (weights, gap, formula and pair mode may change: they are re-scored).
+    pub fn generation_identity(&self) -> serde_json::Value {
+        serde_json::json!({
+            "tasks": self.tasks,
+            "policy": self.policy, "user": self.user, "judge": self.judge,
+            "assistant": self.assistant_spec(),
+            "candidates": self.candidates, "samples": self.samples, "window": self.window,
+            "max_messages": self.max_messages, "proact_ratio": self.proact_ratio,
+            "seed": self.seed, "termination": self.termination,
+            "policy_sampling": self.policy_sampling, "user_sampling": self.user_sampling,
+            "assistant_sampling": self.assistant_sampling, "judge_mode": self.judge_mode,
+            "prompts": self.prompts,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_round_trip_and_unknown_keys_rejected() {
+        let cfg = GenerateConfig {
+            candidates: 2,
+            metrics: [("accuracy".to_string(), 1.0)].into(),
+            ..Default::default()
+        };
+        let text = toml::to_string(&cfg).unwrap();
+        let back: GenerateConfig = toml::from_str(&text).unwrap();
+        assert_eq!(back, cfg);
+        let err = toml::from_str::<GenerateConfig>("candidatez = 3").unwrap_err();
+        assert!(err.to_string().contains("candidatez"), "{err}");
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let cfg = GenerateConfig {
+            proact_ratio: 1.5,
+            ..Default::default()
+        };
+        assert!(cfg.validate().unwrap_err().to_string().contains("proact_ratio"));
+        let cfg = GenerateConfig {
+            metrics: [("vibes".to_string(), 1.0)].into(),
+            ..Default::default()
+        };
+        assert!(cfg.validate().unwrap_err().to_string().contains("vibes"));
+    }
+}

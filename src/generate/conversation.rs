@@ -1,0 +1,294 @@
+//! One conversation of DESIGN §2: N candidates per turn, S futures per candidate, every
+//! session scored, the best candidate continues the real conversation.
+//!
+//! Everything that does not depend on another result runs concurrently: the candidates'
+//! futures and their scoring overlap, so a turn costs one candidate round trip, the window's
+//! messages and one judge round trip. The real next user message is an extra, independent
+//! sample of the same simulator request that opens the futures (sample S of S+1): it is a fresh
+//! draw on `history + chosen`, not one of the futures, and it adds no round trip.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures::future::{join_all, try_join_all};
+
+use super::config::GenerateConfig;
+use super::record::{
+    now_secs, CandidateRecord, ConversationRecord, SessionRecord, TurnRecord, Variant,
+};
+use crate::llm::roles::Role;
+use crate::llm::{ChatMessage, ChatRequest, FinishReason};
+use crate::prompts::{Prompt, Prompts};
+use crate::reward::metrics::Scorer;
+use crate::reward::mr::{multiturn_reward, SessionScores};
+use crate::simulate::{derive_seed, rollout_future, SimError, UserSimulator};
+use crate::task::Task;
+
+/// Everything a conversation needs; shared by all conversations of a run.
+pub struct Pipeline {
+    pub cfg: GenerateConfig,
+    pub prompts: Arc<Prompts>,
+    pub policy: Role,
+    pub assistant: Role,
+    pub user: UserSimulator,
+    pub scorer: Scorer,
+}
+
+struct Candidate {
+    variant: Variant,
+    text: String,
+    finish: FinishReason,
+}
+
+impl Pipeline {
+    fn seed(&self, task: &Task, parts: &[&str]) -> u64 {
+        let mut all = vec![task.id.as_str()];
+        all.extend_from_slice(parts);
+        derive_seed(self.cfg.seed, &all)
+    }
+
+    /// The weights for a task: the configured ones, or the task type's defaults.
+    pub fn weights_for(&self, task: &Task) -> BTreeMap<String, f64> {
+        if self.cfg.metrics.is_empty() {
+            crate::reward::metrics::default_weights(task.task_type)
+        } else {
+            self.cfg.metrics.clone()
+        }
+    }
+
+    pub async fn run(&self, task: &Task) -> Result<ConversationRecord, SimError> {
+        let started_at = now_secs();
+        let weights = self.weights_for(task);
+        let first_user = self
+            .user
+            .next_messages(task, &[], 1, self.seed(task, &["first-user"]))
+            .await?
+            .remove(0);
+        let mut history = vec![ChatMessage::user(first_user.text.clone())];
+        let mut turns = Vec::new();
+        let mut ended_by = if first_user.terminated {
+            "user_terminated"
+        } else {
+            "max_messages"
+        };
+        while !first_user.terminated && history.len() < self.cfg.max_messages {
+            let turn_id = turns.len() as u32;
+            let (turn, next_user) = self.turn(task, &history, turn_id, &weights).await?;
+            let chosen = &turn.candidates[turn.chosen];
+            history.push(ChatMessage::assistant(chosen.text.clone()));
+            turns.push(turn);
+            if history.len() >= self.cfg.max_messages {
+                break;
+            }
+            if next_user.terminated {
+                ended_by = "user_terminated";
+                break;
+            }
+            history.push(ChatMessage::user(next_user.text));
+        }
+        Ok(ConversationRecord {
+            task_id: task.id.clone(),
+            task_type: task.task_type,
+            goal: task.prompt.clone(),
+            reference: task.reference.clone(),
+            metadata: task.metadata.clone(),
+            first_user,
+            turns,
+            messages: history,
+            ended_by: ended_by.into(),
+            weights,
+            started_at,
+            finished_at: now_secs(),
+        })
+    }
+
+    async fn turn(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        turn_id: u32,
+        weights: &BTreeMap<String, f64>,
+    ) -> Result<(TurnRecord, crate::simulate::UserTurn), SimError> {
+        let t = turn_id.to_string();
+        let candidates = self.candidates(task, history, &t).await?;
+        let scored = try_join_all(
+            candidates
+                .iter()
+                .enumerate()
+                .map(|(i, c)| self.score_candidate(task, history, c, &t, i, weights)),
+        )
+        .await?;
+        let mut records = Vec::with_capacity(scored.len());
+        let mut next_users = Vec::with_capacity(scored.len());
+        for (i, (c, (sessions, next_user))) in candidates.into_iter().zip(scored).enumerate() {
+            let per_session: Vec<SessionScores> = sessions
+                .iter()
+                .map(|s| s.scores.iter().map(|(k, v)| (k.clone(), v.value)).collect())
+                .collect();
+            records.push(CandidateRecord {
+                index: i,
+                variant: c.variant,
+                text: c.text,
+                finish_reason: c.finish,
+                mr: multiturn_reward(&per_session, weights, self.cfg.mr_formula),
+                sessions,
+            });
+            next_users.push(next_user);
+        }
+        // The best MR continues; without any MR (every judge failed) the first candidate does.
+        let chosen = records
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.mr.map(|m| (i, m)))
+            .fold(None, |best: Option<(usize, f64)>, (i, m)| match best {
+                Some((_, bm)) if bm >= m => best,
+                _ => Some((i, m)),
+            })
+            .map_or(0, |(i, _)| i);
+        let next_user = next_users.swap_remove(chosen);
+        Ok((
+            TurnRecord {
+                turn_id,
+                history: history.to_vec(),
+                candidates: records,
+                chosen,
+                next_user: Some(next_user.clone()),
+            },
+            next_user,
+        ))
+    }
+
+    /// N replies: the proactive share with the collaborator system prompt, the rest plain.
+    async fn candidates(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        turn: &str,
+    ) -> Result<Vec<Candidate>, SimError> {
+        let n_pro = self.cfg.proactive_count();
+        let n_plain = self.cfg.candidates - n_pro;
+        let s = &self.cfg.policy_sampling;
+        let request = |messages: Vec<ChatMessage>, n: usize, tag: &str| {
+            ChatRequest::new(messages)
+                .temperature(s.temperature)
+                .top_p(s.top_p)
+                .max_tokens(s.max_tokens)
+                .n(n)
+                .seed(self.seed(task, &["candidates", turn, tag]))
+        };
+        let system = self.prompts.render(
+            Prompt::Proactive,
+            serde_json::json!({"task_type": task.task_type.to_string()}),
+        )?;
+        let mut pro_msgs = vec![ChatMessage::system(system)];
+        pro_msgs.extend_from_slice(history);
+        let call = |req: Option<ChatRequest>, variant: Variant| async move {
+            let Some(req) = req else {
+                return Ok(Vec::new());
+            };
+            let resp = self
+                .policy
+                .backend
+                .chat(&req)
+                .await
+                .map_err(|e| SimError::Model {
+                    role: self.policy.name.clone(),
+                    source: e,
+                })?;
+            Ok::<_, SimError>(
+                resp.choices
+                    .into_iter()
+                    .map(|c| Candidate {
+                        variant,
+                        text: c.content,
+                        finish: c.finish_reason,
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let (pro, plain) = futures::try_join!(
+            call(
+                (n_pro > 0).then(|| request(pro_msgs, n_pro, "proactive")),
+                Variant::Proactive
+            ),
+            call(
+                (n_plain > 0).then(|| request(history.to_vec(), n_plain, "plain")),
+                Variant::Plain
+            ),
+        )?;
+        Ok(pro.into_iter().chain(plain).collect())
+    }
+
+    /// The S futures of one candidate, each scored on every metric, plus the reserved
+    /// independent sample for the real next user turn.
+    async fn score_candidate(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        cand: &Candidate,
+        turn: &str,
+        index: usize,
+        weights: &BTreeMap<String, f64>,
+    ) -> Result<(Vec<SessionRecord>, crate::simulate::UserTurn), SimError> {
+        let idx = index.to_string();
+        let reply = ChatMessage::assistant(cand.text.clone());
+        let base: Vec<ChatMessage> = history.iter().cloned().chain([reply.clone()]).collect();
+        let samples = self.cfg.samples;
+        let mut openers = self
+            .user
+            .next_messages(
+                task,
+                &base,
+                samples + 1,
+                self.seed(task, &["future-user", turn, &idx]),
+            )
+            .await?;
+        let next_user = openers.pop().ok_or(SimError::NoUserMessage {
+            attempts: 1,
+            last: String::new(),
+        })?;
+        let sessions = try_join_all(openers.into_iter().enumerate().map(|(k, opener)| {
+            let base = &base;
+            let reply = &reply;
+            async move {
+                let kk = k.to_string();
+                let future = rollout_future(
+                    &self.user,
+                    &self.assistant,
+                    &self.cfg.assistant_sampling,
+                    task,
+                    base,
+                    opener,
+                    self.cfg.window,
+                    self.seed(task, &["future", turn, &idx, &kk]),
+                )
+                .await?;
+                let after: Vec<ChatMessage> = std::iter::once(reply.clone())
+                    .chain(future.messages.iter().cloned())
+                    .collect();
+                let scores = join_all(weights.keys().map(|metric| {
+                    let after = &after;
+                    async move {
+                        let seed = self.seed(task, &["judge", metric, turn, &idx, &kk]);
+                        let s = self
+                            .scorer
+                            .score(metric, task, history, after, seed)
+                            .await;
+                        (metric.clone(), s)
+                    }
+                }))
+                .await
+                .into_iter()
+                .collect();
+                Ok::<_, SimError>(SessionRecord {
+                    messages: future.messages,
+                    terminated: future.terminated,
+                    user_raw: future.user_raw,
+                    scores,
+                })
+            }
+        }))
+        .await?;
+        Ok((sessions, next_user))
+    }
+}

@@ -1,0 +1,10 @@
+//! `generate_conv`: multiturn-aware rewards → preference pairs (DESIGN §2–§3).
+
+pub mod config;
+pub mod conversation;
+pub mod outputs;
+pub mod record;
+pub mod run;
+
+pub use config::GenerateConfig;
+pub use run::{generate, generate_with_roles, plan, rescore, Roles, RunSummary};

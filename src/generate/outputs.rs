@@ -1,0 +1,219 @@
+//! From conversation records to the run's datasets: MR under the current weights, preference
+//! pairs (split by conversation), the upstream flat rows. Used at the end of a run and by
+//! `--rescore`, which makes no model call.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::record::ConversationRecord;
+use crate::dataset::flat::{write_flat_parquet, FlatRow};
+use crate::dataset::pairs::{split_by_conversation, write_pairs_parquet, PairRow};
+use crate::dataset::DatasetError;
+use crate::llm::ChatMessage;
+use crate::pairs::{select_pairs, PairMode};
+use crate::reward::mr::{multiturn_reward, MrFormula, SessionScores};
+
+/// How records become pairs.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Scoring {
+    /// Explicit weights; `None` = each record's own generation weights.
+    pub weights: Option<BTreeMap<String, f64>>,
+    pub formula: MrFormula,
+    pub min_gap: f64,
+    pub pairs: PairMode,
+    pub test_fraction: f64,
+    pub seed: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OutputError {
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    #[error("metric `{metric}` has a weight but was not computed for task {task} (computed: {computed}); re-scoring cannot add metrics, only re-weight them")]
+    MetricNotComputed {
+        metric: String,
+        task: String,
+        computed: String,
+    },
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+}
+
+/// Counts and means for the summary and the manifest.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DatasetStats {
+    pub conversations: usize,
+    pub turns: usize,
+    pub candidates: usize,
+    pub sessions: usize,
+    pub pairs_train: usize,
+    pub pairs_test: usize,
+    /// Turns that gave no pair, by reason.
+    pub turns_without_pair: BTreeMap<String, usize>,
+    pub mean_mr_chosen: Option<f64>,
+    pub mean_mr_rejected: Option<f64>,
+    /// Scores a judge or the sandbox could not produce (counted per metric).
+    pub missing_scores: BTreeMap<String, usize>,
+    /// Pairs by turn index.
+    pub pairs_per_turn: BTreeMap<u32, usize>,
+}
+
+fn session_scores(rec: &ConversationRecord, turn: usize, cand: usize) -> Vec<SessionScores> {
+    rec.turns[turn].candidates[cand]
+        .sessions
+        .iter()
+        .map(|s| s.scores.iter().map(|(k, v)| (k.clone(), v.value)).collect())
+        .collect()
+}
+
+/// Checks that every weighted metric was computed for every record.
+fn check_metrics(records: &[ConversationRecord], scoring: &Scoring) -> Result<(), OutputError> {
+    let Some(weights) = &scoring.weights else {
+        return Ok(());
+    };
+    for rec in records {
+        let computed: Vec<&String> = rec.weights.keys().collect();
+        for m in weights.keys() {
+            if !rec.weights.contains_key(m) {
+                return Err(OutputError::MetricNotComputed {
+                    metric: m.clone(),
+                    task: rec.task_id.clone(),
+                    computed: computed
+                        .iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Pairs (train, test), flat rows and statistics of `records` under `scoring`.
+pub fn build(
+    records: &[ConversationRecord],
+    scoring: &Scoring,
+) -> Result<(Vec<PairRow>, Vec<PairRow>, Vec<FlatRow>, DatasetStats), OutputError> {
+    check_metrics(records, scoring)?;
+    let mut stats = DatasetStats {
+        conversations: records.len(),
+        ..Default::default()
+    };
+    let mut pairs = Vec::new();
+    let mut flat = Vec::new();
+    let (mut sum_c, mut sum_r) = (0.0, 0.0);
+    for rec in records {
+        let weights = scoring.weights.as_ref().unwrap_or(&rec.weights);
+        for (ti, turn) in rec.turns.iter().enumerate() {
+            stats.turns += 1;
+            let mrs: Vec<Option<f64>> = (0..turn.candidates.len())
+                .map(|ci| multiturn_reward(&session_scores(rec, ti, ci), weights, scoring.formula))
+                .collect();
+            for (ci, cand) in turn.candidates.iter().enumerate() {
+                stats.candidates += 1;
+                stats.sessions += cand.sessions.len();
+                for s in &cand.sessions {
+                    for (m, score) in &s.scores {
+                        if score.value.is_none() {
+                            *stats.missing_scores.entry(m.clone()).or_default() += 1;
+                        }
+                    }
+                }
+                flat.push(FlatRow {
+                    prompt: turn.history.clone(),
+                    completion: cand.text.clone(),
+                    conv_id: rec.task_id.clone(),
+                    turn_id: turn.turn_id,
+                    score: mrs[ci].unwrap_or(f64::NAN),
+                    single_turn_prompt: rec.goal.clone(),
+                    single_turn_completion: rec.reference.clone(),
+                    single_turn_metadata: rec.metadata.clone(),
+                    sessions: serde_json::to_value(&cand.sessions).unwrap_or_default(),
+                    rewards: rewards_json(rec, ti, ci, weights, mrs[ci]),
+                });
+            }
+            let selected = select_pairs(&mrs, scoring.min_gap, scoring.pairs);
+            if selected.is_empty() {
+                let reason = if turn.candidates.len() < 2 {
+                    "fewer than 2 candidates"
+                } else if mrs.iter().filter(|m| m.is_some()).count() < 2 {
+                    "missing scores"
+                } else {
+                    "gap below min_gap"
+                };
+                *stats.turns_without_pair.entry(reason.into()).or_default() += 1;
+            }
+            for (c, r) in selected {
+                let (mc, mr) = (mrs[c].unwrap_or(0.0), mrs[r].unwrap_or(0.0));
+                sum_c += mc;
+                sum_r += mr;
+                *stats.pairs_per_turn.entry(turn.turn_id).or_default() += 1;
+                pairs.push(PairRow {
+                    prompt: turn.history.clone(),
+                    chosen: vec![ChatMessage::assistant(turn.candidates[c].text.clone())],
+                    rejected: vec![ChatMessage::assistant(turn.candidates[r].text.clone())],
+                    score_chosen: mc,
+                    score_rejected: mr,
+                    conv_id: rec.task_id.clone(),
+                    turn_id: turn.turn_id,
+                });
+            }
+        }
+    }
+    let n = pairs.len();
+    if n > 0 {
+        stats.mean_mr_chosen = Some(sum_c / n as f64);
+        stats.mean_mr_rejected = Some(sum_r / n as f64);
+    }
+    let (train, test) = split_by_conversation(pairs, scoring.test_fraction, scoring.seed);
+    stats.pairs_train = train.len();
+    stats.pairs_test = test.len();
+    Ok((train, test, flat, stats))
+}
+
+fn rewards_json(
+    rec: &ConversationRecord,
+    turn: usize,
+    cand: usize,
+    weights: &BTreeMap<String, f64>,
+    mr: Option<f64>,
+) -> serde_json::Value {
+    let per_session: Vec<BTreeMap<String, Option<f64>>> = session_scores(rec, turn, cand);
+    serde_json::json!({"mr": mr, "weights": weights, "sessions": per_session})
+}
+
+/// Writes `flat.parquet` and `pairs/{train,test}.parquet` under `dir` (each atomically).
+pub fn write(
+    dir: &Path,
+    train: &[PairRow],
+    test: &[PairRow],
+    flat: &[FlatRow],
+) -> Result<(), OutputError> {
+    let pairs_dir = dir.join("pairs");
+    std::fs::create_dir_all(&pairs_dir).map_err(|e| OutputError::Io {
+        path: pairs_dir.display().to_string(),
+        message: e.to_string(),
+    })?;
+    write_pairs_parquet(&pairs_dir.join("train.parquet"), train)?;
+    write_pairs_parquet(&pairs_dir.join("test.parquet"), test)?;
+    write_flat_parquet(&dir.join("flat.parquet"), flat)?;
+    Ok(())
+}
+
+/// Writes JSON atomically (temp file + rename).
+pub fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<(), OutputError> {
+    let io = |e: std::io::Error| OutputError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    };
+    let tmp = path.with_extension("json.tmp");
+    let text = serde_json::to_string_pretty(value).map_err(|e| OutputError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?;
+    std::fs::write(&tmp, text).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}

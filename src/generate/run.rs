@@ -1,0 +1,604 @@
+//! A whole `generate_conv` run: tasks in, conversations out (append-only, resumable), then
+//! pairs, flat rows, manifest and summary. `--rescore` rebuilds the outputs from
+//! `conversations.jsonl` without a model call.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use serde::Serialize;
+
+use super::config::GenerateConfig;
+use super::conversation::Pipeline;
+use super::outputs::{self, DatasetStats, Scoring};
+use super::record::{now_secs, read_records, ConversationLog, ConversationRecord};
+use crate::llm::cache::RequestCache;
+use crate::llm::local::LoadOptions;
+use crate::llm::roles::Role;
+use crate::llm::tokens::TokenCounter;
+use crate::llm::UsageSnapshot;
+use crate::pairs::select_pairs;
+use crate::prompts::Prompts;
+use crate::reward::judge::{Judge, JudgeMode};
+use crate::reward::metrics::{check_tasks_for_metrics, default_weights, Scorer};
+use crate::reward::mr::{multiturn_reward, SessionScores};
+use crate::reward::sandbox::SandboxLimits;
+use crate::simulate::UserSimulator;
+use crate::task::{load_tasks, Task};
+
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// The four roles of a run.
+#[derive(Clone, Debug)]
+pub struct Roles {
+    pub policy: Role,
+    pub user: Role,
+    pub judge: Role,
+    pub assistant: Role,
+}
+
+impl Roles {
+    /// Builds every role from its spec; roles with the same local spec share one model.
+    pub async fn from_config(
+        cfg: &GenerateConfig,
+        cache: Option<Arc<RequestCache>>,
+    ) -> anyhow::Result<Roles> {
+        let load = LoadOptions::default();
+        let build = |name: &'static str, spec| {
+            let cache = cache.clone();
+            async move { Role::build(name, spec, &cfg.endpoint, &load, cache).await }
+        };
+        let policy = build("policy", &cfg.policy).await?;
+        let user = build("user", &cfg.user).await?;
+        let judge = build("judge", &cfg.judge).await?;
+        let assistant = if cfg.assistant.is_some() {
+            build("assistant", cfg.assistant_spec()).await?
+        } else {
+            policy.clone()
+        };
+        Ok(Roles {
+            policy,
+            user,
+            judge,
+            assistant,
+        })
+    }
+
+    fn usage(&self) -> BTreeMap<String, UsageSnapshot> {
+        let mut out = BTreeMap::new();
+        for r in [&self.policy, &self.user, &self.judge] {
+            out.insert(r.name.clone(), r.meter.snapshot());
+        }
+        if !Arc::ptr_eq(&self.assistant.meter, &self.policy.meter) {
+            out.insert(self.assistant.name.clone(), self.assistant.meter.snapshot());
+        }
+        out
+    }
+}
+
+/// What a run did, for the printed summary and the manifest.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunSummary {
+    pub output: String,
+    pub tasks_total: usize,
+    pub tasks_done_before: usize,
+    pub tasks_done_now: usize,
+    pub tasks_failed: Vec<(String, String)>,
+    pub stats: DatasetStats,
+    pub usage: BTreeMap<String, UsageSnapshot>,
+    pub wall_s: f64,
+    pub rescored: bool,
+}
+
+impl std::fmt::Display for RunSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.stats;
+        let fmt_opt = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.3}"));
+        writeln!(f, "run            {}", self.output)?;
+        writeln!(
+            f,
+            "tasks          {} total: {} finished before, {} now, {} failed",
+            self.tasks_total,
+            self.tasks_done_before,
+            self.tasks_done_now,
+            self.tasks_failed.len()
+        )?;
+        writeln!(
+            f,
+            "turns          {} ({} candidates, {} sessions)",
+            s.turns, s.candidates, s.sessions
+        )?;
+        writeln!(
+            f,
+            "pairs          {} train + {} test",
+            s.pairs_train, s.pairs_test
+        )?;
+        writeln!(
+            f,
+            "mean MR        chosen {} vs rejected {}",
+            fmt_opt(s.mean_mr_chosen),
+            fmt_opt(s.mean_mr_rejected)
+        )?;
+        if !s.turns_without_pair.is_empty() {
+            let why: Vec<String> = s
+                .turns_without_pair
+                .iter()
+                .map(|(k, v)| format!("{v} {k}"))
+                .collect();
+            writeln!(f, "no pair        {}", why.join(", "))?;
+        }
+        let missing: usize = s.missing_scores.values().sum();
+        writeln!(f, "judge failures {missing} missing scores {:?}", s.missing_scores)?;
+        writeln!(
+            f,
+            "{:<10} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}",
+            "role", "calls", "cached", "prompt", "completion", "retries", "failed"
+        )?;
+        for (role, u) in &self.usage {
+            writeln!(
+                f,
+                "{:<10} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}",
+                role,
+                u.calls,
+                u.cache_hits,
+                u.prompt_tokens,
+                u.completion_tokens,
+                u.retries,
+                u.failures
+            )?;
+        }
+        for (task, err) in &self.tasks_failed {
+            writeln!(f, "failed         {task}: {err}")?;
+        }
+        write!(f, "wall time      {:.1} s", self.wall_s)
+    }
+}
+
+/// Loads and checks the tasks of a config (first `max_tasks`).
+pub fn load_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task>> {
+    if cfg.tasks.starts_with("hf:") {
+        bail!(
+            "--tasks {}: importing from the Hugging Face Hub is not available yet; give a local JSONL or parquet file",
+            cfg.tasks
+        );
+    }
+    let mut tasks = load_tasks(Path::new(&cfg.tasks))?;
+    if let Some(k) = cfg.max_tasks {
+        tasks.truncate(k);
+    }
+    if tasks.is_empty() {
+        bail!("--tasks {}: no tasks", cfg.tasks);
+    }
+    for t in &tasks {
+        let metrics: Vec<String> = if cfg.metrics.is_empty() {
+            default_weights(t.task_type).into_keys().collect()
+        } else {
+            cfg.metrics.keys().cloned().collect()
+        };
+        check_tasks_for_metrics(std::slice::from_ref(t), &metrics)?;
+    }
+    Ok(tasks)
+}
+
+fn load_prompts(cfg: &GenerateConfig) -> anyhow::Result<Prompts> {
+    Ok(match &cfg.prompts {
+        Some(dir) => Prompts::from_dir(dir)?,
+        None => Prompts::builtin()?,
+    })
+}
+
+/// The plan of a run and an upper bound on its model calls (before retries; cached calls
+/// are free).
+pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
+    let n = cfg.candidates as u64;
+    let s = cfg.samples as u64;
+    let w = cfg.window as u64;
+    let turns = (cfg.max_messages as u64).saturating_sub(1).div_ceil(2).max(1);
+    let mut total = 0u64;
+    let mut lines = Vec::new();
+    for t in tasks {
+        let weights = if cfg.metrics.is_empty() {
+            default_weights(t.task_type)
+        } else {
+            cfg.metrics.clone()
+        };
+        let llm_metrics = weights.keys().filter(|m| *m != "token_amount").count() as u64;
+        let candidate_calls = u64::from(cfg.proactive_count() > 0)
+            + u64::from(cfg.candidates > cfg.proactive_count());
+        let per_turn = candidate_calls + n + n * s * w.saturating_sub(1) + n * s * llm_metrics;
+        total += 1 + turns * per_turn;
+        if lines.is_empty() {
+            lines.push(format!(
+                "per turn: {candidate_calls} candidate call(s), {n} simulator call(s) opening {s} future(s) each, \
+                 {} future message call(s), {} judge/extraction call(s)",
+                n * s * w.saturating_sub(1),
+                n * s * llm_metrics
+            ));
+        }
+    }
+    format!(
+        "tasks {} from {}\nroles: policy {}, user {}, judge {}, assistant {}\n\
+         N={} candidates ({} proactive), S={} futures, window {}, max {} messages (up to {} turns)\n\
+         metrics {}\n{}\nmodel calls: at most {} (before retries; cached calls cost nothing)",
+        tasks.len(),
+        cfg.tasks,
+        cfg.policy,
+        cfg.user,
+        cfg.judge,
+        cfg.assistant_spec(),
+        cfg.candidates,
+        cfg.proactive_count(),
+        cfg.samples,
+        cfg.window,
+        cfg.max_messages,
+        turns,
+        if cfg.metrics.is_empty() {
+            "task-type defaults".to_string()
+        } else {
+            format!("{:?}", cfg.metrics)
+        },
+        lines.join("\n"),
+        total
+    )
+}
+
+/// Refuses to resume a run directory made with different generation settings.
+fn check_resume(cfg: &GenerateConfig) -> anyhow::Result<()> {
+    let path = cfg.output.join(MANIFEST_FILE);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let old: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", path.display()))?;
+    let before = &old["generation_identity"];
+    let now = cfg.generation_identity();
+    if !before.is_null() && *before != now {
+        let changed: Vec<String> = now
+            .as_object()
+            .map(|o| {
+                o.iter()
+                    .filter(|(k, v)| before.get(k.as_str()) != Some(v))
+                    .map(|(k, _)| k.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        bail!(
+            "{} was made with different settings ({}); resume with the same settings, \
+             or choose a new --output (weights, --min-gap, --pairs and --mr-formula may change: \
+             they only re-score)",
+            cfg.output.display(),
+            changed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn scoring(cfg: &GenerateConfig) -> Scoring {
+    Scoring {
+        weights: (!cfg.metrics.is_empty()).then(|| cfg.metrics.clone()),
+        formula: cfg.mr_formula,
+        min_gap: cfg.min_gap,
+        pairs: cfg.pairs,
+        test_fraction: cfg.test_fraction,
+        seed: cfg.seed,
+    }
+}
+
+fn git_revision() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn manifest(
+    cfg: &GenerateConfig,
+    status: &str,
+    started_at: f64,
+    stats: Option<&DatasetStats>,
+    usage: &BTreeMap<String, UsageSnapshot>,
+    token_counter: Option<String>,
+    prompts_source: &str,
+    failed: &[(String, String)],
+) -> serde_json::Value {
+    serde_json::json!({
+        "tool": "collabllm-rs generate_conv",
+        "version": env!("CARGO_PKG_VERSION"),
+        "git_revision": git_revision(),
+        "status": status,
+        "started_at": started_at,
+        "updated_at": now_secs(),
+        "config": cfg,
+        "generation_identity": cfg.generation_identity(),
+        "seed": cfg.seed,
+        "prompts": prompts_source,
+        "token_amount_tokenizer": token_counter,
+        "counts": stats,
+        "failed_tasks": failed,
+        "usage": usage,
+        // Prices are not known to the tool; cost per role = tokens × your price.
+        "cost_usd": serde_json::Value::Null,
+    })
+}
+
+/// Runs (or resumes) generation with roles built from the config's specs.
+pub async fn generate(cfg: GenerateConfig) -> anyhow::Result<RunSummary> {
+    cfg.validate()?;
+    let tasks = load_config_tasks(&cfg)?;
+    std::fs::create_dir_all(&cfg.output)
+        .with_context(|| format!("creating {}", cfg.output.display()))?;
+    check_resume(&cfg)?;
+    let cache = RequestCache::open(cfg.output.join("cache"))?;
+    let roles = Roles::from_config(&cfg, Some(cache)).await?;
+    generate_with_roles(cfg, tasks, roles).await
+}
+
+/// Runs (or resumes) generation with the given roles (tests inject scripted backends).
+pub async fn generate_with_roles(
+    cfg: GenerateConfig,
+    tasks: Vec<Task>,
+    roles: Roles,
+) -> anyhow::Result<RunSummary> {
+    cfg.validate()?;
+    let started = Instant::now();
+    let started_at = now_secs();
+    let prompts = Arc::new(load_prompts(&cfg)?);
+    std::fs::create_dir_all(&cfg.output)
+        .with_context(|| format!("creating {}", cfg.output.display()))?;
+    check_resume(&cfg)?;
+    let (mut log, done_records) = ConversationLog::open(&cfg.output)?;
+    let done: HashSet<String> = done_records.iter().map(|r| r.task_id.clone()).collect();
+    let pending: Vec<Task> = tasks
+        .iter()
+        .filter(|t| !done.contains(&t.id))
+        .cloned()
+        .collect();
+
+    let tokens = match &roles.policy.engine {
+        Some(e) => TokenCounter::Local(e.clone()),
+        None => TokenCounter::cl100k().map_err(anyhow::Error::msg)?,
+    };
+    let token_name = tokens.name();
+    let judge = Arc::new(Judge {
+        role: roles.judge.clone(),
+        prompts: prompts.clone(),
+        mode: cfg.judge_mode,
+        retries: cfg.judge_retries,
+        max_tokens: cfg.judge_max_tokens,
+    });
+    let pipeline = Arc::new(Pipeline {
+        prompts: prompts.clone(),
+        policy: roles.policy.clone(),
+        assistant: roles.assistant.clone(),
+        user: UserSimulator {
+            role: roles.user.clone(),
+            prompts: prompts.clone(),
+            sampling: cfg.user_sampling.clone(),
+            termination: cfg.termination.clone(),
+            json: roles.user.engine.is_none(),
+            retries: cfg.user_retries,
+        },
+        scorer: Scorer {
+            judge,
+            tokens,
+            sandbox: SandboxLimits {
+                wall_timeout: Duration::from_secs_f64(cfg.sandbox_timeout_s),
+                ..SandboxLimits::default()
+            },
+        },
+        cfg: cfg.clone(),
+    });
+    let manifest_path = cfg.output.join(MANIFEST_FILE);
+    outputs::write_json_atomic(
+        &manifest_path,
+        &manifest(
+            &cfg,
+            "running",
+            started_at,
+            None,
+            &roles.usage(),
+            Some(token_name.clone()),
+            &prompts.source,
+            &[],
+        ),
+    )?;
+    if cfg.judge_mode == JudgeMode::Logprob && roles.judge.engine.is_none() {
+        bail!("--judge-mode logprob needs a local judge model; {} is an endpoint", roles.judge.spec);
+    }
+
+    let progress = Progress::new(pending.len(), done.len(), tasks.len());
+    let ticker = progress.spawn_ticker(roles.clone());
+    let mut failed = Vec::new();
+    let mut finished_now = 0;
+    let mut stream = futures::stream::iter(pending.into_iter().map(|task| {
+        let p = pipeline.clone();
+        async move {
+            let r = p.run(&task).await;
+            (task, r)
+        }
+    }))
+    .buffer_unordered(cfg.concurrency);
+    while let Some((task, result)) = stream.next().await {
+        match result {
+            Ok(record) => {
+                log.append(&record)?;
+                finished_now += 1;
+                progress.finished(&record, &pipeline);
+            }
+            Err(e) => {
+                tracing::warn!(task = %task.id, error = %e, "conversation failed; a rerun retries it");
+                progress.failed();
+                failed.push((task.id.clone(), e.to_string()));
+            }
+        }
+    }
+    drop(stream);
+    ticker.abort();
+    progress.finish();
+
+    let records = read_records(&cfg.output)?;
+    let (train, test, flat, stats) = outputs::build(&records, &scoring(&cfg))?;
+    outputs::write(&cfg.output, &train, &test, &flat)?;
+    let usage = roles.usage();
+    let status = if failed.is_empty() { "complete" } else { "incomplete" };
+    outputs::write_json_atomic(
+        &manifest_path,
+        &manifest(
+            &cfg,
+            status,
+            started_at,
+            Some(&stats),
+            &usage,
+            Some(token_name),
+            &prompts.source,
+            &failed,
+        ),
+    )?;
+    Ok(RunSummary {
+        output: cfg.output.display().to_string(),
+        tasks_total: tasks.len(),
+        tasks_done_before: done.len(),
+        tasks_done_now: finished_now,
+        tasks_failed: failed,
+        stats,
+        usage,
+        wall_s: started.elapsed().as_secs_f64(),
+        rescored: false,
+    })
+}
+
+/// Rebuilds MR, pairs, flat rows and the manifest's counts from `conversations.jsonl` with the
+/// config's weights, formula, gap and pair mode. Makes no model call.
+pub fn rescore(cfg: &GenerateConfig) -> anyhow::Result<RunSummary> {
+    let started = Instant::now();
+    let records: Vec<ConversationRecord> = read_records(&cfg.output)?;
+    if records.is_empty() {
+        bail!("{}: no finished conversations to re-score", cfg.output.display());
+    }
+    let (train, test, flat, stats) = outputs::build(&records, &scoring(cfg))?;
+    outputs::write(&cfg.output, &train, &test, &flat)?;
+    let path = cfg.output.join(MANIFEST_FILE);
+    let mut m: serde_json::Value = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_else(|| serde_json::json!({}));
+    m["counts"] = serde_json::to_value(&stats)?;
+    m["rescored"] = serde_json::json!({
+        "at": now_secs(),
+        "metrics": cfg.metrics, "mr_formula": cfg.mr_formula,
+        "min_gap": cfg.min_gap, "pairs": cfg.pairs,
+    });
+    outputs::write_json_atomic(&path, &m)?;
+    Ok(RunSummary {
+        output: cfg.output.display().to_string(),
+        tasks_total: records.len(),
+        tasks_done_before: records.len(),
+        tasks_done_now: 0,
+        tasks_failed: Vec::new(),
+        stats,
+        usage: BTreeMap::new(),
+        wall_s: started.elapsed().as_secs_f64(),
+        rescored: true,
+    })
+}
+
+/// Progress bars: tasks, and a live line of calls, tokens, pairs and call rate.
+struct Progress {
+    multi: indicatif::MultiProgress,
+    tasks: indicatif::ProgressBar,
+    status: indicatif::ProgressBar,
+    pairs: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+}
+
+impl Progress {
+    fn new(pending: usize, done: usize, total: usize) -> Self {
+        let multi = indicatif::MultiProgress::new();
+        let tasks = multi.add(indicatif::ProgressBar::new(total as u64));
+        tasks.set_style(
+            indicatif::ProgressStyle::with_template(
+                "tasks {bar:30} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        tasks.set_position(done as u64);
+        tasks.set_message(format!("{pending} to do"));
+        let status = multi.add(indicatif::ProgressBar::new_spinner());
+        Self {
+            multi,
+            tasks,
+            status,
+            pairs: Arc::new(AtomicUsize::new(0)),
+            failed: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn spawn_ticker(&self, roles: Roles) -> tokio::task::JoinHandle<()> {
+        let status = self.status.clone();
+        let pairs = self.pairs.clone();
+        let failed = self.failed.clone();
+        let start = Instant::now();
+        tokio::spawn(async move {
+            loop {
+                let u = roles
+                    .usage()
+                    .values()
+                    .fold(UsageSnapshot::default(), |a, b| a + *b);
+                let rate = u.calls as f64 / start.elapsed().as_secs_f64().max(1e-3);
+                status.set_message(format!(
+                    "calls {} ({rate:.1}/s, {} cached, {} retries) · tokens {} in / {} out · pairs {} · failed tasks {}",
+                    u.calls,
+                    u.cache_hits,
+                    u.retries,
+                    u.prompt_tokens,
+                    u.completion_tokens,
+                    pairs.load(Ordering::Relaxed),
+                    failed.load(Ordering::Relaxed)
+                ));
+                status.tick();
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        })
+    }
+
+    fn finished(&self, rec: &ConversationRecord, p: &Pipeline) {
+        let mut n = 0;
+        for turn in &rec.turns {
+            let mrs: Vec<Option<f64>> = turn
+                .candidates
+                .iter()
+                .map(|c| {
+                    let s: Vec<SessionScores> = c
+                        .sessions
+                        .iter()
+                        .map(|s| s.scores.iter().map(|(k, v)| (k.clone(), v.value)).collect())
+                        .collect();
+                    multiturn_reward(&s, &rec.weights, p.cfg.mr_formula)
+                })
+                .collect();
+            n += select_pairs(&mrs, p.cfg.min_gap, p.cfg.pairs).len();
+        }
+        self.pairs.fetch_add(n, Ordering::Relaxed);
+        self.tasks.inc(1);
+    }
+
+    fn failed(&self) {
+        self.failed.fetch_add(1, Ordering::Relaxed);
+        self.tasks.inc(1);
+    }
+
+    fn finish(&self) {
+        self.tasks.finish_and_clear();
+        self.status.finish_and_clear();
+        let _ = self.multi.clear();
+    }
+}

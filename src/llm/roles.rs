@@ -1,0 +1,116 @@
+//! A *role* (policy, simulated user, judge, future assistant) is a backend built from a model
+//! spec, wrapped in the run's request cache and a usage meter of its own.
+
+use std::sync::Arc;
+
+use super::cache::{CachedBackend, RequestCache};
+use super::engine::Engine;
+use super::local::{LoadOptions, LocalBackend, LocalLoadError};
+use super::openai::OpenAiBackend;
+use super::usage::{MeteredBackend, UsageMeter};
+use super::{ChatBackend, EndpointOptions, LlmError, ModelSpec, SharedBackend};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RoleError {
+    #[error("--{role} {spec}: {source}")]
+    Local {
+        role: String,
+        spec: String,
+        #[source]
+        source: LocalLoadError,
+    },
+    #[error("--{role} {spec}: {source}")]
+    Remote {
+        role: String,
+        spec: String,
+        #[source]
+        source: LlmError,
+    },
+}
+
+/// One role's backend, meter and (for local models) engine.
+#[derive(Clone)]
+pub struct Role {
+    pub name: String,
+    /// The spec as given (for manifests), or a description for injected backends.
+    pub spec: String,
+    /// Cached and metered: what the pipeline calls.
+    pub backend: SharedBackend,
+    pub meter: Arc<UsageMeter>,
+    /// The local engine behind this role, if any (tokenizer, log-probability judging).
+    pub engine: Option<Arc<Engine>>,
+}
+
+impl std::fmt::Debug for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Role")
+            .field("name", &self.name)
+            .field("spec", &self.spec)
+            .finish()
+    }
+}
+
+impl Role {
+    /// Wraps any backend (tests inject scripted ones) in the cache and a fresh meter.
+    pub fn from_backend(
+        name: &str,
+        spec: &str,
+        inner: SharedBackend,
+        cache: Option<Arc<RequestCache>>,
+        engine: Option<Arc<Engine>>,
+    ) -> Role {
+        let cached: SharedBackend = match cache {
+            Some(c) => Arc::new(CachedBackend::new(inner, c)),
+            None => inner,
+        };
+        let meter = UsageMeter::new();
+        let backend: SharedBackend = Arc::new(MeteredBackend::new(cached, meter.clone()));
+        Role {
+            name: name.to_string(),
+            spec: spec.to_string(),
+            backend,
+            meter,
+            engine,
+        }
+    }
+
+    /// Builds the role's backend from a model spec: local models load (once per process),
+    /// endpoints get a client with the run's retry and concurrency settings.
+    pub async fn build(
+        name: &str,
+        spec: &ModelSpec,
+        endpoint: &EndpointOptions,
+        load: &LoadOptions,
+        cache: Option<Arc<RequestCache>>,
+    ) -> Result<Role, RoleError> {
+        match spec {
+            ModelSpec::OpenAi { model, base_url } => {
+                let b = OpenAiBackend::new(model, base_url.as_deref(), endpoint).map_err(|e| {
+                    RoleError::Remote {
+                        role: name.into(),
+                        spec: spec.to_string(),
+                        source: e,
+                    }
+                })?;
+                Ok(Self::from_backend(name, &spec.to_string(), b, cache, None))
+            }
+            _ => {
+                let local = LocalBackend::load(spec, load)
+                    .await
+                    .map_err(|e| RoleError::Local {
+                        role: name.into(),
+                        spec: spec.to_string(),
+                        source: e,
+                    })?;
+                let engine = local.engine().clone();
+                Ok(Self::from_backend(
+                    name,
+                    &spec.to_string(),
+                    local as Arc<dyn ChatBackend>,
+                    cache,
+                    Some(engine),
+                ))
+            }
+        }
+    }
+}

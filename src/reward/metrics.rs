@@ -1,0 +1,303 @@
+//! The metrics of DESIGN §2 — one implementation, shared by generation and evaluation — and
+//! their weights.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::judge::Judge;
+use super::sandbox::{run_python_tests, SandboxLimits};
+use crate::llm::tokens::TokenCounter;
+use crate::llm::ChatMessage;
+use crate::parse::extract_code;
+use crate::prompts::Prompt;
+use crate::simulate::transcript;
+use crate::task::{Task, TaskType};
+
+/// Metric names and their native ranges.
+pub const METRICS: &[(&str, &str)] = &[
+    ("accuracy", "{0,1}: LLM judge of the final answer; for math a programmatic check of the final boxed/last number wins when it parses"),
+    ("interactivity", "[0,1]: LLM judge rating 1-5 mapped linearly"),
+    ("token_amount", ">=0: thousands of assistant tokens in the candidate and its future"),
+    ("bleu", "[0,1]: token-level BLEU-4 (13a, exp smoothing) of the LLM-extracted final document against the reference"),
+    ("pass_rate", "{0,1}: the LLM-extracted final code passes the task's unittest tests in the sandbox"),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricError {
+    #[error("unknown metric `{name}` (known: {known})")]
+    Unknown { name: String, known: String },
+    #[error("malformed metric weight `{arg}`: expected name=weight, e.g. accuracy=1 or token_amount=-0.1")]
+    Malformed { arg: String },
+    #[error("metric `{metric}` needs {what}, which task {task} does not have")]
+    TaskLacks {
+        metric: String,
+        task: String,
+        what: String,
+    },
+}
+
+pub fn check_metric_name(name: &str) -> Result<(), MetricError> {
+    if METRICS.iter().any(|(m, _)| *m == name) {
+        Ok(())
+    } else {
+        Err(MetricError::Unknown {
+            name: name.to_string(),
+            known: METRICS.iter().map(|(m, _)| *m).collect::<Vec<_>>().join(", "),
+        })
+    }
+}
+
+/// Parses `name=weight` (the `--metric` flag).
+pub fn parse_metric_weight(arg: &str) -> Result<(String, f64), MetricError> {
+    let malformed = || MetricError::Malformed {
+        arg: arg.to_string(),
+    };
+    let (name, w) = arg.split_once('=').ok_or_else(malformed)?;
+    let name = name.trim();
+    check_metric_name(name)?;
+    let w: f64 = w.trim().parse().map_err(|_| malformed())?;
+    if !w.is_finite() {
+        return Err(malformed());
+    }
+    Ok((name.to_string(), w))
+}
+
+/// DESIGN §2 defaults: math accuracy=1, interactivity=1, token_amount=−0.1; document editing
+/// bleu=1, token_amount=−0.1; code pass_rate=1, token_amount=−0.5.
+pub fn default_weights(task_type: TaskType) -> BTreeMap<String, f64> {
+    let w: &[(&str, f64)] = match task_type {
+        TaskType::Math => &[
+            ("accuracy", 1.0),
+            ("interactivity", 1.0),
+            ("token_amount", -0.1),
+        ],
+        TaskType::DocEdit => &[("bleu", 1.0), ("token_amount", -0.1)],
+        TaskType::Code => &[("pass_rate", 1.0), ("token_amount", -0.5)],
+        TaskType::TwentyQuestions => &[("interactivity", 1.0)],
+    };
+    w.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+/// Checks up front that every task has what the chosen metrics need.
+pub fn check_tasks_for_metrics(tasks: &[Task], metrics: &[String]) -> Result<(), MetricError> {
+    for t in tasks {
+        for m in metrics {
+            let lacks = |what: &str| MetricError::TaskLacks {
+                metric: m.clone(),
+                task: t.id.clone(),
+                what: what.into(),
+            };
+            match m.as_str() {
+                "accuracy" | "bleu" if t.reference.trim().is_empty() => {
+                    return Err(lacks("a `reference`"))
+                }
+                "pass_rate" if tests_of(t).is_none() => {
+                    return Err(lacks("unittest code in `metadata.tests`"))
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+fn tests_of(task: &Task) -> Option<&str> {
+    task.metadata
+        .get("tests")
+        .and_then(|v| v.as_str())
+        .filter(|s| !s.trim().is_empty())
+}
+
+/// One metric's score of one session, with what produced it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MetricScore {
+    /// Native range; `None` = missing (the judge gave no usable answer).
+    pub value: Option<f64>,
+    /// How it was computed: `llm-json`, `llm-logprob`, `programmatic`, `tokens:<tokenizer>`,
+    /// `sandbox`, ….
+    pub method: String,
+    /// Raw judge or extractor output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raw: Option<String>,
+    /// Metric-specific details (the extracted answer, the sandbox outcome, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<serde_json::Value>,
+}
+
+/// Computes metrics of sessions.
+pub struct Scorer {
+    pub judge: Arc<Judge>,
+    pub tokens: TokenCounter,
+    pub sandbox: SandboxLimits,
+}
+
+impl Scorer {
+    /// Scores the session `history + candidate + future` on `metric`.
+    pub async fn score(
+        &self,
+        metric: &str,
+        task: &Task,
+        history: &[ChatMessage],
+        candidate_and_future: &[ChatMessage],
+        seed: u64,
+    ) -> MetricScore {
+        let session: Vec<ChatMessage> = [history, candidate_and_future].concat();
+        match metric {
+            "accuracy" => self.accuracy(task, &session, seed).await,
+            "interactivity" => {
+                let v = self.judge.interactivity(&transcript(&session), seed).await;
+                MetricScore {
+                    value: v.value,
+                    method: v.method,
+                    raw: Some(v.raw),
+                    detail: None,
+                }
+            }
+            "token_amount" => {
+                let n: usize = candidate_and_future
+                    .iter()
+                    .filter(|m| m.role == "assistant")
+                    .map(|m| self.tokens.count(&m.content))
+                    .sum();
+                MetricScore {
+                    value: Some(n as f64 / 1000.0),
+                    method: format!("tokens:{}", self.tokens.name()),
+                    raw: None,
+                    detail: Some(serde_json::json!({"tokens": n})),
+                }
+            }
+            "bleu" => self.bleu(task, &session, seed).await,
+            "pass_rate" => self.pass_rate(task, &session, seed).await,
+            other => MetricScore {
+                value: None,
+                method: format!("unknown metric {other}"),
+                raw: None,
+                detail: None,
+            },
+        }
+    }
+
+    async fn accuracy(&self, task: &Task, session: &[ChatMessage], seed: u64) -> MetricScore {
+        let verdict = self
+            .judge
+            .accuracy(&task.prompt, &task.reference, &transcript(session), seed)
+            .await;
+        let programmatic = if task.task_type == TaskType::Math {
+            last_assistant(session)
+                .and_then(|text| super::math::check_math(text, &task.reference))
+        } else {
+            None
+        };
+        let detail = serde_json::json!({
+            "judge": verdict.value,
+            "judge_method": verdict.method,
+            "programmatic": programmatic,
+        });
+        match programmatic {
+            Some(ok) => MetricScore {
+                value: Some(if ok { 1.0 } else { 0.0 }),
+                method: "programmatic".into(),
+                raw: Some(verdict.raw),
+                detail: Some(detail),
+            },
+            None => MetricScore {
+                value: verdict.value,
+                method: verdict.method,
+                raw: Some(verdict.raw),
+                detail: Some(detail),
+            },
+        }
+    }
+
+    async fn bleu(&self, task: &Task, session: &[ChatMessage], seed: u64) -> MetricScore {
+        let extracted = self
+            .judge
+            .extract(Prompt::ExtractDocument, &task.prompt, &transcript(session), seed)
+            .await;
+        let (doc, raw, method) = match extracted {
+            Some((doc, raw)) if !doc.trim().is_empty() => (doc, Some(raw), "llm-extract+bleu13a"),
+            other => (
+                last_assistant(session).unwrap_or("").to_string(),
+                other.map(|(_, raw)| raw),
+                "last-message+bleu13a",
+            ),
+        };
+        MetricScore {
+            value: Some(super::bleu::sentence_bleu(&doc, &task.reference)),
+            method: method.into(),
+            raw,
+            detail: Some(serde_json::json!({"document": doc})),
+        }
+    }
+
+    async fn pass_rate(&self, task: &Task, session: &[ChatMessage], seed: u64) -> MetricScore {
+        let Some(tests) = tests_of(task) else {
+            return MetricScore {
+                value: None,
+                method: "sandbox".into(),
+                raw: None,
+                detail: Some(serde_json::json!({"error": "task has no metadata.tests"})),
+            };
+        };
+        let extracted = self
+            .judge
+            .extract(Prompt::ExtractCode, &task.prompt, &transcript(session), seed)
+            .await;
+        let raw = extracted.as_ref().map(|(_, r)| r.clone());
+        let code = extracted
+            .and_then(|(_, r)| extract_code(&r))
+            .filter(|c| !c.trim().is_empty())
+            .or_else(|| last_assistant(session).and_then(extract_code));
+        let Some(code) = code else {
+            return MetricScore {
+                value: Some(0.0),
+                method: "sandbox".into(),
+                raw,
+                detail: Some(serde_json::json!({"error": "no code in the conversation"})),
+            };
+        };
+        match run_python_tests(&code, tests, &self.sandbox).await {
+            Ok(outcome) => MetricScore {
+                value: Some(if outcome.passed { 1.0 } else { 0.0 }),
+                method: "sandbox".into(),
+                raw,
+                detail: Some(serde_json::json!({"code": code, "outcome": outcome})),
+            },
+            Err(e) => MetricScore {
+                value: None,
+                method: "sandbox".into(),
+                raw,
+                detail: Some(serde_json::json!({"code": code, "error": e.to_string()})),
+            },
+        }
+    }
+}
+
+fn last_assistant(session: &[ChatMessage]) -> Option<&str> {
+    session
+        .iter()
+        .rev()
+        .find(|m| m.role == "assistant")
+        .map(|m| m.content.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_parse_and_name_errors() {
+        assert_eq!(
+            parse_metric_weight("token_amount=-0.1").unwrap(),
+            ("token_amount".to_string(), -0.1)
+        );
+        let e = parse_metric_weight("acuracy=1").unwrap_err().to_string();
+        assert!(e.contains("acuracy") && e.contains("accuracy"), "{e}");
+        let e = parse_metric_weight("accuracy=lots").unwrap_err().to_string();
+        assert!(e.contains("accuracy=lots"), "{e}");
+        assert!(parse_metric_weight("accuracy").is_err());
+        assert!(parse_metric_weight("accuracy=inf").is_err());
+    }
+}

@@ -1,0 +1,9 @@
+//! Rewards: the metrics that score simulated futures (judges, programmatic checks, BLEU,
+//! sandboxed tests, token counts) and the multiturn-aware reward that combines them.
+
+pub mod bleu;
+pub mod judge;
+pub mod math;
+pub mod metrics;
+pub mod mr;
+pub mod sandbox;

@@ -1,0 +1,284 @@
+//! The simulated user and the futures it plays out. The simulator knows the task's hidden goal
+//! and reveals it gradually; its state is the request itself (task + history), so concurrent
+//! rollouts can never leak one task's goal into another. A failed simulation is retried and,
+//! when every try fails, an error: never an empty user turn.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::llm::roles::Role;
+use crate::llm::{ChatMessage, ChatRequest, LlmError};
+use crate::prompts::{Prompt, PromptError, Prompts};
+use crate::task::{Task, TaskType};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("{role}: {source}")]
+    Model {
+        role: String,
+        #[source]
+        source: LlmError,
+    },
+    #[error(transparent)]
+    Prompt(#[from] PromptError),
+    #[error("user simulator gave no usable message after {attempts} attempts (last output: {last:?})")]
+    NoUserMessage { attempts: u32, last: String },
+}
+
+/// Sampling settings of one role.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub max_tokens: usize,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_tokens: 256,
+        }
+    }
+}
+
+/// One simulated user message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UserTurn {
+    pub text: String,
+    /// The message is (or contains) the termination signal.
+    pub terminated: bool,
+    /// The simulator's raw output (JSON for API simulators).
+    pub raw: String,
+}
+
+/// Plain-text transcript of a conversation for judges and the simulator ("User: …").
+pub fn transcript(messages: &[ChatMessage]) -> String {
+    messages
+        .iter()
+        .filter(|m| m.role != "system")
+        .map(|m| {
+            let who = if m.role == "assistant" {
+                "Assistant"
+            } else {
+                "User"
+            };
+            format!("{who}: {}", m.content.trim())
+        })
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+/// A stable seed for one call site of a run: (run seed, task, turn, purpose, index).
+pub fn derive_seed(run_seed: u64, parts: &[&str]) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(run_seed.to_le_bytes());
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p.as_bytes());
+    }
+    let d = h.finalize();
+    // Keep seeds within i64: OpenAI-compatible servers take a signed 64-bit seed.
+    u64::from_le_bytes(d[..8].try_into().unwrap_or([0; 8])) >> 1
+}
+
+pub struct UserSimulator {
+    pub role: Role,
+    pub prompts: Arc<Prompts>,
+    pub sampling: Sampling,
+    pub termination: String,
+    /// Ask for `{current_answer, thought, response}` JSON (API models); local models answer in
+    /// plain text.
+    pub json: bool,
+    /// Extra attempts per sample when the output is unusable.
+    pub retries: u32,
+}
+
+impl UserSimulator {
+    fn prompt(&self, task: &Task, history: &[ChatMessage]) -> Result<String, PromptError> {
+        self.prompts.render(
+            Prompt::User(task.task_type),
+            serde_json::json!({
+                "goal": task.prompt,
+                "reference": task.reference,
+                "show_reference": task.task_type == TaskType::DocEdit,
+                "task_type": task.task_type.to_string(),
+                "conversation": transcript(history),
+                "termination": self.termination,
+                "json": self.json,
+            }),
+        )
+    }
+
+    /// `n` independent next user messages for `history` (an empty history asks for the
+    /// opening message). Sample `i` is seeded `seed + i`; an unusable sample is redrawn with
+    /// another seed, at most `retries` times.
+    pub async fn next_messages(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        n: usize,
+        seed: u64,
+    ) -> Result<Vec<UserTurn>, SimError> {
+        let prompt = self.prompt(task, history)?;
+        let req = ChatRequest::new(vec![ChatMessage::user(prompt)])
+            .temperature(self.sampling.temperature)
+            .top_p(self.sampling.top_p)
+            .max_tokens(self.sampling.max_tokens)
+            .json_mode(self.json)
+            .n(n)
+            .seed(seed);
+        let resp = self.call(&req).await?;
+        let mut out = Vec::with_capacity(n);
+        for (i, choice) in resp.choices.iter().enumerate() {
+            let mut parsed = self.parse(&choice.content);
+            let mut last = choice.content.clone();
+            let mut attempt = 0;
+            while parsed.is_none() && attempt < self.retries {
+                attempt += 1;
+                // Redraw this one sample with a seed outside the batch's range.
+                let retry = req
+                    .clone()
+                    .n(1)
+                    .seed(seed.wrapping_add(((attempt as u64) << 32) + i as u64))
+                    .temperature(self.sampling.temperature.max(0.7));
+                let r = self.call(&retry).await?;
+                last = r.choices[0].content.clone();
+                parsed = self.parse(&last);
+            }
+            out.push(parsed.ok_or(SimError::NoUserMessage {
+                attempts: attempt + 1,
+                last,
+            })?);
+        }
+        Ok(out)
+    }
+
+    async fn call(&self, req: &ChatRequest) -> Result<crate::llm::ChatResponse, SimError> {
+        self.role
+            .backend
+            .chat(req)
+            .await
+            .map_err(|e| SimError::Model {
+                role: self.role.name.clone(),
+                source: e,
+            })
+    }
+
+    /// A usable user message from raw simulator output, or `None`.
+    pub fn parse(&self, raw: &str) -> Option<UserTurn> {
+        let text = if self.json {
+            let obj = crate::reward::parse::parse_json_object(raw)?;
+            obj.get("response")?.as_str()?.to_string()
+        } else {
+            clean_plain_user_text(raw)
+        };
+        let terminated = text.contains(&self.termination);
+        let text = if terminated {
+            self.termination.clone()
+        } else {
+            text.trim().to_string()
+        };
+        if text.is_empty() {
+            return None;
+        }
+        Some(UserTurn {
+            text,
+            terminated,
+            raw: raw.to_string(),
+        })
+    }
+}
+
+/// A small local model often writes the speaker's label or keeps going as the assistant: keep
+/// only the user's own words.
+fn clean_plain_user_text(raw: &str) -> String {
+    let mut t = raw.trim();
+    for prefix in ["USER:", "User:", "user:"] {
+        if let Some(rest) = t.strip_prefix(prefix) {
+            t = rest.trim();
+        }
+    }
+    let cut = ["\nAssistant:", "\nASSISTANT:", "\nassistant:", "\nUser:", "\nUSER:"]
+        .iter()
+        .filter_map(|m| t.find(m))
+        .min()
+        .unwrap_or(t.len());
+    t[..cut].trim().trim_matches('"').trim().to_string()
+}
+
+/// One simulated continuation of a conversation (the messages after the candidate).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Future {
+    pub messages: Vec<ChatMessage>,
+    /// Ended by the user's termination signal (rather than the window).
+    pub terminated: bool,
+    /// Raw simulator outputs, one per user message.
+    pub user_raw: Vec<String>,
+}
+
+/// Plays a future out from `base` (history + candidate) for at most `window` messages,
+/// starting from an already sampled first user message and stopping right after a message
+/// that carries the termination signal.
+pub async fn rollout_future(
+    user: &UserSimulator,
+    assistant: &Role,
+    assistant_sampling: &Sampling,
+    task: &Task,
+    base: &[ChatMessage],
+    first_user: UserTurn,
+    window: usize,
+    seed: u64,
+) -> Result<Future, SimError> {
+    let mut future = Future {
+        messages: Vec::new(),
+        terminated: false,
+        user_raw: Vec::new(),
+    };
+    let mut next_user = Some(first_user);
+    let mut step = 0u64;
+    while future.messages.len() < window {
+        let turn = match next_user.take() {
+            Some(t) => t,
+            None => {
+                let history = [base, &future.messages[..]].concat();
+                let mut turns = user
+                    .next_messages(task, &history, 1, seed.wrapping_add(step))
+                    .await?;
+                turns.remove(0)
+            }
+        };
+        future.user_raw.push(turn.raw.clone());
+        future.messages.push(ChatMessage::user(turn.text.clone()));
+        if turn.terminated {
+            future.terminated = true;
+            break;
+        }
+        if future.messages.len() >= window {
+            break;
+        }
+        let history = [base, &future.messages[..]].concat();
+        let req = ChatRequest::new(history)
+            .temperature(assistant_sampling.temperature)
+            .top_p(assistant_sampling.top_p)
+            .max_tokens(assistant_sampling.max_tokens)
+            .seed(seed.wrapping_add(1000 + step));
+        let resp = assistant
+            .backend
+            .chat(&req)
+            .await
+            .map_err(|e| SimError::Model {
+                role: assistant.name.clone(),
+                source: e,
+            })?;
+        future
+            .messages
+            .push(ChatMessage::assistant(resp.choices[0].content.clone()));
+        step += 1;
+    }
+    Ok(future)
+}

@@ -1,0 +1,401 @@
+//! `generate_conv` end to end: the library on the tiny model with scripted roles, and the
+//! binary against a local OpenAI-compatible server (kill and resume, injected faults,
+//! re-scoring without model calls, bad input).
+
+mod common;
+#[path = "common/model_util.rs"]
+mod model_util;
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use arrow::array::{Array, Float64Array, Int64Array, ListArray, StringArray, StructArray};
+use arrow::datatypes::{DataType, Field, Fields};
+use collabllm::generate::{generate_with_roles, GenerateConfig, Roles};
+use collabllm::llm::roles::Role;
+use collabllm::llm::scripted::ScriptedBackend;
+use collabllm::llm::tiny::TinySpec;
+use common::collab_script;
+use common::fault_server::{Fault, FaultServer};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+
+fn data(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+fn scripted(name: &str) -> std::sync::Arc<ScriptedBackend> {
+    ScriptedBackend::new(name, |req, i| {
+        let prompt = &req.messages.last().map(|m| m.content.clone()).unwrap_or_default();
+        Ok(collab_script::reply(prompt, req.seed.unwrap_or(0), i))
+    })
+}
+
+fn message_list_type() -> DataType {
+    let fields = Fields::from(vec![
+        Field::new("role", DataType::Utf8, true),
+        Field::new("content", DataType::Utf8, true),
+    ]);
+    DataType::List(std::sync::Arc::new(Field::new(
+        "item",
+        DataType::Struct(fields),
+        true,
+    )))
+}
+
+/// Reads a pairs parquet with the plain arrow reader; returns (conv_id, score_chosen,
+/// score_rejected) per row after checking the schema.
+fn read_pairs(path: &Path) -> Vec<(String, f64, f64)> {
+    let file = std::fs::File::open(path).unwrap();
+    let builder = ParquetRecordBatchReaderBuilder::try_new(file).unwrap();
+    let schema = builder.schema().clone();
+    let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+    assert_eq!(
+        names,
+        ["prompt", "chosen", "rejected", "score_chosen", "score_rejected", "conv_id", "turn_id"]
+    );
+    for col in ["prompt", "chosen", "rejected"] {
+        let dt = schema.field_with_name(col).unwrap().data_type();
+        match (dt, message_list_type()) {
+            (DataType::List(a), DataType::List(b)) => {
+                assert_eq!(a.data_type(), b.data_type(), "{col}");
+            }
+            _ => panic!("{col} is {dt:?}"),
+        }
+    }
+    assert_eq!(schema.field_with_name("score_chosen").unwrap().data_type(), &DataType::Float64);
+    assert_eq!(schema.field_with_name("conv_id").unwrap().data_type(), &DataType::Utf8);
+    assert_eq!(schema.field_with_name("turn_id").unwrap().data_type(), &DataType::Int64);
+    let mut out = Vec::new();
+    for batch in builder.build().unwrap() {
+        let batch = batch.unwrap();
+        let conv = batch.column_by_name("conv_id").unwrap().as_any().downcast_ref::<StringArray>().unwrap();
+        let sc = batch.column_by_name("score_chosen").unwrap().as_any().downcast_ref::<Float64Array>().unwrap();
+        let sr = batch.column_by_name("score_rejected").unwrap().as_any().downcast_ref::<Float64Array>().unwrap();
+        let _turn = batch.column_by_name("turn_id").unwrap().as_any().downcast_ref::<Int64Array>().unwrap();
+        let chosen = batch.column_by_name("chosen").unwrap().as_any().downcast_ref::<ListArray>().unwrap();
+        for i in 0..batch.num_rows() {
+            let msgs = chosen.value(i);
+            let msgs = msgs.as_any().downcast_ref::<StructArray>().unwrap();
+            assert_eq!(msgs.len(), 1, "chosen is one assistant message");
+            let role = msgs.column_by_name("role").unwrap().as_any().downcast_ref::<StringArray>().unwrap();
+            assert_eq!(role.value(0), "assistant");
+            out.push((conv.value(i).to_string(), sc.value(i), sr.value(i)));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
+    let (_g, policy) = model_util::load_tiny(&TinySpec::default()).await;
+    let out = tempfile::tempdir().unwrap();
+    let cfg = GenerateConfig {
+        tasks: data("math.jsonl"),
+        output: out.path().join("run"),
+        candidates: 3,
+        samples: 2,
+        window: 2,
+        max_messages: 6,
+        max_tasks: Some(6),
+        min_gap: 0.05,
+        test_fraction: 0.34,
+        concurrency: 3,
+        policy_sampling: collabllm::simulate::Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_tokens: 16,
+        },
+        assistant_sampling: collabllm::simulate::Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_tokens: 16,
+        },
+        ..GenerateConfig::default()
+    };
+    let engine = policy.engine().clone();
+    let policy_role = Role::from_backend("policy", "tiny", policy, None, Some(engine));
+    let roles = Roles {
+        assistant: policy_role.clone(),
+        policy: policy_role,
+        user: Role::from_backend("user", "scripted", scripted("user"), None, None),
+        judge: Role::from_backend("judge", "scripted", scripted("judge"), None, None),
+    };
+    let tasks = collabllm::generate::run::load_config_tasks(&cfg).unwrap();
+    let summary = generate_with_roles(cfg.clone(), tasks, roles).await.unwrap();
+    assert_eq!(summary.tasks_done_now, 6, "{summary}");
+    assert!(summary.tasks_failed.is_empty(), "{summary}");
+
+    let train = read_pairs(&cfg.output.join("pairs/train.parquet"));
+    let test = read_pairs(&cfg.output.join("pairs/test.parquet"));
+    assert!(!train.is_empty() && !test.is_empty(), "{summary}");
+    for (_, c, r) in train.iter().chain(&test) {
+        assert!(c >= &(r + cfg.min_gap - 1e-12), "chosen {c} vs rejected {r}");
+    }
+    let train_convs: HashSet<&String> = train.iter().map(|p| &p.0).collect();
+    let test_convs: HashSet<&String> = test.iter().map(|p| &p.0).collect();
+    assert!(train_convs.is_disjoint(&test_convs), "split by conversation");
+    assert_eq!(summary.stats.pairs_train + summary.stats.pairs_test, train.len() + test.len());
+
+    // Every candidate, session and score is kept; the proactive/plain split is recorded.
+    let text = std::fs::read_to_string(cfg.output.join("conversations.jsonl")).unwrap();
+    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(recs.len(), 6);
+    let turn = &recs[0]["turns"][0];
+    assert_eq!(turn["candidates"].as_array().unwrap().len(), 3);
+    let variants: Vec<&str> = turn["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["variant"].as_str().unwrap())
+        .collect();
+    assert_eq!(variants.iter().filter(|v| **v == "proactive").count(), 2, "round(3 × 0.5)");
+    let session = &turn["candidates"][0]["sessions"][0];
+    for m in ["accuracy", "interactivity", "token_amount"] {
+        assert!(session["scores"][m]["value"].is_number(), "{m}: {session}");
+    }
+    assert!(session["scores"]["token_amount"]["method"]
+        .as_str()
+        .unwrap()
+        .contains("tiny-llama tokenizer"));
+    assert!(recs[0]["messages"][0]["content"].as_str().unwrap().len() > 3, "first user message is not empty");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cfg.output.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["status"], "complete");
+    assert!(manifest["usage"]["judge"]["calls"].as_u64().unwrap() > 0);
+    assert!(cfg.output.join("flat.parquet").is_file());
+}
+
+// ---- the binary against a local OpenAI-compatible server ----
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_generate_conv")
+}
+
+async fn collab_server() -> FaultServer {
+    let server = FaultServer::start().await;
+    server.set_responder(collab_script::reply_to_body);
+    server
+}
+
+fn endpoint_args(server: &FaultServer, out: &Path, tasks: &str) -> Vec<String> {
+    let spec = format!("openai:scripted@{}", server.base_url);
+    [
+        "--tasks", tasks,
+        "--output", out.to_str().unwrap(),
+        "--policy", &spec, "--user", &spec, "--judge", &spec,
+        "--candidates", "3", "--samples", "2", "--window", "2", "--max-messages", "4",
+        "--concurrency", "2", "--max-retries", "6", "--timeout", "5",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+async fn run_bin(args: &[String]) -> std::process::Output {
+    tokio::process::Command::new(bin())
+        .args(args)
+        .env("OPENAI_API_KEY", "test-key")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("running generate_conv")
+}
+
+fn task_ids(out: &Path) -> Vec<String> {
+    std::fs::read_to_string(out.join("conversations.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["task_id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn killed_run_resumes_to_the_same_tasks() {
+    let server = collab_server().await;
+    // Slow answers so that the kill lands mid-run.
+    server.set_fault_rate(1.0, 1, vec![Fault::Delay(Duration::from_millis(15))]);
+    let tmp = tempfile::tempdir().unwrap();
+    let tasks = data("math.jsonl");
+    let full = tmp.path().join("full");
+    let mut args = endpoint_args(&server, &full, &tasks);
+    args.extend(["--max-tasks".into(), "8".into()]);
+    let out = run_bin(&args).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut expected = task_ids(&full);
+    expected.sort();
+    assert_eq!(expected.len(), 8);
+
+    let killed = tmp.path().join("killed");
+    let mut args = endpoint_args(&server, &killed, &tasks);
+    args.extend(["--max-tasks".into(), "8".into()]);
+    let mut child = tokio::process::Command::new(bin())
+        .args(&args)
+        .env("OPENAI_API_KEY", "test-key")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill -9 once some, but not all, conversations are on disk.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let n = task_ids(&killed).len();
+        if n >= 2 || std::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let after_kill = task_ids(&killed).len();
+    assert!(after_kill >= 2 && after_kill < 8, "killed after {after_kill} tasks");
+
+    let calls_before = server.requests();
+    let out = run_bin(&args).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut ids = task_ids(&killed);
+    ids.sort();
+    assert_eq!(ids, expected, "same tasks, each exactly once");
+    // Finished tasks were not redone: the resumed run made fewer calls than a full run.
+    let full_calls = calls_before / 2;
+    assert!(server.requests() - calls_before < full_calls, "resume redid finished work");
+}
+
+#[tokio::test]
+async fn ten_percent_faults_are_absorbed_and_counted() {
+    let server = collab_server().await;
+    server.set_fault_rate(
+        0.1,
+        7,
+        vec![Fault::Status(500), Fault::RateLimit(Some("0".into())), Fault::Malformed],
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("run");
+    let mut args = endpoint_args(&server, &out_dir, &data("math.jsonl"));
+    args.extend(["--max-tasks".into(), "4".into()]);
+    let out = run_bin(&args).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(server.faults_served() > 0);
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("manifest.json")).unwrap()).unwrap();
+    let retries: u64 = ["policy", "user", "judge"]
+        .iter()
+        .map(|r| manifest["usage"][r]["retries"].as_u64().unwrap())
+        .sum();
+    assert!(retries >= server.faults_served() as u64, "retries {retries}");
+    assert!(stdout.contains("retries"), "{stdout}");
+    assert_eq!(task_ids(&out_dir).len(), 4);
+}
+
+#[tokio::test]
+async fn rescore_makes_no_model_call_and_changes_pairs() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("run");
+    let mut args = endpoint_args(&server, &out_dir, &data("math.jsonl"));
+    args.extend(["--max-tasks".into(), "4".into(), "--min-gap".into(), "0.0".into()]);
+    let out = run_bin(&args).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let before = read_pairs(&out_dir.join("pairs/train.parquet")).len()
+        + read_pairs(&out_dir.join("pairs/test.parquet")).len();
+    assert!(before > 0);
+    let calls = server.requests();
+
+    // Only token_amount counts now: MRs change sign and a huge gap leaves no pair.
+    let rescore = |extra: &[&str]| {
+        let mut a = vec!["--output".to_string(), out_dir.display().to_string(), "--rescore".into()];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let out = run_bin(&rescore(&["--metric", "token_amount=-1", "--min-gap", "1000"])).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(server.requests(), calls, "re-scoring made model calls");
+    let after = read_pairs(&out_dir.join("pairs/train.parquet")).len()
+        + read_pairs(&out_dir.join("pairs/test.parquet")).len();
+    assert_eq!(after, 0);
+
+    let out = run_bin(&rescore(&["--metric", "interactivity=1", "--min-gap", "0"])).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let pairs: Vec<_> = read_pairs(&out_dir.join("pairs/train.parquet"))
+        .into_iter()
+        .chain(read_pairs(&out_dir.join("pairs/test.parquet")))
+        .collect();
+    assert!(!pairs.is_empty());
+    for (_, c, r) in &pairs {
+        assert!(c > r && *c <= 1.0 && *r >= 0.0, "interactivity-only MR in [0,1]: {c} {r}");
+    }
+    // A metric that was never computed cannot be weighted by re-scoring.
+    let out = run_bin(&rescore(&["--metric", "bleu=1"])).await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bleu"));
+    assert_eq!(server.requests(), calls);
+}
+
+#[tokio::test]
+async fn bad_input_is_named_and_finished_outputs_survive() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("run");
+    let mut args = endpoint_args(&server, &out_dir, &data("math.jsonl"));
+    args.extend(["--max-tasks".into(), "2".into()]);
+    assert!(run_bin(&args).await.status.success());
+    let snapshot = |p: &Path| -> HashMap<PathBuf, Vec<u8>> {
+        ["conversations.jsonl", "pairs/train.parquet", "pairs/test.parquet", "flat.parquet"]
+            .iter()
+            .map(|f| (p.join(f), std::fs::read(p.join(f)).unwrap()))
+            .collect()
+    };
+    let before = snapshot(&out_dir);
+
+    // A task row without a prompt.
+    let bad_tasks = tmp.path().join("bad.jsonl");
+    std::fs::write(
+        &bad_tasks,
+        "{\"id\": \"a\", \"task_type\": \"math\", \"prompt\": \"1+1?\", \"reference\": \"2\"}\n{\"id\": \"b\", \"task_type\": \"math\", \"reference\": \"3\"}\n",
+    )
+    .unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (endpoint_args(&server, &out_dir, bad_tasks.to_str().unwrap()), "prompt"),
+        ({
+            let mut a = endpoint_args(&server, &out_dir, &data("math.jsonl"));
+            a.extend(["--metric".into(), "helpfulness=1".into()]);
+            a
+        }, "helpfulness"),
+        ({
+            let mut a = endpoint_args(&server, &out_dir, &data("math.jsonl"));
+            a.extend(["--metric".into(), "accuracy=high".into()]);
+            a
+        }, "accuracy=high"),
+    ];
+    let calls = server.requests();
+    for (args, needle) in cases {
+        let out = run_bin(&args).await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "should fail: {needle}");
+        assert!(stderr.contains(needle), "error should name {needle}: {stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"), "{stderr}");
+    }
+    assert_eq!(server.requests(), calls, "bad input made model calls");
+    assert_eq!(snapshot(&out_dir), before, "finished outputs changed");
+}
+
+#[tokio::test]
+async fn dry_run_prints_the_plan_without_calls() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = endpoint_args(&server, &tmp.path().join("run"), &data("math.jsonl"));
+    args.push("--dry-run".into());
+    let out = run_bin(&args).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(stdout.contains("model calls: at most"), "{stdout}");
+    assert_eq!(server.requests(), 0);
+}
