@@ -1,10 +1,14 @@
 //! collabllm-rs: the CollabLLM method (multiturn-aware rewards → DPO pairs → training →
 //! multi-turn evaluation) in Rust. See ARCHITECTURE.md for the code map.
 //!
-//! Modules follow the data, and a module may use only the ones listed before it:
-//! `llm` (backends, local engine, cache) → `serve` (HTTP front over `llm`).
+//! Modules follow the data, and a module may use only the ones before it:
+//! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
+//! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `generate`
+//! (the generate_conv pipeline); `serve` is an HTTP front over `llm`; `parse` and `cli` are
+//! leaf utilities.
 
 pub mod cli;
+mod columnar;
 pub mod dataset;
 pub mod generate;
 pub mod llm;

@@ -1,0 +1,472 @@
+//! Crate-internal helpers shared by the parquet readers and writers of `task` and `dataset`:
+//! atomic file replacement, tolerant column access (any string encoding, integer ids, any float
+//! width) and Arrow → JSON conversion for nested columns.
+//!
+//! Every helper reports problems as plain strings; the callers wrap them in their own typed
+//! errors, which name the file, the column and the row.
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, StringArray, StructArray};
+use arrow::compute::cast;
+use arrow::datatypes::{self as dt, DataType, Field, Fields};
+
+use crate::llm::ChatMessage;
+
+/// A file written under a temporary name in the destination's directory and renamed over the
+/// destination on [`AtomicFile::commit`]; dropped uncommitted, the temporary file is removed, so
+/// a crash or an error never leaves a half-written destination behind.
+pub(crate) struct AtomicFile {
+    tmp: PathBuf,
+    dest: PathBuf,
+    committed: bool,
+}
+
+impl AtomicFile {
+    pub(crate) fn create(dest: &Path) -> io::Result<(Self, File)> {
+        let dir = match dest.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let name = dest
+            .file_name()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?
+            .to_string_lossy()
+            .into_owned();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let mut attempt = 0u32;
+        loop {
+            let tmp = dir.join(format!(
+                ".{name}.tmp-{}-{nanos}-{attempt}",
+                std::process::id()
+            ));
+            match File::options().write(true).create_new(true).open(&tmp) {
+                Ok(file) => {
+                    return Ok((
+                        Self {
+                            tmp,
+                            dest: dest.to_path_buf(),
+                            committed: false,
+                        },
+                        file,
+                    ))
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 100 => attempt += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Flushes `file` to disk and renames the temporary file over the destination.
+    pub(crate) fn commit(mut self, file: File) -> io::Result<()> {
+        file.sync_all()?;
+        drop(file);
+        std::fs::rename(&self.tmp, &self.dest)?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Snappy-compressed writer properties used by every parquet file this crate writes.
+pub(crate) fn writer_properties() -> parquet::file::properties::WriterProperties {
+    parquet::file::properties::WriterProperties::builder()
+        .set_compression(parquet::basic::Compression::SNAPPY)
+        .build()
+}
+
+/// The column named `name` of `batch`, if present.
+pub(crate) fn column<'a>(batch: &'a RecordBatch, name: &str) -> Option<&'a ArrayRef> {
+    batch.schema().index_of(name).ok().map(|i| batch.column(i))
+}
+
+/// Human-readable type name for error messages.
+pub(crate) fn type_name(t: &DataType) -> String {
+    format!("{t}")
+}
+
+/// Any string-like or integer column as a `Utf8` array (integer ids become their decimal text).
+pub(crate) fn as_utf8(col: &ArrayRef) -> Result<StringArray, String> {
+    let ok = match col.data_type() {
+        DataType::Utf8 => return Ok(col.as_string::<i32>().clone()),
+        DataType::LargeUtf8
+        | DataType::Utf8View
+        | DataType::Int8
+        | DataType::Int16
+        | DataType::Int32
+        | DataType::Int64
+        | DataType::UInt8
+        | DataType::UInt16
+        | DataType::UInt32
+        | DataType::UInt64
+        | DataType::Null => true,
+        DataType::Dictionary(_, v) => matches!(
+            v.as_ref(),
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
+        ),
+        _ => false,
+    };
+    if !ok {
+        return Err(format!(
+            "expected a string column, found {}",
+            type_name(col.data_type())
+        ));
+    }
+    let casted = cast(col, &DataType::Utf8).map_err(|e| e.to_string())?;
+    Ok(casted.as_string::<i32>().clone())
+}
+
+/// Any string-like column (not integers) as `Utf8`.
+pub(crate) fn as_text(col: &ArrayRef) -> Result<StringArray, String> {
+    if col.data_type().is_integer() {
+        return Err(format!(
+            "expected a string column, found {}",
+            type_name(col.data_type())
+        ));
+    }
+    as_utf8(col)
+}
+
+/// Any numeric column as `Float64`.
+pub(crate) fn as_f64(col: &ArrayRef) -> Result<arrow::array::Float64Array, String> {
+    let t = col.data_type();
+    if !(t.is_numeric() || *t == DataType::Null) {
+        return Err(format!("expected a numeric column, found {}", type_name(t)));
+    }
+    let casted = cast(col, &DataType::Float64).map_err(|e| e.to_string())?;
+    Ok(casted.as_primitive::<dt::Float64Type>().clone())
+}
+
+/// Any integer column as `Int64` (a `UInt64` value above `i64::MAX` reads as null).
+pub(crate) fn as_i64(col: &ArrayRef) -> Result<arrow::array::Int64Array, String> {
+    let t = col.data_type();
+    if !(t.is_integer() || *t == DataType::Null) {
+        return Err(format!(
+            "expected an integer column, found {}",
+            type_name(t)
+        ));
+    }
+    let casted = cast(col, &DataType::Int64).map_err(|e| e.to_string())?;
+    Ok(casted.as_primitive::<dt::Int64Type>().clone())
+}
+
+/// The arrow type of a message list: `List<Struct<role: Utf8, content: Utf8>>`, every level
+/// nullable as in the schemas Hugging Face `datasets` (pyarrow) writes.
+pub(crate) fn message_struct_fields() -> Fields {
+    Fields::from(vec![
+        Field::new("role", DataType::Utf8, true),
+        Field::new("content", DataType::Utf8, true),
+    ])
+}
+
+pub(crate) fn messages_type() -> DataType {
+    DataType::List(Arc::new(Field::new_list_field(
+        DataType::Struct(message_struct_fields()),
+        true,
+    )))
+}
+
+/// Builds a `List<Struct<role, content>>` array, one list per row.
+pub(crate) fn messages_array<'a>(rows: impl Iterator<Item = &'a [ChatMessage]>) -> ArrayRef {
+    let mut lengths = Vec::new();
+    let mut roles: Vec<&str> = Vec::new();
+    let mut contents: Vec<&str> = Vec::new();
+    for msgs in rows {
+        lengths.push(msgs.len());
+        for m in msgs {
+            roles.push(&m.role);
+            contents.push(&m.content);
+        }
+    }
+    let values = StructArray::new(
+        message_struct_fields(),
+        vec![
+            Arc::new(StringArray::from(roles)) as ArrayRef,
+            Arc::new(StringArray::from(contents)) as ArrayRef,
+        ],
+        None,
+    );
+    let field = match messages_type() {
+        DataType::List(f) => f,
+        _ => unreachable!(),
+    };
+    Arc::new(arrow::array::ListArray::new(
+        field,
+        arrow::buffer::OffsetBuffer::from_lengths(lengths),
+        Arc::new(values),
+        None,
+    ))
+}
+
+/// A column of chat messages as read: the conversational form (`List`/`LargeList` of structs
+/// with `role` and `content`, in any field order, extra fields ignored) or the standard string
+/// form (one text per row, turned into a single message with `string_role`).
+// One value per column per record batch: the size difference between variants is irrelevant.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum MessagesColumn {
+    Lists {
+        offsets: Vec<usize>,
+        list_nulls: Option<arrow::buffer::NullBuffer>,
+        struct_nulls: Option<arrow::buffer::NullBuffer>,
+        roles: StringArray,
+        contents: StringArray,
+    },
+    Text {
+        texts: StringArray,
+        role: &'static str,
+    },
+}
+
+impl MessagesColumn {
+    pub(crate) fn new(col: &ArrayRef, string_role: &'static str) -> Result<Self, String> {
+        let (offsets, list_nulls, values): (Vec<usize>, _, ArrayRef) = match col.data_type() {
+            DataType::List(_) => {
+                let l = col.as_list::<i32>();
+                (
+                    l.offsets().iter().map(|&o| o as usize).collect(),
+                    l.nulls().cloned(),
+                    l.values().clone(),
+                )
+            }
+            DataType::LargeList(_) => {
+                let l = col.as_list::<i64>();
+                (
+                    l.offsets().iter().map(|&o| o as usize).collect(),
+                    l.nulls().cloned(),
+                    l.values().clone(),
+                )
+            }
+            DataType::Utf8
+            | DataType::LargeUtf8
+            | DataType::Utf8View
+            | DataType::Dictionary(..) => {
+                return Ok(Self::Text {
+                    texts: as_text(col)?,
+                    role: string_role,
+                })
+            }
+            t => {
+                return Err(format!(
+                    "expected list<struct<role, content>> or a string column, found {}",
+                    type_name(t)
+                ))
+            }
+        };
+        let DataType::Struct(_) = values.data_type() else {
+            return Err(format!(
+                "expected list<struct<role, content>>, found list of {}",
+                type_name(values.data_type())
+            ));
+        };
+        let s = values.as_struct();
+        let child = |name: &str| -> Result<StringArray, String> {
+            let c = s.column_by_name(name).ok_or_else(|| {
+                format!("message struct has no `{name}` field (expected role, content)")
+            })?;
+            as_text(c).map_err(|e| format!("message field `{name}`: {e}"))
+        };
+        Ok(Self::Lists {
+            offsets,
+            list_nulls,
+            struct_nulls: s.nulls().cloned(),
+            roles: child("role")?,
+            contents: child("content")?,
+        })
+    }
+
+    /// The messages of row `i`; `Ok(None)` when the row is null. A null `content` reads as
+    /// empty text; a null message or `role` is an error.
+    pub(crate) fn get(&self, i: usize) -> Result<Option<Vec<ChatMessage>>, String> {
+        match self {
+            Self::Text { texts, role } => Ok(texts
+                .is_valid(i)
+                .then(|| vec![ChatMessage::new(*role, texts.value(i))])),
+            Self::Lists {
+                offsets,
+                list_nulls,
+                struct_nulls,
+                roles,
+                contents,
+            } => {
+                if list_nulls.as_ref().is_some_and(|n| n.is_null(i)) {
+                    return Ok(None);
+                }
+                let mut out = Vec::with_capacity(offsets[i + 1] - offsets[i]);
+                for (k, j) in (offsets[i]..offsets[i + 1]).enumerate() {
+                    if struct_nulls.as_ref().is_some_and(|n| n.is_null(j)) {
+                        return Err(format!("message {k} is null"));
+                    }
+                    if roles.is_null(j) {
+                        return Err(format!("message {k} has a null role"));
+                    }
+                    let content = if contents.is_null(j) {
+                        ""
+                    } else {
+                        contents.value(j)
+                    };
+                    out.push(ChatMessage::new(roles.value(j), content));
+                }
+                Ok(Some(out))
+            }
+        }
+    }
+}
+
+/// A column whose values are JSON: either JSON text (any string type; null → JSON null) or a
+/// nested arrow value (struct, list, map, primitives) converted element by element.
+pub(crate) enum JsonColumn {
+    Text(StringArray),
+    Nested(ArrayRef),
+}
+
+impl JsonColumn {
+    pub(crate) fn new(col: &ArrayRef) -> Result<Self, String> {
+        match col.data_type() {
+            DataType::Utf8
+            | DataType::LargeUtf8
+            | DataType::Utf8View
+            | DataType::Dictionary(..) => Ok(Self::Text(as_text(col)?)),
+            _ => {
+                check_json_convertible(col.data_type())?;
+                Ok(Self::Nested(col.clone()))
+            }
+        }
+    }
+
+    pub(crate) fn get(&self, i: usize) -> Result<serde_json::Value, String> {
+        match self {
+            Self::Text(a) => {
+                if a.is_null(i) {
+                    Ok(serde_json::Value::Null)
+                } else {
+                    serde_json::from_str(a.value(i)).map_err(|e| format!("invalid JSON: {e}"))
+                }
+            }
+            Self::Nested(a) => to_json(a.as_ref(), i),
+        }
+    }
+}
+
+/// Whether [`to_json`] can convert values of type `t`; the error names the first type it cannot.
+pub(crate) fn check_json_convertible(t: &DataType) -> Result<(), String> {
+    match t {
+        DataType::Null
+        | DataType::Boolean
+        | DataType::Int8
+        | DataType::Int16
+        | DataType::Int32
+        | DataType::Int64
+        | DataType::UInt8
+        | DataType::UInt16
+        | DataType::UInt32
+        | DataType::UInt64
+        | DataType::Float16
+        | DataType::Float32
+        | DataType::Float64
+        | DataType::Utf8
+        | DataType::LargeUtf8
+        | DataType::Utf8View => Ok(()),
+        DataType::List(f) | DataType::LargeList(f) | DataType::FixedSizeList(f, _) => {
+            check_json_convertible(f.data_type())
+        }
+        DataType::Struct(fields) => fields
+            .iter()
+            .try_for_each(|f| check_json_convertible(f.data_type())),
+        DataType::Map(f, _) => match f.data_type() {
+            DataType::Struct(kv) if kv.len() == 2 => {
+                if !matches!(
+                    kv[0].data_type(),
+                    DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
+                ) {
+                    return Err(format!(
+                        "cannot convert a map with {} keys to JSON",
+                        type_name(kv[0].data_type())
+                    ));
+                }
+                check_json_convertible(kv[1].data_type())
+            }
+            _ => Err(format!("cannot convert {} to JSON", type_name(t))),
+        },
+        other => Err(format!("cannot convert {} to JSON", type_name(other))),
+    }
+}
+
+fn f64_json(x: f64) -> serde_json::Value {
+    serde_json::Number::from_f64(x)
+        .map(serde_json::Value::Number)
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// Element `i` of `a` as JSON: structs become objects (field order kept), lists arrays, maps
+/// objects, nulls `null`, non-finite floats `null`.
+pub(crate) fn to_json(a: &dyn Array, i: usize) -> Result<serde_json::Value, String> {
+    use serde_json::Value;
+    if a.is_null(i) {
+        return Ok(Value::Null);
+    }
+    Ok(match a.data_type() {
+        DataType::Null => Value::Null,
+        DataType::Boolean => Value::Bool(a.as_boolean().value(i)),
+        DataType::Int8 => a.as_primitive::<dt::Int8Type>().value(i).into(),
+        DataType::Int16 => a.as_primitive::<dt::Int16Type>().value(i).into(),
+        DataType::Int32 => a.as_primitive::<dt::Int32Type>().value(i).into(),
+        DataType::Int64 => a.as_primitive::<dt::Int64Type>().value(i).into(),
+        DataType::UInt8 => a.as_primitive::<dt::UInt8Type>().value(i).into(),
+        DataType::UInt16 => a.as_primitive::<dt::UInt16Type>().value(i).into(),
+        DataType::UInt32 => a.as_primitive::<dt::UInt32Type>().value(i).into(),
+        DataType::UInt64 => a.as_primitive::<dt::UInt64Type>().value(i).into(),
+        DataType::Float16 => f64_json(a.as_primitive::<dt::Float16Type>().value(i).to_f64()),
+        DataType::Float32 => f64_json(a.as_primitive::<dt::Float32Type>().value(i) as f64),
+        DataType::Float64 => f64_json(a.as_primitive::<dt::Float64Type>().value(i)),
+        DataType::Utf8 => Value::String(a.as_string::<i32>().value(i).to_string()),
+        DataType::LargeUtf8 => Value::String(a.as_string::<i64>().value(i).to_string()),
+        DataType::Utf8View => Value::String(a.as_string_view().value(i).to_string()),
+        DataType::List(_) => list_json(a.as_list::<i32>().value(i).as_ref())?,
+        DataType::LargeList(_) => list_json(a.as_list::<i64>().value(i).as_ref())?,
+        DataType::FixedSizeList(..) => list_json(a.as_fixed_size_list().value(i).as_ref())?,
+        DataType::Struct(fields) => {
+            let s = a.as_struct();
+            let mut obj = serde_json::Map::new();
+            for (f, c) in fields.iter().zip(s.columns()) {
+                obj.insert(f.name().clone(), to_json(c.as_ref(), i)?);
+            }
+            Value::Object(obj)
+        }
+        DataType::Map(..) => {
+            let entries = a.as_map().value(i);
+            let keys = as_text(entries.column(0))?;
+            let mut obj = serde_json::Map::new();
+            for k in 0..entries.len() {
+                if keys.is_null(k) {
+                    return Err("map with a null key".into());
+                }
+                obj.insert(
+                    keys.value(k).to_string(),
+                    to_json(entries.column(1).as_ref(), k)?,
+                );
+            }
+            Value::Object(obj)
+        }
+        other => return Err(format!("cannot convert {} to JSON", type_name(other))),
+    })
+}
+
+fn list_json(values: &dyn Array) -> Result<serde_json::Value, String> {
+    (0..values.len())
+        .map(|k| to_json(values, k))
+        .collect::<Result<Vec<_>, _>>()
+        .map(serde_json::Value::Array)
+}
