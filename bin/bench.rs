@@ -71,6 +71,7 @@ enum Command {
     },
 }
 
+#[path = "bench/orchestration.rs"]
 mod orchestration;
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -172,7 +172,7 @@ impl UserSimulator {
     /// A usable user message from raw simulator output, or `None`.
     pub fn parse(&self, raw: &str) -> Option<UserTurn> {
         let text = if self.json {
-            let obj = crate::reward::parse::parse_json_object(raw)?;
+            let obj = crate::parse::parse_json_object(raw)?;
             obj.get("response")?.as_str()?.to_string()
         } else {
             clean_plain_user_text(raw)

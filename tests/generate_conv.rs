@@ -231,6 +231,7 @@ async fn killed_run_resumes_to_the_same_tasks() {
     let mut expected = task_ids(&full);
     expected.sort();
     assert_eq!(expected.len(), 8);
+    let full_calls = server.requests();
 
     let killed = tmp.path().join("killed");
     let mut args = endpoint_args(&server, &killed, &tasks);
@@ -263,9 +264,13 @@ async fn killed_run_resumes_to_the_same_tasks() {
     let mut ids = task_ids(&killed);
     ids.sort();
     assert_eq!(ids, expected, "same tasks, each exactly once");
-    // Finished tasks were not redone: the resumed run made fewer calls than a full run.
-    let full_calls = calls_before / 2;
-    assert!(server.requests() - calls_before < full_calls, "resume redid finished work");
+    // Finished tasks were not redone, and half-finished ones replayed from the cache: the
+    // resumed run made clearly fewer calls than a full run.
+    let resumed_calls = server.requests() - calls_before;
+    assert!(
+        (resumed_calls as f64) < 0.9 * full_calls as f64,
+        "resume made {resumed_calls} calls, a full run {full_calls}"
+    );
 }
 
 #[tokio::test]

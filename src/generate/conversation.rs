@@ -247,6 +247,7 @@ impl Pipeline {
             attempts: 1,
             last: String::new(),
         })?;
+        let idx = &idx;
         let sessions = try_join_all(openers.into_iter().enumerate().map(|(k, opener)| {
             let base = &base;
             let reply = &reply;
@@ -260,16 +261,17 @@ impl Pipeline {
                     base,
                     opener,
                     self.cfg.window,
-                    self.seed(task, &["future", turn, &idx, &kk]),
+                    self.seed(task, &["future", turn, idx, &kk]),
                 )
                 .await?;
                 let after: Vec<ChatMessage> = std::iter::once(reply.clone())
                     .chain(future.messages.iter().cloned())
                     .collect();
+                let kk = &kk;
                 let scores = join_all(weights.keys().map(|metric| {
                     let after = &after;
                     async move {
-                        let seed = self.seed(task, &["judge", metric, turn, &idx, &kk]);
+                        let seed = self.seed(task, &["judge", metric, turn, idx, kk]);
                         let s = self
                             .scorer
                             .score(metric, task, history, after, seed)
