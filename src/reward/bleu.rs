@@ -130,16 +130,17 @@ impl BleuStats {
         let mut precisions = [0.0f64; MAX_NGRAM_ORDER];
         let mut smooth_mteval = 1.0f64;
         let mut eff_order = MAX_NGRAM_ORDER;
-        for n in 0..MAX_NGRAM_ORDER {
-            if self.total[n] == 0 {
+        for (n, precision) in precisions.iter_mut().enumerate() {
+            let (correct, total) = (self.correct[n], self.total[n]);
+            if total == 0 {
                 break;
             }
             eff_order = n + 1;
-            if self.correct[n] == 0 {
+            if correct == 0 {
                 smooth_mteval *= 2.0;
-                precisions[n] = 100.0 / (smooth_mteval * self.total[n] as f64);
+                *precision = 100.0 / (smooth_mteval * total as f64);
             } else {
-                precisions[n] = 100.0 * self.correct[n] as f64 / self.total[n] as f64;
+                *precision = 100.0 * correct as f64 / total as f64;
             }
         }
         let log_sum: f64 = precisions[..eff_order]

@@ -114,10 +114,7 @@ fn strip_text_commands(s: &str) -> String {
     for cmd in [
         "\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox", "\\textrm",
     ] {
-        loop {
-            let Some(start) = find_command(&out, cmd) else {
-                break;
-            };
+        while let Some(start) = find_command(&out, cmd) {
             let open = start + cmd.len();
             let Some(close) = matching_brace(&out, open) else {
                 break;

@@ -27,7 +27,8 @@
 //!   descendant is gone and reaped), and when running as root with a private uid also kills every
 //!   process of that uid (which catches code that escaped the group with `setsid`).
 //!
-//! The environment is cleared (only `PATH=/usr/bin:/bin`, `LANG=C.UTF-8`, `HOME=<temp dir>`),
+//! The environment is cleared (only `PATH=/usr/bin:/bin`, `LANG=C.UTF-8`, `HOME=<temp dir>`,
+//! and `OMP/OPENBLAS/MKL_NUM_THREADS=1` so numeric libraries stay within the limits),
 //! stdin is `/dev/null`, the working directory is the temp dir, and output is read with a cap
 //! (the last 64 KiB of stdout, the last 4 KiB of stderr are kept; the rest is drained and dropped).
 //!
@@ -38,8 +39,11 @@
 //! cleanup.
 //!
 //! What this is not: a security boundary against a determined attacker (no seccomp filter, no
-//! mount namespace; the code can read world-readable files). It is meant for model-generated
-//! code during reward computation.
+//! mount namespace; the code can read world-readable files, and since it runs in the same
+//! interpreter as the tests it could tamper with `unittest`). It is meant for model-generated
+//! code during reward computation. When running as root in a user namespace that maps no
+//! unprivileged uid, it refuses to run ([`SandboxError::NoUnprivilegedUser`]) rather than run
+//! the code as root.
 
 use std::ffi::OsString;
 use std::io;
@@ -572,6 +576,11 @@ mod linux {
             .env("PATH", "/usr/bin:/bin")
             .env("LANG", "C.UTF-8")
             .env("HOME", dir.path())
+            // Numeric libraries start one thread per core by default; each counts against
+            // RLIMIT_NPROC and reserves address space against RLIMIT_AS.
+            .env("OMP_NUM_THREADS", "1")
+            .env("OPENBLAS_NUM_THREADS", "1")
+            .env("MKL_NUM_THREADS", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -1205,7 +1214,8 @@ mod tests {
         // Set once, before any sandbox run of this test reads it.
         SET.call_once(|| std::env::set_var("COLLABLLM_SECRET", "hunter2"));
         let code = "import os\nSEEN = dict(os.environ)\n";
-        let tests = "import unittest, os\n\nclass T(unittest.TestCase):\n    def test_env(self):\n        self.assertNotIn('COLLABLLM_SECRET', SEEN)\n        self.assertEqual(SEEN.get('PATH'), '/usr/bin:/bin')\n        self.assertEqual(os.getcwd(), SEEN.get('HOME'))\n";
+        let tests = "import unittest, os\n\nclass T(unittest.TestCase):\n    def test_env(self):\n        self.assertNotIn('COLLABLLM_SECRET', SEEN)\n        self.assertEqual(SEEN.get('PATH'), '/usr/bin:/bin')
+        self.assertEqual(SEEN.get('OPENBLAS_NUM_THREADS'), '1')\n        self.assertEqual(os.getcwd(), SEEN.get('HOME'))\n";
         let out = run(code, tests, &limits(10)).await;
         assert!(out.passed, "{out:#?}");
     }
