@@ -134,8 +134,25 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     macro_rules! set {
         ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )* };
     }
-    set!(tasks, output, policy, user, judge, candidates, samples, window, max_messages, mr_formula,
-         min_gap, pairs, proact_ratio, test_fraction, seed, concurrency, judge_mode);
+    set!(
+        tasks,
+        output,
+        policy,
+        user,
+        judge,
+        candidates,
+        samples,
+        window,
+        max_messages,
+        mr_formula,
+        min_gap,
+        pairs,
+        proact_ratio,
+        test_fraction,
+        seed,
+        concurrency,
+        judge_mode
+    );
     if args.assistant.is_some() {
         cfg.assistant = args.assistant.clone();
     }

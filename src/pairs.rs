@@ -77,7 +77,10 @@ mod tests {
         assert!(select_pairs(&m, 0.9, PairMode::Best).is_empty());
         assert!(select_pairs(&[Some(0.3), Some(0.3)], 0.0, PairMode::Best).is_empty());
         assert!(select_pairs(&[Some(0.3), None], 0.0, PairMode::Best).is_empty());
-        assert_eq!(select_pairs(&[None, Some(0.2), Some(0.0)], 0.1, PairMode::Best), vec![(1, 2)]);
+        assert_eq!(
+            select_pairs(&[None, Some(0.2), Some(0.0)], 0.1, PairMode::Best),
+            vec![(1, 2)]
+        );
     }
 
     #[test]

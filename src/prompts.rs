@@ -13,10 +13,26 @@ use crate::task::TaskType;
 
 /// (file name, built-in text, variables the pipeline provides to it).
 const PROMPTS: &[(&str, &str, &[&str])] = &[
-    ("user_base.j2", include_str!("../prompts/user_base.j2"), USER_VARS),
-    ("user_math.j2", include_str!("../prompts/user_math.j2"), USER_VARS),
-    ("user_doc_edit.j2", include_str!("../prompts/user_doc_edit.j2"), USER_VARS),
-    ("user_code.j2", include_str!("../prompts/user_code.j2"), USER_VARS),
+    (
+        "user_base.j2",
+        include_str!("../prompts/user_base.j2"),
+        USER_VARS,
+    ),
+    (
+        "user_math.j2",
+        include_str!("../prompts/user_math.j2"),
+        USER_VARS,
+    ),
+    (
+        "user_doc_edit.j2",
+        include_str!("../prompts/user_doc_edit.j2"),
+        USER_VARS,
+    ),
+    (
+        "user_code.j2",
+        include_str!("../prompts/user_code.j2"),
+        USER_VARS,
+    ),
     (
         "assistant_proactive.j2",
         include_str!("../prompts/assistant_proactive.j2"),
@@ -104,7 +120,9 @@ pub struct Prompts {
 
 impl std::fmt::Debug for Prompts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Prompts").field("source", &self.source).finish()
+        f.debug_struct("Prompts")
+            .field("source", &self.source)
+            .finish()
     }
 }
 
@@ -170,10 +188,13 @@ impl Prompts {
 
     pub fn render(&self, prompt: Prompt, ctx: impl Serialize) -> Result<String, PromptError> {
         let file = prompt.file();
-        let tmpl = self.env.get_template(file).map_err(|e| PromptError::Render {
-            file: file.into(),
-            message: e.to_string(),
-        })?;
+        let tmpl = self
+            .env
+            .get_template(file)
+            .map_err(|e| PromptError::Render {
+                file: file.into(),
+                message: e.to_string(),
+            })?;
         tmpl.render(ctx)
             .map(|s| s.trim().to_string())
             .map_err(|e| PromptError::Render {
@@ -197,8 +218,14 @@ mod tests {
                     "task_type": "math", "conversation": "", "termination": "[[T]]", "json": false}),
             )
             .unwrap();
-        assert!(out.contains("<goal>\nG\n</goal>") && out.contains("[[T]]"), "{out}");
-        assert!(out.contains("final numeric answer"), "task hints come from user_math.j2");
+        assert!(
+            out.contains("<goal>\nG\n</goal>") && out.contains("[[T]]"),
+            "{out}"
+        );
+        assert!(
+            out.contains("final numeric answer"),
+            "task hints come from user_math.j2"
+        );
         assert!(!out.contains("target_document"));
     }
 
@@ -215,6 +242,9 @@ mod tests {
         .unwrap();
         let err = Prompts::from_dir(dir.path()).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("judge_interactivity.j2") && msg.contains("user_name"), "{msg}");
+        assert!(
+            msg.contains("judge_interactivity.j2") && msg.contains("user_name"),
+            "{msg}"
+        );
     }
 }

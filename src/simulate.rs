@@ -22,7 +22,9 @@ pub enum SimError {
     },
     #[error(transparent)]
     Prompt(#[from] PromptError),
-    #[error("user simulator gave no usable message after {attempts} attempts (last output: {last:?})")]
+    #[error(
+        "user simulator gave no usable message after {attempts} attempts (last output: {last:?})"
+    )]
     NoUserMessage { attempts: u32, last: String },
 }
 
@@ -203,11 +205,17 @@ fn clean_plain_user_text(raw: &str) -> String {
             t = rest.trim();
         }
     }
-    let cut = ["\nAssistant:", "\nASSISTANT:", "\nassistant:", "\nUser:", "\nUSER:"]
-        .iter()
-        .filter_map(|m| t.find(m))
-        .min()
-        .unwrap_or(t.len());
+    let cut = [
+        "\nAssistant:",
+        "\nASSISTANT:",
+        "\nassistant:",
+        "\nUser:",
+        "\nUSER:",
+    ]
+    .iter()
+    .filter_map(|m| t.find(m))
+    .min()
+    .unwrap_or(t.len());
     t[..cut].trim().trim_matches('"').trim().to_string()
 }
 
@@ -226,8 +234,7 @@ pub struct Future {
 /// that carries the termination signal.
 pub async fn rollout_future(
     user: &UserSimulator,
-    assistant: &Role,
-    assistant_sampling: &Sampling,
+    (assistant, assistant_sampling): (&Role, &Sampling),
     task: &Task,
     base: &[ChatMessage],
     first_user: UserTurn,

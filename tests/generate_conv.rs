@@ -31,7 +31,11 @@ fn data(name: &str) -> String {
 
 fn scripted(name: &str) -> std::sync::Arc<ScriptedBackend> {
     ScriptedBackend::new(name, |req, i| {
-        let prompt = &req.messages.last().map(|m| m.content.clone()).unwrap_or_default();
+        let prompt = &req
+            .messages
+            .last()
+            .map(|m| m.content.clone())
+            .unwrap_or_default();
         Ok(collab_script::reply(prompt, req.seed.unwrap_or(0), i))
     })
 }
@@ -57,7 +61,15 @@ fn read_pairs(path: &Path) -> Vec<(String, f64, f64)> {
     let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
     assert_eq!(
         names,
-        ["prompt", "chosen", "rejected", "score_chosen", "score_rejected", "conv_id", "turn_id"]
+        [
+            "prompt",
+            "chosen",
+            "rejected",
+            "score_chosen",
+            "score_rejected",
+            "conv_id",
+            "turn_id"
+        ]
     );
     for col in ["prompt", "chosen", "rejected"] {
         let dt = schema.field_with_name(col).unwrap().data_type();
@@ -68,22 +80,61 @@ fn read_pairs(path: &Path) -> Vec<(String, f64, f64)> {
             _ => panic!("{col} is {dt:?}"),
         }
     }
-    assert_eq!(schema.field_with_name("score_chosen").unwrap().data_type(), &DataType::Float64);
-    assert_eq!(schema.field_with_name("conv_id").unwrap().data_type(), &DataType::Utf8);
-    assert_eq!(schema.field_with_name("turn_id").unwrap().data_type(), &DataType::Int64);
+    assert_eq!(
+        schema.field_with_name("score_chosen").unwrap().data_type(),
+        &DataType::Float64
+    );
+    assert_eq!(
+        schema.field_with_name("conv_id").unwrap().data_type(),
+        &DataType::Utf8
+    );
+    assert_eq!(
+        schema.field_with_name("turn_id").unwrap().data_type(),
+        &DataType::Int64
+    );
     let mut out = Vec::new();
     for batch in builder.build().unwrap() {
         let batch = batch.unwrap();
-        let conv = batch.column_by_name("conv_id").unwrap().as_any().downcast_ref::<StringArray>().unwrap();
-        let sc = batch.column_by_name("score_chosen").unwrap().as_any().downcast_ref::<Float64Array>().unwrap();
-        let sr = batch.column_by_name("score_rejected").unwrap().as_any().downcast_ref::<Float64Array>().unwrap();
-        let _turn = batch.column_by_name("turn_id").unwrap().as_any().downcast_ref::<Int64Array>().unwrap();
-        let chosen = batch.column_by_name("chosen").unwrap().as_any().downcast_ref::<ListArray>().unwrap();
+        let conv = batch
+            .column_by_name("conv_id")
+            .unwrap()
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
+        let sc = batch
+            .column_by_name("score_chosen")
+            .unwrap()
+            .as_any()
+            .downcast_ref::<Float64Array>()
+            .unwrap();
+        let sr = batch
+            .column_by_name("score_rejected")
+            .unwrap()
+            .as_any()
+            .downcast_ref::<Float64Array>()
+            .unwrap();
+        let _turn = batch
+            .column_by_name("turn_id")
+            .unwrap()
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .unwrap();
+        let chosen = batch
+            .column_by_name("chosen")
+            .unwrap()
+            .as_any()
+            .downcast_ref::<ListArray>()
+            .unwrap();
         for i in 0..batch.num_rows() {
             let msgs = chosen.value(i);
             let msgs = msgs.as_any().downcast_ref::<StructArray>().unwrap();
             assert_eq!(msgs.len(), 1, "chosen is one assistant message");
-            let role = msgs.column_by_name("role").unwrap().as_any().downcast_ref::<StringArray>().unwrap();
+            let role = msgs
+                .column_by_name("role")
+                .unwrap()
+                .as_any()
+                .downcast_ref::<StringArray>()
+                .unwrap();
             assert_eq!(role.value(0), "assistant");
             out.push((conv.value(i).to_string(), sc.value(i), sr.value(i)));
         }
@@ -127,7 +178,9 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
         judge: Role::from_backend("judge", "scripted", scripted("judge"), None, None),
     };
     let tasks = collabllm::generate::run::load_config_tasks(&cfg).unwrap();
-    let summary = generate_with_roles(cfg.clone(), tasks, roles).await.unwrap();
+    let summary = generate_with_roles(cfg.clone(), tasks, roles)
+        .await
+        .unwrap();
     assert_eq!(summary.tasks_done_now, 6, "{summary}");
     assert!(summary.tasks_failed.is_empty(), "{summary}");
 
@@ -135,16 +188,28 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
     let test = read_pairs(&cfg.output.join("pairs/test.parquet"));
     assert!(!train.is_empty() && !test.is_empty(), "{summary}");
     for (_, c, r) in train.iter().chain(&test) {
-        assert!(c >= &(r + cfg.min_gap - 1e-12), "chosen {c} vs rejected {r}");
+        assert!(
+            c >= &(r + cfg.min_gap - 1e-12),
+            "chosen {c} vs rejected {r}"
+        );
     }
     let train_convs: HashSet<&String> = train.iter().map(|p| &p.0).collect();
     let test_convs: HashSet<&String> = test.iter().map(|p| &p.0).collect();
-    assert!(train_convs.is_disjoint(&test_convs), "split by conversation");
-    assert_eq!(summary.stats.pairs_train + summary.stats.pairs_test, train.len() + test.len());
+    assert!(
+        train_convs.is_disjoint(&test_convs),
+        "split by conversation"
+    );
+    assert_eq!(
+        summary.stats.pairs_train + summary.stats.pairs_test,
+        train.len() + test.len()
+    );
 
     // Every candidate, session and score is kept; the proactive/plain split is recorded.
     let text = std::fs::read_to_string(cfg.output.join("conversations.jsonl")).unwrap();
-    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let recs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(recs.len(), 6);
     let turn = &recs[0]["turns"][0];
     assert_eq!(turn["candidates"].as_array().unwrap().len(), 3);
@@ -154,7 +219,11 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
         .iter()
         .map(|c| c["variant"].as_str().unwrap())
         .collect();
-    assert_eq!(variants.iter().filter(|v| **v == "proactive").count(), 2, "round(3 × 0.5)");
+    assert_eq!(
+        variants.iter().filter(|v| **v == "proactive").count(),
+        2,
+        "round(3 × 0.5)"
+    );
     let session = &turn["candidates"][0]["sessions"][0];
     for m in ["accuracy", "interactivity", "token_amount"] {
         assert!(session["scores"][m]["value"].is_number(), "{m}: {session}");
@@ -163,9 +232,13 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
         .as_str()
         .unwrap()
         .contains("tiny-llama tokenizer"));
-    assert!(recs[0]["messages"][0]["content"].as_str().unwrap().len() > 3, "first user message is not empty");
+    assert!(
+        recs[0]["messages"][0]["content"].as_str().unwrap().len() > 3,
+        "first user message is not empty"
+    );
     let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(cfg.output.join("manifest.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(cfg.output.join("manifest.json")).unwrap())
+            .unwrap();
     assert_eq!(manifest["status"], "complete");
     assert!(manifest["usage"]["judge"]["calls"].as_u64().unwrap() > 0);
     assert!(cfg.output.join("flat.parquet").is_file());
@@ -186,11 +259,30 @@ async fn collab_server() -> FaultServer {
 fn endpoint_args(server: &FaultServer, out: &Path, tasks: &str) -> Vec<String> {
     let spec = format!("openai:scripted@{}", server.base_url);
     [
-        "--tasks", tasks,
-        "--output", out.to_str().unwrap(),
-        "--policy", &spec, "--user", &spec, "--judge", &spec,
-        "--candidates", "3", "--samples", "2", "--window", "2", "--max-messages", "4",
-        "--concurrency", "2", "--max-retries", "6", "--timeout", "5",
+        "--tasks",
+        tasks,
+        "--output",
+        out.to_str().unwrap(),
+        "--policy",
+        &spec,
+        "--user",
+        &spec,
+        "--judge",
+        &spec,
+        "--candidates",
+        "3",
+        "--samples",
+        "2",
+        "--window",
+        "2",
+        "--max-messages",
+        "4",
+        "--concurrency",
+        "2",
+        "--max-retries",
+        "6",
+        "--timeout",
+        "5",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -212,7 +304,12 @@ fn task_ids(out: &Path) -> Vec<String> {
     std::fs::read_to_string(out.join("conversations.jsonl"))
         .unwrap_or_default()
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["task_id"].as_str().unwrap().to_string())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["task_id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect()
 }
 
@@ -227,7 +324,11 @@ async fn killed_run_resumes_to_the_same_tasks() {
     let mut args = endpoint_args(&server, &full, &tasks);
     args.extend(["--max-tasks".into(), "8".into()]);
     let out = run_bin(&args).await;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut expected = task_ids(&full);
     expected.sort();
     assert_eq!(expected.len(), 8);
@@ -256,11 +357,18 @@ async fn killed_run_resumes_to_the_same_tasks() {
     child.start_kill().unwrap();
     let _ = child.wait().await;
     let after_kill = task_ids(&killed).len();
-    assert!(after_kill >= 2 && after_kill < 8, "killed after {after_kill} tasks");
+    assert!(
+        (2..8).contains(&after_kill),
+        "killed after {after_kill} tasks"
+    );
 
     let calls_before = server.requests();
     let out = run_bin(&args).await;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut ids = task_ids(&killed);
     ids.sort();
     assert_eq!(ids, expected, "same tasks, each exactly once");
@@ -279,7 +387,11 @@ async fn ten_percent_faults_are_absorbed_and_counted() {
     server.set_fault_rate(
         0.1,
         7,
-        vec![Fault::Status(500), Fault::RateLimit(Some("0".into())), Fault::Malformed],
+        vec![
+            Fault::Status(500),
+            Fault::RateLimit(Some("0".into())),
+            Fault::Malformed,
+        ],
     );
     let tmp = tempfile::tempdir().unwrap();
     let out_dir = tmp.path().join("run");
@@ -287,15 +399,23 @@ async fn ten_percent_faults_are_absorbed_and_counted() {
     args.extend(["--max-tasks".into(), "4".into()]);
     let out = run_bin(&args).await;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(server.faults_served() > 0);
     let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out_dir.join("manifest.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("manifest.json")).unwrap())
+            .unwrap();
     let retries: u64 = ["policy", "user", "judge"]
         .iter()
         .map(|r| manifest["usage"][r]["retries"].as_u64().unwrap())
         .sum();
-    assert!(retries >= server.faults_served() as u64, "retries {retries}");
+    assert!(
+        retries >= server.faults_served() as u64,
+        "retries {retries}"
+    );
     assert!(stdout.contains("retries"), "{stdout}");
     assert_eq!(task_ids(&out_dir).len(), 4);
 }
@@ -306,9 +426,18 @@ async fn rescore_makes_no_model_call_and_changes_pairs() {
     let tmp = tempfile::tempdir().unwrap();
     let out_dir = tmp.path().join("run");
     let mut args = endpoint_args(&server, &out_dir, &data("math.jsonl"));
-    args.extend(["--max-tasks".into(), "4".into(), "--min-gap".into(), "0.0".into()]);
+    args.extend([
+        "--max-tasks".into(),
+        "4".into(),
+        "--min-gap".into(),
+        "0.0".into(),
+    ]);
     let out = run_bin(&args).await;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let before = read_pairs(&out_dir.join("pairs/train.parquet")).len()
         + read_pairs(&out_dir.join("pairs/test.parquet")).len();
     assert!(before > 0);
@@ -316,26 +445,47 @@ async fn rescore_makes_no_model_call_and_changes_pairs() {
 
     // Only token_amount counts now: MRs change sign and a huge gap leaves no pair.
     let rescore = |extra: &[&str]| {
-        let mut a = vec!["--output".to_string(), out_dir.display().to_string(), "--rescore".into()];
+        let mut a = vec![
+            "--output".to_string(),
+            out_dir.display().to_string(),
+            "--rescore".into(),
+        ];
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
-    let out = run_bin(&rescore(&["--metric", "token_amount=-1", "--min-gap", "1000"])).await;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run_bin(&rescore(&[
+        "--metric",
+        "token_amount=-1",
+        "--min-gap",
+        "1000",
+    ]))
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(server.requests(), calls, "re-scoring made model calls");
     let after = read_pairs(&out_dir.join("pairs/train.parquet")).len()
         + read_pairs(&out_dir.join("pairs/test.parquet")).len();
     assert_eq!(after, 0);
 
     let out = run_bin(&rescore(&["--metric", "interactivity=1", "--min-gap", "0"])).await;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let pairs: Vec<_> = read_pairs(&out_dir.join("pairs/train.parquet"))
         .into_iter()
         .chain(read_pairs(&out_dir.join("pairs/test.parquet")))
         .collect();
     assert!(!pairs.is_empty());
     for (_, c, r) in &pairs {
-        assert!(c > r && *c <= 1.0 && *r >= 0.0, "interactivity-only MR in [0,1]: {c} {r}");
+        assert!(
+            c > r && *c <= 1.0 && *r >= 0.0,
+            "interactivity-only MR in [0,1]: {c} {r}"
+        );
     }
     // A metric that was never computed cannot be weighted by re-scoring.
     let out = run_bin(&rescore(&["--metric", "bleu=1"])).await;
@@ -353,10 +503,15 @@ async fn bad_input_is_named_and_finished_outputs_survive() {
     args.extend(["--max-tasks".into(), "2".into()]);
     assert!(run_bin(&args).await.status.success());
     let snapshot = |p: &Path| -> HashMap<PathBuf, Vec<u8>> {
-        ["conversations.jsonl", "pairs/train.parquet", "pairs/test.parquet", "flat.parquet"]
-            .iter()
-            .map(|f| (p.join(f), std::fs::read(p.join(f)).unwrap()))
-            .collect()
+        [
+            "conversations.jsonl",
+            "pairs/train.parquet",
+            "pairs/test.parquet",
+            "flat.parquet",
+        ]
+        .iter()
+        .map(|f| (p.join(f), std::fs::read(p.join(f)).unwrap()))
+        .collect()
     };
     let before = snapshot(&out_dir);
 
@@ -368,25 +523,40 @@ async fn bad_input_is_named_and_finished_outputs_survive() {
     )
     .unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (endpoint_args(&server, &out_dir, bad_tasks.to_str().unwrap()), "prompt"),
-        ({
-            let mut a = endpoint_args(&server, &out_dir, &data("math.jsonl"));
-            a.extend(["--metric".into(), "helpfulness=1".into()]);
-            a
-        }, "helpfulness"),
-        ({
-            let mut a = endpoint_args(&server, &out_dir, &data("math.jsonl"));
-            a.extend(["--metric".into(), "accuracy=high".into()]);
-            a
-        }, "accuracy=high"),
+        (
+            endpoint_args(&server, &out_dir, bad_tasks.to_str().unwrap()),
+            "prompt",
+        ),
+        (
+            {
+                let mut a = endpoint_args(&server, &out_dir, &data("math.jsonl"));
+                a.extend(["--metric".into(), "helpfulness=1".into()]);
+                a
+            },
+            "helpfulness",
+        ),
+        (
+            {
+                let mut a = endpoint_args(&server, &out_dir, &data("math.jsonl"));
+                a.extend(["--metric".into(), "accuracy=high".into()]);
+                a
+            },
+            "accuracy=high",
+        ),
     ];
     let calls = server.requests();
     for (args, needle) in cases {
         let out = run_bin(&args).await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "should fail: {needle}");
-        assert!(stderr.contains(needle), "error should name {needle}: {stderr}");
-        assert!(!stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"), "{stderr}");
+        assert!(
+            stderr.contains(needle),
+            "error should name {needle}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
+            "{stderr}"
+        );
     }
     assert_eq!(server.requests(), calls, "bad input made model calls");
     assert_eq!(snapshot(&out_dir), before, "finished outputs changed");

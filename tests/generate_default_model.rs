@@ -16,11 +16,22 @@ fn two_tasks_one_turn_on_the_default_model() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_generate_conv"))
         .current_dir(root)
         .args([
-            "--config", "configs/quickstart.toml",
-            "--output", out_dir.to_str().unwrap(),
-            "--max-tasks", "2", "--max-messages", "2",
-            "--candidates", "2", "--samples", "1", "--window", "2",
-            "--threads", "1",
+            "--config",
+            "configs/quickstart.toml",
+            "--output",
+            out_dir.to_str().unwrap(),
+            "--max-tasks",
+            "2",
+            "--max-messages",
+            "2",
+            "--candidates",
+            "2",
+            "--samples",
+            "1",
+            "--window",
+            "2",
+            "--threads",
+            "1",
         ])
         .env("RUST_LOG", "warn")
         .output()

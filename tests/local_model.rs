@@ -165,7 +165,8 @@ async fn option_probs_form_a_distribution() {
     let p = backend
         .option_probs(&question(), "Score: ", &opts)
         .await
-        .unwrap();
+        .unwrap()
+        .probs;
     assert_eq!(p.len(), 3);
     assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{p:?}");
     assert!(p.iter().all(|x| *x > 0.0));
@@ -251,4 +252,33 @@ async fn bad_model_inputs_name_the_file() {
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     let msg = load(ModelSpec::HfDir(dir)).await;
     assert!(msg.contains("safetensors"), "{msg}");
+}
+
+/// Log-probability answers go through the request cache and the usage meter too, so a rerun
+/// of local judging costs nothing and the summary counts the calls.
+#[tokio::test]
+async fn option_probs_are_cached_and_metered() {
+    use collabllm::llm::roles::Role;
+    use collabllm::llm::RequestCache;
+    let (_g, backend) = load_tiny(&TinySpec::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = RequestCache::open(dir.path()).unwrap();
+    let role = Role::from_backend("judge", "tiny", backend, Some(cache), None);
+    let opts: Vec<String> = ["0", "1"].iter().map(|s| s.to_string()).collect();
+    let a = role
+        .backend
+        .option_probs(&question(), "Score: ", &opts)
+        .await
+        .unwrap();
+    let b = role
+        .backend
+        .option_probs(&question(), "Score: ", &opts)
+        .await
+        .unwrap();
+    assert!(!a.cached && b.cached);
+    assert_eq!(a.probs, b.probs);
+    assert!(a.prompt_tokens > 10);
+    let u = role.meter.snapshot();
+    assert_eq!((u.calls, u.cache_hits), (1, 1));
+    assert_eq!(u.prompt_tokens, a.prompt_tokens);
 }

@@ -55,11 +55,15 @@ async fn handle(State(s): State<Arc<Server>>, Json(body): Json<Value>) -> Json<V
     tokio::time::sleep(s.latency).await;
     let n = body["n"].as_u64().unwrap_or(1) as usize;
     let choices: Vec<Value> = (0..n)
-        .map(|i| json!({"index": i, "finish_reason": "stop",
-            "message": {"role": "assistant", "content": content(&body, i)}}))
+        .map(|i| {
+            json!({"index": i, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": content(&body, i)}})
+        })
         .collect();
-    Json(json!({"id": "bench", "object": "chat.completion", "created": 0, "model": "bench",
-        "choices": choices, "usage": {"prompt_tokens": 100, "completion_tokens": 20 * n, "total_tokens": 100 + 20 * n}}))
+    Json(
+        json!({"id": "bench", "object": "chat.completion", "created": 0, "model": "bench",
+        "choices": choices, "usage": {"prompt_tokens": 100, "completion_tokens": 20 * n, "total_tokens": 100 + 20 * n}}),
+    )
 }
 
 pub async fn run(p: Params) -> anyhow::Result<()> {
@@ -115,10 +119,22 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
     let rss = collabllm::cli::peak_rss_bytes().unwrap_or(0) as f64 / 1e6;
     println!(
         "workload         {} tasks x {} turns, N={}, S={}, W={}, latency {} ms, cap {}",
-        p.tasks, p.turns, p.candidates, p.samples, p.window, p.latency.as_millis(), p.cap
+        p.tasks,
+        p.turns,
+        p.candidates,
+        p.samples,
+        p.window,
+        p.latency.as_millis(),
+        p.cap
     );
-    println!("wall             {wall:.2} s, {calls} calls, {} pairs", summary.stats.pairs_train + summary.stats.pairs_test);
-    println!("throughput       {rate:.1} calls/s = {:.2} of the ideal cap/latency {ideal_rate:.1}", rate / ideal_rate);
+    println!(
+        "wall             {wall:.2} s, {calls} calls, {} pairs",
+        summary.stats.pairs_train + summary.stats.pairs_test
+    );
+    println!(
+        "throughput       {rate:.1} calls/s = {:.2} of the ideal cap/latency {ideal_rate:.1}",
+        rate / ideal_rate
+    );
     println!(
         "conversation     {mean_conv:.2} s mean = {:.2} x critical path ({path} round trips = {ideal_conv:.2} s; \
          the original's sequential path is {original_path})",

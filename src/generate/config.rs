@@ -143,7 +143,10 @@ impl GenerateConfig {
             return Err(invalid("tasks", "a tasks file is required"));
         }
         if self.candidates == 0 {
-            return Err(invalid("candidates", "must be at least 1 (2 or more to form pairs)"));
+            return Err(invalid(
+                "candidates",
+                "must be at least 1 (2 or more to form pairs)",
+            ));
         }
         if self.samples == 0 {
             return Err(invalid("samples", "must be at least 1"));
@@ -169,13 +172,16 @@ impl GenerateConfig {
         if self.termination.trim().is_empty() {
             return Err(invalid("termination", "must not be empty"));
         }
-        if !(self.sandbox_timeout_s > 0.0) {
+        if self.sandbox_timeout_s.is_nan() || self.sandbox_timeout_s <= 0.0 {
             return Err(invalid("sandbox_timeout_s", "must be > 0"));
         }
         for (name, w) in &self.metrics {
             check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;
             if !w.is_finite() {
-                return Err(invalid("metrics", format!("weight of {name} must be finite")));
+                return Err(invalid(
+                    "metrics",
+                    format!("weight of {name} must be finite"),
+                ));
             }
         }
         for (field, s) in [
@@ -243,7 +249,11 @@ mod tests {
             proact_ratio: 1.5,
             ..Default::default()
         };
-        assert!(cfg.validate().unwrap_err().to_string().contains("proact_ratio"));
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("proact_ratio"));
         let cfg = GenerateConfig {
             metrics: [("vibes".to_string(), 1.0)].into(),
             ..Default::default()

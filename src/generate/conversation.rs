@@ -255,8 +255,7 @@ impl Pipeline {
                 let kk = k.to_string();
                 let future = rollout_future(
                     &self.user,
-                    &self.assistant,
-                    &self.cfg.assistant_sampling,
+                    (&self.assistant, &self.cfg.assistant_sampling),
                     task,
                     base,
                     opener,
@@ -272,10 +271,7 @@ impl Pipeline {
                     let after = &after;
                     async move {
                         let seed = self.seed(task, &["judge", metric, turn, idx, kk]);
-                        let s = self
-                            .scorer
-                            .score(metric, task, history, after, seed)
-                            .await;
+                        let s = self.scorer.score(metric, task, history, after, seed).await;
                         (metric.clone(), s)
                     }
                 }))

@@ -92,11 +92,16 @@ fn check_metrics(records: &[ConversationRecord], scoring: &Scoring) -> Result<()
     Ok(())
 }
 
+/// What a run's records become: pairs split by conversation, flat rows, statistics.
+pub struct Built {
+    pub train: Vec<PairRow>,
+    pub test: Vec<PairRow>,
+    pub flat: Vec<FlatRow>,
+    pub stats: DatasetStats,
+}
+
 /// Pairs (train, test), flat rows and statistics of `records` under `scoring`.
-pub fn build(
-    records: &[ConversationRecord],
-    scoring: &Scoring,
-) -> Result<(Vec<PairRow>, Vec<PairRow>, Vec<FlatRow>, DatasetStats), OutputError> {
+pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built, OutputError> {
     check_metrics(records, scoring)?;
     let mut stats = DatasetStats {
         conversations: records.len(),
@@ -171,7 +176,12 @@ pub fn build(
     let (train, test) = split_by_conversation(pairs, scoring.test_fraction, scoring.seed);
     stats.pairs_train = train.len();
     stats.pairs_test = test.len();
-    Ok((train, test, flat, stats))
+    Ok(Built {
+        train,
+        test,
+        flat,
+        stats,
+    })
 }
 
 fn rewards_json(
@@ -186,12 +196,8 @@ fn rewards_json(
 }
 
 /// Writes `flat.parquet` and `pairs/{train,test}.parquet` under `dir` (each atomically).
-pub fn write(
-    dir: &Path,
-    train: &[PairRow],
-    test: &[PairRow],
-    flat: &[FlatRow],
-) -> Result<(), OutputError> {
+pub fn write(dir: &Path, built: &Built) -> Result<(), OutputError> {
+    let (train, test, flat) = (&built.train, &built.test, &built.flat);
     let pairs_dir = dir.join("pairs");
     std::fs::create_dir_all(&pairs_dir).map_err(|e| OutputError::Io {
         path: pairs_dir.display().to_string(),

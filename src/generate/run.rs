@@ -132,7 +132,11 @@ impl std::fmt::Display for RunSummary {
             writeln!(f, "no pair        {}", why.join(", "))?;
         }
         let missing: usize = s.missing_scores.values().sum();
-        writeln!(f, "judge failures {missing} missing scores {:?}", s.missing_scores)?;
+        writeln!(
+            f,
+            "judge failures {missing} missing scores {:?}",
+            s.missing_scores
+        )?;
         writeln!(
             f,
             "{:<10} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}",
@@ -197,7 +201,10 @@ pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
     let n = cfg.candidates as u64;
     let s = cfg.samples as u64;
     let w = cfg.window as u64;
-    let turns = (cfg.max_messages as u64).saturating_sub(1).div_ceil(2).max(1);
+    let turns = (cfg.max_messages as u64)
+        .saturating_sub(1)
+        .div_ceil(2)
+        .max(1);
     let mut total = 0u64;
     let mut lines = Vec::new();
     for t in tasks {
@@ -412,7 +419,10 @@ pub async fn generate_with_roles(
         ),
     )?;
     if cfg.judge_mode == JudgeMode::Logprob && roles.judge.engine.is_none() {
-        bail!("--judge-mode logprob needs a local judge model; {} is an endpoint", roles.judge.spec);
+        bail!(
+            "--judge-mode logprob needs a local judge model; {} is an endpoint",
+            roles.judge.spec
+        );
     }
 
     let progress = Progress::new(pending.len(), done.len(), tasks.len());
@@ -446,10 +456,15 @@ pub async fn generate_with_roles(
     progress.finish();
 
     let records = read_records(&cfg.output)?;
-    let (train, test, flat, stats) = outputs::build(&records, &scoring(&cfg))?;
-    outputs::write(&cfg.output, &train, &test, &flat)?;
+    let built = outputs::build(&records, &scoring(&cfg))?;
+    outputs::write(&cfg.output, &built)?;
+    let stats = built.stats;
     let usage = roles.usage();
-    let status = if failed.is_empty() { "complete" } else { "incomplete" };
+    let status = if failed.is_empty() {
+        "complete"
+    } else {
+        "incomplete"
+    };
     outputs::write_json_atomic(
         &manifest_path,
         &manifest(
@@ -482,10 +497,14 @@ pub fn rescore(cfg: &GenerateConfig) -> anyhow::Result<RunSummary> {
     let started = Instant::now();
     let records: Vec<ConversationRecord> = read_records(&cfg.output)?;
     if records.is_empty() {
-        bail!("{}: no finished conversations to re-score", cfg.output.display());
+        bail!(
+            "{}: no finished conversations to re-score",
+            cfg.output.display()
+        );
     }
-    let (train, test, flat, stats) = outputs::build(&records, &scoring(cfg))?;
-    outputs::write(&cfg.output, &train, &test, &flat)?;
+    let built = outputs::build(&records, &scoring(cfg))?;
+    outputs::write(&cfg.output, &built)?;
+    let stats = built.stats;
     let path = cfg.output.join(MANIFEST_FILE);
     let mut m: serde_json::Value = std::fs::read_to_string(&path)
         .ok()

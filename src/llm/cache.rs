@@ -16,8 +16,8 @@
 //! 0..3 and asks for 2. Samples already cached inside that tail (only possible after a torn
 //! write or a concurrent writer) keep their cached value.
 //!
-//! `option_probs` is passed to the inner backend uncached (local-only, cheap, and not a
-//! `Choice`).
+//! `option_probs` answers are cached too, under a key of (backend, messages, prefix, options),
+//! stored as a one-choice entry whose content is the JSON of the answer.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -30,7 +30,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::{
-    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, LlmError, TokenUsage,
+    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, LlmError, OptionProbs,
+    TokenUsage,
 };
 
 /// File name used when [`RequestCache::open`] is given a directory.
@@ -200,6 +201,24 @@ impl RequestCache {
         hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
     }
 
+    /// Cache key of an `option_probs` call.
+    pub fn probe_key(
+        id: &BackendId,
+        messages: &[ChatMessage],
+        prefix: &str,
+        options: &[String],
+    ) -> String {
+        let messages: Vec<[&str; 2]> = messages
+            .iter()
+            .map(|m| [m.role.as_str(), m.content.as_str()])
+            .collect();
+        let canonical = serde_json::json!({
+            "v": 1, "kind": id.kind, "model": id.model, "endpoint": id.endpoint,
+            "messages": messages, "option_probs": {"prefix": prefix, "options": options},
+        });
+        hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
+    }
+
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Choice>> {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -320,8 +339,24 @@ impl<B: ChatBackend + ?Sized> ChatBackend for CachedBackend<B> {
         messages: &[ChatMessage],
         prefix: &str,
         options: &[String],
-    ) -> Result<Vec<f64>, LlmError> {
-        self.inner.option_probs(messages, prefix, options).await
+    ) -> Result<OptionProbs, LlmError> {
+        let key = RequestCache::probe_key(self.inner.id(), messages, prefix, options);
+        if let Some(hit) = self.cache.get(&key) {
+            if let Ok(mut p) = serde_json::from_str::<OptionProbs>(&hit.content) {
+                p.cached = true;
+                return Ok(p);
+            }
+        }
+        let p = self.inner.option_probs(messages, prefix, options).await?;
+        let stored = Choice {
+            index: 0,
+            content: serde_json::to_string(&p).unwrap_or_default(),
+            finish_reason: crate::llm::FinishReason::Stop,
+        };
+        if let Err(e) = self.cache.insert_many(&[(key, stored)]) {
+            tracing::warn!(error = %e, "could not write the request cache");
+        }
+        Ok(p)
     }
 }
 

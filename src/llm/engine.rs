@@ -303,7 +303,7 @@ impl Engine {
         messages: &[ChatMessage],
         prefix: &str,
         options: &[String],
-    ) -> Result<Vec<f64>, EngineError> {
+    ) -> Result<crate::llm::OptionProbs, EngineError> {
         let text = format!("{}{}", self.render(messages)?, prefix);
         let ids = self.encode(&text)?;
         let option_ids = options
@@ -316,7 +316,11 @@ impl Engine {
             })
             .collect::<Result<Vec<u32>, _>>()?;
         let logits = self.next_token_logits(&ids)?;
-        Ok(restricted_probs(&logits, &option_ids))
+        Ok(crate::llm::OptionProbs {
+            probs: restricted_probs(&logits, &option_ids),
+            prompt_tokens: ids.len() as u64,
+            cached: false,
+        })
     }
 
     /// Generates `params.n` continuations of `prompt`: one prefill, then the samples decode

@@ -14,7 +14,8 @@ pub use super::engine::LoadOptions;
 use super::engine::{Engine, EngineError, GenParams};
 use super::spec::{resolve_local, ModelSpec, SpecError};
 use super::{
-    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, LlmError, TokenUsage,
+    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, LlmError, OptionProbs,
+    TokenUsage,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -202,7 +203,7 @@ impl ChatBackend for LocalBackend {
         messages: &[ChatMessage],
         prefix: &str,
         options: &[String],
-    ) -> Result<Vec<f64>, LlmError> {
+    ) -> Result<OptionProbs, LlmError> {
         let engine = self.engine.clone();
         let (messages, prefix, options) = (messages.to_vec(), prefix.to_string(), options.to_vec());
         on_worker("scoring", move || {

@@ -256,6 +256,18 @@ impl LlmError {
     }
 }
 
+/// The answer of [`ChatBackend::option_probs`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptionProbs {
+    /// One probability per option, summing to 1.
+    pub probs: Vec<f64>,
+    /// Tokens of the scored prompt.
+    pub prompt_tokens: u64,
+    /// True when the answer came from the request cache.
+    #[serde(default)]
+    pub cached: bool,
+}
+
 /// Identifies a backend and model for cache keys and logs (never contains secrets).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct BackendId {
@@ -294,7 +306,7 @@ pub trait ChatBackend: Send + Sync {
         _messages: &[ChatMessage],
         _prefix: &str,
         _options: &[String],
-    ) -> Result<Vec<f64>, LlmError> {
+    ) -> Result<OptionProbs, LlmError> {
         Err(LlmError::Unsupported {
             backend: self.id().to_string(),
             what: "log-probability scoring".into(),

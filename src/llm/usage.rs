@@ -6,7 +6,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use super::{BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, LlmError};
+use super::{
+    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, LlmError, OptionProbs,
+};
 
 /// Lock-free counters shared by everything that calls one role's backend.
 #[derive(Debug, Default)]
@@ -49,6 +51,17 @@ impl UsageMeter {
             .fetch_add(resp.usage.completion_tokens, Ordering::Relaxed);
         self.retries
             .fetch_add(u64::from(resp.retries), Ordering::Relaxed);
+    }
+
+    /// Counts a log-probability scoring call (a prompt pass, no completion).
+    pub fn record_probe(&self, p: &OptionProbs) {
+        if p.cached {
+            self.cache_hits.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            self.prompt_tokens
+                .fetch_add(p.prompt_tokens, Ordering::Relaxed);
+        }
     }
 
     pub fn record_failure(&self, err: &LlmError) {
@@ -138,7 +151,16 @@ impl<B: ChatBackend + ?Sized> ChatBackend for MeteredBackend<B> {
         messages: &[ChatMessage],
         prefix: &str,
         options: &[String],
-    ) -> Result<Vec<f64>, LlmError> {
-        self.inner.option_probs(messages, prefix, options).await
+    ) -> Result<OptionProbs, LlmError> {
+        match self.inner.option_probs(messages, prefix, options).await {
+            Ok(p) => {
+                self.meter.record_probe(&p);
+                Ok(p)
+            }
+            Err(e) => {
+                self.meter.record_failure(&e);
+                Err(e)
+            }
+        }
     }
 }

@@ -69,13 +69,26 @@ impl Judge {
     }
 
     /// Accuracy in {0,1} (the expectation P(correct) in log-probability mode).
-    pub async fn accuracy(&self, goal: &str, reference: &str, conversation: &str, seed: u64) -> Verdict {
+    pub async fn accuracy(
+        &self,
+        goal: &str,
+        reference: &str,
+        conversation: &str,
+        seed: u64,
+    ) -> Verdict {
         let ctx = |json: bool| {
             serde_json::json!({"goal": goal, "reference": reference,
                 "conversation": conversation, "json": json})
         };
-        self.rate(Prompt::JudgeAccuracy, ctx, "accuracy", &["0", "1"], (0.0, 1.0), seed)
-            .await
+        self.rate(
+            Prompt::JudgeAccuracy,
+            ctx,
+            "accuracy",
+            &["0", "1"],
+            (0.0, 1.0),
+            seed,
+        )
+        .await
     }
 
     /// Interactivity in [0,1]: the 1–5 rating mapped linearly.
@@ -121,16 +134,16 @@ impl Judge {
                         .option_probs(&[ChatMessage::user(text.clone())], LOGPROB_PREFIX, &opts)
                         .await
                     {
-                        Ok(p) => {
+                        Ok(answer) => {
+                            let p = answer.probs;
                             let expect: f64 = p
                                 .iter()
                                 .enumerate()
                                 .map(|(i, pi)| pi * (range.0 + i as f64))
                                 .sum();
-                            let raw = serde_json::to_string(
-                                &opts.iter().zip(&p).collect::<Vec<_>>(),
-                            )
-                            .unwrap_or_default();
+                            let raw =
+                                serde_json::to_string(&opts.iter().zip(&p).collect::<Vec<_>>())
+                                    .unwrap_or_default();
                             return Verdict {
                                 value: Some(expect),
                                 method: "llm-logprob".into(),
@@ -197,10 +210,15 @@ impl Judge {
     ) -> Option<(String, String)> {
         let text = self
             .prompts
-            .render(prompt, serde_json::json!({"goal": goal, "conversation": conversation}))
+            .render(
+                prompt,
+                serde_json::json!({"goal": goal, "conversation": conversation}),
+            )
             .ok()?;
         for attempt in 0..=self.retries {
-            let req = self.request(&text, seed, attempt).max_tokens(self.max_tokens.max(1024));
+            let req = self
+                .request(&text, seed, attempt)
+                .max_tokens(self.max_tokens.max(1024));
             if let Ok(resp) = self.role.backend.chat(&req).await {
                 let raw = resp.choices[0].content.clone();
                 return Some((extract_fenced_or_all(&raw), raw));

@@ -44,7 +44,11 @@ pub fn check_metric_name(name: &str) -> Result<(), MetricError> {
     } else {
         Err(MetricError::Unknown {
             name: name.to_string(),
-            known: METRICS.iter().map(|(m, _)| *m).collect::<Vec<_>>().join(", "),
+            known: METRICS
+                .iter()
+                .map(|(m, _)| *m)
+                .collect::<Vec<_>>()
+                .join(", "),
         })
     }
 }
@@ -185,8 +189,7 @@ impl Scorer {
             .accuracy(&task.prompt, &task.reference, &transcript(session), seed)
             .await;
         let programmatic = if task.task_type == TaskType::Math {
-            last_assistant(session)
-                .and_then(|text| super::math::check_math(text, &task.reference))
+            last_assistant(session).and_then(|text| super::math::check_math(text, &task.reference))
         } else {
             None
         };
@@ -214,7 +217,12 @@ impl Scorer {
     async fn bleu(&self, task: &Task, session: &[ChatMessage], seed: u64) -> MetricScore {
         let extracted = self
             .judge
-            .extract(Prompt::ExtractDocument, &task.prompt, &transcript(session), seed)
+            .extract(
+                Prompt::ExtractDocument,
+                &task.prompt,
+                &transcript(session),
+                seed,
+            )
             .await;
         let (doc, raw, method) = match extracted {
             Some((doc, raw)) if !doc.trim().is_empty() => (doc, Some(raw), "llm-extract+bleu13a"),
@@ -243,7 +251,12 @@ impl Scorer {
         };
         let extracted = self
             .judge
-            .extract(Prompt::ExtractCode, &task.prompt, &transcript(session), seed)
+            .extract(
+                Prompt::ExtractCode,
+                &task.prompt,
+                &transcript(session),
+                seed,
+            )
             .await;
         let raw = extracted.as_ref().map(|(_, r)| r.clone());
         let code = extracted
@@ -295,7 +308,9 @@ mod tests {
         );
         let e = parse_metric_weight("acuracy=1").unwrap_err().to_string();
         assert!(e.contains("acuracy") && e.contains("accuracy"), "{e}");
-        let e = parse_metric_weight("accuracy=lots").unwrap_err().to_string();
+        let e = parse_metric_weight("accuracy=lots")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("accuracy=lots"), "{e}");
         assert!(parse_metric_weight("accuracy").is_err());
         assert!(parse_metric_weight("accuracy=inf").is_err());

@@ -21,7 +21,9 @@ impl std::str::FromStr for MrFormula {
         match s {
             "mean" => Ok(MrFormula::Mean),
             "verl_clamp" | "verl" => Ok(MrFormula::VerlClamp),
-            _ => Err(format!("unknown MR formula `{s}` (expected mean or verl_clamp)")),
+            _ => Err(format!(
+                "unknown MR formula `{s}` (expected mean or verl_clamp)"
+            )),
         }
     }
 }
@@ -77,9 +79,21 @@ mod tests {
         ]
         .into();
         let sessions = vec![
-            s(&[("accuracy", Some(1.0)), ("interactivity", Some(0.5)), ("token_amount", Some(0.4))]),
-            s(&[("accuracy", Some(0.0)), ("interactivity", Some(0.75)), ("token_amount", Some(0.2))]),
-            s(&[("accuracy", Some(1.0)), ("interactivity", Some(1.0)), ("token_amount", Some(0.6))]),
+            s(&[
+                ("accuracy", Some(1.0)),
+                ("interactivity", Some(0.5)),
+                ("token_amount", Some(0.4)),
+            ]),
+            s(&[
+                ("accuracy", Some(0.0)),
+                ("interactivity", Some(0.75)),
+                ("token_amount", Some(0.2)),
+            ]),
+            s(&[
+                ("accuracy", Some(1.0)),
+                ("interactivity", Some(1.0)),
+                ("token_amount", Some(0.6)),
+            ]),
         ];
         // Per session: 1 + 1 − 0.2 = 1.8; 0 + 1.5 − 0.1 = 1.4; 1 + 2 − 0.3 = 2.7 → mean 1.9667.
         let mean = multiturn_reward(&sessions, &weights, MrFormula::Mean).unwrap();
@@ -93,7 +107,10 @@ mod tests {
     fn missing_scores_average_over_the_rest_or_fail() {
         let weights: BTreeMap<String, f64> = [("accuracy".to_string(), 1.0)].into();
         let partial = vec![s(&[("accuracy", Some(1.0))]), s(&[("accuracy", None)])];
-        assert_eq!(multiturn_reward(&partial, &weights, MrFormula::Mean), Some(1.0));
+        assert_eq!(
+            multiturn_reward(&partial, &weights, MrFormula::Mean),
+            Some(1.0)
+        );
         let none = vec![s(&[("accuracy", None)])];
         assert_eq!(multiturn_reward(&none, &weights, MrFormula::Mean), None);
         assert_eq!(multiturn_reward(&[], &weights, MrFormula::Mean), None);

@@ -6,8 +6,9 @@
 use serde_json::Value;
 
 fn hash(s: &str) -> u64 {
-    s.bytes()
-        .fold(1469598103934665603u64, |h, b| (h ^ u64::from(b)).wrapping_mul(1099511628211))
+    s.bytes().fold(1469598103934665603u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(1099511628211)
+    })
 }
 
 /// Reply for one sample of a chat request whose last user message is `prompt`.
@@ -24,7 +25,10 @@ pub fn reply(prompt: &str, seed: u64, sample: usize) -> String {
             .to_string();
     }
     if prompt.contains("grading whether") {
-        return format!("{{\"thought\": \"checked\", \"accuracy\": {}}}", hash(prompt) % 2);
+        return format!(
+            "{{\"thought\": \"checked\", \"accuracy\": {}}}",
+            hash(prompt) % 2
+        );
     }
     if prompt.contains("rating how well") {
         return format!(
@@ -35,7 +39,11 @@ pub fn reply(prompt: &str, seed: u64, sample: usize) -> String {
     if prompt.contains("Extract the final") {
         return "```\nThe final document.\n```".into();
     }
-    format!("Let me think ({k}). Is this about {}? The answer is {}.", k % 3, k % 7)
+    format!(
+        "Let me think ({k}). Is this about {}? The answer is {}.",
+        k % 3,
+        k % 7
+    )
 }
 
 /// The same for an OpenAI request body (the fault server's responder).

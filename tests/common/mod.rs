@@ -1,5 +1,5 @@
 //! Helpers shared by the integration test suites.
 #![allow(dead_code)]
 
-pub mod fault_server;
 pub mod collab_script;
+pub mod fault_server;
