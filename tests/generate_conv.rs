@@ -574,3 +574,89 @@ async fn dry_run_prints_the_plan_without_calls() {
     assert!(stdout.contains("model calls: at most"), "{stdout}");
     assert_eq!(server.requests(), 0);
 }
+
+/// Hostile "generated" code (infinite loop, fork bomb, huge allocation, a write outside the
+/// sandbox) flows through pass_rate: every such session scores 0 and the run carries on.
+#[tokio::test]
+async fn hostile_code_scores_zero_and_the_run_continues() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let guarded = tmp.path().join("guarded");
+    std::fs::create_dir(&guarded).unwrap();
+    std::fs::set_permissions(&guarded, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let target = guarded.join("pwned.txt");
+    let snippets = [
+        "while True:\n    pass\n".to_string(),
+        "import os\nwhile True:\n    os.fork()\n".to_string(),
+        "x = bytearray(10**10)\n".to_string(),
+        format!("open({:?}, 'w').write('x')\n", target.display().to_string()),
+    ];
+    let policy = ScriptedBackend::new("policy", move |req, i| {
+        let k = (req.seed.unwrap_or(0) as usize + i) % snippets.len();
+        Ok(format!("Here you go:\n```python\n{}```", snippets[k]))
+    });
+    let judge = ScriptedBackend::new("judge", |req, _| {
+        // The extractor returns the last code block of the conversation verbatim.
+        let prompt = &req
+            .messages
+            .last()
+            .map(|m| m.content.clone())
+            .unwrap_or_default();
+        let start = prompt.rfind("```python").unwrap_or(0);
+        let end = prompt[start + 3..]
+            .find("```")
+            .map_or(prompt.len(), |e| start + 3 + e + 3);
+        Ok(prompt[start..end].to_string())
+    });
+    let cfg = GenerateConfig {
+        tasks: data("code.jsonl"),
+        output: tmp.path().join("run"),
+        candidates: 2,
+        samples: 2,
+        window: 1,
+        max_messages: 2,
+        max_tasks: Some(2),
+        sandbox_timeout_s: 3.0,
+        ..GenerateConfig::default()
+    };
+    let roles = Roles {
+        policy: Role::from_backend("policy", "scripted", policy.clone(), None, None),
+        assistant: Role::from_backend("assistant", "scripted", policy, None, None),
+        user: Role::from_backend("user", "scripted", scripted("user"), None, None),
+        judge: Role::from_backend("judge", "scripted", judge, None, None),
+    };
+    let tasks = collabllm::generate::run::load_config_tasks(&cfg).unwrap();
+    let started = std::time::Instant::now();
+    let summary = generate_with_roles(cfg.clone(), tasks, roles)
+        .await
+        .unwrap();
+    assert_eq!(summary.tasks_done_now, 2, "{summary}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "sandbox runs must be bounded"
+    );
+    let text = std::fs::read_to_string(cfg.output.join("conversations.jsonl")).unwrap();
+    let (mut scored, mut timed_out) = (0, 0);
+    for line in text.lines() {
+        let rec: serde_json::Value = serde_json::from_str(line).unwrap();
+        for turn in rec["turns"].as_array().unwrap() {
+            for cand in turn["candidates"].as_array().unwrap() {
+                for s in cand["sessions"].as_array().unwrap() {
+                    assert_eq!(s["scores"]["pass_rate"]["value"], 0.0, "{s}");
+                    scored += 1;
+                    let outcome = &s["scores"]["pass_rate"]["detail"]["outcome"];
+                    timed_out += usize::from(outcome["timed_out"] == true);
+                }
+            }
+        }
+    }
+    assert_eq!(scored, 2 * 2 * 2);
+    assert!(
+        timed_out >= 1,
+        "the infinite loop was killed at the wall timeout"
+    );
+    assert!(
+        !target.exists(),
+        "sandboxed code wrote outside its directory"
+    );
+}

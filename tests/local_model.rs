@@ -282,3 +282,22 @@ async fn option_probs_are_cached_and_metered() {
     assert_eq!((u.calls, u.cache_hits), (1, 1));
     assert_eq!(u.prompt_tokens, a.prompt_tokens);
 }
+
+/// An HF model id that is not in the cache, offline: a clear error naming the id and saying
+/// how to make it available (no hang, no download attempt).
+#[tokio::test]
+async fn offline_hf_id_names_the_model_and_the_fix() {
+    let home = tempfile::tempdir().unwrap();
+    // SAFETY: this test runs in its own process under nextest; set before any thread reads it.
+    unsafe {
+        std::env::set_var("HF_HUB_OFFLINE", "1");
+        std::env::set_var("HF_HOME", home.path());
+    }
+    let spec: ModelSpec = "hf:HuggingFaceTB/SmolLM2-135M-Instruct".parse().unwrap();
+    let err = match LocalBackend::load(&spec, &Default::default()).await {
+        Ok(_) => panic!("should fail offline"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("HuggingFaceTB/SmolLM2-135M-Instruct"), "{err}");
+    assert!(err.contains("offline") || err.contains("download"), "{err}");
+}
