@@ -124,6 +124,7 @@ fn logits_match_the_inference_model_tied_and_untied() {
         let got = train_logits(&train, &[&long, &short]);
         let d_long = max_abs_diff(&got[0], &inference_logits(&infer, &long));
         let d_short = max_abs_diff(&got[1][..short.len()], &inference_logits(&infer, &short));
+        eprintln!("train vs inference: max |Δlogit| {d_long:e} (long), {d_short:e} (padded short)");
         assert!(d_long < 1e-3 && d_short < 1e-3, "{d_long} {d_short}");
         // And without a mask.
         let ids = Tensor::new(long.as_slice(), &cpu())
@@ -492,6 +493,14 @@ fn adamw_learns_a_toy_preference() {
     }
     let (pc, pr) = pair_logps(&model, &batch, false).unwrap();
     let last = dpo_loss(&pc, &pr, &rc, &rr, &cfg).unwrap().metrics;
+    eprintln!(
+        "toy DPO: loss {:.4} -> {:.4}, accuracy {} -> {}, margin {:.3}",
+        history[0].loss,
+        last.loss,
+        history[0].rewards_accuracies,
+        last.rewards_accuracies,
+        last.rewards_margins
+    );
     assert!((history[0].loss - std::f64::consts::LN_2).abs() < 1e-4);
     assert!(
         last.loss < 0.5 * history[0].loss,
