@@ -473,7 +473,8 @@ fn adamw_learns_a_toy_preference() {
     let model = TrainLlama::from_hf_dir(&dir, DType::F32, &cpu()).unwrap();
     let batch = PairBatch::new(&toy_pairs(), 258, &cpu()).unwrap();
     let cfg = DpoConfig::default();
-    let (rc, rr) = pair_logps(&model, &batch, false).unwrap();
+    let reference = model.detached_copy().unwrap();
+    let (rc, rr) = pair_logps(&reference, &batch, false).unwrap();
     let (rc, rr) = (rc.detach(), rr.detach());
     let mut opt = AdamW::new(
         model.vars(),
@@ -510,4 +511,48 @@ fn adamw_learns_a_toy_preference() {
     );
     assert!(last.rewards_accuracies > 0.9, "{last:?}");
     assert!(last.rewards_margins > 0.0 && last.rewards_chosen > last.rewards_rejected);
+    // The reference copy did not move with the policy.
+    let (rc2, rr2) = pair_logps(&reference, &batch, false).unwrap();
+    assert_eq!(rc2.to_vec1::<f32>().unwrap(), rc.to_vec1::<f32>().unwrap());
+    assert_eq!(rr2.to_vec1::<f32>().unwrap(), rr.to_vec1::<f32>().unwrap());
+}
+
+#[test]
+fn schedule_and_clipping_follow_hf() {
+    use collabllm::train::optim::{
+        clip_grad_norm, cosine_with_warmup, trl_adamw_params, warmup_steps,
+    };
+    assert_eq!(warmup_steps(100, 0.1), 10);
+    assert_eq!(warmup_steps(15, 0.1), 2);
+    assert_eq!(cosine_with_warmup(0, 100, 10), 0.0);
+    assert!((cosine_with_warmup(5, 100, 10) - 0.5).abs() < 1e-12);
+    assert_eq!(cosine_with_warmup(10, 100, 10), 1.0);
+    assert!((cosine_with_warmup(55, 100, 10) - 0.5).abs() < 1e-12);
+    assert!(cosine_with_warmup(100, 100, 10).abs() < 1e-12);
+    assert_eq!(cosine_with_warmup(0, 10, 0), 1.0);
+    assert_eq!(trl_adamw_params(1e-5).weight_decay, 0.0);
+
+    let a = Var::new(&[3.0f32, 0.0], &cpu()).unwrap();
+    let b = Var::new(&[4.0f32], &cpu()).unwrap();
+    // loss = ½(a·a + b·b) → gradients a and b, global norm 5.
+    let loss = ((a.as_tensor().sqr().unwrap().sum_all().unwrap()
+        + b.as_tensor().sqr().unwrap().sum_all().unwrap())
+    .unwrap()
+        * 0.5)
+        .unwrap();
+    let vars = [a.clone(), b.clone()];
+    let mut grads = loss.backward().unwrap();
+    assert!((clip_grad_norm(&mut grads, &vars, 10.0).unwrap() - 5.0).abs() < 1e-6);
+    assert_eq!(
+        grads.get(&a).unwrap().to_vec1::<f32>().unwrap(),
+        vec![3.0, 0.0]
+    );
+    let norm = clip_grad_norm(&mut grads, &vars, 1.0).unwrap();
+    assert!((norm - 5.0).abs() < 1e-6);
+    let ga = grads.get(&a).unwrap().to_vec1::<f32>().unwrap();
+    let gb = grads.get(&b).unwrap().to_vec1::<f32>().unwrap();
+    assert!(
+        (ga[0] - 0.6).abs() < 1e-5 && (gb[0] - 0.8).abs() < 1e-5,
+        "{ga:?} {gb:?}"
+    );
 }

@@ -1,6 +1,6 @@
 //! Training core for DPO (DESIGN §5): a trainable llama ([`model::TrainLlama`]), sequence
 //! log-probs of preference pairs in one forward pass ([`logps`]) and TRL's DPO losses and
-//! metrics ([`loss`]).
+//! metrics ([`loss`]), HF/TRL optimizer conventions ([`optim`]).
 //!
 //! A step, in outline:
 //! ```no_run
@@ -27,3 +27,4 @@
 pub mod logps;
 pub mod loss;
 pub mod model;
+pub mod optim;

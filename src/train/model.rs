@@ -291,6 +291,22 @@ impl TrainLlama {
         Ok(Self::from_tensors(cfg, tensors, factors, dtype, device)?)
     }
 
+    /// An independent copy of the current weights (new variables, no shared storage): the
+    /// frozen reference model of DPO when its log-probs are not precomputed.
+    pub fn detached_copy(&self) -> Result<Self> {
+        let mut copy = Self::from_tensors(
+            self.cfg.clone(),
+            // Detached tensors share storage; `Var::from_tensor` copies it.
+            self.hf_tensors()?,
+            None,
+            self.dtype,
+            &self.device,
+        )?;
+        copy.cos = self.cos.clone();
+        copy.sin = self.sin.clone();
+        Ok(copy)
+    }
+
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
     }
