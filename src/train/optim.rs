@@ -58,3 +58,19 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
     }
     Ok(norm)
 }
+
+/// Adds the gradients of `vars` in `more` to `acc` (gradient accumulation over micro-batches;
+/// scale each micro-batch loss by 1/k to get the mean).
+pub fn accumulate_grads(acc: &mut GradStore, mut more: GradStore, vars: &[Var]) -> Result<()> {
+    for v in vars {
+        let Some(g) = more.remove(v.as_tensor()) else {
+            continue;
+        };
+        let sum = match acc.remove(v.as_tensor()) {
+            Some(a) => (a + g)?,
+            None => g,
+        };
+        acc.insert(v.as_tensor(), sum);
+    }
+    Ok(())
+}
