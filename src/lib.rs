@@ -4,8 +4,8 @@
 //! Modules follow the data, and a module may use only the ones before it:
 //! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
 //! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `generate`
-//! (the generate_conv pipeline); `serve` is an HTTP front over `llm`; `parse` and `cli` are
-//! leaf utilities.
+//! (the generate_conv pipeline); `train` (trainable llama, DPO log-probs and losses) uses only
+//! `llm`; `serve` is an HTTP front over `llm`; `parse` and `cli` are leaf utilities.
 
 pub mod cli;
 mod columnar;
@@ -19,3 +19,4 @@ pub mod reward;
 pub mod serve;
 pub mod simulate;
 pub mod task;
+pub mod train;

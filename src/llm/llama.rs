@@ -126,7 +126,7 @@ impl LlamaConfig {
     }
 
     /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them.
-    fn inv_freqs(&self) -> Vec<f64> {
+    pub(crate) fn inv_freqs(&self) -> Vec<f64> {
         let d = self.head_dim();
         let base: Vec<f64> = (0..d / 2)
             .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64))
@@ -328,7 +328,7 @@ fn tensor_to_qmatmul(t: Tensor, format: WeightFormat) -> Result<QMatMul> {
     Ok(QMatMul::Tensor(t))
 }
 
-fn rope_tables(
+pub(crate) fn rope_tables(
     cfg: &LlamaConfig,
     factors: Option<Vec<f32>>,
     dev: &Device,

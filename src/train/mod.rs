@@ -1,0 +1,30 @@
+//! Training core for DPO (DESIGN §5): a trainable llama ([`model::TrainLlama`]), sequence
+//! log-probs of preference pairs in one forward pass ([`logps`]) and TRL's DPO losses and
+//! metrics ([`loss`]), HF/TRL optimizer conventions ([`optim`]).
+//!
+//! A step, in outline:
+//! ```no_run
+//! # fn main() -> anyhow::Result<()> {
+//! use candle_core::{DType, Device};
+//! use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+//! use collabllm::train::{logps::*, loss::*, model::TrainLlama};
+//! let dev = Device::Cpu;
+//! let policy = TrainLlama::from_hf_dir("model".as_ref(), DType::F32, &dev)?;
+//! let pairs = vec![TokenizedPair { prompt: vec![1, 2], chosen: vec![3], rejected: vec![4] }];
+//! let batch = PairBatch::new(&pairs, 0, &dev)?;
+//! let cfg = DpoConfig::default();
+//! // Reference log-probs: the policy before training (or a cache of them), no gradient.
+//! let (ref_c, ref_r) = pair_logps(&policy, &batch, cfg.loss_type.average_logps())?;
+//! let (ref_c, ref_r) = (ref_c.detach(), ref_r.detach());
+//! let mut opt = AdamW::new(policy.vars(), ParamsAdamW { lr: 5e-6, ..Default::default() })?;
+//! let (pc, pr) = pair_logps(&policy, &batch, cfg.loss_type.average_logps())?;
+//! let out = dpo_loss(&pc, &pr, &ref_c, &ref_r, &cfg)?;
+//! opt.backward_step(&out.loss)?;
+//! println!("{:?}", out.metrics.named());
+//! # Ok(()) }
+//! ```
+
+pub mod logps;
+pub mod loss;
+pub mod model;
+pub mod optim;

@@ -1,0 +1,556 @@
+//! A trainable llama (SmolLM2, Llama 2/3, TinyLlama…) built from differentiable candle ops
+//! only (DESIGN §8: `rms_norm_slow`, `rope_slow`, generic `softmax`; never the fast kernels,
+//! which have no backward and silently cut the gradient).
+//!
+//! Every weight is a [`Var`] in a [`VarMap`] under its HF name (`model.embed_tokens.weight`,
+//! `model.layers.N.self_attn.q_proj.weight`, …, `lm_head.weight` only when the head is not
+//! tied to the embedding). The model works in the HF layout (half-split rotary embedding);
+//! GGUF checkpoints are dequantized and their Q/K rows un-permuted at load, so an export is a
+//! plain HF checkpoint.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use candle_nn::VarMap;
+
+use crate::llm::llama::{rope_tables, LlamaConfig};
+
+/// Additive bias for masked attention scores. Finite, so that a row whose keys are all masked
+/// (a left-padded query) gives a uniform distribution instead of NaN; `exp` of it is 0 in f32.
+const MASKED: f64 = -1e9;
+
+struct TrainLayer {
+    input_norm: Tensor,
+    post_norm: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+/// A llama whose weights are trainable variables. Forward passes return the logits of every
+/// position.
+pub struct TrainLlama {
+    cfg: LlamaConfig,
+    varmap: VarMap,
+    /// Variable names in a fixed order (embedding, layers, final norm, head).
+    names: Vec<String>,
+    embed: Tensor,
+    layers: Vec<TrainLayer>,
+    norm: Tensor,
+    lm_head: Option<Tensor>,
+    cos: Tensor,
+    sin: Tensor,
+    dtype: DType,
+    device: Device,
+}
+
+/// The HF tensor names of a llama with this configuration, in a fixed order.
+pub fn hf_tensor_names(cfg: &LlamaConfig) -> Vec<String> {
+    let mut names = vec!["model.embed_tokens.weight".to_string()];
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        for n in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ] {
+            names.push(format!("{p}.{n}.weight"));
+        }
+    }
+    names.push("model.norm.weight".to_string());
+    if !cfg.tie_word_embeddings {
+        names.push("lm_head.weight".to_string());
+    }
+    names
+}
+
+fn expected_shape(cfg: &LlamaConfig, name: &str) -> Vec<usize> {
+    let h = cfg.hidden_size;
+    let q_out = cfg.num_attention_heads * cfg.head_dim();
+    let kv_out = cfg.num_kv_heads() * cfg.head_dim();
+    let im = cfg.intermediate_size;
+    let suffix = name.rsplit_once("layers.").map_or(name, |(_, s)| s);
+    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+        vec![cfg.vocab_size, h]
+    } else if name.ends_with("norm.weight") {
+        vec![h]
+    } else if suffix.ends_with("q_proj.weight") {
+        vec![q_out, h]
+    } else if suffix.ends_with("k_proj.weight") || suffix.ends_with("v_proj.weight") {
+        vec![kv_out, h]
+    } else if suffix.ends_with("o_proj.weight") {
+        vec![h, q_out]
+    } else if suffix.ends_with("gate_proj.weight") || suffix.ends_with("up_proj.weight") {
+        vec![im, h]
+    } else {
+        vec![h, im]
+    }
+}
+
+/// GGUF stores Q/K rows permuted for the interleaved rotary embedding; this returns them in
+/// the HF (half-split) order: rows reshaped to (heads, head_dim/2, 2), the last two axes
+/// swapped (the inverse of llama.cpp's `permute`).
+pub fn unpermute_gguf_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    let hd = rows / heads;
+    w.reshape((heads, hd / 2, 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))
+}
+
+/// The HF → GGUF direction of [`unpermute_gguf_qk`].
+pub fn permute_hf_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    let hd = rows / heads;
+    w.reshape((heads, 2, hd / 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))
+}
+
+/// `x (…, in) · wᵀ (in, out)`.
+fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let inner = dims[dims.len() - 1];
+    let rows = x.elem_count() / inner;
+    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    let mut out = dims;
+    let last = out.len() - 1;
+    out[last] = w.dim(0)?;
+    y.reshape(out)
+}
+
+impl TrainLlama {
+    /// Builds the model from HF-named tensors (converted to `dtype`).
+    pub fn from_tensors(
+        cfg: LlamaConfig,
+        mut tensors: HashMap<String, Tensor>,
+        factors: Option<Vec<f32>>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if cfg.num_attention_heads % cfg.num_kv_heads() != 0 {
+            candle_core::bail!("attention heads must be a multiple of the key/value heads");
+        }
+        let mut cfg = cfg;
+        if !cfg.tie_word_embeddings && !tensors.contains_key("lm_head.weight") {
+            // Some checkpoints say "untied" but ship no head: the embedding is the head.
+            cfg.tie_word_embeddings = true;
+        }
+        let names = hf_tensor_names(&cfg);
+        let varmap = VarMap::new();
+        let mut get = |name: &str| -> Result<Tensor> {
+            let t = tensors
+                .remove(name)
+                .ok_or_else(|| candle_core::Error::Msg(format!("missing tensor `{name}`")))?;
+            let want = expected_shape(&cfg, name);
+            if t.dims() != want.as_slice() {
+                candle_core::bail!(
+                    "tensor `{name}` has shape {:?}, expected {want:?}",
+                    t.dims()
+                );
+            }
+            let var = Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?.contiguous()?)?;
+            let out = var.as_tensor().clone();
+            varmap
+                .data()
+                .lock()
+                .expect("var map lock")
+                .insert(name.to_string(), var);
+            Ok(out)
+        };
+        let embed = get("model.embed_tokens.weight")?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let mut g = |n: &str| get(&format!("{p}.{n}.weight"));
+            layers.push(TrainLayer {
+                input_norm: g("input_layernorm")?,
+                post_norm: g("post_attention_layernorm")?,
+                q: g("self_attn.q_proj")?,
+                k: g("self_attn.k_proj")?,
+                v: g("self_attn.v_proj")?,
+                o: g("self_attn.o_proj")?,
+                gate: g("mlp.gate_proj")?,
+                up: g("mlp.up_proj")?,
+                down: g("mlp.down_proj")?,
+            });
+        }
+        let norm = get("model.norm.weight")?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(get("lm_head.weight")?)
+        };
+        let (cos, sin) = rope_tables(&cfg, factors, device)?;
+        Ok(Self {
+            cfg,
+            varmap,
+            names,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos: cos.to_dtype(dtype)?,
+            sin: sin.to_dtype(dtype)?,
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    /// Loads an HF checkpoint directory: `config.json` and `model.safetensors` (or every
+    /// `*.safetensors` shard in it).
+    pub fn from_hf_dir(dir: &Path, dtype: DType, device: &Device) -> anyhow::Result<Self> {
+        let cfg_text = std::fs::read_to_string(dir.join("config.json"))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", dir.join("config.json").display()))?;
+        let cfg: LlamaConfig = serde_json::from_str(&cfg_text)?;
+        let files = safetensors_files(dir)?;
+        let mut tensors = HashMap::new();
+        for f in &files {
+            tensors.extend(candle_core::safetensors::load(f, device)?);
+        }
+        Ok(Self::from_tensors(cfg, tensors, None, dtype, device)?)
+    }
+
+    /// Loads a llama GGUF file, dequantizing every tensor and converting the Q/K rows to the
+    /// HF layout.
+    pub fn from_gguf(path: &Path, dtype: DType, device: &Device) -> anyhow::Result<Self> {
+        let mut file =
+            std::fs::File::open(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let content = gguf_file::Content::read(&mut file)?;
+        let mut cfg = LlamaConfig::from_gguf(&content).map_err(anyhow::Error::msg)?;
+        let meta_id = |k: &str| {
+            content
+                .metadata
+                .get(k)
+                .and_then(|v| v.to_u32().ok())
+                .map(|v| serde_json::Value::from(v as u64))
+        };
+        cfg.bos_token_id = meta_id("tokenizer.ggml.bos_token_id");
+        cfg.eos_token_id = meta_id("tokenizer.ggml.eos_token_id");
+        let mut get = |name: &str| -> anyhow::Result<Tensor> {
+            Ok(content
+                .tensor(&mut file, name, device)?
+                .dequantize(device)?)
+        };
+        let mut tensors = HashMap::new();
+        tensors.insert(
+            "model.embed_tokens.weight".to_string(),
+            get("token_embd.weight")?,
+        );
+        tensors.insert("model.norm.weight".to_string(), get("output_norm.weight")?);
+        if content.tensor_infos.contains_key("output.weight") {
+            tensors.insert("lm_head.weight".to_string(), get("output.weight")?);
+        }
+        let factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
+            Some(get("rope_freqs.weight")?.to_vec1::<f32>()?)
+        } else {
+            None
+        };
+        for i in 0..cfg.num_hidden_layers {
+            let g = format!("blk.{i}");
+            let h = format!("model.layers.{i}");
+            for (gg, hf) in [
+                ("attn_norm", "input_layernorm"),
+                ("ffn_norm", "post_attention_layernorm"),
+                ("attn_v", "self_attn.v_proj"),
+                ("attn_output", "self_attn.o_proj"),
+                ("ffn_gate", "mlp.gate_proj"),
+                ("ffn_up", "mlp.up_proj"),
+                ("ffn_down", "mlp.down_proj"),
+            ] {
+                tensors.insert(
+                    format!("{h}.{hf}.weight"),
+                    get(&format!("{g}.{gg}.weight"))?,
+                );
+            }
+            let q = get(&format!("{g}.attn_q.weight"))?;
+            let k = get(&format!("{g}.attn_k.weight"))?;
+            tensors.insert(
+                format!("{h}.self_attn.q_proj.weight"),
+                unpermute_gguf_qk(&q, cfg.num_attention_heads)?,
+            );
+            tensors.insert(
+                format!("{h}.self_attn.k_proj.weight"),
+                unpermute_gguf_qk(&k, cfg.num_kv_heads())?,
+            );
+        }
+        Ok(Self::from_tensors(cfg, tensors, factors, dtype, device)?)
+    }
+
+    /// An independent copy of the current weights (new variables, no shared storage): the
+    /// frozen reference model of DPO when its log-probs are not precomputed.
+    pub fn detached_copy(&self) -> Result<Self> {
+        let mut copy = Self::from_tensors(
+            self.cfg.clone(),
+            // Detached tensors share storage; `Var::from_tensor` copies it.
+            self.hf_tensors()?,
+            None,
+            self.dtype,
+            &self.device,
+        )?;
+        copy.cos = self.cos.clone();
+        copy.sin = self.sin.clone();
+        Ok(copy)
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+    /// HF names of the trainable tensors, in a fixed order.
+    pub fn var_names(&self) -> &[String] {
+        &self.names
+    }
+    /// The trainable variables, in [`Self::var_names`] order (for an optimizer).
+    pub fn vars(&self) -> Vec<Var> {
+        let data = self.varmap.data().lock().expect("var map lock");
+        self.names.iter().map(|n| data[n].clone()).collect()
+    }
+    /// `(name, variable)` pairs in [`Self::var_names`] order.
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        self.names.iter().cloned().zip(self.vars()).collect()
+    }
+    /// Number of trainable scalars.
+    pub fn num_params(&self) -> usize {
+        self.vars().iter().map(|v| v.elem_count()).sum()
+    }
+
+    /// Additive attention bias (batch, 1, seq, seq): causal, plus padded keys masked out.
+    fn attention_bias(&self, b: usize, seq: usize, mask: Option<&Tensor>) -> Result<Tensor> {
+        let causal: Vec<f32> = (0..seq)
+            .flat_map(|i| (0..seq).map(move |j| if j <= i { 0.0 } else { MASKED as f32 }))
+            .collect();
+        let causal = Tensor::from_vec(causal, (1, 1, seq, seq), &self.device)?;
+        let bias = match mask {
+            None => causal.broadcast_as((b, 1, seq, seq))?.contiguous()?,
+            Some(m) => {
+                let keys = m
+                    .to_dtype(DType::F32)?
+                    .affine(-MASKED, MASKED)? // 1 → 0, 0 → MASKED
+                    .reshape((b, 1, 1, seq))?;
+                causal.broadcast_add(&keys)?
+            }
+        };
+        bias.to_dtype(self.dtype)
+    }
+
+    /// Logits of every position, (batch, seq, vocab), for `tokens` (batch, seq) of `u32`.
+    /// `attention_mask` (batch, seq), 1 for real tokens and 0 for padding (any dtype), masks
+    /// padded keys out of attention; the logits at padded positions are meaningless.
+    pub fn forward(&self, tokens: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+        let hidden = self.hidden_states(tokens, attention_mask)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        linear(&hidden, head)
+    }
+
+    /// Final-normed hidden states, (batch, seq, hidden).
+    pub fn hidden_states(
+        &self,
+        tokens: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, seq) = tokens.dims2()?;
+        if seq > self.cfg.max_position_embeddings {
+            candle_core::bail!(
+                "sequence of {seq} tokens exceeds the context length {}",
+                self.cfg.max_position_embeddings
+            );
+        }
+        let h = self.cfg.hidden_size;
+        let mut x = self
+            .embed
+            .index_select(&tokens.flatten_all()?, 0)?
+            .reshape((b, seq, h))?;
+        let bias = self.attention_bias(b, seq, attention_mask)?;
+        let cos = self.cos.narrow(0, 0, seq)?;
+        let sin = self.sin.narrow(0, 0, seq)?;
+        let eps = self.cfg.rms_norm_eps as f32;
+        for layer in &self.layers {
+            let hs = candle_nn::ops::rms_norm_slow(&x, &layer.input_norm, eps)?;
+            x = (x + self.attention(layer, &hs, &cos, &sin, &bias)?)?;
+            let hs = candle_nn::ops::rms_norm_slow(&x, &layer.post_norm, eps)?;
+            let act = (linear(&hs, &layer.gate)?.silu()? * linear(&hs, &layer.up)?)?;
+            x = (x + linear(&act, &layer.down)?)?;
+        }
+        candle_nn::ops::rms_norm_slow(&x, &self.norm, eps)
+    }
+
+    fn attention(
+        &self,
+        layer: &TrainLayer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        bias: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, seq, _) = x.dims3()?;
+        let (nh, kvh, hd) = (
+            self.cfg.num_attention_heads,
+            self.cfg.num_kv_heads(),
+            self.cfg.head_dim(),
+        );
+        let groups = nh / kvh;
+        let heads = |t: Tensor, n: usize| -> Result<Tensor> {
+            t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let q = heads(linear(x, &layer.q)?, nh)?;
+        let k = heads(linear(x, &layer.k)?, kvh)?;
+        let v = heads(linear(x, &layer.v)?, kvh)?;
+        let q = candle_nn::rotary_emb::rope_slow(&q, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope_slow(&k, cos, sin)?;
+        // Query head `j` reads key/value head `j / groups` (HF `repeat_kv`).
+        let repeat = |t: Tensor| -> Result<Tensor> {
+            if groups == 1 {
+                return Ok(t);
+            }
+            t.unsqueeze(2)?
+                .broadcast_as((b, kvh, groups, seq, hd))?
+                .contiguous()?
+                .reshape((b, nh, seq, hd))
+        };
+        let k = repeat(k)?;
+        let v = repeat(v)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(bias)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att.matmul(&v)?; // (b, nh, seq, hd)
+        let y = y
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b, seq, nh * hd))?;
+        linear(&y, &layer.o)
+    }
+
+    /// The weights under their HF names (f32 unless the model runs in another float type).
+    pub fn hf_tensors(&self) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::new();
+        for (name, var) in self.named_vars() {
+            out.insert(name, var.as_tensor().detach().contiguous()?);
+        }
+        Ok(out)
+    }
+
+    /// The HF `config.json` object: `source`'s fields (when given) with this model's values
+    /// written over them.
+    pub fn hf_config_json(&self, source: Option<&serde_json::Value>) -> serde_json::Value {
+        let c = &self.cfg;
+        let mut obj = source
+            .and_then(|v| v.as_object().cloned())
+            .unwrap_or_default();
+        let dtype = match self.dtype {
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F64 => "float64",
+            _ => "float32",
+        };
+        let mut set = |k: &str, v: serde_json::Value| {
+            obj.insert(k.to_string(), v);
+        };
+        set("architectures", serde_json::json!(["LlamaForCausalLM"]));
+        set("model_type", "llama".into());
+        set("hidden_act", "silu".into());
+        set("vocab_size", c.vocab_size.into());
+        set("hidden_size", c.hidden_size.into());
+        set("intermediate_size", c.intermediate_size.into());
+        set("num_hidden_layers", c.num_hidden_layers.into());
+        set("num_attention_heads", c.num_attention_heads.into());
+        set("num_key_value_heads", c.num_kv_heads().into());
+        set("head_dim", c.head_dim().into());
+        set("rms_norm_eps", c.rms_norm_eps.into());
+        set("rope_theta", c.rope_theta.into());
+        set("max_position_embeddings", c.max_position_embeddings.into());
+        set("tie_word_embeddings", c.tie_word_embeddings.into());
+        set("torch_dtype", dtype.into());
+        if let Some(s) = &c.rope_scaling {
+            let mut r = serde_json::json!({"rope_type": s.rope_type, "factor": s.factor});
+            if let Some(v) = s.low_freq_factor {
+                r["low_freq_factor"] = v.into();
+            }
+            if let Some(v) = s.high_freq_factor {
+                r["high_freq_factor"] = v.into();
+            }
+            if let Some(v) = s.original_max_position_embeddings {
+                r["original_max_position_embeddings"] = v.into();
+            }
+            set("rope_scaling", r);
+        }
+        if let Some(v) = &c.bos_token_id {
+            set("bos_token_id", v.clone());
+        }
+        if let Some(v) = &c.eos_token_id {
+            set("eos_token_id", v.clone());
+        }
+        serde_json::Value::Object(obj)
+    }
+
+    /// Writes an HF checkpoint into `dir` (created if needed): `model.safetensors` and
+    /// `config.json`; when `source_dir` is an HF directory, its `config.json` fields are kept
+    /// and its tokenizer files (`tokenizer.json`, `tokenizer_config.json`,
+    /// `special_tokens_map.json`, `generation_config.json`) are copied.
+    pub fn save_hf(&self, dir: &Path, source_dir: Option<&Path>) -> anyhow::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        candle_core::safetensors::save(&self.hf_tensors()?, dir.join("model.safetensors"))?;
+        let source_cfg = source_dir
+            .map(|s| s.join("config.json"))
+            .filter(|p| p.is_file())
+            .map(|p| -> anyhow::Result<serde_json::Value> {
+                Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
+            })
+            .transpose()?;
+        let cfg = self.hf_config_json(source_cfg.as_ref());
+        std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
+        if let Some(src) = source_dir {
+            for f in [
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+                "generation_config.json",
+            ] {
+                let from = src.join(f);
+                if from.is_file() && src != dir {
+                    std::fs::copy(&from, dir.join(f))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `model.safetensors`, else every `*.safetensors` in `dir`, sorted.
+fn safetensors_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        anyhow::bail!("no *.safetensors file in {}", dir.display());
+    }
+    Ok(files)
+}

@@ -1,0 +1,76 @@
+//! Optimizer conventions of HF `Trainer` / TRL (DESIGN §5): AdamW without weight decay by
+//! default, linear warmup then cosine decay, global gradient-norm clipping.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Result, Var};
+use candle_nn::ParamsAdamW;
+
+/// `TrainingArguments` defaults: β₁ 0.9, β₂ 0.999, ε 1e-8, weight decay 0 (candle's own
+/// default decay is 0.01).
+pub fn trl_adamw_params(lr: f64) -> ParamsAdamW {
+    ParamsAdamW {
+        lr,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    }
+}
+
+/// Warmup steps for a warmup ratio, as `TrainingArguments.get_warmup_steps`: ⌈total·ratio⌉.
+pub fn warmup_steps(total_steps: usize, warmup_ratio: f64) -> usize {
+    (total_steps as f64 * warmup_ratio).ceil() as usize
+}
+
+/// Learning-rate multiplier of `get_cosine_schedule_with_warmup` (half a cosine) for the
+/// update after `step` completed optimizer steps: the first update (step 0) uses
+/// `0 / warmup` when there is a warmup, as in HF.
+pub fn cosine_with_warmup(step: usize, total_steps: usize, warmup: usize) -> f64 {
+    if step < warmup {
+        return step as f64 / warmup.max(1) as f64;
+    }
+    let progress = (step - warmup) as f64 / (total_steps.saturating_sub(warmup)).max(1) as f64;
+    (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+}
+
+/// Scales the gradients of `vars` in place so that their global L2 norm is at most
+/// `max_norm` (`torch.nn.utils.clip_grad_norm_`: factor `max_norm / (norm + 1e-6)`, capped at
+/// 1). Returns the norm before clipping (what HF logs as `grad_norm`).
+pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Result<f64> {
+    let mut sq = 0f64;
+    for v in vars {
+        if let Some(g) = grads.get(v.as_tensor()) {
+            sq += g
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+        }
+    }
+    let norm = sq.sqrt();
+    let coef = max_norm / (norm + 1e-6);
+    if coef < 1.0 {
+        for v in vars {
+            if let Some(g) = grads.remove(v.as_tensor()) {
+                grads.insert(v.as_tensor(), (g * coef)?);
+            }
+        }
+    }
+    Ok(norm)
+}
+
+/// Adds the gradients of `vars` in `more` to `acc` (gradient accumulation over micro-batches;
+/// scale each micro-batch loss by 1/k to get the mean).
+pub fn accumulate_grads(acc: &mut GradStore, mut more: GradStore, vars: &[Var]) -> Result<()> {
+    for v in vars {
+        let Some(g) = more.remove(v.as_tensor()) else {
+            continue;
+        };
+        let sum = match acc.remove(v.as_tensor()) {
+            Some(a) => (a + g)?,
+            None => g,
+        };
+        acc.insert(v.as_tensor(), sum);
+    }
+    Ok(())
+}
