@@ -5,11 +5,12 @@
 //! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
 //! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `generate`
 //! (the generate_conv pipeline); `serve` is an HTTP front over `llm`; `parse` and `cli` are
-//! leaf utilities.
+//! leaf utilities. `eval` holds the evaluation environments (20 Questions; no model inside).
 
 pub mod cli;
 mod columnar;
 pub mod dataset;
+pub mod eval;
 pub mod generate;
 pub mod llm;
 pub mod pairs;
