@@ -41,7 +41,7 @@ fn objects_file_matches_shared_reference() {
     }
     let shared = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/reference/twenty_questions_objects.tsv"
+        "/../shared/reference/twenty_questions_objects.tsv"
     );
     if let Ok(s) = std::fs::read_to_string(shared) {
         let ours = std::fs::read_to_string(format!("{DEFAULT_DATA_DIR}/{OBJECTS_FILE}")).unwrap();
@@ -459,6 +459,9 @@ fn flags_failure_and_transcript() {
     assert_eq!(t["lines"][0], "Is it an animal? Yes.");
     assert_eq!(t["lines"].as_array().unwrap().len(), 20);
     let agg = AggregateMetrics::of(&[m]);
+    assert!(serde_json::to_string(&GameMetrics::of(&rec))
+        .unwrap()
+        .contains("\"return\":-20.0"));
     let json = serde_json::to_string(&agg).unwrap();
     let back: AggregateMetrics = serde_json::from_str(&json).unwrap();
     assert_eq!(back, agg);

@@ -838,7 +838,8 @@ pub fn lmrl_transcript(record: &GameRecord, object: &Object) -> serde_json::Valu
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GameMetrics {
     pub success: bool,
-    /// −T + 1[win].
+    /// −T + 1[win] (serialized as `return`).
+    #[serde(rename = "return")]
     pub return_: f64,
     /// Questions asked on a win; `max_questions` on a failure.
     pub turns: usize,
