@@ -4,12 +4,14 @@
 //! Modules follow the data, and a module may use only the ones before it:
 //! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
 //! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `generate`
-//! (the generate_conv pipeline); `train` (trainable llama, DPO log-probs and losses) uses only
-//! `llm`; `serve` is an HTTP front over `llm`; `parse` and `cli` are leaf utilities.
+//! (the generate_conv pipeline) → `train` (trainable llama, DPO log-probs and losses; uses only
+//! `llm`) → `eval` (evaluation environments: 20 Questions, no model inside). `serve` is an
+//! HTTP front over `llm`; `parse` and `cli` are leaf utilities.
 
 pub mod cli;
 mod columnar;
 pub mod dataset;
+pub mod eval;
 pub mod generate;
 pub mod llm;
 pub mod pairs;

@@ -1,0 +1,1074 @@
+//! 20 Questions (LMRL-Gym rules, DESIGN §6), the deterministic part.
+//!
+//! - [`World`]: the 158 objects (task order), the yes/no attribute table and the
+//!   question→attribute lexicon, loaded from `data/twenty_questions_*.tsv`.
+//! - [`is_win`]: the LMRL win rule without a part-of-speech tagger.
+//! - [`Oracle`] / [`TableOracle`]: answers "Yes."/"No." from the table.
+//! - [`play`]: one game (≤ 20 questions) with exact information gain under the table;
+//!   [`GameMetrics`] / [`AggregateMetrics`] for the numbers; [`lmrl_transcript`] for LMRL's
+//!   offline schema.
+//! - [`ReferenceQuestioner`] (greedy max expected information gain) and
+//!   [`RandomGuessQuestioner`] (random distinct guesses) as sanity anchors.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use regex::Regex;
+use serde::{Deserialize, Serialize};
+
+/// The bundled data directory.
+pub const DEFAULT_DATA_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data");
+/// File names inside the data directory.
+pub const OBJECTS_FILE: &str = "twenty_questions_objects.tsv";
+pub const ATTRIBUTES_FILE: &str = "twenty_questions_attributes.tsv";
+pub const LEXICON_FILE: &str = "twenty_questions_lexicon.tsv";
+/// Number of objects in the LMRL task.
+pub const NUM_OBJECTS: usize = 158;
+/// Question budget per game.
+pub const MAX_QUESTIONS: usize = 20;
+
+/// A data-loading error naming the file and (1-based) line.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{}: {source}", file.display())]
+    Io {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}:{line}: {msg}", file.display())]
+    Parse {
+        file: PathBuf,
+        line: usize,
+        msg: String,
+    },
+}
+
+/// One object of the game.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Object {
+    /// Position in the task's order (deterministic mode plays `seed % 158`).
+    pub index: usize,
+    pub category: String,
+    /// Canonical name (= `variants[0]`).
+    pub name: String,
+    /// Accepted names, canonical first.
+    pub variants: Vec<String>,
+}
+
+fn read_lines(file: &Path) -> Result<Vec<(usize, String)>, DataError> {
+    let text = std::fs::read_to_string(file).map_err(|source| DataError::Io {
+        file: file.to_path_buf(),
+        source,
+    })?;
+    Ok(text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.trim_end_matches('\r').to_string()))
+        .filter(|(_, l)| !l.trim().is_empty() && !l.starts_with('#'))
+        .collect())
+}
+
+fn parse_err(file: &Path, line: usize, msg: impl Into<String>) -> DataError {
+    DataError::Parse {
+        file: file.to_path_buf(),
+        line,
+        msg: msg.into(),
+    }
+}
+
+/// Loads `twenty_questions_objects.tsv` (header `category\tname\tvariants`).
+pub fn load_objects(dir: impl AsRef<Path>) -> Result<Vec<Object>, DataError> {
+    let file = dir.as_ref().join(OBJECTS_FILE);
+    let lines = read_lines(&file)?;
+    let mut it = lines.into_iter();
+    match it.next() {
+        Some((_, h)) if h.split('\t').collect::<Vec<_>>() == ["category", "name", "variants"] => {}
+        Some((n, h)) => return Err(parse_err(&file, n, format!("bad header {h:?}"))),
+        None => return Err(parse_err(&file, 1, "empty file")),
+    }
+    let mut objects = Vec::new();
+    for (n, line) in it {
+        let cols: Vec<&str> = line.split('\t').collect();
+        if cols.len() != 3 {
+            return Err(parse_err(
+                &file,
+                n,
+                format!("expected 3 columns, got {}", cols.len()),
+            ));
+        }
+        let variants: Vec<String> = cols[2]
+            .split('|')
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+            .collect();
+        if cols[1].trim().is_empty() || variants.is_empty() {
+            return Err(parse_err(&file, n, "empty name or variants"));
+        }
+        if variants[0] != cols[1].trim() {
+            return Err(parse_err(
+                &file,
+                n,
+                "first variant must be the canonical name",
+            ));
+        }
+        if tokenize(&variants[0]).is_empty() {
+            return Err(parse_err(&file, n, "name has no words"));
+        }
+        objects.push(Object {
+            index: objects.len(),
+            category: cols[0].trim().to_string(),
+            name: cols[1].trim().to_string(),
+            variants,
+        });
+    }
+    Ok(objects)
+}
+
+/// Objects × yes/no attributes (`values[object][attribute]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttributeTable {
+    pub attributes: Vec<String>,
+    pub values: Vec<Vec<bool>>,
+}
+
+impl AttributeTable {
+    pub fn attribute_index(&self, name: &str) -> Option<usize> {
+        self.attributes.iter().position(|a| a == name)
+    }
+    pub fn value(&self, object: usize, attribute: usize) -> bool {
+        self.values[object][attribute]
+    }
+}
+
+/// Loads `twenty_questions_attributes.tsv` (header `name\t<attr>...`, one row per object in the
+/// objects' order, values `0`/`1`).
+pub fn load_table(dir: impl AsRef<Path>, objects: &[Object]) -> Result<AttributeTable, DataError> {
+    let file = dir.as_ref().join(ATTRIBUTES_FILE);
+    let lines = read_lines(&file)?;
+    let mut it = lines.into_iter();
+    let (hn, header) = it.next().ok_or_else(|| parse_err(&file, 1, "empty file"))?;
+    let cols: Vec<&str> = header.split('\t').collect();
+    if cols.first() != Some(&"name") || cols.len() < 2 {
+        return Err(parse_err(&file, hn, "header must be name\\t<attributes>"));
+    }
+    let attributes: Vec<String> = cols[1..].iter().map(|s| s.trim().to_string()).collect();
+    let mut seen = HashSet::new();
+    for a in &attributes {
+        if a.is_empty() || a.starts_with('!') || !seen.insert(a.clone()) {
+            return Err(parse_err(
+                &file,
+                hn,
+                format!("bad or duplicate attribute {a:?}"),
+            ));
+        }
+    }
+    let mut values = Vec::new();
+    for (n, line) in it {
+        let cols: Vec<&str> = line.split('\t').collect();
+        if cols.len() != attributes.len() + 1 {
+            return Err(parse_err(
+                &file,
+                n,
+                format!(
+                    "expected {} columns, got {}",
+                    attributes.len() + 1,
+                    cols.len()
+                ),
+            ));
+        }
+        let k = values.len();
+        match objects.get(k) {
+            Some(o) if o.name == cols[0] => {}
+            Some(o) => {
+                return Err(parse_err(
+                    &file,
+                    n,
+                    format!("row {k} is {:?}, expected object {:?}", cols[0], o.name),
+                ))
+            }
+            None => return Err(parse_err(&file, n, format!("extra row {:?}", cols[0]))),
+        }
+        let row = cols[1..]
+            .iter()
+            .zip(&attributes)
+            .map(|(v, a)| match *v {
+                "1" => Ok(true),
+                "0" => Ok(false),
+                _ => Err(parse_err(&file, n, format!("{a}: value {v:?} is not 0/1"))),
+            })
+            .collect::<Result<Vec<bool>, _>>()?;
+        values.push(row);
+    }
+    if values.len() != objects.len() {
+        return Err(parse_err(
+            &file,
+            0,
+            format!("{} rows for {} objects", values.len(), objects.len()),
+        ));
+    }
+    Ok(AttributeTable { attributes, values })
+}
+
+/// One lexicon row: a case-insensitive pattern that maps a question to an attribute (negated
+/// when written `!attr`). The canonical question of an attribute is the first row that has one.
+#[derive(Debug, Clone)]
+pub struct LexiconEntry {
+    pub attribute: usize,
+    pub negated: bool,
+    pub question: Option<String>,
+    pub pattern: Regex,
+}
+
+/// Question → attribute lexicon; the first matching row decides.
+#[derive(Debug, Clone)]
+pub struct Lexicon {
+    pub entries: Vec<LexiconEntry>,
+}
+
+/// Loads `twenty_questions_lexicon.tsv` (header `attribute\tquestion\tpattern`).
+pub fn load_lexicon(dir: impl AsRef<Path>, table: &AttributeTable) -> Result<Lexicon, DataError> {
+    let file = dir.as_ref().join(LEXICON_FILE);
+    let lines = read_lines(&file)?;
+    let mut it = lines.into_iter();
+    match it.next() {
+        Some((_, h))
+            if h.split('\t').collect::<Vec<_>>() == ["attribute", "question", "pattern"] => {}
+        Some((n, h)) => return Err(parse_err(&file, n, format!("bad header {h:?}"))),
+        None => return Err(parse_err(&file, 1, "empty file")),
+    }
+    let mut entries = Vec::new();
+    for (n, line) in it {
+        let cols: Vec<&str> = line.split('\t').collect();
+        if cols.len() != 3 {
+            return Err(parse_err(
+                &file,
+                n,
+                format!("expected 3 columns, got {}", cols.len()),
+            ));
+        }
+        let (negated, name) = match cols[0].strip_prefix('!') {
+            Some(rest) => (true, rest),
+            None => (false, cols[0]),
+        };
+        let attribute = table
+            .attribute_index(name)
+            .ok_or_else(|| parse_err(&file, n, format!("unknown attribute {name:?}")))?;
+        let pattern = Regex::new(&format!("(?i){}", cols[2]))
+            .map_err(|e| parse_err(&file, n, format!("bad pattern: {e}")))?;
+        let question = match cols[1].trim() {
+            "" | "-" => None,
+            q => Some(q.to_string()),
+        };
+        if negated && question.is_some() {
+            return Err(parse_err(
+                &file,
+                n,
+                "a negated row cannot be canonical (use \"-\")",
+            ));
+        }
+        entries.push(LexiconEntry {
+            attribute,
+            negated,
+            question,
+            pattern,
+        });
+    }
+    Ok(Lexicon { entries })
+}
+
+impl Lexicon {
+    /// First matching row: (attribute, negated).
+    pub fn lookup(&self, question: &str) -> Option<(usize, bool)> {
+        self.entries
+            .iter()
+            .find(|e| e.pattern.is_match(question))
+            .map(|e| (e.attribute, e.negated))
+    }
+    /// The canonical question of an attribute.
+    pub fn question_for(&self, attribute: usize) -> Option<&str> {
+        self.entries
+            .iter()
+            .find(|e| e.attribute == attribute && e.question.is_some())
+            .and_then(|e| e.question.as_deref())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Names and the win rule.
+
+/// Lower-cases and splits into words (letters/digits/apostrophes); everything else separates.
+pub fn tokenize(text: &str) -> Vec<String> {
+    text.to_lowercase()
+        .split(|c: char| !(c.is_alphanumeric() || c == '\''))
+        .map(|w| w.trim_matches('\''))
+        .filter(|w| !w.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+fn word_matches(word: &str, name_word: &str, last: bool) -> bool {
+    word == name_word
+        || (last
+            && (word.strip_suffix('s') == Some(name_word)
+                || word.strip_suffix("es") == Some(name_word)))
+}
+
+/// A mention of an object in a question: token span `[start, end)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mention {
+    object: usize,
+    start: usize,
+    end: usize,
+}
+
+/// Every whole-word mention of any variant of any object (a trailing plural "s"/"es" allowed).
+fn mentions(tokens: &[String], objects: &[Object]) -> Vec<Mention> {
+    let mut out = Vec::new();
+    for o in objects {
+        for v in &o.variants {
+            let vt = tokenize(v);
+            if vt.is_empty() || vt.len() > tokens.len() {
+                continue;
+            }
+            for start in 0..=tokens.len() - vt.len() {
+                let ok = vt
+                    .iter()
+                    .enumerate()
+                    .all(|(k, w)| word_matches(&tokens[start + k], w, k + 1 == vt.len()));
+                if ok {
+                    let m = Mention {
+                        object: o.index,
+                        start,
+                        end: start + vt.len(),
+                    };
+                    if !out.contains(&m) {
+                        out.push(m);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn within(inner: &Mention, outer: &Mention) -> bool {
+    outer.start <= inner.start && inner.end <= outer.end
+}
+
+/// The LMRL win rule (without the oracle's "yes", which [`play`] adds): the question ends with
+/// one of `object`'s accepted names (case-insensitive, trailing punctuation ignored, a plural
+/// "s"/"es" tolerated) and names no other object. A mention of another object that lies inside a
+/// mention of the target ("Baseball" in "Baseball bat") does not count.
+pub fn is_win(question: &str, object: &Object, all: &[Object]) -> bool {
+    let tokens = tokenize(question);
+    let ms = mentions(&tokens, all);
+    let own: Vec<&Mention> = ms.iter().filter(|m| m.object == object.index).collect();
+    if !own.iter().any(|m| m.end == tokens.len()) {
+        return false;
+    }
+    ms.iter()
+        .filter(|m| m.object != object.index)
+        .all(|m| own.iter().any(|o| within(m, o)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The world: objects + table + lexicon, and question parsing.
+
+/// What a question asks under the table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Query {
+    /// "Is it <attribute>?" (negated: "Is it smaller than a person?").
+    Attribute { index: usize, negated: bool },
+    /// "Is it X (or Y)?": true exactly for the named objects.
+    Guess(Vec<usize>),
+}
+
+/// Objects, attribute table and lexicon.
+#[derive(Debug, Clone)]
+pub struct World {
+    pub objects: Vec<Object>,
+    pub table: AttributeTable,
+    pub lexicon: Lexicon,
+}
+
+const LEADS: &[&[&str]] = &[
+    &["is", "it"],
+    &["is", "this"],
+    &["is", "that"],
+    &["it", "is"],
+    &["it's"],
+    &["could", "it", "be"],
+    &["might", "it", "be"],
+    &["would", "it", "be"],
+    &["can", "it", "be"],
+    &["are", "they"],
+    &["are", "these"],
+    &["is", "the", "object"],
+    &["is", "the", "answer"],
+    &["is", "the", "word"],
+    &["is", "the", "thing"],
+    &["is", "your", "object"],
+    &["is", "your", "word"],
+    &["my", "guess", "is"],
+    &["i", "guess"],
+];
+const FILLERS: &[&str] = &["so", "then", "ok", "okay", "well", "hmm"];
+const ARTICLES: &[&str] = &["a", "an", "the", "some", "one"];
+
+impl World {
+    /// Loads the three files from `dir` and checks that they agree.
+    pub fn load(dir: impl AsRef<Path>) -> Result<World, DataError> {
+        let objects = load_objects(&dir)?;
+        let table = load_table(&dir, &objects)?;
+        let lexicon = load_lexicon(&dir, &table)?;
+        Ok(World {
+            objects,
+            table,
+            lexicon,
+        })
+    }
+
+    /// [`World::load`] of [`DEFAULT_DATA_DIR`].
+    pub fn load_default() -> Result<World, DataError> {
+        World::load(DEFAULT_DATA_DIR)
+    }
+
+    /// The deterministic-mode object for a seed.
+    pub fn object_for_seed(&self, seed: u64) -> &Object {
+        &self.objects[(seed % self.objects.len() as u64) as usize]
+    }
+
+    /// Finds an object by any accepted name (case-insensitive).
+    pub fn find(&self, name: &str) -> Option<&Object> {
+        let t = tokenize(name);
+        self.objects
+            .iter()
+            .find(|o| o.variants.iter().any(|v| tokenize(v) == t))
+    }
+
+    /// The object whose accepted name is exactly `words` (plural tolerated on the last word).
+    fn exact_object(&self, words: &[String]) -> Option<usize> {
+        let ms = mentions(words, &self.objects);
+        ms.iter()
+            .find(|m| m.start == 0 && m.end == words.len())
+            .map(|m| m.object)
+    }
+
+    /// Parses a question: an explicit guess ("Is it a dog or a cat?"), else the first lexicon
+    /// row that matches, else any objects it names (as a guess); `None` when nothing fits.
+    pub fn parse(&self, question: &str) -> Option<Query> {
+        let tokens = tokenize(question);
+        let mut rest: &[String] = &tokens;
+        while rest.first().is_some_and(|w| FILLERS.contains(&w.as_str())) {
+            rest = &rest[1..];
+        }
+        if let Some(lead) = LEADS
+            .iter()
+            .find(|l| rest.len() > l.len() && rest.iter().zip(l.iter()).all(|(a, b)| a == b))
+        {
+            let body = &rest[lead.len()..];
+            let mut guessed = Vec::new();
+            let mut ok = true;
+            for part in body.split(|w| w == "or") {
+                let mut p = part;
+                while p.first().is_some_and(|w| ARTICLES.contains(&w.as_str())) {
+                    p = &p[1..];
+                }
+                match (!p.is_empty()).then(|| self.exact_object(p)).flatten() {
+                    Some(o) => {
+                        if !guessed.contains(&o) {
+                            guessed.push(o);
+                        }
+                    }
+                    None => {
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            if ok && !guessed.is_empty() {
+                return Some(Query::Guess(guessed));
+            }
+        }
+        if let Some((index, negated)) = self.lexicon.lookup(question) {
+            return Some(Query::Attribute { index, negated });
+        }
+        let ms = mentions(&tokens, &self.objects);
+        let mut named = Vec::new();
+        for m in &ms {
+            let covered = ms
+                .iter()
+                .any(|o| o != m && within(m, o) && o.end - o.start > m.end - m.start);
+            if !covered && !named.contains(&m.object) {
+                named.push(m.object);
+            }
+        }
+        (!named.is_empty()).then_some(Query::Guess(named))
+    }
+
+    /// The truth of a query for an object under the table.
+    pub fn eval(&self, query: &Query, object: usize) -> bool {
+        match query {
+            Query::Attribute { index, negated } => self.table.value(object, *index) != *negated,
+            Query::Guess(objs) => objs.contains(&object),
+        }
+    }
+
+    /// Stable text key of a query: `attr`, `!attr`, or `guess:<Name>[|<Name>...]`.
+    pub fn query_key(&self, query: &Query) -> String {
+        match query {
+            Query::Attribute { index, negated } => {
+                format!(
+                    "{}{}",
+                    if *negated { "!" } else { "" },
+                    self.table.attributes[*index]
+                )
+            }
+            Query::Guess(objs) => format!(
+                "guess:{}",
+                objs.iter()
+                    .map(|&o| self.objects[o].name.as_str())
+                    .collect::<Vec<_>>()
+                    .join("|")
+            ),
+        }
+    }
+
+    /// Inverse of [`World::query_key`].
+    pub fn query_from_key(&self, key: &str) -> Option<Query> {
+        if let Some(names) = key.strip_prefix("guess:") {
+            let objs = names
+                .split('|')
+                .map(|n| self.objects.iter().find(|o| o.name == n).map(|o| o.index))
+                .collect::<Option<Vec<_>>>()?;
+            return Some(Query::Guess(objs));
+        }
+        let (negated, name) = match key.strip_prefix('!') {
+            Some(r) => (true, r),
+            None => (false, key),
+        };
+        self.table
+            .attribute_index(name)
+            .map(|index| Query::Attribute { index, negated })
+    }
+
+    /// "Is it a basketball?" — the guess question for an object (canonical name).
+    pub fn guess_question(&self, object: usize) -> String {
+        let name = self.objects[object].name.to_lowercase();
+        let plural = name.ends_with('s') && !name.ends_with("ss") && !name.ends_with("us");
+        let article = if plural {
+            ""
+        } else if name.starts_with(['a', 'e', 'i', 'o', 'u']) {
+            "an "
+        } else {
+            "a "
+        };
+        format!("Is it {article}{name}?")
+    }
+
+    /// The canonical question of an attribute.
+    pub fn attribute_question(&self, attribute: usize) -> Option<&str> {
+        self.lexicon.question_for(attribute)
+    }
+
+    /// Objects of `among` for which the query is true.
+    pub fn yes_count(&self, query: &Query, among: &[usize]) -> usize {
+        among.iter().filter(|&&o| self.eval(query, o)).count()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Information gain.
+
+/// Binary entropy in bits.
+pub fn binary_entropy(p: f64) -> f64 {
+    if p <= 0.0 || p >= 1.0 {
+        0.0
+    } else {
+        -(p * p.log2() + (1.0 - p) * (1.0 - p).log2())
+    }
+}
+
+/// Expected gain of a question: binary entropy of the yes-fraction among the consistent objects.
+pub fn expected_gain(world: &World, query: &Query, consistent: &[usize]) -> f64 {
+    if consistent.is_empty() {
+        return 0.0;
+    }
+    binary_entropy(world.yes_count(query, consistent) as f64 / consistent.len() as f64)
+}
+
+/// Realised gain: log2(|before| / |after|) (0 when `after` is 0).
+pub fn realised_gain(before: usize, after: usize) -> f64 {
+    if before == 0 || after == 0 {
+        0.0
+    } else {
+        (before as f64 / after as f64).log2()
+    }
+}
+
+/// Objects consistent with all (query, answer) pairs.
+pub fn consistent_objects(world: &World, answered: &[(Query, bool)]) -> Vec<usize> {
+    (0..world.objects.len())
+        .filter(|&o| answered.iter().all(|(q, a)| world.eval(q, o) == *a))
+        .collect()
+}
+
+/// Minimum possible expected number of questions to name one of `n` equally likely objects
+/// when any yes/no split may be asked and the game ends on the correct guess (the DESIGN anchor
+/// 7.785 for n = 158).
+pub fn optimal_expected_questions(n: usize) -> f64 {
+    let mut f = vec![0.0f64; n + 1];
+    if n >= 1 {
+        f[1] = 1.0;
+    }
+    for m in 2..=n {
+        let mut best = 1.0 + (m - 1) as f64 / m as f64 * f[m - 1];
+        for k in 1..m {
+            let c = 1.0 + (k as f64 * f[k] + (m - k) as f64 * f[m - k]) / m as f64;
+            if c < best {
+                best = c;
+            }
+        }
+        f[m] = best;
+    }
+    f[n]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Oracles.
+
+/// An oracle's answer: yes/no plus what it understood (`attr`, `!attr`, `guess:<Name>`), `None`
+/// for a question it could not parse.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OracleAnswer {
+    pub yes: bool,
+    pub parsed: Option<String>,
+}
+
+impl OracleAnswer {
+    /// "Yes." or "No.".
+    pub fn text(&self) -> &'static str {
+        if self.yes {
+            "Yes."
+        } else {
+            "No."
+        }
+    }
+}
+
+/// Answers questions about a hidden object.
+pub trait Oracle {
+    fn answer(&mut self, object: &Object, question: &str) -> OracleAnswer;
+}
+
+/// The deterministic table oracle: guesses by name, attribute questions by the lexicon; an
+/// unparsable question is answered "No." and counted in `unparsed`.
+#[derive(Debug, Clone)]
+pub struct TableOracle<'a> {
+    pub world: &'a World,
+    pub unparsed: usize,
+}
+
+impl<'a> TableOracle<'a> {
+    pub fn new(world: &'a World) -> Self {
+        TableOracle { world, unparsed: 0 }
+    }
+}
+
+impl Oracle for TableOracle<'_> {
+    fn answer(&mut self, object: &Object, question: &str) -> OracleAnswer {
+        match self.world.parse(question) {
+            Some(q) => OracleAnswer {
+                yes: self.world.eval(&q, object.index),
+                parsed: Some(self.world.query_key(&q)),
+            },
+            None => {
+                self.unparsed += 1;
+                OracleAnswer {
+                    yes: false,
+                    parsed: None,
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Game loop.
+
+/// Asks the next question given the (question, answer-was-yes) history.
+pub trait Questioner {
+    fn next_question(&mut self, history: &[(String, bool)]) -> String;
+}
+
+/// One question of a game.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Turn {
+    pub question: String,
+    /// "Yes." / "No.".
+    pub answer: String,
+    pub yes: bool,
+    /// What the oracle understood (`attr`, `!attr`, `guess:<Name>`).
+    pub parsed: Option<String>,
+    /// Binary entropy of the yes-fraction among the consistent objects before the question.
+    pub expected_gain: f64,
+    /// log2(consistent_before / consistent_after).
+    pub realised_gain: f64,
+    pub consistent_before: usize,
+    pub consistent_after: usize,
+    pub unparsed: bool,
+    /// Same (normalised) question, or same parsed query, as an earlier turn.
+    pub repeated: bool,
+    /// A guess naming an object already ruled out by earlier answers.
+    pub inconsistent_guess: bool,
+    /// The answer contradicts every still-consistent object (possible only with a non-table
+    /// oracle); the consistent set is then left unchanged.
+    pub contradicts_table: bool,
+    pub win: bool,
+}
+
+/// A finished game.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GameRecord {
+    pub object_index: usize,
+    pub object: String,
+    pub max_questions: usize,
+    pub won: bool,
+    pub turns: Vec<Turn>,
+}
+
+/// Plays one game: at most `max_questions` questions; a win is a "yes" to a question that
+/// satisfies [`is_win`]. Information gain is computed under the world's table from the
+/// oracle's `parsed` key.
+pub fn play(
+    world: &World,
+    object: &Object,
+    questioner: &mut dyn Questioner,
+    oracle: &mut dyn Oracle,
+    max_questions: usize,
+) -> GameRecord {
+    let mut consistent: Vec<usize> = (0..world.objects.len()).collect();
+    let mut history: Vec<(String, bool)> = Vec::new();
+    let mut seen_text: HashSet<String> = HashSet::new();
+    let mut seen_key: HashSet<String> = HashSet::new();
+    let mut turns = Vec::new();
+    let mut won = false;
+    for _ in 0..max_questions {
+        let question = questioner.next_question(&history);
+        let norm = tokenize(&question).join(" ");
+        let ans = oracle.answer(object, &question);
+        let query = ans.parsed.as_deref().and_then(|k| world.query_from_key(k));
+        let repeated = !seen_text.insert(norm)
+            | ans
+                .parsed
+                .as_ref()
+                .is_some_and(|k| !seen_key.insert(k.clone()));
+        let before = consistent.len();
+        let (mut expected, mut after, mut inconsistent_guess, mut contradicts) =
+            (0.0, before, false, false);
+        if let Some(q) = &query {
+            expected = expected_gain(world, q, &consistent);
+            if let Query::Guess(objs) = q {
+                inconsistent_guess = objs.iter().any(|o| !consistent.contains(o));
+            }
+            let next: Vec<usize> = consistent
+                .iter()
+                .copied()
+                .filter(|&o| world.eval(q, o) == ans.yes)
+                .collect();
+            if next.is_empty() {
+                contradicts = true;
+            } else {
+                consistent = next;
+                after = consistent.len();
+            }
+        }
+        let win = ans.yes && is_win(&question, object, &world.objects);
+        turns.push(Turn {
+            answer: ans.text().to_string(),
+            yes: ans.yes,
+            unparsed: ans.parsed.is_none(),
+            parsed: ans.parsed,
+            expected_gain: expected,
+            realised_gain: realised_gain(before, after),
+            consistent_before: before,
+            consistent_after: after,
+            repeated,
+            inconsistent_guess,
+            contradicts_table: contradicts,
+            win,
+            question: question.clone(),
+        });
+        history.push((question, ans.yes));
+        if win {
+            won = true;
+            break;
+        }
+    }
+    GameRecord {
+        object_index: object.index,
+        object: object.name.clone(),
+        max_questions,
+        won,
+        turns,
+    }
+}
+
+/// LMRL-Gym's offline transcript: `{"lines": ["<question> <answer>", ...], "correct": bool,
+/// "word": [accepted names]}`.
+pub fn lmrl_transcript(record: &GameRecord, object: &Object) -> serde_json::Value {
+    serde_json::json!({
+        "lines": record
+            .turns
+            .iter()
+            .map(|t| format!("{} {}", t.question.trim(), t.answer))
+            .collect::<Vec<_>>(),
+        "correct": record.won,
+        "word": object.variants,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics.
+
+/// Per-game numbers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GameMetrics {
+    pub success: bool,
+    /// −T + 1[win] (serialized as `return`).
+    #[serde(rename = "return")]
+    pub return_: f64,
+    /// Questions asked on a win; `max_questions` on a failure.
+    pub turns: usize,
+    pub turns_on_win: Option<usize>,
+    /// 1 − 0.02·max(T−5, 0) on a win, else 0.
+    pub eda_score: f64,
+    pub yes_answers: usize,
+    /// Sum of realised gains (bits).
+    pub info_gain: f64,
+    /// Mean realised gain per question asked.
+    pub info_gain_per_question: f64,
+    /// Mean expected gain per question asked.
+    pub expected_gain_per_question: f64,
+    pub questions_asked: usize,
+    pub unparsed: usize,
+    pub repeated: usize,
+    pub inconsistent_guesses: usize,
+}
+
+impl GameMetrics {
+    pub fn of(record: &GameRecord) -> GameMetrics {
+        let asked = record.turns.len();
+        let t = if record.won {
+            asked
+        } else {
+            record.max_questions
+        };
+        let info: f64 = record.turns.iter().map(|x| x.realised_gain).sum();
+        let exp: f64 = record.turns.iter().map(|x| x.expected_gain).sum();
+        let per = |v: f64| if asked == 0 { 0.0 } else { v / asked as f64 };
+        GameMetrics {
+            success: record.won,
+            return_: -(t as f64) + if record.won { 1.0 } else { 0.0 },
+            turns: t,
+            turns_on_win: record.won.then_some(t),
+            eda_score: if record.won {
+                1.0 - 0.02 * (t.saturating_sub(5) as f64)
+            } else {
+                0.0
+            },
+            yes_answers: record.turns.iter().filter(|x| x.yes).count(),
+            info_gain: info,
+            info_gain_per_question: per(info),
+            expected_gain_per_question: per(exp),
+            questions_asked: asked,
+            unparsed: record.turns.iter().filter(|x| x.unparsed).count(),
+            repeated: record.turns.iter().filter(|x| x.repeated).count(),
+            inconsistent_guesses: record.turns.iter().filter(|x| x.inconsistent_guess).count(),
+        }
+    }
+}
+
+/// Mean, standard error (sample sd / √n) and count.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Stat {
+    pub mean: f64,
+    pub stderr: f64,
+    pub n: usize,
+}
+
+impl Stat {
+    pub fn of(values: &[f64]) -> Stat {
+        let n = values.len();
+        if n == 0 {
+            return Stat {
+                mean: 0.0,
+                stderr: 0.0,
+                n,
+            };
+        }
+        let mean = values.iter().sum::<f64>() / n as f64;
+        let stderr = if n < 2 {
+            0.0
+        } else {
+            let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+            (var / n as f64).sqrt()
+        };
+        Stat { mean, stderr, n }
+    }
+}
+
+impl fmt::Display for Stat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.4} ± {:.4} (n={})", self.mean, self.stderr, self.n)
+    }
+}
+
+/// Aggregated metrics over games.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AggregateMetrics {
+    pub games: usize,
+    pub success_rate: Stat,
+    pub mean_return: Stat,
+    pub mean_turns: Stat,
+    /// Over won games only.
+    pub turns_on_win: Stat,
+    pub eda_score: Stat,
+    pub yes_answers: Stat,
+    pub info_gain_per_game: Stat,
+    pub info_gain_per_question: Stat,
+    pub expected_gain_per_question: Stat,
+    pub unparsed: Stat,
+    pub repeated: Stat,
+    pub inconsistent_guesses: Stat,
+}
+
+impl AggregateMetrics {
+    pub fn of(games: &[GameMetrics]) -> AggregateMetrics {
+        let s =
+            |f: &dyn Fn(&GameMetrics) -> f64| Stat::of(&games.iter().map(f).collect::<Vec<_>>());
+        let wins: Vec<f64> = games
+            .iter()
+            .filter_map(|g| g.turns_on_win.map(|t| t as f64))
+            .collect();
+        AggregateMetrics {
+            games: games.len(),
+            success_rate: s(&|g| if g.success { 1.0 } else { 0.0 }),
+            mean_return: s(&|g| g.return_),
+            mean_turns: s(&|g| g.turns as f64),
+            turns_on_win: Stat::of(&wins),
+            eda_score: s(&|g| g.eda_score),
+            yes_answers: s(&|g| g.yes_answers as f64),
+            info_gain_per_game: s(&|g| g.info_gain),
+            info_gain_per_question: s(&|g| g.info_gain_per_question),
+            expected_gain_per_question: s(&|g| g.expected_gain_per_question),
+            unparsed: s(&|g| g.unparsed as f64),
+            repeated: s(&|g| g.repeated as f64),
+            inconsistent_guesses: s(&|g| g.inconsistent_guesses as f64),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Built-in questioners.
+
+/// Greedy maximum expected information gain over the table's attributes and single-object
+/// guesses. Ties: a guess beats an attribute (it can end the game now); then attribute order,
+/// then object order. With one object left it guesses it.
+#[derive(Debug, Clone)]
+pub struct ReferenceQuestioner<'a> {
+    world: &'a World,
+    consistent: Vec<usize>,
+    processed: usize,
+}
+
+impl<'a> ReferenceQuestioner<'a> {
+    pub fn new(world: &'a World) -> Self {
+        ReferenceQuestioner {
+            world,
+            consistent: (0..world.objects.len()).collect(),
+            processed: 0,
+        }
+    }
+
+    fn update(&mut self, history: &[(String, bool)]) {
+        if history.len() < self.processed {
+            *self = ReferenceQuestioner::new(self.world);
+        }
+        for (q, yes) in &history[self.processed..] {
+            if let Some(query) = self.world.parse(q) {
+                let next: Vec<usize> = self
+                    .consistent
+                    .iter()
+                    .copied()
+                    .filter(|&o| self.world.eval(&query, o) == *yes)
+                    .collect();
+                if !next.is_empty() {
+                    self.consistent = next;
+                }
+            }
+        }
+        self.processed = history.len();
+    }
+}
+
+impl Questioner for ReferenceQuestioner<'_> {
+    fn next_question(&mut self, history: &[(String, bool)]) -> String {
+        self.update(history);
+        let w = self.world;
+        let n = self.consistent.len();
+        if n <= 1 {
+            return w.guess_question(self.consistent.first().copied().unwrap_or(0));
+        }
+        const EPS: f64 = 1e-12;
+        // A guess of any consistent object: entropy of 1/n; the first in object order.
+        let mut best_gain = binary_entropy(1.0 / n as f64);
+        let mut best = w.guess_question(self.consistent[0]);
+        for a in 0..w.table.attributes.len() {
+            let q = Query::Attribute {
+                index: a,
+                negated: false,
+            };
+            let g = expected_gain(w, &q, &self.consistent);
+            if g > best_gain + EPS {
+                if let Some(text) = w.attribute_question(a) {
+                    best_gain = g;
+                    best = text.to_string();
+                }
+            }
+        }
+        best
+    }
+}
+
+/// Guesses distinct objects uniformly at random: "Is it a <name>?".
+#[derive(Debug, Clone)]
+pub struct RandomGuessQuestioner<'a> {
+    world: &'a World,
+    rng: StdRng,
+    remaining: Vec<usize>,
+}
+
+impl<'a> RandomGuessQuestioner<'a> {
+    pub fn new(world: &'a World, seed: u64) -> Self {
+        RandomGuessQuestioner {
+            world,
+            rng: StdRng::seed_from_u64(seed),
+            remaining: (0..world.objects.len()).collect(),
+        }
+    }
+}
+
+impl Questioner for RandomGuessQuestioner<'_> {
+    fn next_question(&mut self, _history: &[(String, bool)]) -> String {
+        if self.remaining.is_empty() {
+            self.remaining = (0..self.world.objects.len()).collect();
+        }
+        let k = self.rng.random_range(0..self.remaining.len());
+        let o = self.remaining.swap_remove(k);
+        self.world.guess_question(o)
+    }
+}
