@@ -121,10 +121,8 @@ impl Pipeline {
         let mut records = Vec::with_capacity(scored.len());
         let mut next_users = Vec::with_capacity(scored.len());
         for (i, (c, (sessions, next_user))) in candidates.into_iter().zip(scored).enumerate() {
-            let per_session: Vec<SessionScores> = sessions
-                .iter()
-                .map(|s| s.scores.iter().map(|(k, v)| (k.clone(), v.value)).collect())
-                .collect();
+            let per_session: Vec<SessionScores> =
+                sessions.iter().map(SessionRecord::values).collect();
             records.push(CandidateRecord {
                 index: i,
                 variant: c.variant,

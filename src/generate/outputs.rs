@@ -60,14 +60,6 @@ pub struct DatasetStats {
     pub pairs_per_turn: BTreeMap<u32, usize>,
 }
 
-fn session_scores(rec: &ConversationRecord, turn: usize, cand: usize) -> Vec<SessionScores> {
-    rec.turns[turn].candidates[cand]
-        .sessions
-        .iter()
-        .map(|s| s.scores.iter().map(|(k, v)| (k.clone(), v.value)).collect())
-        .collect()
-}
-
 /// Checks that every weighted metric was computed for every record.
 fn check_metrics(records: &[ConversationRecord], scoring: &Scoring) -> Result<(), OutputError> {
     let Some(weights) = &scoring.weights else {
@@ -115,7 +107,13 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
         for (ti, turn) in rec.turns.iter().enumerate() {
             stats.turns += 1;
             let mrs: Vec<Option<f64>> = (0..turn.candidates.len())
-                .map(|ci| multiturn_reward(&session_scores(rec, ti, ci), weights, scoring.formula))
+                .map(|ci| {
+                    multiturn_reward(
+                        &turn.candidates[ci].session_scores(),
+                        weights,
+                        scoring.formula,
+                    )
+                })
                 .collect();
             for (ci, cand) in turn.candidates.iter().enumerate() {
                 stats.candidates += 1;
@@ -191,7 +189,7 @@ fn rewards_json(
     weights: &BTreeMap<String, f64>,
     mr: Option<f64>,
 ) -> serde_json::Value {
-    let per_session: Vec<BTreeMap<String, Option<f64>>> = session_scores(rec, turn, cand);
+    let per_session: Vec<SessionScores> = rec.turns[turn].candidates[cand].session_scores();
     serde_json::json!({"mr": mr, "weights": weights, "sessions": per_session})
 }
 

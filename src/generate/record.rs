@@ -55,6 +55,22 @@ pub struct CandidateRecord {
     pub sessions: Vec<SessionRecord>,
 }
 
+impl CandidateRecord {
+    /// Per-session metric values, as the MR formulas take them.
+    pub fn session_scores(&self) -> Vec<crate::reward::mr::SessionScores> {
+        self.sessions.iter().map(SessionRecord::values).collect()
+    }
+}
+
+impl SessionRecord {
+    pub fn values(&self) -> crate::reward::mr::SessionScores {
+        self.scores
+            .iter()
+            .map(|(k, v)| (k.clone(), v.value))
+            .collect()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TurnRecord {
     pub turn_id: u32,

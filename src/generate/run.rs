@@ -25,7 +25,6 @@ use crate::pairs::select_pairs;
 use crate::prompts::Prompts;
 use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{check_tasks_for_metrics, default_weights, Scorer};
-use crate::reward::mr::{multiturn_reward, SessionScores};
 use crate::reward::sandbox::SandboxLimits;
 use crate::simulate::UserSimulator;
 use crate::task::{load_tasks, Task};
@@ -339,14 +338,11 @@ fn manifest(
 
 /// Runs (or resumes) generation with roles built from the config's specs.
 pub async fn generate(cfg: GenerateConfig) -> anyhow::Result<RunSummary> {
-    cfg.validate()?;
     let tasks = load_config_tasks(&cfg)?;
-    std::fs::create_dir_all(&cfg.output)
-        .with_context(|| format!("creating {}", cfg.output.display()))?;
-    check_resume(&cfg)?;
+    let prompts = prepare(&cfg)?;
     let cache = RequestCache::open(cfg.output.join("cache"))?;
     let roles = Roles::from_config(&cfg, Some(cache)).await?;
-    generate_with_roles(cfg, tasks, roles).await
+    run_prepared(cfg, tasks, roles, prompts).await
 }
 
 /// Runs (or resumes) generation with the given roles (tests inject scripted backends).
@@ -355,13 +351,29 @@ pub async fn generate_with_roles(
     tasks: Vec<Task>,
     roles: Roles,
 ) -> anyhow::Result<RunSummary> {
+    let prompts = prepare(&cfg)?;
+    run_prepared(cfg, tasks, roles, prompts).await
+}
+
+/// Everything checked before any model is loaded or called: settings, prompts, and that the
+/// run directory may be (re)used with these settings.
+fn prepare(cfg: &GenerateConfig) -> anyhow::Result<Arc<Prompts>> {
     cfg.validate()?;
-    let started = Instant::now();
-    let started_at = now_secs();
-    let prompts = Arc::new(load_prompts(&cfg)?);
+    let prompts = Arc::new(load_prompts(cfg)?);
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating {}", cfg.output.display()))?;
-    check_resume(&cfg)?;
+    check_resume(cfg)?;
+    Ok(prompts)
+}
+
+async fn run_prepared(
+    cfg: GenerateConfig,
+    tasks: Vec<Task>,
+    roles: Roles,
+    prompts: Arc<Prompts>,
+) -> anyhow::Result<RunSummary> {
+    let started = Instant::now();
+    let started_at = now_secs();
     let (mut log, done_records) = ConversationLog::open(&cfg.output)?;
     let done: HashSet<String> = done_records.iter().map(|r| r.task_id.clone()).collect();
     let pending: Vec<Task> = tasks
@@ -592,18 +604,8 @@ impl Progress {
     fn finished(&self, rec: &ConversationRecord, p: &Pipeline) {
         let mut n = 0;
         for turn in &rec.turns {
-            let mrs: Vec<Option<f64>> = turn
-                .candidates
-                .iter()
-                .map(|c| {
-                    let s: Vec<SessionScores> = c
-                        .sessions
-                        .iter()
-                        .map(|s| s.scores.iter().map(|(k, v)| (k.clone(), v.value)).collect())
-                        .collect();
-                    multiturn_reward(&s, &rec.weights, p.cfg.mr_formula)
-                })
-                .collect();
+            // The MR each candidate was chosen by, under the run's own weights.
+            let mrs: Vec<Option<f64>> = turn.candidates.iter().map(|c| c.mr).collect();
             n += select_pairs(&mrs, p.cfg.min_gap, p.cfg.pairs).len();
         }
         self.pairs.fetch_add(n, Ordering::Relaxed);
