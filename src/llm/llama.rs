@@ -12,6 +12,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor};
+use rayon::prelude::*;
 use serde::Deserialize;
 
 use super::gguf_tokenizer::meta_u32;
@@ -665,12 +666,34 @@ impl LlamaModel {
         // share a KV head are stacked along the sequence axis, (b, kvh, groups·seq, hd).
         let q = q.reshape((b, kvh, groups * seq, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let mut att = (q.matmul(&k_all.t()?)? * scale)?;
-        if let Some(m) = mask {
-            att = att.broadcast_add(m)?;
-        }
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v_all)?; // (b, kvh, groups·seq, hd)
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+            let mut att = (q.matmul(&k.t()?)? * scale)?;
+            if let Some(m) = mask {
+                att = att.broadcast_add(m)?;
+            }
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            att.matmul(v) // (rows, kvh, groups·seq, hd)
+        };
+        // The rows of a batch attend independently, through small per-head matmuls that each
+        // run on one thread: split the rows across the compute threads (each row's arithmetic
+        // is the same either way).
+        let parts = q8::compute_threads().min(b);
+        let y = if parts > 1 && self.device.is_cpu() {
+            let ys = (0..parts)
+                .into_par_iter()
+                .map(|i| {
+                    let (r0, rows) = (i * b / parts, (i + 1) * b / parts - i * b / parts);
+                    attend(
+                        &q.narrow(0, r0, rows)?,
+                        &k_all.narrow(0, r0, rows)?,
+                        &v_all.narrow(0, r0, rows)?,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&ys, 0)?
+        } else {
+            attend(&q, &k_all, &v_all)?
+        };
         let y = y
             .reshape((b, nh, seq, hd))?
             .transpose(1, 2)?
