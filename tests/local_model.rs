@@ -4,7 +4,7 @@
 mod model_util;
 
 use candle_core::Tensor;
-use collabllm::llm::engine::{Engine, LoadOptions};
+use collabllm::llm::engine::{Engine, GenParams, LoadOptions};
 use collabllm::llm::llama::WeightFormat;
 use collabllm::llm::local::LocalBackend;
 use collabllm::llm::spec::LocalModelFiles;
@@ -60,6 +60,43 @@ async fn batched_samples_equal_single_stream_samples() {
     );
     let total: u64 = (0..4).map(|i| batch.choices[i].content.len() as u64).sum();
     assert!(total > 0 && batch.usage.completion_tokens >= 4);
+}
+
+/// The same with Q8_0 weights, which run in our int8 kernel: a row's logits never depend on
+/// which other rows share the batch.
+#[test]
+fn q8_batched_samples_equal_single_stream_samples() {
+    one_thread();
+    let (_g, dir) = tiny_model_dir(&TinySpec::default());
+    let engine = Engine::load(
+        &LocalModelFiles::HfDir(dir),
+        &LoadOptions {
+            weights: WeightFormat::Q8_0,
+            context_length: None,
+        },
+    )
+    .unwrap();
+    let prompt = engine.encode(&engine.render(&question()).unwrap()).unwrap();
+    let params = |n, seed| GenParams {
+        temperature: 1.0,
+        top_p: 1.0,
+        max_new_tokens: 16,
+        stop: Vec::new(),
+        seed: Some(seed),
+        n,
+        ignore_eos: false,
+    };
+    let batch = engine.generate(&prompt, &params(4, 11)).unwrap();
+    let mut distinct = std::collections::HashSet::new();
+    for (i, sample) in batch.samples.iter().enumerate() {
+        let single = engine.generate(&prompt, &params(1, 11 + i as u64)).unwrap();
+        assert_eq!(&single.samples[0], sample, "sample {i}");
+        distinct.insert(sample.text.clone());
+    }
+    assert!(
+        distinct.len() > 1,
+        "temperature 1 should give different samples"
+    );
 }
 
 #[tokio::test]

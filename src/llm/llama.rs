@@ -12,9 +12,11 @@ use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor};
+use rayon::prelude::*;
 use serde::Deserialize;
 
 use super::gguf_tokenizer::meta_u32;
+use super::q8::{self, Q8Linear};
 
 type Result<T> = candle_core::Result<T>;
 
@@ -170,16 +172,61 @@ pub enum WeightFormat {
     F32,
 }
 
+/// A linear layer: our int8 kernel ([`Q8Linear`]) for Q8_0 weights on the CPU, candle's
+/// `QMatMul` otherwise (f32, other quantized types, other devices).
+enum Linear {
+    Q8(Q8Linear),
+    Candle(QMatMul),
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Linear::Q8(l) => l.forward(x),
+            Linear::Candle(m) => m.forward(x),
+        }
+    }
+}
+
+/// Linear layers that read the same input (q/k/v, gate/up): one kernel call for all of them
+/// when they are all Q8, which quantizes the input once and splits one job across threads.
+enum Group {
+    Fused(Q8Linear),
+    Each(Vec<Linear>),
+}
+
+impl Group {
+    fn new(layers: Vec<Linear>) -> Result<Self> {
+        if layers.iter().all(|l| matches!(l, Linear::Q8(_))) {
+            let q8 = layers
+                .into_iter()
+                .filter_map(|l| match l {
+                    Linear::Q8(q) => Some(q),
+                    Linear::Candle(_) => None,
+                })
+                .collect();
+            return Ok(Group::Fused(Q8Linear::concat(q8)?));
+        }
+        Ok(Group::Each(layers))
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Group::Fused(l) => l.forward_parts(x),
+            Group::Each(ls) => ls.iter().map(|l| l.forward(x)).collect(),
+        }
+    }
+}
+
 struct Layer {
     attn_norm: Tensor,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
+    /// q, k and v projections.
+    qkv: Group,
+    wo: Linear,
     ffn_norm: Tensor,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
+    /// gate and up projections.
+    gate_up: Group,
+    w_down: Linear,
 }
 
 /// Per-layer key/value cache for a batch of rows that all sit at the same position.
@@ -284,20 +331,20 @@ pub struct LlamaModel {
     embed: QMatMul,
     layers: Vec<Layer>,
     norm: Tensor,
-    lm_head: QMatMul,
+    lm_head: Linear,
     interleaved_rope: bool,
     cos: Tensor,
     sin: Tensor,
     device: Device,
 }
 
-fn to_qmatmul(t: QTensor, format: WeightFormat) -> Result<QMatMul> {
-    to_qmatmul_shared(Arc::new(t), format)
+fn to_linear(t: QTensor, format: WeightFormat) -> Result<Linear> {
+    to_linear_shared(Arc::new(t), format)
 }
 
-/// Like [`to_qmatmul`], but shares the data when no conversion is needed (a tied output head
+/// Like [`to_linear`], but shares the data when candle keeps it as it is (a tied output head
 /// and the embedding then use one copy).
-fn to_qmatmul_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<QMatMul> {
+fn to_linear_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<Linear> {
     let cols = t.shape().dims().last().copied().unwrap_or(0);
     let target = match (format, t.dtype()) {
         (WeightFormat::F32, _) => None,
@@ -308,24 +355,37 @@ fn to_qmatmul_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<QMatMul> {
         }
         (WeightFormat::Auto, d) => Some(d),
     };
+    let candle = |m: Result<QMatMul>| m.map(Linear::Candle);
     match target {
-        None => Ok(QMatMul::Tensor(t.dequantize(&t.device())?)),
-        Some(d) if d == t.dtype() => QMatMul::from_arc(t),
+        None => candle(Ok(QMatMul::Tensor(t.dequantize(&t.device())?))),
+        // Q8_0 blocks (as they are, or re-quantized exactly as candle would) in our kernel.
+        Some(GgmlDType::Q8_0)
+            if cols % GgmlDType::Q8_0.block_size() == 0 && t.device().is_cpu() =>
+        {
+            Ok(Linear::Q8(Q8Linear::from_qtensor(&t)?))
+        }
+        Some(d) if d == t.dtype() => candle(QMatMul::from_arc(t)),
         Some(d) if cols % d.block_size() == 0 => {
             let f = t.dequantize(&t.device())?;
-            QMatMul::from_qtensor(QTensor::quantize(&f, d)?)
+            candle(QMatMul::from_qtensor(QTensor::quantize(&f, d)?))
         }
         // The row length does not fit the block size: stay exact.
-        Some(_) => Ok(QMatMul::Tensor(t.dequantize(&t.device())?)),
+        Some(_) => candle(Ok(QMatMul::Tensor(t.dequantize(&t.device())?))),
     }
 }
 
-fn tensor_to_qmatmul(t: Tensor, format: WeightFormat) -> Result<QMatMul> {
+fn tensor_to_linear(t: Tensor, format: WeightFormat) -> Result<Linear> {
     let cols = t.dims().last().copied().unwrap_or(0);
     if format == WeightFormat::Q8_0 && cols % GgmlDType::Q8_0.block_size() == 0 {
-        return QMatMul::from_qtensor(QTensor::quantize(&t, GgmlDType::Q8_0)?);
+        if t.device().is_cpu() {
+            return Ok(Linear::Q8(Q8Linear::from_tensor(&t)?));
+        }
+        return Ok(Linear::Candle(QMatMul::from_qtensor(QTensor::quantize(
+            &t,
+            GgmlDType::Q8_0,
+        )?)?));
     }
-    Ok(QMatMul::Tensor(t))
+    Ok(Linear::Candle(QMatMul::Tensor(t)))
 }
 
 pub(crate) fn rope_tables(
@@ -369,9 +429,9 @@ impl LlamaModel {
         let embed_q = Arc::new(get("token_embd.weight")?);
         let norm = get("output_norm.weight")?.dequantize(device)?;
         let lm_head = if content.tensor_infos.contains_key("output.weight") {
-            to_qmatmul(get("output.weight")?, format)?
+            to_linear(get("output.weight")?, format)?
         } else {
-            to_qmatmul_shared(embed_q.clone(), format)?
+            to_linear_shared(embed_q.clone(), format)?
         };
         let factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
             Some(
@@ -385,23 +445,17 @@ impl LlamaModel {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("blk.{i}");
-            let mut lin = |n: &str| to_qmatmul(get(&format!("{p}.{n}.weight"))?, format);
-            let wq = lin("attn_q")?;
-            let wk = lin("attn_k")?;
-            let wv = lin("attn_v")?;
+            let mut lin = |n: &str| to_linear(get(&format!("{p}.{n}.weight"))?, format);
+            let qkv = Group::new(vec![lin("attn_q")?, lin("attn_k")?, lin("attn_v")?])?;
             let wo = lin("attn_output")?;
-            let w_gate = lin("ffn_gate")?;
-            let w_up = lin("ffn_up")?;
+            let gate_up = Group::new(vec![lin("ffn_gate")?, lin("ffn_up")?])?;
             let w_down = lin("ffn_down")?;
             layers.push(Layer {
                 attn_norm: get(&format!("{p}.attn_norm.weight"))?.dequantize(device)?,
                 ffn_norm: get(&format!("{p}.ffn_norm.weight"))?.dequantize(device)?,
-                wq,
-                wk,
-                wv,
+                qkv,
                 wo,
-                w_gate,
-                w_up,
+                gate_up,
                 w_down,
             });
         }
@@ -439,26 +493,30 @@ impl LlamaModel {
         );
         let embed_w = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
         let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
-            tensor_to_qmatmul(embed_w.clone(), format)?
+            tensor_to_linear(embed_w.clone(), format)?
         } else {
-            tensor_to_qmatmul(vb.get((cfg.vocab_size, h), "lm_head.weight")?, format)?
+            tensor_to_linear(vb.get((cfg.vocab_size, h), "lm_head.weight")?, format)?
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let lin = |n: &str, shape: (usize, usize)| {
-                tensor_to_qmatmul(vb.get(shape, &format!("{p}.{n}.weight"))?, format)
+                tensor_to_linear(vb.get(shape, &format!("{p}.{n}.weight"))?, format)
             };
             let im = cfg.intermediate_size;
             layers.push(Layer {
                 attn_norm: vb.get(h, &format!("{p}.input_layernorm.weight"))?,
                 ffn_norm: vb.get(h, &format!("{p}.post_attention_layernorm.weight"))?,
-                wq: lin("self_attn.q_proj", (q_out, h))?,
-                wk: lin("self_attn.k_proj", (kv_out, h))?,
-                wv: lin("self_attn.v_proj", (kv_out, h))?,
+                qkv: Group::new(vec![
+                    lin("self_attn.q_proj", (q_out, h))?,
+                    lin("self_attn.k_proj", (kv_out, h))?,
+                    lin("self_attn.v_proj", (kv_out, h))?,
+                ])?,
                 wo: lin("self_attn.o_proj", (h, q_out))?,
-                w_gate: lin("mlp.gate_proj", (im, h))?,
-                w_up: lin("mlp.up_proj", (im, h))?,
+                gate_up: Group::new(vec![
+                    lin("mlp.gate_proj", (im, h))?,
+                    lin("mlp.up_proj", (im, h))?,
+                ])?,
                 w_down: lin("mlp.down_proj", (h, im))?,
             });
         }
@@ -496,16 +554,20 @@ impl LlamaModel {
     /// Runs `tokens` (batch, seq) at the cache's position and returns the logits of the last
     /// position, (batch, vocab).
     pub fn forward_last(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let hidden = self.hidden_states(tokens, cache)?;
-        let seq = hidden.dim(1)?;
-        let last = hidden.narrow(1, seq - 1, 1)?;
-        self.lm_head.forward(&last)?.squeeze(1)
+        q8::on_pool(|| {
+            let hidden = self.hidden_states(tokens, cache)?;
+            let seq = hidden.dim(1)?;
+            let last = hidden.narrow(1, seq - 1, 1)?;
+            self.lm_head.forward(&last)?.squeeze(1)
+        })
     }
 
     /// Runs `tokens` and returns the logits of every position, (batch, seq, vocab).
     pub fn forward_all(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let hidden = self.hidden_states(tokens, cache)?;
-        self.lm_head.forward(&hidden)
+        q8::on_pool(|| {
+            let hidden = self.hidden_states(tokens, cache)?;
+            self.lm_head.forward(&hidden)
+        })
     }
 
     fn hidden_states(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
@@ -532,9 +594,10 @@ impl LlamaModel {
             let attn = self.attention(i, layer, &h, &cos, &sin, mask.as_ref(), cache)?;
             x = (x + attn)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let gate = layer.w_gate.forward(&h)?.silu()?;
-            let up = layer.w_up.forward(&h)?;
-            x = (x + layer.w_down.forward(&(gate * up)?)?)?;
+            let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
+                candle_core::bail!("the gate/up projections gave no two outputs");
+            };
+            x = (x + layer.w_down.forward(&(gate.silu()? * up)?)?)?;
         }
         cache.len = pos + seq;
         candle_nn::ops::rms_norm(&x, &self.norm, eps)
@@ -581,9 +644,12 @@ impl LlamaModel {
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()
         };
-        let q = heads(layer.wq.forward(x)?, nh)?;
-        let k = heads(layer.wk.forward(x)?, kvh)?;
-        let v = heads(layer.wv.forward(x)?, kvh)?;
+        let [q, k, v] = &layer.qkv.forward(x)?[..] else {
+            candle_core::bail!("the q/k/v projections gave no three outputs");
+        };
+        let q = heads(q.clone(), nh)?;
+        let k = heads(k.clone(), kvh)?;
+        let v = heads(v.clone(), kvh)?;
         let (q, k) = if self.interleaved_rope {
             (
                 candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
@@ -600,12 +666,34 @@ impl LlamaModel {
         // share a KV head are stacked along the sequence axis, (b, kvh, groups·seq, hd).
         let q = q.reshape((b, kvh, groups * seq, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let mut att = (q.matmul(&k_all.t()?)? * scale)?;
-        if let Some(m) = mask {
-            att = att.broadcast_add(m)?;
-        }
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v_all)?; // (b, kvh, groups·seq, hd)
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+            let mut att = (q.matmul(&k.t()?)? * scale)?;
+            if let Some(m) = mask {
+                att = att.broadcast_add(m)?;
+            }
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            att.matmul(v) // (rows, kvh, groups·seq, hd)
+        };
+        // The rows of a batch attend independently, through small per-head matmuls that each
+        // run on one thread: split the rows across the compute threads (each row's arithmetic
+        // is the same either way).
+        let parts = q8::compute_threads().min(b);
+        let y = if parts > 1 && self.device.is_cpu() {
+            let ys = (0..parts)
+                .into_par_iter()
+                .map(|i| {
+                    let (r0, rows) = (i * b / parts, (i + 1) * b / parts - i * b / parts);
+                    attend(
+                        &q.narrow(0, r0, rows)?,
+                        &k_all.narrow(0, r0, rows)?,
+                        &v_all.narrow(0, r0, rows)?,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&ys, 0)?
+        } else {
+            attend(&q, &k_all, &v_all)?
+        };
         let y = y
             .reshape((b, nh, seq, hd))?
             .transpose(1, 2)?

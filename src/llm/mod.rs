@@ -9,6 +9,7 @@ pub mod gguf_tokenizer;
 pub mod llama;
 pub mod local;
 pub mod openai;
+pub mod q8;
 pub mod roles;
 pub mod sampling;
 pub mod scripted;

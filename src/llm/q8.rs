@@ -1,0 +1,848 @@
+//! Int8 linear layers with our own CPU kernel (DESIGN §8), replacing candle's quantized matmul
+//! for the llama linears when the weights are Q8_0.
+//!
+//! Weights: blocks of 32 int8 values with an f16 scale (exactly the values of ggml's Q8_0),
+//! stored in tiles of 8 output columns: for each tile and block, 256 bytes in which every 32-byte
+//! register holds 4 consecutive k-values of each of the 8 columns, followed (in a separate
+//! array) by the 8 columns' scales. Activations are quantized once per call, one f32 scale per
+//! row and block. The AVX2 kernel broadcasts 4 activation bytes against such a register
+//! (`maddubs` with the sign trick, then `madd`), which yields the 8 columns' partial dot products
+//! in the 8 lanes: no horizontal sums, one weight load shared by up to 4 activation rows.
+//!
+//! Every output element is computed by the same instructions in the same order whatever the
+//! number of rows in the call and whichever thread computes it, so a row's result never depends
+//! on the other rows of the batch (batched sampling equals single-stream sampling).
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Result, Storage, Tensor};
+
+/// Values per block (as in ggml's Q8_0).
+const QK: usize = 32;
+/// Output columns per tile.
+const NC: usize = 8;
+/// Bytes of weights per (tile, block).
+const TILE_BLOCK: usize = QK * NC;
+/// Activation rows that share one pass over a weight tile.
+const MR: usize = 4;
+/// Bytes of one ggml `block_q8_0`: an f16 scale then 32 int8 values.
+const Q8_0_BLOCK_BYTES: usize = 2 + QK;
+/// Multiply-adds below which a call stays on one thread.
+const PAR_MIN_MACS: usize = 1 << 17;
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([i8; 64]);
+
+/// A linear layer `y = x · Wᵀ` with int8 weights, possibly several layers that read the same
+/// input fused into one (see [`Q8Linear::concat`]).
+pub struct Q8Linear {
+    k: usize,
+    /// Output sizes of the fused parts (one entry for a plain layer).
+    parts: Vec<usize>,
+    /// First tile of each part, plus the total number of tiles at the end.
+    part_tiles: Vec<usize>,
+    /// `tiles · (k/32) · 256` bytes, 64-byte aligned.
+    qs: Vec<Line>,
+    /// f16 bits, `tiles · (k/32) · 8`.
+    scales: Vec<u16>,
+}
+
+impl std::fmt::Debug for Q8Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Q8Linear")
+            .field("k", &self.k)
+            .field("parts", &self.parts)
+            .finish()
+    }
+}
+
+impl Q8Linear {
+    /// From an (n_out, k) quantized tensor: Q8_0 blocks are taken as they are, other types are
+    /// dequantized and re-quantized to Q8_0 by candle (the same values candle's own Q8_0 matmul
+    /// would use).
+    pub fn from_qtensor(t: &QTensor) -> Result<Self> {
+        let (n, k) = t.shape().dims2()?;
+        check_k(k)?;
+        if t.dtype() == GgmlDType::Q8_0 {
+            return Self::from_q8_0_bytes(n, k, &t.data()?);
+        }
+        // The f32 copy is dropped before ours is made: a smaller peak while loading.
+        let q = QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?;
+        Self::from_q8_0_bytes(n, k, &q.data()?)
+    }
+
+    /// From an (n_out, k) float tensor, quantized to Q8_0 by candle.
+    pub fn from_tensor(w: &Tensor) -> Result<Self> {
+        let (n, k) = w.dims2()?;
+        check_k(k)?;
+        let w = w.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
+        Self::from_q8_0_bytes(n, k, &q.data()?)
+    }
+
+    fn from_q8_0_bytes(n: usize, k: usize, data: &[u8]) -> Result<Self> {
+        let nb = k / QK;
+        if data.len() != n * nb * Q8_0_BLOCK_BYTES {
+            candle_core::bail!(
+                "Q8_0 data of {} bytes does not hold a ({n}, {k}) matrix",
+                data.len()
+            );
+        }
+        let tiles = n.div_ceil(NC);
+        let mut qs = vec![Line([0; 64]); tiles * nb * TILE_BLOCK / 64];
+        let mut scales = vec![0u16; tiles * nb * NC];
+        {
+            let q = line_bytes_mut(&mut qs);
+            for c in 0..n {
+                let (t, cc) = (c / NC, c % NC);
+                for b in 0..nb {
+                    let blk = &data[(c * nb + b) * Q8_0_BLOCK_BYTES..][..Q8_0_BLOCK_BYTES];
+                    let tb = t * nb + b;
+                    scales[tb * NC + cc] = u16::from_le_bytes([blk[0], blk[1]]);
+                    let dst = &mut q[tb * TILE_BLOCK..][..TILE_BLOCK];
+                    for g in 0..QK / 4 {
+                        for j in 0..4 {
+                            dst[g * 32 + cc * 4 + j] = blk[2 + g * 4 + j] as i8;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            k,
+            parts: vec![n],
+            part_tiles: vec![0, tiles],
+            qs,
+            scales,
+        })
+    }
+
+    /// Fuses layers that read the same input into one: [`Q8Linear::forward_parts`] then returns
+    /// their outputs, each exactly what the layer alone would give.
+    pub fn concat(layers: Vec<Q8Linear>) -> Result<Self> {
+        let Some(k) = layers.first().map(|l| l.k) else {
+            candle_core::bail!("no layers to concatenate");
+        };
+        if layers.iter().any(|l| l.k != k) {
+            candle_core::bail!("concatenated layers must share the input size");
+        }
+        let mut out = Self {
+            k,
+            parts: Vec::new(),
+            part_tiles: vec![0],
+            qs: Vec::with_capacity(layers.iter().map(|l| l.qs.len()).sum()),
+            scales: Vec::with_capacity(layers.iter().map(|l| l.scales.len()).sum()),
+        };
+        for l in layers {
+            let base = out.tiles();
+            out.parts.extend_from_slice(&l.parts);
+            out.part_tiles
+                .extend(l.part_tiles[1..].iter().map(|t| base + t));
+            out.qs.extend_from_slice(&l.qs);
+            out.scales.extend_from_slice(&l.scales);
+        }
+        Ok(out)
+    }
+
+    /// Input size.
+    pub fn in_dim(&self) -> usize {
+        self.k
+    }
+
+    /// Total output size (all parts).
+    pub fn out_dim(&self) -> usize {
+        self.parts.iter().sum()
+    }
+
+    /// Output sizes of the fused parts.
+    pub fn parts(&self) -> &[usize] {
+        &self.parts
+    }
+
+    fn tiles(&self) -> usize {
+        *self.part_tiles.last().expect("part_tiles is never empty")
+    }
+
+    /// The weights as f32, (out_dim, k), every part stacked.
+    pub fn dequantize(&self) -> Result<Tensor> {
+        let nb = self.k / QK;
+        let q = line_bytes(&self.qs);
+        let mut w = Vec::with_capacity(self.out_dim() * self.k);
+        for (p, &n) in self.parts.iter().enumerate() {
+            for c in 0..n {
+                let (t, cc) = (self.part_tiles[p] + c / NC, c % NC);
+                for b in 0..nb {
+                    let tb = t * nb + b;
+                    let d = f16_to_f32(self.scales[tb * NC + cc]);
+                    for g in 0..QK / 4 {
+                        for j in 0..4 {
+                            w.push(f32::from(q[tb * TILE_BLOCK + g * 32 + cc * 4 + j]) * d);
+                        }
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(w, (self.out_dim(), self.k), &Device::Cpu)
+    }
+
+    /// `x` (…, k) → (…, out_dim).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (mut outs, lead) = self.compute(x, kernel())?;
+        let out = if outs.len() == 1 {
+            outs.swap_remove(0)
+        } else {
+            let m = lead.iter().product::<usize>();
+            let mut out = Vec::with_capacity(m * self.out_dim());
+            for r in 0..m {
+                for (o, &n) in outs.iter().zip(&self.parts) {
+                    out.extend_from_slice(&o[r * n..(r + 1) * n]);
+                }
+            }
+            out
+        };
+        let mut shape = lead;
+        shape.push(self.out_dim());
+        Tensor::from_vec(out, shape, x.device())
+    }
+
+    /// `x` (…, k) → one (…, n_p) tensor per fused part.
+    pub fn forward_parts(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let (outs, lead) = self.compute(x, kernel())?;
+        outs.into_iter()
+            .zip(&self.parts)
+            .map(|(o, &n)| {
+                let mut shape = lead.clone();
+                shape.push(n);
+                Tensor::from_vec(o, shape, x.device())
+            })
+            .collect()
+    }
+
+    /// One output buffer per part, and the leading dimensions of `x`.
+    fn compute(&self, x: &Tensor, kern: Kernel) -> Result<(Vec<Vec<f32>>, Vec<usize>)> {
+        let dims = x.dims();
+        let Some((&k, lead)) = dims.split_last() else {
+            candle_core::bail!("Q8Linear input is a scalar");
+        };
+        if k != self.k {
+            candle_core::bail!(
+                "Q8Linear input {:?} does not end in the layer's input size {}",
+                dims,
+                self.k
+            );
+        }
+        let lead = lead.to_vec();
+        let m: usize = lead.iter().product();
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
+        let (storage, layout) = x.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            candle_core::bail!("Q8Linear runs on the CPU only");
+        };
+        let xs = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * k];
+        let outs = self.matmul(kern, xs, m);
+        Ok((outs, lead))
+    }
+
+    fn matmul(&self, kern: Kernel, xs: &[f32], m: usize) -> Vec<Vec<f32>> {
+        let nb = self.k / QK;
+        let mut xq = vec![0i8; m * self.k];
+        let mut xd = vec![0f32; m * nb];
+        quantize_rows(kern, xs, &mut xq, &mut xd);
+        let mut outs: Vec<Vec<f32>> = self.parts.iter().map(|&n| vec![0f32; m * n]).collect();
+        let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+        let parallel = m * self.out_dim() * self.k >= PAR_MIN_MACS;
+        par_ranges(self.tiles(), parallel, |tiles| {
+            // SAFETY: the tile ranges handed out are disjoint, and a tile writes only its own
+            // columns of each row; `xq`/`xd` hold `m` rows of `k` values / `k/32` scales.
+            unsafe { self.run_tiles(kern, &xq, &xd, m, tiles, &ptrs) }
+        });
+        outs
+    }
+
+    /// Computes the output columns of `tiles` for all `m` rows.
+    ///
+    /// # Safety
+    /// `outs[p]` must point to `m · parts[p]` writable floats that no one else writes in the
+    /// columns of these tiles.
+    unsafe fn run_tiles(
+        &self,
+        kern: Kernel,
+        xq: &[i8],
+        xd: &[f32],
+        m: usize,
+        tiles: Range<usize>,
+        outs: &[OutPtr],
+    ) {
+        let nb = self.k / QK;
+        let q = line_bytes(&self.qs);
+        let mut p = 0;
+        for t in tiles {
+            while t >= self.part_tiles[p + 1] {
+                p += 1;
+            }
+            let n = self.parts[p];
+            let col = (t - self.part_tiles[p]) * NC;
+            let tile = Tile {
+                wq: &q[t * nb * TILE_BLOCK..][..nb * TILE_BLOCK],
+                ws: &self.scales[t * nb * NC..][..nb * NC],
+                nb,
+                ncols: NC.min(n - col),
+            };
+            let out = outs[p].0.add(col);
+            match kern {
+                Kernel::Scalar => tile_scalar(&tile, xq, xd, m, self.k, out, n),
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx2 => avx2::tile(&tile, xq, xd, m, self.k, out, n),
+            }
+        }
+    }
+}
+
+fn check_k(k: usize) -> Result<()> {
+    if k == 0 || k % QK != 0 {
+        candle_core::bail!("Q8Linear needs an input size that is a multiple of {QK}, not {k}");
+    }
+    Ok(())
+}
+
+fn line_bytes(v: &[Line]) -> &[i8] {
+    // SAFETY: `Line` is 64 plain bytes without padding.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<i8>(), v.len() * 64) }
+}
+
+fn line_bytes_mut(v: &mut [Line]) -> &mut [i8] {
+    // SAFETY: as in `line_bytes`.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<i8>(), v.len() * 64) }
+}
+
+/// One tile: 8 output columns over the whole input.
+struct Tile<'a> {
+    wq: &'a [i8],
+    ws: &'a [u16],
+    nb: usize,
+    /// Real (unpadded) columns of the tile.
+    ncols: usize,
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: only used for disjoint writes from the parallel tile ranges.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+/// The fastest kernel this CPU runs.
+fn kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS_AVX2: OnceLock<bool> = OnceLock::new();
+        if *HAS_AVX2.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        }) {
+            return Kernel::Avx2;
+        }
+    }
+    Kernel::Scalar
+}
+
+/// IEEE half → single (exact).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, _) => {
+            // Subnormal: man · 2⁻²⁴, exact in f32.
+            let v = man as f32 * (1.0 / 16_777_216.0);
+            return if sign != 0 { -v } else { v };
+        }
+        (31, _) => sign | 0x7f80_0000 | (man << 13),
+        _ => sign | ((exp + 112) << 23) | (man << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// Quantizes each block of 32 values: `d = max|x| / 127`, `q = round(x / d)` (ties to even).
+fn quantize_rows(kern: Kernel, xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
+    match kern {
+        Kernel::Scalar => quantize_scalar(xs, xq, xd),
+        // SAFETY: `kernel()` checked the CPU features.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { avx2::quantize(xs, xq, xd) },
+    }
+}
+
+fn quantize_scalar(xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
+    for ((x, q), d) in xs
+        .chunks_exact(QK)
+        .zip(xq.chunks_exact_mut(QK))
+        .zip(xd.iter_mut())
+    {
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        *d = amax / 127.0;
+        let id = if *d != 0.0 { 1.0 / *d } else { 0.0 };
+        for (q, v) in q.iter_mut().zip(x) {
+            *q = (v * id).round_ties_even() as i8;
+        }
+    }
+}
+
+/// Portable reference kernel: the same sums in the same order as the SIMD one.
+///
+/// # Safety
+/// `out` must point to `m` rows of `ld` floats, with the tile's columns writable.
+unsafe fn tile_scalar(
+    tile: &Tile,
+    xq: &[i8],
+    xd: &[f32],
+    m: usize,
+    k: usize,
+    out: *mut f32,
+    ld: usize,
+) {
+    let nb = tile.nb;
+    for r in 0..m {
+        let y = &xq[r * k..(r + 1) * k];
+        for c in 0..tile.ncols {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let w = &tile.wq[b * TILE_BLOCK..][..TILE_BLOCK];
+                let mut s = 0i32;
+                for g in 0..QK / 4 {
+                    for j in 0..4 {
+                        s += i32::from(w[g * 32 + c * 4 + j]) * i32::from(y[b * QK + g * 4 + j]);
+                    }
+                }
+                let d = f16_to_f32(tile.ws[b * NC + c]) * xd[r * nb + b];
+                acc = (s as f32).mul_add(d, acc);
+            }
+            *out.add(r * ld + c) = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Tile, MR, NC, QK, TILE_BLOCK};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX2; slices as in `quantize_scalar`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize(xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
+        let sign = _mm256_set1_ps(-0.0);
+        let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for ((x, q), d) in xs
+            .chunks_exact(QK)
+            .zip(xq.chunks_exact_mut(QK))
+            .zip(xd.iter_mut())
+        {
+            let p = x.as_ptr();
+            let v = [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ];
+            let mx = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+            );
+            let m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m1 = _mm_max_ss(m2, _mm_movehdup_ps(m2));
+            let amax = _mm_cvtss_f32(m1);
+            *d = amax / 127.0;
+            let id = _mm256_set1_ps(if *d != 0.0 { 1.0 / *d } else { 0.0 });
+            let r = |v: __m256| {
+                _mm256_cvtps_epi32(_mm256_round_ps(
+                    _mm256_mul_ps(v, id),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+                ))
+            };
+            let a = _mm256_packs_epi32(r(v[0]), r(v[1]));
+            let b = _mm256_packs_epi32(r(v[2]), r(v[3]));
+            let packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm);
+            _mm256_storeu_si256(q.as_mut_ptr().cast(), packed);
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2/FMA/F16C; `out` as in `tile_scalar`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile(
+        tile: &Tile,
+        xq: &[i8],
+        xd: &[f32],
+        m: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        debug_assert!(xq.len() >= m * k && xd.len() >= m * (k / QK));
+        let (xq, xd) = (xq.as_ptr(), xd.as_ptr());
+        let nb = k / QK;
+        let mut r = 0;
+        while r + MR <= m {
+            rows::<MR>(tile, xq.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld);
+            r += MR;
+        }
+        match m - r {
+            3 => rows::<3>(tile, xq.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld),
+            2 => rows::<2>(tile, xq.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld),
+            1 => rows::<1>(tile, xq.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld),
+            _ => {}
+        }
+    }
+
+    /// `R` activation rows against one tile; each row's arithmetic is independent of `R`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn rows<const R: usize>(
+        tile: &Tile,
+        xq: *const i8,
+        xd: *const f32,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = tile.nb;
+        let wq = tile.wq.as_ptr();
+        let ws = tile.ws.as_ptr();
+        let ones = _mm256_set1_epi16(1);
+        let mut accf = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let wb = wq.add(b * TILE_BLOCK);
+            let yb = xq.add(b * QK);
+            let mut acci = [_mm256_setzero_si256(); R];
+            for g in 0..QK / 4 {
+                let w = _mm256_load_si256(wb.add(g * 32).cast());
+                let aw = _mm256_sign_epi8(w, w);
+                for (r, acc) in acci.iter_mut().enumerate() {
+                    let y = _mm256_set1_epi32(yb.add(r * k + g * 4).cast::<i32>().read_unaligned());
+                    let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w));
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * NC).cast()));
+            for (r, acc) in accf.iter_mut().enumerate() {
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xd.add(r * nb + b)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r]), d, *acc);
+            }
+        }
+        for (r, acc) in accf.iter().enumerate() {
+            let o = out.add(r * ld);
+            if tile.ncols == NC {
+                _mm256_storeu_ps(o, *acc);
+            } else {
+                let mut tmp = [0f32; NC];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, tile.ncols);
+            }
+        }
+    }
+}
+
+/// Compute threads: `CANDLE_NUM_THREADS`, else the available cores. The first call also sizes
+/// rayon's global pool to it (when nothing built that pool before).
+pub fn compute_threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let n = std::env::var("CANDLE_NUM_THREADS")
+            .ok()
+            .and_then(|s| s.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
+        n
+    })
+}
+
+/// Runs `f` on a worker of rayon's global pool (inline when already on one, or with one compute
+/// thread), so that the parallel kernels inside it fork and join within the pool instead of
+/// handing work over from an outside thread at every call.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if compute_threads() <= 1 || rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
+}
+
+/// Calls `f` on disjoint ranges covering `0..n`, on up to [`compute_threads`] threads. Ranges
+/// are claimed from a shared counter, so a thread that starts late takes fewer.
+fn par_ranges(n: usize, parallel: bool, f: impl Fn(Range<usize>) + Sync) {
+    let threads = compute_threads();
+    if !parallel || threads <= 1 || n < 2 {
+        f(0..n);
+        return;
+    }
+    let chunks = (threads * 4).min(n);
+    let next = AtomicUsize::new(0);
+    let work = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= chunks {
+            break;
+        }
+        f(i * n / chunks..(i + 1) * n / chunks);
+    };
+    rayon::in_place_scope(|s| {
+        for _ in 1..threads {
+            s.spawn(|_| work());
+        }
+        work();
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn randn(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                // Sum of uniforms: roughly normal, with occasional larger values.
+                let u: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum();
+                u * scale
+            })
+            .collect()
+    }
+
+    fn kernels() -> Vec<Kernel> {
+        let mut k = vec![Kernel::Scalar];
+        if kernel() != Kernel::Scalar {
+            k.push(kernel());
+        }
+        k
+    }
+
+    /// Quantized activations dequantized back to f32.
+    fn dequantized_rows(xs: &[f32], k: usize) -> Vec<f32> {
+        let mut q = vec![0i8; xs.len()];
+        let mut d = vec![0f32; xs.len() / QK];
+        quantize_scalar(xs, &mut q, &mut d);
+        let _ = k;
+        q.iter()
+            .enumerate()
+            .map(|(i, &v)| f32::from(v) * d[i / QK])
+            .collect()
+    }
+
+    fn run(l: &Q8Linear, kern: Kernel, xs: &[f32], m: usize) -> Vec<f32> {
+        let x = Tensor::from_vec(xs.to_vec(), (m, l.k), &Device::Cpu).unwrap();
+        let (outs, _) = l.compute(&x, kern).unwrap();
+        assert_eq!(outs.len(), 1);
+        outs.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn simd_scalar_and_f32_matmul_agree() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for &k in &[576usize, 1536, 64] {
+            for &n in &[1usize, 13, 100, 192] {
+                let w = randn(&mut rng, n * k, 0.1);
+                let wt = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
+                let l = Q8Linear::from_tensor(&wt).unwrap();
+                let wd = l.dequantize().unwrap();
+                let wdv = wd.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for &m in &[1usize, 3, 5, 17] {
+                    let xs = randn(&mut rng, m * k, 1.0);
+                    let x = Tensor::from_vec(xs.clone(), (m, k), &Device::Cpu).unwrap();
+                    // candle's f32 matmul on the dequantized weights.
+                    let reference = x
+                        .matmul(&wd.t().unwrap())
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap();
+                    let xdq = dequantized_rows(&xs, k);
+                    let results: Vec<Vec<f32>> = kernels()
+                        .iter()
+                        .map(|&kern| run(&l, kern, &xs, m))
+                        .collect();
+                    for r in 0..m {
+                        for c in 0..n {
+                            let (wr, xr) = (&wdv[c * k..(c + 1) * k], &xs[r * k..(r + 1) * k]);
+                            let mag: f64 = wr
+                                .iter()
+                                .zip(xr)
+                                .map(|(a, b)| f64::from(*a * *b).abs())
+                                .sum();
+                            // Exact dot product of the quantized operands.
+                            let exact: f64 = wr
+                                .iter()
+                                .zip(&xdq[r * k..(r + 1) * k])
+                                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                                .sum();
+                            let i = r * n + c;
+                            for (res, kern) in results.iter().zip(kernels()) {
+                                let got = f64::from(res[i]);
+                                assert!(
+                                    (got - exact).abs() <= 1e-5 * mag + 1e-6,
+                                    "{kern:?} k={k} n={n} m={m} ({r},{c}): {got} vs exact {exact}"
+                                );
+                                assert!(
+                                    (got - f64::from(reference[i])).abs() <= 5e-3 * mag + 1e-5,
+                                    "{kern:?} k={k} n={n} m={m} ({r},{c}): {got} vs f32 {}",
+                                    reference[i]
+                                );
+                            }
+                            assert_eq!(
+                                results[0][i].to_bits(),
+                                results[results.len() - 1][i].to_bits(),
+                                "SIMD and scalar differ at k={k} n={n} m={m} ({r},{c})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_do_not_depend_on_the_batch() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let (n, k) = (37, 576);
+        let wt = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu).unwrap();
+        let l = Q8Linear::from_tensor(&wt).unwrap();
+        let m = 17;
+        let xs = randn(&mut rng, m * k, 1.0);
+        for kern in kernels() {
+            let all = run(&l, kern, &xs, m);
+            for r in 0..m {
+                let one = run(&l, kern, &xs[r * k..(r + 1) * k], 1);
+                assert_eq!(one, all[r * n..(r + 1) * n], "{kern:?} row {r}");
+            }
+            let five = run(&l, kern, &xs[..5 * k], 5);
+            assert_eq!(five, all[..5 * n], "{kern:?}");
+        }
+    }
+
+    #[test]
+    fn fused_parts_equal_separate_layers() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let k = 96;
+        let sizes = [20usize, 8, 5];
+        let layers: Vec<Q8Linear> = sizes
+            .iter()
+            .map(|&n| {
+                let w = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu);
+                Q8Linear::from_tensor(&w.unwrap()).unwrap()
+            })
+            .collect();
+        let x = Tensor::from_vec(randn(&mut rng, 2 * 3 * k, 1.0), (2, 3, k), &Device::Cpu).unwrap();
+        let separate: Vec<Vec<f32>> = layers
+            .iter()
+            .map(|l| {
+                let y = l.forward(&x).unwrap();
+                assert_eq!(y.dims(), &[2, 3, l.out_dim()]);
+                y.flatten_all().unwrap().to_vec1().unwrap()
+            })
+            .collect();
+        let fused = Q8Linear::concat(layers).unwrap();
+        assert_eq!(fused.parts(), &sizes);
+        let parts = fused.forward_parts(&x).unwrap();
+        for (p, s) in parts.iter().zip(&separate) {
+            assert_eq!(&p.flatten_all().unwrap().to_vec1::<f32>().unwrap(), s);
+        }
+        let whole = fused.forward(&x).unwrap();
+        assert_eq!(whole.dims(), &[2, 3, 33]);
+        let cat = Tensor::cat(&parts, 2).unwrap();
+        assert_eq!(
+            whole.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            cat.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+    }
+
+    #[test]
+    fn q8_0_blocks_are_taken_as_they_are() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let (n, k) = (19, 64);
+        let w = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+        let l = Q8Linear::from_qtensor(&q).unwrap();
+        let ours = l.dequantize().unwrap().flatten_all().unwrap();
+        let theirs = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
+        assert_eq!(
+            ours.to_vec1::<f32>().unwrap(),
+            theirs.to_vec1::<f32>().unwrap()
+        );
+        // A non-Q8_0 source goes through the same re-quantization as `from_tensor`.
+        let q4 = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
+        let a = Q8Linear::from_qtensor(&q4).unwrap().dequantize().unwrap();
+        let b = Q8Linear::from_tensor(&q4.dequantize(&Device::Cpu).unwrap())
+            .unwrap()
+            .dequantize()
+            .unwrap();
+        assert_eq!(
+            a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            b.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        assert!(
+            Q8Linear::from_tensor(&Tensor::zeros((4, 48), DType::F32, &Device::Cpu).unwrap())
+                .is_err()
+        );
+    }
+
+    /// Throughput of the kernel on the model's shapes (run by hand with `--ignored`).
+    #[test]
+    #[ignore]
+    fn kernel_throughput() {
+        let mut rng = StdRng::seed_from_u64(1);
+        for &(n, k) in &[(3072usize, 576usize), (576, 1536), (49152, 576)] {
+            let wt = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu).unwrap();
+            let l = Q8Linear::from_tensor(&wt).unwrap();
+            for &m in &[1usize, 4, 8, 64] {
+                let x =
+                    Tensor::from_vec(randn(&mut rng, m * k, 1.0), (m, k), &Device::Cpu).unwrap();
+                let reps = (2_000_000_000 / (m * n * k)).max(3);
+                l.forward(&x).unwrap();
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    l.forward(&x).unwrap();
+                }
+                let s = t.elapsed().as_secs_f64() / reps as f64;
+                println!(
+                    "n={n} k={k} m={m}: {:.1} us, {:.1} GMAC/s, {:.1} GB/s of weights",
+                    s * 1e6,
+                    (m * n * k) as f64 / s / 1e9,
+                    (n * k + n * k / 16) as f64 / s / 1e9
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn f16_conversion_is_exact() {
+        for (bits, v) in [
+            (0x0000u16, 0.0f32),
+            (0x3c00, 1.0),
+            (0xc000, -2.0),
+            (0x3555, 0.333_251_95),
+            (0x0001, 5.960_464_5e-8),
+            (0x7bff, 65504.0),
+        ] {
+            assert_eq!(f16_to_f32(bits), v, "{bits:#x}");
+        }
+        assert_eq!(f16_to_f32(0x7c00), f32::INFINITY);
+        assert!(f16_to_f32(0x7e00).is_nan());
+    }
+}
