@@ -802,34 +802,6 @@ mod tests {
         );
     }
 
-    /// Throughput of the kernel on the model's shapes (run by hand with `--ignored`).
-    #[test]
-    #[ignore]
-    fn kernel_throughput() {
-        let mut rng = StdRng::seed_from_u64(1);
-        for &(n, k) in &[(3072usize, 576usize), (576, 1536), (49152, 576)] {
-            let wt = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu).unwrap();
-            let l = Q8Linear::from_tensor(&wt).unwrap();
-            for &m in &[1usize, 4, 8, 64] {
-                let x =
-                    Tensor::from_vec(randn(&mut rng, m * k, 1.0), (m, k), &Device::Cpu).unwrap();
-                let reps = (2_000_000_000 / (m * n * k)).max(3);
-                l.forward(&x).unwrap();
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    l.forward(&x).unwrap();
-                }
-                let s = t.elapsed().as_secs_f64() / reps as f64;
-                println!(
-                    "n={n} k={k} m={m}: {:.1} us, {:.1} GMAC/s, {:.1} GB/s of weights",
-                    s * 1e6,
-                    (m * n * k) as f64 / s / 1e9,
-                    (n * k + n * k / 16) as f64 / s / 1e9
-                );
-            }
-        }
-    }
-
     #[test]
     fn f16_conversion_is_exact() {
         for (bits, v) in [
