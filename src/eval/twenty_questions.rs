@@ -79,26 +79,35 @@ fn parse_err(file: &Path, line: usize, msg: impl Into<String>) -> DataError {
     }
 }
 
+/// The data rows of a TSV file whose first line must be exactly `header`, each split into
+/// `header.len()` columns: (line number, columns).
+fn read_tsv_rows(file: &Path, header: &[&str]) -> Result<Vec<(usize, Vec<String>)>, DataError> {
+    let mut it = read_lines(file)?.into_iter();
+    match it.next() {
+        Some((_, h)) if h.split('\t').collect::<Vec<_>>() == header => {}
+        Some((n, h)) => return Err(parse_err(file, n, format!("bad header {h:?}"))),
+        None => return Err(parse_err(file, 1, "empty file")),
+    }
+    it.map(|(n, line)| {
+        let cols: Vec<String> = line.split('\t').map(str::to_string).collect();
+        if cols.len() == header.len() {
+            Ok((n, cols))
+        } else {
+            Err(parse_err(
+                file,
+                n,
+                format!("expected {} columns, got {}", header.len(), cols.len()),
+            ))
+        }
+    })
+    .collect()
+}
+
 /// Loads `twenty_questions_objects.tsv` (header `category\tname\tvariants`).
 pub fn load_objects(dir: impl AsRef<Path>) -> Result<Vec<Object>, DataError> {
     let file = dir.as_ref().join(OBJECTS_FILE);
-    let lines = read_lines(&file)?;
-    let mut it = lines.into_iter();
-    match it.next() {
-        Some((_, h)) if h.split('\t').collect::<Vec<_>>() == ["category", "name", "variants"] => {}
-        Some((n, h)) => return Err(parse_err(&file, n, format!("bad header {h:?}"))),
-        None => return Err(parse_err(&file, 1, "empty file")),
-    }
     let mut objects = Vec::new();
-    for (n, line) in it {
-        let cols: Vec<&str> = line.split('\t').collect();
-        if cols.len() != 3 {
-            return Err(parse_err(
-                &file,
-                n,
-                format!("expected 3 columns, got {}", cols.len()),
-            ));
-        }
+    for (n, cols) in read_tsv_rows(&file, &["category", "name", "variants"])? {
         let variants: Vec<String> = cols[2]
             .split('|')
             .map(|v| v.trim().to_string())
@@ -231,27 +240,11 @@ pub struct Lexicon {
 /// Loads `twenty_questions_lexicon.tsv` (header `attribute\tquestion\tpattern`).
 pub fn load_lexicon(dir: impl AsRef<Path>, table: &AttributeTable) -> Result<Lexicon, DataError> {
     let file = dir.as_ref().join(LEXICON_FILE);
-    let lines = read_lines(&file)?;
-    let mut it = lines.into_iter();
-    match it.next() {
-        Some((_, h))
-            if h.split('\t').collect::<Vec<_>>() == ["attribute", "question", "pattern"] => {}
-        Some((n, h)) => return Err(parse_err(&file, n, format!("bad header {h:?}"))),
-        None => return Err(parse_err(&file, 1, "empty file")),
-    }
     let mut entries = Vec::new();
-    for (n, line) in it {
-        let cols: Vec<&str> = line.split('\t').collect();
-        if cols.len() != 3 {
-            return Err(parse_err(
-                &file,
-                n,
-                format!("expected 3 columns, got {}", cols.len()),
-            ));
-        }
+    for (n, cols) in read_tsv_rows(&file, &["attribute", "question", "pattern"])? {
         let (negated, name) = match cols[0].strip_prefix('!') {
             Some(rest) => (true, rest),
-            None => (false, cols[0]),
+            None => (false, cols[0].as_str()),
         };
         let attribute = table
             .attribute_index(name)
