@@ -86,10 +86,16 @@ pub struct Engine {
     name: String,
     fingerprint: String,
     model: LlamaModel,
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
-    eos_ids: Vec<u32>,
+    codec: ChatCodec,
     context_length: usize,
+}
+
+/// The text side of a model: tokenizer, chat template and end-of-turn ids, loadable without
+/// the weights (training tokenizes with it; the engine owns one).
+pub struct ChatCodec {
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    pub eos_ids: Vec<u32>,
 }
 
 fn load_err(path: &Path, message: impl std::fmt::Display) -> EngineError {
@@ -101,7 +107,7 @@ fn load_err(path: &Path, message: impl std::fmt::Display) -> EngineError {
 
 /// First 16 hex digits of the SHA-256 of the files' contents: identifies the weights in cache
 /// keys, so a retrained checkpoint at the same path never reuses stale answers.
-fn fingerprint(files: &[PathBuf]) -> Result<String, EngineError> {
+pub fn fingerprint(files: &[PathBuf]) -> Result<String, EngineError> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     for f in files {
@@ -128,31 +134,77 @@ fn json_ids(v: Option<&serde_json::Value>) -> Vec<u32> {
     }
 }
 
-impl Engine {
-    pub fn load(files: &LocalModelFiles, opts: &LoadOptions) -> Result<Engine, EngineError> {
-        let device = Device::Cpu;
-        let mut engine = match files {
-            LocalModelFiles::Gguf(path) => Self::load_gguf(path, opts, &device)?,
-            LocalModelFiles::HfDir(dir) => Self::load_hf_dir(dir, opts, &device)?,
-        };
-        if let Some(c) = opts.context_length {
-            engine.context_length = engine.context_length.min(c);
+fn read_gguf(path: &Path) -> Result<(std::fs::File, gguf_file::Content), EngineError> {
+    let mut file = std::fs::File::open(path).map_err(|e| load_err(path, e))?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|e| load_err(path, format!("not a readable GGUF file: {e}")))?;
+    Ok((file, content))
+}
+
+fn read_json(dir: &Path, name: &str) -> Result<serde_json::Value, EngineError> {
+    let p = dir.join(name);
+    let text = std::fs::read_to_string(&p).map_err(|e| load_err(&p, e))?;
+    serde_json::from_str(&text).map_err(|e| load_err(&p, format!("invalid JSON: {e}")))
+}
+
+/// `config.json` of an HF directory, checked to be a llama.
+fn read_hf_config(dir: &Path) -> Result<LlamaConfig, EngineError> {
+    let config_path = dir.join("config.json");
+    let raw = read_json(dir, "config.json")?;
+    let model_type = raw["model_type"].as_str().unwrap_or("");
+    if model_type != "llama" {
+        return Err(load_err(
+            &config_path,
+            format!("model_type `{model_type}` is not supported (only `llama`)"),
+        ));
+    }
+    serde_json::from_value(raw)
+        .map_err(|e| load_err(&config_path, format!("invalid llama config: {e}")))
+}
+
+fn safetensors_in(dir: &Path) -> Result<Vec<PathBuf>, EngineError> {
+    let mut weights: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| load_err(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "safetensors")
+                && p.file_name().is_some_and(|n| n != super::peft::ADAPTER_WEIGHTS)
+        })
+        .collect();
+    weights.sort();
+    if weights.is_empty() {
+        return Err(load_err(dir, "no *.safetensors weights"));
+    }
+    Ok(weights)
+}
+
+impl ChatCodec {
+    /// The tokenizer, template and end ids of a local model (an adapter directory with its
+    /// own tokenizer files uses them, else its base model's).
+    pub fn load(files: &LocalModelFiles) -> Result<Self, EngineError> {
+        match files {
+            LocalModelFiles::Gguf(path) => Self::from_gguf(path, &read_gguf(path)?.1),
+            LocalModelFiles::HfDir(dir) => Self::from_hf_dir(dir),
+            LocalModelFiles::Adapter { dir, base } => {
+                if dir.join("tokenizer.json").is_file()
+                    && dir.join("tokenizer_config.json").is_file()
+                {
+                    Self::from_hf_dir(dir)
+                } else {
+                    Self::load(base)
+                }
+            }
         }
-        Ok(engine)
     }
 
-    fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<Engine, EngineError> {
-        let mut file = std::fs::File::open(path).map_err(|e| load_err(path, e))?;
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| load_err(path, format!("not a readable GGUF file: {e}")))?;
-        let cfg = LlamaConfig::from_gguf(&content).map_err(|e| load_err(path, e))?;
-        let tokenizer = tokenizer_from_gguf(&content).map_err(|e| load_err(path, e))?;
+    fn from_gguf(path: &Path, content: &gguf_file::Content) -> Result<Self, EngineError> {
+        let tokenizer = tokenizer_from_gguf(content).map_err(|e| load_err(path, e))?;
         let token_str = |key: &str| {
-            meta_u32(&content, key)
+            meta_u32(content, key)
                 .and_then(|id| tokenizer.id_to_token(id))
                 .unwrap_or_default()
         };
-        let source = meta_str(&content, "tokenizer.chat_template").ok_or_else(|| {
+        let source = meta_str(content, "tokenizer.chat_template").ok_or_else(|| {
             load_err(
                 path,
                 "no chat template (GGUF key `tokenizer.chat_template`)",
@@ -167,39 +219,16 @@ impl Engine {
         .map_err(|e| load_err(path, e))?;
         let eos_ids = end_ids(
             &tokenizer,
-            meta_u32(&content, "tokenizer.ggml.eos_token_id").into_iter(),
+            meta_u32(content, "tokenizer.ggml.eos_token_id").into_iter(),
         );
-        let context_length = cfg.max_position_embeddings;
-        let model = LlamaModel::from_gguf(&content, &mut file, cfg, opts.weights, device)
-            .map_err(|e| load_err(path, format!("reading weights: {e}")))?;
-        Ok(Engine {
-            name: model_name(path),
-            fingerprint: fingerprint(&[path.to_path_buf()])?,
-            model,
+        Ok(Self {
             tokenizer,
             template,
             eos_ids,
-            context_length,
         })
     }
 
-    fn load_hf_dir(dir: &Path, opts: &LoadOptions, device: &Device) -> Result<Engine, EngineError> {
-        let read_json = |name: &str| -> Result<serde_json::Value, EngineError> {
-            let p = dir.join(name);
-            let text = std::fs::read_to_string(&p).map_err(|e| load_err(&p, e))?;
-            serde_json::from_str(&text).map_err(|e| load_err(&p, format!("invalid JSON: {e}")))
-        };
-        let config_path = dir.join("config.json");
-        let raw = read_json("config.json")?;
-        let model_type = raw["model_type"].as_str().unwrap_or("");
-        if model_type != "llama" {
-            return Err(load_err(
-                &config_path,
-                format!("model_type `{model_type}` is not supported (only `llama`)"),
-            ));
-        }
-        let cfg: LlamaConfig = serde_json::from_value(raw.clone())
-            .map_err(|e| load_err(&config_path, format!("invalid llama config: {e}")))?;
+    fn from_hf_dir(dir: &Path) -> Result<Self, EngineError> {
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| load_err(&tok_path, e))?;
         let tc_path = dir.join("tokenizer_config.json");
@@ -208,23 +237,96 @@ impl Engine {
         }
         let template =
             ChatTemplate::from_tokenizer_config(&tc_path).map_err(|e| load_err(&tc_path, e))?;
-        let mut declared = json_ids(raw.get("eos_token_id"));
+        let mut declared = Vec::new();
+        if dir.join("config.json").is_file() {
+            declared.extend(json_ids(read_json(dir, "config.json")?.get("eos_token_id")));
+        }
         if dir.join("generation_config.json").is_file() {
             declared.extend(json_ids(
-                read_json("generation_config.json")?.get("eos_token_id"),
+                read_json(dir, "generation_config.json")?.get("eos_token_id"),
             ));
         }
         declared.extend(tokenizer.token_to_id(template.eos_token()));
         let eos_ids = end_ids(&tokenizer, declared.into_iter());
-        let mut weights: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| load_err(dir, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        weights.sort();
-        if weights.is_empty() {
-            return Err(load_err(dir, "no *.safetensors weights"));
+        Ok(Self {
+            tokenizer,
+            template,
+            eos_ids,
+        })
+    }
+
+    /// The chat prompt as the model's own template writes it.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, super::chat_template::TemplateError> {
+        self.template.render(messages, add_generation_prompt)
+    }
+
+    /// Token ids of a text whose special tokens are written out (as a rendered template is);
+    /// no BOS/EOS is added, as in `apply_chat_template(tokenize=True)`.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tokenizer
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| format!("tokenizing: {e}"))
+    }
+
+    /// Writes `tokenizer.json` and a `tokenizer_config.json` carrying the chat template and
+    /// BOS/EOS tokens into `dir` (what an HF checkpoint needs to chat).
+    pub fn save_hf(&self, dir: &Path) -> Result<(), EngineError> {
+        let tok_path = dir.join("tokenizer.json");
+        self.tokenizer
+            .save(&tok_path, false)
+            .map_err(|e| load_err(&tok_path, e))?;
+        let cfg = serde_json::json!({
+            "chat_template": self.template.source(),
+            "bos_token": self.template.bos_token(),
+            "eos_token": self.template.eos_token(),
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": false,
+        });
+        let tc_path = dir.join("tokenizer_config.json");
+        let text = serde_json::to_string_pretty(&cfg).map_err(|e| load_err(&tc_path, e))?;
+        std::fs::write(&tc_path, text).map_err(|e| load_err(&tc_path, e))
+    }
+}
+
+impl Engine {
+    pub fn load(files: &LocalModelFiles, opts: &LoadOptions) -> Result<Engine, EngineError> {
+        let device = Device::Cpu;
+        let mut engine = match files {
+            LocalModelFiles::Gguf(path) => Self::load_gguf(path, opts, &device)?,
+            LocalModelFiles::HfDir(dir) => Self::load_hf_dir(dir, opts, &device)?,
+            LocalModelFiles::Adapter { dir, base } => Self::load_adapter(dir, base, opts, &device)?,
+        };
+        if let Some(c) = opts.context_length {
+            engine.context_length = engine.context_length.min(c);
         }
+        Ok(engine)
+    }
+
+    fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<Engine, EngineError> {
+        let (mut file, content) = read_gguf(path)?;
+        let cfg = LlamaConfig::from_gguf(&content).map_err(|e| load_err(path, e))?;
+        let codec = ChatCodec::from_gguf(path, &content)?;
+        let context_length = cfg.max_position_embeddings;
+        let model = LlamaModel::from_gguf(&content, &mut file, cfg, opts.weights, device)
+            .map_err(|e| load_err(path, format!("reading weights: {e}")))?;
+        Ok(Engine {
+            name: model_name(path),
+            fingerprint: fingerprint(&[path.to_path_buf()])?,
+            model,
+            codec,
+            context_length,
+        })
+    }
+
+    fn load_hf_dir(dir: &Path, opts: &LoadOptions, device: &Device) -> Result<Engine, EngineError> {
+        let cfg = read_hf_config(dir)?;
+        let codec = ChatCodec::from_hf_dir(dir)?;
+        let weights = safetensors_in(dir)?;
         let context_length = cfg.max_position_embeddings;
         let model = LlamaModel::from_safetensors(&weights, cfg, opts.weights, device)
             .map_err(|e| load_err(dir, format!("reading weights: {e}")))?;
@@ -232,9 +334,38 @@ impl Engine {
             name: model_name(dir),
             fingerprint: fingerprint(&weights)?,
             model,
-            tokenizer,
-            template,
-            eos_ids,
+            codec,
+            context_length,
+        })
+    }
+
+    /// A PEFT adapter: its base model's weights (f32) with the adapter merged in.
+    fn load_adapter(
+        dir: &Path,
+        base: &LocalModelFiles,
+        opts: &LoadOptions,
+        device: &Device,
+    ) -> Result<Engine, EngineError> {
+        let (cfg, mut tensors, factors, base_files) = base_hf_tensors(base, device)?;
+        let adapter = super::peft::Adapter::load(dir, device).map_err(|e| load_err(dir, e))?;
+        adapter
+            .merge_into(&mut tensors)
+            .map_err(|e| load_err(dir, e))?;
+        let codec = ChatCodec::load(&LocalModelFiles::Adapter {
+            dir: dir.to_path_buf(),
+            base: Box::new(base.clone()),
+        })?;
+        let context_length = cfg.max_position_embeddings;
+        let model = LlamaModel::from_hf_tensors(tensors, cfg, factors, opts.weights, device)
+            .map_err(|e| load_err(dir, format!("building the merged model: {e}")))?;
+        let mut files = base_files;
+        files.push(dir.join(super::peft::ADAPTER_WEIGHTS));
+        files.push(dir.join(super::peft::ADAPTER_CONFIG));
+        Ok(Engine {
+            name: model_name(dir),
+            fingerprint: fingerprint(&files)?,
+            model,
+            codec,
             context_length,
         })
     }
@@ -250,16 +381,19 @@ impl Engine {
         self.context_length
     }
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        &self.codec.tokenizer
     }
     pub fn template(&self) -> &ChatTemplate {
-        &self.template
+        &self.codec.template
+    }
+    pub fn codec(&self) -> &ChatCodec {
+        &self.codec
     }
     pub fn model(&self) -> &LlamaModel {
         &self.model
     }
     pub fn eos_ids(&self) -> &[u32] {
-        &self.eos_ids
+        &self.codec.eos_ids
     }
 
     fn gen_err(&self, message: impl std::fmt::Display) -> EngineError {
@@ -271,7 +405,7 @@ impl Engine {
 
     /// The chat prompt as the model's own template writes it.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
-        self.template
+        self.codec.template
             .render(messages, true)
             .map_err(|e| self.gen_err(e))
     }
@@ -279,14 +413,14 @@ impl Engine {
     /// Token ids of a text whose special tokens are written out (as a rendered template is);
     /// no BOS/EOS is added, as in `apply_chat_template(tokenize=True)`.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
-        self.tokenizer
+        self.codec.tokenizer
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| self.gen_err(format!("tokenizing: {e}")))
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
-        self.tokenizer
+        self.codec.tokenizer
             .decode(ids, true)
             .map_err(|e| self.gen_err(format!("decoding: {e}")))
     }
@@ -378,18 +512,18 @@ impl Engine {
                 // An empty reply is never an answer: end-of-turn is withheld until the reply
                 // has visible text.
                 let banned: &[u32] = if row.text.trim().is_empty() {
-                    &self.eos_ids
+                    &self.codec.eos_ids
                 } else {
                     &[]
                 };
                 let banned = if params.ignore_eos {
-                    &self.eos_ids
+                    &self.codec.eos_ids
                 } else {
                     banned
                 };
                 let tok = row.sampler.sample(&logits[r], banned);
                 row.tokens += 1;
-                if self.eos_ids.contains(&tok) {
+                if self.codec.eos_ids.contains(&tok) {
                     done[row.sample] = Some(row.finish(FinishReason::Stop));
                     continue;
                 }
@@ -487,4 +621,48 @@ fn model_name(path: &Path) -> String {
     };
     p.map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| path.display().to_string())
+}
+
+/// HF-named f32 tensors of a local base model (GGUF dequantized and un-permuted), with its
+/// config, rope factors and the files that identify it.
+#[allow(clippy::type_complexity)]
+pub fn base_hf_tensors(
+    files: &LocalModelFiles,
+    device: &Device,
+) -> Result<
+    (
+        LlamaConfig,
+        std::collections::HashMap<String, Tensor>,
+        Option<Vec<f32>>,
+        Vec<PathBuf>,
+    ),
+    EngineError,
+> {
+    match files {
+        LocalModelFiles::Gguf(path) => {
+            let (cfg, t, f) = super::llama::hf_tensors_from_gguf(path, device)
+                .map_err(|e| load_err(path, e))?;
+            Ok((cfg, t, f, vec![path.clone()]))
+        }
+        LocalModelFiles::HfDir(dir) => {
+            let cfg = read_hf_config(dir)?;
+            let weights = safetensors_in(dir)?;
+            let mut tensors = std::collections::HashMap::new();
+            for w in &weights {
+                let loaded = candle_core::safetensors::load(w, device)
+                    .map_err(|e| load_err(w, e))?;
+                for (k, v) in loaded {
+                    let v = v
+                        .to_dtype(candle_core::DType::F32)
+                        .map_err(|e| load_err(w, e))?;
+                    tensors.insert(k, v);
+                }
+            }
+            Ok((cfg, tensors, None, weights))
+        }
+        LocalModelFiles::Adapter { dir, .. } => Err(load_err(
+            dir,
+            "an adapter's base model must be a full model",
+        )),
+    }
 }

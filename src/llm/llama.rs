@@ -486,6 +486,29 @@ impl LlamaModel {
         // loading, which is the usual contract of every safetensors loader.
         let vb =
             unsafe { candle_nn::VarBuilder::from_mmaped_safetensors(files, DType::F32, device)? };
+        Self::from_var_builder(&vb, cfg, None, format, device)
+    }
+
+    /// Builds the model from HF-named tensors in the HF (half-split rotary) layout, e.g. a
+    /// base model with a LoRA adapter merged in. `factors` are GGUF `rope_freqs`, if any.
+    pub fn from_hf_tensors(
+        tensors: std::collections::HashMap<String, Tensor>,
+        cfg: LlamaConfig,
+        factors: Option<Vec<f32>>,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self> {
+        let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, device);
+        Self::from_var_builder(&vb, cfg, factors, format, device)
+    }
+
+    fn from_var_builder(
+        vb: &candle_nn::VarBuilder,
+        cfg: LlamaConfig,
+        factors: Option<Vec<f32>>,
+        format: WeightFormat,
+        device: &Device,
+    ) -> Result<Self> {
         let h = cfg.hidden_size;
         let (q_out, kv_out) = (
             cfg.num_attention_heads * cfg.head_dim(),
@@ -521,7 +544,7 @@ impl LlamaModel {
             });
         }
         let norm = vb.get(h, "model.norm.weight")?;
-        let (cos, sin) = rope_tables(&cfg, None, device)?;
+        let (cos, sin) = rope_tables(&cfg, factors, device)?;
         Ok(Self {
             cfg,
             embed: QMatMul::Tensor(embed_w),
@@ -724,4 +747,98 @@ pub fn argmax(v: &[f32]) -> usize {
             }
         })
         .0
+}
+
+/// A llama GGUF file as HF-named f32 tensors in the HF (half-split rotary) layout: every
+/// tensor dequantized, Q/K rows un-permuted (DESIGN §8). Returns the config (with the GGUF's
+/// BOS/EOS ids), the tensors and the `rope_freqs` factors if the file has them.
+pub fn hf_tensors_from_gguf(
+    path: &Path,
+    device: &Device,
+) -> std::result::Result<
+    (
+        LlamaConfig,
+        std::collections::HashMap<String, Tensor>,
+        Option<Vec<f32>>,
+    ),
+    String,
+> {
+    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let mut file = std::fs::File::open(path).map_err(|e| err(&e))?;
+    let content = gguf_file::Content::read(&mut file).map_err(|e| err(&e))?;
+    let mut cfg = LlamaConfig::from_gguf(&content).map_err(|e| err(&e))?;
+    let meta_id = |k: &str| meta_u32(&content, k).map(|v| serde_json::Value::from(v as u64));
+    cfg.bos_token_id = meta_id("tokenizer.ggml.bos_token_id");
+    cfg.eos_token_id = meta_id("tokenizer.ggml.eos_token_id");
+    let mut get = |name: &str| -> std::result::Result<Tensor, String> {
+        content
+            .tensor(&mut file, name, device)
+            .and_then(|t| t.dequantize(device))
+            .map_err(|e| err(&format!("tensor `{name}`: {e}")))
+    };
+    let mut tensors = std::collections::HashMap::new();
+    tensors.insert(
+        "model.embed_tokens.weight".to_string(),
+        get("token_embd.weight")?,
+    );
+    tensors.insert("model.norm.weight".to_string(), get("output_norm.weight")?);
+    if content.tensor_infos.contains_key("output.weight") {
+        tensors.insert("lm_head.weight".to_string(), get("output.weight")?);
+    }
+    let factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
+        Some(
+            get("rope_freqs.weight")?
+                .to_vec1::<f32>()
+                .map_err(|e| err(&e))?,
+        )
+    } else {
+        None
+    };
+    for i in 0..cfg.num_hidden_layers {
+        let g = format!("blk.{i}");
+        let h = format!("model.layers.{i}");
+        for (gg, hf) in [
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_v", "self_attn.v_proj"),
+            ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate", "mlp.gate_proj"),
+            ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ] {
+            tensors.insert(
+                format!("{h}.{hf}.weight"),
+                get(&format!("{g}.{gg}.weight"))?,
+            );
+        }
+        let q = get(&format!("{g}.attn_q.weight"))?;
+        let k = get(&format!("{g}.attn_k.weight"))?;
+        let q = unpermute_gguf_qk(&q, cfg.num_attention_heads).map_err(|e| err(&e))?;
+        let k = unpermute_gguf_qk(&k, cfg.num_kv_heads()).map_err(|e| err(&e))?;
+        tensors.insert(format!("{h}.self_attn.q_proj.weight"), q);
+        tensors.insert(format!("{h}.self_attn.k_proj.weight"), k);
+    }
+    Ok((cfg, tensors, factors))
+}
+
+/// GGUF stores Q/K rows permuted for the interleaved rotary embedding; this returns them in
+/// the HF (half-split) order: rows reshaped to (heads, head_dim/2, 2), the last two axes
+/// swapped (the inverse of llama.cpp's `permute`).
+pub fn unpermute_gguf_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    let hd = rows / heads;
+    w.reshape((heads, hd / 2, 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))
+}
+
+/// The HF → GGUF direction of [`unpermute_gguf_qk`].
+pub fn permute_hf_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    let hd = rows / heads;
+    w.reshape((heads, 2, hd / 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))
 }

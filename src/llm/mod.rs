@@ -8,6 +8,7 @@ pub mod engine;
 pub mod gguf_tokenizer;
 pub mod llama;
 pub mod local;
+pub mod peft;
 pub mod openai;
 pub mod q8;
 pub mod roles;

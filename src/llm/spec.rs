@@ -184,12 +184,18 @@ fn parse_hf_id(s: &str) -> Option<ModelSpec> {
 pub enum LocalModelFiles {
     Gguf(PathBuf),
     HfDir(PathBuf),
+    /// A PEFT LoRA adapter directory and its resolved base model (merged at load).
+    Adapter {
+        dir: PathBuf,
+        base: Box<LocalModelFiles>,
+    },
 }
 
 impl LocalModelFiles {
     pub fn path(&self) -> &Path {
         match self {
             LocalModelFiles::Gguf(p) | LocalModelFiles::HfDir(p) => p,
+            LocalModelFiles::Adapter { dir, .. } => dir,
         }
     }
 }
@@ -238,6 +244,20 @@ pub async fn resolve_local(spec: &ModelSpec) -> Result<LocalModelFiles, SpecErro
                 Err(SpecError::MissingPath { path: p.clone() })
             }
         }
+        ModelSpec::HfDir(d) if super::peft::is_adapter_dir(d) => {
+            let base = adapter_base_spec(d)?;
+            let base_files = Box::pin(resolve_local(&base)).await?;
+            if matches!(base_files, LocalModelFiles::Adapter { .. }) {
+                return Err(SpecError::BadDirectory {
+                    dir: d.clone(),
+                    message: "the adapter's base model is itself an adapter".into(),
+                });
+            }
+            Ok(LocalModelFiles::Adapter {
+                dir: d.clone(),
+                base: Box::new(base_files),
+            })
+        }
         ModelSpec::HfDir(d) => {
             check_hf_dir(d)?;
             Ok(LocalModelFiles::HfDir(d.clone()))
@@ -252,6 +272,28 @@ pub async fn resolve_local(spec: &ModelSpec) -> Result<LocalModelFiles, SpecErro
             message: "an OpenAI endpoint is not a local model".into(),
         }),
     }
+}
+
+/// The base model of a PEFT adapter directory, from `base_model_name_or_path`: a relative
+/// path is looked up beside the adapter first, then from the working directory.
+pub fn adapter_base_spec(dir: &Path) -> Result<ModelSpec, SpecError> {
+    let bad = |message: String| SpecError::BadDirectory {
+        dir: dir.to_path_buf(),
+        message,
+    };
+    let cfg = super::peft::AdapterConfig::read(dir).map_err(|e| bad(e.to_string()))?;
+    if !dir.join(super::peft::ADAPTER_WEIGHTS).is_file() {
+        return Err(bad(format!("missing {}", super::peft::ADAPTER_WEIGHTS)));
+    }
+    let base = cfg
+        .base_model_name_or_path
+        .filter(|b| !b.trim().is_empty())
+        .ok_or_else(|| bad("adapter_config.json names no base_model_name_or_path".into()))?;
+    let beside = dir.join(&base);
+    if Path::new(&base).is_relative() && beside.exists() {
+        return beside.display().to_string().parse();
+    }
+    base.parse()
 }
 
 /// Checks that a directory holds what the HF loader needs, naming what is missing.

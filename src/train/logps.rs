@@ -118,3 +118,82 @@ pub fn pair_logps(
     let b = batch.pairs;
     Ok((logps.narrow(0, 0, b)?, logps.narrow(0, b, b)?))
 }
+
+/// Chosen and rejected summed log-probs and completion token counts, each (B,), from one
+/// forward pass.
+pub struct PairLogps {
+    pub chosen: Tensor,
+    pub rejected: Tensor,
+    pub chosen_tokens: Tensor,
+    pub rejected_tokens: Tensor,
+}
+
+impl PairLogps {
+    /// `(chosen, rejected)`, divided by the completion lengths when `average` (TRL's `ipo`).
+    pub fn for_loss(&self, average: bool) -> Result<(Tensor, Tensor)> {
+        if average {
+            Ok((
+                (&self.chosen / &self.chosen_tokens)?,
+                (&self.rejected / &self.rejected_tokens)?,
+            ))
+        } else {
+            Ok((self.chosen.clone(), self.rejected.clone()))
+        }
+    }
+}
+
+/// Summed log-probs and token counts of both sides of `batch` in one forward pass.
+pub fn pair_logps_full(model: &TrainLlama, batch: &PairBatch) -> Result<PairLogps> {
+    let logits = model.forward(&batch.input_ids, Some(&batch.attention_mask))?;
+    let (sums, counts) = sequence_logps(&logits, &batch.input_ids, &batch.loss_mask)?;
+    let b = batch.pairs;
+    Ok(PairLogps {
+        chosen: sums.narrow(0, 0, b)?,
+        rejected: sums.narrow(0, b, b)?,
+        chosen_tokens: counts.narrow(0, 0, b)?,
+        rejected_tokens: counts.narrow(0, b, b)?,
+    })
+}
+
+/// A right-padded batch of sequences with their own loss masks (SFT).
+#[derive(Clone, Debug)]
+pub struct SeqBatch {
+    pub input_ids: Tensor,
+    pub attention_mask: Tensor,
+    pub loss_mask: Tensor,
+}
+
+impl SeqBatch {
+    pub fn new(rows: &[super::data::TokenizedSeq], pad_id: u32, device: &Device) -> Result<Self> {
+        if rows.is_empty() {
+            candle_core::bail!("empty batch");
+        }
+        let t = rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
+        let n = rows.len();
+        let mut ids = vec![pad_id; n * t];
+        let mut attn = vec![0f32; n * t];
+        let mut loss = vec![0f32; n * t];
+        for (r, row) in rows.iter().enumerate() {
+            for (i, (&tok, &m)) in row.ids.iter().zip(&row.loss_mask).enumerate() {
+                ids[r * t + i] = tok;
+                attn[r * t + i] = 1.0;
+                loss[r * t + i] = if m { 1.0 } else { 0.0 };
+            }
+        }
+        Ok(Self {
+            input_ids: Tensor::from_vec(ids, (n, t), device)?,
+            attention_mask: Tensor::from_vec(attn, (n, t), device)?,
+            loss_mask: Tensor::from_vec(loss, (n, t), device)?,
+        })
+    }
+}
+
+/// SFT loss as HF computes it: the mean negative log-likelihood over every loss token of the
+/// batch. Returns (loss, number of loss tokens).
+pub fn sft_loss(model: &TrainLlama, batch: &SeqBatch) -> Result<(Tensor, f64)> {
+    let logits = model.forward(&batch.input_ids, Some(&batch.attention_mask))?;
+    let (sums, counts) = sequence_logps(&logits, &batch.input_ids, &batch.loss_mask)?;
+    let tokens = counts.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let loss = (sums.sum_all()?.neg()? / tokens.max(1.0))?;
+    Ok((loss, tokens))
+}

@@ -24,7 +24,10 @@
 //! # Ok(()) }
 //! ```
 
+pub mod adamw;
+pub mod data;
 pub mod logps;
 pub mod loss;
 pub mod model;
 pub mod optim;
+pub mod trainer;

@@ -11,11 +11,13 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_nn::VarMap;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use crate::llm::llama::{rope_tables, LlamaConfig};
+use crate::llm::peft::{peft_tensor_name, AdapterConfig};
 
 /// Additive bias for masked attention scores. Finite, so that a row whose keys are all masked
 /// (a left-padded query) gives a uniform distribution instead of NaN; `exp` of it is 0 in f32.
@@ -24,13 +26,55 @@ const MASKED: f64 = -1e9;
 struct TrainLayer {
     input_norm: Tensor,
     post_norm: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
+}
+
+impl TrainLayer {
+    fn proj_mut(&mut self, target: &str) -> &mut Proj {
+        match target {
+            "q_proj" => &mut self.q,
+            "k_proj" => &mut self.k,
+            "v_proj" => &mut self.v,
+            "o_proj" => &mut self.o,
+            "gate_proj" => &mut self.gate,
+            "up_proj" => &mut self.up,
+            _ => &mut self.down,
+        }
+    }
+}
+
+/// A projection weight (out, in) and, once LoRA is enabled on it, its adapter.
+struct Proj {
+    w: Tensor,
+    lora: Option<LoraPair>,
+}
+
+/// LoRA matrices of one projection: A (r, in), B (out, r).
+struct LoraPair {
+    a: Var,
+    b: Var,
+}
+
+impl Proj {
+    fn new(w: Tensor) -> Self {
+        Self { w, lora: None }
+    }
+}
+
+/// LoRA state of a model: its PEFT config and whether the adapters take part in forward
+/// passes (off = the base model, DPO's reference) and dropout is active (training only).
+struct LoraState {
+    config: AdapterConfig,
+    /// PEFT names and variables, in a fixed order.
+    vars: Vec<(String, Var)>,
+    enabled: AtomicBool,
+    dropout_active: AtomicBool,
 }
 
 /// A llama whose weights are trainable variables. Forward passes return the logits of every
@@ -48,6 +92,7 @@ pub struct TrainLlama {
     sin: Tensor,
     dtype: DType,
     device: Device,
+    lora: Option<LoraState>,
 }
 
 /// The HF tensor names of a llama with this configuration, in a fixed order.
@@ -99,27 +144,7 @@ fn expected_shape(cfg: &LlamaConfig, name: &str) -> Vec<usize> {
     }
 }
 
-/// GGUF stores Q/K rows permuted for the interleaved rotary embedding; this returns them in
-/// the HF (half-split) order: rows reshaped to (heads, head_dim/2, 2), the last two axes
-/// swapped (the inverse of llama.cpp's `permute`).
-pub fn unpermute_gguf_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
-    let (rows, cols) = w.dims2()?;
-    let hd = rows / heads;
-    w.reshape((heads, hd / 2, 2, cols))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((rows, cols))
-}
-
-/// The HF → GGUF direction of [`unpermute_gguf_qk`].
-pub fn permute_hf_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
-    let (rows, cols) = w.dims2()?;
-    let hd = rows / heads;
-    w.reshape((heads, 2, hd / 2, cols))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((rows, cols))
-}
+pub use crate::llm::llama::{permute_hf_qk, unpermute_gguf_qk};
 
 /// `x (…, in) · wᵀ (in, out)`.
 fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -180,13 +205,13 @@ impl TrainLlama {
             layers.push(TrainLayer {
                 input_norm: g("input_layernorm")?,
                 post_norm: g("post_attention_layernorm")?,
-                q: g("self_attn.q_proj")?,
-                k: g("self_attn.k_proj")?,
-                v: g("self_attn.v_proj")?,
-                o: g("self_attn.o_proj")?,
-                gate: g("mlp.gate_proj")?,
-                up: g("mlp.up_proj")?,
-                down: g("mlp.down_proj")?,
+                q: Proj::new(g("self_attn.q_proj")?),
+                k: Proj::new(g("self_attn.k_proj")?),
+                v: Proj::new(g("self_attn.v_proj")?),
+                o: Proj::new(g("self_attn.o_proj")?),
+                gate: Proj::new(g("mlp.gate_proj")?),
+                up: Proj::new(g("mlp.up_proj")?),
+                down: Proj::new(g("mlp.down_proj")?),
             });
         }
         let norm = get("model.norm.weight")?;
@@ -208,6 +233,7 @@ impl TrainLlama {
             sin: sin.to_dtype(dtype)?,
             dtype,
             device: device.clone(),
+            lora: None,
         })
     }
 
@@ -228,66 +254,8 @@ impl TrainLlama {
     /// Loads a llama GGUF file, dequantizing every tensor and converting the Q/K rows to the
     /// HF layout.
     pub fn from_gguf(path: &Path, dtype: DType, device: &Device) -> anyhow::Result<Self> {
-        let mut file =
-            std::fs::File::open(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let content = gguf_file::Content::read(&mut file)?;
-        let mut cfg = LlamaConfig::from_gguf(&content).map_err(anyhow::Error::msg)?;
-        let meta_id = |k: &str| {
-            content
-                .metadata
-                .get(k)
-                .and_then(|v| v.to_u32().ok())
-                .map(|v| serde_json::Value::from(v as u64))
-        };
-        cfg.bos_token_id = meta_id("tokenizer.ggml.bos_token_id");
-        cfg.eos_token_id = meta_id("tokenizer.ggml.eos_token_id");
-        let mut get = |name: &str| -> anyhow::Result<Tensor> {
-            Ok(content
-                .tensor(&mut file, name, device)?
-                .dequantize(device)?)
-        };
-        let mut tensors = HashMap::new();
-        tensors.insert(
-            "model.embed_tokens.weight".to_string(),
-            get("token_embd.weight")?,
-        );
-        tensors.insert("model.norm.weight".to_string(), get("output_norm.weight")?);
-        if content.tensor_infos.contains_key("output.weight") {
-            tensors.insert("lm_head.weight".to_string(), get("output.weight")?);
-        }
-        let factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
-            Some(get("rope_freqs.weight")?.to_vec1::<f32>()?)
-        } else {
-            None
-        };
-        for i in 0..cfg.num_hidden_layers {
-            let g = format!("blk.{i}");
-            let h = format!("model.layers.{i}");
-            for (gg, hf) in [
-                ("attn_norm", "input_layernorm"),
-                ("ffn_norm", "post_attention_layernorm"),
-                ("attn_v", "self_attn.v_proj"),
-                ("attn_output", "self_attn.o_proj"),
-                ("ffn_gate", "mlp.gate_proj"),
-                ("ffn_up", "mlp.up_proj"),
-                ("ffn_down", "mlp.down_proj"),
-            ] {
-                tensors.insert(
-                    format!("{h}.{hf}.weight"),
-                    get(&format!("{g}.{gg}.weight"))?,
-                );
-            }
-            let q = get(&format!("{g}.attn_q.weight"))?;
-            let k = get(&format!("{g}.attn_k.weight"))?;
-            tensors.insert(
-                format!("{h}.self_attn.q_proj.weight"),
-                unpermute_gguf_qk(&q, cfg.num_attention_heads)?,
-            );
-            tensors.insert(
-                format!("{h}.self_attn.k_proj.weight"),
-                unpermute_gguf_qk(&k, cfg.num_kv_heads())?,
-            );
-        }
+        let (cfg, tensors, factors) =
+            crate::llm::llama::hf_tensors_from_gguf(path, device).map_err(anyhow::Error::msg)?;
         Ok(Self::from_tensors(cfg, tensors, factors, dtype, device)?)
     }
 
@@ -323,14 +291,156 @@ impl TrainLlama {
     pub fn var_names(&self) -> &[String] {
         &self.names
     }
-    /// The trainable variables, in [`Self::var_names`] order (for an optimizer).
+    /// The trainable variables (the LoRA matrices once LoRA is enabled), in a fixed order
+    /// (for an optimizer).
     pub fn vars(&self) -> Vec<Var> {
-        let data = self.varmap.data().lock().expect("var map lock");
-        self.names.iter().map(|n| data[n].clone()).collect()
+        self.named_vars().into_iter().map(|(_, v)| v).collect()
     }
-    /// `(name, variable)` pairs in [`Self::var_names`] order.
+    /// `(name, variable)` pairs of the trainable tensors: HF names, or PEFT names with LoRA.
     pub fn named_vars(&self) -> Vec<(String, Var)> {
-        self.names.iter().cloned().zip(self.vars()).collect()
+        if let Some(l) = &self.lora {
+            return l.vars.clone();
+        }
+        self.base_named_vars()
+    }
+    /// The base weights under their HF names, in [`Self::var_names`] order.
+    fn base_named_vars(&self) -> Vec<(String, Var)> {
+        let data = self.varmap.data().lock().expect("var map lock");
+        self.names
+            .iter()
+            .map(|n| (n.clone(), data[n].clone()))
+            .collect()
+    }
+
+    /// Adds LoRA adapters (PEFT initialisation: A ~ U(±1/√in) from `seed`, B = 0, so the
+    /// model is unchanged) on `config.target_modules` of every layer and freezes the base
+    /// weights: from now on only the adapters are trainable.
+    pub fn enable_lora(&mut self, config: AdapterConfig, seed: u64) -> Result<()> {
+        use rand::{Rng, SeedableRng};
+        if self.lora.is_some() {
+            candle_core::bail!("LoRA is already enabled");
+        }
+        for t in &config.target_modules {
+            if !crate::llm::peft::LORA_TARGETS.contains(&t.as_str()) {
+                candle_core::bail!(
+                    "unknown LoRA target `{t}` (known: {})",
+                    crate::llm::peft::LORA_TARGETS.join(", ")
+                );
+            }
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let r = config.r;
+        let mut vars = Vec::new();
+        let (dtype, device) = (self.dtype, self.device.clone());
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            for target in crate::llm::peft::LORA_TARGETS {
+                if !config.target_modules.iter().any(|t| t == target) {
+                    continue;
+                }
+                let p = layer.proj_mut(target);
+                let (out_dim, in_dim) = p.w.dims2()?;
+                let bound = 1.0 / (in_dim as f32).sqrt();
+                let a: Vec<f32> = (0..r * in_dim)
+                    .map(|_| rng.random_range(-bound..bound))
+                    .collect();
+                let a = Var::from_tensor(
+                    &Tensor::from_vec(a, (r, in_dim), &device)?.to_dtype(dtype)?,
+                )?;
+                let b = Var::zeros((out_dim, r), dtype, &device)?;
+                vars.push((peft_tensor_name(i, target, "A"), a.clone()));
+                vars.push((peft_tensor_name(i, target, "B"), b.clone()));
+                p.lora = Some(LoraPair { a, b });
+            }
+        }
+        self.freeze_base();
+        self.lora = Some(LoraState {
+            config,
+            vars,
+            enabled: AtomicBool::new(true),
+            dropout_active: AtomicBool::new(false),
+        });
+        Ok(())
+    }
+
+    /// Base weights become plain tensors (same storage): no gradient is computed for them.
+    fn freeze_base(&mut self) {
+        self.embed = self.embed.detach();
+        self.norm = self.norm.detach();
+        self.lm_head = self.lm_head.as_ref().map(|t| t.detach());
+        for l in &mut self.layers {
+            l.input_norm = l.input_norm.detach();
+            l.post_norm = l.post_norm.detach();
+            for t in crate::llm::peft::LORA_TARGETS {
+                let p = l.proj_mut(t);
+                p.w = p.w.detach();
+            }
+        }
+    }
+
+    /// The LoRA config, when LoRA is enabled.
+    pub fn lora_config(&self) -> Option<&AdapterConfig> {
+        self.lora.as_ref().map(|l| &l.config)
+    }
+
+    /// Switches the adapters on or off (off = the frozen base model). No-op without LoRA.
+    pub fn set_adapters_enabled(&self, on: bool) {
+        if let Some(l) = &self.lora {
+            l.enabled.store(on, Ordering::Relaxed);
+        }
+    }
+
+    /// Training mode turns LoRA dropout on (the base model has no dropout).
+    pub fn set_training(&self, on: bool) {
+        if let Some(l) = &self.lora {
+            l.dropout_active.store(on, Ordering::Relaxed);
+        }
+    }
+
+    /// Sets trainable tensors by name (a checkpoint being resumed, or a saved adapter): every
+    /// trainable tensor must be present with its shape.
+    pub fn load_trainable(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
+        for (name, var) in self.named_vars() {
+            let t = tensors
+                .get(&name)
+                .ok_or_else(|| candle_core::Error::Msg(format!("missing tensor `{name}`")))?;
+            if t.dims() != var.dims() {
+                candle_core::bail!(
+                    "tensor `{name}` has shape {:?}, expected {:?}",
+                    t.dims(),
+                    var.dims()
+                );
+            }
+            var.set(&t.to_dtype(self.dtype)?.to_device(&self.device)?)?;
+        }
+        Ok(())
+    }
+
+    /// The adapters under their PEFT names (empty without LoRA).
+    pub fn adapter_tensors(&self) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::new();
+        if let Some(l) = &self.lora {
+            for (name, var) in &l.vars {
+                out.insert(name.clone(), var.as_tensor().detach().contiguous()?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes the adapters in the PEFT layout (`adapter_model.safetensors` +
+    /// `adapter_config.json`) into `dir`.
+    pub fn save_adapter(&self, dir: &Path) -> anyhow::Result<()> {
+        let Some(l) = &self.lora else {
+            anyhow::bail!("LoRA is not enabled: there is no adapter to save");
+        };
+        std::fs::create_dir_all(dir)?;
+        let tensors: HashMap<String, Tensor> = self
+            .adapter_tensors()?
+            .into_iter()
+            .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
+            .collect::<Result<_>>()?;
+        candle_core::safetensors::save(&tensors, dir.join(crate::llm::peft::ADAPTER_WEIGHTS))?;
+        l.config.write(dir)?;
+        Ok(())
     }
     /// Number of trainable scalars.
     pub fn num_params(&self) -> usize {
@@ -391,8 +501,8 @@ impl TrainLlama {
             let hs = candle_nn::ops::rms_norm_slow(&x, &layer.input_norm, eps)?;
             x = (x + self.attention(layer, &hs, &cos, &sin, &bias)?)?;
             let hs = candle_nn::ops::rms_norm_slow(&x, &layer.post_norm, eps)?;
-            let act = (linear(&hs, &layer.gate)?.silu()? * linear(&hs, &layer.up)?)?;
-            x = (x + linear(&act, &layer.down)?)?;
+            let act = (self.proj(&hs, &layer.gate)?.silu()? * self.proj(&hs, &layer.up)?)?;
+            x = (x + self.proj(&act, &layer.down)?)?;
         }
         candle_nn::ops::rms_norm_slow(&x, &self.norm, eps)
     }
@@ -415,9 +525,9 @@ impl TrainLlama {
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()
         };
-        let q = heads(linear(x, &layer.q)?, nh)?;
-        let k = heads(linear(x, &layer.k)?, kvh)?;
-        let v = heads(linear(x, &layer.v)?, kvh)?;
+        let q = heads(self.proj(x, &layer.q)?, nh)?;
+        let k = heads(self.proj(x, &layer.k)?, kvh)?;
+        let v = heads(self.proj(x, &layer.v)?, kvh)?;
         let q = candle_nn::rotary_emb::rope_slow(&q, cos, sin)?;
         let k = candle_nn::rotary_emb::rope_slow(&k, cos, sin)?;
         // Query head `j` reads key/value head `j / groups` (HF `repeat_kv`).
@@ -440,14 +550,52 @@ impl TrainLlama {
             .transpose(1, 2)?
             .contiguous()?
             .reshape((b, seq, nh * hd))?;
-        linear(&y, &layer.o)
+        self.proj(&y, &layer.o)
     }
 
-    /// The weights under their HF names (f32 unless the model runs in another float type).
+    /// `x · Wᵀ`, plus `scale · dropout(x) · Aᵀ · Bᵀ` when the projection has an enabled
+    /// adapter.
+    fn proj(&self, x: &Tensor, p: &Proj) -> Result<Tensor> {
+        let base = linear(x, &p.w)?;
+        let (Some(pair), Some(state)) = (&p.lora, &self.lora) else {
+            return Ok(base);
+        };
+        if !state.enabled.load(Ordering::Relaxed) {
+            return Ok(base);
+        }
+        let drop = state.config.lora_dropout as f32;
+        let x = if drop > 0.0 && state.dropout_active.load(Ordering::Relaxed) {
+            candle_nn::ops::dropout(x, drop)?
+        } else {
+            x.clone()
+        };
+        let update = linear(&linear(&x, pair.a.as_tensor())?, pair.b.as_tensor())?;
+        base + (update * state.config.scale())?
+    }
+
+    /// The weights under their HF names, LoRA adapters merged in (f32 unless the model runs
+    /// in another float type).
     pub fn hf_tensors(&self) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::new();
-        for (name, var) in self.named_vars() {
+        for (name, var) in self.base_named_vars() {
             out.insert(name, var.as_tensor().detach().contiguous()?);
+        }
+        if let Some(l) = &self.lora {
+            let tensors = self
+                .adapter_tensors()?
+                .into_iter()
+                .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
+                .collect::<Result<_>>()?;
+            let adapter = crate::llm::peft::Adapter {
+                config: l.config.clone(),
+                tensors,
+            };
+            adapter
+                .merge_into(&mut out)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            for v in out.values_mut() {
+                *v = v.to_dtype(self.dtype)?;
+            }
         }
         Ok(out)
     }

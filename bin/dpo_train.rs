@@ -1,0 +1,232 @@
+//! `dpo_train`: DPO (or SFT) training of a local chat model on preference pairs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use collabllm::train::trainer::{train, LoraOptions, Schedule, TrainConfig};
+
+/// Train a chat model on preference pairs with DPO (TRL's losses and metrics), or SFT.
+///
+/// Data: the pairs `generate_conv` writes (a run directory, its `pairs/` folder, or one
+/// parquet file) or any TRL preference parquet (conversational prompt/chosen/rejected, or the
+/// plain-string form). Each pair is tokenized with the model's own chat template; long
+/// histories lose their oldest whole turns; pairs that still do not fit are dropped and
+/// counted. Reference log-probs are computed once and cached beside the data.
+///
+/// Output: `<output>/logs.jsonl` (one line per logging step, TRL metric names),
+/// `<output>/checkpoint-<step>/` and `<output>/final/` (HF layout, or PEFT layout with
+/// --lora; each also holds the tokenizer and optimizer state), `train_summary.json`.
+/// Any checkpoint directory works as a model spec for `serve` and the other binaries.
+#[derive(Parser, Debug)]
+#[command(name = "dpo_train", version, about, long_about)]
+struct Args {
+    /// Training pairs: a parquet file, a directory with train.parquet (test.parquet there is
+    /// the evaluation split), or a generate_conv run directory (uses its pairs/).
+    #[arg(long, value_name = "PATH")]
+    data: PathBuf,
+
+    /// Evaluation pairs [default: test.parquet beside the training file, if present].
+    #[arg(long, value_name = "PARQUET")]
+    eval_data: Option<PathBuf>,
+
+    /// Model to train: `default` (SmolLM2-135M-Instruct, dequantized to f32), a `.gguf` file,
+    /// an HF directory (e.g. a previous `final/`), or an HF model id.
+    #[arg(long, value_name = "SPEC", default_value = "default")]
+    model: String,
+
+    /// Output directory (logs, checkpoints, final model). Refuses to overwrite a finished or
+    /// interrupted run unless --resume.
+    #[arg(long, value_name = "DIR", default_value = "outputs/dpo")]
+    output: PathBuf,
+
+    /// Loss: sigmoid (DPO), ipo, hinge, robust (label-smoothed DPO), or sft (supervised
+    /// fine-tuning on prompt + chosen, loss on assistant tokens only).
+    #[arg(long, value_name = "TYPE", default_value = "sigmoid",
+          value_parser = ["sigmoid", "ipo", "hinge", "robust", "sft"])]
+    loss: String,
+
+    /// DPO temperature β.
+    #[arg(long, value_name = "B", default_value_t = 0.1)]
+    beta: f64,
+
+    /// Label smoothing ε for `sigmoid` / `robust` (conservative DPO), in [0, 0.5).
+    #[arg(long, value_name = "EPS", default_value_t = 0.0)]
+    label_smoothing: f64,
+
+    /// Weight of an added SFT (negative log-likelihood) term on the chosen completion
+    /// (TRL's `rpo_alpha`); 0 turns it off.
+    #[arg(long, value_name = "W", default_value_t = 0.0)]
+    sft_weight: f64,
+
+    /// Train LoRA adapters on q,k,v,o,gate,up,down instead of all weights; the reference is
+    /// the base model with adapters off. Saved in the PEFT layout.
+    #[arg(long)]
+    lora: bool,
+
+    /// LoRA rank r.
+    #[arg(long, value_name = "R", default_value_t = 32, requires = "lora")]
+    lora_r: usize,
+
+    /// LoRA α (the update is scaled by α / r).
+    #[arg(long, value_name = "A", default_value_t = 16.0, requires = "lora")]
+    lora_alpha: f64,
+
+    /// LoRA dropout on the adapter input during training.
+    #[arg(long, value_name = "P", default_value_t = 0.0, requires = "lora")]
+    lora_dropout: f64,
+
+    /// Comma-separated LoRA target modules.
+    #[arg(long, value_name = "LIST", value_delimiter = ',',
+          default_value = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+          requires = "lora")]
+    lora_targets: Vec<String>,
+
+    /// With --lora: also write the base model with the adapters merged to <output>/merged/.
+    #[arg(long, requires = "lora")]
+    merge: bool,
+
+    /// Peak learning rate [default: 5e-6, or 2e-5 with --lora].
+    #[arg(long, value_name = "X")]
+    lr: Option<f64>,
+
+    /// Passes over the training pairs (ignored when --max-steps is given).
+    #[arg(long, value_name = "E", default_value_t = 1)]
+    epochs: usize,
+
+    /// Optimizer steps to run (overrides --epochs).
+    #[arg(long, value_name = "N")]
+    max_steps: Option<usize>,
+
+    /// Pairs per micro-batch (chosen and rejected run as one batch of 2B rows).
+    #[arg(long, value_name = "B", default_value_t = 1)]
+    batch_size: usize,
+
+    /// Micro-batches per optimizer step (gradient accumulation).
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    grad_accum: usize,
+
+    /// Longest prompt + completion in tokens.
+    #[arg(long, value_name = "L", default_value_t = 1024)]
+    max_length: usize,
+
+    /// Learning-rate schedule after warmup.
+    #[arg(long, value_enum, default_value_t = Schedule::Cosine)]
+    schedule: Schedule,
+
+    /// Fraction of the steps spent warming the learning rate up linearly.
+    #[arg(long, value_name = "R", default_value_t = 0.1)]
+    warmup_ratio: f64,
+
+    /// Clip the global gradient norm to this (the pre-clip norm is logged as grad_norm).
+    #[arg(long, value_name = "N", default_value_t = 1.0)]
+    max_grad_norm: f64,
+
+    /// AdamW decoupled weight decay.
+    #[arg(long, value_name = "W", default_value_t = 0.0)]
+    weight_decay: f64,
+
+    /// Seed for data order and LoRA initialisation.
+    #[arg(long, value_name = "S", default_value_t = 42)]
+    seed: u64,
+
+    /// Write a log line every K optimizer steps (metrics averaged over them).
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    logging_steps: usize,
+
+    /// Evaluate on the evaluation split every K steps (always at the end when there is one).
+    #[arg(long, value_name = "K")]
+    eval_steps: Option<usize>,
+
+    /// Save a checkpoint every K steps (always at the end, as final/).
+    #[arg(long, value_name = "K")]
+    save_steps: Option<usize>,
+
+    /// Continue from the last checkpoint in --output (weights, optimizer state, data
+    /// position, logs).
+    #[arg(long)]
+    resume: bool,
+
+    /// Compute device: cpu, or cuda / cuda:N (needs a build with `--features cuda`).
+    #[arg(long, value_name = "DEV", default_value = "cpu")]
+    device: String,
+
+    /// Weight precision: auto (bf16 on CUDA, f32 on the CPU), f32 or bf16.
+    #[arg(long, value_name = "T", default_value = "auto", value_parser = ["auto", "f32", "bf16"])]
+    dtype: String,
+
+    /// Do not read or write the reference log-prob cache (recompute every run).
+    #[arg(long)]
+    no_ref_cache: bool,
+
+    /// Threads for the compute kernels [default: CANDLE_NUM_THREADS, else all cores].
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+}
+
+impl Args {
+    fn into_config(self) -> TrainConfig {
+        let mut cfg = TrainConfig::new(self.data, &self.model, self.output);
+        let lora = self.lora.then(|| LoraOptions {
+            r: self.lora_r,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+            targets: self.lora_targets.clone(),
+        });
+        cfg.lr = self
+            .lr
+            .unwrap_or(if lora.is_some() { 2e-5 } else { 5e-6 });
+        cfg.eval_data = self.eval_data;
+        cfg.loss = self.loss;
+        cfg.beta = self.beta;
+        cfg.label_smoothing = self.label_smoothing;
+        cfg.sft_weight = self.sft_weight;
+        cfg.lora = lora;
+        cfg.merge = self.merge;
+        cfg.epochs = self.epochs;
+        cfg.max_steps = self.max_steps;
+        cfg.batch_size = self.batch_size;
+        cfg.grad_accum = self.grad_accum;
+        cfg.max_length = self.max_length;
+        cfg.schedule = self.schedule;
+        cfg.warmup_ratio = self.warmup_ratio;
+        cfg.max_grad_norm = self.max_grad_norm;
+        cfg.weight_decay = self.weight_decay;
+        cfg.seed = self.seed;
+        cfg.logging_steps = self.logging_steps;
+        cfg.eval_steps = self.eval_steps;
+        cfg.save_steps = self.save_steps;
+        cfg.resume = self.resume;
+        cfg.device = self.device;
+        cfg.dtype = self.dtype;
+        cfg.ref_cache = !self.no_ref_cache;
+        cfg
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    collabllm::cli::init_logging();
+    collabllm::cli::set_compute_threads(args.threads);
+    let cfg = args.into_config();
+    collabllm::cli::exit_on_error((|| {
+        let s = train(&cfg, true)?;
+        let get = |k: &str| s.last_log.get(k).and_then(|v| v.as_f64());
+        println!(
+            "trained {} steps on {} pairs in {:.1} s ({:.0} tokens/s); final loss {:.4}{}",
+            s.steps,
+            s.train_pairs,
+            s.seconds,
+            s.tokens_per_second,
+            get("loss").unwrap_or(f64::NAN),
+            get("rewards/accuracies")
+                .map(|a| format!(", rewards/accuracies {a:.2}"))
+                .unwrap_or_default()
+        );
+        println!("model: {}", s.final_dir.display());
+        if let Some(m) = &s.merged_dir {
+            println!("merged model: {}", m.display());
+        }
+        Ok(())
+    })())
+}

@@ -1,0 +1,299 @@
+//! Training data: TRL preference pairs → token ids with the model's own chat template
+//! (DESIGN §5). The prompt is rendered with the generation prompt, prompt + completion whole;
+//! the first must be a token prefix of the second (hard error otherwise); no BOS/EOS is ever
+//! added to what the template writes. Histories too long for `max_length` lose their oldest
+//! whole turns (the system message stays); a pair that still does not fit is dropped and
+//! counted — one side of a pair is never cut alone.
+
+use std::path::{Path, PathBuf};
+
+use crate::dataset::{read_pairs_parquet, DatasetError, PairRow};
+use crate::llm::engine::ChatCodec;
+use crate::llm::ChatMessage;
+
+use super::logps::TokenizedPair;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    #[error("{path}: {message}")]
+    Input { path: PathBuf, message: String },
+    #[error("{path}, row {row}: {message}")]
+    Row {
+        path: PathBuf,
+        row: usize,
+        message: String,
+    },
+}
+
+/// Where the pairs of a `--data` argument are: the training file and, if present, the
+/// evaluation file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataFiles {
+    pub train: PathBuf,
+    pub eval: Option<PathBuf>,
+}
+
+/// Resolves `--data`: a parquet file; a directory with `train.parquet` (and `test.parquet`);
+/// or a `generate_conv` run directory with `pairs/train.parquet`.
+pub fn locate_data(path: &Path) -> Result<DataFiles, DataError> {
+    let input = |message: String| DataError::Input {
+        path: path.to_path_buf(),
+        message,
+    };
+    if path.is_file() {
+        return Ok(DataFiles {
+            train: path.to_path_buf(),
+            eval: None,
+        });
+    }
+    if !path.is_dir() {
+        return Err(input("does not exist".into()));
+    }
+    for dir in [path.to_path_buf(), path.join("pairs")] {
+        let train = dir.join("train.parquet");
+        if train.is_file() {
+            let test = dir.join("test.parquet");
+            return Ok(DataFiles {
+                train,
+                eval: test.is_file().then_some(test),
+            });
+        }
+    }
+    Err(input(
+        "no train.parquet in it or in its pairs/ folder (expected a pairs parquet file, a \
+         pairs directory or a generate_conv run directory)"
+            .into(),
+    ))
+}
+
+/// Pair rows of a parquet file; an empty file is an error.
+pub fn read_pairs(path: &Path) -> Result<Vec<PairRow>, DataError> {
+    let rows = read_pairs_parquet(path)?;
+    if rows.is_empty() {
+        return Err(DataError::Input {
+            path: path.to_path_buf(),
+            message: "the dataset is empty (no rows)".into(),
+        });
+    }
+    Ok(rows)
+}
+
+/// What tokenization did to a dataset.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TokenizeStats {
+    pub rows: usize,
+    pub kept: usize,
+    /// Rows that lost old turns to fit.
+    pub truncated: usize,
+    /// Rows that do not fit even with the shortest history.
+    pub dropped_too_long: usize,
+}
+
+/// Token ids of `messages` rendered by the template (no special tokens added).
+fn render_ids(
+    codec: &ChatCodec,
+    messages: &[ChatMessage],
+    generation_prompt: bool,
+) -> Result<Vec<u32>, String> {
+    let text = codec
+        .render(messages, generation_prompt)
+        .map_err(|e| e.to_string())?;
+    codec.encode(&text)
+}
+
+/// `full` must start with `prefix`; returns the rest.
+fn suffix_after(prefix: &[u32], full: &[u32], what: &str) -> Result<Vec<u32>, String> {
+    if full.len() <= prefix.len() || full[..prefix.len()] != *prefix {
+        let at = prefix
+            .iter()
+            .zip(full)
+            .position(|(a, b)| a != b)
+            .unwrap_or(prefix.len().min(full.len()));
+        return Err(format!(
+            "the tokenized prompt is not a prefix of the tokenized prompt + {what} (they differ \
+             at token {at}); the chat template renders the prompt differently when a reply \
+             follows"
+        ));
+    }
+    Ok(full[prefix.len()..].to_vec())
+}
+
+/// The pair's token ids for one history; errors are prefix violations or template failures.
+fn tokenize_once(
+    codec: &ChatCodec,
+    prompt: &[ChatMessage],
+    row: &PairRow,
+) -> Result<TokenizedPair, String> {
+    let prompt_ids = render_ids(codec, prompt, true)?;
+    let side = |completion: &[ChatMessage], what: &str| -> Result<Vec<u32>, String> {
+        let mut all = prompt.to_vec();
+        all.extend_from_slice(completion);
+        suffix_after(&prompt_ids, &render_ids(codec, &all, false)?, what)
+    };
+    Ok(TokenizedPair {
+        chosen: side(&row.chosen, "chosen")?,
+        rejected: side(&row.rejected, "rejected")?,
+        prompt: prompt_ids,
+    })
+}
+
+/// The history with its oldest whole turn removed (leading system messages stay; the result
+/// starts at a user message), or `None` when only the last turn is left.
+pub fn drop_oldest_turn(messages: &[ChatMessage]) -> Option<Vec<ChatMessage>> {
+    let system = messages
+        .iter()
+        .take_while(|m| m.role == "system")
+        .count();
+    let rest = &messages[system..];
+    // The next turn starts at the second user message after the system block.
+    let next_user = rest
+        .iter()
+        .enumerate()
+        .skip(1)
+        .find(|(_, m)| m.role == "user")
+        .map(|(i, _)| i)?;
+    let mut out = messages[..system].to_vec();
+    out.extend_from_slice(&rest[next_user..]);
+    Some(out)
+}
+
+fn check_row(row: &PairRow) -> Result<(), String> {
+    if row.prompt.is_empty() {
+        return Err("empty prompt".into());
+    }
+    for (name, side) in [("chosen", &row.chosen), ("rejected", &row.rejected)] {
+        if side.is_empty() || side.iter().all(|m| m.content.is_empty()) {
+            return Err(format!("empty {name} completion"));
+        }
+    }
+    Ok(())
+}
+
+/// Tokenizes every row; `Ok(None)` entries were dropped for length. Errors name file and row.
+pub fn tokenize_pairs(
+    codec: &ChatCodec,
+    rows: &[PairRow],
+    max_length: usize,
+    path: &Path,
+) -> Result<(Vec<TokenizedPair>, TokenizeStats), DataError> {
+    let mut stats = TokenizeStats {
+        rows: rows.len(),
+        ..Default::default()
+    };
+    let mut out = Vec::with_capacity(rows.len());
+    for (i, row) in rows.iter().enumerate() {
+        let row_err = |message: String| DataError::Row {
+            path: path.to_path_buf(),
+            row: i,
+            message,
+        };
+        check_row(row).map_err(row_err)?;
+        let mut prompt = row.prompt.clone();
+        let mut truncated = false;
+        loop {
+            let pair = tokenize_once(codec, &prompt, row).map_err(row_err)?;
+            let longest = pair.prompt.len() + pair.chosen.len().max(pair.rejected.len());
+            if longest <= max_length {
+                out.push(pair);
+                stats.kept += 1;
+                stats.truncated += usize::from(truncated);
+                break;
+            }
+            match drop_oldest_turn(&prompt) {
+                Some(shorter) => {
+                    prompt = shorter;
+                    truncated = true;
+                }
+                None => {
+                    stats.dropped_too_long += 1;
+                    break;
+                }
+            }
+        }
+    }
+    Ok((out, stats))
+}
+
+/// A conversation for supervised fine-tuning: ids and which of them carry the loss (the
+/// assistant messages' tokens, end-of-turn included).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenizedSeq {
+    pub ids: Vec<u32>,
+    pub loss_mask: Vec<bool>,
+}
+
+/// SFT tokenization of one conversation: each assistant message's span is found by rendering
+/// the history before it with the generation prompt (a prefix, checked) and through it.
+pub fn tokenize_conversation(
+    codec: &ChatCodec,
+    messages: &[ChatMessage],
+) -> Result<TokenizedSeq, String> {
+    let ids = render_ids(codec, messages, false)?;
+    let mut loss_mask = vec![false; ids.len()];
+    for (i, m) in messages.iter().enumerate() {
+        if m.role != "assistant" {
+            continue;
+        }
+        let start = render_ids(codec, &messages[..i], true)?;
+        let through = render_ids(codec, &messages[..=i], false)?;
+        suffix_after(&start, &through, "assistant message")?;
+        if ids.len() < through.len() || ids[..through.len()] != through[..] {
+            return Err("the conversation's tokens do not extend its own prefix".into());
+        }
+        for flag in &mut loss_mask[start.len()..through.len()] {
+            *flag = true;
+        }
+    }
+    if !loss_mask.iter().any(|&f| f) {
+        return Err("no assistant message to train on".into());
+    }
+    Ok(TokenizedSeq { ids, loss_mask })
+}
+
+/// SFT examples from pair rows: prompt + chosen, with the same turn truncation as DPO.
+pub fn tokenize_sft(
+    codec: &ChatCodec,
+    rows: &[PairRow],
+    max_length: usize,
+    path: &Path,
+) -> Result<(Vec<TokenizedSeq>, TokenizeStats), DataError> {
+    let mut stats = TokenizeStats {
+        rows: rows.len(),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        let row_err = |message: String| DataError::Row {
+            path: path.to_path_buf(),
+            row: i,
+            message,
+        };
+        check_row(row).map_err(row_err)?;
+        let mut prompt = row.prompt.clone();
+        let mut truncated = false;
+        loop {
+            let mut conv = prompt.clone();
+            conv.extend_from_slice(&row.chosen);
+            let seq = tokenize_conversation(codec, &conv).map_err(row_err)?;
+            if seq.ids.len() <= max_length {
+                out.push(seq);
+                stats.kept += 1;
+                stats.truncated += usize::from(truncated);
+                break;
+            }
+            match drop_oldest_turn(&prompt) {
+                Some(shorter) => {
+                    prompt = shorter;
+                    truncated = true;
+                }
+                None => {
+                    stats.dropped_too_long += 1;
+                    break;
+                }
+            }
+        }
+    }
+    Ok((out, stats))
+}

@@ -1,0 +1,1081 @@
+//! The `dpo_train` loop (DESIGN §3, §5): data → tokenization → reference log-probs (cached
+//! beside the data) → AdamW steps with accumulation, clipping and a warmup schedule → logs,
+//! evaluation, checkpoints (HF or PEFT layout, optimizer state included) and `--resume`.
+//!
+//! The reference model is never held during training: its log-probs are computed once, before
+//! the first step, by the policy itself (identical to the reference at that point; with LoRA
+//! the adapters are switched off), and cached under a key of data, model and template hashes.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::llm::engine::{fingerprint, ChatCodec};
+use crate::llm::peft::{AdapterConfig, ADAPTER_WEIGHTS, LORA_TARGETS};
+use crate::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
+
+use super::adamw::{AdamW, AdamWParams};
+use super::data::{
+    locate_data, read_pairs, tokenize_pairs, tokenize_sft, TokenizeStats, TokenizedSeq,
+};
+use super::logps::{pair_logps_full, sft_loss, PairBatch, SeqBatch, TokenizedPair};
+use super::loss::{dpo_loss, DpoConfig, DpoMetrics, LossType};
+use super::model::TrainLlama;
+use super::optim::{clip_grad_norm, warmup_steps};
+
+/// Bumped whenever tokenization changes what ids a row gets (invalidates reference caches).
+const TOKENIZATION_VERSION: &str = "1";
+
+/// What to optimise.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Objective {
+    Dpo(DpoConfig),
+    /// Supervised fine-tuning on prompt + chosen (loss on assistant tokens only).
+    Sft,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    Cosine,
+    Linear,
+    Constant,
+}
+
+impl Schedule {
+    /// Learning-rate multiplier for the update after `step` completed updates (HF schedules
+    /// with linear warmup).
+    pub fn factor(self, step: usize, total: usize, warmup: usize) -> f64 {
+        if step < warmup {
+            return step as f64 / warmup.max(1) as f64;
+        }
+        let progress = (step - warmup) as f64 / total.saturating_sub(warmup).max(1) as f64;
+        match self {
+            Schedule::Cosine => super::optim::cosine_with_warmup(step, total, warmup),
+            Schedule::Linear => (1.0 - progress).max(0.0),
+            Schedule::Constant => 1.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoraOptions {
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: Vec<String>,
+}
+
+impl Default for LoraOptions {
+    fn default() -> Self {
+        Self {
+            r: 32,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: LORA_TARGETS.iter().map(|t| t.to_string()).collect(),
+        }
+    }
+}
+
+/// Everything a run needs; `dpo_train`'s flags map onto it one to one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub data: PathBuf,
+    /// Evaluation pairs; default: `test.parquet` beside the training file, if any.
+    pub eval_data: Option<PathBuf>,
+    pub model: String,
+    pub output: PathBuf,
+    /// `sigmoid`, `ipo`, `hinge`, `robust` or `sft`.
+    pub loss: String,
+    pub beta: f64,
+    pub label_smoothing: f64,
+    /// Weight of an SFT (NLL) term on the chosen completion, TRL's `rpo_alpha`.
+    pub sft_weight: f64,
+    pub lora: Option<LoraOptions>,
+    pub lr: f64,
+    pub epochs: usize,
+    pub max_steps: Option<usize>,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub max_length: usize,
+    pub warmup_ratio: f64,
+    pub schedule: Schedule,
+    pub max_grad_norm: f64,
+    pub weight_decay: f64,
+    pub seed: u64,
+    pub logging_steps: usize,
+    pub eval_steps: Option<usize>,
+    pub save_steps: Option<usize>,
+    pub device: String,
+    /// `f32`, `bf16` or `auto` (bf16 on CUDA, f32 on the CPU).
+    pub dtype: String,
+    pub resume: bool,
+    pub merge: bool,
+    /// Use (and write) the reference log-prob cache beside the data.
+    pub ref_cache: bool,
+    /// Stop right after the checkpoint of this step, as if the process were killed there
+    /// (tests of `--resume`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_after: Option<usize>,
+}
+
+impl TrainConfig {
+    /// Defaults of DESIGN §5 for `data`, `model` and `output`.
+    pub fn new(data: PathBuf, model: &str, output: PathBuf) -> Self {
+        Self {
+            data,
+            eval_data: None,
+            model: model.to_string(),
+            output,
+            loss: "sigmoid".into(),
+            beta: 0.1,
+            label_smoothing: 0.0,
+            sft_weight: 0.0,
+            lora: None,
+            lr: 5e-6,
+            epochs: 1,
+            max_steps: None,
+            batch_size: 1,
+            grad_accum: 1,
+            max_length: 1024,
+            warmup_ratio: 0.1,
+            schedule: Schedule::Cosine,
+            max_grad_norm: 1.0,
+            weight_decay: 0.0,
+            seed: 42,
+            logging_steps: 1,
+            eval_steps: None,
+            save_steps: None,
+            device: "cpu".into(),
+            dtype: "auto".into(),
+            resume: false,
+            merge: false,
+            ref_cache: true,
+            stop_after: None,
+        }
+    }
+
+    pub fn objective(&self) -> Result<Objective> {
+        if self.loss == "sft" {
+            return Ok(Objective::Sft);
+        }
+        let loss_type: LossType = self.loss.parse().map_err(|e: String| {
+            anyhow!("{e}; or `sft` for supervised fine-tuning")
+        })?;
+        let cfg = DpoConfig {
+            loss_type,
+            beta: self.beta,
+            label_smoothing: self.label_smoothing,
+        };
+        cfg.validate().map_err(|e| anyhow!(e))?;
+        Ok(Objective::Dpo(cfg))
+    }
+
+    fn validate(&self) -> Result<()> {
+        self.objective()?;
+        let positive = [
+            ("--batch-size", self.batch_size),
+            ("--grad-accum", self.grad_accum),
+            ("--max-length", self.max_length),
+            ("--logging-steps", self.logging_steps),
+        ];
+        for (flag, v) in positive {
+            if v == 0 {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        if self.max_steps == Some(0) || (self.max_steps.is_none() && self.epochs == 0) {
+            bail!("nothing to train: --epochs and --max-steps must be at least 1");
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            bail!("--lr must be positive, got {}", self.lr);
+        }
+        if !(0.0..1.0).contains(&self.warmup_ratio) {
+            bail!("--warmup-ratio must be in [0, 1), got {}", self.warmup_ratio);
+        }
+        if self.sft_weight < 0.0 {
+            bail!("--sft-weight must be non-negative");
+        }
+        if let Some(l) = &self.lora {
+            if l.r == 0 {
+                bail!("--lora-r must be at least 1");
+            }
+            if !(0.0..1.0).contains(&l.dropout) {
+                bail!("--lora-dropout must be in [0, 1)");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::new_cuda(0)?),
+        _ => {
+            let n = s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse::<usize>().ok())
+                .ok_or_else(|| anyhow!("unknown device `{s}` (cpu, cuda or cuda:N)"))?;
+            Device::new_cuda(n).with_context(|| {
+                format!("device `{s}` (is this build compiled with `--features cuda`?)")
+            })
+        }
+    }
+}
+
+fn parse_dtype(s: &str, device: &Device) -> Result<DType> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        "auto" if device.is_cuda() => Ok(DType::BF16),
+        "auto" => Ok(DType::F32),
+        _ => bail!("unknown dtype `{s}` (f32, bf16 or auto)"),
+    }
+}
+
+/// The final state of a run (also written as `train_summary.json`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TrainSummary {
+    pub steps: usize,
+    pub total_steps: usize,
+    pub resumed_from: Option<usize>,
+    pub train_pairs: usize,
+    pub eval_pairs: usize,
+    pub train_tokenization: Option<TokenizeStats>,
+    pub trainable_params: usize,
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    pub last_log: serde_json::Map<String, serde_json::Value>,
+    pub last_eval: Option<serde_json::Map<String, serde_json::Value>>,
+    pub final_dir: PathBuf,
+    pub merged_dir: Option<PathBuf>,
+    pub ref_cache: Option<PathBuf>,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// `trainer_state.json` of a checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct TrainerState {
+    global_step: usize,
+    total_steps: usize,
+    epoch: f64,
+    optimizer_steps: u64,
+}
+
+/// The training examples of one split, in the objective's form.
+enum Examples {
+    Pairs {
+        pairs: Vec<TokenizedPair>,
+        /// Reference (chosen, rejected) summed log-probs per pair.
+        reference: Vec<(f64, f64)>,
+    },
+    Seqs(Vec<TokenizedSeq>),
+}
+
+impl Examples {
+    fn len(&self) -> usize {
+        match self {
+            Examples::Pairs { pairs, .. } => pairs.len(),
+            Examples::Seqs(s) => s.len(),
+        }
+    }
+}
+
+/// Metrics of one optimizer step or one evaluation, under TRL's names.
+type Metrics = Vec<(String, f64)>;
+
+fn mean_metrics(all: &[Metrics]) -> Metrics {
+    let Some(first) = all.first() else {
+        return Vec::new();
+    };
+    first
+        .iter()
+        .enumerate()
+        .map(|(i, (k, _))| {
+            let sum: f64 = all.iter().map(|m| m[i].1).sum();
+            (k.clone(), sum / all.len() as f64)
+        })
+        .collect()
+}
+
+fn dpo_named(m: &DpoMetrics) -> Metrics {
+    m.named()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+}
+
+/// Runs a whole training job. `progress` draws a progress bar on stderr.
+pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
+    cfg.validate()?;
+    let objective = cfg.objective()?;
+    let started = Instant::now();
+    prepare_output(cfg)?;
+
+    let spec: ModelSpec = cfg
+        .model
+        .parse()
+        .with_context(|| format!("--model `{}`", cfg.model))?;
+    if !spec.is_local() {
+        bail!("--model `{}`: training needs local weights, not an API endpoint", cfg.model);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let files = rt.block_on(resolve_local(&spec))?;
+    if matches!(files, LocalModelFiles::Adapter { .. }) {
+        bail!(
+            "--model `{}` is a LoRA adapter; train from its merged model (dpo_train --merge \
+             writes one) or from its base model",
+            cfg.model
+        );
+    }
+    let codec = ChatCodec::load(&files)?;
+    let device = parse_device(&cfg.device)?;
+    let dtype = parse_dtype(&cfg.dtype, &device)?;
+
+    let data = locate_data(&cfg.data)?;
+    let eval_path = cfg.eval_data.clone().or(data.eval.clone());
+    let (train_ex, train_stats) = load_examples(&codec, &data.train, cfg, &objective)?;
+    if train_ex.len() == 0 {
+        bail!(
+            "{}: no example fits --max-length {} ({} rows, all too long)",
+            data.train.display(),
+            cfg.max_length,
+            train_stats.rows
+        );
+    }
+    let eval_ex = match &eval_path {
+        Some(p) => Some(load_examples(&codec, p, cfg, &objective)?.0),
+        None => None,
+    };
+    tracing::info!(
+        "{} training examples ({} truncated, {} dropped as too long){}",
+        train_stats.kept,
+        train_stats.truncated,
+        train_stats.dropped_too_long,
+        eval_ex
+            .as_ref()
+            .map(|e| format!(", {} evaluation examples", e.len()))
+            .unwrap_or_default()
+    );
+
+    let mut model = match &files {
+        LocalModelFiles::Gguf(p) => TrainLlama::from_gguf(p, dtype, &device)?,
+        LocalModelFiles::HfDir(d) => TrainLlama::from_hf_dir(d, dtype, &device)?,
+        LocalModelFiles::Adapter { .. } => unreachable!("rejected above"),
+    };
+    if let Some(l) = &cfg.lora {
+        let base = adapter_base_name(&cfg.model, &files);
+        let targets: Vec<&str> = l.targets.iter().map(String::as_str).collect();
+        let acfg = AdapterConfig::lora(l.r, l.alpha, l.dropout, &targets, &base);
+        model.enable_lora(acfg, cfg.seed)?;
+    }
+    let pad_id = codec.eos_ids.first().copied().unwrap_or(0);
+
+    // Reference log-probs, before any weight changes (also before resuming weights).
+    let mut ref_cache_path = None;
+    let (mut train_ex, mut eval_ex) = (train_ex, eval_ex);
+    if let Objective::Dpo(_) = objective {
+        let key = ref_cache_key(cfg, &files, &codec, &data.train, eval_path.as_deref())?;
+        let (train_ref, eval_ref, path) = reference_logps(
+            &model,
+            cfg,
+            &key,
+            &data.train,
+            &train_ex,
+            eval_ex.as_ref(),
+            pad_id,
+            progress,
+        )?;
+        ref_cache_path = path;
+        set_reference(&mut train_ex, train_ref);
+        if let (Some(e), Some(r)) = (eval_ex.as_mut(), eval_ref) {
+            set_reference(e, r);
+        }
+    }
+
+    let per_epoch = train_ex.len().div_ceil(cfg.batch_size * cfg.grad_accum);
+    let total_steps = cfg.max_steps.unwrap_or(per_epoch * cfg.epochs);
+    let mut opt = AdamW::new(
+        model.named_vars(),
+        AdamWParams {
+            weight_decay: cfg.weight_decay,
+            ..AdamWParams::default()
+        },
+    )?;
+    let mut start_step = 0;
+    let mut resumed_from = None;
+    if cfg.resume {
+        if let Some((dir, state)) = latest_checkpoint(&cfg.output)? {
+            restore_checkpoint(&model, &mut opt, &dir, &state)?;
+            if state.total_steps != total_steps {
+                tracing::warn!(
+                    "the checkpoint planned {} steps; this run plans {total_steps}",
+                    state.total_steps
+                );
+            }
+            start_step = state.global_step;
+            resumed_from = Some(start_step);
+            truncate_logs(&cfg.output.join("logs.jsonl"), start_step)?;
+            tracing::info!("resuming from {} (step {start_step})", dir.display());
+        } else {
+            tracing::info!("--resume: no checkpoint in {}; starting fresh", cfg.output.display());
+        }
+    }
+    write_json_atomic(&cfg.output.join("training_args.json"), cfg)?;
+
+    let mut run = Run {
+        cfg,
+        objective,
+        model: &model,
+        codec: &codec,
+        pad_id,
+        total_steps,
+        per_epoch,
+        examples: &train_ex,
+        eval: eval_ex.as_ref(),
+        log: open_log(&cfg.output.join("logs.jsonl"))?,
+        tokens: 0,
+        last_log: Default::default(),
+        last_eval: None,
+    };
+    let warmup = warmup_steps(total_steps, cfg.warmup_ratio);
+    let bar = progress_bar(progress, total_steps, start_step);
+    let loop_started = Instant::now();
+    let mut window: Vec<Metrics> = Vec::new();
+    for step in start_step..total_steps {
+        let lr = cfg.lr * cfg.schedule.factor(step, total_steps, warmup);
+        let (mut grads, metrics) = run.accumulate(step)?;
+        let vars = model.vars();
+        let norm = clip_grad_norm(&mut grads, &vars, cfg.max_grad_norm)?;
+        let loss = metrics.first().map(|m| m.1).unwrap_or(f64::NAN);
+        if !loss.is_finite() || !norm.is_finite() {
+            bar.abandon();
+            bail!(
+                "step {}: non-finite {} ({}); stopped without applying it; the last good \
+                 checkpoint in {} is intact (lower --lr or check the data)",
+                step + 1,
+                if loss.is_finite() { "gradient norm" } else { "loss" },
+                if loss.is_finite() { norm } else { loss },
+                cfg.output.display()
+            );
+        }
+        opt.step(&grads, lr)?;
+        drop(grads);
+        let done = step + 1;
+        let mut m = metrics;
+        m.push(("learning_rate".into(), lr));
+        m.push(("grad_norm".into(), norm));
+        window.push(m);
+        let elapsed = loop_started.elapsed().as_secs_f64().max(1e-9);
+        let tps = run.tokens as f64 / elapsed;
+        if done % cfg.logging_steps == 0 || done == total_steps {
+            let mean = mean_metrics(&window);
+            window.clear();
+            run.write_log(done, &mean, Some(tps))?;
+            bar.set_message(bar_message(&mean, tps));
+        }
+        if cfg.eval_steps.is_some_and(|k| done % k == 0) && done != total_steps {
+            run.evaluate(done)?;
+        }
+        if cfg.save_steps.is_some_and(|k| done % k == 0) && done != total_steps {
+            save_checkpoint(&run, &opt, &cfg.output.join(format!("checkpoint-{done}")), done)?;
+        }
+        if cfg.stop_after == Some(done) {
+            bar.abandon();
+            bail!("stopped after step {done} (stop_after)");
+        }
+        bar.set_position(done as u64);
+    }
+    bar.finish();
+    if run.eval.is_some() && total_steps > start_step {
+        run.evaluate(total_steps)?;
+    }
+    let final_dir = cfg.output.join("final");
+    save_checkpoint(&run, &opt, &final_dir, total_steps)?;
+    let merged_dir = if cfg.merge && cfg.lora.is_some() {
+        let dir = cfg.output.join("merged");
+        save_full_model(&run, &dir)?;
+        Some(dir)
+    } else {
+        None
+    };
+    let loop_secs = loop_started.elapsed().as_secs_f64();
+    let summary = TrainSummary {
+        steps: total_steps,
+        total_steps,
+        resumed_from,
+        train_pairs: train_ex.len(),
+        eval_pairs: eval_ex.as_ref().map_or(0, Examples::len),
+        train_tokenization: Some(train_stats),
+        trainable_params: model.num_params(),
+        seconds: started.elapsed().as_secs_f64(),
+        tokens_per_second: run.tokens as f64 / loop_secs.max(1e-9),
+        last_log: run.last_log.clone(),
+        last_eval: run.last_eval.clone(),
+        final_dir,
+        merged_dir,
+        ref_cache: ref_cache_path,
+        peak_rss_bytes: crate::cli::peak_rss_bytes(),
+    };
+    write_json_atomic(&cfg.output.join("train_summary.json"), &summary)?;
+    Ok(summary)
+}
+
+/// `base_model_name_or_path` for the adapter: `default` and hub ids as given, local files as
+/// absolute paths (so the adapter loads from any working directory).
+fn adapter_base_name(spec: &str, files: &LocalModelFiles) -> String {
+    match spec.parse::<ModelSpec>() {
+        Ok(ModelSpec::Default) | Ok(ModelSpec::HfId { .. }) => spec.to_string(),
+        _ => std::fs::canonicalize(files.path())
+            .unwrap_or_else(|_| files.path().to_path_buf())
+            .display()
+            .to_string(),
+    }
+}
+
+/// Refuses to write a fresh run over a finished or interrupted one.
+fn prepare_output(cfg: &TrainConfig) -> Result<()> {
+    std::fs::create_dir_all(&cfg.output)
+        .with_context(|| format!("creating --output {}", cfg.output.display()))?;
+    let has_run = cfg.output.join("logs.jsonl").is_file() || cfg.output.join("final").is_dir();
+    if has_run && !cfg.resume {
+        bail!(
+            "{} already holds a training run (logs.jsonl or final/); pass --resume to \
+             continue it or choose another --output",
+            cfg.output.display()
+        );
+    }
+    if cfg.resume && cfg.output.join("final").is_dir() {
+        bail!(
+            "{}: this run already finished (final/ exists); nothing to resume",
+            cfg.output.display()
+        );
+    }
+    Ok(())
+}
+
+fn load_examples(
+    codec: &ChatCodec,
+    path: &Path,
+    cfg: &TrainConfig,
+    objective: &Objective,
+) -> Result<(Examples, TokenizeStats)> {
+    let rows = read_pairs(path)?;
+    Ok(match objective {
+        Objective::Sft => {
+            let (seqs, stats) = tokenize_sft(codec, &rows, cfg.max_length, path)?;
+            (Examples::Seqs(seqs), stats)
+        }
+        Objective::Dpo(_) => {
+            let (pairs, stats) = tokenize_pairs(codec, &rows, cfg.max_length, path)?;
+            (
+                Examples::Pairs {
+                    pairs,
+                    reference: Vec::new(),
+                },
+                stats,
+            )
+        }
+    })
+}
+
+fn set_reference(ex: &mut Examples, values: Vec<(f64, f64)>) {
+    if let Examples::Pairs { reference, .. } = ex {
+        *reference = values;
+    }
+}
+
+fn file_digest(path: &Path) -> Result<String> {
+    fingerprint(&[path.to_path_buf()]).map_err(|e| anyhow!(e))
+}
+
+/// Key of the reference cache: data, model weights, template and tokenization settings.
+fn ref_cache_key(
+    cfg: &TrainConfig,
+    files: &LocalModelFiles,
+    codec: &ChatCodec,
+    train: &Path,
+    eval: Option<&Path>,
+) -> Result<String> {
+    let mut h = Sha256::new();
+    h.update(TOKENIZATION_VERSION);
+    h.update(file_digest(train)?);
+    if let Some(e) = eval {
+        h.update(file_digest(e)?);
+    }
+    let model_files = match files {
+        LocalModelFiles::Gguf(p) => vec![p.clone()],
+        LocalModelFiles::HfDir(d) => {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(d)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            v.sort();
+            v
+        }
+        LocalModelFiles::Adapter { dir, .. } => vec![dir.join(ADAPTER_WEIGHTS)],
+    };
+    h.update(fingerprint(&model_files).map_err(|e| anyhow!(e))?);
+    h.update(codec.template.source());
+    h.update(format!("{}|{}", cfg.max_length, cfg.dtype));
+    Ok(hex::encode(h.finalize())[..16].to_string())
+}
+
+#[derive(Serialize, Deserialize)]
+struct RefCacheFile {
+    key: String,
+    model: String,
+    train: Vec<(f64, f64)>,
+    eval: Option<Vec<(f64, f64)>>,
+}
+
+type RefValues = (Vec<(f64, f64)>, Option<Vec<(f64, f64)>>, Option<PathBuf>);
+
+/// Reference log-probs of every pair: from the cache when its key matches, else computed
+/// with the adapters off and written beside the data (or in the output when the data's
+/// folder is read-only).
+#[allow(clippy::too_many_arguments)]
+fn reference_logps(
+    model: &TrainLlama,
+    cfg: &TrainConfig,
+    key: &str,
+    train_path: &Path,
+    train: &Examples,
+    eval: Option<&Examples>,
+    pad_id: u32,
+    progress: bool,
+) -> Result<RefValues> {
+    let name = format!("ref_logps-{key}.json");
+    let beside = train_path
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("ref_logps")
+        .join(&name);
+    let in_output = cfg.output.join("ref_logps").join(&name);
+    if cfg.ref_cache {
+        for p in [&beside, &in_output] {
+            if let Ok(text) = std::fs::read_to_string(p) {
+                if let Ok(c) = serde_json::from_str::<RefCacheFile>(&text) {
+                    let sizes_ok = c.key == key
+                        && c.train.len() == train.len()
+                        && c.eval.as_ref().map(Vec::len) == eval.map(Examples::len);
+                    if sizes_ok {
+                        tracing::info!("reference log-probs from {}", p.display());
+                        return Ok((c.train, c.eval, Some(p.clone())));
+                    }
+                }
+            }
+        }
+    }
+    model.set_adapters_enabled(false);
+    let bar = progress_bar_named(
+        progress,
+        train.len() + eval.map_or(0, Examples::len),
+        "reference log-probs",
+    );
+    let compute = |ex: &Examples| -> Result<Vec<(f64, f64)>> {
+        let Examples::Pairs { pairs, .. } = ex else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::with_capacity(pairs.len());
+        for chunk in pairs.chunks(cfg.batch_size) {
+            let batch = PairBatch::new(chunk, pad_id, model.device())?;
+            let lp = pair_logps_full(model, &batch)?;
+            let c = lp.chosen.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            let r = lp.rejected.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            out.extend(c.into_iter().zip(r));
+            bar.inc(chunk.len() as u64);
+        }
+        Ok(out)
+    };
+    let train_ref = compute(train)?;
+    let eval_ref = eval.map(compute).transpose()?;
+    bar.finish_and_clear();
+    model.set_adapters_enabled(true);
+    let mut written = None;
+    if cfg.ref_cache {
+        let file = RefCacheFile {
+            key: key.to_string(),
+            model: cfg.model.clone(),
+            train: train_ref.clone(),
+            eval: eval_ref.clone(),
+        };
+        for p in [&beside, &in_output] {
+            let ok = p
+                .parent()
+                .map(std::fs::create_dir_all)
+                .transpose()
+                .is_ok()
+                && write_json_atomic(p, &file).is_ok();
+            if ok {
+                written = Some(p.clone());
+                break;
+            }
+        }
+    }
+    Ok((train_ref, eval_ref, written))
+}
+
+/// One run's moving parts during the loop.
+struct Run<'a> {
+    cfg: &'a TrainConfig,
+    objective: Objective,
+    model: &'a TrainLlama,
+    codec: &'a ChatCodec,
+    pad_id: u32,
+    total_steps: usize,
+    per_epoch: usize,
+    examples: &'a Examples,
+    eval: Option<&'a Examples>,
+    log: std::fs::File,
+    /// Non-padding tokens processed by training steps of this process.
+    tokens: usize,
+    last_log: serde_json::Map<String, serde_json::Value>,
+    last_eval: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl Run<'_> {
+    /// Example indices of micro-batch `k` (global count): epochs are seeded permutations, so a
+    /// resumed run sees exactly the batches the interrupted one would have.
+    fn micro_batch(&self, k: usize) -> Vec<usize> {
+        let n = self.examples.len();
+        let per_epoch_micro = n.div_ceil(self.cfg.batch_size);
+        let epoch = k / per_epoch_micro;
+        let within = k % per_epoch_micro;
+        let mut order: Vec<usize> = (0..n).collect();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.cfg.seed.wrapping_add(epoch as u64));
+        order.shuffle(&mut rng);
+        let start = within * self.cfg.batch_size;
+        order[start..(start + self.cfg.batch_size).min(n)].to_vec()
+    }
+
+    fn epoch_at(&self, step: usize) -> f64 {
+        step as f64 / self.per_epoch.max(1) as f64
+    }
+
+    /// Forward + backward over `grad_accum` micro-batches; gradients summed (each loss scaled
+    /// by 1/k), metrics averaged.
+    fn accumulate(
+        &mut self,
+        step: usize,
+    ) -> Result<(candle_core::backprop::GradStore, Metrics)> {
+        let k = self.cfg.grad_accum;
+        let vars = self.model.vars();
+        let mut acc: Option<candle_core::backprop::GradStore> = None;
+        let mut all = Vec::with_capacity(k);
+        self.model.set_training(true);
+        for j in 0..k {
+            let idx = self.micro_batch(step * k + j);
+            let (loss, metrics, tokens) = self.loss_of(&idx, true)?;
+            self.tokens += tokens;
+            let grads = (loss / k as f64)?.backward()?;
+            match acc.as_mut() {
+                None => acc = Some(grads),
+                Some(a) => super::optim::accumulate_grads(a, grads, &vars)?,
+            }
+            all.push(metrics);
+        }
+        self.model.set_training(false);
+        let grads = acc.ok_or_else(|| anyhow!("no micro-batch"))?;
+        Ok((grads, mean_metrics(&all)))
+    }
+
+    /// Loss, metrics and real-token count of the examples `idx` of the training set (or of
+    /// the evaluation set when `train` is false).
+    fn loss_of(&self, idx: &[usize], train: bool) -> Result<(Tensor, Metrics, usize)> {
+        let examples = if train {
+            self.examples
+        } else {
+            self.eval.ok_or_else(|| anyhow!("no evaluation set"))?
+        };
+        let device = self.model.device();
+        match (examples, self.objective) {
+            (Examples::Seqs(seqs), Objective::Sft) => {
+                let rows: Vec<TokenizedSeq> = idx.iter().map(|&i| seqs[i].clone()).collect();
+                let tokens = rows.iter().map(|r| r.ids.len()).sum();
+                let batch = SeqBatch::new(&rows, self.pad_id, device)?;
+                let (loss, _) = sft_loss(self.model, &batch)?;
+                let v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                Ok((loss, vec![("loss".into(), v)], tokens))
+            }
+            (Examples::Pairs { pairs, reference }, Objective::Dpo(dpo)) => {
+                let rows: Vec<TokenizedPair> = idx.iter().map(|&i| pairs[i].clone()).collect();
+                let tokens = rows
+                    .iter()
+                    .map(|p| 2 * p.prompt.len() + p.chosen.len() + p.rejected.len())
+                    .sum();
+                let batch = PairBatch::new(&rows, self.pad_id, device)?;
+                let lp = pair_logps_full(self.model, &batch)?;
+                let average = dpo.loss_type.average_logps();
+                let (pc, pr) = lp.for_loss(average)?;
+                let (rc, rr) = self.reference_tensors(&rows, idx, reference, average)?;
+                let out = dpo_loss(&pc, &pr, &rc, &rr, &dpo)?;
+                let mut metrics = dpo_named(&out.metrics);
+                let mut loss = out.loss;
+                if self.cfg.sft_weight > 0.0 {
+                    let nll = (&lp.chosen / &lp.chosen_tokens)?.neg()?.mean_all()?;
+                    let nll_v = nll.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    loss = (loss + (nll * self.cfg.sft_weight)?)?;
+                    metrics[0].1 = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    metrics.push(("nll_loss".into(), nll_v));
+                }
+                Ok((loss, metrics, tokens))
+            }
+            _ => bail!("internal: examples do not match the objective"),
+        }
+    }
+
+    fn reference_tensors(
+        &self,
+        rows: &[TokenizedPair],
+        idx: &[usize],
+        reference: &[(f64, f64)],
+        average: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        let dtype = self.model.dtype();
+        let mut c = Vec::with_capacity(idx.len());
+        let mut r = Vec::with_capacity(idx.len());
+        for (row, &i) in rows.iter().zip(idx) {
+            let (rc, rr) = reference[i];
+            if average {
+                c.push(rc / row.chosen.len() as f64);
+                r.push(rr / row.rejected.len() as f64);
+            } else {
+                c.push(rc);
+                r.push(rr);
+            }
+        }
+        let t = |v: Vec<f64>| -> Result<Tensor> {
+            Ok(Tensor::new(v, self.model.device())?.to_dtype(dtype)?)
+        };
+        Ok((t(c)?, t(r)?))
+    }
+
+    /// Mean metrics over the evaluation set, logged with TRL's `eval_` prefix.
+    fn evaluate(&mut self, step: usize) -> Result<()> {
+        let Some(eval) = self.eval else {
+            return Ok(());
+        };
+        let mut all = Vec::new();
+        let n = eval.len();
+        for start in (0..n).step_by(self.cfg.batch_size) {
+            let idx: Vec<usize> = (start..(start + self.cfg.batch_size).min(n)).collect();
+            let (_, metrics, _) = self.loss_of(&idx, false)?;
+            all.push(metrics);
+        }
+        let mean: Metrics = mean_metrics(&all)
+            .into_iter()
+            .map(|(k, v)| (format!("eval_{k}"), v))
+            .collect();
+        let line = self.log_line(step, &mean, None);
+        self.append_log(&line)?;
+        self.last_eval = Some(line);
+        Ok(())
+    }
+
+    fn log_line(
+        &self,
+        step: usize,
+        metrics: &Metrics,
+        tps: Option<f64>,
+    ) -> serde_json::Map<String, serde_json::Value> {
+        let mut obj = serde_json::Map::new();
+        obj.insert("step".into(), step.into());
+        obj.insert("epoch".into(), self.epoch_at(step).into());
+        for (k, v) in metrics {
+            obj.insert(k.clone(), (*v).into());
+        }
+        if let Some(t) = tps {
+            obj.insert("tokens_per_second".into(), t.into());
+        }
+        obj
+    }
+
+    fn write_log(&mut self, step: usize, metrics: &Metrics, tps: Option<f64>) -> Result<()> {
+        let line = self.log_line(step, metrics, tps);
+        self.append_log(&line)?;
+        self.last_log = line;
+        Ok(())
+    }
+
+    fn append_log(&mut self, line: &serde_json::Map<String, serde_json::Value>) -> Result<()> {
+        let mut text = serde_json::to_string(line)?;
+        text.push('\n');
+        self.log.write_all(text.as_bytes())?;
+        self.log.flush()?;
+        Ok(())
+    }
+}
+
+fn open_log(path: &Path) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))
+}
+
+/// Keeps the log lines of steps ≤ `step` (a resumed run rewrites what came after its
+/// checkpoint); a torn last line is dropped.
+fn truncate_logs(path: &Path, step: usize) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let mut kept = String::new();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v["step"].as_u64().is_some_and(|s| s as usize <= step) {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    write_atomic(path, kept.as_bytes())
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<()> {
+    write_atomic(path, serde_json::to_string_pretty(value)?.as_bytes())
+}
+
+/// The model files of a checkpoint: PEFT adapter (LoRA) or full HF model, plus the tokenizer
+/// and chat template so that the directory works as a model spec on its own.
+fn save_model_files(run: &Run, dir: &Path) -> Result<()> {
+    if run.model.lora_config().is_some() {
+        run.model.save_adapter(dir)?;
+    } else {
+        run.model.save_hf(dir, None)?;
+    }
+    run.codec.save_hf(dir)?;
+    Ok(())
+}
+
+fn save_full_model(run: &Run, dir: &Path) -> Result<()> {
+    let tmp = dir.with_extension("tmp");
+    let _ = std::fs::remove_dir_all(&tmp);
+    run.model.save_hf(&tmp, None)?;
+    run.codec.save_hf(&tmp)?;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::rename(&tmp, dir)?;
+    Ok(())
+}
+
+/// Writes a checkpoint into a temporary directory and renames it into place, so a crash
+/// never leaves a half-written checkpoint under the real name.
+fn save_checkpoint(run: &Run, opt: &AdamW, dir: &Path, step: usize) -> Result<()> {
+    let tmp = dir.with_extension("tmp");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    save_model_files(run, &tmp)?;
+    opt.save(&tmp.join("optimizer.safetensors"))?;
+    let state = TrainerState {
+        global_step: step,
+        total_steps: run.total_steps,
+        epoch: run.epoch_at(step),
+        optimizer_steps: opt.step_count(),
+    };
+    write_json_atomic(&tmp.join("trainer_state.json"), &state)?;
+    write_json_atomic(&tmp.join("training_args.json"), run.cfg)?;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::rename(&tmp, dir).with_context(|| format!("saving {}", dir.display()))?;
+    Ok(())
+}
+
+/// The `checkpoint-N` with the highest N that has a trainer state.
+fn latest_checkpoint(output: &Path) -> Result<Option<(PathBuf, TrainerState)>> {
+    let mut best: Option<(usize, PathBuf)> = None;
+    let Ok(entries) = std::fs::read_dir(output) else {
+        return Ok(None);
+    };
+    for e in entries.filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(n) = name
+            .strip_prefix("checkpoint-")
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if e.path().join("trainer_state.json").is_file() && best.as_ref().is_none_or(|b| n > b.0)
+        {
+            best = Some((n, e.path()));
+        }
+    }
+    let Some((_, dir)) = best else {
+        return Ok(None);
+    };
+    let p = dir.join("trainer_state.json");
+    let state: TrainerState = serde_json::from_str(&std::fs::read_to_string(&p)?)
+        .with_context(|| format!("reading {}", p.display()))?;
+    Ok(Some((dir, state)))
+}
+
+fn restore_checkpoint(
+    model: &TrainLlama,
+    opt: &mut AdamW,
+    dir: &Path,
+    state: &TrainerState,
+) -> Result<()> {
+    let weights = if model.lora_config().is_some() {
+        dir.join(ADAPTER_WEIGHTS)
+    } else {
+        dir.join("model.safetensors")
+    };
+    let tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&weights, model.device())
+        .with_context(|| format!("reading {}", weights.display()))?;
+    model
+        .load_trainable(&tensors)
+        .with_context(|| format!("{}: does not match this model / LoRA setting", weights.display()))?;
+    opt.load(&dir.join("optimizer.safetensors"), state.optimizer_steps)?;
+    Ok(())
+}
+
+fn progress_bar(enabled: bool, total: usize, start: usize) -> indicatif::ProgressBar {
+    if !enabled {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(start as u64);
+    bar.reset_eta();
+    bar
+}
+
+fn progress_bar_named(enabled: bool, total: usize, what: &str) -> indicatif::ProgressBar {
+    let bar = progress_bar(enabled, total, 0);
+    bar.set_message(what.to_string());
+    bar
+}
+
+fn bar_message(metrics: &Metrics, tps: f64) -> String {
+    let get = |k: &str| metrics.iter().find(|m| m.0 == k).map(|m| m.1);
+    let mut s = format!("loss {:.4}", get("loss").unwrap_or(f64::NAN));
+    if let Some(a) = get("rewards/accuracies") {
+        s.push_str(&format!(" acc {a:.2}"));
+    }
+    s.push_str(&format!(" {tps:.0} tok/s"));
+    s
+}

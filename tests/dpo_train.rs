@@ -1,0 +1,488 @@
+//! `dpo_train` end to end on the tiny model: real parquet pairs in, logs / checkpoints /
+//! adapters out; learning, LoRA save/reload/merge, resume, serve a checkpoint, tokenization
+//! rules and bad input.
+
+#[path = "common/model_util.rs"]
+mod model_util;
+#[path = "common/serve_util.rs"]
+mod serve_util;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use collabllm::dataset::{write_pairs_parquet, PairRow};
+use collabllm::llm::engine::ChatCodec;
+use collabllm::llm::local::{LoadOptions, LocalBackend};
+use collabllm::llm::peft::{peft_tensor_name, AdapterConfig};
+use collabllm::llm::spec::{resolve_local, LocalModelFiles};
+use collabllm::llm::tiny::TinySpec;
+use collabllm::llm::{ChatMessage, ModelSpec};
+use collabllm::train::data::{
+    drop_oldest_turn, tokenize_conversation, tokenize_pairs, TokenizeStats,
+};
+use collabllm::train::model::TrainLlama;
+use collabllm::train::trainer::{train, LoraOptions, TrainConfig};
+use model_util::*;
+
+fn row(i: usize, prompt: Vec<ChatMessage>, chosen: &str, rejected: &str) -> PairRow {
+    PairRow {
+        prompt,
+        chosen: vec![ChatMessage::assistant(chosen)],
+        rejected: vec![ChatMessage::assistant(rejected)],
+        score_chosen: 1.0,
+        score_rejected: 0.0,
+        conv_id: format!("c{i}"),
+        turn_id: 0,
+    }
+}
+
+/// A toy preference: always answer "yes" rather than "no!".
+fn toy_rows() -> Vec<PairRow> {
+    ["Is it?", "Can we go?", "Ok", "Sea is blue, right?"]
+        .iter()
+        .enumerate()
+        .map(|(i, q)| row(i, vec![ChatMessage::user(*q)], "yes", "no!"))
+        .collect()
+}
+
+struct Fixture {
+    _guard: tempfile::TempDir,
+    model: PathBuf,
+    data: PathBuf,
+    root: PathBuf,
+}
+
+fn fixture() -> Fixture {
+    one_thread();
+    let (guard, model) = tiny_model_dir(&TinySpec::default());
+    let root = guard.path().to_path_buf();
+    let data = root.join("pairs");
+    std::fs::create_dir_all(&data).unwrap();
+    write_pairs_parquet(&data.join("train.parquet"), &toy_rows()).unwrap();
+    write_pairs_parquet(&data.join("test.parquet"), &toy_rows()[..2]).unwrap();
+    Fixture {
+        _guard: guard,
+        model,
+        data,
+        root,
+    }
+}
+
+fn config(f: &Fixture, out: &str) -> TrainConfig {
+    let mut cfg = TrainConfig::new(
+        f.data.clone(),
+        &f.model.display().to_string(),
+        f.root.join(out),
+    );
+    cfg.batch_size = 2;
+    cfg.max_length = 128;
+    cfg.warmup_ratio = 0.0;
+    cfg
+}
+
+fn logs(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("logs.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn train_lines(dir: &Path) -> Vec<serde_json::Value> {
+    logs(dir)
+        .into_iter()
+        .filter(|l| l.get("loss").is_some())
+        .collect()
+}
+
+fn codec(model: &Path) -> ChatCodec {
+    ChatCodec::load(&LocalModelFiles::HfDir(model.to_path_buf())).unwrap()
+}
+
+fn tokens_of(model: &TrainLlama, ids: &[u32]) -> Vec<Vec<f32>> {
+    let t = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    model
+        .forward(&t, None)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec2()
+        .unwrap()
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn dpo_learns_the_toy_preference_with_trl_metrics() {
+    let f = fixture();
+    let mut cfg = config(&f, "full");
+    cfg.lr = 1e-3;
+    cfg.max_steps = Some(30);
+    let summary = train(&cfg, false).unwrap();
+    let lines = train_lines(&cfg.output);
+    assert_eq!(lines.len(), 30);
+    // Step 0 (measured before the first update): policy = reference.
+    let first = &lines[0];
+    assert!((first["loss"].as_f64().unwrap() - std::f64::consts::LN_2).abs() < 1e-4);
+    assert_eq!(first["rewards/accuracies"].as_f64().unwrap(), 0.0);
+    for key in [
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+        "learning_rate",
+        "grad_norm",
+        "epoch",
+        "step",
+    ] {
+        assert!(first.get(key).is_some(), "log line lacks `{key}`: {first}");
+    }
+    let last = lines.last().unwrap();
+    assert!(last["rewards/accuracies"].as_f64().unwrap() > 0.9, "{last}");
+    assert!(last["loss"].as_f64().unwrap() < 0.3, "{last}");
+    // The evaluation split (test.parquet beside train.parquet) is evaluated at the end.
+    let eval = summary.last_eval.expect("an eval line");
+    assert!(eval["eval_rewards/accuracies"].as_f64().unwrap() > 0.9);
+    // The final checkpoint is a complete HF model that chats.
+    let out = cfg.output.join("final");
+    for f in ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(out.join(f).is_file(), "final/ lacks {f}");
+    }
+    // The reference cache lives beside the data and a second run uses it.
+    let cache = summary.ref_cache.expect("a reference cache file");
+    assert!(cache.starts_with(&f.data), "{}", cache.display());
+}
+
+#[test]
+fn lora_learns_saves_reloads_and_merges() {
+    let f = fixture();
+    let mut cfg = config(&f, "lora");
+    cfg.lr = 1e-2;
+    cfg.max_steps = Some(30);
+    cfg.lora = Some(LoraOptions {
+        r: 8,
+        alpha: 16.0,
+        ..Default::default()
+    });
+    cfg.merge = true;
+    let summary = train(&cfg, false).unwrap();
+    let lines = train_lines(&cfg.output);
+    assert!((lines[0]["loss"].as_f64().unwrap() - std::f64::consts::LN_2).abs() < 1e-4);
+    let last = lines.last().unwrap();
+    assert!(last["rewards/accuracies"].as_f64().unwrap() > 0.9, "{last}");
+    assert!(last["loss"].as_f64().unwrap() < lines[0]["loss"].as_f64().unwrap());
+    // Only the adapters train: 2 layers × 7 modules × (A + B).
+    // r·(in + out) per module: q 1024, k 768, v 768, o 1024, gate/up/down 1536 each.
+    assert_eq!(summary.trainable_params, 2 * 8192, "adapter parameter count");
+
+    let adapter_dir = cfg.output.join("final");
+    let acfg = AdapterConfig::read(&adapter_dir).unwrap();
+    assert_eq!((acfg.r, acfg.lora_alpha), (8, 16.0));
+    assert_eq!(acfg.target_modules.len(), 7);
+    let adapter = candle_core::safetensors::load(
+        adapter_dir.join("adapter_model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let a_name = peft_tensor_name(0, "q_proj", "A");
+    assert_eq!(adapter[&a_name].dims(), &[8, 64]);
+
+    // Reload: base + adapter loaded into a fresh LoRA model gives the trained logits, which
+    // the merged export reproduces.
+    let ids: Vec<u32> = "<|im_start|>user\nIs it?".bytes().map(u32::from).collect();
+    let mut reloaded = TrainLlama::from_hf_dir(&f.model, DType::F32, &Device::Cpu).unwrap();
+    reloaded.enable_lora(acfg.clone(), 7).unwrap();
+    reloaded.load_trainable(&adapter).unwrap();
+    let merged_dir = summary.merged_dir.expect("merged dir");
+    let merged = TrainLlama::from_hf_dir(&merged_dir, DType::F32, &Device::Cpu).unwrap();
+    let base = TrainLlama::from_hf_dir(&f.model, DType::F32, &Device::Cpu).unwrap();
+    let (l_reload, l_merged, l_base) = (
+        tokens_of(&reloaded, &ids),
+        tokens_of(&merged, &ids),
+        tokens_of(&base, &ids),
+    );
+    assert!(max_diff(&l_reload, &l_merged) < 1e-4);
+    assert!(max_diff(&l_reload, &l_base) > 1e-2, "the adapter changed nothing");
+    // merged W = W + (α/r)·B·A, checked on one weight.
+    let w = "model.layers.0.self_attn.q_proj.weight";
+    let base_w = &base.hf_tensors().unwrap()[w];
+    let merged_w = &merged.hf_tensors().unwrap()[w];
+    let delta = adapter[&peft_tensor_name(0, "q_proj", "B")]
+        .matmul(&adapter[&a_name])
+        .unwrap();
+    let expect = (base_w + (delta * 2.0).unwrap()).unwrap();
+    let diff = (merged_w - expect)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-6, "merged weight differs by {diff}");
+
+    // The inference engine loads the adapter directory as a model spec (merged at load).
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let files = rt
+        .block_on(resolve_local(&ModelSpec::HfDir(adapter_dir.clone())))
+        .unwrap();
+    assert!(matches!(files, LocalModelFiles::Adapter { .. }));
+    let opts = LoadOptions {
+        weights: collabllm::llm::llama::WeightFormat::F32,
+        ..Default::default()
+    };
+    let engine = collabllm::llm::engine::Engine::load(&files, &opts).unwrap();
+    let next = engine.next_token_logits(&ids).unwrap();
+    let want = l_merged.last().unwrap();
+    let d = next
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(d < 1e-3, "engine logits differ from the merged model by {d}");
+}
+
+#[test]
+fn resume_continues_with_the_same_state() {
+    let f = fixture();
+    let mut straight = config(&f, "straight");
+    straight.lr = 1e-3;
+    straight.max_steps = Some(6);
+    straight.save_steps = Some(3);
+    straight.batch_size = 1;
+    straight.grad_accum = 2;
+    train(&straight, false).unwrap();
+
+    let mut crashed = straight.clone();
+    crashed.output = f.root.join("crashed");
+    crashed.stop_after = Some(3);
+    let err = train(&crashed, false).unwrap_err();
+    assert!(err.to_string().contains("stopped after step 3"), "{err}");
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(crashed.output.join("checkpoint-3/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["global_step"], 3);
+    // A fresh run refuses to overwrite it.
+    crashed.stop_after = None;
+    let refused = train(&crashed, false).unwrap_err().to_string();
+    assert!(refused.contains("--resume"), "{refused}");
+    crashed.resume = true;
+    let summary = train(&crashed, false).unwrap();
+    assert_eq!(summary.resumed_from, Some(3));
+
+    // Same steps, same metrics, same weights and optimizer moments as the uninterrupted run.
+    let (a, b) = (train_lines(&straight.output), train_lines(&crashed.output));
+    assert_eq!(a.len(), 6);
+    assert_eq!(b.len(), 6, "resumed logs: {b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x["step"], y["step"]);
+        for k in ["loss", "grad_norm", "learning_rate", "rewards/margins"] {
+            let (p, q) = (x[k].as_f64().unwrap(), y[k].as_f64().unwrap());
+            assert!((p - q).abs() <= 1e-6 * p.abs().max(1.0), "{k}: {p} vs {q}");
+        }
+    }
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let load = |dir: &Path| -> HashMap<String, Tensor> {
+            candle_core::safetensors::load(dir.join("final").join(file), &Device::Cpu).unwrap()
+        };
+        let (ta, tb) = (load(&straight.output), load(&crashed.output));
+        assert_eq!(ta.len(), tb.len());
+        for (k, v) in &ta {
+            let d = (v - &tb[k])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(d < 1e-6, "{file} `{k}` differs by {d}");
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_serves_chat_replies() {
+    let f = fixture();
+    let mut cfg = config(&f, "serve");
+    cfg.max_steps = Some(1);
+    train(&cfg, false).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let spec: ModelSpec = cfg.output.join("final").display().to_string().parse().unwrap();
+        let backend = LocalBackend::load(&spec, &LoadOptions::default())
+            .await
+            .unwrap();
+        let addr = serve_util::spawn_server(backend, "ckpt").await;
+        let body = serde_json::json!({
+            "model": "ckpt",
+            "messages": [{"role": "user", "content": "Is it?"}],
+            "max_tokens": 4,
+            "temperature": 0.0
+        });
+        let (status, text) = serve_util::post_raw(addr, body.to_string()).await;
+        assert_eq!(status, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    });
+}
+
+#[test]
+fn sft_mode_trains_on_assistant_tokens_only() {
+    let f = fixture();
+    let mut cfg = config(&f, "sft");
+    cfg.loss = "sft".into();
+    cfg.lr = 1e-3;
+    cfg.max_steps = Some(20);
+    train(&cfg, false).unwrap();
+    let lines = train_lines(&cfg.output);
+    let (first, last) = (
+        lines[0]["loss"].as_f64().unwrap(),
+        lines.last().unwrap()["loss"].as_f64().unwrap(),
+    );
+    assert!(last < 0.5 * first, "SFT loss {first} → {last}");
+    assert!(lines[0].get("rewards/accuracies").is_none());
+
+    // The loss mask covers exactly the assistant message and its end-of-turn token.
+    let c = codec(&f.model);
+    let conv = vec![
+        ChatMessage::user("Hi"),
+        ChatMessage::assistant("Hello!"),
+        ChatMessage::user("Bye"),
+        ChatMessage::assistant("Ciao"),
+    ];
+    let seq = tokenize_conversation(&c, &conv).unwrap();
+    let masked: Vec<u32> = seq
+        .ids
+        .iter()
+        .zip(&seq.loss_mask)
+        .filter(|(_, &m)| m)
+        .map(|(&t, _)| t)
+        .collect();
+    let text = c.tokenizer.decode(&masked, false).unwrap();
+    assert_eq!(text, "Hello!<|im_end|>\nCiao<|im_end|>\n");
+}
+
+#[test]
+fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
+    one_thread();
+    let (_g, model) = tiny_model_dir(&TinySpec::default());
+    let c = codec(&model);
+    let path = Path::new("pairs.parquet");
+    let im_end = c.tokenizer.token_to_id("<|im_end|>").unwrap();
+
+    // No duplicate EOS: the completion holds the template's one end-of-turn token.
+    let (pairs, _) = tokenize_pairs(&c, &toy_rows(), 128, path).unwrap();
+    for p in &pairs {
+        assert_eq!(p.chosen.iter().filter(|&&t| t == im_end).count(), 1);
+        assert_eq!(p.rejected.iter().filter(|&&t| t == im_end).count(), 1);
+        assert_eq!(
+            c.tokenizer.decode(&p.chosen, false).unwrap(),
+            "yes<|im_end|>\n"
+        );
+    }
+
+    // Long histories lose their oldest whole turns; the system message stays.
+    let history = vec![
+        ChatMessage::system("Sys."),
+        ChatMessage::user(&"a".repeat(40)),
+        ChatMessage::assistant(&"b".repeat(40)),
+        ChatMessage::user("Last question?"),
+    ];
+    assert_eq!(
+        drop_oldest_turn(&history).unwrap(),
+        vec![history[0].clone(), history[3].clone()]
+    );
+    assert!(drop_oldest_turn(&history[..1]).is_none());
+    let long = row(0, history.clone(), "yes", "no!");
+    let short_prompt = c
+        .encode(&c.render(&[history[0].clone(), history[3].clone()], true).unwrap())
+        .unwrap();
+    let (pairs, stats) = tokenize_pairs(&c, &[long.clone()], short_prompt.len() + 8, path).unwrap();
+    assert_eq!(pairs[0].prompt, short_prompt);
+    assert_eq!(
+        stats,
+        TokenizeStats {
+            rows: 1,
+            kept: 1,
+            truncated: 1,
+            dropped_too_long: 0
+        }
+    );
+    // Still too long with only the last turn: dropped and counted, never cut.
+    let (pairs, stats) = tokenize_pairs(&c, &[long], 10, path).unwrap();
+    assert!(pairs.is_empty());
+    assert_eq!(stats.dropped_too_long, 1);
+
+    // A template whose generation prompt is not a prefix of the rendered reply → hard error.
+    let bad = ChatCodec {
+        tokenizer: c.tokenizer.clone(),
+        template: collabllm::llm::chat_template::ChatTemplate::new(
+            "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}",
+            "bad-template",
+            "",
+            "",
+        )
+        .unwrap(),
+        eos_ids: vec![im_end],
+    };
+    let err = tokenize_pairs(&bad, &toy_rows(), 128, path)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not a prefix") && err.contains("row 0"), "{err}");
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    let f = fixture();
+    // A parquet without `chosen`.
+    let no_chosen = f.root.join("no_chosen.parquet");
+    {
+        use arrow::array::{ArrayRef, StringArray};
+        use arrow::record_batch::RecordBatch;
+        let col: ArrayRef = std::sync::Arc::new(StringArray::from(vec!["q"]));
+        let batch = RecordBatch::try_from_iter([("prompt", col.clone()), ("rejected", col)])
+            .unwrap();
+        let file = std::fs::File::create(&no_chosen).unwrap();
+        let mut w = parquet::arrow::ArrowWriter::try_new(file, batch.schema(), None).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+    }
+    let mut cfg = config(&f, "bad1");
+    cfg.data = no_chosen.clone();
+    let err = format!("{:#}", train(&cfg, false).unwrap_err());
+    assert!(err.contains("chosen") && err.contains("no_chosen.parquet"), "{err}");
+
+    // An empty dataset.
+    let empty = f.root.join("empty.parquet");
+    write_pairs_parquet(&empty, &[]).unwrap();
+    let mut cfg = config(&f, "bad2");
+    cfg.data = empty;
+    let err = format!("{:#}", train(&cfg, false).unwrap_err());
+    assert!(err.contains("empty"), "{err}");
+
+    // A model path that does not exist.
+    let mut cfg = config(&f, "bad3");
+    cfg.model = f.root.join("nope").join("model.gguf").display().to_string();
+    let err = format!("{:#}", train(&cfg, false).unwrap_err());
+    assert!(err.contains("nope") && err.contains("does not exist"), "{err}");
+
+    // Nonsense settings are refused before any work.
+    let mut cfg = config(&f, "bad4");
+    cfg.loss = "kto".into();
+    let err = format!("{:#}", train(&cfg, false).unwrap_err());
+    assert!(err.contains("kto"), "{err}");
+}
