@@ -69,10 +69,38 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
     },
+    /// One DPO optimizer step in f32 (batch 1 pair): seconds per step (forward, backward,
+    /// optimizer), tokens/s and peak RSS; full fine-tuning, or LoRA r=32 with `--lora`. Run
+    /// each mode in its own process: peak RSS is per process.
+    TrainStep {
+        /// Model spec (`default` is dequantized from its GGUF to f32).
+        #[arg(long, default_value = "default")]
+        model: ModelSpec,
+        /// Compute threads.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Prompt tokens.
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        /// Tokens in each completion (chosen and rejected).
+        #[arg(long, default_value_t = 128)]
+        completion_tokens: usize,
+        /// Timed steps after one warm-up step; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        /// Train LoRA adapters (r=32, α=16, all seven projections) instead of all weights.
+        #[arg(long)]
+        lora: bool,
+        /// Recompute activations layer by layer in the backward pass (less memory).
+        #[arg(long)]
+        gradient_checkpointing: bool,
+    },
 }
 
 #[path = "bench/orchestration.rs"]
 mod orchestration;
+#[path = "bench/train_step.rs"]
+mod train_step;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -169,6 +197,25 @@ fn main() -> ExitCode {
         } => {
             collabllm::cli::set_compute_threads(Some(threads));
             decode(model, prompt_tokens, new_tokens, n, repeats)
+        }
+        Command::TrainStep {
+            model,
+            threads,
+            prompt_tokens,
+            completion_tokens,
+            steps,
+            lora,
+            gradient_checkpointing,
+        } => {
+            collabllm::cli::set_compute_threads(Some(threads));
+            train_step::run(train_step::Params {
+                model,
+                prompt_tokens,
+                completion_tokens,
+                steps,
+                lora,
+                checkpointing: gradient_checkpointing,
+            })
         }
         Command::Orchestration {
             latency_ms,

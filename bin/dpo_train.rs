@@ -155,6 +155,12 @@ struct Args {
     #[arg(long, value_name = "T", default_value = "auto", value_parser = ["auto", "f32", "bf16"])]
     dtype: String,
 
+    /// Recompute each layer's activations during the backward pass instead of keeping them
+    /// (HF's gradient checkpointing): activation memory of one layer instead of all, for about
+    /// one extra forward pass of compute.
+    #[arg(long)]
+    gradient_checkpointing: bool,
+
     /// Do not read or write the reference log-prob cache (recompute every run).
     #[arg(long)]
     no_ref_cache: bool,
@@ -200,6 +206,7 @@ impl Args {
         cfg.device = self.device;
         cfg.dtype = self.dtype;
         cfg.ref_cache = !self.no_ref_cache;
+        cfg.gradient_checkpointing = self.gradient_checkpointing;
         cfg
     }
 }

@@ -28,26 +28,81 @@ impl Default for AdamWParams {
     }
 }
 
+/// First and second moments of one variable: plain host vectors on the CPU (updated by one
+/// fused, parallel pass), tensors on other devices.
+enum Moments {
+    Host { m: Vec<f32>, v: Vec<f32> },
+    Device { m: Tensor, v: Tensor },
+}
+
 /// The optimizer over named variables.
 pub struct AdamW {
     params: AdamWParams,
     vars: Vec<(String, Var)>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    moments: Vec<Moments>,
     /// Updates applied so far.
     step: u64,
 }
 
+/// Scalars of one update.
+#[derive(Clone, Copy)]
+struct Coefs {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    decay: f64,
+    bc1: f64,
+    bc2: f64,
+}
+
+/// One fused AdamW pass over a slice (torch's formula, f32 storage, f64 scalars folded in).
+fn update_host(theta: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Coefs) {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 14;
+    let b1 = c.beta1 as f32;
+    let b2 = c.beta2 as f32;
+    let keep = (1.0 - c.lr * c.decay) as f32;
+    let step = (c.lr / c.bc1) as f32;
+    let inv_sqrt_bc2 = (1.0 / c.bc2.sqrt()) as f32;
+    let eps = c.eps as f32;
+    theta
+        .par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .for_each(|(((t, g), m), v)| {
+            for i in 0..t.len() {
+                let gi = g[i];
+                m[i] = b1 * m[i] + (1.0 - b1) * gi;
+                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+                let denom = v[i].sqrt() * inv_sqrt_bc2 + eps;
+                t[i] = t[i] * keep - step * m[i] / denom;
+            }
+        });
+}
+
 impl AdamW {
     pub fn new(vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
-        let zeros = |v: &Var| Tensor::zeros(v.shape(), DType::F32, v.device());
-        let m = vars.iter().map(|(_, v)| zeros(v)).collect::<Result<_>>()?;
-        let v = vars.iter().map(|(_, v)| zeros(v)).collect::<Result<_>>()?;
+        let moments = vars
+            .iter()
+            .map(|(_, v)| -> Result<Moments> {
+                if v.device().is_cpu() {
+                    let n = v.elem_count();
+                    Ok(Moments::Host {
+                        m: vec![0.0; n],
+                        v: vec![0.0; n],
+                    })
+                } else {
+                    let z = || Tensor::zeros(v.shape(), DType::F32, v.device());
+                    Ok(Moments::Device { m: z()?, v: z()? })
+                }
+            })
+            .collect::<Result<_>>()?;
         Ok(Self {
             params,
             vars,
-            m,
-            v,
+            moments,
             step: 0,
         })
     }
@@ -62,29 +117,63 @@ impl AdamW {
     pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<()> {
         self.step += 1;
         let p = self.params;
-        let bc1 = 1.0 - p.beta1.powi(self.step as i32);
-        let bc2 = 1.0 - p.beta2.powi(self.step as i32);
-        for (i, (_, var)) in self.vars.iter().enumerate() {
+        let c = Coefs {
+            lr,
+            beta1: p.beta1,
+            beta2: p.beta2,
+            eps: p.eps,
+            decay: p.weight_decay,
+            bc1: 1.0 - p.beta1.powi(self.step as i32),
+            bc2: 1.0 - p.beta2.powi(self.step as i32),
+        };
+        for ((_, var), moments) in self.vars.iter().zip(self.moments.iter_mut()) {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
-            let g = g.to_dtype(DType::F32)?;
-            let m = ((&self.m[i] * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
-            let v = ((&self.v[i] * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
-            let theta = var.as_tensor().to_dtype(DType::F32)?;
-            let theta = if p.weight_decay > 0.0 {
-                (theta * (1.0 - lr * p.weight_decay))?
-            } else {
-                theta
-            };
-            let denom = ((&v / bc2)?.sqrt()? + p.eps)?;
-            let update = ((&m / bc1)? / denom)?;
-            let next = (theta - (update * lr)?)?;
-            var.set(&next.to_dtype(var.dtype())?)?;
-            self.m[i] = m;
-            self.v[i] = v;
+            match moments {
+                Moments::Host { m, v } => {
+                    let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    let mut theta = var
+                        .as_tensor()
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    update_host(&mut theta, &g, m, v, c);
+                    let next = Tensor::from_vec(theta, var.shape(), var.device())?;
+                    var.set(&next.to_dtype(var.dtype())?)?;
+                }
+                Moments::Device { m, v } => {
+                    let g = g.to_dtype(DType::F32)?;
+                    let m_next = ((&*m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
+                    let v_next = ((&*v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+                    let theta = var.as_tensor().to_dtype(DType::F32)?;
+                    let theta = if c.decay > 0.0 {
+                        (theta * (1.0 - c.lr * c.decay))?
+                    } else {
+                        theta
+                    };
+                    let denom = ((&v_next / c.bc2)?.sqrt()? + c.eps)?;
+                    let update = ((&m_next / c.bc1)? / denom)?;
+                    let next = (theta - (update * c.lr)?)?;
+                    var.set(&next.to_dtype(var.dtype())?)?;
+                    *m = m_next;
+                    *v = v_next;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// The moments of variable `i` as tensors (m, v).
+    fn moment_tensors(&self, i: usize) -> Result<(Tensor, Tensor)> {
+        let var = &self.vars[i].1;
+        match &self.moments[i] {
+            Moments::Host { m, v } => Ok((
+                Tensor::from_slice(m, var.shape(), &candle_core::Device::Cpu)?,
+                Tensor::from_slice(v, var.shape(), &candle_core::Device::Cpu)?,
+            )),
+            Moments::Device { m, v } => Ok((m.clone(), v.clone())),
+        }
     }
 
     /// Writes the moments (`m.<name>`, `v.<name>`) to a safetensors file; the step count goes
@@ -92,22 +181,18 @@ impl AdamW {
     pub fn save(&self, path: &Path) -> Result<()> {
         let mut map = HashMap::new();
         for (i, (name, _)) in self.vars.iter().enumerate() {
-            map.insert(format!("m.{name}"), self.m[i].clone());
-            map.insert(format!("v.{name}"), self.v[i].clone());
+            let (m, v) = self.moment_tensors(i)?;
+            map.insert(format!("m.{name}"), m);
+            map.insert(format!("v.{name}"), v);
         }
         candle_core::safetensors::save(&map, path)
     }
 
     /// Restores moments saved by [`AdamW::save`] and the step count.
     pub fn load(&mut self, path: &Path, step: u64) -> Result<()> {
-        let dev = self
-            .vars
-            .first()
-            .map(|(_, v)| v.device().clone())
-            .unwrap_or(candle_core::Device::Cpu);
-        let mut map = candle_core::safetensors::load(path, &dev)?;
+        let mut map = candle_core::safetensors::load(path, &candle_core::Device::Cpu)?;
         for (i, (name, var)) in self.vars.iter().enumerate() {
-            for (kind, slot) in [("m", &mut self.m[i]), ("v", &mut self.v[i])] {
+            let mut take = |kind: &str| -> Result<Tensor> {
                 let key = format!("{kind}.{name}");
                 let t = map.remove(&key).ok_or_else(|| {
                     candle_core::Error::Msg(format!(
@@ -123,15 +208,26 @@ impl AdamW {
                         var.dims()
                     );
                 }
-                *slot = t.to_dtype(DType::F32)?;
-            }
+                t.to_dtype(DType::F32)
+            };
+            let (m, v) = (take("m")?, take("v")?);
+            self.moments[i] = match &self.moments[i] {
+                Moments::Host { .. } => Moments::Host {
+                    m: m.flatten_all()?.to_vec1()?,
+                    v: v.flatten_all()?.to_vec1()?,
+                },
+                Moments::Device { .. } => Moments::Device {
+                    m: m.to_device(var.device())?,
+                    v: v.to_device(var.device())?,
+                },
+            };
         }
         self.step = step;
         Ok(())
     }
 
-    /// The moments, for tests that compare optimizer states.
-    pub fn moments(&self) -> (&[Tensor], &[Tensor]) {
-        (&self.m, &self.v)
+    /// The moments as tensors, for tests that compare optimizer states.
+    pub fn moments(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        (0..self.vars.len()).map(|i| self.moment_tensors(i)).collect()
     }
 }

@@ -189,11 +189,8 @@ impl SeqBatch {
 }
 
 /// SFT loss as HF computes it: the mean negative log-likelihood over every loss token of the
-/// batch. Returns (loss, number of loss tokens).
-pub fn sft_loss(model: &TrainLlama, batch: &SeqBatch) -> Result<(Tensor, f64)> {
-    let logits = model.forward(&batch.input_ids, Some(&batch.attention_mask))?;
-    let (sums, counts) = sequence_logps(&logits, &batch.input_ids, &batch.loss_mask)?;
+/// batch, from per-row sums and token counts of [`sequence_logps`].
+pub fn token_mean_nll(sums: &Tensor, counts: &Tensor) -> Result<Tensor> {
     let tokens = counts.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    let loss = (sums.sum_all()?.neg()? / tokens.max(1.0))?;
-    Ok((loss, tokens))
+    sums.sum_all()?.neg()? / tokens.max(1.0)
 }

@@ -49,6 +49,13 @@ impl TrainLayer {
     }
 }
 
+/// Per-forward tensors every layer reads.
+struct LayerContext {
+    bias: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+}
+
 /// A projection weight (out, in) and, once LoRA is enabled on it, its adapter.
 struct Proj {
     w: Tensor,
@@ -470,9 +477,7 @@ impl TrainLlama {
     /// `attention_mask` (batch, seq), 1 for real tokens and 0 for padding (any dtype), masks
     /// padded keys out of attention; the logits at padded positions are meaningless.
     pub fn forward(&self, tokens: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
-        let hidden = self.hidden_states(tokens, attention_mask)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        linear(&hidden, head)
+        self.logits_of(&self.hidden_states(tokens, attention_mask)?)
     }
 
     /// Final-normed hidden states, (batch, seq, hidden).
@@ -481,6 +486,16 @@ impl TrainLlama {
         tokens: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
+        let ctx = self.context(tokens, attention_mask)?;
+        let mut x = self.embed_tokens(tokens)?;
+        for layer in &self.layers {
+            x = self.layer_forward(layer, &x, &ctx)?;
+        }
+        self.final_norm(&x)
+    }
+
+    /// What every layer of one forward pass shares: attention bias and rotary tables.
+    fn context(&self, tokens: &Tensor, attention_mask: Option<&Tensor>) -> Result<LayerContext> {
         let (b, seq) = tokens.dims2()?;
         if seq > self.cfg.max_position_embeddings {
             candle_core::bail!(
@@ -488,23 +503,82 @@ impl TrainLlama {
                 self.cfg.max_position_embeddings
             );
         }
-        let h = self.cfg.hidden_size;
-        let mut x = self
-            .embed
+        Ok(LayerContext {
+            bias: self.attention_bias(b, seq, attention_mask)?,
+            cos: self.cos.narrow(0, 0, seq)?,
+            sin: self.sin.narrow(0, 0, seq)?,
+        })
+    }
+
+    fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, seq) = tokens.dims2()?;
+        self.embed
             .index_select(&tokens.flatten_all()?, 0)?
-            .reshape((b, seq, h))?;
-        let bias = self.attention_bias(b, seq, attention_mask)?;
-        let cos = self.cos.narrow(0, 0, seq)?;
-        let sin = self.sin.narrow(0, 0, seq)?;
+            .reshape((b, seq, self.cfg.hidden_size))
+    }
+
+    fn layer_forward(&self, layer: &TrainLayer, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
         let eps = self.cfg.rms_norm_eps as f32;
+        let hs = candle_nn::ops::rms_norm_slow(x, &layer.input_norm, eps)?;
+        let x = (x + self.attention(layer, &hs, &ctx.cos, &ctx.sin, &ctx.bias)?)?;
+        let hs = candle_nn::ops::rms_norm_slow(&x, &layer.post_norm, eps)?;
+        let act = (self.proj(&hs, &layer.gate)?.silu()? * self.proj(&hs, &layer.up)?)?;
+        x + self.proj(&act, &layer.down)?
+    }
+
+    fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::rms_norm_slow(x, &self.norm, self.cfg.rms_norm_eps as f32)
+    }
+
+    fn logits_of(&self, hidden: &Tensor) -> Result<Tensor> {
+        linear(hidden, self.lm_head.as_ref().unwrap_or(&self.embed))
+    }
+
+    /// Gradients of `loss_fn(logits)` with activation recomputation (HF's gradient
+    /// checkpointing): the forward pass keeps only each layer's input; the backward pass
+    /// re-runs one layer at a time and back-propagates through it with the gradient of its
+    /// output (as the surrogate `sum(output · grad)`), so activation memory is one layer's
+    /// instead of all of them, for about one extra forward pass of compute. Returns the
+    /// gradients of the trainable variables and whatever `loss_fn` returns besides the loss.
+    pub fn checkpointed_grads<T>(
+        &self,
+        tokens: &Tensor,
+        attention_mask: Option<&Tensor>,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(candle_core::backprop::GradStore, T)> {
+        let ctx = self.context(tokens, attention_mask)?;
+        let mut inputs = vec![self.embed_tokens(tokens)?.detach()];
         for layer in &self.layers {
-            let hs = candle_nn::ops::rms_norm_slow(&x, &layer.input_norm, eps)?;
-            x = (x + self.attention(layer, &hs, &cos, &sin, &bias)?)?;
-            let hs = candle_nn::ops::rms_norm_slow(&x, &layer.post_norm, eps)?;
-            let act = (self.proj(&hs, &layer.gate)?.silu()? * self.proj(&hs, &layer.up)?)?;
-            x = (x + self.proj(&act, &layer.down)?)?;
+            let last = inputs.last().expect("at least the embedding");
+            let out = self.layer_forward(layer, last, &ctx)?.detach();
+            inputs.push(out);
         }
-        candle_nn::ops::rms_norm_slow(&x, &self.norm, eps)
+        let top = Var::from_tensor(inputs.last().expect("layer outputs"))?;
+        let logits = self.logits_of(&self.final_norm(top.as_tensor())?)?;
+        let (loss, extra) = loss_fn(&logits)?;
+        drop(logits);
+        let mut grads = loss.backward()?;
+        drop(loss);
+        let mut upstream = grads
+            .remove(top.as_tensor())
+            .ok_or_else(|| candle_core::Error::Msg("no gradient reached the last layer".into()))?;
+        let vars = self.vars();
+        for (i, layer) in self.layers.iter().enumerate().rev() {
+            let input = Var::from_tensor(&inputs[i])?;
+            let out = self.layer_forward(layer, input.as_tensor(), &ctx)?;
+            let surrogate = (out * &upstream)?.sum_all()?;
+            let mut layer_grads = surrogate.backward()?;
+            upstream = layer_grads.remove(input.as_tensor()).ok_or_else(|| {
+                candle_core::Error::Msg(format!("no gradient reached layer {i}'s input"))
+            })?;
+            super::optim::accumulate_grads(&mut grads, layer_grads, &vars)?;
+        }
+        if !self.embed.is_variable() {
+            return Ok((grads, extra));
+        }
+        let surrogate = (self.embed_tokens(tokens)? * &upstream)?.sum_all()?;
+        super::optim::accumulate_grads(&mut grads, surrogate.backward()?, &vars)?;
+        Ok((grads, extra))
     }
 
     fn attention(

@@ -26,7 +26,7 @@ use super::adamw::{AdamW, AdamWParams};
 use super::data::{
     locate_data, read_pairs, tokenize_pairs, tokenize_sft, TokenizeStats, TokenizedSeq,
 };
-use super::logps::{pair_logps_full, sft_loss, PairBatch, SeqBatch, TokenizedPair};
+use super::logps::{pair_logps_full, PairBatch, SeqBatch, TokenizedPair};
 use super::loss::{dpo_loss, DpoConfig, DpoMetrics, LossType};
 use super::model::TrainLlama;
 use super::optim::{clip_grad_norm, warmup_steps};
@@ -121,6 +121,10 @@ pub struct TrainConfig {
     pub merge: bool,
     /// Use (and write) the reference log-prob cache beside the data.
     pub ref_cache: bool,
+    /// Recompute each layer's activations in the backward pass (less memory, ~1 extra
+    /// forward of compute).
+    #[serde(default)]
+    pub gradient_checkpointing: bool,
     /// Stop right after the checkpoint of this step, as if the process were killed there
     /// (tests of `--resume`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -159,6 +163,7 @@ impl TrainConfig {
             resume: false,
             merge: false,
             ref_cache: true,
+            gradient_checkpointing: false,
             stop_after: None,
         }
     }
@@ -728,6 +733,18 @@ fn reference_logps(
     Ok((train_ref, eval_ref, written))
 }
 
+/// A padded batch ready for a forward pass.
+struct Prepared {
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    loss_mask: Tensor,
+    /// Reference (chosen, rejected) log-probs, (B,) each, for DPO.
+    reference: Option<(Tensor, Tensor)>,
+    pairs: usize,
+    /// Real (non-padding) tokens.
+    tokens: usize,
+}
+
 /// One run's moving parts during the loop.
 struct Run<'a> {
     cfg: &'a TrainConfig,
@@ -778,9 +795,25 @@ impl Run<'_> {
         self.model.set_training(true);
         for j in 0..k {
             let idx = self.micro_batch(step * k + j);
-            let (loss, metrics, tokens) = self.loss_of(&idx, true)?;
-            self.tokens += tokens;
-            let grads = (loss / k as f64)?.backward()?;
+            let prepared = self.prepare(&idx, true)?;
+            self.tokens += prepared.tokens;
+            let scale = 1.0 / k as f64;
+            let (grads, metrics) = if self.cfg.gradient_checkpointing {
+                self.model.checkpointed_grads(
+                    &prepared.input_ids,
+                    Some(&prepared.attention_mask),
+                    |logits| {
+                        let (loss, metrics) = self.loss_from_logits(&prepared, logits)?;
+                        Ok(((loss * scale)?, metrics))
+                    },
+                )?
+            } else {
+                let logits = self
+                    .model
+                    .forward(&prepared.input_ids, Some(&prepared.attention_mask))?;
+                let (loss, metrics) = self.loss_from_logits(&prepared, &logits)?;
+                ((loss * scale)?.backward()?, metrics)
+            };
             match acc.as_mut() {
                 None => acc = Some(grads),
                 Some(a) => super::optim::accumulate_grads(a, grads, &vars)?,
@@ -792,36 +825,66 @@ impl Run<'_> {
         Ok((grads, mean_metrics(&all)))
     }
 
-    /// Loss, metrics and real-token count of the examples `idx` of the training set (or of
-    /// the evaluation set when `train` is false).
-    fn loss_of(&self, idx: &[usize], train: bool) -> Result<(Tensor, Metrics, usize)> {
+    /// The padded batch of examples `idx` of the training set (or of the evaluation set when
+    /// `train` is false).
+    fn prepare(&self, idx: &[usize], train: bool) -> Result<Prepared> {
         let examples = if train {
             self.examples
         } else {
             self.eval.ok_or_else(|| anyhow!("no evaluation set"))?
         };
         let device = self.model.device();
-        match (examples, self.objective) {
-            (Examples::Seqs(seqs), Objective::Sft) => {
+        match examples {
+            Examples::Seqs(seqs) => {
                 let rows: Vec<TokenizedSeq> = idx.iter().map(|&i| seqs[i].clone()).collect();
-                let tokens = rows.iter().map(|r| r.ids.len()).sum();
                 let batch = SeqBatch::new(&rows, self.pad_id, device)?;
-                let (loss, _) = sft_loss(self.model, &batch)?;
-                let v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                Ok((loss, vec![("loss".into(), v)], tokens))
+                Ok(Prepared {
+                    tokens: rows.iter().map(|r| r.ids.len()).sum(),
+                    input_ids: batch.input_ids,
+                    attention_mask: batch.attention_mask,
+                    loss_mask: batch.loss_mask,
+                    reference: None,
+                    pairs: 0,
+                })
             }
-            (Examples::Pairs { pairs, reference }, Objective::Dpo(dpo)) => {
+            Examples::Pairs { pairs, reference } => {
                 let rows: Vec<TokenizedPair> = idx.iter().map(|&i| pairs[i].clone()).collect();
-                let tokens = rows
-                    .iter()
-                    .map(|p| 2 * p.prompt.len() + p.chosen.len() + p.rejected.len())
-                    .sum();
                 let batch = PairBatch::new(&rows, self.pad_id, device)?;
-                let lp = pair_logps_full(self.model, &batch)?;
-                let average = dpo.loss_type.average_logps();
-                let (pc, pr) = lp.for_loss(average)?;
-                let (rc, rr) = self.reference_tensors(&rows, idx, reference, average)?;
-                let out = dpo_loss(&pc, &pr, &rc, &rr, &dpo)?;
+                let average = matches!(self.objective, Objective::Dpo(d) if d.loss_type.average_logps());
+                Ok(Prepared {
+                    tokens: rows
+                        .iter()
+                        .map(|p| 2 * p.prompt.len() + p.chosen.len() + p.rejected.len())
+                        .sum(),
+                    reference: Some(self.reference_tensors(&rows, idx, reference, average)?),
+                    pairs: rows.len(),
+                    input_ids: batch.input_ids,
+                    attention_mask: batch.attention_mask,
+                    loss_mask: batch.loss_mask,
+                })
+            }
+        }
+    }
+
+    /// The objective's loss and metrics from the logits of a prepared batch.
+    fn loss_from_logits(&self, p: &Prepared, logits: &Tensor) -> candle_core::Result<(Tensor, Metrics)> {
+        let (sums, counts) = super::logps::sequence_logps(logits, &p.input_ids, &p.loss_mask)?;
+        match (self.objective, &p.reference) {
+            (Objective::Sft, _) => {
+                let loss = super::logps::token_mean_nll(&sums, &counts)?;
+                let v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                Ok((loss, vec![("loss".into(), v)]))
+            }
+            (Objective::Dpo(dpo), Some((rc, rr))) => {
+                let b = p.pairs;
+                let lp = super::logps::PairLogps {
+                    chosen: sums.narrow(0, 0, b)?,
+                    rejected: sums.narrow(0, b, b)?,
+                    chosen_tokens: counts.narrow(0, 0, b)?,
+                    rejected_tokens: counts.narrow(0, b, b)?,
+                };
+                let (pc, pr) = lp.for_loss(dpo.loss_type.average_logps())?;
+                let out = dpo_loss(&pc, &pr, rc, rr, &dpo)?;
                 let mut metrics = dpo_named(&out.metrics);
                 let mut loss = out.loss;
                 if self.cfg.sft_weight > 0.0 {
@@ -831,10 +894,20 @@ impl Run<'_> {
                     metrics[0].1 = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                     metrics.push(("nll_loss".into(), nll_v));
                 }
-                Ok((loss, metrics, tokens))
+                Ok((loss, metrics))
             }
-            _ => bail!("internal: examples do not match the objective"),
+            (Objective::Dpo(_), None) => candle_core::bail!("internal: no reference log-probs"),
         }
+    }
+
+    /// Loss and metrics of examples `idx` (no backward).
+    fn loss_of(&self, idx: &[usize], train: bool) -> Result<(Tensor, Metrics, usize)> {
+        let p = self.prepare(idx, train)?;
+        let logits = self
+            .model
+            .forward(&p.input_ids, Some(&p.attention_mask))?;
+        let (loss, metrics) = self.loss_from_logits(&p, &logits)?;
+        Ok((loss.detach(), metrics, p.tokens))
     }
 
     fn reference_tensors(
