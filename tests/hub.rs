@@ -283,10 +283,17 @@ async fn dataset_push_lfs_card_and_idempotence() {
         .unwrap();
     assert!(!again.created);
     assert_eq!(again.commit, None);
-    assert!(again.files.iter().all(|f| f.action == "unchanged"), "{again}");
+    assert!(
+        again.files.iter().all(|f| f.action == "unchanged"),
+        "{again}"
+    );
     assert_eq!(hub.commits().len(), 1);
     assert_eq!(hub.count("/lfs-upload/"), lfs_before);
-    assert_eq!(hub.count("/preupload/"), 1, "no preupload when nothing changed");
+    assert_eq!(
+        hub.count("/preupload/"),
+        1,
+        "no preupload when nothing changed"
+    );
 
     // Without the flat config only the card changes: one commit with README.md alone.
     let third = hub::push_dataset_dir(&run, "alice/collab-math", false, &o)
@@ -339,7 +346,10 @@ async fn lora_adapter_push_and_model_card() {
     assert_eq!(commits.len(), 1);
     assert_eq!(
         commits[0].summary,
-        format!("Upload model with collabllm-rs {}", env!("CARGO_PKG_VERSION"))
+        format!(
+            "Upload model with collabllm-rs {}",
+            env!("CARGO_PKG_VERSION")
+        )
     );
     let Stored::Inline(card) = &repo.files["README.md"] else {
         panic!("README.md should be inline");
@@ -387,7 +397,10 @@ async fn unauthorized_is_clear_not_retried_and_never_shows_the_token() {
         .unwrap_err();
     assert!(matches!(e, HubError::Auth { status: 401, .. }), "{e}");
     let text = format!("{e} {e:?}");
-    assert!(text.contains("401") && text.contains("/api/repos/create"), "{text}");
+    assert!(
+        text.contains("401") && text.contains("/api/repos/create"),
+        "{text}"
+    );
     assert!(!text.contains(wrong), "token leaked: {text}");
     assert_eq!(hub.count("/api/repos/create"), 1, "401 is not retried");
 
@@ -496,7 +509,10 @@ async fn dry_run_writes_the_exact_layout() {
         std::fs::read(run.join("pairs/train.parquet")).unwrap()
     );
     let card = std::fs::read_to_string(out.join("README.md")).unwrap();
-    assert_eq!(names(&front_matter(&card)["configs"], "config_name"), ["default"]);
+    assert_eq!(
+        names(&front_matter(&card)["configs"], "config_name"),
+        ["default"]
+    );
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {
@@ -512,7 +528,11 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-fn run_push_hf(args: Vec<String>, token: &'static str, home: PathBuf) -> (Option<i32>, String, String) {
+fn run_push_hf(
+    args: Vec<String>,
+    token: &'static str,
+    home: PathBuf,
+) -> (Option<i32>, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_push_hf"))
         .args(args)
         .env("HF_TOKEN", token)
@@ -559,11 +579,15 @@ async fn push_hf_binary() {
     assert_eq!(hub.commits()[0].summary, "first");
 
     let wrong = "hf_BinaryWrongSecret55";
-    let (code, stdout, stderr) = tokio::task::spawn_blocking(move || run_push_hf(args, wrong, home))
-        .await
-        .unwrap();
+    let (code, stdout, stderr) =
+        tokio::task::spawn_blocking(move || run_push_hf(args, wrong, home))
+            .await
+            .unwrap();
     assert_eq!(code, Some(1), "{stdout}\n{stderr}");
     assert!(stderr.contains("error: pushing model bob/lora"), "{stderr}");
     assert!(stderr.contains("HTTP 401"), "{stderr}");
-    assert!(!stdout.contains(wrong) && !stderr.contains(wrong), "{stderr}");
+    assert!(
+        !stdout.contains(wrong) && !stderr.contains(wrong),
+        "{stderr}"
+    );
 }

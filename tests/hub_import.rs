@@ -92,10 +92,13 @@ fn write_fixture(path: &Path, drop: Option<&str>, extra: Option<&str>) {
         ),
         (
             "single_turn_completion",
-            Arc::new(StringArray::from_iter_values(
-                ROWS.iter()
-                    .map(|r| if r.0 == 1 { "\\boxed{2}" } else { "\\boxed{5}" }),
-            )),
+            Arc::new(StringArray::from_iter_values(ROWS.iter().map(|r| {
+                if r.0 == 1 {
+                    "\\boxed{2}"
+                } else {
+                    "\\boxed{5}"
+                }
+            }))),
         ),
         ("single_turn_metadata", Arc::new(meta)),
         (
@@ -114,8 +117,8 @@ fn write_fixture(path: &Path, drop: Option<&str>, extra: Option<&str>) {
     }
     let batch = RecordBatch::try_from_iter(cols).unwrap();
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let mut w = ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), None)
-        .unwrap();
+    let mut w =
+        ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), None).unwrap();
     w.write(&batch).unwrap();
     w.close().unwrap();
 }
@@ -153,12 +156,14 @@ fn check_output(dir: &Path) {
     for p in train.iter().chain(&test) {
         assert!(p.score_chosen > p.score_rejected);
         assert_eq!(p.chosen[0].role, "assistant");
-        assert_eq!(p.chosen[0].content, format!("reply scored {}", p.score_chosen));
+        assert_eq!(
+            p.chosen[0].content,
+            format!("reply scored {}", p.score_chosen)
+        );
         assert_eq!(p.prompt[0].role, "user");
     }
     let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m["counts"]["turns"], 5);
     assert_eq!(m["counts"]["turns_without_pair"], 2);
 }
@@ -178,7 +183,13 @@ async fn library_import_counts() {
         .await
         .unwrap();
     assert_eq!(
-        (s.rows, s.tasks, s.conversations, s.turns, s.turns_without_pair),
+        (
+            s.rows,
+            s.tasks,
+            s.conversations,
+            s.turns,
+            s.turns_without_pair
+        ),
         (12, 2, 3, 5, 2)
     );
     assert_eq!(s.pairs_train + s.pairs_test, 3);
@@ -229,7 +240,10 @@ async fn missing_and_unknown_columns_are_named() {
             }
             other => panic!("expected MissingColumn({col}), got {other}"),
         }
-        assert!(e.to_string().contains(&format!("missing column `{col}`")), "{e}");
+        assert!(
+            e.to_string().contains(&format!("missing column `{col}`")),
+            "{e}"
+        );
     }
     let file = tmp.path().join("extra.parquet");
     write_fixture(&file, None, Some("chosen_model"));
@@ -269,8 +283,8 @@ async fn missing_and_unknown_columns_are_named() {
 fn binary_import_from_hf_cache_and_local_file() {
     let tmp = tempfile::tempdir().unwrap();
     let home = tmp.path().join("hf-home");
-    let snapshot: PathBuf = home
-        .join("hub/datasets--collabllm--collabllm-multiturn-math-hard/snapshots/0123abcd/data");
+    let snapshot: PathBuf =
+        home.join("hub/datasets--collabllm--collabllm-multiturn-math-hard/snapshots/0123abcd/data");
     write_fixture(&snapshot.join("train-00000-of-00001.parquet"), None, None);
     let out = tmp.path().join("imported");
     let env: [(&str, &Path); 2] = [("HF_HOME", &home), ("HF_HUB_OFFLINE", Path::new("1"))];

@@ -43,7 +43,12 @@ pub fn parquet_info(path: &Path) -> Result<(u64, Vec<Field>, u64), HubError> {
     let size = file.metadata().map_err(|e| io_err(path, e))?.len();
     let b = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| io_err(path, e))?;
     let rows = u64::try_from(b.metadata().file_metadata().num_rows()).unwrap_or(0);
-    let fields = b.schema().fields().iter().map(|f| f.as_ref().clone()).collect();
+    let fields = b
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
     Ok((rows, fields, size))
 }
 
@@ -92,7 +97,10 @@ fn type_yaml(t: &DataType, indent: usize, out: &mut String) {
                 feature_yaml(f, indent, out);
             }
         }
-        other => out.push_str(&format!("{pad}dtype: {}\n", dtype(other).unwrap_or("string"))),
+        other => out.push_str(&format!(
+            "{pad}dtype: {}\n",
+            dtype(other).unwrap_or("string")
+        )),
     }
 }
 
@@ -159,7 +167,10 @@ fn weights_text(run_dir: &Path, manifest: &Value) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    if let Some(m) = manifest["config"]["metrics"].as_object().filter(|m| !m.is_empty()) {
+    if let Some(m) = manifest["config"]["metrics"]
+        .as_object()
+        .filter(|m| !m.is_empty())
+    {
         return fmt(m);
     }
     let first = std::fs::read_to_string(run_dir.join("conversations.jsonl"))
@@ -173,7 +184,12 @@ fn weights_text(run_dir: &Path, manifest: &Value) -> String {
 }
 
 /// The dataset card: front matter + how the data was made + how to use it.
-pub fn dataset_card(repo: &str, configs: &[ConfigInfo], run_dir: &Path, manifest: &Value) -> String {
+pub fn dataset_card(
+    repo: &str,
+    configs: &[ConfigInfo],
+    run_dir: &Path,
+    manifest: &Value,
+) -> String {
     let c = &manifest["config"];
     let name = repo.rsplit('/').next().unwrap_or(repo);
     let mut md = format!("---\n{}---\n\n# {name}\n\n", dataset_yaml(configs));
@@ -212,7 +228,10 @@ pub fn dataset_card(repo: &str, configs: &[ConfigInfo], run_dir: &Path, manifest
         ("max messages per conversation", text(&c["max_messages"])),
         ("minimum MR gap", text(&c["min_gap"])),
         ("pairs per turn", text(&c["pairs"])),
-        ("test fraction (split by conversation)", text(&c["test_fraction"])),
+        (
+            "test fraction (split by conversation)",
+            text(&c["test_fraction"]),
+        ),
         ("seed", text(&manifest["seed"])),
         (
             "tool",
@@ -276,7 +295,11 @@ pub fn dataset_card(repo: &str, configs: &[ConfigInfo], run_dir: &Path, manifest
     md
 }
 
-fn split_of(config: &str, split: &str, file: PathBuf) -> Result<(SplitInfo, Vec<Field>, RepoFile), HubError> {
+fn split_of(
+    config: &str,
+    split: &str,
+    file: PathBuf,
+) -> Result<(SplitInfo, Vec<Field>, RepoFile), HubError> {
     let (rows, fields, size) = parquet_info(&file)?;
     let path_in_repo = if config == "default" {
         format!("data/{split}-00000-of-00001.parquet")
@@ -369,7 +392,8 @@ fn hub_model_id(v: &Value) -> Option<String> {
 pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
     let has = |f: &str| dir.join(f).is_file();
     let peft = has("adapter_model.safetensors") && has("adapter_config.json");
-    let full = (has("model.safetensors") || has("model.safetensors.index.json")) && has("config.json");
+    let full =
+        (has("model.safetensors") || has("model.safetensors.index.json")) && has("config.json");
     if !peft && !full {
         return Err(HubError::Layout {
             path: dir.to_path_buf(),
@@ -411,8 +435,10 @@ fn collect(dir: &Path, prefix: &str, out: &mut Vec<RepoFile>) -> Result<(), HubE
 /// from `training_args.json` / `train_summary.json` when present.
 pub fn model_card(dir: &Path, repo: &str, peft: bool, files: &[String]) -> String {
     let args = read_json(&dir.join("training_args.json"));
-    let summary = read_json(&dir.join("train_summary.json"))
-        .or_else(|| dir.parent().and_then(|p| read_json(&p.join("train_summary.json"))));
+    let summary = read_json(&dir.join("train_summary.json")).or_else(|| {
+        dir.parent()
+            .and_then(|p| read_json(&p.join("train_summary.json")))
+    });
     let adapter = read_json(&dir.join("adapter_config.json"));
     let base = adapter
         .as_ref()
@@ -438,8 +464,14 @@ pub fn model_card(dir: &Path, repo: &str, peft: bool, files: &[String]) -> Strin
     let mut md = format!(
         "---\n{y}---\n\n# {name}\n\n{} trained with collabllm-rs `dpo_train` (CollabLLM: DPO on \
          multiturn-aware preference pairs){}.\n\n",
-        if peft { "A LoRA adapter (PEFT layout)" } else { "A causal language model (Hugging Face layout)" },
-        base.as_ref().map(|b| format!(" from `{b}`")).unwrap_or_default()
+        if peft {
+            "A LoRA adapter (PEFT layout)"
+        } else {
+            "A causal language model (Hugging Face layout)"
+        },
+        base.as_ref()
+            .map(|b| format!(" from `{b}`"))
+            .unwrap_or_default()
     );
     let table = |title: &str, v: &Value, md: &mut String| {
         if let Some(o) = v.as_object() {

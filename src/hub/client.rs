@@ -200,7 +200,9 @@ impl HubClient {
             body["type"] = json!("dataset");
         }
         let resp = self
-            .send(&url, &[409], || self.request(Method::POST, &url).json(&body))
+            .send(&url, &[409], || {
+                self.request(Method::POST, &url).json(&body)
+            })
             .await?;
         let created = resp.status() != StatusCode::CONFLICT;
         if created {
@@ -342,7 +344,8 @@ impl HubClient {
             bar.set_message(h.file.path_in_repo.clone());
             self.put_object(upload, h).await?;
             if let Some(verify) = obj["actions"].get("verify") {
-                let href = action_href(verify).ok_or_else(|| self.protocol(&url, "verify without href"))?;
+                let href = action_href(verify)
+                    .ok_or_else(|| self.protocol(&url, "verify without href"))?;
                 let payload = json!({"oid": h.sha256, "size": h.size});
                 self.send(&href, &[], || {
                     with_headers(self.request(Method::POST, &href), verify).json(&payload)
@@ -375,11 +378,7 @@ impl HubClient {
         repo: &str,
         lines: &[Value],
     ) -> Result<String, HubError> {
-        let url = format!(
-            "{}/api/{}/{repo}/commit/main",
-            self.endpoint,
-            kind.plural()
-        );
+        let url = format!("{}/api/{}/{repo}/commit/main", self.endpoint, kind.plural());
         let mut body = String::new();
         for l in lines {
             body.push_str(&l.to_string());
@@ -418,8 +417,12 @@ fn next_link(headers: &reqwest::header::HeaderMap) -> Option<String> {
     let link = headers.get(reqwest::header::LINK)?.to_str().ok()?;
     link.split(',').find_map(|part| {
         let (url, rel) = part.split_once(';')?;
-        rel.contains("rel=\"next\"")
-            .then(|| url.trim().trim_start_matches('<').trim_end_matches('>').to_string())
+        rel.contains("rel=\"next\"").then(|| {
+            url.trim()
+                .trim_start_matches('<')
+                .trim_end_matches('>')
+                .to_string()
+        })
     })
 }
 
@@ -457,7 +460,9 @@ mod tests {
         let mut h = reqwest::header::HeaderMap::new();
         h.insert(
             reqwest::header::LINK,
-            "<https://hub/api/x?cursor=2>; rel=\"next\"".parse().unwrap(),
+            "<https://hub/api/x?cursor=2>; rel=\"next\""
+                .parse()
+                .unwrap(),
         );
         assert_eq!(next_link(&h).as_deref(), Some("https://hub/api/x?cursor=2"));
     }

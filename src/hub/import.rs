@@ -98,7 +98,12 @@ pub struct ImportSummary {
 
 impl std::fmt::Display for ImportSummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "source         {} ({} file(s))", self.source, self.files.len())?;
+        writeln!(
+            f,
+            "source         {} ({} file(s))",
+            self.source,
+            self.files.len()
+        )?;
         writeln!(f, "rows           {}", self.rows)?;
         writeln!(f, "tasks          {}", self.tasks)?;
         writeln!(
@@ -106,13 +111,18 @@ impl std::fmt::Display for ImportSummary {
             "turns          {} in {} conversations ({} without a pair)",
             self.turns, self.conversations, self.turns_without_pair
         )?;
-        write!(f, "pairs          {} train + {} test", self.pairs_train, self.pairs_test)
+        write!(
+            f,
+            "pairs          {} train + {} test",
+            self.pairs_train, self.pairs_test
+        )
     }
 }
 
 /// Whether `path` is a parquet file in the flat schema (has `single_turn_prompt`).
 pub fn is_flat_parquet(path: &Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
         && crate::dataset::open(path).is_ok_and(|r| {
             arrow::array::RecordBatchReader::schema(&r)
                 .index_of("single_turn_prompt")
@@ -208,10 +218,11 @@ async fn fetch_hf_parquet(repo: &str, endpoint: Option<&str>) -> Result<Vec<Path
     }
     let client = builder.build().map_err(|e| err(e.to_string()))?;
     let handle = client.dataset(owner, name);
-    let listed: Result<Vec<hf_hub::repository::RepoTreeEntry>, _> = match handle.list_tree().recursive(true).send() {
-        Ok(stream) => stream.try_collect().await,
-        Err(e) => Err(e),
-    };
+    let listed: Result<Vec<hf_hub::repository::RepoTreeEntry>, _> =
+        match handle.list_tree().recursive(true).send() {
+            Ok(stream) => stream.try_collect().await,
+            Err(e) => Err(e),
+        };
     let entries = match listed {
         Ok(e) => e,
         Err(e) => {
@@ -230,7 +241,9 @@ async fn fetch_hf_parquet(repo: &str, endpoint: Option<&str>) -> Result<Vec<Path
     let mut paths: Vec<String> = entries
         .into_iter()
         .filter_map(|e| match e {
-            hf_hub::repository::RepoTreeEntry::File { path, .. } if path.ends_with(".parquet") => Some(path),
+            hf_hub::repository::RepoTreeEntry::File { path, .. } if path.ends_with(".parquet") => {
+                Some(path)
+            }
             _ => None,
         })
         .collect();
@@ -275,7 +288,10 @@ pub fn read_flat_checked(path: &Path) -> Result<Vec<FlatRow>, ImportError> {
     }
     drop(reader);
     let rows = read_flat_parquet(path)?;
-    if let Some(row) = rows.iter().position(|r| r.single_turn_prompt.trim().is_empty()) {
+    if let Some(row) = rows
+        .iter()
+        .position(|r| r.single_turn_prompt.trim().is_empty())
+    {
         return Err(ImportError::EmptyGoal {
             path: path.to_path_buf(),
             row,
@@ -322,9 +338,11 @@ pub fn tasks_from_flat(
         let from_meta = r.single_turn_metadata["task_type"]
             .as_str()
             .and_then(|s| s.parse::<TaskType>().ok());
-        let task_type = fallback.or(from_meta).ok_or_else(|| ImportError::TaskType {
-            source_name: source_name.to_string(),
-        })?;
+        let task_type = fallback
+            .or(from_meta)
+            .ok_or_else(|| ImportError::TaskType {
+                source_name: source_name.to_string(),
+            })?;
         out.push(Task {
             id: task_id(&r.single_turn_prompt),
             task_type,
@@ -339,14 +357,20 @@ pub fn tasks_from_flat(
 /// Preference pairs: rows grouped by (conv_id, turn_id) in first-seen order, each group's scores
 /// ranked by [`select_pairs`]. Returns the pairs and the number of groups (turns) and of turns
 /// without a pair.
-pub fn pairs_from_flat(rows: &[FlatRow], min_gap: f64, mode: PairMode) -> (Vec<PairRow>, usize, usize) {
+pub fn pairs_from_flat(
+    rows: &[FlatRow],
+    min_gap: f64,
+    mode: PairMode,
+) -> (Vec<PairRow>, usize, usize) {
     let mut index: HashMap<(&str, u32), usize> = HashMap::new();
     let mut groups: Vec<Vec<&FlatRow>> = Vec::new();
     for r in rows {
-        let i = *index.entry((r.conv_id.as_str(), r.turn_id)).or_insert_with(|| {
-            groups.push(Vec::new());
-            groups.len() - 1
-        });
+        let i = *index
+            .entry((r.conv_id.as_str(), r.turn_id))
+            .or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
         groups[i].push(r);
     }
     let mut pairs = Vec::new();
@@ -422,7 +446,11 @@ pub async fn load_flat_tasks(
 ) -> Result<Vec<Task>, ImportError> {
     let (_, rows) = read_source(source, endpoint).await?;
     let name = source_name(source);
-    tasks_from_flat(&rows, task_type.or_else(|| task_type_from_name(&name)), &name)
+    tasks_from_flat(
+        &rows,
+        task_type.or_else(|| task_type_from_name(&name)),
+        &name,
+    )
 }
 
 /// Imports a source into `output`: `tasks.jsonl`, `pairs/{train,test}.parquet` (split by

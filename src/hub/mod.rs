@@ -40,7 +40,9 @@ pub enum HubError {
         path.display()
     )]
     NoToken { path: PathBuf },
-    #[error("invalid repository id `{repo}`: expected <org>/<name> with letters, digits, '-', '_', '.'")]
+    #[error(
+        "invalid repository id `{repo}`: expected <org>/<name> with letters, digits, '-', '_', '.'"
+    )]
     InvalidRepo { repo: String },
     #[error("{url}: HTTP {status}: the token was rejected or lacks write access to this repository (check HF_TOKEN or the token file; no retry)")]
     Auth { url: String, status: u16 },
@@ -117,14 +119,17 @@ pub fn token_path() -> PathBuf {
     if let Ok(p) = std::env::var("HF_TOKEN_PATH") {
         return PathBuf::from(p);
     }
-    let home = std::env::var("HF_HOME").map(PathBuf::from).unwrap_or_else(|_| {
-        let base = std::env::var("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| {
-                PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into())).join(".cache")
-            });
-        base.join("huggingface")
-    });
+    let home = std::env::var("HF_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            let base = std::env::var("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|_| {
+                    PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| ".".into()))
+                        .join(".cache")
+                });
+            base.join("huggingface")
+        });
     home.join("token")
 }
 
@@ -355,7 +360,11 @@ impl std::fmt::Display for PushReport {
         };
         writeln!(f, "{what} {:?} {} → {}", self.kind, self.repo, self.url)?;
         for file in &self.files {
-            writeln!(f, "  {:<12} {:>12} B  {}", file.action, file.size, file.path)?;
+            writeln!(
+                f,
+                "  {:<12} {:>12} B  {}",
+                file.action, file.size, file.path
+            )?;
         }
         match (&self.commit, self.dry_run) {
             (_, true) => write!(f, "nothing uploaded"),
@@ -383,14 +392,20 @@ pub async fn push_files(
         }
     }
     let hashed = tokio::task::spawn_blocking(move || {
-        files.into_iter().map(hash_file).collect::<Result<Vec<_>, _>>()
+        files
+            .into_iter()
+            .map(hash_file)
+            .collect::<Result<Vec<_>, _>>()
     })
     .await
     .map_err(|e| io_err(Path::new(repo), e))??;
     if let Some(dir) = &opts.dry_run {
         return write_dry_run(kind, repo, dir, &hashed);
     }
-    let token = opts.token.clone().ok_or_else(|| HubError::NoToken { path: token_path() })?;
+    let token = opts
+        .token
+        .clone()
+        .ok_or_else(|| HubError::NoToken { path: token_path() })?;
     let client = HubClient::new(&opts.endpoint, Some(token), opts.retry.clone())?;
     let created = client.create_repo(kind, repo, opts.private).await?;
     let remote = client.tree(kind, repo).await?;
@@ -485,7 +500,9 @@ fn write_dry_run(
         }
         let tmp = dest.with_file_name(format!(
             ".{}.tmp-{}",
-            dest.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(),
+            dest.file_name()
+                .map(|n| n.to_string_lossy())
+                .unwrap_or_default(),
             std::process::id()
         ));
         match &h.file.source {

@@ -78,7 +78,10 @@ impl FakeHub {
         let app = Router::new()
             .route("/api/repos/create", post(create))
             .route("/api/{plural}/{org}/{name}/tree/{rev}", get(tree))
-            .route("/api/{plural}/{org}/{name}/preupload/{rev}", post(preupload))
+            .route(
+                "/api/{plural}/{org}/{name}/preupload/{rev}",
+                post(preupload),
+            )
             .route("/api/{plural}/{org}/{name}/commit/{rev}", post(commit))
             .route(
                 "/datasets/{org}/{namegit}/info/lfs/objects/batch",
@@ -295,10 +298,16 @@ async fn upload(
     StatusCode::OK.into_response()
 }
 
-async fn verify(State(s): State<Shared>, Path(oid): Path<String>, Json(b): Json<Value>) -> Response {
+async fn verify(
+    State(s): State<Shared>,
+    Path(oid): Path<String>,
+    Json(b): Json<Value>,
+) -> Response {
     let st = s.lock().unwrap();
     match st.lfs.get(&oid) {
-        Some(data) if b["size"].as_u64() == Some(data.len() as u64) => StatusCode::OK.into_response(),
+        Some(data) if b["size"].as_u64() == Some(data.len() as u64) => {
+            StatusCode::OK.into_response()
+        }
         _ => (StatusCode::NOT_FOUND, "object not found").into_response(),
     }
 }
@@ -353,5 +362,6 @@ async fn commit(
         paths,
     });
     let oid = format!("{:040x}", st.commits.len());
-    Json(json!({"commitOid": oid, "commitUrl": format!("{}/commit/{oid}", st.base)})).into_response()
+    Json(json!({"commitOid": oid, "commitUrl": format!("{}/commit/{oid}", st.base)}))
+        .into_response()
 }
