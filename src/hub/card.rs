@@ -209,7 +209,9 @@ pub fn dataset_card(
         );
     }
     md.push_str("## How the data was made\n\n| setting | value |\n|---|---|\n");
-    let assistant = if c["assistant"].is_null() {
+    let assistant = if c["policy"].is_null() {
+        "-".to_string()
+    } else if c["assistant"].is_null() {
         format!("{} (the policy)", text(&c["policy"]))
     } else {
         text(&c["assistant"])
@@ -220,7 +222,14 @@ pub fn dataset_card(
         ("user simulator", text(&c["user"])),
         ("judge", text(&c["judge"])),
         ("assistant inside futures", assistant),
-        ("metrics and weights", weights_text(run_dir, manifest)),
+        (
+            "metrics and weights",
+            if manifest["import"].is_object() {
+                "as scored upstream (the `score` column)".to_string()
+            } else {
+                weights_text(run_dir, manifest)
+            },
+        ),
         ("MR formula", text(&c["mr_formula"])),
         ("candidates per turn (N)", text(&c["candidates"])),
         ("futures per candidate (S)", text(&c["samples"])),
