@@ -591,3 +591,70 @@ async fn push_hf_binary() {
         "{stderr}"
     );
 }
+
+/// `generate_conv --import … --push-to-hub` pushes once, at the end, with HF_TOKEN and
+/// HF_ENDPOINT; without a token it refuses before doing any work.
+#[tokio::test]
+async fn generate_conv_push_to_hub_at_the_end() {
+    let hub = FakeHub::start(TOKEN).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    write_run(&run);
+    let flat = run.join("flat.parquet");
+    let out = tmp.path().join("imported");
+    let home = tmp.path().join("hf-home");
+    let cmd = |token: Option<&'static str>, out: PathBuf| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_generate_conv"));
+        c.args(["--import", flat.to_str().unwrap(), "--task-type", "math"])
+            .args(["--output", out.to_str().unwrap()])
+            .args(["--test-fraction", "0", "--push-to-hub", "alice/imported"])
+            .env("HF_ENDPOINT", &hub.url)
+            .env("HF_HOME", &home)
+            .env_remove("HF_TOKEN");
+        if let Some(t) = token {
+            c.env("HF_TOKEN", t);
+        }
+        c
+    };
+    let mut no_token = cmd(None, tmp.path().join("never"));
+    let o = tokio::task::spawn_blocking(move || no_token.output().unwrap())
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(stderr.contains("HF_TOKEN"), "{stderr}");
+    assert!(
+        !tmp.path().join("never").exists(),
+        "refused before any work"
+    );
+    assert!(hub.commits().is_empty());
+
+    let mut with_token = cmd(Some(TOKEN), out.clone());
+    let o = tokio::task::spawn_blocking(move || with_token.output().unwrap())
+        .await
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    assert!(!stdout.contains(TOKEN) && !stderr.contains(TOKEN));
+    let commits = hub.commits();
+    assert_eq!(commits.len(), 1);
+    assert_eq!(commits[0].repo, "datasets/alice/imported");
+    let repo = hub.repo("datasets/alice/imported");
+    assert!(repo.private);
+    // 4 flat rows → 1 pair (c1 turn 0; c2 and c3 have one candidate each), in train.
+    let bytes = std::fs::read(out.join("pairs/train.parquet")).unwrap();
+    assert_eq!(
+        repo.files["data/train-00000-of-00001.parquet"],
+        Stored::Lfs {
+            oid: sha256(&bytes),
+            size: bytes.len() as u64
+        }
+    );
+    assert!(
+        !repo.files.contains_key("data/test-00000-of-00001.parquet"),
+        "empty split left out"
+    );
+}
