@@ -7,11 +7,13 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use collabllm::generate::{self, GenerateConfig};
+use collabllm::hub::{self, import};
 use collabllm::llm::ModelSpec;
 use collabllm::pairs::PairMode;
 use collabllm::reward::judge::JudgeMode;
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
+use collabllm::task::TaskType;
 
 /// Multiturn-aware rewards → DPO preference pairs (CollabLLM).
 ///
@@ -29,10 +31,30 @@ use collabllm::reward::mr::MrFormula;
 #[derive(Parser, Debug)]
 #[command(name = "generate_conv", version, about, long_about)]
 struct Args {
-    /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}
-    /// [default: data/math.jsonl].
+    /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}; a parquet
+    /// file in the upstream CollabLLM flat schema; or hf:<org>/<name>, a published CollabLLM
+    /// dataset (e.g. hf:collabllm/collabllm-multiturn-math-hard) whose unique single-turn goals
+    /// become the tasks [default: data/math.jsonl].
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
+    /// Task type of imported flat-schema tasks (math, doc_edit, code, twenty_questions) when
+    /// their metadata has none [default: guessed from the dataset's name].
+    #[arg(long, value_name = "TYPE")]
+    task_type: Option<TaskType>,
+    /// Import instead of generating: read hf:<org>/<name> or a local parquet file in the upstream
+    /// flat schema and write tasks.jsonl, pairs/{train,test}.parquet (best vs worst score per
+    /// turn above --min-gap, split by conversation with --test-fraction and --seed),
+    /// flat.parquet and manifest.json into --output. No model is loaded.
+    #[arg(long, value_name = "SOURCE", conflicts_with_all = ["rescore", "dry_run"])]
+    import: Option<String>,
+    /// After a successful run (or import), publish the output as a private dataset repository
+    /// <org>/<name> on the Hub (like `push_hf dataset`). Token: HF_TOKEN or the HF token file;
+    /// endpoint: HF_ENDPOINT. Never runs mid-run or after failed tasks.
+    #[arg(long, value_name = "REPO")]
+    push_to_hub: Option<String>,
+    /// With --push-to-hub: create the repository public instead of private.
+    #[arg(long, requires = "push_to_hub")]
+    hub_public: bool,
     /// Run directory [default: outputs/run].
     #[arg(long, value_name = "DIR")]
     output: Option<PathBuf>,
@@ -153,6 +175,9 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         concurrency,
         judge_mode
     );
+    if args.task_type.is_some() {
+        cfg.task_type = args.task_type;
+    }
     if args.assistant.is_some() {
         cfg.assistant = args.assistant.clone();
     }
@@ -185,10 +210,33 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
 }
 
 async fn run(args: Args, cfg: GenerateConfig) -> anyhow::Result<()> {
+    if let Some(repo) = &args.push_to_hub {
+        // Fail before hours of generation, not after.
+        hub::split_repo(repo)?;
+        if hub::Token::from_env().is_none() {
+            return Err(hub::HubError::NoToken {
+                path: hub::token_path(),
+            })
+            .context("--push-to-hub");
+        }
+    }
     if args.dry_run {
-        let tasks = generate::run::load_config_tasks(&cfg)?;
+        let tasks = generate::run::fetch_config_tasks(&cfg).await?;
         println!("{}", generate::plan(&cfg, &tasks));
         return Ok(());
+    }
+    if let Some(source) = &args.import {
+        let opts = import::ImportOptions {
+            task_type: cfg.task_type,
+            min_gap: cfg.min_gap,
+            pairs: cfg.pairs,
+            test_fraction: cfg.test_fraction,
+            seed: cfg.seed,
+            endpoint: None,
+        };
+        let summary = import::import(source, &cfg.output, &opts).await?;
+        println!("{summary}\noutput         {}", cfg.output.display());
+        return push_at_end(&args, &cfg).await;
     }
     let summary = if args.rescore {
         generate::rescore(&cfg)?
@@ -204,10 +252,31 @@ async fn run(args: Args, cfg: GenerateConfig) -> anyhow::Result<()> {
     );
     if !summary.tasks_failed.is_empty() {
         anyhow::bail!(
-            "{} task(s) failed; rerun the same command to retry them (finished work is kept)",
-            summary.tasks_failed.len()
+            "{} task(s) failed; rerun the same command to retry them (finished work is kept){}",
+            summary.tasks_failed.len(),
+            if args.push_to_hub.is_some() {
+                "; nothing was pushed to the Hub"
+            } else {
+                ""
+            }
         );
     }
+    push_at_end(&args, &cfg).await
+}
+
+/// `--push-to-hub`: one push of the finished output directory.
+async fn push_at_end(args: &Args, cfg: &GenerateConfig) -> anyhow::Result<()> {
+    let Some(repo) = &args.push_to_hub else {
+        return Ok(());
+    };
+    let opts = hub::PushOptions {
+        private: !args.hub_public,
+        ..hub::PushOptions::from_env()
+    };
+    let report = hub::push_dataset_dir(&cfg.output, repo, false, &opts)
+        .await
+        .with_context(|| format!("--push-to-hub {repo}"))?;
+    println!("{report}");
     Ok(())
 }
 

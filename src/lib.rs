@@ -3,7 +3,7 @@
 //!
 //! Modules follow the data, and a module may use only the ones before it:
 //! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
-//! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `generate`
+//! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `hub` (Hugging Face Hub: push, import) → `generate`
 //! (the generate_conv pipeline) → `train` (trainable llama, DPO log-probs and losses; uses only
 //! `llm`) → `eval` (evaluation environments: 20 Questions, no model inside). `serve` is an
 //! HTTP front over `llm`; `parse` and `cli` are leaf utilities.
@@ -13,6 +13,7 @@ mod columnar;
 pub mod dataset;
 pub mod eval;
 pub mod generate;
+pub mod hub;
 pub mod llm;
 pub mod pairs;
 pub mod parse;

@@ -12,6 +12,7 @@ use crate::reward::judge::JudgeMode;
 use crate::reward::metrics::check_metric_name;
 use crate::reward::mr::MrFormula;
 use crate::simulate::Sampling;
+use crate::task::TaskType;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -31,8 +32,12 @@ fn invalid(field: &str, message: impl Into<String>) -> ConfigError {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GenerateConfig {
-    /// Tasks file (JSONL or parquet).
+    /// Tasks: a JSONL or parquet file, a parquet file in the upstream flat schema, or
+    /// `hf:<org>/<name>` (a published CollabLLM flat dataset, imported through the Hub).
     pub tasks: String,
+    /// Task type of imported flat-schema tasks whose metadata has none (else guessed from the
+    /// dataset's name).
+    pub task_type: Option<TaskType>,
     /// Run directory (conversations, pairs, manifest, request cache).
     pub output: PathBuf,
     pub policy: ModelSpec,
@@ -88,6 +93,7 @@ impl Default for GenerateConfig {
     fn default() -> Self {
         Self {
             tasks: "data/math.jsonl".into(),
+            task_type: None,
             output: PathBuf::from("outputs/run"),
             policy: ModelSpec::Default,
             user: ModelSpec::Default,

@@ -16,6 +16,7 @@ use super::config::GenerateConfig;
 use super::conversation::Pipeline;
 use super::outputs::{self, DatasetStats, Scoring};
 use super::record::{now_secs, read_records, ConversationLog, ConversationRecord};
+use crate::hub::import;
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
 use crate::llm::roles::Role;
@@ -161,15 +162,42 @@ impl std::fmt::Display for RunSummary {
     }
 }
 
-/// Loads and checks the tasks of a config (first `max_tasks`).
+/// Loads and checks the tasks of a config (first `max_tasks`) from a local file: task JSONL or
+/// parquet, or a parquet file in the upstream flat schema. `hf:` sources need
+/// [`fetch_config_tasks`].
 pub fn load_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task>> {
-    if cfg.tasks.starts_with("hf:") {
+    if import::is_hub_source(&cfg.tasks) {
         bail!(
-            "--tasks {}: importing from the Hugging Face Hub is not available yet; give a local JSONL or parquet file",
+            "--tasks {}: a Hub dataset is fetched asynchronously (fetch_config_tasks)",
             cfg.tasks
         );
     }
-    let mut tasks = load_tasks(Path::new(&cfg.tasks))?;
+    let path = Path::new(&cfg.tasks);
+    let tasks = if import::is_flat_parquet(path) {
+        let rows = import::read_flat_checked(path)?;
+        let name = path
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        let fallback = cfg.task_type.or_else(|| import::task_type_from_name(&name));
+        import::tasks_from_flat(&rows, fallback, &name)?
+    } else {
+        load_tasks(path)?
+    };
+    check_config_tasks(cfg, tasks)
+}
+
+/// [`load_config_tasks`], and `hf:<org>/<name>` (the unique goals of a published flat dataset,
+/// downloaded into the HF cache).
+pub async fn fetch_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task>> {
+    if import::is_hub_source(&cfg.tasks) {
+        let tasks = import::load_flat_tasks(&cfg.tasks, cfg.task_type, None).await?;
+        check_config_tasks(cfg, tasks)
+    } else {
+        load_config_tasks(cfg)
+    }
+}
+
+fn check_config_tasks(cfg: &GenerateConfig, mut tasks: Vec<Task>) -> anyhow::Result<Vec<Task>> {
     if let Some(k) = cfg.max_tasks {
         tasks.truncate(k);
     }
@@ -338,7 +366,7 @@ fn manifest(
 
 /// Runs (or resumes) generation with roles built from the config's specs.
 pub async fn generate(cfg: GenerateConfig) -> anyhow::Result<RunSummary> {
-    let tasks = load_config_tasks(&cfg)?;
+    let tasks = fetch_config_tasks(&cfg).await?;
     let prompts = prepare(&cfg)?;
     let cache = RequestCache::open(cfg.output.join("cache"))?;
     let roles = Roles::from_config(&cfg, Some(cache)).await?;

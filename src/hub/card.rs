@@ -1,0 +1,531 @@
+//! Repository layouts and cards: a `generate_conv` run → dataset files + dataset card; a
+//! checkpoint directory → model files + model card.
+//!
+//! The dataset card's YAML front matter follows the Hub's format: `configs` (per config, the
+//! `data_files` of each split) and `dataset_info` (features from the parquet schema, splits with
+//! `num_examples`/`num_bytes`), so the viewer and `datasets.load_dataset` need no guessing.
+//! YAML is written by hand; every free-text scalar is JSON-quoted, which YAML reads as a
+//! double-quoted string.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use arrow::datatypes::{DataType, Field};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use serde_json::Value;
+
+use super::{io_err, HubError, RepoFile};
+
+/// One split of a config as written to the repository.
+#[derive(Clone, Debug)]
+pub struct SplitInfo {
+    pub name: String,
+    pub path_in_repo: String,
+    pub num_examples: u64,
+    pub num_bytes: u64,
+}
+
+/// A dataset config: its splits and the features (columns) of its files.
+#[derive(Clone, Debug)]
+pub struct ConfigInfo {
+    pub name: String,
+    pub splits: Vec<SplitInfo>,
+    pub fields: Vec<Field>,
+}
+
+fn q(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// Row count, schema fields and size of a parquet file.
+pub fn parquet_info(path: &Path) -> Result<(u64, Vec<Field>, u64), HubError> {
+    let file = File::open(path).map_err(|e| io_err(path, e))?;
+    let size = file.metadata().map_err(|e| io_err(path, e))?.len();
+    let b = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| io_err(path, e))?;
+    let rows = u64::try_from(b.metadata().file_metadata().num_rows()).unwrap_or(0);
+    let fields = b
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
+    Ok((rows, fields, size))
+}
+
+/// `datasets` feature YAML for one field, at `indent` spaces.
+fn feature_yaml(f: &Field, indent: usize, out: &mut String) {
+    let pad = " ".repeat(indent);
+    out.push_str(&format!("{pad}- name: {}\n", q(f.name())));
+    type_yaml(f.data_type(), indent + 2, out);
+}
+
+fn dtype(t: &DataType) -> Option<&'static str> {
+    Some(match t {
+        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => "string",
+        DataType::Float64 => "float64",
+        DataType::Float32 => "float32",
+        DataType::Int64 => "int64",
+        DataType::Int32 => "int32",
+        DataType::Int16 => "int16",
+        DataType::Int8 => "int8",
+        DataType::UInt64 => "uint64",
+        DataType::UInt32 => "uint32",
+        DataType::Boolean => "bool",
+        DataType::Binary | DataType::LargeBinary => "binary",
+        _ => return None,
+    })
+}
+
+fn type_yaml(t: &DataType, indent: usize, out: &mut String) {
+    let pad = " ".repeat(indent);
+    match t {
+        DataType::List(item) | DataType::LargeList(item) => match item.data_type() {
+            DataType::Struct(fields) => {
+                out.push_str(&format!("{pad}list:\n"));
+                for f in fields {
+                    feature_yaml(f, indent, out);
+                }
+            }
+            inner => out.push_str(&format!(
+                "{pad}sequence: {}\n",
+                dtype(inner).unwrap_or("string")
+            )),
+        },
+        DataType::Struct(fields) => {
+            out.push_str(&format!("{pad}struct:\n"));
+            for f in fields {
+                feature_yaml(f, indent, out);
+            }
+        }
+        other => out.push_str(&format!(
+            "{pad}dtype: {}\n",
+            dtype(other).unwrap_or("string")
+        )),
+    }
+}
+
+/// The YAML front matter (without the `---` lines).
+pub fn dataset_yaml(configs: &[ConfigInfo]) -> String {
+    let mut y = String::from("configs:\n");
+    for c in configs {
+        y.push_str(&format!("- config_name: {}\n", q(&c.name)));
+        if c.name == "default" {
+            y.push_str("  default: true\n");
+        }
+        y.push_str("  data_files:\n");
+        for s in &c.splits {
+            y.push_str(&format!(
+                "  - split: {}\n    path: {}\n",
+                q(&s.name),
+                q(&s.path_in_repo)
+            ));
+        }
+    }
+    y.push_str("dataset_info:\n");
+    for c in configs {
+        y.push_str(&format!("- config_name: {}\n  features:\n", q(&c.name)));
+        for f in &c.fields {
+            feature_yaml(f, 2, &mut y);
+        }
+        y.push_str("  splits:\n");
+        for s in &c.splits {
+            y.push_str(&format!(
+                "  - name: {}\n    num_bytes: {}\n    num_examples: {}\n",
+                q(&s.name),
+                s.num_bytes,
+                s.num_examples
+            ));
+        }
+        let total: u64 = c.splits.iter().map(|s| s.num_bytes).sum();
+        y.push_str(&format!(
+            "  download_size: {total}\n  dataset_size: {total}\n"
+        ));
+    }
+    y.push_str("tags:\n- collabllm\n- dpo\n- preference\n- multi-turn\n- trl\n");
+    y
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Markdown table cell: no pipes or newlines.
+fn cell(s: &str) -> String {
+    s.replace('|', "\\|").replace('\n', " ")
+}
+
+/// The weights a run used: the configured ones, else those recorded on its conversations
+/// (task-type defaults), read from the first record of `conversations.jsonl`.
+fn weights_text(run_dir: &Path, manifest: &Value) -> String {
+    let fmt = |m: &serde_json::Map<String, Value>| {
+        m.iter()
+            .map(|(k, v)| format!("{k}={}", text(v)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(m) = manifest["config"]["metrics"]
+        .as_object()
+        .filter(|m| !m.is_empty())
+    {
+        return fmt(m);
+    }
+    let first = std::fs::read_to_string(run_dir.join("conversations.jsonl"))
+        .ok()
+        .and_then(|t| t.lines().next().map(str::to_string))
+        .and_then(|l| serde_json::from_str::<Value>(&l).ok());
+    match first.as_ref().and_then(|r| r["weights"].as_object()) {
+        Some(m) => format!("{} (task-type defaults)", fmt(m)),
+        None => "task-type defaults".into(),
+    }
+}
+
+/// The dataset card: front matter + how the data was made + how to use it.
+pub fn dataset_card(
+    repo: &str,
+    configs: &[ConfigInfo],
+    run_dir: &Path,
+    manifest: &Value,
+) -> String {
+    let c = &manifest["config"];
+    let name = repo.rsplit('/').next().unwrap_or(repo);
+    let mut md = format!("---\n{}---\n\n# {name}\n\n", dataset_yaml(configs));
+    if let Some(src) = manifest["import"]["source"].as_str() {
+        md.push_str(&format!(
+            "Preference pairs imported from `{src}` (upstream CollabLLM flat rows) by collabllm-rs \
+             `generate_conv --import`: per conversation turn, the best- against the worst-scored \
+             candidate.\n\n"
+        ));
+    } else {
+        md.push_str(
+            "Multi-turn preference pairs made with collabllm-rs `generate_conv` (CollabLLM, \
+             multiturn-aware rewards): at every turn the policy proposes N candidate replies, a \
+             simulated user who knows the hidden goal plays S short futures from each, judges and \
+             task metrics score every future, and the mean weighted score (MR) ranks the \
+             candidates. The best continues the conversation; best against worst is a pair.\n\n",
+        );
+    }
+    md.push_str("## How the data was made\n\n| setting | value |\n|---|---|\n");
+    let assistant = if c["policy"].is_null() {
+        "-".to_string()
+    } else if c["assistant"].is_null() {
+        format!("{} (the policy)", text(&c["policy"]))
+    } else {
+        text(&c["assistant"])
+    };
+    let rows: Vec<(&str, String)> = vec![
+        ("tasks", text(&c["tasks"])),
+        ("policy (candidates)", text(&c["policy"])),
+        ("user simulator", text(&c["user"])),
+        ("judge", text(&c["judge"])),
+        ("assistant inside futures", assistant),
+        (
+            "metrics and weights",
+            if manifest["import"].is_object() {
+                "as scored upstream (the `score` column)".to_string()
+            } else {
+                weights_text(run_dir, manifest)
+            },
+        ),
+        ("MR formula", text(&c["mr_formula"])),
+        ("candidates per turn (N)", text(&c["candidates"])),
+        ("futures per candidate (S)", text(&c["samples"])),
+        ("window (messages per future)", text(&c["window"])),
+        ("max messages per conversation", text(&c["max_messages"])),
+        ("minimum MR gap", text(&c["min_gap"])),
+        ("pairs per turn", text(&c["pairs"])),
+        (
+            "test fraction (split by conversation)",
+            text(&c["test_fraction"]),
+        ),
+        ("seed", text(&manifest["seed"])),
+        (
+            "tool",
+            format!(
+                "{} {}{}",
+                text(&manifest["tool"]),
+                text(&manifest["version"]),
+                manifest["git_revision"]
+                    .as_str()
+                    .map(|r| format!(" (git {r})"))
+                    .unwrap_or_default()
+            ),
+        ),
+    ];
+    for (k, v) in rows.iter().filter(|(_, v)| v != "-") {
+        md.push_str(&format!("| {k} | {} |\n", cell(v)));
+    }
+    md.push_str("\n## Counts\n\n| count | value |\n|---|---|\n");
+    if let Some(counts) = manifest["counts"].as_object() {
+        for (k, v) in counts {
+            if !v.is_object() && !v.is_array() {
+                md.push_str(&format!("| {k} | {} |\n", cell(&text(v))));
+            }
+        }
+    }
+    for cfg in configs {
+        for s in &cfg.splits {
+            md.push_str(&format!(
+                "| rows in `{}` ({} / {}) | {} |\n",
+                s.path_in_repo, cfg.name, s.name, s.num_examples
+            ));
+        }
+    }
+    md.push_str(&format!(
+        "\n## Columns\n\n`prompt` is the conversation so far, `chosen` and `rejected` hold one \
+         assistant message each (TRL's conversational format), `score_chosen`/`score_rejected` \
+         are their multiturn-aware rewards, `conv_id`/`turn_id` say where the pair comes from. \
+         Train and test never share a conversation.\n\n\
+         ## Load\n\n```python\nfrom datasets import load_dataset\n\nds = load_dataset({repo})\n\
+         print(ds[\"train\"][0][\"chosen\"])\n```\n\n\
+         ## Train with TRL\n\n```python\nfrom datasets import load_dataset\n\
+         from transformers import AutoModelForCausalLM, AutoTokenizer\n\
+         from trl import DPOConfig, DPOTrainer\n\n\
+         model_id = \"HuggingFaceTB/SmolLM2-135M-Instruct\"\n\
+         model = AutoModelForCausalLM.from_pretrained(model_id)\n\
+         tokenizer = AutoTokenizer.from_pretrained(model_id)\n\
+         ds = load_dataset({repo})\n\
+         trainer = DPOTrainer(\n    model=model,\n    args=DPOConfig(output_dir=\"dpo-out\", beta=0.1),\n\
+         \x20   train_dataset=ds[\"train\"],\n    eval_dataset=ds.get(\"test\"),\n\
+         \x20   processing_class=tokenizer,\n)\ntrainer.train()\n```\n",
+        repo = q(repo)
+    ));
+    if configs.iter().any(|c| c.name == "flat") {
+        md.push_str(&format!(
+            "\nThe `flat` config holds every scored candidate in the upstream CollabLLM flat \
+             schema (`load_dataset({}, \"flat\")`); `single_turn_metadata`, `sessions` and \
+             `rewards` are JSON text (`json.loads`).\n",
+            q(repo)
+        ));
+    }
+    md
+}
+
+fn split_of(
+    config: &str,
+    split: &str,
+    file: PathBuf,
+) -> Result<(SplitInfo, Vec<Field>, RepoFile), HubError> {
+    let (rows, fields, size) = parquet_info(&file)?;
+    let path_in_repo = if config == "default" {
+        format!("data/{split}-00000-of-00001.parquet")
+    } else {
+        format!("{config}/{split}-00000-of-00001.parquet")
+    };
+    Ok((
+        SplitInfo {
+            name: split.to_string(),
+            path_in_repo: path_in_repo.clone(),
+            num_examples: rows,
+            num_bytes: size,
+        },
+        fields,
+        RepoFile::file(path_in_repo, file),
+    ))
+}
+
+/// The files of a dataset push from a run directory (see [`super::push_dataset_dir`]).
+/// Empty splits are left out (`datasets` cannot load an empty split file by pattern).
+pub fn dataset_files(run_dir: &Path, repo: &str, flat: bool) -> Result<Vec<RepoFile>, HubError> {
+    let manifest_path = run_dir.join("manifest.json");
+    let manifest: Value = match std::fs::read_to_string(&manifest_path) {
+        Ok(t) => serde_json::from_str(&t).map_err(|e| io_err(&manifest_path, e))?,
+        Err(e) => {
+            return Err(HubError::Layout {
+                path: manifest_path,
+                message: format!("{e}: not a generate_conv run directory"),
+            })
+        }
+    };
+    let mut files = Vec::new();
+    let mut configs = Vec::new();
+    let mut wanted = vec![(
+        "default",
+        vec![
+            ("train", run_dir.join("pairs/train.parquet")),
+            ("test", run_dir.join("pairs/test.parquet")),
+        ],
+    )];
+    if flat {
+        wanted.push(("flat", vec![("train", run_dir.join("flat.parquet"))]));
+    }
+    for (config, splits) in wanted {
+        let mut info = ConfigInfo {
+            name: config.to_string(),
+            splits: Vec::new(),
+            fields: Vec::new(),
+        };
+        for (split, path) in splits {
+            if !path.exists() {
+                return Err(HubError::Layout {
+                    path,
+                    message: "missing (run generate_conv to the end first)".into(),
+                });
+            }
+            let (s, fields, file) = split_of(config, split, path)?;
+            if s.num_examples == 0 {
+                continue;
+            }
+            info.fields = fields;
+            info.splits.push(s);
+            files.push(file);
+        }
+        if info.splits.is_empty() {
+            return Err(HubError::Layout {
+                path: run_dir.to_path_buf(),
+                message: format!("config `{config}` has no rows to publish"),
+            });
+        }
+        configs.push(info);
+    }
+    let card = dataset_card(repo, &configs, run_dir, &manifest);
+    files.push(RepoFile::bytes("README.md", card.into_bytes()));
+    Ok(files)
+}
+
+fn read_json(path: &Path) -> Option<Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+/// A value that the Hub accepts as `base_model`: an `org/name` id that is not a local path.
+fn hub_model_id(v: &Value) -> Option<String> {
+    let s = v.as_str()?;
+    let valid = super::split_repo(s).is_ok() && !Path::new(s).exists();
+    valid.then(|| s.to_string())
+}
+
+/// The files of a model push (see [`super::push_model_dir`]).
+pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
+    let has = |f: &str| dir.join(f).is_file();
+    let peft = has("adapter_model.safetensors") && has("adapter_config.json");
+    let full =
+        (has("model.safetensors") || has("model.safetensors.index.json")) && has("config.json");
+    if !peft && !full {
+        return Err(HubError::Layout {
+            path: dir.to_path_buf(),
+            message: "not a checkpoint: expected model.safetensors + config.json (HF layout) \
+                      or adapter_model.safetensors + adapter_config.json (PEFT)"
+                .into(),
+        });
+    }
+    let mut files = Vec::new();
+    collect(dir, "", &mut files)?;
+    files.retain(|f| f.path_in_repo != "README.md");
+    files.sort_by(|a, b| a.path_in_repo.cmp(&b.path_in_repo));
+    let names: Vec<String> = files.iter().map(|f| f.path_in_repo.clone()).collect();
+    let card = model_card(dir, repo, peft, &names);
+    files.push(RepoFile::bytes("README.md", card.into_bytes()));
+    Ok(files)
+}
+
+fn collect(dir: &Path, prefix: &str, out: &mut Vec<RepoFile>) -> Result<(), HubError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| io_err(dir, e))?;
+    for e in entries {
+        let e = e.map_err(|e| io_err(dir, e))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue; // Temporary and hidden files.
+        }
+        let path = e.path();
+        let rel = format!("{prefix}{name}");
+        if path.is_dir() {
+            collect(&path, &format!("{rel}/"), out)?;
+        } else {
+            out.push(RepoFile::file(rel, path));
+        }
+    }
+    Ok(())
+}
+
+/// The model card: front matter (library, base model, tags) + training settings and results
+/// from `training_args.json` / `train_summary.json` when present.
+pub fn model_card(dir: &Path, repo: &str, peft: bool, files: &[String]) -> String {
+    let args = read_json(&dir.join("training_args.json"));
+    let summary = read_json(&dir.join("train_summary.json")).or_else(|| {
+        dir.parent()
+            .and_then(|p| read_json(&p.join("train_summary.json")))
+    });
+    let adapter = read_json(&dir.join("adapter_config.json"));
+    let base = adapter
+        .as_ref()
+        .and_then(|a| hub_model_id(&a["base_model_name_or_path"]))
+        .or_else(|| {
+            let a = args.as_ref()?;
+            ["base_model", "model", "policy"]
+                .iter()
+                .find_map(|k| hub_model_id(&a[*k]))
+        });
+    let mut y = format!(
+        "library_name: {}\n",
+        if peft { "peft" } else { "transformers" }
+    );
+    if let Some(b) = &base {
+        y.push_str(&format!("base_model: {}\n", q(b)));
+    }
+    y.push_str("tags:\n- collabllm\n- dpo\n- trl\n");
+    if peft {
+        y.push_str("- lora\n");
+    }
+    let name = repo.rsplit('/').next().unwrap_or(repo);
+    let mut md = format!(
+        "---\n{y}---\n\n# {name}\n\n{} trained with collabllm-rs `dpo_train` (CollabLLM: DPO on \
+         multiturn-aware preference pairs){}.\n\n",
+        if peft {
+            "A LoRA adapter (PEFT layout)"
+        } else {
+            "A causal language model (Hugging Face layout)"
+        },
+        base.as_ref()
+            .map(|b| format!(" from `{b}`"))
+            .unwrap_or_default()
+    );
+    let table = |title: &str, v: &Value, md: &mut String| {
+        if let Some(o) = v.as_object() {
+            md.push_str(&format!("## {title}\n\n| key | value |\n|---|---|\n"));
+            for (k, v) in o {
+                md.push_str(&format!("| {k} | {} |\n", cell(&text(v))));
+            }
+            md.push('\n');
+        }
+    };
+    match (&args, &summary) {
+        (None, None) => md.push_str(
+            "No training_args.json or train_summary.json was found next to the weights.\n\n",
+        ),
+        _ => {
+            if let Some(a) = &args {
+                table("Training settings", a, &mut md);
+            }
+            if let Some(s) = &summary {
+                table("Training summary", s, &mut md);
+            }
+        }
+    }
+    md.push_str("## Files\n\n");
+    for f in files {
+        md.push_str(&format!("- `{f}`\n"));
+    }
+    md.push_str("\n## Use\n\n```python\n");
+    if peft {
+        md.push_str(&format!(
+            "from peft import AutoPeftModelForCausalLM\n\nmodel = AutoPeftModelForCausalLM.from_pretrained({})\n",
+            q(repo)
+        ));
+    } else {
+        md.push_str(&format!(
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n\
+             model = AutoModelForCausalLM.from_pretrained({r})\ntokenizer = AutoTokenizer.from_pretrained({r})\n",
+            r = q(repo)
+        ));
+    }
+    md.push_str("```\n");
+    if !peft {
+        md.push_str(&format!(
+            "\nWith collabllm-rs: `serve --model {repo}` or `generate_conv --policy {repo}`.\n"
+        ));
+    }
+    md
+}
