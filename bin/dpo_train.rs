@@ -3,7 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::Parser;
+use collabllm::hub;
 use collabllm::train::trainer::{train, LoraOptions, Schedule, TrainConfig};
 
 /// Train a chat model on preference pairs with DPO (TRL's losses and metrics), or SFT.
@@ -165,6 +167,16 @@ struct Args {
     #[arg(long)]
     no_ref_cache: bool,
 
+    /// After a successful run, publish final/ (the full model, or the PEFT adapter with
+    /// --lora) as a private model repository <org>/<name> on the Hub, with a model card.
+    /// Token: HF_TOKEN or the HF token file; endpoint: HF_ENDPOINT. Never runs mid-run.
+    #[arg(long, value_name = "REPO")]
+    push_to_hub: Option<String>,
+
+    /// With --push-to-hub: create the repository public instead of private.
+    #[arg(long, requires = "push_to_hub")]
+    hub_public: bool,
+
     /// Threads for the compute kernels [default: CANDLE_NUM_THREADS, else all cores].
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
@@ -211,12 +223,44 @@ impl Args {
     }
 }
 
+/// Checks the repository name and token before training, so a typo fails in seconds.
+fn check_hub(repo: Option<&str>) -> anyhow::Result<()> {
+    let Some(repo) = repo else {
+        return Ok(());
+    };
+    hub::split_repo(repo)?;
+    if hub::Token::from_env().is_none() {
+        return Err(hub::HubError::NoToken {
+            path: hub::token_path(),
+        })
+        .context("--push-to-hub");
+    }
+    Ok(())
+}
+
+fn push(dir: &std::path::Path, repo: &str, public: bool) -> anyhow::Result<()> {
+    let opts = hub::PushOptions {
+        private: !public,
+        ..hub::PushOptions::from_env()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let report = rt
+        .block_on(hub::push_model_dir(dir, repo, &opts))
+        .with_context(|| format!("--push-to-hub {repo}"))?;
+    println!("{report}");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     collabllm::cli::init_logging();
     collabllm::cli::set_compute_threads(args.threads);
+    let (repo, public) = (args.push_to_hub.clone(), args.hub_public);
     let cfg = args.into_config();
     collabllm::cli::exit_on_error((|| {
+        check_hub(repo.as_deref())?;
         let s = train(&cfg, true)?;
         let get = |k: &str| s.last_log.get(k).and_then(|v| v.as_f64());
         println!(
@@ -233,6 +277,9 @@ fn main() -> ExitCode {
         println!("model: {}", s.final_dir.display());
         if let Some(m) = &s.merged_dir {
             println!("merged model: {}", m.display());
+        }
+        if let Some(repo) = &repo {
+            push(&s.final_dir, repo, public)?;
         }
         Ok(())
     })())
