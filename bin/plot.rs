@@ -140,9 +140,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             min_gap,
         } => plot::plot_data(&runs, &options(common, None, min_gap))?,
         Command::Eval { evals, common } => plot::plot_eval(&evals, &options(common, None, None))?,
-        Command::TwentyQ { evals, common } => {
-            plot::plot_20q(&evals, &options(common, None, None))?
-        }
+        Command::TwentyQ { evals, common } => plot::plot_20q(&evals, &options(common, None, None))?,
         Command::All {
             dirs,
             common,

@@ -31,7 +31,11 @@ fn check_png(path: &Path, width: u32) {
     let mut buf = vec![0; reader.output_buffer_size()];
     reader.next_frame(&mut buf).unwrap();
     // Not blank: the drawing put something other than white on the canvas.
-    assert!(buf.iter().any(|&b| b < 200), "{}: blank image", path.display());
+    assert!(
+        buf.iter().any(|&b| b < 200),
+        "{}: blank image",
+        path.display()
+    );
     // 150 dpi recorded.
     let dims = reader.info().pixel_dims.unwrap();
     assert_eq!(dims.xppu, 5906);
@@ -221,7 +225,15 @@ fn all_detects_kinds_writes_index_and_is_deterministic() {
     // One colour per name across figures: `reference` is drawn in the same colour in the
     // eval bars and the 20q curves.
     let palette = plot::Palette::new(
-        ["train", "gen", "default", "collabllm", "reference", "random"].map(String::from),
+        [
+            "train",
+            "gen",
+            "default",
+            "collabllm",
+            "reference",
+            "random",
+        ]
+        .map(String::from),
     );
     let c = palette.color("reference");
     let hex = format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2);
@@ -267,7 +279,10 @@ fn bad_inputs_name_the_file_and_field() {
     assert!(e.contains("logs.jsonl:1") && e.contains("`loss`"), "{e}");
     // Missing file.
     let e = err_text(plot::plot_train(&[tmp.path().join("nope")], &opts(&out)).unwrap_err());
-    assert!(e.contains("nope/logs.jsonl") && e.contains("cannot read"), "{e}");
+    assert!(
+        e.contains("nope/logs.jsonl") && e.contains("cannot read"),
+        "{e}"
+    );
     // Summary without models.
     let ev = tmp.path().join("bad-eval");
     std::fs::create_dir_all(&ev).unwrap();
@@ -289,7 +304,10 @@ fn bad_inputs_name_the_file_and_field() {
     write_data_run(&gen, 3, 0.1);
     std::fs::write(gen.join("manifest.json"), "{\"config\": {}}").unwrap();
     let e = err_text(plot::plot_data(&[gen], &opts(&out)).unwrap_err());
-    assert!(e.contains("manifest.json") && e.contains("config.min_gap"), "{e}");
+    assert!(
+        e.contains("manifest.json") && e.contains("config.min_gap"),
+        "{e}"
+    );
     // A directory of no known kind.
     let e = err_text(plot::plot_all(&[tmp.path().to_path_buf()], &opts(&out)).unwrap_err());
     assert!(e.contains("not a run directory"), "{e}");
@@ -303,7 +321,12 @@ fn binary_writes_figures_and_reports_errors() {
     let out = tmp.path().join("figs");
     let bin = env!("CARGO_BIN_EXE_plot");
     let o = std::process::Command::new(bin)
-        .args(["eval", ev.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .args([
+            "eval",
+            ev.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ])
         .args(["--width", "800", "--format", "png"])
         .output()
         .unwrap();
@@ -317,5 +340,8 @@ fn binary_writes_figures_and_reports_errors() {
         .unwrap();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.starts_with("error: ") && err.contains("logs.jsonl"), "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("logs.jsonl"),
+        "{err}"
+    );
 }

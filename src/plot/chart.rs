@@ -7,8 +7,8 @@
 
 use std::sync::OnceLock;
 
-use plotters::coord::types::RangedCoordf64;
 use plotters::chart::SeriesAnno;
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::element::{DashedPathElement, PathElement};
 use plotters::prelude::*;
@@ -123,6 +123,18 @@ pub struct Panel {
     pub y_from_zero: bool,
     /// Draw the legend in this panel.
     pub legend: bool,
+    /// Where the legend goes (inside the plotting area).
+    pub legend_at: LegendAt,
+}
+
+/// Legend corner, chosen per figure where the data usually is not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LegendAt {
+    #[default]
+    UpperRight,
+    LowerRight,
+    MiddleRight,
+    UpperLeft,
 }
 
 impl Panel {
@@ -134,6 +146,7 @@ impl Panel {
             kind: PanelKind::Xy(layers),
             y_from_zero: false,
             legend: true,
+            legend_at: LegendAt::UpperRight,
         }
     }
 }
@@ -284,9 +297,15 @@ fn bounds(points: impl Iterator<Item = (f64, f64)>, y_from_zero: bool) -> ((f64,
         (lo - p, hi + p)
     };
     let (x0, x1) = pad(x0, x1, 0.03);
-    let (mut y0, y1) = pad(y0, y1, 0.06);
-    if y_from_zero && y0 < 0.0 && y1 > 0.0 && y0.abs() < (y1 - y0) * 0.07 {
+    let (lo, hi) = (y0, y1);
+    let (mut y0, mut y1) = pad(y0, y1, 0.06);
+    // Counts and rates start at the axis: no padding below 0 for data that is never negative
+    // (all zeros gives 0..1), none above 0 for data that is never positive.
+    if y_from_zero && lo >= 0.0 {
         y0 = 0.0;
+    }
+    if y_from_zero && hi <= 0.0 && lo < 0.0 {
+        y1 = 0.0;
     }
     ((x0, x1), (y0, y1))
 }
@@ -378,10 +397,20 @@ fn draw_mesh<DB: DrawingBackend>(
         .map_err(|e| e.to_string())
 }
 
-fn draw_legend<'a, DB: DrawingBackend + 'a>(chart: &mut Chart<'a, DB>, s: Scale) -> Result<(), String> {
+fn draw_legend<'a, DB: DrawingBackend + 'a>(
+    chart: &mut Chart<'a, DB>,
+    at: LegendAt,
+    s: Scale,
+) -> Result<(), String> {
+    let pos = match at {
+        LegendAt::UpperRight => SeriesLabelPosition::UpperRight,
+        LegendAt::LowerRight => SeriesLabelPosition::LowerRight,
+        LegendAt::MiddleRight => SeriesLabelPosition::MiddleRight,
+        LegendAt::UpperLeft => SeriesLabelPosition::UpperLeft,
+    };
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(pos)
         .margin(s.int(10.0))
         .legend_area_size(s.int(30.0))
         .label_font(s.font(18.0))
@@ -414,7 +443,7 @@ fn draw_xy<DB: DrawingBackend>(
         draw_layer(&mut chart, layer, range.1, s)?;
     }
     if panel.legend && any_label {
-        draw_legend(&mut chart, s)?;
+        draw_legend(&mut chart, panel.legend_at, s)?;
     }
     Ok(())
 }
@@ -562,8 +591,7 @@ fn set_legend<'a, DB: DrawingBackend + 'a>(
             match glyph {
                 Glyph::Box => Rectangle::new([(x, y - r), (x + w, y + r)], style).into_dyn(),
                 Glyph::Dash => {
-                    DashedPathElement::new(vec![(x, y), (x + w, y)], w / 3, w / 6, style)
-                        .into_dyn()
+                    DashedPathElement::new(vec![(x, y), (x + w, y)], w / 3, w / 6, style).into_dyn()
                 }
                 Glyph::Triangle => TriangleMarker::new((x + w / 2, y), r + 2, style).into_dyn(),
                 Glyph::Circle => Circle::new((x + w / 2, y), r, style).into_dyn(),
@@ -599,7 +627,11 @@ fn draw_bars<DB: DrawingBackend>(
     };
     // One tick per category: ask for exactly n + 1 labels over a range of width n.
     draw_mesh(&mut chart, panel, &fmt, n + 1, s)?;
-    let k = if bars.dodge { bars.groups.len().max(1) } else { 1 };
+    let k = if bars.dodge {
+        bars.groups.len().max(1)
+    } else {
+        1
+    };
     let slot = 0.8 / k as f64;
     for (gi, g) in bars.groups.iter().enumerate() {
         let gi = if bars.dodge { gi } else { 0 };
@@ -634,7 +666,7 @@ fn draw_bars<DB: DrawingBackend>(
         chart.draw_series(errs).map_err(err)?;
     }
     if panel.legend && !bars.groups.is_empty() {
-        draw_legend(&mut chart, s)?;
+        draw_legend(&mut chart, panel.legend_at, s)?;
     }
     Ok(())
 }

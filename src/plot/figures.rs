@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use plotters::style::RGBColor;
 
-use super::chart::{BarGroup, Bars, Figure, Layer, Marker, Panel, PanelKind, Shape};
+use super::chart::{BarGroup, Bars, Figure, Layer, LegendAt, Marker, Panel, PanelKind, Shape};
 use super::inputs::{DataRun, EvalRun, Game, TrainRun};
 use super::Palette;
 
@@ -88,7 +88,12 @@ fn eval_markers(label: String, color: RGBColor, points: &[(f64, f64)]) -> Layer 
 /// Training figures; a figure is left out when no run logged its metric.
 pub fn train(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Vec<Figure> {
     let single: [(&str, &str, &str, &str); 4] = [
-        ("train_loss", "Training loss", "loss", "loss (nats per pair)"),
+        (
+            "train_loss",
+            "Training loss",
+            "loss",
+            "loss (nats per pair)",
+        ),
         (
             "train_margins",
             "Reward margin (chosen − rejected)",
@@ -129,6 +134,9 @@ pub fn train(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Vec<F
         }
         let mut panel = Panel::xy(STEP_AXIS, y, layers);
         panel.y_from_zero = key == "learning_rate";
+        if key == "rewards/accuracies" || key == "rewards/margins" {
+            panel.legend_at = LegendAt::LowerRight;
+        }
         figs.push(Figure {
             name: name.into(),
             title: format!("{title}{smooth_note}"),
@@ -313,7 +321,11 @@ pub fn data(runs: &[DataRun], palette: &Palette, min_gap: Option<f64>) -> Vec<Fi
         layers.extend(hist_layers(r.name.clone(), c, hist_steps(g, &edges), false));
         let mg = min_gap.unwrap_or(r.min_gap);
         layers.push(Layer {
-            label: Some(format!("{} min_gap = {}", r.name, super::chart::fmt_tick(mg))),
+            label: Some(format!(
+                "{} min_gap = {}",
+                r.name,
+                super::chart::fmt_tick(mg)
+            )),
             color: c,
             shape: Shape::VLine { x: mg },
         });
@@ -360,7 +372,10 @@ pub fn data(runs: &[DataRun], palette: &Palette, min_gap: Option<f64>) -> Vec<Fi
         });
     }
     // Pairs per turn index.
-    let turns: BTreeSet<u32> = runs.iter().flat_map(|r| r.pairs.iter().map(|p| p.2)).collect();
+    let turns: BTreeSet<u32> = runs
+        .iter()
+        .flat_map(|r| r.pairs.iter().map(|p| p.2))
+        .collect();
     let turns: Vec<u32> = turns.into_iter().collect();
     let groups = runs
         .iter()
@@ -387,6 +402,7 @@ pub fn data(runs: &[DataRun], palette: &Palette, min_gap: Option<f64>) -> Vec<Fi
             }),
             y_from_zero: true,
             legend: true,
+            legend_at: LegendAt::UpperRight,
         }],
     });
     figs
@@ -478,6 +494,7 @@ pub fn eval(runs: &[EvalRun], palette: &Palette) -> Vec<Figure> {
             }),
             y_from_zero: true,
             legend: false,
+            legend_at: LegendAt::UpperRight,
         });
     }
     let mut figs = vec![Figure {
@@ -604,6 +621,7 @@ pub fn twenty_questions(
         layers,
     );
     success.y_from_zero = true;
+    success.legend_at = LegendAt::LowerRight;
     // Game lengths.
     let groups = models
         .iter()
@@ -626,6 +644,7 @@ pub fn twenty_questions(
         }),
         y_from_zero: true,
         legend: true,
+        legend_at: LegendAt::UpperLeft,
     };
     // Mean realised information gain by question index (games that reached it).
     let layers = models
@@ -637,7 +656,8 @@ pub fn twenty_questions(
                         .iter()
                         .filter_map(|x| x.turns.get(i).map(|t| t.realised_gain))
                         .collect();
-                    (!v.is_empty()).then(|| ((i + 1) as f64, v.iter().sum::<f64>() / v.len() as f64))
+                    (!v.is_empty())
+                        .then(|| ((i + 1) as f64, v.iter().sum::<f64>() / v.len() as f64))
                 })
                 .collect();
             let mut layer = line(Some(l.clone()), palette.color(l), pts);
@@ -688,6 +708,7 @@ pub fn twenty_questions(
         layers,
     );
     scatter.y_from_zero = true;
+    scatter.legend_at = LegendAt::MiddleRight;
     let fig = |name: &str, title: &str, p: Panel| Figure {
         name: name.into(),
         title: title.into(),
@@ -699,11 +720,7 @@ pub fn twenty_questions(
             "20 Questions: success rate by question budget",
             success,
         ),
-        fig(
-            "20q_game_lengths",
-            "20 Questions: game lengths",
-            lengths,
-        ),
+        fig("20q_game_lengths", "20 Questions: game lengths", lengths),
         fig(
             "20q_info_gain_by_question",
             "20 Questions: information gain per question",

@@ -92,7 +92,11 @@ pub fn read_train_run(dir: &Path) -> Result<TrainRun, PlotError> {
             .ok_or_else(|| field(line, "step", "not a non-negative number"))?;
         let is_eval = obj.keys().any(|k| k.starts_with("eval_"));
         if !is_eval && !obj.contains_key("loss") {
-            return Err(field(line, "loss", "missing (a training line needs the loss)"));
+            return Err(field(
+                line,
+                "loss",
+                "missing (a training line needs the loss)",
+            ));
         }
         for (key, v) in obj {
             if key == "step" || key == "epoch" {
@@ -234,11 +238,12 @@ pub const TWENTY_QUESTIONS: &str = "twenty_questions";
 pub fn read_eval_run(dir: &Path) -> Result<EvalRun, PlotError> {
     let path = dir.join(SUMMARY_FILE);
     // serde's message names the missing or mistyped field (`missing field `models``).
-    let summary: Summary = serde_json::from_str(&read_text(&path)?).map_err(|e| PlotError::Json {
-        path: path.clone(),
-        line: None,
-        message: e.to_string(),
-    })?;
+    let summary: Summary =
+        serde_json::from_str(&read_text(&path)?).map_err(|e| PlotError::Json {
+            path: path.clone(),
+            line: None,
+            message: e.to_string(),
+        })?;
     if summary.models.is_empty() {
         return Err(PlotError::Field {
             path,

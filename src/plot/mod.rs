@@ -378,7 +378,11 @@ pub fn index_markdown(dirs: &[PathBuf], written: &[Written], output: &Path) -> S
             })
             .collect();
         s.push_str(&format!("## {}\n\n{}\n\n", w.title, links.join(" · ")));
-        if let Some(png) = w.files.iter().find(|f| f.extension().is_some_and(|e| e == "png")) {
+        if let Some(png) = w
+            .files
+            .iter()
+            .find(|f| f.extension().is_some_and(|e| e == "png"))
+        {
             let rel = png.strip_prefix(output).unwrap_or(png);
             s.push_str(&format!("![{}]({})\n\n", w.title, rel.display()));
         }

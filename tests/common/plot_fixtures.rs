@@ -93,9 +93,11 @@ pub fn write_data_run(dir: &Path, conversations: usize, min_gap: f64) {
                        "text": "a", "finish_reason": "stop", "mr": chosen,
                        "sessions": [session(acc, 0.3 + 0.1 * ((k + i as f64) % 5.0), 0.05 + 0.01 * k)]})
             };
-            turns.push(json!({"turn_id": t, "history": [{"role": "user", "content": "q"}],
+            turns.push(
+                json!({"turn_id": t, "history": [{"role": "user", "content": "q"}],
                               "candidates": [cand(0, 1.0), cand(1, k % 2.0)],
-                              "chosen": 0, "next_user": null}));
+                              "chosen": 0, "next_user": null}),
+            );
         }
         records.push(json!({
             "task_id": format!("task-{c}"), "task_type": "math", "goal": "g", "reference": "1",
@@ -139,7 +141,10 @@ pub fn write_math_eval(dir: &Path) {
                 ("turns", 2.7, 0.2, 40), ("judge_failures", 1.0, 0.5, 40)])},
         ]
     });
-    write(&dir.join("summary.json"), &serde_json::to_string_pretty(&summary).unwrap());
+    write(
+        &dir.join("summary.json"),
+        &serde_json::to_string_pretty(&summary).unwrap(),
+    );
 }
 
 /// `AggregateMetrics` in the summary's `{mean, se, n}` shape.
@@ -161,7 +166,9 @@ fn summary_metrics(agg: &AggregateMetrics) -> Value {
 /// questioners against the table oracle over the first `objects` objects (all when `None`).
 pub fn write_twenty_questions_eval(dir: &Path, objects: Option<usize>, max_questions: usize) {
     let world = World::load_default().unwrap();
-    let n = objects.unwrap_or(world.objects.len()).min(world.objects.len());
+    let n = objects
+        .unwrap_or(world.objects.len())
+        .min(world.objects.len());
     let mut models = Vec::new();
     for name in ["reference", "random"] {
         let mut lines = String::new();
@@ -188,5 +195,8 @@ pub fn write_twenty_questions_eval(dir: &Path, objects: Option<usize>, max_quest
     }
     let summary = json!({"task": "twenty_questions", "seed": 0, "tool_version": "0.1.0",
                          "models": models});
-    write(&dir.join("summary.json"), &serde_json::to_string_pretty(&summary).unwrap());
+    write(
+        &dir.join("summary.json"),
+        &serde_json::to_string_pretty(&summary).unwrap(),
+    );
 }
