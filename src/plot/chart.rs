@@ -312,7 +312,8 @@ fn bounds(points: impl Iterator<Item = (f64, f64)>, y_from_zero: bool) -> ((f64,
 
 /// Tick labels: short decimals, scientific notation for very small or large values.
 pub fn fmt_tick(v: f64) -> String {
-    if v == 0.0 || !v.is_finite() {
+    // Tick positions computed as sums can land a rounding error away from zero.
+    if v.abs() < 1e-12 || !v.is_finite() {
         return "0".to_string();
     }
     let a = v.abs();

@@ -171,11 +171,13 @@ pub fn train(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Vec<F
             Figure {
                 name: "train_rewards".into(),
                 title: format!("Implicit rewards: chosen vs rejected{smooth_note}"),
-                panels: vec![Panel::xy(
-                    STEP_AXIS,
-                    "implicit reward (β · log-ratio, nats)",
-                    layers,
-                )],
+                panels: vec![{
+                    // Chosen rises and rejected falls: the middle right is usually free.
+                    let mut p =
+                        Panel::xy(STEP_AXIS, "implicit reward (β · log-ratio, nats)", layers);
+                    p.legend_at = LegendAt::MiddleRight;
+                    p
+                }],
             },
         );
     }
