@@ -271,11 +271,11 @@ fn bad_inputs_name_the_file_and_field() {
         "{\"step\": 1, \"loss\": 0.7}\n{\"loss\": 0.6}\n",
     )
     .unwrap();
-    let e = err_text(plot::plot_train(&[run.clone()], &opts(&out)).unwrap_err());
+    let e = err_text(plot::plot_train(std::slice::from_ref(&run), &opts(&out)).unwrap_err());
     assert!(e.contains("logs.jsonl:2") && e.contains("`step`"), "{e}");
     // A value that is not a number.
     std::fs::write(run.join("logs.jsonl"), "{\"step\": 1, \"loss\": \"x\"}\n").unwrap();
-    let e = err_text(plot::plot_train(&[run.clone()], &opts(&out)).unwrap_err());
+    let e = err_text(plot::plot_train(std::slice::from_ref(&run), &opts(&out)).unwrap_err());
     assert!(e.contains("logs.jsonl:1") && e.contains("`loss`"), "{e}");
     // Missing file.
     let e = err_text(plot::plot_train(&[tmp.path().join("nope")], &opts(&out)).unwrap_err());
@@ -287,7 +287,7 @@ fn bad_inputs_name_the_file_and_field() {
     let ev = tmp.path().join("bad-eval");
     std::fs::create_dir_all(&ev).unwrap();
     std::fs::write(ev.join("summary.json"), "{\"task\": \"math\"}").unwrap();
-    let e = err_text(plot::plot_eval(&[ev.clone()], &opts(&out)).unwrap_err());
+    let e = err_text(plot::plot_eval(std::slice::from_ref(&ev), &opts(&out)).unwrap_err());
     assert!(e.contains("summary.json") && e.contains("models"), "{e}");
     // A 20q game line without `won`.
     let ev = tmp.path().join("bad-20q");
