@@ -436,6 +436,15 @@ fn draw_xy<DB: DrawingBackend>(
             range.0 = (x0.min(x - pad), x1.max(x + pad));
         }
     }
+    // Point labels are written to the right of their points: leave room for them.
+    if layers
+        .iter()
+        .any(|l| matches!(l.shape, Shape::Label { .. }))
+    {
+        let (x0, x1) = range.0;
+        let pad = (x1 - x0) * 0.12;
+        range.0 = (x0 - pad, x1 + 2.0 * pad);
+    }
     let mut chart = build_chart(area, panel, range, s)?;
     draw_mesh(&mut chart, panel, &|v| fmt_tick(*v), 8, s)?;
     let mut any_label = false;

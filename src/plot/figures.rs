@@ -122,8 +122,10 @@ pub fn train(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Vec<F
         let mut layers = Vec::new();
         for r in runs {
             let c = palette.color(&r.name);
+            // The learning rate is a schedule, not a noisy measurement: never smoothed.
+            let sm = if key == "learning_rate" { None } else { smooth };
             if let Some(p) = r.train.get(key) {
-                layers.extend(train_curve(r.name.clone(), c, p, smooth, false));
+                layers.extend(train_curve(r.name.clone(), c, p, sm, false));
             }
             if let Some(p) = r.eval.get(key) {
                 layers.push(eval_markers(format!("{} (eval)", r.name), c, p));
@@ -137,9 +139,14 @@ pub fn train(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Vec<F
         if key == "rewards/accuracies" || key == "rewards/margins" {
             panel.legend_at = LegendAt::LowerRight;
         }
+        let note = if key == "learning_rate" {
+            ""
+        } else {
+            smooth_note.as_str()
+        };
         figs.push(Figure {
             name: name.into(),
-            title: format!("{title}{smooth_note}"),
+            title: format!("{title}{note}"),
             panels: vec![panel],
         });
     }
