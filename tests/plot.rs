@@ -105,6 +105,19 @@ fn train_overlays_runs_with_smoothing_and_eval_markers() {
     );
     // run-b has no eval lines: no eval legend entry for it.
     assert!(!svg_text(&out.join("train_loss.svg")).contains("run-b (eval)"));
+    // Smoothing keeps the raw curves, faint, behind the smoothed ones (one per run); the
+    // learning rate (a schedule) is never smoothed.
+    let faint = |f: &str| {
+        std::fs::read_to_string(out.join(f))
+            .unwrap()
+            .matches("<polyline fill=\"none\" opacity=\"0.25\"")
+            .count()
+    };
+    assert_eq!(faint("train_loss.svg"), 2);
+    assert_eq!(faint("train_learning_rate.svg"), 0);
+    o.smooth = None;
+    plot::plot_train(&[tmp.path().join("run-a")], &o).unwrap();
+    assert_eq!(faint("train_loss.svg"), 0);
 }
 
 #[test]
