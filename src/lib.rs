@@ -5,7 +5,8 @@
 //! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
 //! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `hub` (Hugging Face Hub: push, import) → `generate`
 //! (the generate_conv pipeline) → `train` (trainable llama, DPO log-probs and losses; uses only
-//! `llm`) → `eval` (evaluation environments: 20 Questions, no model inside). `serve` is an
+//! `llm`) → `eval` (evaluation environments: 20 Questions, no model inside) → `plot` (figures
+//! from the files the stages above wrote). `serve` is an
 //! HTTP front over `llm`; `parse` and `cli` are leaf utilities.
 
 pub mod cli;
@@ -17,6 +18,7 @@ pub mod hub;
 pub mod llm;
 pub mod pairs;
 pub mod parse;
+pub mod plot;
 pub mod prompts;
 pub mod reward;
 pub mod serve;

@@ -95,3 +95,27 @@ async fn greedy_reply_stops_at_end_of_turn() {
     assert!(!reply.content.contains("<|im_end|>"), "{:?}", reply.content);
     assert!(resp.usage.completion_tokens < 64);
 }
+
+/// A checkpoint trained from the GGUF carries the GGUF's tokenizer and template as
+/// `tokenizer.json` / `tokenizer_config.json`; read back, they give llama.cpp's ids and the
+/// same chat prompt and end-of-turn ids.
+#[test]
+fn gguf_tokenizer_exported_for_checkpoints_round_trips() {
+    use collabllm::llm::engine::ChatCodec;
+    let gguf = LocalModelFiles::Gguf(default_model_path());
+    let codec = ChatCodec::load(&gguf).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    codec.save_hf(dir.path()).unwrap();
+    let back = ChatCodec::load(&LocalModelFiles::HfDir(dir.path().to_path_buf())).unwrap();
+    let r = reference();
+    for case in r["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        assert_eq!(back.encode(text).unwrap(), ids(&case["ids"]), "text {text:?}");
+    }
+    let msgs = [ChatMessage::user("What is the capital of France?")];
+    assert_eq!(
+        back.render(&msgs, true).unwrap(),
+        codec.render(&msgs, true).unwrap()
+    );
+    assert_eq!(back.eos_ids, codec.eos_ids);
+}

@@ -1,0 +1,360 @@
+//! `plot` end to end on fixture directories built here: files exist, PNGs decode with the
+//! right size, SVGs parse as XML and name the series and axes, output is byte-identical on a
+//! second render, bad inputs give errors naming file and field, one point still plots.
+
+#[path = "common/plot_fixtures.rs"]
+mod plot_fixtures;
+
+use std::path::{Path, PathBuf};
+
+use collabllm::plot::{self, Options, PlotError};
+use plot_fixtures::*;
+
+fn opts(out: &Path) -> Options {
+    Options {
+        output: out.to_path_buf(),
+        ..Options::default()
+    }
+}
+
+/// PNG signature, IHDR size, and a full decode.
+fn check_png(path: &Path, width: u32) {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{}", path.display());
+    assert_eq!(&bytes[12..16], b"IHDR");
+    let w = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
+    let h = u32::from_be_bytes(bytes[20..24].try_into().unwrap());
+    assert_eq!(w, width, "{}", path.display());
+    assert!(h >= width / 2, "{}: height {h}", path.display());
+    let decoder = png::Decoder::new(std::io::Cursor::new(&bytes));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size()];
+    reader.next_frame(&mut buf).unwrap();
+    // Not blank: the drawing put something other than white on the canvas.
+    assert!(
+        buf.iter().any(|&b| b < 200),
+        "{}: blank image",
+        path.display()
+    );
+    // 150 dpi recorded.
+    let dims = reader.info().pixel_dims.unwrap();
+    assert_eq!(dims.xppu, 5906);
+}
+
+/// Parses the SVG and returns all its text content.
+fn svg_text(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap();
+    let doc = roxmltree::Document::parse(&text)
+        .unwrap_or_else(|e| panic!("{}: not XML: {e}", path.display()));
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    doc.descendants()
+        .filter(|n| n.is_text())
+        .map(|n| n.text().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Checks each figure's PNG and SVG; the SVGs together must contain `texts`.
+fn check_figures(out: &Path, names: &[&str], texts: &[&str]) {
+    let mut all = String::new();
+    for n in names {
+        check_png(&out.join(format!("{n}.png")), 1200);
+        all.push_str(&svg_text(&out.join(format!("{n}.svg"))));
+    }
+    for t in texts {
+        assert!(all.contains(t), "no `{t}` in the SVGs of {names:?}");
+    }
+}
+
+fn names(written: &[plot::Written]) -> Vec<String> {
+    written.iter().map(|w| w.name.clone()).collect()
+}
+
+#[test]
+fn train_overlays_runs_with_smoothing_and_eval_markers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("run-a"), tmp.path().join("run-b"));
+    write_train_run(&a, 40, 10, 0.0);
+    write_train_run(&b, 25, 0, 1.0);
+    let out = tmp.path().join("figs");
+    let mut o = opts(&out);
+    o.smooth = Some(0.6);
+    let w = plot::plot_train(&[a, b], &o).unwrap();
+    let expected = [
+        "train_loss",
+        "train_margins",
+        "train_rewards",
+        "train_accuracies",
+        "train_learning_rate",
+    ];
+    assert_eq!(names(&w), expected);
+    check_figures(
+        &out,
+        &expected,
+        &[
+            "run-a",
+            "run-b",
+            "run-a (eval)",
+            "run-a chosen",
+            "run-b rejected",
+            "step (optimizer updates)",
+            "loss (nats per pair)",
+            "learning rate (per step)",
+            "Training loss (EMA 0.6)",
+        ],
+    );
+    // run-b has no eval lines: no eval legend entry for it.
+    assert!(!svg_text(&out.join("train_loss.svg")).contains("run-b (eval)"));
+    // Smoothing keeps the raw curves, faint, behind the smoothed ones (one per run); the
+    // learning rate (a schedule) is never smoothed.
+    let faint = |f: &str| {
+        std::fs::read_to_string(out.join(f))
+            .unwrap()
+            .matches("<polyline fill=\"none\" opacity=\"0.25\"")
+            .count()
+    };
+    assert_eq!(faint("train_loss.svg"), 2);
+    assert_eq!(faint("train_learning_rate.svg"), 0);
+    o.smooth = None;
+    plot::plot_train(&[tmp.path().join("run-a")], &o).unwrap();
+    assert_eq!(faint("train_loss.svg"), 0);
+}
+
+#[test]
+fn data_figures_from_a_generate_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("gen-run");
+    write_data_run(&run, 10, 0.1);
+    let out = tmp.path().join("figs");
+    let w = plot::plot_data(std::slice::from_ref(&run), &opts(&out)).unwrap();
+    let expected = ["data_mr", "data_gap", "data_scores", "data_turns"];
+    assert_eq!(names(&w), expected);
+    check_figures(
+        &out,
+        &expected,
+        &[
+            "gen-run chosen",
+            "gen-run rejected",
+            "gen-run min_gap = 0.1",
+            "pairs (count)",
+            "interactivity",
+            "token_amount (thousands of tokens)",
+            "turn index (0 = first assistant turn)",
+        ],
+    );
+    // --min-gap moves the line.
+    let mut o = opts(&out);
+    o.min_gap = Some(0.25);
+    plot::plot_data(&[run], &o).unwrap();
+    assert!(svg_text(&out.join("data_gap.svg")).contains("min_gap = 0.25"));
+}
+
+#[test]
+fn eval_bars_and_cost_scatter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("eval-math");
+    write_math_eval(&ev);
+    let out = tmp.path().join("figs");
+    let w = plot::plot_eval(&[ev], &opts(&out)).unwrap();
+    assert_eq!(names(&w), ["eval_metrics", "eval_cost"]);
+    check_figures(
+        &out,
+        &["eval_metrics", "eval_cost"],
+        &[
+            "default",
+            "collabllm",
+            "accuracy",
+            "interactivity",
+            "tokens per conversation (thousands, read + typed)",
+            "fraction, 0–1 (mean ± s.e.)",
+        ],
+    );
+}
+
+#[test]
+fn twenty_questions_figures_from_played_games() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("eval-20q");
+    write_twenty_questions_eval(&ev, Some(12), 20);
+    let out = tmp.path().join("figs");
+    let w = plot::plot_20q(&[ev], &opts(&out)).unwrap();
+    let expected = [
+        "20q_success_by_budget",
+        "20q_game_lengths",
+        "20q_info_gain_by_question",
+        "20q_turns_vs_gain",
+    ];
+    assert_eq!(names(&w), expected);
+    check_figures(
+        &out,
+        &expected,
+        &[
+            "reference",
+            "random",
+            "reference won",
+            "question budget t (questions)",
+            "mean realised information gain (bits)",
+            "total realised information gain (bits)",
+        ],
+    );
+}
+
+#[test]
+fn all_detects_kinds_writes_index_and_is_deterministic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs: Vec<PathBuf> = ["train", "gen", "eval-math", "eval-20q"]
+        .iter()
+        .map(|d| tmp.path().join(d))
+        .collect();
+    write_train_run(&dirs[0], 12, 4, 0.0);
+    write_data_run(&dirs[1], 6, 0.05);
+    write_math_eval(&dirs[2]);
+    write_twenty_questions_eval(&dirs[3], Some(6), 20);
+    let (out1, out2) = (tmp.path().join("figs1"), tmp.path().join("figs2"));
+    let w = plot::plot_all(&dirs, &opts(&out1)).unwrap();
+    plot::plot_all(&dirs, &opts(&out2)).unwrap();
+    // 5 train + 4 data + 2 eval + 4 20q (the 20q summary has no task metric: no cost panel
+    // from it, but the math one has).
+    assert_eq!(w.len(), 15, "{:?}", names(&w));
+    let index = std::fs::read_to_string(out1.join("index.md")).unwrap();
+    for x in &w {
+        assert!(index.contains(&format!("{}.png", x.name)), "{index}");
+        assert!(index.contains(&format!("{}.svg", x.name)));
+    }
+    // Byte-identical on a second render.
+    let mut files: Vec<_> = std::fs::read_dir(&out1)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 31);
+    for f in &files {
+        let (x, y) = (
+            std::fs::read(out1.join(f)).unwrap(),
+            std::fs::read(out2.join(f)).unwrap(),
+        );
+        assert!(x == y, "{f:?} differs between two renders");
+    }
+    // One colour per name across figures: `reference` is drawn in the same colour in the
+    // eval bars and the 20q curves.
+    let palette = plot::Palette::new(
+        [
+            "train",
+            "gen",
+            "default",
+            "collabllm",
+            "reference",
+            "random",
+        ]
+        .map(String::from),
+    );
+    let c = palette.color("reference");
+    let hex = format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2);
+    for f in ["eval_metrics.svg", "20q_success_by_budget.svg"] {
+        let svg = std::fs::read_to_string(out1.join(f)).unwrap();
+        assert!(svg.contains(&hex), "{f} lacks {hex}");
+    }
+}
+
+#[test]
+fn single_point_run_still_plots() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("one");
+    write_train_run(&run, 1, 1, 0.0);
+    let out = tmp.path().join("figs");
+    let w = plot::plot_train(&[run], &opts(&out)).unwrap();
+    assert_eq!(w.len(), 5);
+    check_png(&out.join("train_loss.png"), 1200);
+    assert!(svg_text(&out.join("train_loss.svg")).contains("one"));
+}
+
+fn err_text(e: PlotError) -> String {
+    e.to_string()
+}
+
+#[test]
+fn bad_inputs_name_the_file_and_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("figs");
+    // Training line without its step.
+    let run = tmp.path().join("bad-train");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(
+        run.join("logs.jsonl"),
+        "{\"step\": 1, \"loss\": 0.7}\n{\"loss\": 0.6}\n",
+    )
+    .unwrap();
+    let e = err_text(plot::plot_train(std::slice::from_ref(&run), &opts(&out)).unwrap_err());
+    assert!(e.contains("logs.jsonl:2") && e.contains("`step`"), "{e}");
+    // A value that is not a number.
+    std::fs::write(run.join("logs.jsonl"), "{\"step\": 1, \"loss\": \"x\"}\n").unwrap();
+    let e = err_text(plot::plot_train(std::slice::from_ref(&run), &opts(&out)).unwrap_err());
+    assert!(e.contains("logs.jsonl:1") && e.contains("`loss`"), "{e}");
+    // Missing file.
+    let e = err_text(plot::plot_train(&[tmp.path().join("nope")], &opts(&out)).unwrap_err());
+    assert!(
+        e.contains("nope/logs.jsonl") && e.contains("cannot read"),
+        "{e}"
+    );
+    // Summary without models.
+    let ev = tmp.path().join("bad-eval");
+    std::fs::create_dir_all(&ev).unwrap();
+    std::fs::write(ev.join("summary.json"), "{\"task\": \"math\"}").unwrap();
+    let e = err_text(plot::plot_eval(std::slice::from_ref(&ev), &opts(&out)).unwrap_err());
+    assert!(e.contains("summary.json") && e.contains("models"), "{e}");
+    // A 20q game line without `won`.
+    let ev = tmp.path().join("bad-20q");
+    write_twenty_questions_eval(&ev, Some(2), 20);
+    std::fs::write(
+        ev.join("conversations/reference.jsonl"),
+        "{\"model\": \"reference\", \"game\": {\"max_questions\": 20, \"turns\": []}}\n",
+    )
+    .unwrap();
+    let e = err_text(plot::plot_20q(&[ev], &opts(&out)).unwrap_err());
+    assert!(e.contains("reference.jsonl:1") && e.contains("won"), "{e}");
+    // Manifest without min_gap.
+    let gen = tmp.path().join("bad-gen");
+    write_data_run(&gen, 3, 0.1);
+    std::fs::write(gen.join("manifest.json"), "{\"config\": {}}").unwrap();
+    let e = err_text(plot::plot_data(&[gen], &opts(&out)).unwrap_err());
+    assert!(
+        e.contains("manifest.json") && e.contains("config.min_gap"),
+        "{e}"
+    );
+    // A directory of no known kind.
+    let e = err_text(plot::plot_all(&[tmp.path().to_path_buf()], &opts(&out)).unwrap_err());
+    assert!(e.contains("not a run directory"), "{e}");
+}
+
+#[test]
+fn binary_writes_figures_and_reports_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ev = tmp.path().join("eval-math");
+    write_math_eval(&ev);
+    let out = tmp.path().join("figs");
+    let bin = env!("CARGO_BIN_EXE_plot");
+    let o = std::process::Command::new(bin)
+        .args([
+            "eval",
+            ev.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ])
+        .args(["--width", "800", "--format", "png"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_png(&out.join("eval_metrics.png"), 800);
+    assert!(!out.join("eval_metrics.svg").exists());
+    let o = std::process::Command::new(bin)
+        .args(["train", tmp.path().join("missing").to_str().unwrap()])
+        .args(["--output", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.starts_with("error: ") && err.contains("logs.jsonl"),
+        "{err}"
+    );
+}
