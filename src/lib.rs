@@ -5,8 +5,8 @@
 //! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
 //! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `generate`
 //! (the generate_conv pipeline) → `train` (trainable llama, DPO log-probs and losses; uses only
-//! `llm`) → `eval` (evaluation environments: 20 Questions, no model inside). `serve` is an
-//! HTTP front over `llm`; `parse` and `cli` are leaf utilities.
+//! `llm`) → `eval` (multi-turn evaluation and 20 Questions; uses the pipeline before it).
+//! `serve` is an HTTP front over `llm`; `parse` and `cli` are leaf utilities.
 
 pub mod cli;
 mod columnar;
