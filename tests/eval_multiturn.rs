@@ -344,6 +344,87 @@ async fn twenty_questions_five_games_summary_matches_games_and_resumes_free() {
     );
 }
 
+#[tokio::test]
+async fn llm_oracle_answers_are_normalised_and_gains_come_from_the_table() {
+    // Questioner: "animal" first, then always "basketball". Oracle: "Yes." to the basketball
+    // question whatever the object (a wrong LLM), an unusable reply to anything else.
+    let questioner = ScriptedBackend::new("questioner", |req, _| {
+        let prompt = &req.messages[0].content;
+        Ok(if prompt.contains("\n1. ") {
+            "Is it a basketball?".to_string()
+        } else {
+            "Sure! Is it an animal?\nThen I will guess.".to_string()
+        })
+    });
+    let oracle = ScriptedBackend::new("oracle", |req, _| {
+        let prompt = &req.messages[0].content;
+        Ok(if prompt.contains("Question: Is it a basketball?") {
+            "Yes.".to_string()
+        } else {
+            "Hmm, hard to say".to_string()
+        })
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval-oracle");
+    let cfg = EvalConfig {
+        task: TaskType::TwentyQuestions,
+        models: vec![EvalModel::Spec(ModelSpec::Default)],
+        oracle: "openai:judge@http://127.0.0.1:9/v1".parse().unwrap(),
+        output: out.clone(),
+        objects: ObjectSelection::First(2),
+        ..EvalConfig::default()
+    };
+    let roles = EvalRoles {
+        models: vec![Some(Role::from_backend(
+            "model",
+            "scripted",
+            questioner.clone(),
+            None,
+            None,
+        ))],
+        user: None,
+        judge: None,
+        oracle: Some(Role::from_backend(
+            "oracle",
+            "scripted",
+            oracle.clone(),
+            None,
+            None,
+        )),
+    };
+    let report = evaluate_with_roles(cfg, roles).await.unwrap();
+    assert_eq!((report.done_now, report.failed.len()), (2, 0), "{report}");
+    let recs = read_lines(&out.join("conversations/default.jsonl"));
+    let by_object = |i: u64| {
+        recs.iter()
+            .find(|r| r["game"]["object_index"] == i)
+            .unwrap()
+            .clone()
+    };
+    // Basketball: "animal" → unusable reply → "No." (counted), then the winning guess.
+    let b = by_object(0);
+    let game: GameRecord = serde_json::from_value(b["game"].clone()).unwrap();
+    assert!(game.won);
+    assert_eq!(game.turns.len(), 2);
+    assert_eq!(game.turns[0].question, "Is it an animal?");
+    assert_eq!(game.turns[0].answer, "No.");
+    assert_eq!(game.turns[0].parsed.as_deref(), Some("is_animal"));
+    assert!(game.turns[0].expected_gain > 0.0 && game.turns[0].realised_gain > 0.0);
+    assert_eq!(b["oracle_invalid"], 1);
+    assert_eq!(b["oracle_raw"].as_array().unwrap().len(), 2);
+    // Football: the oracle wrongly says yes to "basketball": no win (the rule needs the
+    // object's own name), the table follows the answer, later repeats are flagged.
+    let f = by_object(1);
+    let game: GameRecord = serde_json::from_value(f["game"].clone()).unwrap();
+    assert!(!game.won);
+    assert_eq!(game.turns.len(), 20);
+    assert!(game.turns[1].yes && !game.turns[1].win);
+    assert_eq!(game.turns[1].consistent_after, 1);
+    assert_eq!(GameMetrics::of(&game).repeated, 18);
+    assert_eq!(questioner.calls(), 22);
+    assert_eq!(oracle.calls(), 22);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hygiene: a generate_conv run's tasks are refused.
 
