@@ -93,7 +93,7 @@ pub fn clean_question(raw: &str) -> String {
     };
     let mut q = match line.find('?') {
         Some(i) => line[..=i].to_string(),
-        None => format!("{}?", line.trim_end_matches(['.', '!', ':'])),
+        None => format!("{}?", line.trim_end_matches(['.', '!', ':', ' '])),
     };
     // Drop a lead-in sentence before the question itself.
     if let Some(cut) = [". ", "! ", ": "]
@@ -238,6 +238,7 @@ mod tests {
             ("Sure thing.\n\nIs it edible? I think so.", "Is it edible?"),
             ("Is it a cat", "Is it a cat?"),
             ("Is it a cat.", "Is it a cat?"),
+            ("Is it a cat .", "Is it a cat?"),
             ("My question: is it soft?", "is it soft?"),
             ("", ""),
             ("\n  \n", ""),
