@@ -46,10 +46,10 @@ struct Args {
     /// Evaluate only the first K tasks.
     #[arg(long, value_name = "K")]
     max_tasks: Option<usize>,
-    /// Seed of every sampling decision (repeat r uses seed + r) [default: 0].
+    /// Seed of every sampling decision (repeat r uses seed + r).
     #[arg(long, value_name = "X", default_value_t = 0)]
     seed: u64,
-    /// Play every task (or object) this many times, with seeds seed, seed+1, … [default: 1].
+    /// Play every task (or object) this many times, with seeds seed, seed+1, ….
     #[arg(long, value_name = "K", default_value_t = 1)]
     repeats: usize,
     /// Assistant replies per conversation at most [default: 7].
