@@ -210,6 +210,13 @@ async fn math_with_the_tiny_model_summary_matches_transcripts_and_resumes_free()
         .unwrap();
     assert_eq!((report.done_before, report.done_now), (3, 0));
     assert_eq!(total_calls(&report), (0, 0), "{report}");
+    let manifest = read_json(&out.join("manifest.json"));
+    let role = format!("model:{label}");
+    assert_eq!(manifest["usage"][&role]["calls"], 0);
+    assert!(
+        manifest["usage_total"][&role]["calls"].as_u64().unwrap() > 0,
+        "totals keep the first invocation's calls"
+    );
     assert_eq!(
         std::fs::read_to_string(out.join("summary.json")).unwrap(),
         summary_text

@@ -361,8 +361,21 @@ async fn run_prepared(
         items,
         warnings,
     } = prepared;
+    // Usage of earlier invocations on this output directory, so the manifest also has totals.
+    let earlier: BTreeMap<String, UsageSnapshot> =
+        std::fs::read_to_string(cfg.output.join(MANIFEST_FILE))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|m| serde_json::from_value(m["usage_total"].clone()).ok())
+            .unwrap_or_default();
     let write_manifest =
         |status: &str, counts: serde_json::Value, failed: &[(String, String, String)]| {
+            let now = usage(&roles, &labels);
+            let mut total = earlier.clone();
+            for (role, u) in &now {
+                let t = total.entry(role.clone()).or_default();
+                *t = *t + *u;
+            }
             write_json_atomic(
                 &cfg.output.join(MANIFEST_FILE),
                 &serde_json::json!({
@@ -382,7 +395,9 @@ async fn run_prepared(
                     "counts": counts,
                     "failed": failed,
                     "warnings": warnings,
-                    "usage": usage(&roles, &labels),
+                    // This invocation, and every invocation on this directory.
+                    "usage": now,
+                    "usage_total": total,
                     // Prices are not known to the tool; cost per role = tokens × your price.
                     "cost_usd": serde_json::Value::Null,
                 }),
