@@ -5,9 +5,9 @@
 //! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
 //! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `hub` (Hugging Face Hub: push, import) → `generate`
 //! (the generate_conv pipeline) → `train` (trainable llama, DPO log-probs and losses; uses only
-//! `llm`) → `eval` (evaluation environments: 20 Questions, no model inside) → `plot` (figures
-//! from the files the stages above wrote). `serve` is an
-//! HTTP front over `llm`; `parse` and `cli` are leaf utilities.
+//! `llm`) → `eval` (multi-turn evaluation and 20 Questions; uses the pipeline before it) →
+//! `plot` (figures from the files the stages above wrote). `serve` is an HTTP front over
+//! `llm`; `parse` and `cli` are leaf utilities.
 
 pub mod cli;
 mod columnar;

@@ -58,6 +58,16 @@ const PROMPTS: &[(&str, &str, &[&str])] = &[
         include_str!("../prompts/extract_code.j2"),
         &["goal", "conversation"],
     ),
+    (
+        "twenty_questions_questioner.j2",
+        include_str!("../prompts/twenty_questions_questioner.j2"),
+        &["history", "questions_left", "max_questions"],
+    ),
+    (
+        "twenty_questions_oracle.j2",
+        include_str!("../prompts/twenty_questions_oracle.j2"),
+        &["object", "names", "question"],
+    ),
 ];
 
 const USER_VARS: &[&str] = &[
@@ -93,6 +103,10 @@ pub enum Prompt {
     JudgeInteractivity,
     ExtractDocument,
     ExtractCode,
+    /// 20 Questions: the model questioner's next question.
+    TwentyQuestionsQuestioner,
+    /// 20 Questions: the LLM oracle's yes/no answer.
+    TwentyQuestionsOracle,
 }
 
 impl Prompt {
@@ -107,6 +121,8 @@ impl Prompt {
             Prompt::JudgeInteractivity => "judge_interactivity.j2",
             Prompt::ExtractDocument => "extract_document.j2",
             Prompt::ExtractCode => "extract_code.j2",
+            Prompt::TwentyQuestionsQuestioner => "twenty_questions_questioner.j2",
+            Prompt::TwentyQuestionsOracle => "twenty_questions_oracle.j2",
         }
     }
 }

@@ -191,6 +191,104 @@ fn win_rule_more_vectors() {
     }
 }
 
+#[test]
+fn win_rule_vectors_multi_word_variants_pairs_and_two_objects() {
+    let yes = [
+        // Multi-word names, whole or by an accepted variant.
+        ("Is it a tennis ball?", "Tennis ball"),
+        ("Is it a golf ball?", "Golf ball"),
+        ("Is it a watering can?", "Watering can"),
+        ("Is it a lawn mower?", "Lawn mower"),
+        ("Is it a stuffed animal?", "Stuffed animal"),
+        ("Is it a cooking pot?", "Cooking pot"),
+        ("Is it a microwave oven?", "Microwave"),
+        ("Is it a jigsaw puzzle?", "Puzzle"),
+        ("Is it a lego set?", "Lego"),
+        ("Is it a glue stick?", "Glue"),
+        ("Is it a bottle of glue?", "Glue"),
+        ("Is it an oil painting?", "Painting"),
+        ("Is it a watercolor painting?", "Painting"),
+        ("Is it a battery pack?", "Battery"),
+        ("Is it a pack of batteries?", "Battery"),
+        ("Is it a piece of paper?", "Paper"),
+        ("Is it a toy doll?", "Doll"),
+        ("Is it a plush doll?", "Doll"),
+        // "Pair of" and singular/plural variants.
+        ("Is it a pair of pants?", "Pants"),
+        ("Is it pants?", "Pants"),
+        ("Is it a pair of socks?", "Socks"),
+        ("Is it a sock?", "Socks"),
+        ("Is it a pair of headphones?", "Headphone"),
+        ("Is it a pair of earrings?", "Earring"),
+        ("Is it a pair of gloves?", "Gloves"),
+        ("Is it a glove?", "Gloves"),
+        ("Is it a pair of chopsticks?", "Chopstick"),
+        ("Is it a pair of boots?", "Boots"),
+        ("Are they drums?", "Drum"),
+        // Other leads and endings.
+        ("Could it be a helicopter?", "Helicopter"),
+        ("My guess is a trombone.", "Trombone"),
+        ("is it a saxophone", "Saxophone"),
+        ("Is it the ocean?", "Ocean"),
+        ("Is it a key?", "Key"),
+    ];
+    let no = [
+        // Two objects named: never a win, whichever comes last.
+        ("Is it a tennis racket or a tennis ball?", "Tennis ball"),
+        ("Is it a pen or a pencil eraser?", "Eraser"),
+        ("Is it a stuffed animal or a doll?", "Doll"),
+        ("Is it a trombone or trumpet?", "Trumpet"),
+        ("Is it bigger than a car? Is it a truck?", "Truck"),
+        ("Is it an ocean ship?", "Ship"),
+        ("Is it a drum or a piano?", "Piano"),
+        ("Is it a locket or a watch?", "Watch"),
+        ("Is it a tree or a bush?", "Bush"),
+        ("Is it a pan or a pot?", "Cooking pot"),
+        // A part of a multi-word name, or a longer name containing the target.
+        ("Is it a can?", "Watering can"),
+        ("Is it a mower?", "Lawn mower"),
+        ("Is it a ball?", "Football"),
+        ("Is it a tennis ball?", "Tennis racket"),
+        ("Is it a pencil eraser?", "Pencil"),
+        ("Is it a basket?", "Basketball"),
+        ("Is it a key?", "Computer keyboard"),
+        ("Is it a phone?", "Smartphone"),
+        ("Is it an ocean ship?", "Ocean"),
+        ("Is it a cat?", "Stuffed animal"),
+    ];
+    let mut bad = Vec::new();
+    for (q, name) in yes {
+        if !win(q, name) {
+            bad.push(format!("{q:?} should win {name}"));
+        }
+    }
+    for (q, name) in no {
+        if win(q, name) {
+            bad.push(format!("{q:?} should not win {name}"));
+        }
+    }
+    assert!(bad.is_empty(), "{bad:#?}");
+    assert!(yes.len() + no.len() >= 50);
+}
+
+#[test]
+fn every_object_is_distinguishable_by_attribute_questions_alone() {
+    // Asking every attribute's canonical question separates any two objects: the table
+    // oracle can always pin the object down before a guess.
+    let w = world();
+    let mut oracle = TableOracle::new(w);
+    let mut answers: HashMap<Vec<bool>, &str> = HashMap::new();
+    for o in &w.objects {
+        let row: Vec<bool> = (0..w.table.attributes.len())
+            .map(|a| oracle.answer(o, w.attribute_question(a).unwrap()).yes)
+            .collect();
+        if let Some(other) = answers.insert(row, &o.name) {
+            panic!("{other} and {} answer every question alike", o.name);
+        }
+    }
+    assert_eq!(oracle.unparsed, 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Parsing and the lexicon.
 

@@ -1,5 +1,26 @@
-//! Multi-turn evaluation environments. `twenty_questions` is the deterministic core of LMRL-Gym's
-//! 20 Questions (DESIGN §6): objects, win rule, table oracle, exact information gain, game loop,
-//! metrics and reference questioners. No model is involved here.
+//! Multi-turn evaluation (`eval_multiturn`).
+//!
+//! - `twenty_questions`: the deterministic core of LMRL-Gym's 20 Questions (DESIGN §6):
+//!   objects, win rule, table oracle, exact information gain, game loop, metrics and the
+//!   reference questioners. No model inside.
+//! - `players`: model-backed 20 Questions questioner and LLM oracle (prompted templates).
+//! - `config`: the resolved settings, the evaluated models and their labels.
+//! - `dialogue` (math/doc_edit/code) and `games` (20 Questions): one conversation or game →
+//!   one record, metrics through `reward::metrics` (one implementation, shared with
+//!   generation).
+//! - `records`: append-only per-model JSONL logs (resume); `summary`: mean, s.e., n per
+//!   model × metric, JSON/CSV/table; `overlap`: refusal to evaluate on training tasks;
+//!   `run`: the whole run (concurrency, cache, resume, manifest).
 
+pub mod config;
+pub mod dialogue;
+pub mod games;
+pub mod overlap;
+pub mod players;
+pub mod records;
+pub mod run;
+pub mod summary;
 pub mod twenty_questions;
+
+pub use config::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};
+pub use run::{evaluate, evaluate_with_roles, EvalReport, EvalRoles};

@@ -322,7 +322,8 @@ fn scoring(cfg: &GenerateConfig) -> Scoring {
     }
 }
 
-fn git_revision() -> Option<String> {
+/// The git revision of the source tree this binary was built from, if known.
+pub fn git_revision() -> Option<String> {
     let out = std::process::Command::new("git")
         .args(["rev-parse", "HEAD"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))

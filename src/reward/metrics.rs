@@ -84,6 +84,17 @@ pub fn default_weights(task_type: TaskType) -> BTreeMap<String, f64> {
     w.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
+/// The task-success metric of a task type (what evaluation reports first): `accuracy`,
+/// `bleu` or `pass_rate`; 20 Questions has its own game metrics.
+pub fn task_metric(task_type: TaskType) -> Option<&'static str> {
+    match task_type {
+        TaskType::Math => Some("accuracy"),
+        TaskType::DocEdit => Some("bleu"),
+        TaskType::Code => Some("pass_rate"),
+        TaskType::TwentyQuestions => None,
+    }
+}
+
 /// Checks up front that every task has what the chosen metrics need.
 pub fn check_tasks_for_metrics(tasks: &[Task], metrics: &[String]) -> Result<(), MetricError> {
     for t in tasks {
@@ -160,11 +171,7 @@ impl Scorer {
                 }
             }
             "token_amount" => {
-                let n: usize = candidate_and_future
-                    .iter()
-                    .filter(|m| m.role == "assistant")
-                    .map(|m| self.tokens.count(&m.content))
-                    .sum();
+                let n = count_tokens(&self.tokens, candidate_and_future, "assistant");
                 MetricScore {
                     value: Some(n as f64 / 1000.0),
                     method: format!("tokens:{}", self.tokens.name()),
@@ -286,6 +293,16 @@ impl Scorer {
             },
         }
     }
+}
+
+/// Tokens of the messages of one role (`assistant`: what the user reads; `user`: what the user
+/// types), counted with `counter`. `token_amount` is this for the assistant, in thousands.
+pub fn count_tokens(counter: &TokenCounter, messages: &[ChatMessage], role: &str) -> usize {
+    messages
+        .iter()
+        .filter(|m| m.role == role)
+        .map(|m| counter.count(&m.content))
+        .sum()
 }
 
 fn last_assistant(session: &[ChatMessage]) -> Option<&str> {

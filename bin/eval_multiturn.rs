@@ -1,0 +1,189 @@
+//! `eval_multiturn`: multi-turn evaluation of one or more assistant models against a
+//! simulated user (math, doc_edit, code) or in 20 Questions.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
+use collabllm::llm::ModelSpec;
+use collabllm::reward::judge::JudgeMode;
+use collabllm::task::TaskType;
+
+/// Multi-turn evaluation: task success, interactivity and cost of chat models in
+/// conversations with a simulated user, or 20 Questions by the LMRL-Gym rules.
+///
+/// Every model meets the same tasks, seeds, user simulator and judge (or oracle). Outputs in
+/// --output: conversations/<model>.jsonl (one line per conversation or game, append-only),
+/// summary.json and summary.csv (mean, standard error and n per model × metric),
+/// lmrl/<model>.jsonl (20 Questions in LMRL's offline schema), manifest.json, and cache/
+/// (every model answer). Killed at any moment, the same command resumes; rerun with more
+/// --model flags to add models to an evaluation.
+#[derive(Parser, Debug)]
+#[command(name = "eval_multiturn", version, about, long_about)]
+struct Args {
+    /// Task: math, doc_edit, code or twenty_questions.
+    #[arg(long, value_name = "TASK")]
+    task: TaskType,
+    /// Model to evaluate, repeatable: `default`, a .gguf file, an HF directory or id,
+    /// `openai:<model>[@<base_url>]`; for 20 Questions also `reference` (greedy information
+    /// gain) and `random` (random distinct guesses).
+    #[arg(long = "model", value_name = "SPEC", required = true)]
+    models: Vec<EvalModel>,
+    /// Output directory.
+    #[arg(long, value_name = "DIR")]
+    output: PathBuf,
+    /// Tasks file (JSONL or parquet) for math/doc_edit/code [default: data/<task>.jsonl].
+    #[arg(long, value_name = "PATH")]
+    tasks: Option<String>,
+    /// Simulated user model [default: default].
+    #[arg(long, value_name = "SPEC")]
+    user: Option<ModelSpec>,
+    /// Judge and extractor model [default: default].
+    #[arg(long, value_name = "SPEC")]
+    judge: Option<ModelSpec>,
+    /// Evaluate only the first K tasks.
+    #[arg(long, value_name = "K")]
+    max_tasks: Option<usize>,
+    /// Seed of every sampling decision (repeat r uses seed + r).
+    #[arg(long, value_name = "X", default_value_t = 0)]
+    seed: u64,
+    /// Play every task (or object) this many times, with seeds seed, seed+1, ….
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    repeats: usize,
+    /// Assistant replies per conversation at most [default: 7].
+    #[arg(long, value_name = "T")]
+    max_turns: Option<usize>,
+    /// Conversations (or games) in flight at once [default: 8].
+    #[arg(long, value_name = "C")]
+    concurrency: Option<usize>,
+    /// 20 Questions oracle: `table` (deterministic attribute table) or a model spec (an LLM
+    /// answering "Yes."/"No.") [default: table].
+    #[arg(long, value_name = "ORACLE")]
+    oracle: Option<OracleChoice>,
+    /// 20 Questions objects: `all` (the 158 in task order, once each) or N (the first N)
+    /// [default: all].
+    #[arg(long, value_name = "all|N")]
+    objects: Option<ObjectSelection>,
+    /// 20 Questions question budget per game [default: 20].
+    #[arg(long, value_name = "Q")]
+    max_questions: Option<usize>,
+    /// A generate_conv run directory whose tasks must not be evaluated (repeatable): any
+    /// shared task id, goal or 20 Questions object is refused.
+    #[arg(long = "exclude-run", value_name = "DIR")]
+    exclude_runs: Vec<PathBuf>,
+    /// Only warn when evaluation tasks overlap an --exclude-run.
+    #[arg(long)]
+    allow_overlap: bool,
+    /// Sampling temperature of the evaluated models [default: 1.0].
+    #[arg(long, value_name = "T")]
+    temperature: Option<f32>,
+    /// Token cap of one assistant reply [default: 256].
+    #[arg(long, value_name = "N")]
+    max_tokens: Option<usize>,
+    /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
+    #[arg(long, value_name = "MODE")]
+    judge_mode: Option<JudgeMode>,
+    /// Environment variable holding the API key of OpenAI-compatible endpoints [default: OPENAI_API_KEY].
+    #[arg(long, value_name = "VAR")]
+    api_key_env: Option<String>,
+    /// Requests in flight per endpoint [default: 16].
+    #[arg(long, value_name = "N")]
+    max_concurrency: Option<usize>,
+    /// Seconds before one endpoint attempt is abandoned [default: 120].
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
+    /// Retries per endpoint call after the first attempt [default: 5].
+    #[arg(long, value_name = "N")]
+    max_retries: Option<u32>,
+    /// Compute threads for local models [default: CANDLE_NUM_THREADS, else all cores].
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// Folder of prompt templates replacing the built-in ones (same file names as prompts/).
+    #[arg(long, value_name = "DIR")]
+    prompts: Option<PathBuf>,
+}
+
+fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
+    let mut cfg = EvalConfig {
+        task: args.task,
+        models: args.models,
+        output: args.output,
+        tasks: args.tasks,
+        max_tasks: args.max_tasks,
+        seed: args.seed,
+        repeats: args.repeats,
+        exclude_runs: args.exclude_runs,
+        allow_overlap: args.allow_overlap,
+        threads: args.threads,
+        prompts: args.prompts,
+        ..EvalConfig::default()
+    };
+    macro_rules! set {
+        ($($field:ident),*) => { $( if let Some(v) = args.$field { cfg.$field = v; } )* };
+    }
+    set!(
+        user,
+        judge,
+        max_turns,
+        concurrency,
+        oracle,
+        objects,
+        max_questions,
+        judge_mode
+    );
+    if let Some(t) = args.temperature {
+        cfg.assistant_sampling.temperature = t;
+    }
+    if let Some(m) = args.max_tokens {
+        cfg.assistant_sampling.max_tokens = m;
+    }
+    if let Some(v) = args.api_key_env {
+        cfg.endpoint.api_key_env = v;
+    }
+    if let Some(v) = args.max_concurrency {
+        cfg.endpoint.max_concurrency = v;
+    }
+    if let Some(v) = args.timeout {
+        cfg.endpoint.timeout_s = v;
+    }
+    if let Some(v) = args.max_retries {
+        cfg.endpoint.max_retries = v;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+async fn run(cfg: EvalConfig) -> anyhow::Result<()> {
+    let report = eval::evaluate(cfg).await?;
+    println!("{report}");
+    println!(
+        "summary: {} and {}",
+        report.output.join("summary.json").display(),
+        report.output.join("summary.csv").display()
+    );
+    if !report.failed.is_empty() {
+        anyhow::bail!(
+            "{} conversation(s) failed; rerun the same command to retry them (finished work is kept)",
+            report.failed.len()
+        );
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    collabllm::cli::init_logging();
+    let cfg = match resolve(args) {
+        Ok(c) => c,
+        Err(e) => return collabllm::cli::exit_on_error(Err(e)),
+    };
+    collabllm::cli::set_compute_threads(cfg.threads);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime");
+    let result = runtime.and_then(|rt| rt.block_on(run(cfg)));
+    collabllm::cli::exit_on_error(result)
+}

@@ -1,0 +1,512 @@
+//! The resolved settings of an `eval_multiturn` run, the models it compares and their labels.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::llm::{EndpointOptions, ModelSpec};
+use crate::reward::judge::JudgeMode;
+use crate::simulate::Sampling;
+use crate::task::TaskType;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EvalConfigError {
+    #[error("invalid setting `{field}`: {message}")]
+    Invalid { field: String, message: String },
+    #[error("--model {spec}: {message}")]
+    Model { spec: String, message: String },
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> EvalConfigError {
+    EvalConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// One evaluated model: any model spec, or a built-in 20 Questions questioner.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum EvalModel {
+    /// Greedy maximum expected information gain over the table (20 Questions only).
+    Reference,
+    /// Random distinct guesses (20 Questions only).
+    Random,
+    /// An assistant model.
+    Spec(ModelSpec),
+}
+
+impl FromStr for EvalModel {
+    type Err = EvalConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "reference" => Ok(EvalModel::Reference),
+            "random" => Ok(EvalModel::Random),
+            other => other
+                .parse::<ModelSpec>()
+                .map(EvalModel::Spec)
+                .map_err(|e| EvalConfigError::Model {
+                    spec: s.to_string(),
+                    message: e.to_string(),
+                }),
+        }
+    }
+}
+
+impl std::fmt::Display for EvalModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EvalModel::Reference => f.write_str("reference"),
+            EvalModel::Random => f.write_str("random"),
+            EvalModel::Spec(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+impl From<EvalModel> for String {
+    fn from(m: EvalModel) -> String {
+        m.to_string()
+    }
+}
+
+impl TryFrom<String> for EvalModel {
+    type Error = EvalConfigError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl EvalModel {
+    pub fn is_builtin(&self) -> bool {
+        !matches!(self, EvalModel::Spec(_))
+    }
+
+    /// The legend label before de-duplication: `default`, `reference`, `random`, a checkpoint
+    /// directory's last two path components joined by `-`, a GGUF file's stem, an HF id or
+    /// endpoint model with `/` replaced. Always a safe file name.
+    pub fn base_label(&self) -> String {
+        let raw = match self {
+            EvalModel::Reference => "reference".to_string(),
+            EvalModel::Random => "random".to_string(),
+            EvalModel::Spec(ModelSpec::Default) => "default".to_string(),
+            EvalModel::Spec(ModelSpec::Gguf(p)) => p
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| p.display().to_string()),
+            EvalModel::Spec(ModelSpec::HfDir(p)) => last_two_components(p),
+            EvalModel::Spec(ModelSpec::HfId { repo, revision }) => match revision {
+                Some(r) => format!("{repo}@{r}"),
+                None => repo.clone(),
+            },
+            EvalModel::Spec(ModelSpec::OpenAi { model, .. }) => model.clone(),
+        };
+        sanitize_label(&raw)
+    }
+}
+
+fn last_two_components(p: &Path) -> String {
+    let parts: Vec<String> = p
+        .components()
+        .filter_map(|c| match c {
+            std::path::Component::Normal(s) => Some(s.to_string_lossy().into_owned()),
+            _ => None,
+        })
+        .collect();
+    let k = parts.len().saturating_sub(2);
+    if parts.is_empty() {
+        p.display().to_string()
+    } else {
+        parts[k..].join("-")
+    }
+}
+
+/// Keeps letters, digits, `.`, `_`, `-`, `@`; everything else becomes `-` (file-name safe).
+pub fn sanitize_label(s: &str) -> String {
+    let out: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '@') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let out = out.trim_matches(['-', '.']).to_string();
+    if out.is_empty() {
+        "model".into()
+    } else {
+        out
+    }
+}
+
+/// Unique labels for the models, in order: repeats get `-2`, `-3`, ….
+pub fn model_labels(models: &[EvalModel]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(models.len());
+    for m in models {
+        let base = m.base_label();
+        let mut label = base.clone();
+        let mut k = 2;
+        while out.contains(&label) {
+            label = format!("{base}-{k}");
+            k += 1;
+        }
+        out.push(label);
+    }
+    out
+}
+
+/// Which oracle answers 20 Questions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum OracleChoice {
+    /// The deterministic attribute-table oracle.
+    Table,
+    /// An LLM prompted with the object and the question.
+    Model(ModelSpec),
+}
+
+impl FromStr for OracleChoice {
+    type Err = EvalConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.trim() == "table" {
+            return Ok(OracleChoice::Table);
+        }
+        s.parse::<ModelSpec>()
+            .map(OracleChoice::Model)
+            .map_err(|e| invalid("oracle", format!("`{s}`: {e} (or `table`)")))
+    }
+}
+
+impl std::fmt::Display for OracleChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OracleChoice::Table => f.write_str("table"),
+            OracleChoice::Model(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+impl From<OracleChoice> for String {
+    fn from(o: OracleChoice) -> String {
+        o.to_string()
+    }
+}
+
+impl TryFrom<String> for OracleChoice {
+    type Error = EvalConfigError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+/// Which 20 Questions objects are played: all 158 in task order, or the first N.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum ObjectSelection {
+    All,
+    First(usize),
+}
+
+impl FromStr for ObjectSelection {
+    type Err = EvalConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "all" => Ok(ObjectSelection::All),
+            n => match n.parse::<usize>() {
+                Ok(k) if k > 0 => Ok(ObjectSelection::First(k)),
+                _ => Err(invalid(
+                    "objects",
+                    format!("`{s}`: expected `all` or a positive number"),
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for ObjectSelection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ObjectSelection::All => f.write_str("all"),
+            ObjectSelection::First(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl From<ObjectSelection> for String {
+    fn from(o: ObjectSelection) -> String {
+        o.to_string()
+    }
+}
+
+impl TryFrom<String> for ObjectSelection {
+    type Error = EvalConfigError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl ObjectSelection {
+    /// How many of `total` objects are played.
+    pub fn count(self, total: usize) -> usize {
+        match self {
+            ObjectSelection::All => total,
+            ObjectSelection::First(n) => n.min(total),
+        }
+    }
+}
+
+/// Everything an evaluation run needs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EvalConfig {
+    pub task: TaskType,
+    /// Models compared (same seeds, simulator, judge and oracle for all).
+    pub models: Vec<EvalModel>,
+    pub output: PathBuf,
+    /// Tasks file for math/doc_edit/code [default: the bundled data/<task>.jsonl].
+    pub tasks: Option<String>,
+    pub user: ModelSpec,
+    pub judge: ModelSpec,
+    /// Use only the first K tasks.
+    pub max_tasks: Option<usize>,
+    pub seed: u64,
+    /// Each task (or object) is played this many times, repeat r with seed `seed + r`.
+    pub repeats: usize,
+    /// Assistant replies per conversation at most (math/doc_edit/code).
+    pub max_turns: usize,
+    /// Conversations (or games) in flight at once.
+    pub concurrency: usize,
+    pub oracle: OracleChoice,
+    pub objects: ObjectSelection,
+    pub max_questions: usize,
+    /// generate_conv run directories whose tasks must not be evaluated.
+    pub exclude_runs: Vec<PathBuf>,
+    /// Overlap with `exclude_runs` is a warning instead of an error.
+    pub allow_overlap: bool,
+    pub termination: String,
+    pub judge_mode: JudgeMode,
+    pub judge_retries: u32,
+    pub user_retries: u32,
+    pub judge_max_tokens: usize,
+    pub assistant_sampling: Sampling,
+    pub user_sampling: Sampling,
+    /// Token cap of one 20 Questions question (model questioners).
+    pub question_max_tokens: usize,
+    pub endpoint: EndpointOptions,
+    pub threads: Option<usize>,
+    pub prompts: Option<PathBuf>,
+    pub sandbox_timeout_s: f64,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        Self {
+            task: TaskType::Math,
+            models: vec![EvalModel::Spec(ModelSpec::Default)],
+            output: PathBuf::from("outputs/eval"),
+            tasks: None,
+            user: ModelSpec::Default,
+            judge: ModelSpec::Default,
+            max_tasks: None,
+            seed: 0,
+            repeats: 1,
+            max_turns: 7,
+            concurrency: 8,
+            oracle: OracleChoice::Table,
+            objects: ObjectSelection::All,
+            max_questions: crate::eval::twenty_questions::MAX_QUESTIONS,
+            exclude_runs: Vec::new(),
+            allow_overlap: false,
+            termination: "[[TERMINATE CHAT]]".into(),
+            judge_mode: JudgeMode::Auto,
+            judge_retries: 3,
+            user_retries: 3,
+            judge_max_tokens: 512,
+            assistant_sampling: Sampling::default(),
+            user_sampling: Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                max_tokens: 128,
+            },
+            question_max_tokens: 64,
+            endpoint: EndpointOptions::default(),
+            threads: None,
+            prompts: None,
+            sandbox_timeout_s: 10.0,
+        }
+    }
+}
+
+impl EvalConfig {
+    pub fn validate(&self) -> Result<(), EvalConfigError> {
+        if self.models.is_empty() {
+            return Err(invalid("models", "give at least one --model"));
+        }
+        if self.task != TaskType::TwentyQuestions {
+            if let Some(m) = self.models.iter().find(|m| m.is_builtin()) {
+                return Err(invalid(
+                    "models",
+                    format!(
+                        "`{m}` is a built-in 20 Questions questioner; it cannot play --task {}",
+                        self.task
+                    ),
+                ));
+            }
+        }
+        if self.repeats == 0 {
+            return Err(invalid("repeats", "must be at least 1"));
+        }
+        if self.max_turns == 0 {
+            return Err(invalid("max_turns", "must be at least 1"));
+        }
+        if self.concurrency == 0 {
+            return Err(invalid("concurrency", "must be at least 1"));
+        }
+        if self.max_questions == 0 {
+            return Err(invalid("max_questions", "must be at least 1"));
+        }
+        if self.max_tasks == Some(0) {
+            return Err(invalid("max_tasks", "must be at least 1"));
+        }
+        if self.termination.trim().is_empty() {
+            return Err(invalid("termination", "must not be empty"));
+        }
+        if self.question_max_tokens == 0 {
+            return Err(invalid("question_max_tokens", "must be at least 1"));
+        }
+        if self.sandbox_timeout_s.is_nan() || self.sandbox_timeout_s <= 0.0 {
+            return Err(invalid("sandbox_timeout_s", "must be > 0"));
+        }
+        for (field, s) in [
+            ("assistant_sampling", &self.assistant_sampling),
+            ("user_sampling", &self.user_sampling),
+        ] {
+            if !(s.temperature >= 0.0 && s.top_p > 0.0 && s.top_p <= 1.0 && s.max_tokens > 0) {
+                return Err(invalid(
+                    field,
+                    "temperature >= 0, top_p in (0, 1] and max_tokens >= 1 are required",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The tasks file: `--tasks`, else `data/<task>.jsonl` (relative to the working directory
+    /// when it exists there, else the bundled copy).
+    pub fn tasks_path(&self) -> PathBuf {
+        if let Some(t) = &self.tasks {
+            return PathBuf::from(t);
+        }
+        let rel = PathBuf::from(format!("data/{}.jsonl", self.task));
+        if rel.is_file() {
+            rel
+        } else {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+        }
+    }
+
+    /// Settings that decide what the model calls and metrics are; an output directory can only
+    /// be reused with the same ones (models, task count, objects and repeats may change).
+    pub fn identity(&self) -> serde_json::Value {
+        let twenty = self.task == TaskType::TwentyQuestions;
+        serde_json::json!({
+            "task": self.task,
+            "tasks": (!twenty).then(|| self.tasks_path().display().to_string()),
+            "user": (!twenty).then(|| self.user.to_string()),
+            "judge": (!twenty).then(|| self.judge.to_string()),
+            "seed": self.seed,
+            "max_turns": (!twenty).then_some(self.max_turns),
+            "oracle": twenty.then(|| self.oracle.to_string()),
+            "max_questions": twenty.then_some(self.max_questions),
+            "termination": self.termination,
+            "judge_mode": self.judge_mode,
+            "assistant_sampling": self.assistant_sampling,
+            "user_sampling": self.user_sampling,
+            "question_max_tokens": self.question_max_tokens,
+            "prompts": self.prompts,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_unique_and_file_safe() {
+        let models: Vec<EvalModel> = [
+            "reference",
+            "random",
+            "default",
+            "openai:gpt-4o-mini@http://127.0.0.1:8000/v1",
+            "openai:Qwen/Qwen2.5-7B",
+            "hf:org/name",
+            "x/y/model.Q4_1.gguf",
+            "default",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+        assert_eq!(
+            model_labels(&models),
+            [
+                "reference",
+                "random",
+                "default",
+                "gpt-4o-mini",
+                "Qwen-Qwen2.5-7B",
+                "org-name",
+                "model.Q4_1",
+                "default-2"
+            ]
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("dpo-math").join("final");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        let m: EvalModel = ckpt.display().to_string().parse().unwrap();
+        assert_eq!(m.base_label(), "dpo-math-final");
+    }
+
+    #[test]
+    fn selections_and_oracles_parse() {
+        assert_eq!(
+            "all".parse::<ObjectSelection>().unwrap(),
+            ObjectSelection::All
+        );
+        assert_eq!(
+            "5".parse::<ObjectSelection>().unwrap(),
+            ObjectSelection::First(5)
+        );
+        assert_eq!(ObjectSelection::First(500).count(158), 158);
+        assert!("0".parse::<ObjectSelection>().is_err());
+        assert!("some".parse::<ObjectSelection>().is_err());
+        assert_eq!(
+            "table".parse::<OracleChoice>().unwrap(),
+            OracleChoice::Table
+        );
+        assert!(matches!(
+            "openai:m".parse::<OracleChoice>().unwrap(),
+            OracleChoice::Model(_)
+        ));
+    }
+
+    #[test]
+    fn builtin_questioners_only_play_twenty_questions() {
+        let cfg = EvalConfig {
+            models: vec![EvalModel::Reference],
+            ..Default::default()
+        };
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("reference") && e.contains("math"), "{e}");
+        let cfg = EvalConfig {
+            task: TaskType::TwentyQuestions,
+            models: vec![EvalModel::Reference, EvalModel::Random],
+            ..Default::default()
+        };
+        cfg.validate().unwrap();
+        let back: EvalConfig = serde_json::from_value(serde_json::to_value(&cfg).unwrap()).unwrap();
+        assert_eq!(back, cfg);
+    }
+}

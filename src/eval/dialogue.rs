@@ -1,0 +1,159 @@
+//! One evaluation conversation (math, doc_edit, code): the simulated user opens, the
+//! evaluated model replies, the user continues, until the user's termination signal or the
+//! turn cap; then the task metric and interactivity through the shared
+//! [`Scorer`](crate::reward::metrics::Scorer), and the token counts of both sides.
+//!
+//! Every seed is derived from (run seed + repeat, task id, purpose, turn) and never from the
+//! model, so all models meet the same first user message and the same sampling seeds.
+
+use std::collections::BTreeMap;
+
+use futures::future::join_all;
+
+use crate::llm::roles::Role;
+use crate::llm::{ChatMessage, ChatRequest};
+use crate::reward::metrics::{count_tokens, MetricScore, Scorer};
+use crate::simulate::{derive_seed, Sampling, SimError, UserSimulator};
+use crate::task::Task;
+
+/// One evaluated model with its own token counter (its tokenizer, or cl100k for endpoints).
+pub struct DialogueModel {
+    pub label: String,
+    pub role: Role,
+    pub scorer: Scorer,
+}
+
+/// What every conversation of a run shares.
+pub struct DialogueRunner {
+    pub user: UserSimulator,
+    /// The task metric (`accuracy`, `bleu`, `pass_rate`).
+    pub task_metric: &'static str,
+    pub max_turns: usize,
+    pub sampling: Sampling,
+    pub seed: u64,
+}
+
+#[derive(Default)]
+struct AssistantUsage {
+    calls: u64,
+    cached: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+}
+
+impl DialogueRunner {
+    /// Plays and scores one conversation; the JSON record of `conversations/<model>.jsonl`.
+    pub async fn run(
+        &self,
+        model: &DialogueModel,
+        task: &Task,
+        repeat: usize,
+    ) -> Result<serde_json::Value, SimError> {
+        let run_seed = self.seed.wrapping_add(repeat as u64);
+        let seed = |parts: &[&str]| {
+            let mut all = vec![task.id.as_str()];
+            all.extend_from_slice(parts);
+            derive_seed(run_seed, &all)
+        };
+        let first = self
+            .user
+            .next_messages(task, &[], 1, seed(&["first-user"]))
+            .await?
+            .remove(0);
+        let mut user_raw = vec![first.raw.clone()];
+        let mut history = vec![ChatMessage::user(first.text.clone())];
+        let mut usage = AssistantUsage::default();
+        let mut turns = 0usize;
+        let mut ended_by = "user_terminated";
+        if !first.terminated {
+            loop {
+                let t = turns.to_string();
+                let req = ChatRequest::new(history.clone())
+                    .temperature(self.sampling.temperature)
+                    .top_p(self.sampling.top_p)
+                    .max_tokens(self.sampling.max_tokens)
+                    .seed(seed(&["assistant", &t]));
+                let resp = model
+                    .role
+                    .backend
+                    .chat(&req)
+                    .await
+                    .map_err(|e| SimError::Model {
+                        role: format!("model {}", model.label),
+                        source: e,
+                    })?;
+                usage.calls += 1;
+                usage.cached += u64::from(resp.cached);
+                usage.prompt_tokens += resp.usage.prompt_tokens;
+                usage.completion_tokens += resp.usage.completion_tokens;
+                history.push(ChatMessage::assistant(resp.choices[0].content.clone()));
+                turns += 1;
+                if turns >= self.max_turns {
+                    ended_by = "max_turns";
+                    break;
+                }
+                let next = self
+                    .user
+                    .next_messages(task, &history, 1, seed(&["user", &t]))
+                    .await?
+                    .remove(0);
+                user_raw.push(next.raw.clone());
+                if next.terminated {
+                    break;
+                }
+                history.push(ChatMessage::user(next.text));
+            }
+        }
+        let judged = [self.task_metric, "interactivity"];
+        let scores: BTreeMap<String, MetricScore> = join_all(judged.iter().map(|m| {
+            let history = &history;
+            async move {
+                let s = model
+                    .scorer
+                    .score(m, task, &[], history, seed(&["judge", m]))
+                    .await;
+                (m.to_string(), s)
+            }
+        }))
+        .await
+        .into_iter()
+        .collect();
+        let read = count_tokens(&model.scorer.tokens, &history, "assistant");
+        let typed = count_tokens(&model.scorer.tokens, &history, "user");
+        let failures = scores.values().filter(|s| s.value.is_none()).count();
+        let mut metrics = serde_json::Map::new();
+        for m in judged {
+            metrics.insert(m.into(), serde_json::json!(scores[m].value));
+        }
+        metrics.insert(
+            "tokens_read_k".into(),
+            serde_json::json!(read as f64 / 1000.0),
+        );
+        metrics.insert(
+            "tokens_typed_k".into(),
+            serde_json::json!(typed as f64 / 1000.0),
+        );
+        metrics.insert("turns".into(), serde_json::json!(turns));
+        metrics.insert("judge_failures".into(), serde_json::json!(failures));
+        Ok(serde_json::json!({
+            "model": model.label,
+            "task_id": task.id,
+            "repeat": repeat,
+            "seed": run_seed,
+            "turns": history,
+            "metrics": metrics,
+            "usage": {
+                "assistant_calls": usage.calls,
+                "assistant_cached_calls": usage.cached,
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "tokens_read": read,
+                "tokens_typed": typed,
+                "tokenizer": model.scorer.tokens.name(),
+            },
+            "ended_by": ended_by,
+            "scores": scores,
+            "user_raw": user_raw,
+        }))
+    }
+}

@@ -1,0 +1,116 @@
+//! One 20 Questions game of an evaluation: the questioner (built-in or model), the oracle
+//! (table or LLM), [`play`] and the record of `conversations/<model>.jsonl`. Synchronous:
+//! the runner calls it on a blocking thread; model calls wait on the runtime `handle`.
+
+use std::sync::Arc;
+
+use tokio::runtime::Handle;
+
+use super::players::{LlmOracle, ModelQuestioner};
+use super::twenty_questions::{
+    play, GameMetrics, Oracle, Questioner, RandomGuessQuestioner, ReferenceQuestioner, TableOracle,
+    World,
+};
+use crate::llm::roles::Role;
+use crate::prompts::Prompts;
+use crate::simulate::{derive_seed, Sampling};
+
+/// Who asks the questions.
+#[derive(Clone)]
+pub enum Player {
+    Reference,
+    Random,
+    Model(Role),
+}
+
+/// What every game of a run shares.
+#[derive(Clone)]
+pub struct GameSettings {
+    pub prompts: Arc<Prompts>,
+    /// `None`: the table oracle.
+    pub oracle: Option<Role>,
+    /// The model questioner's sampling (`max_tokens` = the question cap).
+    pub sampling: Sampling,
+    pub max_questions: usize,
+    pub seed: u64,
+}
+
+/// The seed of one game: from (run seed + repeat, object), never from the model.
+pub fn game_seed(seed: u64, repeat: usize, object: usize) -> u64 {
+    derive_seed(
+        seed.wrapping_add(repeat as u64),
+        &["game", &object.to_string()],
+    )
+}
+
+/// Plays object `object` (repeat `repeat`); `Err` when a model call failed (the game is not
+/// recorded, so a rerun plays it again).
+pub fn play_game(
+    world: &World,
+    player: &Player,
+    label: &str,
+    s: &GameSettings,
+    handle: &Handle,
+    object: usize,
+    repeat: usize,
+) -> Result<serde_json::Value, String> {
+    let seed = game_seed(s.seed, repeat, object);
+    let target = &world.objects[object];
+    let (mut model_q, mut reference, mut random) = (None, None, None);
+    let questioner: &mut dyn Questioner = match player {
+        Player::Reference => reference.insert(ReferenceQuestioner::new(world)),
+        Player::Random => random.insert(RandomGuessQuestioner::new(world, seed)),
+        Player::Model(role) => model_q.insert(ModelQuestioner {
+            role: role.clone(),
+            prompts: s.prompts.clone(),
+            handle: handle.clone(),
+            sampling: s.sampling.clone(),
+            max_questions: s.max_questions,
+            seed,
+            raw: Vec::new(),
+            error: None,
+        }),
+    };
+    let (mut table, mut llm) = (None, None);
+    let oracle: &mut dyn Oracle = match &s.oracle {
+        None => table.insert(TableOracle::new(world)),
+        Some(role) => llm.insert(LlmOracle {
+            role: role.clone(),
+            prompts: s.prompts.clone(),
+            handle: handle.clone(),
+            world,
+            seed,
+            raw: Vec::new(),
+            invalid: 0,
+            error: None,
+        }),
+    };
+    let game = play(world, target, questioner, oracle, s.max_questions);
+    let (q_raw, q_err) = match model_q {
+        Some(q) => (Some(q.raw), q.error),
+        None => (None, None),
+    };
+    let (o_raw, o_invalid, o_err) = match llm {
+        Some(o) => (Some(o.raw), Some(o.invalid), o.error),
+        None => (None, None, None),
+    };
+    if let Some(e) = q_err.or(o_err) {
+        return Err(e);
+    }
+    let metrics = GameMetrics::of(&game);
+    let mut rec = serde_json::json!({
+        "model": label,
+        "repeat": repeat,
+        "seed": s.seed.wrapping_add(repeat as u64),
+        "game": game,
+        "metrics": metrics,
+    });
+    if let Some(raw) = q_raw {
+        rec["questioner_raw"] = serde_json::json!(raw);
+    }
+    if let Some(raw) = o_raw {
+        rec["oracle_raw"] = serde_json::json!(raw);
+        rec["oracle_invalid"] = serde_json::json!(o_invalid);
+    }
+    Ok(rec)
+}

@@ -1,0 +1,690 @@
+//! A whole `eval_multiturn` run: models × (tasks or objects) × repeats, concurrent, cached
+//! (`<output>/cache`) and resumable (`conversations/<model>.jsonl`, append-only; finished
+//! conversations are skipped on restart), then `summary.json`, `summary.csv`, `lmrl/` (20
+//! Questions) and `manifest.json`.
+
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+
+use super::config::{model_labels, EvalConfig, EvalModel, OracleChoice};
+use super::dialogue::{DialogueModel, DialogueRunner};
+use super::games::{play_game, GameSettings, Player};
+use super::overlap;
+use super::records::{read_records, RecordLog};
+use super::summary::{summarize_dialogues, summarize_games, write_atomic, Summary};
+use super::twenty_questions::{lmrl_transcript, GameRecord, World};
+use crate::generate::outputs::write_json_atomic;
+use crate::generate::record::now_secs;
+use crate::generate::run::git_revision;
+use crate::llm::cache::RequestCache;
+use crate::llm::local::LoadOptions;
+use crate::llm::roles::Role;
+use crate::llm::tokens::TokenCounter;
+use crate::llm::UsageSnapshot;
+use crate::prompts::Prompts;
+use crate::reward::judge::{Judge, JudgeMode};
+use crate::reward::metrics::{check_tasks_for_metrics, task_metric, Scorer};
+use crate::reward::sandbox::SandboxLimits;
+use crate::simulate::{Sampling, UserSimulator};
+use crate::task::{load_tasks, Task, TaskType};
+
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const CONVERSATIONS_DIR: &str = "conversations";
+pub const LMRL_DIR: &str = "lmrl";
+
+/// The roles of a run. `models` has one entry per configured model (`None` for the built-in
+/// questioners); `user` and `judge` serve math/doc_edit/code, `oracle` an LLM oracle.
+#[derive(Clone, Debug)]
+pub struct EvalRoles {
+    pub models: Vec<Option<Role>>,
+    pub user: Option<Role>,
+    pub judge: Option<Role>,
+    pub oracle: Option<Role>,
+}
+
+impl EvalRoles {
+    /// Builds the roles the task needs from the config's specs (local models load once).
+    pub async fn from_config(
+        cfg: &EvalConfig,
+        cache: Option<Arc<RequestCache>>,
+    ) -> anyhow::Result<EvalRoles> {
+        let load = LoadOptions::default();
+        let build = |name: &'static str, spec| {
+            let cache = cache.clone();
+            async move { Role::build(name, spec, &cfg.endpoint, &load, cache).await }
+        };
+        let mut models = Vec::new();
+        for m in &cfg.models {
+            models.push(match m {
+                EvalModel::Spec(s) => Some(build("model", s).await?),
+                _ => None,
+            });
+        }
+        let dialogue = cfg.task != TaskType::TwentyQuestions;
+        let user = if dialogue {
+            Some(build("user", &cfg.user).await?)
+        } else {
+            None
+        };
+        let judge = if dialogue {
+            Some(build("judge", &cfg.judge).await?)
+        } else {
+            None
+        };
+        let oracle = match (&cfg.oracle, dialogue) {
+            (OracleChoice::Model(s), false) => Some(build("oracle", s).await?),
+            _ => None,
+        };
+        Ok(EvalRoles {
+            models,
+            user,
+            judge,
+            oracle,
+        })
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug)]
+pub struct EvalReport {
+    pub output: PathBuf,
+    pub summary: Summary,
+    /// Conversations (or games) in the selection, over all models.
+    pub planned: usize,
+    pub done_before: usize,
+    pub done_now: usize,
+    /// (model, task id or object#repeat, error).
+    pub failed: Vec<(String, String, String)>,
+    pub usage: BTreeMap<String, UsageSnapshot>,
+    pub warnings: Vec<String>,
+    pub wall_s: f64,
+}
+
+impl std::fmt::Display for EvalReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "output   {}", self.output.display())?;
+        writeln!(
+            f,
+            "work     {} conversation(s): {} finished before, {} now, {} failed ({:.1} s)",
+            self.planned,
+            self.done_before,
+            self.done_now,
+            self.failed.len(),
+            self.wall_s
+        )?;
+        writeln!(f)?;
+        write!(f, "{}", self.summary.table())?;
+        if !self.usage.is_empty() {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "{:<24} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}",
+                "role", "calls", "cached", "prompt", "completion", "retries", "failed"
+            )?;
+            for (role, u) in &self.usage {
+                writeln!(
+                    f,
+                    "{:<24} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}",
+                    role,
+                    u.calls,
+                    u.cache_hits,
+                    u.prompt_tokens,
+                    u.completion_tokens,
+                    u.retries,
+                    u.failures
+                )?;
+            }
+        }
+        for w in &self.warnings {
+            writeln!(f, "warning  {w}")?;
+        }
+        for (m, item, e) in &self.failed {
+            writeln!(f, "failed   {m} {item}: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The conversations to play, before the models are known.
+enum Work {
+    Dialogue(Arc<Vec<Task>>),
+    Games {
+        world: Arc<World>,
+        objects: Vec<usize>,
+    },
+}
+
+/// One unit of work: (index into the task/object list, repeat) and its resume key.
+#[derive(Clone, Debug)]
+struct Item {
+    index: usize,
+    repeat: usize,
+    key: String,
+}
+
+struct Prepared {
+    prompts: Arc<Prompts>,
+    work: Work,
+    items: Vec<Item>,
+    warnings: Vec<String>,
+}
+
+fn dialogue_key(task_id: &str, repeat: usize) -> String {
+    format!("{task_id}#{repeat}")
+}
+
+fn game_key(object: usize, repeat: usize) -> String {
+    format!("object {object}#{repeat}")
+}
+
+/// The resume key of a stored record.
+fn record_key(task: TaskType, rec: &serde_json::Value) -> Option<String> {
+    let repeat = rec["repeat"].as_u64().unwrap_or(0) as usize;
+    if task == TaskType::TwentyQuestions {
+        rec["game"]["object_index"]
+            .as_u64()
+            .map(|o| game_key(o as usize, repeat))
+    } else {
+        rec["task_id"].as_str().map(|t| dialogue_key(t, repeat))
+    }
+}
+
+/// Loads and checks the tasks (or objects), the prompts and the exclusion runs; prepares the
+/// output directory. Nothing here loads or calls a model.
+fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
+    cfg.validate()?;
+    let prompts = Arc::new(match &cfg.prompts {
+        Some(dir) => Prompts::from_dir(dir)?,
+        None => Prompts::builtin()?,
+    });
+    let (work, warnings) = if cfg.task == TaskType::TwentyQuestions {
+        let world = World::load_default()?;
+        let objects: Vec<usize> = (0..cfg.objects.count(world.objects.len())).collect();
+        let warnings = overlap::check(&cfg.exclude_runs, cfg.allow_overlap, |run| {
+            overlap::shared_objects(&world, &objects, run)
+        })?;
+        (
+            Work::Games {
+                world: Arc::new(world),
+                objects,
+            },
+            warnings,
+        )
+    } else {
+        let path = cfg.tasks_path();
+        let mut tasks = load_tasks(&path)?;
+        if let Some(t) = tasks.iter().find(|t| t.task_type != cfg.task) {
+            bail!(
+                "{}: task {} is {}, not {} (--task)",
+                path.display(),
+                t.id,
+                t.task_type,
+                cfg.task
+            );
+        }
+        if let Some(k) = cfg.max_tasks {
+            tasks.truncate(k);
+        }
+        if tasks.is_empty() {
+            bail!("{}: no tasks", path.display());
+        }
+        if let Some(m) = task_metric(cfg.task) {
+            check_tasks_for_metrics(&tasks, &[m.to_string()])?;
+        }
+        let warnings = overlap::check(&cfg.exclude_runs, cfg.allow_overlap, |run| {
+            overlap::shared_tasks(&tasks, run)
+        })?;
+        (Work::Dialogue(Arc::new(tasks)), warnings)
+    };
+    let mut items = Vec::new();
+    for repeat in 0..cfg.repeats {
+        match &work {
+            Work::Dialogue(tasks) => {
+                items.extend(tasks.iter().enumerate().map(|(index, t)| Item {
+                    index,
+                    repeat,
+                    key: dialogue_key(&t.id, repeat),
+                }))
+            }
+            Work::Games { objects, .. } => items.extend(objects.iter().map(|&o| Item {
+                index: o,
+                repeat,
+                key: game_key(o, repeat),
+            })),
+        }
+    }
+    std::fs::create_dir_all(&cfg.output)
+        .with_context(|| format!("creating {}", cfg.output.display()))?;
+    check_resume(cfg)?;
+    Ok(Prepared {
+        prompts,
+        work,
+        items,
+        warnings,
+    })
+}
+
+/// Refuses to reuse an output directory made with different settings.
+fn check_resume(cfg: &EvalConfig) -> anyhow::Result<()> {
+    let path = cfg.output.join(MANIFEST_FILE);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let old: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", path.display()))?;
+    let before = &old["identity"];
+    let now = cfg.identity();
+    if !before.is_null() && *before != now {
+        let changed: Vec<String> = now
+            .as_object()
+            .map(|o| {
+                o.iter()
+                    .filter(|(k, v)| before.get(k.as_str()) != Some(v))
+                    .map(|(k, _)| k.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        bail!(
+            "{} holds an evaluation made with different settings ({}); use the same settings \
+             to resume or add models, or choose a new --output",
+            cfg.output.display(),
+            changed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Runs (or resumes) an evaluation with roles built from the config's specs.
+pub async fn evaluate(cfg: EvalConfig) -> anyhow::Result<EvalReport> {
+    let prepared = prepare(&cfg)?;
+    let cache = RequestCache::open(cfg.output.join("cache"))?;
+    let roles = EvalRoles::from_config(&cfg, Some(cache)).await?;
+    run_prepared(cfg, prepared, roles).await
+}
+
+/// Runs (or resumes) an evaluation with the given roles (tests inject scripted backends).
+pub async fn evaluate_with_roles(cfg: EvalConfig, roles: EvalRoles) -> anyhow::Result<EvalReport> {
+    let prepared = prepare(&cfg)?;
+    run_prepared(cfg, prepared, roles).await
+}
+
+fn conversations_path(dir: &Path, label: &str) -> PathBuf {
+    dir.join(CONVERSATIONS_DIR).join(format!("{label}.jsonl"))
+}
+
+type Job = Pin<Box<dyn Future<Output = (usize, String, Result<serde_json::Value, String>)> + Send>>;
+
+fn usage(roles: &EvalRoles, labels: &[String]) -> BTreeMap<String, UsageSnapshot> {
+    let mut out = BTreeMap::new();
+    for (label, r) in labels.iter().zip(&roles.models) {
+        if let Some(r) = r {
+            out.insert(format!("model:{label}"), r.meter.snapshot());
+        }
+    }
+    for (name, r) in [
+        ("user", &roles.user),
+        ("judge", &roles.judge),
+        ("oracle", &roles.oracle),
+    ] {
+        if let Some(r) = r {
+            out.insert(name.to_string(), r.meter.snapshot());
+        }
+    }
+    out
+}
+
+async fn run_prepared(
+    cfg: EvalConfig,
+    prepared: Prepared,
+    roles: EvalRoles,
+) -> anyhow::Result<EvalReport> {
+    let started = Instant::now();
+    let started_at = now_secs();
+    if roles.models.len() != cfg.models.len() {
+        bail!(
+            "{} model role(s) for {} configured model(s)",
+            roles.models.len(),
+            cfg.models.len()
+        );
+    }
+    let labels = model_labels(&cfg.models);
+    let Prepared {
+        prompts,
+        work,
+        items,
+        warnings,
+    } = prepared;
+    // Usage of earlier invocations on this output directory, so the manifest also has totals.
+    let earlier: BTreeMap<String, UsageSnapshot> =
+        std::fs::read_to_string(cfg.output.join(MANIFEST_FILE))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|m| serde_json::from_value(m["usage_total"].clone()).ok())
+            .unwrap_or_default();
+    let write_manifest =
+        |status: &str, counts: serde_json::Value, failed: &[(String, String, String)]| {
+            let now = usage(&roles, &labels);
+            let mut total = earlier.clone();
+            for (role, u) in &now {
+                let t = total.entry(role.clone()).or_default();
+                *t = *t + *u;
+            }
+            write_json_atomic(
+                &cfg.output.join(MANIFEST_FILE),
+                &serde_json::json!({
+                    "tool": "collabllm-rs eval_multiturn",
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "git_revision": git_revision(),
+                    "status": status,
+                    "started_at": started_at,
+                    "updated_at": now_secs(),
+                    "config": cfg,
+                    "identity": cfg.identity(),
+                    "seed": cfg.seed,
+                    "prompts": prompts.source,
+                    "models": labels.iter().zip(&cfg.models)
+                        .map(|(l, m)| serde_json::json!({"name": l, "spec": m.to_string()}))
+                        .collect::<Vec<_>>(),
+                    "counts": counts,
+                    "failed": failed,
+                    "warnings": warnings,
+                    // This invocation, and every invocation on this directory.
+                    "usage": now,
+                    "usage_total": total,
+                    // Prices are not known to the tool; cost per role = tokens × your price.
+                    "cost_usd": serde_json::Value::Null,
+                }),
+            )
+        };
+    write_manifest("running", serde_json::Value::Null, &[])?;
+
+    // Open every model's log; what is already there is skipped.
+    let mut logs = Vec::new();
+    let mut pending: Vec<(usize, Item)> = Vec::new();
+    let mut done_before = 0;
+    for (mi, label) in labels.iter().enumerate() {
+        let (log, recs) = RecordLog::open(&conversations_path(&cfg.output, label))?;
+        let done: HashSet<String> = recs
+            .iter()
+            .filter_map(|r| record_key(cfg.task, r))
+            .collect();
+        for it in &items {
+            if done.contains(&it.key) {
+                done_before += 1;
+            } else {
+                pending.push((mi, it.clone()));
+            }
+        }
+        logs.push(log);
+    }
+
+    let jobs: Vec<Job> = match &work {
+        Work::Dialogue(tasks) => dialogue_jobs(&cfg, &roles, &labels, &prompts, tasks, pending)?,
+        Work::Games { world, .. } => game_jobs(&cfg, &roles, &labels, &prompts, world, pending),
+    };
+    let progress = indicatif::ProgressBar::new(jobs.len() as u64);
+    progress.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{prefix} {bar:30} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    progress.set_prefix(if matches!(work, Work::Games { .. }) {
+        "games"
+    } else {
+        "conversations"
+    });
+    let mut failed = Vec::new();
+    let mut done_now = 0;
+    let mut stream = futures::stream::iter(jobs).buffer_unordered(cfg.concurrency);
+    while let Some((mi, key, result)) = stream.next().await {
+        match result {
+            Ok(rec) => {
+                logs[mi].append(&rec)?;
+                done_now += 1;
+            }
+            Err(e) => {
+                tracing::warn!(model = %labels[mi], item = %key, error = %e, "failed; a rerun retries it");
+                failed.push((labels[mi].clone(), key, e));
+            }
+        }
+        progress.inc(1);
+        progress.set_message(format!("{} failed", failed.len()));
+    }
+    drop(stream);
+    progress.finish_and_clear();
+
+    let summary = summarize(&cfg, &labels, &items, &work)?;
+    summary.write(&cfg.output)?;
+    let counts = serde_json::json!({
+        "planned": items.len() * labels.len(),
+        "done_before": done_before,
+        "done_now": done_now,
+        "failed": failed.len(),
+    });
+    let status = if failed.is_empty() {
+        "complete"
+    } else {
+        "incomplete"
+    };
+    write_manifest(status, counts, &failed)?;
+    Ok(EvalReport {
+        output: cfg.output.clone(),
+        summary,
+        planned: items.len() * labels.len(),
+        done_before,
+        done_now,
+        failed,
+        usage: usage(&roles, &labels),
+        warnings,
+        wall_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+fn dialogue_jobs(
+    cfg: &EvalConfig,
+    roles: &EvalRoles,
+    labels: &[String],
+    prompts: &Arc<Prompts>,
+    tasks: &Arc<Vec<Task>>,
+    pending: Vec<(usize, Item)>,
+) -> anyhow::Result<Vec<Job>> {
+    let (Some(user), Some(judge_role)) = (&roles.user, &roles.judge) else {
+        bail!("math/doc_edit/code evaluation needs a user simulator and a judge role");
+    };
+    if cfg.judge_mode == JudgeMode::Logprob && judge_role.engine.is_none() {
+        bail!(
+            "--judge-mode logprob needs a local judge model; {} is an endpoint",
+            judge_role.spec
+        );
+    }
+    let judge = Arc::new(Judge {
+        role: judge_role.clone(),
+        prompts: prompts.clone(),
+        mode: cfg.judge_mode,
+        retries: cfg.judge_retries,
+        max_tokens: cfg.judge_max_tokens,
+    });
+    let metric = task_metric(cfg.task).unwrap_or("accuracy");
+    let runner = Arc::new(DialogueRunner {
+        user: UserSimulator {
+            role: user.clone(),
+            prompts: prompts.clone(),
+            sampling: cfg.user_sampling.clone(),
+            termination: cfg.termination.clone(),
+            json: user.engine.is_none(),
+            retries: cfg.user_retries,
+        },
+        task_metric: metric,
+        max_turns: cfg.max_turns,
+        sampling: cfg.assistant_sampling.clone(),
+        seed: cfg.seed,
+    });
+    let mut models = Vec::new();
+    for (label, role) in labels.iter().zip(&roles.models) {
+        let Some(role) = role else {
+            bail!("model {label} has no backend");
+        };
+        let tokens = match &role.engine {
+            Some(e) => TokenCounter::Local(e.clone()),
+            None => TokenCounter::cl100k().map_err(anyhow::Error::msg)?,
+        };
+        models.push(DialogueModel {
+            label: label.clone(),
+            role: role.clone(),
+            scorer: Scorer {
+                judge: judge.clone(),
+                tokens,
+                sandbox: SandboxLimits {
+                    wall_timeout: Duration::from_secs_f64(cfg.sandbox_timeout_s),
+                    ..SandboxLimits::default()
+                },
+            },
+        });
+    }
+    let models = Arc::new(models);
+    Ok(pending
+        .into_iter()
+        .map(|(mi, it)| {
+            let (runner, models, tasks) = (runner.clone(), models.clone(), tasks.clone());
+            Box::pin(async move {
+                let r = runner
+                    .run(&models[mi], &tasks[it.index], it.repeat)
+                    .await
+                    .map_err(|e| e.to_string());
+                (mi, it.key, r)
+            }) as Job
+        })
+        .collect())
+}
+
+fn game_jobs(
+    cfg: &EvalConfig,
+    roles: &EvalRoles,
+    labels: &[String],
+    prompts: &Arc<Prompts>,
+    world: &Arc<World>,
+    pending: Vec<(usize, Item)>,
+) -> Vec<Job> {
+    let settings = GameSettings {
+        prompts: prompts.clone(),
+        oracle: roles.oracle.clone(),
+        sampling: Sampling {
+            max_tokens: cfg.question_max_tokens,
+            ..cfg.assistant_sampling.clone()
+        },
+        max_questions: cfg.max_questions,
+        seed: cfg.seed,
+    };
+    // `None`: a model spec without a backend (only possible with hand-built roles).
+    let players: Vec<Option<Player>> = cfg
+        .models
+        .iter()
+        .zip(&roles.models)
+        .map(|(m, r)| match (m, r) {
+            (EvalModel::Reference, _) => Some(Player::Reference),
+            (EvalModel::Random, _) => Some(Player::Random),
+            (_, r) => r.clone().map(Player::Model),
+        })
+        .collect();
+    pending
+        .into_iter()
+        .map(|(mi, it)| {
+            let world = world.clone();
+            let player = players[mi].clone();
+            let label = labels[mi].clone();
+            let settings = settings.clone();
+            Box::pin(async move {
+                let Some(player) = player else {
+                    return (mi, it.key, Err(format!("model {label} has no backend")));
+                };
+                let handle = tokio::runtime::Handle::current();
+                let r = tokio::task::spawn_blocking(move || {
+                    play_game(
+                        &world, &player, &label, &settings, &handle, it.index, it.repeat,
+                    )
+                })
+                .await
+                .unwrap_or_else(|e| Err(format!("game thread failed: {e}")));
+                (mi, it.key, r)
+            }) as Job
+        })
+        .collect()
+}
+
+/// Summaries from the records on disk (only the current selection; first record per key).
+fn summarize(
+    cfg: &EvalConfig,
+    labels: &[String],
+    items: &[Item],
+    work: &Work,
+) -> anyhow::Result<Summary> {
+    let order: BTreeMap<&str, usize> = items
+        .iter()
+        .enumerate()
+        .map(|(i, it)| (it.key.as_str(), i))
+        .collect();
+    let mut models = Vec::new();
+    for (label, spec) in labels.iter().zip(&cfg.models) {
+        let mut recs: Vec<(usize, serde_json::Value)> = Vec::new();
+        let mut seen = HashSet::new();
+        for r in read_records(&conversations_path(&cfg.output, label))? {
+            let Some(key) = record_key(cfg.task, &r) else {
+                continue;
+            };
+            if let Some(&pos) = order.get(key.as_str()) {
+                if seen.insert(key) {
+                    recs.push((pos, r));
+                }
+            }
+        }
+        recs.sort_by_key(|(pos, _)| *pos);
+        let recs: Vec<serde_json::Value> = recs.into_iter().map(|(_, r)| r).collect();
+        let spec_text = spec.to_string();
+        let m = match work {
+            Work::Dialogue(_) => summarize_dialogues(label, &spec_text, cfg.task, &recs)?,
+            Work::Games { world, .. } => {
+                write_lmrl(&cfg.output, label, world, &recs)?;
+                summarize_games(label, &spec_text, &recs)?
+            }
+        };
+        models.push(m);
+    }
+    Ok(Summary {
+        task: cfg.task,
+        seed: cfg.seed,
+        tool_version: env!("CARGO_PKG_VERSION").to_string(),
+        models,
+    })
+}
+
+/// `lmrl/<model>.jsonl`: the games in LMRL-Gym's offline schema, in selection order.
+fn write_lmrl(
+    dir: &Path,
+    label: &str,
+    world: &World,
+    recs: &[serde_json::Value],
+) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for (i, r) in recs.iter().enumerate() {
+        let game: GameRecord = serde_json::from_value(r["game"].clone())
+            .with_context(|| format!("{label}: record {i}: `game` is not a game record"))?;
+        let object = world
+            .objects
+            .get(game.object_index)
+            .with_context(|| format!("{label}: record {i}: no object {}", game.object_index))?;
+        text.push_str(&serde_json::to_string(&lmrl_transcript(&game, object))?);
+        text.push('\n');
+    }
+    let out = dir.join(LMRL_DIR);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    write_atomic(&out.join(format!("{label}.jsonl")), text.as_bytes())?;
+    Ok(())
+}

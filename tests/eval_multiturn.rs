@@ -1,0 +1,730 @@
+//! `eval_multiturn` end to end: the tiny model as assistant (math with a scripted user and
+//! judge; 20 Questions with the table oracle) against summaries recomputed from the
+//! transcripts, resume without model calls, overlap refusal, and the binary.
+
+mod common;
+#[path = "common/model_util.rs"]
+mod model_util;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use collabllm::eval::run::{evaluate_with_roles, EvalRoles};
+use collabllm::eval::twenty_questions::{AggregateMetrics, GameMetrics, GameRecord, Stat};
+use collabllm::eval::{EvalConfig, EvalModel, ObjectSelection};
+use collabllm::generate::{generate_with_roles, GenerateConfig, Roles};
+use collabllm::llm::cache::RequestCache;
+use collabllm::llm::local::LoadOptions;
+use collabllm::llm::roles::Role;
+use collabllm::llm::scripted::ScriptedBackend;
+use collabllm::llm::tiny::TinySpec;
+use collabllm::llm::tokens::TokenCounter;
+use collabllm::llm::{EndpointOptions, ModelSpec};
+use collabllm::simulate::Sampling;
+use collabllm::task::TaskType;
+use common::collab_script;
+
+fn scripted(name: &str) -> Arc<ScriptedBackend> {
+    ScriptedBackend::new(name, |req, i| {
+        let prompt = req
+            .messages
+            .last()
+            .map(|m| m.content.clone())
+            .unwrap_or_default();
+        Ok(collab_script::reply(&prompt, req.seed.unwrap_or(0), i))
+    })
+}
+
+fn scripted_role(name: &str, cache: Option<Arc<RequestCache>>) -> Role {
+    Role::from_backend(name, "scripted", scripted(name), cache, None)
+}
+
+async fn tiny_role(dir: &Path, cache: Option<Arc<RequestCache>>) -> Role {
+    Role::build(
+        "model",
+        &ModelSpec::HfDir(dir.to_path_buf()),
+        &EndpointOptions::default(),
+        &LoadOptions::default(),
+        cache,
+    )
+    .await
+    .expect("tiny model role")
+}
+
+fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(
+        &std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap()
+}
+
+fn read_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn assert_stat(summary_metric: &serde_json::Value, expect: Stat, what: &str) {
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * (1.0 + b.abs());
+    assert!(
+        close(summary_metric["mean"].as_f64().unwrap(), expect.mean)
+            && close(summary_metric["se"].as_f64().unwrap(), expect.stderr)
+            && summary_metric["n"].as_u64().unwrap() as usize == expect.n,
+        "{what}: summary {summary_metric} vs recomputed {expect:?}"
+    );
+}
+
+fn total_calls(report: &collabllm::eval::EvalReport) -> (u64, u64) {
+    report
+        .usage
+        .values()
+        .fold((0, 0), |(c, h), u| (c + u.calls, h + u.cache_hits))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Math: tiny assistant, scripted user and judge.
+
+fn math_cfg(out: &Path, tiny: &Path) -> EvalConfig {
+    EvalConfig {
+        task: TaskType::Math,
+        models: vec![EvalModel::Spec(ModelSpec::HfDir(tiny.to_path_buf()))],
+        output: out.to_path_buf(),
+        max_tasks: Some(3),
+        max_turns: 3,
+        concurrency: 3,
+        assistant_sampling: Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            max_tokens: 16,
+        },
+        ..EvalConfig::default()
+    }
+}
+
+async fn math_roles(out: &Path, tiny: &Path) -> EvalRoles {
+    let cache = RequestCache::open(out.join("cache")).unwrap();
+    EvalRoles {
+        models: vec![Some(tiny_role(tiny, Some(cache.clone())).await)],
+        user: Some(scripted_role("user", Some(cache.clone()))),
+        judge: Some(scripted_role("judge", Some(cache))),
+        oracle: None,
+    }
+}
+
+#[tokio::test]
+async fn math_with_the_tiny_model_summary_matches_transcripts_and_resumes_free() {
+    model_util::one_thread();
+    let (_g, tiny) = model_util::tiny_model_dir(&TinySpec::default());
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval-math");
+    let cfg = math_cfg(&out, &tiny);
+
+    let roles = math_roles(&out, &tiny).await;
+    let engine = roles.models[0].as_ref().unwrap().engine.clone().unwrap();
+    let report = evaluate_with_roles(cfg.clone(), roles).await.unwrap();
+    assert_eq!(
+        (report.planned, report.done_now, report.failed.len()),
+        (3, 3, 0),
+        "{report}"
+    );
+    // The label of an HF directory: its last two path components.
+    let label = report.summary.models[0].name.clone();
+    assert!(label.ends_with("-tiny-llama"), "{label}");
+
+    // Every number of the summary, recomputed from the transcripts.
+    let recs = read_lines(&out.join(format!("conversations/{label}.jsonl")));
+    assert_eq!(recs.len(), 3);
+    let tokens = TokenCounter::Local(engine);
+    for r in &recs {
+        let turns = r["turns"].as_array().unwrap();
+        assert_eq!(turns[0]["role"], "user");
+        assert!(!turns[0]["content"].as_str().unwrap().trim().is_empty());
+        let count = |role: &str| -> usize {
+            turns
+                .iter()
+                .filter(|m| m["role"] == role)
+                .map(|m| tokens.count(m["content"].as_str().unwrap()))
+                .sum()
+        };
+        let m = &r["metrics"];
+        let assistant_turns = turns.iter().filter(|m| m["role"] == "assistant").count();
+        assert_eq!(m["turns"].as_u64().unwrap() as usize, assistant_turns);
+        assert!((1..=3).contains(&assistant_turns));
+        assert_eq!(
+            m["tokens_read_k"].as_f64().unwrap(),
+            count("assistant") as f64 / 1000.0
+        );
+        assert_eq!(
+            m["tokens_typed_k"].as_f64().unwrap(),
+            count("user") as f64 / 1000.0
+        );
+        let acc = m["accuracy"].as_f64().unwrap();
+        assert!(acc == 0.0 || acc == 1.0, "{acc}");
+        let inter = m["interactivity"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&inter));
+        assert_eq!(m["judge_failures"], 0);
+        assert_eq!(r["seed"], 0);
+        assert!(r["usage"]["tokenizer"]
+            .as_str()
+            .unwrap()
+            .contains("tokenizer"));
+    }
+    let summary = read_json(&out.join("summary.json"));
+    assert_eq!(summary["task"], "math");
+    assert_eq!(summary["tool_version"], env!("CARGO_PKG_VERSION"));
+    let model = &summary["models"][0];
+    assert_eq!(model["name"], label.as_str());
+    for metric in [
+        "accuracy",
+        "interactivity",
+        "tokens_read_k",
+        "tokens_typed_k",
+        "turns",
+        "judge_failures",
+    ] {
+        let values: Vec<f64> = recs
+            .iter()
+            .map(|r| r["metrics"][metric].as_f64().unwrap())
+            .collect();
+        assert_stat(&model["metrics"][metric], Stat::of(&values), metric);
+    }
+    let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    assert!(csv.starts_with("model,metric,mean,se,n\n"));
+    assert_eq!(csv.lines().count(), 1 + 6);
+    let manifest = read_json(&out.join("manifest.json"));
+    assert_eq!(manifest["status"], "complete");
+    assert!(manifest["usage"]["judge"]["calls"].as_u64().unwrap() > 0);
+    assert!(
+        manifest["usage"][format!("model:{label}")]["calls"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let summary_text = std::fs::read_to_string(out.join("summary.json")).unwrap();
+
+    // A second run does no model call at all and writes the same summary.
+    let report = evaluate_with_roles(cfg.clone(), math_roles(&out, &tiny).await)
+        .await
+        .unwrap();
+    assert_eq!((report.done_before, report.done_now), (3, 0));
+    assert_eq!(total_calls(&report), (0, 0), "{report}");
+    let manifest = read_json(&out.join("manifest.json"));
+    let role = format!("model:{label}");
+    assert_eq!(manifest["usage"][&role]["calls"], 0);
+    assert!(
+        manifest["usage_total"][&role]["calls"].as_u64().unwrap() > 0,
+        "totals keep the first invocation's calls"
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("summary.json")).unwrap(),
+        summary_text
+    );
+
+    // Killed mid-write: the last record torn. The rerun cuts it, replays that conversation
+    // from the request cache (no model call), and gives the same summary.
+    let path = out.join(format!("conversations/{label}.jsonl"));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let cut = text.trim_end().rfind('\n').unwrap() + 1;
+    let torn = format!("{}{}", &text[..cut], &text[cut..cut + 40]);
+    std::fs::write(&path, torn).unwrap();
+    let report = evaluate_with_roles(cfg, math_roles(&out, &tiny).await)
+        .await
+        .unwrap();
+    assert_eq!((report.done_before, report.done_now), (2, 1), "{report}");
+    let (calls, hits) = total_calls(&report);
+    assert_eq!(calls, 0, "{report}");
+    assert!(hits > 0);
+    assert_eq!(
+        std::fs::read_to_string(out.join("summary.json")).unwrap(),
+        summary_text
+    );
+    assert_eq!(read_lines(&path).len(), 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 20 Questions: tiny questioner, reference and random, table oracle.
+
+async fn twenty_roles(out: &Path, tiny: &Path) -> EvalRoles {
+    let cache = RequestCache::open(out.join("cache")).unwrap();
+    EvalRoles {
+        models: vec![Some(tiny_role(tiny, Some(cache)).await), None, None],
+        user: None,
+        judge: None,
+        oracle: None,
+    }
+}
+
+#[tokio::test]
+async fn twenty_questions_five_games_summary_matches_games_and_resumes_free() {
+    model_util::one_thread();
+    // The tiny tokenizer spends about a token per byte: a 20-question game needs a longer
+    // context than the default 1024.
+    let (_g, tiny) = model_util::tiny_model_dir(&TinySpec {
+        max_position_embeddings: 4096,
+        ..TinySpec::default()
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval-20q");
+    let cfg = EvalConfig {
+        task: TaskType::TwentyQuestions,
+        models: vec![
+            EvalModel::Spec(ModelSpec::HfDir(tiny.clone())),
+            EvalModel::Reference,
+            EvalModel::Random,
+        ],
+        output: out.clone(),
+        objects: ObjectSelection::First(5),
+        question_max_tokens: 8,
+        concurrency: 4,
+        ..EvalConfig::default()
+    };
+    let report = evaluate_with_roles(cfg.clone(), twenty_roles(&out, &tiny).await)
+        .await
+        .unwrap();
+    assert_eq!((report.planned, report.done_now), (15, 15), "{report}");
+    let summary = read_json(&out.join("summary.json"));
+    assert_eq!(summary["task"], "twenty_questions");
+    let names: Vec<&str> = summary["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names[1..], ["reference", "random"]);
+    for (mi, name) in names.iter().enumerate() {
+        let recs = read_lines(&out.join(format!("conversations/{name}.jsonl")));
+        assert_eq!(recs.len(), 5, "{name}");
+        let mut games = Vec::new();
+        for r in &recs {
+            let game: GameRecord = serde_json::from_value(r["game"].clone()).unwrap();
+            assert!(game.object_index < 5);
+            assert_eq!(game.max_questions, 20);
+            assert!(game.turns.len() <= 20 && (game.won || game.turns.len() == 20));
+            // Per-game metrics are those of the transcript.
+            let m = GameMetrics::of(&game);
+            assert_eq!(serde_json::to_value(&m).unwrap(), r["metrics"], "{name}");
+            for t in &game.turns {
+                assert!(t.answer == "Yes." || t.answer == "No.");
+            }
+            games.push(m);
+        }
+        let agg = serde_json::to_value(AggregateMetrics::of(&games)).unwrap();
+        let metrics = &summary["models"][mi]["metrics"];
+        assert_eq!(metrics.as_object().unwrap().len(), 12);
+        for (k, v) in metrics.as_object().unwrap() {
+            let s: Stat = serde_json::from_value(agg[k].clone()).unwrap();
+            assert_stat(v, s, &format!("{name} {k}"));
+        }
+        let lmrl = read_lines(&out.join(format!("lmrl/{name}.jsonl")));
+        assert_eq!(lmrl.len(), 5);
+        for (l, r) in lmrl.iter().zip(&recs) {
+            assert_eq!(l["correct"], r["game"]["won"]);
+            assert_eq!(
+                l["lines"].as_array().unwrap().len(),
+                r["game"]["turns"].as_array().unwrap().len()
+            );
+            assert!(l["word"].is_array());
+        }
+    }
+    // The reference questioner wins every game; the model's raw replies are kept.
+    assert_eq!(summary["models"][1]["metrics"]["success_rate"]["mean"], 1.0);
+    let tiny_recs = read_lines(&out.join(format!("conversations/{}.jsonl", names[0])));
+    for r in &tiny_recs {
+        assert_eq!(
+            r["questioner_raw"].as_array().unwrap().len(),
+            r["game"]["turns"].as_array().unwrap().len(),
+            "one raw reply per question"
+        );
+    }
+
+    let before = std::fs::read_to_string(out.join("summary.json")).unwrap();
+    let report = evaluate_with_roles(cfg, twenty_roles(&out, &tiny).await)
+        .await
+        .unwrap();
+    assert_eq!((report.done_before, report.done_now), (15, 0));
+    assert_eq!(total_calls(&report), (0, 0));
+    assert_eq!(
+        std::fs::read_to_string(out.join("summary.json")).unwrap(),
+        before
+    );
+}
+
+#[tokio::test]
+async fn llm_oracle_answers_are_normalised_and_gains_come_from_the_table() {
+    // Questioner: "animal" first, then always "basketball". Oracle: "Yes." to the basketball
+    // question whatever the object (a wrong LLM), an unusable reply to anything else.
+    let questioner = ScriptedBackend::new("questioner", |req, _| {
+        let prompt = &req.messages[0].content;
+        Ok(if prompt.contains("\n1. ") {
+            "Is it a basketball?".to_string()
+        } else {
+            "Sure! Is it an animal?\nThen I will guess.".to_string()
+        })
+    });
+    let oracle = ScriptedBackend::new("oracle", |req, _| {
+        let prompt = &req.messages[0].content;
+        Ok(if prompt.contains("Question: Is it a basketball?") {
+            "Yes.".to_string()
+        } else {
+            "Hmm, hard to say".to_string()
+        })
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval-oracle");
+    let cfg = EvalConfig {
+        task: TaskType::TwentyQuestions,
+        models: vec![EvalModel::Spec(ModelSpec::Default)],
+        oracle: "openai:judge@http://127.0.0.1:9/v1".parse().unwrap(),
+        output: out.clone(),
+        objects: ObjectSelection::First(2),
+        ..EvalConfig::default()
+    };
+    let roles = EvalRoles {
+        models: vec![Some(Role::from_backend(
+            "model",
+            "scripted",
+            questioner.clone(),
+            None,
+            None,
+        ))],
+        user: None,
+        judge: None,
+        oracle: Some(Role::from_backend(
+            "oracle",
+            "scripted",
+            oracle.clone(),
+            None,
+            None,
+        )),
+    };
+    let report = evaluate_with_roles(cfg, roles).await.unwrap();
+    assert_eq!((report.done_now, report.failed.len()), (2, 0), "{report}");
+    let recs = read_lines(&out.join("conversations/default.jsonl"));
+    let by_object = |i: u64| {
+        recs.iter()
+            .find(|r| r["game"]["object_index"] == i)
+            .unwrap()
+            .clone()
+    };
+    // Basketball: "animal" → unusable reply → "No." (counted), then the winning guess.
+    let b = by_object(0);
+    let game: GameRecord = serde_json::from_value(b["game"].clone()).unwrap();
+    assert!(game.won);
+    assert_eq!(game.turns.len(), 2);
+    assert_eq!(game.turns[0].question, "Is it an animal?");
+    assert_eq!(game.turns[0].answer, "No.");
+    assert_eq!(game.turns[0].parsed.as_deref(), Some("is_animal"));
+    assert!(game.turns[0].expected_gain > 0.0 && game.turns[0].realised_gain > 0.0);
+    assert_eq!(b["oracle_invalid"], 1);
+    assert_eq!(b["oracle_raw"].as_array().unwrap().len(), 2);
+    // Football: the oracle wrongly says yes to "basketball": no win (the rule needs the
+    // object's own name), the table follows the answer, later repeats are flagged.
+    let f = by_object(1);
+    let game: GameRecord = serde_json::from_value(f["game"].clone()).unwrap();
+    assert!(!game.won);
+    assert_eq!(game.turns.len(), 20);
+    assert!(game.turns[1].yes && !game.turns[1].win);
+    assert_eq!(game.turns[1].consistent_after, 1);
+    assert_eq!(GameMetrics::of(&game).repeated, 18);
+    assert_eq!(questioner.calls(), 22);
+    assert_eq!(oracle.calls(), 22);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hygiene: a generate_conv run's tasks are refused.
+
+async fn scripted_generate_run(dir: &Path) {
+    let cfg = GenerateConfig {
+        tasks: Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("data/math.jsonl")
+            .display()
+            .to_string(),
+        output: dir.to_path_buf(),
+        candidates: 2,
+        samples: 1,
+        window: 2,
+        max_messages: 4,
+        max_tasks: Some(2),
+        ..GenerateConfig::default()
+    };
+    let policy = scripted_role("policy", None);
+    let roles = Roles {
+        assistant: policy.clone(),
+        policy,
+        user: scripted_role("user", None),
+        judge: scripted_role("judge", None),
+    };
+    let tasks = collabllm::generate::run::load_config_tasks(&cfg).unwrap();
+    let s = generate_with_roles(cfg, tasks, roles).await.unwrap();
+    assert_eq!(s.tasks_done_now, 2);
+}
+
+fn scripted_eval_roles() -> EvalRoles {
+    EvalRoles {
+        models: vec![Some(scripted_role("model", None))],
+        user: Some(scripted_role("user", None)),
+        judge: Some(scripted_role("judge", None)),
+        oracle: None,
+    }
+}
+
+#[tokio::test]
+async fn overlap_with_a_generate_run_is_refused_unless_allowed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("gen");
+    scripted_generate_run(&run).await;
+    let cfg = EvalConfig {
+        models: vec![EvalModel::Spec(ModelSpec::Default)],
+        output: tmp.path().join("eval"),
+        max_tasks: Some(3),
+        max_turns: 2,
+        exclude_runs: vec![run.clone()],
+        ..EvalConfig::default()
+    };
+    let err = evaluate_with_roles(cfg.clone(), scripted_eval_roles())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("math-001") && err.contains("math-002") && !err.contains("math-003"),
+        "{err}"
+    );
+    assert!(err.contains(&run.display().to_string()) && err.contains("--allow-overlap"));
+    assert!(
+        !tmp.path().join("eval/conversations").exists(),
+        "nothing evaluated"
+    );
+
+    let report = evaluate_with_roles(
+        EvalConfig {
+            allow_overlap: true,
+            ..cfg.clone()
+        },
+        scripted_eval_roles(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.done_now, 3);
+    assert!(report.warnings[0].contains("math-001"), "{report}");
+
+    // Tasks 3.. do not overlap.
+    let tasks = tmp.path().join("later.jsonl");
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("data/math.jsonl"))
+            .unwrap();
+    std::fs::write(
+        &tasks,
+        text.lines().skip(2).take(2).collect::<Vec<_>>().join("\n"),
+    )
+    .unwrap();
+    let report = evaluate_with_roles(
+        EvalConfig {
+            tasks: Some(tasks.display().to_string()),
+            output: tmp.path().join("eval-later"),
+            ..cfg
+        },
+        scripted_eval_roles(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.done_now, 2);
+    assert!(report.warnings.is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The binary.
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_eval_multiturn")
+}
+
+fn run_bin(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(bin())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("running eval_multiturn")
+}
+
+/// Golden numbers of the reference questioner over all 158 objects (table oracle), frozen:
+/// 1305 questions in all (8.2595 per game; the optimum is 7.785), every game won.
+const REFERENCE_MEAN_TURNS: f64 = 1305.0 / 158.0;
+/// EDA scores sum to 147.7 over the 158 wins.
+const REFERENCE_EDA: f64 = 147.7 / 158.0;
+/// Bits gathered per game (log2 158 = 7.304 when a game ends on a guess of the last object).
+const REFERENCE_INFO_GAIN_PER_GAME: f64 = 7.291_122_520_329_011;
+
+#[test]
+fn binary_plays_all_objects_with_builtin_questioners_and_refuses_overlap() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval-20q");
+    let o = out.to_str().unwrap();
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "reference",
+        "--model",
+        "random",
+        "--objects",
+        "all",
+        "--output",
+        o,
+    ]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(
+        res.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(
+        stdout.contains("success_rate") && stdout.contains("reference") && stdout.contains("±"),
+        "{stdout}"
+    );
+    let s = read_json(&out.join("summary.json"));
+    let r = &s["models"][0]["metrics"];
+    assert_eq!(r["success_rate"]["mean"], 1.0);
+    assert_eq!(r["success_rate"]["n"], 158);
+    assert!((r["mean_turns"]["mean"].as_f64().unwrap() - REFERENCE_MEAN_TURNS).abs() < 1e-12);
+    assert!(
+        (r["mean_return"]["mean"].as_f64().unwrap() - (1.0 - REFERENCE_MEAN_TURNS)).abs() < 1e-12
+    );
+    assert_eq!(r["unparsed"]["mean"], 0.0);
+    let gold_eda = r["eda_score"]["mean"].as_f64().unwrap();
+    assert!((gold_eda - REFERENCE_EDA).abs() < 1e-12, "eda {gold_eda}");
+    let ig = r["info_gain_per_game"]["mean"].as_f64().unwrap();
+    assert!((ig - REFERENCE_INFO_GAIN_PER_GAME).abs() < 1e-9, "ig {ig}");
+    let random = &s["models"][1]["metrics"];
+    assert_eq!(random["success_rate"]["n"], 158);
+    assert_eq!(random["repeated"]["mean"], 0.0);
+    let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 1 + 2 * 12);
+    assert_eq!(read_lines(&out.join("lmrl/reference.jsonl")).len(), 158);
+
+    // A generate_conv run directory written by hand in record.rs's format: one finished
+    // twenty_questions task about the plane, and one math task.
+    let run = tmp.path().join("gen");
+    std::fs::create_dir_all(&run).unwrap();
+    let rec = |id: &str, tt: &str, goal: &str, reference: &str| {
+        serde_json::json!({
+            "task_id": id, "task_type": tt, "goal": goal, "reference": reference,
+            "metadata": null,
+            "first_user": {"text": "hi", "terminated": false, "raw": "hi"},
+            "turns": [], "messages": [{"role": "user", "content": "hi"}],
+            "ended_by": "max_messages", "weights": {}, "started_at": 0.0, "finished_at": 0.0,
+        })
+        .to_string()
+    };
+    std::fs::write(
+        run.join("conversations.jsonl"),
+        format!(
+            "{}\n{}\n",
+            rec("q-1", "twenty_questions", "Guess my object", "Plane"),
+            rec("math-004", "math", "x", "1")
+        ),
+    )
+    .unwrap();
+    let out2 = tmp.path().join("eval-overlap");
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "reference",
+        "--output",
+        out2.to_str().unwrap(),
+        "--exclude-run",
+        run.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success());
+    assert!(
+        stderr.contains("Airplane") && stderr.contains("--allow-overlap"),
+        "{stderr}"
+    );
+    // The first 30 objects do not include the airplane (object 34).
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "reference",
+        "--objects",
+        "30",
+        "--output",
+        out2.to_str().unwrap(),
+        "--exclude-run",
+        run.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    // Math: the overlap is found before any model is loaded.
+    let res = run_bin(&[
+        "--task",
+        "math",
+        "--model",
+        "default",
+        "--output",
+        tmp.path().join("m").to_str().unwrap(),
+        "--exclude-run",
+        run.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success());
+    assert!(
+        stderr.contains("math-004") && !stderr.contains("math-001"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn binary_rejects_bad_flags_with_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = tmp.path().join("x");
+    let o = o.to_str().unwrap();
+    for (args, needle) in [
+        (
+            vec!["--task", "math", "--model", "reference", "--output", o],
+            "built-in 20 Questions questioner",
+        ),
+        (
+            vec![
+                "--task",
+                "twenty_questions",
+                "--model",
+                "reference",
+                "--objects",
+                "zero",
+                "--output",
+                o,
+            ],
+            "all",
+        ),
+        (
+            vec!["--task", "chess", "--model", "reference", "--output", o],
+            "chess",
+        ),
+        (
+            vec![
+                "--task",
+                "math",
+                "--model",
+                "default",
+                "--tasks",
+                "/no/such.jsonl",
+                "--output",
+                o,
+            ],
+            "/no/such.jsonl",
+        ),
+    ] {
+        let res = run_bin(&args);
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert!(!res.status.success(), "{args:?}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
