@@ -79,9 +79,13 @@ struct Args {
     lora_dropout: f64,
 
     /// Comma-separated LoRA target modules.
-    #[arg(long, value_name = "LIST", value_delimiter = ',',
-          default_value = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-          requires = "lora")]
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        requires = "lora"
+    )]
     lora_targets: Vec<String>,
 
     /// With --lora: also write the base model with the adapters merged to <output>/merged/.
@@ -191,9 +195,7 @@ impl Args {
             dropout: self.lora_dropout,
             targets: self.lora_targets.clone(),
         });
-        cfg.lr = self
-            .lr
-            .unwrap_or(if lora.is_some() { 2e-5 } else { 5e-6 });
+        cfg.lr = self.lr.unwrap_or(if lora.is_some() { 2e-5 } else { 5e-6 });
         cfg.eval_data = self.eval_data;
         cfg.loss = self.loss;
         cfg.beta = self.beta;

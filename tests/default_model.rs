@@ -110,7 +110,11 @@ fn gguf_tokenizer_exported_for_checkpoints_round_trips() {
     let r = reference();
     for case in r["cases"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
-        assert_eq!(back.encode(text).unwrap(), ids(&case["ids"]), "text {text:?}");
+        assert_eq!(
+            back.encode(text).unwrap(),
+            ids(&case["ids"]),
+            "text {text:?}"
+        );
     }
     let msgs = [ChatMessage::user("What is the capital of France?")];
     assert_eq!(

@@ -101,7 +101,10 @@ fn codec(model: &Path) -> ChatCodec {
 }
 
 fn tokens_of(model: &TrainLlama, ids: &[u32]) -> Vec<Vec<f32>> {
-    let t = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let t = Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
     model
         .forward(&t, None)
         .unwrap()
@@ -157,7 +160,12 @@ fn dpo_learns_the_toy_preference_with_trl_metrics() {
     assert!(eval["eval_rewards/accuracies"].as_f64().unwrap() > 0.9);
     // The final checkpoint is a complete HF model that chats.
     let out = cfg.output.join("final");
-    for f in ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"] {
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
         assert!(out.join(f).is_file(), "final/ lacks {f}");
     }
     // The reference cache lives beside the data and a second run uses it.
@@ -185,17 +193,19 @@ fn lora_learns_saves_reloads_and_merges() {
     assert!(last["loss"].as_f64().unwrap() < lines[0]["loss"].as_f64().unwrap());
     // Only the adapters train: 2 layers × 7 modules × (A + B).
     // r·(in + out) per module: q 1024, k 768, v 768, o 1024, gate/up/down 1536 each.
-    assert_eq!(summary.trainable_params, 2 * 8192, "adapter parameter count");
+    assert_eq!(
+        summary.trainable_params,
+        2 * 8192,
+        "adapter parameter count"
+    );
 
     let adapter_dir = cfg.output.join("final");
     let acfg = AdapterConfig::read(&adapter_dir).unwrap();
     assert_eq!((acfg.r, acfg.lora_alpha), (8, 16.0));
     assert_eq!(acfg.target_modules.len(), 7);
-    let adapter = candle_core::safetensors::load(
-        adapter_dir.join("adapter_model.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
+    let adapter =
+        candle_core::safetensors::load(adapter_dir.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
     let a_name = peft_tensor_name(0, "q_proj", "A");
     assert_eq!(adapter[&a_name].dims(), &[8, 64]);
 
@@ -214,7 +224,10 @@ fn lora_learns_saves_reloads_and_merges() {
         tokens_of(&base, &ids),
     );
     assert!(max_diff(&l_reload, &l_merged) < 1e-4);
-    assert!(max_diff(&l_reload, &l_base) > 1e-2, "the adapter changed nothing");
+    assert!(
+        max_diff(&l_reload, &l_base) > 1e-2,
+        "the adapter changed nothing"
+    );
     // merged W = W + (α/r)·B·A, checked on one weight.
     let w = "model.layers.0.self_attn.q_proj.weight";
     let base_w = &base.hf_tensors().unwrap()[w];
@@ -251,7 +264,10 @@ fn lora_learns_saves_reloads_and_merges() {
         .zip(want)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f32::max);
-    assert!(d < 1e-3, "engine logits differ from the merged model by {d}");
+    assert!(
+        d < 1e-3,
+        "engine logits differ from the merged model by {d}"
+    );
 }
 
 #[test]
@@ -322,7 +338,13 @@ fn a_checkpoint_serves_chat_replies() {
     train(&cfg, false).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let spec: ModelSpec = cfg.output.join("final").display().to_string().parse().unwrap();
+        let spec: ModelSpec = cfg
+            .output
+            .join("final")
+            .display()
+            .to_string()
+            .parse()
+            .unwrap();
         let backend = LocalBackend::load(&spec, &LoadOptions::default())
             .await
             .unwrap();
@@ -409,7 +431,10 @@ fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
     assert!(drop_oldest_turn(&history[..1]).is_none());
     let long = row(0, history.clone(), "yes", "no!");
     let short_prompt = c
-        .encode(&c.render(&[history[0].clone(), history[3].clone()], true).unwrap())
+        .encode(
+            &c.render(&[history[0].clone(), history[3].clone()], true)
+                .unwrap(),
+        )
         .unwrap();
     let (pairs, stats) = tokenize_pairs(&c, &[long.clone()], short_prompt.len() + 8, path).unwrap();
     assert_eq!(pairs[0].prompt, short_prompt);
@@ -442,7 +467,10 @@ fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
     let err = tokenize_pairs(&bad, &toy_rows(), 128, path)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("not a prefix") && err.contains("row 0"), "{err}");
+    assert!(
+        err.contains("not a prefix") && err.contains("row 0"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -454,8 +482,8 @@ fn bad_input_gives_clear_errors() {
         use arrow::array::{ArrayRef, StringArray};
         use arrow::record_batch::RecordBatch;
         let col: ArrayRef = std::sync::Arc::new(StringArray::from(vec!["q"]));
-        let batch = RecordBatch::try_from_iter([("prompt", col.clone()), ("rejected", col)])
-            .unwrap();
+        let batch =
+            RecordBatch::try_from_iter([("prompt", col.clone()), ("rejected", col)]).unwrap();
         let file = std::fs::File::create(&no_chosen).unwrap();
         let mut w = parquet::arrow::ArrowWriter::try_new(file, batch.schema(), None).unwrap();
         w.write(&batch).unwrap();
@@ -464,7 +492,10 @@ fn bad_input_gives_clear_errors() {
     let mut cfg = config(&f, "bad1");
     cfg.data = no_chosen.clone();
     let err = format!("{:#}", train(&cfg, false).unwrap_err());
-    assert!(err.contains("chosen") && err.contains("no_chosen.parquet"), "{err}");
+    assert!(
+        err.contains("chosen") && err.contains("no_chosen.parquet"),
+        "{err}"
+    );
 
     // An empty dataset.
     let empty = f.root.join("empty.parquet");
@@ -478,7 +509,10 @@ fn bad_input_gives_clear_errors() {
     let mut cfg = config(&f, "bad3");
     cfg.model = f.root.join("nope").join("model.gguf").display().to_string();
     let err = format!("{:#}", train(&cfg, false).unwrap_err());
-    assert!(err.contains("nope") && err.contains("does not exist"), "{err}");
+    assert!(
+        err.contains("nope") && err.contains("does not exist"),
+        "{err}"
+    );
 
     // Nonsense settings are refused before any work.
     let mut cfg = config(&f, "bad4");

@@ -599,11 +599,32 @@ fn checkpointed_gradients_equal_plain_gradients() {
         let vars = model.named_vars();
         assert!(!vars.is_empty());
         for (name, var) in vars {
-            let a = plain.get(var.as_tensor()).unwrap_or_else(|| panic!("{name}: no plain grad"));
-            let b = ckpt.get(var.as_tensor()).unwrap_or_else(|| panic!("{name}: no checkpointed grad"));
-            let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-3);
-            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(d <= 1e-4 * scale, "lora={lora} {name}: differs by {d} (scale {scale})");
+            let a = plain
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: no plain grad"));
+            let b = ckpt
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: no checkpointed grad"));
+            let scale = a
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                .max(1e-3);
+            let d = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                d <= 1e-4 * scale,
+                "lora={lora} {name}: differs by {d} (scale {scale})"
+            );
         }
     }
 }

@@ -90,7 +90,13 @@ pub fn run(p: Params) -> anyhow::Result<()> {
                 Some(&batch.attention_mask),
                 |logits| {
                     let (sums, _) = sequence_logps(logits, &batch.input_ids, &batch.loss_mask)?;
-                    let out = dpo_loss(&sums.narrow(0, 0, 1)?, &sums.narrow(0, 1, 1)?, &rc, &rr, &cfg)?;
+                    let out = dpo_loss(
+                        &sums.narrow(0, 0, 1)?,
+                        &sums.narrow(0, 1, 1)?,
+                        &rc,
+                        &rr,
+                        &cfg,
+                    )?;
                     Ok((out.loss, ()))
                 },
             )?;
@@ -135,10 +141,7 @@ pub fn run(p: Params) -> anyhow::Result<()> {
         "threads          {}",
         std::env::var("CANDLE_NUM_THREADS").unwrap_or_default()
     );
-    println!(
-        "trainable        {} parameters",
-        model.num_params()
-    );
+    println!("trainable        {} parameters", model.num_params());
     println!("load             {load_s:.2} s");
     println!("reference pass   {ref_s:.2} s (once per pair, cached)");
     println!(

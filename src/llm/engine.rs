@@ -168,7 +168,8 @@ fn safetensors_in(dir: &Path) -> Result<Vec<PathBuf>, EngineError> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.extension().is_some_and(|x| x == "safetensors")
-                && p.file_name().is_some_and(|n| n != super::peft::ADAPTER_WEIGHTS)
+                && p.file_name()
+                    .is_some_and(|n| n != super::peft::ADAPTER_WEIGHTS)
         })
         .collect();
     weights.sort();
@@ -405,7 +406,8 @@ impl Engine {
 
     /// The chat prompt as the model's own template writes it.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
-        self.codec.template
+        self.codec
+            .template
             .render(messages, true)
             .map_err(|e| self.gen_err(e))
     }
@@ -413,14 +415,16 @@ impl Engine {
     /// Token ids of a text whose special tokens are written out (as a rendered template is);
     /// no BOS/EOS is added, as in `apply_chat_template(tokenize=True)`.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
-        self.codec.tokenizer
+        self.codec
+            .tokenizer
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| self.gen_err(format!("tokenizing: {e}")))
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
-        self.codec.tokenizer
+        self.codec
+            .tokenizer
             .decode(ids, true)
             .map_err(|e| self.gen_err(format!("decoding: {e}")))
     }
@@ -640,8 +644,8 @@ pub fn base_hf_tensors(
 > {
     match files {
         LocalModelFiles::Gguf(path) => {
-            let (cfg, t, f) = super::llama::hf_tensors_from_gguf(path, device)
-                .map_err(|e| load_err(path, e))?;
+            let (cfg, t, f) =
+                super::llama::hf_tensors_from_gguf(path, device).map_err(|e| load_err(path, e))?;
             Ok((cfg, t, f, vec![path.clone()]))
         }
         LocalModelFiles::HfDir(dir) => {
@@ -649,8 +653,8 @@ pub fn base_hf_tensors(
             let weights = safetensors_in(dir)?;
             let mut tensors = std::collections::HashMap::new();
             for w in &weights {
-                let loaded = candle_core::safetensors::load(w, device)
-                    .map_err(|e| load_err(w, e))?;
+                let loaded =
+                    candle_core::safetensors::load(w, device).map_err(|e| load_err(w, e))?;
                 for (k, v) in loaded {
                     let v = v
                         .to_dtype(candle_core::DType::F32)

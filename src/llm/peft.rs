@@ -144,7 +144,10 @@ pub fn peft_tensor_name(layer: usize, target: &str, ab: &str) -> String {
 
 /// HF name of the weight that `peft_tensor_name(layer, target, _)` adapts.
 pub fn hf_weight_name(layer: usize, target: &str) -> String {
-    format!("model.layers.{layer}.{}.{target}.weight", module_path(target))
+    format!(
+        "model.layers.{layer}.{}.{target}.weight",
+        module_path(target)
+    )
 }
 
 /// Parses a PEFT LoRA tensor name into (layer, target, "A"|"B").

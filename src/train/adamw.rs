@@ -228,6 +228,8 @@ impl AdamW {
 
     /// The moments as tensors, for tests that compare optimizer states.
     pub fn moments(&self) -> Result<Vec<(Tensor, Tensor)>> {
-        (0..self.vars.len()).map(|i| self.moment_tensors(i)).collect()
+        (0..self.vars.len())
+            .map(|i| self.moment_tensors(i))
+            .collect()
     }
 }

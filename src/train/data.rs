@@ -142,10 +142,7 @@ fn tokenize_once(
 /// The history with its oldest whole turn removed (leading system messages stay; the result
 /// starts at a user message), or `None` when only the last turn is left.
 pub fn drop_oldest_turn(messages: &[ChatMessage]) -> Option<Vec<ChatMessage>> {
-    let system = messages
-        .iter()
-        .take_while(|m| m.role == "system")
-        .count();
+    let system = messages.iter().take_while(|m| m.role == "system").count();
     let rest = &messages[system..];
     // The next turn starts at the second user message after the system block.
     let next_user = rest

@@ -350,9 +350,8 @@ impl TrainLlama {
                 let a: Vec<f32> = (0..r * in_dim)
                     .map(|_| rng.random_range(-bound..bound))
                     .collect();
-                let a = Var::from_tensor(
-                    &Tensor::from_vec(a, (r, in_dim), &device)?.to_dtype(dtype)?,
-                )?;
+                let a =
+                    Var::from_tensor(&Tensor::from_vec(a, (r, in_dim), &device)?.to_dtype(dtype)?)?;
                 let b = Var::zeros((out_dim, r), dtype, &device)?;
                 vars.push((peft_tensor_name(i, target, "A"), a.clone()));
                 vars.push((peft_tensor_name(i, target, "B"), b.clone()));

@@ -172,9 +172,10 @@ impl TrainConfig {
         if self.loss == "sft" {
             return Ok(Objective::Sft);
         }
-        let loss_type: LossType = self.loss.parse().map_err(|e: String| {
-            anyhow!("{e}; or `sft` for supervised fine-tuning")
-        })?;
+        let loss_type: LossType = self
+            .loss
+            .parse()
+            .map_err(|e: String| anyhow!("{e}; or `sft` for supervised fine-tuning"))?;
         let cfg = DpoConfig {
             loss_type,
             beta: self.beta,
@@ -204,7 +205,10 @@ impl TrainConfig {
             bail!("--lr must be positive, got {}", self.lr);
         }
         if !(0.0..1.0).contains(&self.warmup_ratio) {
-            bail!("--warmup-ratio must be in [0, 1), got {}", self.warmup_ratio);
+            bail!(
+                "--warmup-ratio must be in [0, 1), got {}",
+                self.warmup_ratio
+            );
         }
         if self.sft_weight < 0.0 {
             bail!("--sft-weight must be non-negative");
@@ -332,7 +336,10 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
         .parse()
         .with_context(|| format!("--model `{}`", cfg.model))?;
     if !spec.is_local() {
-        bail!("--model `{}`: training needs local weights, not an API endpoint", cfg.model);
+        bail!(
+            "--model `{}`: training needs local weights, not an API endpoint",
+            cfg.model
+        );
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -435,7 +442,10 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
             truncate_logs(&cfg.output.join("logs.jsonl"), start_step)?;
             tracing::info!("resuming from {} (step {start_step})", dir.display());
         } else {
-            tracing::info!("--resume: no checkpoint in {}; starting fresh", cfg.output.display());
+            tracing::info!(
+                "--resume: no checkpoint in {}; starting fresh",
+                cfg.output.display()
+            );
         }
     }
     write_json_atomic(&cfg.output.join("training_args.json"), cfg)?;
@@ -471,7 +481,11 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
                 "step {}: non-finite {} ({}); stopped without applying it; the last good \
                  checkpoint in {} is intact (lower --lr or check the data)",
                 step + 1,
-                if loss.is_finite() { "gradient norm" } else { "loss" },
+                if loss.is_finite() {
+                    "gradient norm"
+                } else {
+                    "loss"
+                },
                 if loss.is_finite() { norm } else { loss },
                 cfg.output.display()
             );
@@ -495,7 +509,12 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
             run.evaluate(done)?;
         }
         if cfg.save_steps.is_some_and(|k| done % k == 0) && done != total_steps {
-            save_checkpoint(&run, &opt, &cfg.output.join(format!("checkpoint-{done}")), done)?;
+            save_checkpoint(
+                &run,
+                &opt,
+                &cfg.output.join(format!("checkpoint-{done}")),
+                done,
+            )?;
         }
         if cfg.stop_after == Some(done) {
             bar.abandon();
@@ -718,11 +737,7 @@ fn reference_logps(
             eval: eval_ref.clone(),
         };
         for p in [&beside, &in_output] {
-            let ok = p
-                .parent()
-                .map(std::fs::create_dir_all)
-                .transpose()
-                .is_ok()
+            let ok = p.parent().map(std::fs::create_dir_all).transpose().is_ok()
                 && write_json_atomic(p, &file).is_ok();
             if ok {
                 written = Some(p.clone());
@@ -784,10 +799,7 @@ impl Run<'_> {
 
     /// Forward + backward over `grad_accum` micro-batches; gradients summed (each loss scaled
     /// by 1/k), metrics averaged.
-    fn accumulate(
-        &mut self,
-        step: usize,
-    ) -> Result<(candle_core::backprop::GradStore, Metrics)> {
+    fn accumulate(&mut self, step: usize) -> Result<(candle_core::backprop::GradStore, Metrics)> {
         let k = self.cfg.grad_accum;
         let vars = self.model.vars();
         let mut acc: Option<candle_core::backprop::GradStore> = None;
@@ -850,7 +862,8 @@ impl Run<'_> {
             Examples::Pairs { pairs, reference } => {
                 let rows: Vec<TokenizedPair> = idx.iter().map(|&i| pairs[i].clone()).collect();
                 let batch = PairBatch::new(&rows, self.pad_id, device)?;
-                let average = matches!(self.objective, Objective::Dpo(d) if d.loss_type.average_logps());
+                let average =
+                    matches!(self.objective, Objective::Dpo(d) if d.loss_type.average_logps());
                 Ok(Prepared {
                     tokens: rows
                         .iter()
@@ -867,7 +880,11 @@ impl Run<'_> {
     }
 
     /// The objective's loss and metrics from the logits of a prepared batch.
-    fn loss_from_logits(&self, p: &Prepared, logits: &Tensor) -> candle_core::Result<(Tensor, Metrics)> {
+    fn loss_from_logits(
+        &self,
+        p: &Prepared,
+        logits: &Tensor,
+    ) -> candle_core::Result<(Tensor, Metrics)> {
         let (sums, counts) = super::logps::sequence_logps(logits, &p.input_ids, &p.loss_mask)?;
         match (self.objective, &p.reference) {
             (Objective::Sft, _) => {
@@ -903,9 +920,7 @@ impl Run<'_> {
     /// Loss and metrics of examples `idx` (no backward).
     fn loss_of(&self, idx: &[usize], train: bool) -> Result<(Tensor, Metrics, usize)> {
         let p = self.prepare(idx, train)?;
-        let logits = self
-            .model
-            .forward(&p.input_ids, Some(&p.attention_mask))?;
+        let logits = self.model.forward(&p.input_ids, Some(&p.attention_mask))?;
         let (loss, metrics) = self.loss_from_logits(&p, &logits)?;
         Ok((loss.detach(), metrics, p.tokens))
     }
@@ -1087,8 +1102,7 @@ fn latest_checkpoint(output: &Path) -> Result<Option<(PathBuf, TrainerState)>> {
         else {
             continue;
         };
-        if e.path().join("trainer_state.json").is_file() && best.as_ref().is_none_or(|b| n > b.0)
-        {
+        if e.path().join("trainer_state.json").is_file() && best.as_ref().is_none_or(|b| n > b.0) {
             best = Some((n, e.path()));
         }
     }
@@ -1114,9 +1128,12 @@ fn restore_checkpoint(
     };
     let tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&weights, model.device())
         .with_context(|| format!("reading {}", weights.display()))?;
-    model
-        .load_trainable(&tensors)
-        .with_context(|| format!("{}: does not match this model / LoRA setting", weights.display()))?;
+    model.load_trainable(&tensors).with_context(|| {
+        format!(
+            "{}: does not match this model / LoRA setting",
+            weights.display()
+        )
+    })?;
     opt.load(&dir.join("optimizer.safetensors"), state.optimizer_steps)?;
     Ok(())
 }
