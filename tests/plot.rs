@@ -150,6 +150,29 @@ fn data_figures_from_a_generate_run() {
 }
 
 #[test]
+fn data_figures_from_an_imported_run_need_no_conversations() {
+    // `generate_conv --import` writes pairs and a manifest with `import`, no conversations.
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("imported");
+    write_data_run(&run, 5, 0.1);
+    std::fs::remove_file(run.join("conversations.jsonl")).unwrap();
+    let manifest = serde_json::json!({"import": {"source": "upstream.parquet"},
+                                      "config": {"min_gap": 0.1}});
+    std::fs::write(run.join("manifest.json"), manifest.to_string()).unwrap();
+    let out = tmp.path().join("figs");
+    let w = plot::plot_data(std::slice::from_ref(&run), &opts(&out)).unwrap();
+    assert_eq!(names(&w), ["data_mr", "data_gap", "data_turns"]);
+    // A generate_conv run without its conversations is still an error naming the file.
+    let broken = tmp.path().join("broken");
+    write_data_run(&broken, 5, 0.1);
+    std::fs::remove_file(broken.join("conversations.jsonl")).unwrap();
+    let e = plot::plot_data(&[broken], &opts(&out))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("conversations.jsonl"), "{e}");
+}
+
+#[test]
 fn eval_bars_and_cost_scatter() {
     let tmp = tempfile::tempdir().unwrap();
     let ev = tmp.path().join("eval-math");

@@ -1,5 +1,5 @@
 //! Readers of the files the figures come from. Only serialized formats are read
-//! (/work/notes/formats.md): `dpo_train`'s `logs.jsonl`, `generate_conv`'s run directory,
+//! (docs/formats.md): `dpo_train`'s `logs.jsonl`, `generate_conv`'s run directory,
 //! `eval_multiturn`'s `summary.json` and `conversations/*.jsonl`. Every error names the file,
 //! and the line and field where there is one.
 
@@ -181,7 +181,14 @@ pub fn read_data_run(dir: &Path) -> Result<DataRun, PlotError> {
         }
     }
     let mut session_scores: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for rec in crate::generate::record::read_records(dir)? {
+    // An imported run (`generate_conv --import`) has pairs but no conversations of ours:
+    // its figures come from the pairs alone.
+    let records = if manifest.get("import").is_some() {
+        Vec::new()
+    } else {
+        crate::generate::record::read_records(dir)?
+    };
+    for rec in records {
         for turn in &rec.turns {
             for cand in &turn.candidates {
                 for session in &cand.sessions {

@@ -1,4 +1,4 @@
-//! Fixture run directories for `plot`, in the formats of /work/notes/formats.md. Shared by
+//! Fixture run directories for `plot`, in the formats of docs/formats.md. Shared by
 //! tests/plot.rs and examples/plot_fixtures.rs (the README gallery).
 #![allow(dead_code)]
 
