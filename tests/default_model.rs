@@ -122,4 +122,8 @@ fn gguf_tokenizer_exported_for_checkpoints_round_trips() {
         codec.render(&msgs, true).unwrap()
     );
     assert_eq!(back.eos_ids, codec.eos_ids);
+    // GGUF's padding / unknown token ids survive as names (TRL needs a pad token).
+    assert_eq!(codec.special_tokens["pad_token"], "<|im_end|>");
+    assert_eq!(codec.special_tokens["unk_token"], "<|endoftext|>");
+    assert_eq!(back.special_tokens, codec.special_tokens);
 }

@@ -420,8 +420,8 @@ fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
     // Long histories lose their oldest whole turns; the system message stays.
     let history = vec![
         ChatMessage::system("Sys."),
-        ChatMessage::user(&"a".repeat(40)),
-        ChatMessage::assistant(&"b".repeat(40)),
+        ChatMessage::user("a".repeat(40)),
+        ChatMessage::assistant("b".repeat(40)),
         ChatMessage::user("Last question?"),
     ];
     assert_eq!(
@@ -436,7 +436,13 @@ fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
                 .unwrap(),
         )
         .unwrap();
-    let (pairs, stats) = tokenize_pairs(&c, &[long.clone()], short_prompt.len() + 8, path).unwrap();
+    let (pairs, stats) = tokenize_pairs(
+        &c,
+        std::slice::from_ref(&long),
+        short_prompt.len() + 8,
+        path,
+    )
+    .unwrap();
     assert_eq!(pairs[0].prompt, short_prompt);
     assert_eq!(
         stats,
@@ -463,6 +469,7 @@ fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
         )
         .unwrap(),
         eos_ids: vec![im_end],
+        special_tokens: Default::default(),
     };
     let err = tokenize_pairs(&bad, &toy_rows(), 128, path)
         .unwrap_err()

@@ -96,7 +96,14 @@ pub struct ChatCodec {
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,
     pub eos_ids: Vec<u32>,
+    /// `pad_token` / `unk_token` as the source declares them (GGUF ids, or the values of an
+    /// HF `tokenizer_config.json`), written back by [`ChatCodec::save_hf`]: trainers such as
+    /// TRL refuse a tokenizer without a pad token.
+    pub special_tokens: serde_json::Map<String, serde_json::Value>,
 }
+
+/// The `tokenizer_config.json` keys kept in [`ChatCodec::special_tokens`].
+const EXTRA_SPECIAL_TOKENS: [&str; 2] = ["pad_token", "unk_token"];
 
 fn load_err(path: &Path, message: impl std::fmt::Display) -> EngineError {
     EngineError::Load {
@@ -222,10 +229,22 @@ impl ChatCodec {
             &tokenizer,
             meta_u32(content, "tokenizer.ggml.eos_token_id").into_iter(),
         );
+        let special_tokens = EXTRA_SPECIAL_TOKENS
+            .iter()
+            .zip([
+                "tokenizer.ggml.padding_token_id",
+                "tokenizer.ggml.unknown_token_id",
+            ])
+            .filter_map(|(name, key)| {
+                let token = token_str(key);
+                (!token.is_empty()).then(|| (name.to_string(), token.into()))
+            })
+            .collect();
         Ok(Self {
             tokenizer,
             template,
             eos_ids,
+            special_tokens,
         })
     }
 
@@ -249,10 +268,17 @@ impl ChatCodec {
         }
         declared.extend(tokenizer.token_to_id(template.eos_token()));
         let eos_ids = end_ids(&tokenizer, declared.into_iter());
+        let source = read_json(dir, "tokenizer_config.json")?;
+        let special_tokens = EXTRA_SPECIAL_TOKENS
+            .iter()
+            .filter_map(|k| Some((k.to_string(), source.get(*k)?.clone())))
+            .filter(|(_, v)| !v.is_null())
+            .collect();
         Ok(Self {
             tokenizer,
             template,
             eos_ids,
+            special_tokens,
         })
     }
 
@@ -275,19 +301,22 @@ impl ChatCodec {
     }
 
     /// Writes `tokenizer.json` and a `tokenizer_config.json` carrying the chat template and
-    /// BOS/EOS tokens into `dir` (what an HF checkpoint needs to chat).
+    /// BOS/EOS (and pad/unk, when known) tokens into `dir` (what an HF checkpoint needs to chat).
     pub fn save_hf(&self, dir: &Path) -> Result<(), EngineError> {
         let tok_path = dir.join("tokenizer.json");
         self.tokenizer
             .save(&tok_path, false)
             .map_err(|e| load_err(&tok_path, e))?;
-        let cfg = serde_json::json!({
+        let mut cfg = serde_json::json!({
             "chat_template": self.template.source(),
             "bos_token": self.template.bos_token(),
             "eos_token": self.template.eos_token(),
             "tokenizer_class": "PreTrainedTokenizerFast",
             "clean_up_tokenization_spaces": false,
         });
+        if let Some(obj) = cfg.as_object_mut() {
+            obj.extend(self.special_tokens.clone());
+        }
         let tc_path = dir.join("tokenizer_config.json");
         let text = serde_json::to_string_pretty(&cfg).map_err(|e| load_err(&tc_path, e))?;
         std::fs::write(&tc_path, text).map_err(|e| load_err(&tc_path, e))

@@ -18,6 +18,7 @@ pub mod spec;
 pub mod tiny;
 pub mod tokens;
 pub mod usage;
+pub mod weights;
 
 use std::sync::Arc;
 

@@ -181,6 +181,6 @@ pub fn write_tiny_llama(dir: &Path, spec: &TinySpec) -> anyhow::Result<()> {
         tensors.insert(format!("{p}.post_attention_layernorm.weight"), ones(h)?);
     }
     tensors.insert("model.norm.weight".into(), ones(h)?);
-    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    super::weights::save_safetensors(&tensors, &dir.join("model.safetensors"))?;
     Ok(())
 }
