@@ -208,6 +208,7 @@ fn main() -> ExitCode {
             gradient_checkpointing,
         } => {
             collabllm::cli::set_compute_threads(Some(threads));
+            collabllm::cli::keep_freed_memory();
             train_step::run(train_step::Params {
                 model,
                 prompt_tokens,

@@ -259,6 +259,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     collabllm::cli::init_logging();
     collabllm::cli::set_compute_threads(args.threads);
+    collabllm::cli::keep_freed_memory();
     let (repo, public) = (args.push_to_hub.clone(), args.hub_public);
     let cfg = args.into_config();
     collabllm::cli::exit_on_error((|| {

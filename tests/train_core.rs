@@ -226,7 +226,8 @@ fn sequence_logps_mask_the_prompt_after_the_shift() {
     assert!((got - expected).abs() < 1e-5, "{got} {expected}");
     assert_eq!(count.to_vec1::<f32>().unwrap(), vec![2.0]);
 
-    // PairBatch lays out chosen rows then rejected rows, right-padded.
+    // PairBatch packs each pair into one row `prompt | chosen | rejected`, right-padded:
+    // the rejected tokens continue the prompt's positions and never see the chosen ones.
     let pairs = vec![
         TokenizedPair {
             prompt: vec![5, 6],
@@ -243,21 +244,153 @@ fn sequence_logps_mask_the_prompt_after_the_shift() {
     assert_eq!(b.pairs, 2);
     assert_eq!(
         b.input_ids.to_vec2::<u32>().unwrap(),
-        vec![
-            vec![5, 6, 7, 0, 0],
-            vec![1, 2, 3, 0, 0],
-            vec![5, 6, 8, 9, 10],
-            vec![1, 4, 0, 0, 0]
-        ]
+        vec![vec![5, 6, 7, 8, 9, 10], vec![1, 2, 3, 4, 0, 0]]
+    );
+    let positions = b.layout.positions.as_ref().unwrap();
+    assert_eq!(
+        positions.to_vec2::<u32>().unwrap()[0],
+        vec![0, 1, 2, 2, 3, 4]
+    );
+    // Row 0, query 3 (the first rejected token) reads the prompt and itself, not "7".
+    let visible = |row: usize, q: usize| -> Vec<bool> {
+        let v = b
+            .layout
+            .bias
+            .get(row)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .get(q)
+            .unwrap();
+        v.to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| *x == 0.0)
+            .collect()
+    };
+    assert_eq!(visible(0, 3), vec![true, true, false, true, false, false]);
+    assert_eq!(visible(0, 2), vec![true, true, true, false, false, false]);
+    assert_eq!(visible(1, 3), vec![true, false, false, true, false, false]);
+    // Targets: (predicting position, token, output row); chosen rows first, then rejected.
+    let t = &b.targets;
+    let triples: Vec<(u32, u32)> = t
+        .positions
+        .to_vec1::<u32>()
+        .unwrap()
+        .into_iter()
+        .zip(t.labels.to_vec1::<u32>().unwrap())
+        .collect();
+    assert_eq!(
+        triples,
+        vec![(1, 7), (1, 8), (3, 9), (4, 10), (6, 2), (7, 3), (6, 4)]
     );
     assert_eq!(
-        b.loss_mask.to_vec2::<f32>().unwrap()[2],
-        vec![0., 0., 1., 1., 1.]
+        t.membership.sum(1).unwrap().to_vec1::<f32>().unwrap(),
+        vec![1.0, 2.0, 3.0, 1.0]
     );
-    assert_eq!(
-        b.attention_mask.to_vec2::<f32>().unwrap()[3],
-        vec![1., 1., 0., 0., 0.]
-    );
+}
+
+/// Log-probs of packed pairs equal those of TRL's separate `prompt + chosen` and
+/// `prompt + rejected` rows, and so do the gradients of a DPO-style objective.
+#[test]
+fn packed_pairs_equal_separate_rows_in_values_and_gradients() {
+    one_thread();
+    let pairs = vec![
+        TokenizedPair {
+            prompt: bytes("<q> How far is it?"),
+            chosen: bytes(" About 3 km."),
+            rejected: bytes(" Far."),
+        },
+        TokenizedPair {
+            prompt: bytes("<q> Hi"),
+            chosen: bytes(" Hello!"),
+            rejected: bytes(" Hello there, how can I help you today?"),
+        },
+        TokenizedPair {
+            prompt: bytes("<q> A longer question about the weather in May?"),
+            chosen: bytes(" Mild."),
+            rejected: bytes(" Cold"),
+        },
+    ];
+    for spec in [TinySpec::default(), untied()] {
+        let (_g, dir) = tiny_model_dir(&spec);
+        let model = TrainLlama::from_hf_dir(&dir, DType::F32, &cpu()).unwrap();
+        // Separate rows: chosen rows then rejected rows, right-padded, shift-masked.
+        let rows: Vec<(&[u32], &[u32])> = pairs
+            .iter()
+            .map(|p| (p.prompt.as_slice(), p.chosen.as_slice()))
+            .chain(
+                pairs
+                    .iter()
+                    .map(|p| (p.prompt.as_slice(), p.rejected.as_slice())),
+            )
+            .collect();
+        let t = rows.iter().map(|(p, c)| p.len() + c.len()).max().unwrap();
+        let (mut ids, mut attn, mut loss) = (vec![], vec![], vec![]);
+        for (p, c) in &rows {
+            for i in 0..t {
+                let tok = p.iter().chain(c.iter()).nth(i).copied();
+                ids.push(tok.unwrap_or(0));
+                attn.push(if tok.is_some() { 1f32 } else { 0.0 });
+                loss.push(if tok.is_some() && i >= p.len() {
+                    1f32
+                } else {
+                    0.0
+                });
+            }
+        }
+        let n = rows.len();
+        let ids = Tensor::from_vec(ids, (n, t), &cpu()).unwrap();
+        let attn = Tensor::from_vec(attn, (n, t), &cpu()).unwrap();
+        let loss = Tensor::from_vec(loss, (n, t), &cpu()).unwrap();
+        let logits = model.forward(&ids, Some(&attn)).unwrap();
+        let (separate, _) = sequence_logps(&logits, &ids, &loss).unwrap();
+        let batch = PairBatch::new(&pairs, 0, &cpu()).unwrap();
+        let (pc, pr) = pair_logps(&model, &batch, false).unwrap();
+        let packed = Tensor::cat(&[&pc, &pr], 0).unwrap();
+        let d = (&packed - &separate)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-4, "log-probs differ by {d}");
+        // Gradients of Σ chosen − Σ rejected, both ways.
+        let objective = |v: &Tensor| -> Tensor {
+            (v.narrow(0, 0, 3).unwrap().sum_all().unwrap()
+                - v.narrow(0, 3, 3).unwrap().sum_all().unwrap())
+            .unwrap()
+        };
+        let g_sep = objective(&separate).backward().unwrap();
+        let g_packed = objective(&packed).backward().unwrap();
+        for (name, var) in model.named_vars() {
+            let (a, b) = (
+                g_sep.get(var.as_tensor()).unwrap(),
+                g_packed.get(var.as_tensor()).unwrap(),
+            );
+            let scale = a
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let d = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                d <= 1e-4 * scale.max(1e-3),
+                "{name}: gradients differ by {d}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -583,18 +716,15 @@ fn checkpointed_gradients_equal_plain_gradients() {
             }
         }
         let batch = PairBatch::new(&toy_pairs(), 0, &cpu()).unwrap();
-        let loss_of = |logits: &Tensor| -> candle_core::Result<Tensor> {
-            let (sums, _) = sequence_logps(logits, &batch.input_ids, &batch.loss_mask)?;
+        let (c, r) = pair_logps(&model, &batch, false).unwrap();
+        let plain = (c - r).unwrap().mean_all().unwrap().backward().unwrap();
+        let loss_of = |hidden: &Tensor| -> candle_core::Result<Tensor> {
+            let (sums, _) =
+                collabllm::train::logps::completion_logps(&model, hidden, &batch.targets)?;
             (sums.narrow(0, 0, 4)? - sums.narrow(0, 4, 4)?)?.mean_all()
         };
-        let logits = model
-            .forward(&batch.input_ids, Some(&batch.attention_mask))
-            .unwrap();
-        let plain = loss_of(&logits).unwrap().backward().unwrap();
         let (ckpt, _) = model
-            .checkpointed_grads(&batch.input_ids, Some(&batch.attention_mask), |l| {
-                Ok((loss_of(l)?, ()))
-            })
+            .checkpointed_grads(&batch.input_ids, &batch.layout, |l| Ok((loss_of(l)?, ())))
             .unwrap();
         let vars = model.named_vars();
         assert!(!vars.is_empty());

@@ -8,7 +8,7 @@ use candle_core::{DType, Device};
 use collabllm::llm::peft::{AdapterConfig, LORA_TARGETS};
 use collabllm::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
 use collabllm::train::adamw::{AdamW, AdamWParams};
-use collabllm::train::logps::{pair_logps_full, sequence_logps, PairBatch, TokenizedPair};
+use collabllm::train::logps::{completion_logps, pair_logps_full, PairBatch, TokenizedPair};
 use collabllm::train::loss::{dpo_loss, DpoConfig};
 use collabllm::train::model::TrainLlama;
 use collabllm::train::optim::clip_grad_norm;
@@ -85,21 +85,17 @@ pub fn run(p: Params) -> anyhow::Result<()> {
         let t = Instant::now();
         let (mut grads, t_f, rss_f) = if p.checkpointing {
             // Forward and backward interleave; the split is not measurable.
-            let (g, ()) = model.checkpointed_grads(
-                &batch.input_ids,
-                Some(&batch.attention_mask),
-                |logits| {
-                    let (sums, _) = sequence_logps(logits, &batch.input_ids, &batch.loss_mask)?;
-                    let out = dpo_loss(
-                        &sums.narrow(0, 0, 1)?,
-                        &sums.narrow(0, 1, 1)?,
-                        &rc,
-                        &rr,
-                        &cfg,
-                    )?;
-                    Ok((out.loss, ()))
-                },
-            )?;
+            let (g, ()) = model.checkpointed_grads(&batch.input_ids, &batch.layout, |hidden| {
+                let (sums, _) = completion_logps(&model, hidden, &batch.targets)?;
+                let out = dpo_loss(
+                    &sums.narrow(0, 0, 1)?,
+                    &sums.narrow(0, 1, 1)?,
+                    &rc,
+                    &rr,
+                    &cfg,
+                )?;
+                Ok((out.loss, ()))
+            })?;
             (g, 0.0, 0.0)
         } else {
             let lp = pair_logps_full(&model, &batch)?;

@@ -749,20 +749,17 @@ pub fn argmax(v: &[f32]) -> usize {
         .0
 }
 
+/// A GGUF llama as HF parts: config, HF-named tensors, `rope_freqs` factors.
+pub type HfParts = (
+    LlamaConfig,
+    std::collections::HashMap<String, Tensor>,
+    Option<Vec<f32>>,
+);
+
 /// A llama GGUF file as HF-named f32 tensors in the HF (half-split rotary) layout: every
 /// tensor dequantized, Q/K rows un-permuted (DESIGN §8). Returns the config (with the GGUF's
 /// BOS/EOS ids), the tensors and the `rope_freqs` factors if the file has them.
-pub fn hf_tensors_from_gguf(
-    path: &Path,
-    device: &Device,
-) -> std::result::Result<
-    (
-        LlamaConfig,
-        std::collections::HashMap<String, Tensor>,
-        Option<Vec<f32>>,
-    ),
-    String,
-> {
+pub fn hf_tensors_from_gguf(path: &Path, device: &Device) -> std::result::Result<HfParts, String> {
     let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
     let mut file = std::fs::File::open(path).map_err(|e| err(&e))?;
     let content = gguf_file::Content::read(&mut file).map_err(|e| err(&e))?;

@@ -2,11 +2,12 @@
 //! in the open so that checkpoints can save it and `--resume` continue exactly. candle-nn's
 //! `AdamW` keeps its moments private, which makes an exact resume impossible.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Result, Tensor, Var};
 
 /// Hyper-parameters (HF defaults: β₁ 0.9, β₂ 0.999, ε 1e-8, no weight decay).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -82,6 +83,30 @@ fn update_host(theta: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: Co
         });
 }
 
+/// The fused update applied to an f32 weight's own storage.
+struct HostUpdate<'a> {
+    g: &'a [f32],
+    moments: RefCell<(&'a mut Vec<f32>, &'a mut Vec<f32>)>,
+    c: Coefs,
+}
+
+impl InplaceOp1 for HostUpdate<'_> {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let theta = super::ops::cpu_f32_mut(storage, layout, "weight")?;
+        let mut moments = self.moments.borrow_mut();
+        let (m, v) = &mut *moments;
+        if theta.len() != self.g.len() || m.len() != self.g.len() {
+            candle_core::bail!("adamw: weight, gradient and moments differ in size");
+        }
+        update_host(theta, self.g, m, v, self.c);
+        Ok(())
+    }
+}
+
 impl AdamW {
     pub fn new(vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
         let moments = vars
@@ -131,6 +156,18 @@ impl AdamW {
                 continue;
             };
             match moments {
+                Moments::Host { m, v } if var.dtype() == DType::F32 => {
+                    // In place: no copy of the weights or the gradient.
+                    let g = g.contiguous()?;
+                    let (storage, layout) = g.storage_and_layout();
+                    let g = super::ops::cpu_f32(&storage, layout, "gradient")?;
+                    let update = HostUpdate {
+                        g,
+                        moments: RefCell::new((m, v)),
+                        c,
+                    };
+                    var.as_tensor().inplace_op1(&update)?;
+                }
                 Moments::Host { m, v } => {
                     let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                     let mut theta = var
@@ -185,7 +222,7 @@ impl AdamW {
             map.insert(format!("m.{name}"), m);
             map.insert(format!("v.{name}"), v);
         }
-        candle_core::safetensors::save(&map, path)
+        crate::llm::weights::save_safetensors(&map, path)
     }
 
     /// Restores moments saved by [`AdamW::save`] and the step count.

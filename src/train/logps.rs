@@ -1,12 +1,17 @@
 //! Sequence log-probabilities of preference pairs, as TRL computes them (DESIGN §5): the
-//! chosen and rejected sides of B pairs form one right-padded batch of 2B rows (chosen rows
-//! first, then rejected rows) run in ONE forward pass; the log-prob of a row is the sum over
-//! its completion tokens of `log p(token | prefix)`, prompt and padding masked after the
-//! one-token shift.
+//! log-prob of a completion is the sum over its tokens of `log p(token | prefix)`; the
+//! chosen and rejected sides of B pairs go through ONE forward pass.
+//!
+//! Unlike TRL, which runs `prompt + chosen` and `prompt + rejected` as 2B separate rows,
+//! each pair is packed into one row `prompt | chosen | rejected`: the rejected tokens attend
+//! to the prompt and to themselves (never to the chosen tokens) and take the positions they
+//! would have had after the prompt, so every log-prob is the one of the separate rows (tested
+//! against them) while the prompt, usually the longest part of a multi-turn conversation, is
+//! encoded once instead of twice.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 
-use super::model::TrainLlama;
+use super::model::{BatchLayout, TrainLlama};
 
 /// One preference pair as token ids. `prompt` ends where the completions start (with the
 /// generation prompt); `chosen` / `rejected` are the completion tokens only.
@@ -17,18 +22,70 @@ pub struct TokenizedPair {
     pub rejected: Vec<u32>,
 }
 
-/// A right-padded batch of 2B rows: `prompt + chosen` for each pair, then `prompt + rejected`.
+/// The tokens whose log-probs a loss sums, each with the flat index (row · T + t) of the
+/// position whose hidden state predicts it and the output row it counts for.
+#[derive(Clone, Debug)]
+pub struct Targets {
+    /// (K,) u32 flat indices of the predicting positions.
+    pub positions: Tensor,
+    /// (K,) u32 tokens.
+    pub labels: Tensor,
+    /// (rows, K) 0/1: which output row each token counts for.
+    pub membership: Tensor,
+}
+
+impl Targets {
+    /// From (predicting flat position, token, output row) triples.
+    pub fn new(triples: &[(u32, u32, usize)], rows: usize, device: &Device) -> Result<Self> {
+        if triples.is_empty() {
+            candle_core::bail!("no loss token in the batch");
+        }
+        let k = triples.len();
+        let mut membership = vec![0f32; rows * k];
+        for (j, &(_, _, r)) in triples.iter().enumerate() {
+            membership[r * k + j] = 1.0;
+        }
+        Ok(Self {
+            positions: Tensor::new(triples.iter().map(|t| t.0).collect::<Vec<_>>(), device)?,
+            labels: Tensor::new(triples.iter().map(|t| t.1).collect::<Vec<_>>(), device)?,
+            membership: Tensor::from_vec(membership, (rows, k), device)?,
+        })
+    }
+
+    /// The shift rule of independent rows: token t of row r counts for row r when
+    /// `loss_mask[r][t]` is set, predicted by position t − 1.
+    pub fn shifted(ids: &[Vec<u32>], loss_mask: &[Vec<bool>], device: &Device) -> Result<Self> {
+        let t = ids.iter().map(Vec::len).max().unwrap_or(0);
+        let mut triples = Vec::new();
+        for (r, (row, mask)) in ids.iter().zip(loss_mask).enumerate() {
+            for p in 1..row.len() {
+                if mask[p] {
+                    triples.push(((r * t + p - 1) as u32, row[p], r));
+                }
+            }
+        }
+        Self::new(&triples, ids.len(), device)
+    }
+}
+
+/// B packed pairs: row i is `prompt | chosen | rejected` of pair i, right-padded.
 #[derive(Clone, Debug)]
 pub struct PairBatch {
-    /// (2B, T) u32.
+    /// (B, T) u32.
     pub input_ids: Tensor,
-    /// (2B, T) f32, 1 for real tokens, 0 for padding.
-    pub attention_mask: Tensor,
-    /// (2B, T) f32, 1 for completion tokens (the positions whose log-prob counts).
-    pub loss_mask: Tensor,
+    /// Attention (a completion reads the prompt and itself) and positions (the rejected
+    /// tokens continue from the end of the prompt).
+    pub layout: BatchLayout,
+    /// Chosen tokens count for output rows 0..B, rejected tokens for B..2B.
+    pub targets: Targets,
     /// Number of pairs B.
     pub pairs: usize,
 }
+
+/// Segment ids of a packed pair row.
+const PROMPT: u8 = 0;
+const CHOSEN: u8 = 1;
+const REJECTED: u8 = 2;
 
 impl PairBatch {
     /// Builds the batch; `pad_id` fills the padding (any id: padded positions are masked).
@@ -36,44 +93,47 @@ impl PairBatch {
         if pairs.is_empty() {
             candle_core::bail!("empty batch of pairs");
         }
-        let rows: Vec<(&[u32], &[u32])> = pairs
+        if pairs
             .iter()
-            .map(|p| (p.prompt.as_slice(), p.chosen.as_slice()))
-            .chain(
-                pairs
-                    .iter()
-                    .map(|p| (p.prompt.as_slice(), p.rejected.as_slice())),
-            )
-            .collect();
-        for (prompt, completion) in &rows {
-            if prompt.is_empty() || completion.is_empty() {
-                candle_core::bail!("a pair has an empty prompt or completion");
-            }
+            .any(|p| p.prompt.is_empty() || p.chosen.is_empty() || p.rejected.is_empty())
+        {
+            candle_core::bail!("a pair has an empty prompt or completion");
         }
-        let t = rows
+        let t = pairs
             .iter()
-            .map(|(p, c)| p.len() + c.len())
+            .map(|p| p.prompt.len() + p.chosen.len() + p.rejected.len())
             .max()
             .unwrap_or(0);
-        let n = rows.len();
-        let mut ids = vec![pad_id; n * t];
-        let mut attn = vec![0f32; n * t];
-        let mut loss = vec![0f32; n * t];
-        for (r, (prompt, completion)) in rows.iter().enumerate() {
-            let base = r * t;
-            for (i, &tok) in prompt.iter().chain(completion.iter()).enumerate() {
-                ids[base + i] = tok;
-                attn[base + i] = 1.0;
-                if i >= prompt.len() {
-                    loss[base + i] = 1.0;
+        let b = pairs.len();
+        let mut ids = vec![pad_id; b * t];
+        let mut positions = vec![0u32; b * t];
+        let mut segments = vec![vec![None; t]; b];
+        let mut triples = Vec::new();
+        for (r, p) in pairs.iter().enumerate() {
+            let np = p.prompt.len();
+            let mut at = r * t;
+            for (i, &tok) in p.prompt.iter().enumerate() {
+                (ids[at], positions[at], segments[r][i]) = (tok, i as u32, Some(PROMPT));
+                at += 1;
+            }
+            for (seg, completion, out_row) in
+                [(CHOSEN, &p.chosen, r), (REJECTED, &p.rejected, b + r)]
+            {
+                for (k, &tok) in completion.iter().enumerate() {
+                    (ids[at], positions[at], segments[r][at - r * t]) =
+                        (tok, (np + k) as u32, Some(seg));
+                    // The first completion token is predicted by the last prompt token.
+                    let predictor = if k == 0 { r * t + np - 1 } else { at - 1 };
+                    triples.push((predictor as u32, tok, out_row));
+                    at += 1;
                 }
             }
         }
         Ok(Self {
-            input_ids: Tensor::from_vec(ids, (n, t), device)?,
-            attention_mask: Tensor::from_vec(attn, (n, t), device)?,
-            loss_mask: Tensor::from_vec(loss, (n, t), device)?,
-            pairs: pairs.len(),
+            input_ids: Tensor::from_vec(ids, (b, t), device)?,
+            layout: BatchLayout::segmented(&segments, positions, device)?,
+            targets: Targets::new(&triples, 2 * b, device)?,
+            pairs: b,
         })
     }
 }
@@ -91,7 +151,7 @@ pub fn sequence_logps(
         candle_core::bail!("sequences need at least two tokens");
     }
     let dtype = logits.dtype();
-    let logp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
+    let logp = super::model::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?)?;
     let labels = input_ids
         .narrow(1, 1, t - 1)?
         .to_dtype(DType::U32)?
@@ -105,6 +165,25 @@ pub fn sequence_logps(
     Ok((sums, counts))
 }
 
+/// Per-row summed log-probs and token counts of `targets` from final-normed hidden states
+/// (N, T, H): the output head and log-softmax run only at the positions that predict a
+/// target token, not at prompt or padding positions whose log-probs would be discarded.
+pub fn completion_logps(
+    model: &TrainLlama,
+    hidden: &Tensor,
+    targets: &Targets,
+) -> Result<(Tensor, Tensor)> {
+    let (n, t, h) = hidden.dims3()?;
+    let selected = hidden
+        .reshape((n * t, h))?
+        .index_select(&targets.positions, 0)?;
+    let per_token = super::ops::token_logps(&model.logits_of(&selected)?, &targets.labels)?;
+    // Row sums as one (rows, K) · (K, 1) product with the 0/1 membership matrix.
+    let member = targets.membership.to_dtype(hidden.dtype())?;
+    let sums = member.matmul(&per_token.unsqueeze(1)?)?.squeeze(1)?;
+    Ok((sums, member.sum(1)?))
+}
+
 /// Chosen and rejected log-probs, each (B,), from one forward pass of `model` over `batch`.
 /// With `average`, each sum is divided by its completion length (TRL does so for `ipo`).
 pub fn pair_logps(
@@ -112,8 +191,8 @@ pub fn pair_logps(
     batch: &PairBatch,
     average: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let logits = model.forward(&batch.input_ids, Some(&batch.attention_mask))?;
-    let (sums, counts) = sequence_logps(&logits, &batch.input_ids, &batch.loss_mask)?;
+    let hidden = model.hidden_states_in(&batch.input_ids, &batch.layout)?;
+    let (sums, counts) = completion_logps(model, &hidden, &batch.targets)?;
     let logps = if average { (sums / counts)? } else { sums };
     let b = batch.pairs;
     Ok((logps.narrow(0, 0, b)?, logps.narrow(0, b, b)?))
@@ -144,8 +223,8 @@ impl PairLogps {
 
 /// Summed log-probs and token counts of both sides of `batch` in one forward pass.
 pub fn pair_logps_full(model: &TrainLlama, batch: &PairBatch) -> Result<PairLogps> {
-    let logits = model.forward(&batch.input_ids, Some(&batch.attention_mask))?;
-    let (sums, counts) = sequence_logps(&logits, &batch.input_ids, &batch.loss_mask)?;
+    let hidden = model.hidden_states_in(&batch.input_ids, &batch.layout)?;
+    let (sums, counts) = completion_logps(model, &hidden, &batch.targets)?;
     let b = batch.pairs;
     Ok(PairLogps {
         chosen: sums.narrow(0, 0, b)?,
@@ -158,9 +237,11 @@ pub fn pair_logps_full(model: &TrainLlama, batch: &PairBatch) -> Result<PairLogp
 /// A right-padded batch of sequences with their own loss masks (SFT).
 #[derive(Clone, Debug)]
 pub struct SeqBatch {
+    /// (N, T) u32.
     pub input_ids: Tensor,
-    pub attention_mask: Tensor,
-    pub loss_mask: Tensor,
+    pub layout: BatchLayout,
+    /// The loss tokens of row r count for output row r.
+    pub targets: Targets,
 }
 
 impl SeqBatch {
@@ -172,18 +253,17 @@ impl SeqBatch {
         let n = rows.len();
         let mut ids = vec![pad_id; n * t];
         let mut attn = vec![0f32; n * t];
-        let mut loss = vec![0f32; n * t];
         for (r, row) in rows.iter().enumerate() {
-            for (i, (&tok, &m)) in row.ids.iter().zip(&row.loss_mask).enumerate() {
-                ids[r * t + i] = tok;
-                attn[r * t + i] = 1.0;
-                loss[r * t + i] = if m { 1.0 } else { 0.0 };
-            }
+            ids[r * t..r * t + row.ids.len()].copy_from_slice(&row.ids);
+            attn[r * t..r * t + row.ids.len()].fill(1.0);
         }
+        let seqs: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
+        let masks: Vec<Vec<bool>> = rows.iter().map(|r| r.loss_mask.clone()).collect();
+        let mask = Tensor::from_vec(attn, (n, t), device)?;
         Ok(Self {
             input_ids: Tensor::from_vec(ids, (n, t), device)?,
-            attention_mask: Tensor::from_vec(attn, (n, t), device)?,
-            loss_mask: Tensor::from_vec(loss, (n, t), device)?,
+            layout: BatchLayout::padded(n, t, Some(&mask), device)?,
+            targets: Targets::shifted(&seqs, &masks, device)?,
         })
     }
 }

@@ -1,6 +1,8 @@
-//! Training core for DPO (DESIGN §5): a trainable llama ([`model::TrainLlama`]), sequence
-//! log-probs of preference pairs in one forward pass ([`logps`]) and TRL's DPO losses and
-//! metrics ([`loss`]), HF/TRL optimizer conventions ([`optim`]).
+//! Training core for DPO and SFT (DESIGN §5): a trainable llama ([`model::TrainLlama`]) built
+//! from ops with explicit backward passes ([`ops`]), sequence log-probs of preference pairs
+//! packed one pair per row ([`logps`]), TRL's DPO losses and metrics ([`loss`]), AdamW with
+//! open state ([`adamw`]), HF/TRL schedule and clipping ([`optim`]), TRL-format data
+//! ([`data`]) and the training loop with checkpoints and resume ([`trainer`]).
 //!
 //! A step, in outline:
 //! ```no_run
@@ -29,5 +31,6 @@ pub mod data;
 pub mod logps;
 pub mod loss;
 pub mod model;
+pub mod ops;
 pub mod optim;
 pub mod trainer;

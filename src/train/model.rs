@@ -1,6 +1,6 @@
-//! A trainable llama (SmolLM2, Llama 2/3, TinyLlama…) built from differentiable candle ops
-//! only (DESIGN §8: `rms_norm_slow`, `rope_slow`, generic `softmax`; never the fast kernels,
-//! which have no backward and silently cut the gradient).
+//! A trainable llama (SmolLM2, Llama 2/3, TinyLlama…) built from differentiable ops only
+//! (DESIGN §8: never candle-nn's fast kernels, which have no backward and silently cut the
+//! gradient): the ops of [`super::ops`], each with an explicit backward, and `rope_slow`.
 //!
 //! Every weight is a [`Var`] in a [`VarMap`] under its HF name (`model.embed_tokens.weight`,
 //! `model.layers.N.self_attn.q_proj.weight`, …, `lm_head.weight` only when the head is not
@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Result, Tensor, Var, D};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,6 +46,69 @@ impl TrainLayer {
             "up_proj" => &mut self.up,
             _ => &mut self.down,
         }
+    }
+}
+
+/// How the tokens of a batch see each other.
+#[derive(Clone, Debug)]
+pub struct BatchLayout {
+    /// Additive attention bias (batch, 1, seq, seq): 0 where a query may read a key, a large
+    /// negative number elsewhere.
+    pub bias: Tensor,
+    /// Each token's rotary position (batch, seq) u32; `None`: 0, 1, … in every row.
+    pub positions: Option<Tensor>,
+}
+
+impl BatchLayout {
+    /// Independent right-padded rows: causal attention, padded keys masked out (`mask`
+    /// (batch, seq), 1 for real tokens, 0 for padding, any dtype), positions from 0.
+    pub fn padded(b: usize, seq: usize, mask: Option<&Tensor>, device: &Device) -> Result<Self> {
+        let causal: Vec<f32> = (0..seq)
+            .flat_map(|i| (0..seq).map(move |j| if j <= i { 0.0 } else { MASKED as f32 }))
+            .collect();
+        let causal = Tensor::from_vec(causal, (1, 1, seq, seq), device)?;
+        let bias = match mask {
+            None => causal.broadcast_as((b, 1, seq, seq))?.contiguous()?,
+            Some(m) => {
+                let keys = m
+                    .to_dtype(DType::F32)?
+                    .affine(-MASKED, MASKED)? // 1 → 0, 0 → MASKED
+                    .reshape((b, 1, 1, seq))?;
+                causal.broadcast_add(&keys)?
+            }
+        };
+        Ok(Self {
+            bias,
+            positions: None,
+        })
+    }
+
+    /// Rows whose tokens belong to segments: a query reads the keys at or before it that are
+    /// in its own segment or in the shared segment `0` (a prompt read by every completion
+    /// packed after it); `segments` (batch, seq) with `None` for padding, `positions` each
+    /// token's rotary position.
+    pub fn segmented(
+        segments: &[Vec<Option<u8>>],
+        positions: Vec<u32>,
+        device: &Device,
+    ) -> Result<Self> {
+        let b = segments.len();
+        let seq = segments.first().map_or(0, Vec::len);
+        let mut bias = vec![MASKED as f32; b * seq * seq];
+        for (r, segs) in segments.iter().enumerate() {
+            for (i, qi) in segs.iter().enumerate() {
+                let row = &mut bias[(r * seq + i) * seq..(r * seq + i + 1) * seq];
+                for (j, kj) in segs.iter().enumerate().take(i + 1) {
+                    if matches!(kj, Some(0)) || (kj.is_some() && kj == qi) {
+                        row[j] = 0.0;
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            bias: Tensor::from_vec(bias, (b, 1, seq, seq), device)?,
+            positions: Some(Tensor::from_vec(positions, (b, seq), device)?),
+        })
     }
 }
 
@@ -153,17 +216,8 @@ fn expected_shape(cfg: &LlamaConfig, name: &str) -> Vec<usize> {
 
 pub use crate::llm::llama::{permute_hf_qk, unpermute_gguf_qk};
 
-/// `x (…, in) · wᵀ (in, out)`.
-fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let inner = dims[dims.len() - 1];
-    let rows = x.elem_count() / inner;
-    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
-    let mut out = dims;
-    let last = out.len() - 1;
-    out[last] = w.dim(0)?;
-    y.reshape(out)
-}
+use super::ops::linear;
+pub use super::ops::{log_softmax_last_dim, softmax_last_dim};
 
 impl TrainLlama {
     /// Builds the model from HF-named tensors (converted to `dtype`).
@@ -444,32 +498,16 @@ impl TrainLlama {
             .into_iter()
             .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
             .collect::<Result<_>>()?;
-        candle_core::safetensors::save(&tensors, dir.join(crate::llm::peft::ADAPTER_WEIGHTS))?;
+        crate::llm::weights::save_safetensors(
+            &tensors,
+            &dir.join(crate::llm::peft::ADAPTER_WEIGHTS),
+        )?;
         l.config.write(dir)?;
         Ok(())
     }
     /// Number of trainable scalars.
     pub fn num_params(&self) -> usize {
         self.vars().iter().map(|v| v.elem_count()).sum()
-    }
-
-    /// Additive attention bias (batch, 1, seq, seq): causal, plus padded keys masked out.
-    fn attention_bias(&self, b: usize, seq: usize, mask: Option<&Tensor>) -> Result<Tensor> {
-        let causal: Vec<f32> = (0..seq)
-            .flat_map(|i| (0..seq).map(move |j| if j <= i { 0.0 } else { MASKED as f32 }))
-            .collect();
-        let causal = Tensor::from_vec(causal, (1, 1, seq, seq), &self.device)?;
-        let bias = match mask {
-            None => causal.broadcast_as((b, 1, seq, seq))?.contiguous()?,
-            Some(m) => {
-                let keys = m
-                    .to_dtype(DType::F32)?
-                    .affine(-MASKED, MASKED)? // 1 → 0, 0 → MASKED
-                    .reshape((b, 1, 1, seq))?;
-                causal.broadcast_add(&keys)?
-            }
-        };
-        bias.to_dtype(self.dtype)
     }
 
     /// Logits of every position, (batch, seq, vocab), for `tokens` (batch, seq) of `u32`.
@@ -485,7 +523,14 @@ impl TrainLlama {
         tokens: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let ctx = self.context(tokens, attention_mask)?;
+        let (b, seq) = tokens.dims2()?;
+        let layout = BatchLayout::padded(b, seq, attention_mask, &self.device)?;
+        self.hidden_states_in(tokens, &layout)
+    }
+
+    /// Final-normed hidden states, (batch, seq, hidden), of rows laid out by `layout`.
+    pub fn hidden_states_in(&self, tokens: &Tensor, layout: &BatchLayout) -> Result<Tensor> {
+        let ctx = self.context(tokens, layout)?;
         let mut x = self.embed_tokens(tokens)?;
         for layer in &self.layers {
             x = self.layer_forward(layer, &x, &ctx)?;
@@ -493,19 +538,39 @@ impl TrainLlama {
         self.final_norm(&x)
     }
 
-    /// What every layer of one forward pass shares: attention bias and rotary tables.
-    fn context(&self, tokens: &Tensor, attention_mask: Option<&Tensor>) -> Result<LayerContext> {
+    /// What every layer of one forward pass shares: attention bias and rotary tables
+    /// ((seq, d/2), or (batch, 1, seq, d/2) for explicit positions).
+    fn context(&self, tokens: &Tensor, layout: &BatchLayout) -> Result<LayerContext> {
         let (b, seq) = tokens.dims2()?;
-        if seq > self.cfg.max_position_embeddings {
+        if layout.bias.dims() != [b, 1, seq, seq] {
             candle_core::bail!(
-                "sequence of {seq} tokens exceeds the context length {}",
+                "attention bias {:?} for a batch of {b} rows of {seq} tokens",
+                layout.bias.dims()
+            );
+        }
+        let max_pos = match &layout.positions {
+            None => seq,
+            Some(p) => p.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize + 1,
+        };
+        if max_pos > self.cfg.max_position_embeddings {
+            candle_core::bail!(
+                "sequence of {max_pos} tokens exceeds the context length {}",
                 self.cfg.max_position_embeddings
             );
         }
+        let (cos, sin) = match &layout.positions {
+            None => (self.cos.narrow(0, 0, seq)?, self.sin.narrow(0, 0, seq)?),
+            Some(p) => {
+                let idx = p.flatten_all()?;
+                let half = self.cos.dim(1)?;
+                let table = |t: &Tensor| t.index_select(&idx, 0)?.reshape((b, 1, seq, half));
+                (table(&self.cos)?, table(&self.sin)?)
+            }
+        };
         Ok(LayerContext {
-            bias: self.attention_bias(b, seq, attention_mask)?,
-            cos: self.cos.narrow(0, 0, seq)?,
-            sin: self.sin.narrow(0, 0, seq)?,
+            bias: layout.bias.to_dtype(self.dtype)?,
+            cos,
+            sin,
         })
     }
 
@@ -518,22 +583,24 @@ impl TrainLlama {
 
     fn layer_forward(&self, layer: &TrainLayer, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
         let eps = self.cfg.rms_norm_eps as f32;
-        let hs = candle_nn::ops::rms_norm_slow(x, &layer.input_norm, eps)?;
+        let hs = super::ops::rms_norm(x, &layer.input_norm, eps)?;
         let x = (x + self.attention(layer, &hs, &ctx.cos, &ctx.sin, &ctx.bias)?)?;
-        let hs = candle_nn::ops::rms_norm_slow(&x, &layer.post_norm, eps)?;
-        let act = (self.proj(&hs, &layer.gate)?.silu()? * self.proj(&hs, &layer.up)?)?;
+        let hs = super::ops::rms_norm(&x, &layer.post_norm, eps)?;
+        let act = super::ops::swiglu(&self.proj(&hs, &layer.gate)?, &self.proj(&hs, &layer.up)?)?;
         x + self.proj(&act, &layer.down)?
     }
 
     fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        candle_nn::ops::rms_norm_slow(x, &self.norm, self.cfg.rms_norm_eps as f32)
+        super::ops::rms_norm(x, &self.norm, self.cfg.rms_norm_eps as f32)
     }
 
-    fn logits_of(&self, hidden: &Tensor) -> Result<Tensor> {
+    /// Logits of final-normed hidden states (…, hidden) → (…, vocab).
+    pub fn logits_of(&self, hidden: &Tensor) -> Result<Tensor> {
         linear(hidden, self.lm_head.as_ref().unwrap_or(&self.embed))
     }
 
-    /// Gradients of `loss_fn(logits)` with activation recomputation (HF's gradient
+    /// Gradients of `loss_fn(hidden)` (`hidden`: the final-normed hidden states, see
+    /// [`Self::logits_of`]) with activation recomputation (HF's gradient
     /// checkpointing): the forward pass keeps only each layer's input; the backward pass
     /// re-runs one layer at a time and back-propagates through it with the gradient of its
     /// output (as the surrogate `sum(output · grad)`), so activation memory is one layer's
@@ -542,10 +609,10 @@ impl TrainLlama {
     pub fn checkpointed_grads<T>(
         &self,
         tokens: &Tensor,
-        attention_mask: Option<&Tensor>,
+        layout: &BatchLayout,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(candle_core::backprop::GradStore, T)> {
-        let ctx = self.context(tokens, attention_mask)?;
+        let ctx = self.context(tokens, layout)?;
         let mut inputs = vec![self.embed_tokens(tokens)?.detach()];
         for layer in &self.layers {
             let last = inputs.last().expect("at least the embedding");
@@ -553,9 +620,9 @@ impl TrainLlama {
             inputs.push(out);
         }
         let top = Var::from_tensor(inputs.last().expect("layer outputs"))?;
-        let logits = self.logits_of(&self.final_norm(top.as_tensor())?)?;
-        let (loss, extra) = loss_fn(&logits)?;
-        drop(logits);
+        let hidden = self.final_norm(top.as_tensor())?;
+        let (loss, extra) = loss_fn(&hidden)?;
+        drop(hidden);
         let mut grads = loss.backward()?;
         drop(loss);
         let mut upstream = grads
@@ -601,25 +668,20 @@ impl TrainLlama {
         let q = heads(self.proj(x, &layer.q)?, nh)?;
         let k = heads(self.proj(x, &layer.k)?, kvh)?;
         let v = heads(self.proj(x, &layer.v)?, kvh)?;
-        let q = candle_nn::rotary_emb::rope_slow(&q, cos, sin)?;
-        let k = candle_nn::rotary_emb::rope_slow(&k, cos, sin)?;
-        // Query head `j` reads key/value head `j / groups` (HF `repeat_kv`).
-        let repeat = |t: Tensor| -> Result<Tensor> {
-            if groups == 1 {
-                return Ok(t);
-            }
-            t.unsqueeze(2)?
-                .broadcast_as((b, kvh, groups, seq, hd))?
-                .contiguous()?
-                .reshape((b, nh, seq, hd))
-        };
-        let k = repeat(k)?;
-        let v = repeat(v)?;
+        let q = super::ops::rope(&q, cos, sin)?;
+        let k = super::ops::rope(&k, cos, sin)?;
+        // Query head `j` reads key/value head `j / groups` (HF `repeat_kv`): the `groups`
+        // query heads of a key/value head are stacked along the query axis, so K and V are
+        // never copied `groups` times.
+        let q = q.reshape((b, kvh, groups * seq, hd))?;
+        let scores = q
+            .matmul(&k.t()?.contiguous()?)?
+            .reshape((b, nh, seq, seq))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(bias)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-        let y = att.matmul(&v)?; // (b, nh, seq, hd)
+        let att = super::ops::masked_softmax(&scores, bias, scale)?;
+        let y = att.reshape((b, kvh, groups * seq, seq))?.matmul(&v)?; // (b, kvh, g·seq, hd)
         let y = y
+            .reshape((b, nh, seq, hd))?
             .transpose(1, 2)?
             .contiguous()?
             .reshape((b, seq, nh * hd))?;
@@ -642,8 +704,9 @@ impl TrainLlama {
         } else {
             x.clone()
         };
-        let update = linear(&linear(&x, pair.a.as_tensor())?, pair.b.as_tensor())?;
-        base + (update * state.config.scale())?
+        // The scale goes on B (out × r), not on the (tokens × out) update.
+        let b = (pair.b.as_tensor() * state.config.scale())?;
+        base + linear(&linear(&x, pair.a.as_tensor())?, &b)?
     }
 
     /// The weights under their HF names, LoRA adapters merged in (f32 unless the model runs
@@ -732,7 +795,7 @@ impl TrainLlama {
     /// `special_tokens_map.json`, `generation_config.json`) are copied.
     pub fn save_hf(&self, dir: &Path, source_dir: Option<&Path>) -> anyhow::Result<()> {
         std::fs::create_dir_all(dir)?;
-        candle_core::safetensors::save(&self.hf_tensors()?, dir.join("model.safetensors"))?;
+        crate::llm::weights::save_safetensors(&self.hf_tensors()?, &dir.join("model.safetensors"))?;
         let source_cfg = source_dir
             .map(|s| s.join("config.json"))
             .filter(|p| p.is_file())

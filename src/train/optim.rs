@@ -2,7 +2,7 @@
 //! default, linear warmup then cosine decay, global gradient-norm clipping.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Result, Var};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Result, Tensor, Var};
 use candle_nn::ParamsAdamW;
 
 /// `TrainingArguments` defaults: β₁ 0.9, β₂ 0.999, ε 1e-8, weight decay 0 (candle's own
@@ -40,11 +40,7 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
     let mut sq = 0f64;
     for v in vars {
         if let Some(g) = grads.get(v.as_tensor()) {
-            sq += g
-                .to_dtype(DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?;
+            sq += squared_norm(g)?;
         }
     }
     let norm = sq.sqrt();
@@ -52,11 +48,44 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
     if coef < 1.0 {
         for v in vars {
             if let Some(g) = grads.remove(v.as_tensor()) {
-                grads.insert(v.as_tensor(), (g * coef)?);
+                grads.insert(v.as_tensor(), scale(g, coef)?);
             }
         }
     }
     Ok(norm)
+}
+
+/// Σ g² in f64 (read in place for CPU f32 gradients; no f64 copy of a large tensor).
+fn squared_norm(g: &Tensor) -> Result<f64> {
+    if g.device().is_cpu() && g.dtype() == DType::F32 && g.is_contiguous() {
+        let (storage, layout) = g.storage_and_layout();
+        let data = super::ops::cpu_f32(&storage, layout, "gradient")?;
+        return Ok(data
+            .chunks(4096)
+            .map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+            .sum());
+    }
+    g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()
+}
+
+/// `g · coef`, in place for CPU f32 gradients.
+fn scale(g: Tensor, coef: f64) -> Result<Tensor> {
+    struct Scale(f32);
+    impl InplaceOp1 for Scale {
+        fn name(&self) -> &'static str {
+            "scale"
+        }
+        fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
+            let data = super::ops::cpu_f32_mut(s, l, "gradient")?;
+            data.iter_mut().for_each(|x| *x *= self.0);
+            Ok(())
+        }
+    }
+    if g.device().is_cpu() && g.dtype() == DType::F32 && g.is_contiguous() {
+        g.inplace_op1(&Scale(coef as f32))?;
+        return Ok(g);
+    }
+    g * coef
 }
 
 /// Adds the gradients of `vars` in `more` to `acc` (gradient accumulation over micro-batches;

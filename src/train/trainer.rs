@@ -26,9 +26,9 @@ use super::adamw::{AdamW, AdamWParams};
 use super::data::{
     locate_data, read_pairs, tokenize_pairs, tokenize_sft, TokenizeStats, TokenizedSeq,
 };
-use super::logps::{pair_logps_full, PairBatch, SeqBatch, TokenizedPair};
+use super::logps::{pair_logps_full, PairBatch, SeqBatch, Targets, TokenizedPair};
 use super::loss::{dpo_loss, DpoConfig, DpoMetrics, LossType};
-use super::model::TrainLlama;
+use super::model::{BatchLayout, TrainLlama};
 use super::optim::{clip_grad_norm, warmup_steps};
 
 /// Bumped whenever tokenization changes what ids a row gets (invalidates reference caches).
@@ -748,11 +748,11 @@ fn reference_logps(
     Ok((train_ref, eval_ref, written))
 }
 
-/// A padded batch ready for a forward pass.
+/// A batch ready for a forward pass.
 struct Prepared {
     input_ids: Tensor,
-    attention_mask: Tensor,
-    loss_mask: Tensor,
+    layout: BatchLayout,
+    targets: Targets,
     /// Reference (chosen, rejected) log-probs, (B,) each, for DPO.
     reference: Option<(Tensor, Tensor)>,
     pairs: usize,
@@ -811,19 +811,16 @@ impl Run<'_> {
             self.tokens += prepared.tokens;
             let scale = 1.0 / k as f64;
             let (grads, metrics) = if self.cfg.gradient_checkpointing {
-                self.model.checkpointed_grads(
-                    &prepared.input_ids,
-                    Some(&prepared.attention_mask),
-                    |logits| {
-                        let (loss, metrics) = self.loss_from_logits(&prepared, logits)?;
+                self.model
+                    .checkpointed_grads(&prepared.input_ids, &prepared.layout, |hidden| {
+                        let (loss, metrics) = self.loss_from_hidden(&prepared, hidden)?;
                         Ok(((loss * scale)?, metrics))
-                    },
-                )?
+                    })?
             } else {
-                let logits = self
+                let hidden = self
                     .model
-                    .forward(&prepared.input_ids, Some(&prepared.attention_mask))?;
-                let (loss, metrics) = self.loss_from_logits(&prepared, &logits)?;
+                    .hidden_states_in(&prepared.input_ids, &prepared.layout)?;
+                let (loss, metrics) = self.loss_from_hidden(&prepared, &hidden)?;
                 ((loss * scale)?.backward()?, metrics)
             };
             match acc.as_mut() {
@@ -853,8 +850,8 @@ impl Run<'_> {
                 Ok(Prepared {
                     tokens: rows.iter().map(|r| r.ids.len()).sum(),
                     input_ids: batch.input_ids,
-                    attention_mask: batch.attention_mask,
-                    loss_mask: batch.loss_mask,
+                    layout: batch.layout,
+                    targets: batch.targets,
                     reference: None,
                     pairs: 0,
                 })
@@ -865,6 +862,8 @@ impl Run<'_> {
                 let average =
                     matches!(self.objective, Objective::Dpo(d) if d.loss_type.average_logps());
                 Ok(Prepared {
+                    // Counted as TRL's 2B rows hold them (the packed rows hold the prompt
+                    // once), so that tokens/s compare.
                     tokens: rows
                         .iter()
                         .map(|p| 2 * p.prompt.len() + p.chosen.len() + p.rejected.len())
@@ -872,20 +871,20 @@ impl Run<'_> {
                     reference: Some(self.reference_tensors(&rows, idx, reference, average)?),
                     pairs: rows.len(),
                     input_ids: batch.input_ids,
-                    attention_mask: batch.attention_mask,
-                    loss_mask: batch.loss_mask,
+                    layout: batch.layout,
+                    targets: batch.targets,
                 })
             }
         }
     }
 
-    /// The objective's loss and metrics from the logits of a prepared batch.
-    fn loss_from_logits(
+    /// The objective's loss and metrics from the final hidden states of a prepared batch.
+    fn loss_from_hidden(
         &self,
         p: &Prepared,
-        logits: &Tensor,
+        hidden: &Tensor,
     ) -> candle_core::Result<(Tensor, Metrics)> {
-        let (sums, counts) = super::logps::sequence_logps(logits, &p.input_ids, &p.loss_mask)?;
+        let (sums, counts) = super::logps::completion_logps(self.model, hidden, &p.targets)?;
         match (self.objective, &p.reference) {
             (Objective::Sft, _) => {
                 let loss = super::logps::token_mean_nll(&sums, &counts)?;
@@ -920,8 +919,8 @@ impl Run<'_> {
     /// Loss and metrics of examples `idx` (no backward).
     fn loss_of(&self, idx: &[usize], train: bool) -> Result<(Tensor, Metrics, usize)> {
         let p = self.prepare(idx, train)?;
-        let logits = self.model.forward(&p.input_ids, Some(&p.attention_mask))?;
-        let (loss, metrics) = self.loss_from_logits(&p, &logits)?;
+        let hidden = self.model.hidden_states_in(&p.input_ids, &p.layout)?;
+        let (loss, metrics) = self.loss_from_hidden(&p, &hidden)?;
         Ok((loss.detach(), metrics, p.tokens))
     }
 
