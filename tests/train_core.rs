@@ -7,6 +7,7 @@ mod model_util;
 
 use std::path::Path;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use collabllm::llm::llama::{LlamaConfig, LlamaModel, WeightFormat};
@@ -74,6 +75,37 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         }
     }
     m
+}
+
+/// Largest absolute element of a tensor.
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// Every trainable tensor of `model` has a gradient in both stores, equal to 1e-4 relative
+/// to the largest element of the reference gradient.
+fn assert_same_gradients(model: &TrainLlama, reference: &GradStore, other: &GradStore, what: &str) {
+    let vars = model.named_vars();
+    assert!(!vars.is_empty());
+    for (name, var) in vars {
+        let a = reference
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("{what} {name}: no reference gradient"));
+        let b = other
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("{what} {name}: no gradient"));
+        let scale = max_abs(a).max(1e-3);
+        let d = max_abs(&(a - b).unwrap());
+        assert!(
+            d <= 1e-4 * scale,
+            "{what} {name}: differs by {d} (scale {scale})"
+        );
+    }
 }
 
 fn bytes(s: &str) -> Vec<u32> {
@@ -348,14 +380,7 @@ fn packed_pairs_equal_separate_rows_in_values_and_gradients() {
         let batch = PairBatch::new(&pairs, 0, &cpu()).unwrap();
         let (pc, pr) = pair_logps(&model, &batch, false).unwrap();
         let packed = Tensor::cat(&[&pc, &pr], 0).unwrap();
-        let d = (&packed - &separate)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_abs(&(&packed - &separate).unwrap());
         assert!(d < 1e-4, "log-probs differ by {d}");
         // Gradients of Σ chosen − Σ rejected, both ways.
         let objective = |v: &Tensor| -> Tensor {
@@ -365,31 +390,7 @@ fn packed_pairs_equal_separate_rows_in_values_and_gradients() {
         };
         let g_sep = objective(&separate).backward().unwrap();
         let g_packed = objective(&packed).backward().unwrap();
-        for (name, var) in model.named_vars() {
-            let (a, b) = (
-                g_sep.get(var.as_tensor()).unwrap(),
-                g_packed.get(var.as_tensor()).unwrap(),
-            );
-            let scale = a
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            let d = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert!(
-                d <= 1e-4 * scale.max(1e-3),
-                "{name}: gradients differ by {d}"
-            );
-        }
+        assert_same_gradients(&model, &g_sep, &g_packed, "packed");
     }
 }
 
@@ -726,35 +727,6 @@ fn checkpointed_gradients_equal_plain_gradients() {
         let (ckpt, _) = model
             .checkpointed_grads(&batch.input_ids, &batch.layout, |l| Ok((loss_of(l)?, ())))
             .unwrap();
-        let vars = model.named_vars();
-        assert!(!vars.is_empty());
-        for (name, var) in vars {
-            let a = plain
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("{name}: no plain grad"));
-            let b = ckpt
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("{name}: no checkpointed grad"));
-            let scale = a
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-                .max(1e-3);
-            let d = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert!(
-                d <= 1e-4 * scale,
-                "lora={lora} {name}: differs by {d} (scale {scale})"
-            );
-        }
+        assert_same_gradients(&model, &plain, &ckpt, &format!("lora={lora}"));
     }
 }
