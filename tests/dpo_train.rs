@@ -330,6 +330,38 @@ fn resume_continues_with_the_same_state() {
     }
 }
 
+/// A diverging run stops at the first non-finite loss or gradient norm, before applying
+/// that update, with a message that says so; the checkpoints saved before stay intact and
+/// no `final/` is written.
+#[test]
+fn divergence_stops_before_the_bad_update_and_keeps_the_last_checkpoint() {
+    let f = fixture();
+    let mut cfg = config(&f, "diverge");
+    cfg.lr = 1e30; // the first update throws every weight to about ±1e30
+    cfg.max_steps = Some(6);
+    cfg.save_steps = Some(1);
+    cfg.batch_size = 1;
+    let err = train(&cfg, false).unwrap_err().to_string();
+    assert!(err.contains("non-finite"), "{err}");
+    assert!(err.contains("last good checkpoint"), "{err}");
+    let step: usize = err
+        .strip_prefix("step ")
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no step in {err}"));
+    assert!(step >= 2, "the first update is finite: {err}");
+    // Every step before the bad one was logged and checkpointed; the bad one was not.
+    assert_eq!(train_lines(&cfg.output).len(), step - 1);
+    for done in 1..step {
+        assert!(cfg
+            .output
+            .join(format!("checkpoint-{done}/trainer_state.json"))
+            .is_file());
+    }
+    assert!(!cfg.output.join(format!("checkpoint-{step}")).exists());
+    assert!(!cfg.output.join("final").exists());
+}
+
 #[test]
 fn a_checkpoint_serves_chat_replies() {
     let f = fixture();

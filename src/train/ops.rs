@@ -128,14 +128,13 @@ impl CustomOp2 for Linear {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = g.detach().contiguous()?;
-        let gx = match x.track_op() {
-            true => Some(g.matmul(&w.detach())?), // (m, n)·(n, k)
-            false => None,
-        };
-        let gw = match w.track_op() {
-            true => Some(g.t()?.matmul(&x.detach())?), // (n, m)·(m, k)
-            false => None, // a frozen weight: no gradient computed, none stored
-        };
+        // (m, n)·(n, k) for the input; (n, m)·(m, k) for the weight, only when it is
+        // trainable: a frozen weight gets no gradient computed, none stored.
+        let gx = x.track_op().then(|| g.matmul(&w.detach())).transpose()?;
+        let gw = w
+            .track_op()
+            .then(|| g.t()?.matmul(&x.detach()))
+            .transpose()?;
         Ok((gx, gw))
     }
 }
@@ -200,18 +199,17 @@ impl CustomOp2 for RmsNorm {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (x_grad, w_grad) = (x.track_op(), w.track_op());
         let (x, w, g) = (x.detach(), w.detach(), g.detach().contiguous()?);
-        let gx = match x_grad {
-            true => Some(x.apply_op3_no_bwd(&w, &g, &RmsNormGradInput { eps: self.eps })?),
-            false => None,
-        };
-        let gw = match w_grad {
-            // dL/dw = Σ_rows g ⊙ x / rms(x).
-            true => {
+        let input_grad = RmsNormGradInput { eps: self.eps };
+        let gx = x_grad
+            .then(|| x.apply_op3_no_bwd(&w, &g, &input_grad))
+            .transpose()?;
+        // dL/dw = Σ_rows g ⊙ x / rms(x).
+        let gw = w_grad
+            .then(|| {
                 let normed = x.apply_op2_no_bwd(&w.ones_like()?, self)?;
-                Some((g * normed)?.reshape(((), w.dim(0)?))?.sum(0)?)
-            }
-            false => None,
-        };
+                (&g * normed)?.reshape(((), w.dim(0)?))?.sum(0)
+            })
+            .transpose()?;
         Ok((gx, gw))
     }
 }
