@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
-use collabllm::llm::ModelSpec;
+use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::JudgeMode;
 use collabllm::task::TaskType;
 
@@ -17,8 +17,8 @@ use collabllm::task::TaskType;
 /// Every model meets the same tasks, seeds, user simulator and judge (or oracle). Outputs in
 /// --output: conversations/<model>.jsonl (one line per conversation or game, append-only),
 /// summary.json and summary.csv (mean, standard error and n per model × metric),
-/// lmrl/<model>.jsonl (20 Questions in LMRL's offline schema), manifest.json, and cache/
-/// (every model answer). Killed at any moment, the same command resumes; rerun with more
+/// lmrl/<model>.jsonl (20 Questions in LMRL's offline schema), manifest.json, and cache
+/// (a file: every model answer). Killed at any moment, the same command resumes; rerun with more
 /// --model flags to add models to an evaluation.
 #[derive(Parser, Debug)]
 #[command(name = "eval_multiturn", version, about, long_about)]
@@ -97,6 +97,11 @@ struct Args {
     /// Retries per endpoint call after the first attempt [default: 5].
     #[arg(long, value_name = "N")]
     max_retries: Option<u32>,
+    /// Price of an endpoint model, repeatable: SPEC=INPUT,OUTPUT in USD per million prompt and
+    /// completion tokens (e.g. --price openai:gpt-4o=2.5,10). The manifest's cost_usd prices
+    /// each role's tokens; local models cost 0, unpriced endpoints null.
+    #[arg(long = "price", value_name = "SPEC=IN,OUT", value_parser = parse_price)]
+    prices: Vec<(String, Price)>,
     /// Compute threads for local models [default: CANDLE_NUM_THREADS, else all cores].
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
@@ -118,6 +123,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         allow_overlap: args.allow_overlap,
         threads: args.threads,
         prompts: args.prompts,
+        prices: args.prices.into_iter().collect(),
         ..EvalConfig::default()
     };
     macro_rules! set {

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Parser;
 use collabllm::generate::{self, GenerateConfig};
 use collabllm::hub::{self, import};
-use collabllm::llm::ModelSpec;
+use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::pairs::PairMode;
 use collabllm::reward::judge::JudgeMode;
 use collabllm::reward::metrics::parse_metric_weight;
@@ -23,7 +23,7 @@ use collabllm::task::TaskType;
 /// reward, MR) ranks the candidates. The best continues the conversation; best vs worst becomes
 /// a preference pair. Outputs in --output: conversations.jsonl (append-only, every score kept),
 /// flat.parquet (upstream schema), pairs/{train,test}.parquet (TRL format, split by
-/// conversation), manifest.json, and cache/ (every model answer, so reruns are free).
+/// conversation), manifest.json, and cache (a file: every model answer, so reruns are free).
 ///
 /// Killed at any moment, a rerun with the same --output resumes: finished tasks are kept,
 /// half-finished ones replay from the cache. Settings are: built-in defaults ← --config TOML ←
@@ -129,6 +129,11 @@ struct Args {
     /// Retries per endpoint call after the first attempt [default: 5].
     #[arg(long, value_name = "N")]
     max_retries: Option<u32>,
+    /// Price of an endpoint model, repeatable: SPEC=INPUT,OUTPUT in USD per million prompt and
+    /// completion tokens (e.g. --price openai:gpt-4o-mini=0.15,0.60). The manifest's cost_usd
+    /// prices each role's tokens; local models cost 0, unpriced endpoints null.
+    #[arg(long = "price", value_name = "SPEC=IN,OUT", value_parser = parse_price)]
+    prices: Vec<(String, Price)>,
     /// Compute threads for local models [default: CANDLE_NUM_THREADS, else all cores].
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
@@ -193,6 +198,7 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     if !args.metrics.is_empty() {
         cfg.metrics = args.metrics.iter().cloned().collect();
     }
+    cfg.prices.extend(args.prices.iter().cloned());
     if let Some(v) = &args.api_key_env {
         cfg.endpoint.api_key_env = v.clone();
     }

@@ -195,6 +195,7 @@ async fn math_with_the_tiny_model_summary_matches_transcripts_and_resumes_free()
     assert_eq!(csv.lines().count(), 1 + 6);
     let manifest = read_json(&out.join("manifest.json"));
     assert_eq!(manifest["status"], "complete");
+    assert!(manifest["finished_at"].is_number());
     assert!(manifest["usage"]["judge"]["calls"].as_u64().unwrap() > 0);
     assert!(
         manifest["usage"][format!("model:{label}")]["calls"]
@@ -202,6 +203,12 @@ async fn math_with_the_tiny_model_summary_matches_transcripts_and_resumes_free()
             .unwrap()
             > 0
     );
+    // The evaluated model is local (cost 0); the scripted judge has no price.
+    assert_eq!(
+        manifest["cost_usd"]["by_role"][format!("model:{label}")],
+        0.0
+    );
+    assert!(manifest["cost_usd"]["by_role"]["judge"].is_null());
     let summary_text = std::fs::read_to_string(out.join("summary.json")).unwrap();
 
     // A second run does no model call at all and writes the same summary.

@@ -242,6 +242,35 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
     assert_eq!(manifest["status"], "complete");
     assert!(manifest["usage"]["judge"]["calls"].as_u64().unwrap() > 0);
     assert!(cfg.output.join("flat.parquet").is_file());
+
+    // Each conversation's own calls, attributed while three ran at once on shared roles, add
+    // up to the run's calls per role.
+    for role in ["policy", "user", "judge"] {
+        for field in ["calls", "prompt_tokens", "completion_tokens"] {
+            let per_conversation: u64 = recs
+                .iter()
+                .map(|r| r["usage"][role][field].as_u64().unwrap())
+                .sum();
+            assert_eq!(
+                per_conversation,
+                manifest["usage"][role][field].as_u64().unwrap(),
+                "{role}.{field}"
+            );
+        }
+        assert!(
+            recs[0]["usage"][role]["calls"].as_u64().unwrap() > 0,
+            "{role}"
+        );
+    }
+    assert_eq!(
+        manifest["usage_total"], manifest["usage"],
+        "a single invocation"
+    );
+    assert!(manifest["finished_at"].as_f64().unwrap() >= manifest["started_at"].as_f64().unwrap());
+    // The local policy costs nothing; scripted roles have no price, so neither has the run.
+    assert_eq!(manifest["cost_usd"]["by_role"]["policy"], 0.0);
+    assert!(manifest["cost_usd"]["by_role"]["judge"].is_null());
+    assert!(manifest["cost_usd"]["total"].is_null());
 }
 
 // ---- the binary against a local OpenAI-compatible server ----
@@ -361,6 +390,34 @@ async fn killed_run_resumes_to_the_same_tasks() {
         (2..8).contains(&after_kill),
         "killed after {after_kill} tasks"
     );
+    // The manifest of the killed run already accounts for the conversations it finished.
+    let calls = |m: &serde_json::Value, field: &str| -> u64 {
+        ["policy", "user", "judge"]
+            .iter()
+            .map(|r| m[field][r]["calls"].as_u64().unwrap_or(0))
+            .sum()
+    };
+    let read_manifest = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(killed.join("manifest.json")).unwrap())
+            .unwrap()
+    };
+    let killed_manifest = read_manifest();
+    assert_eq!(killed_manifest["status"], "running");
+    let finished: Vec<u64> = std::fs::read_to_string(killed.join("conversations.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            calls(&r, "usage")
+        })
+        .collect();
+    assert!(finished.iter().all(|&c| c > 0), "{finished:?}");
+    // The kill may land between the last append and its manifest update.
+    let finished_calls: u64 = finished[..finished.len() - 1].iter().sum();
+    assert!(
+        calls(&killed_manifest, "usage_total") >= finished_calls,
+        "{killed_manifest}"
+    );
 
     let calls_before = server.requests();
     let out = run_bin(&args).await;
@@ -378,6 +435,14 @@ async fn killed_run_resumes_to_the_same_tasks() {
     assert!(
         (resumed_calls as f64) < 0.9 * full_calls as f64,
         "resume made {resumed_calls} calls, a full run {full_calls}"
+    );
+    // Usage: this invocation's calls are exactly the requests it sent; the total adds what
+    // the killed invocation had recorded.
+    let resumed_manifest = read_manifest();
+    assert_eq!(calls(&resumed_manifest, "usage"), resumed_calls as u64);
+    assert_eq!(
+        calls(&resumed_manifest, "usage_total"),
+        calls(&killed_manifest, "usage_total") + resumed_calls as u64
     );
 }
 
@@ -397,6 +462,7 @@ async fn ten_percent_faults_are_absorbed_and_counted() {
     let out_dir = tmp.path().join("run");
     let mut args = endpoint_args(&server, &out_dir, &data("math.jsonl"));
     args.extend(["--max-tasks".into(), "4".into()]);
+    args.extend(["--price".into(), "openai:scripted=1.5,4".into()]);
     let out = run_bin(&args).await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -418,6 +484,22 @@ async fn ten_percent_faults_are_absorbed_and_counted() {
     );
     assert!(stdout.contains("retries"), "{stdout}");
     assert_eq!(task_ids(&out_dir).len(), 4);
+    // The price given for the model (without its URL) prices every role's answered tokens.
+    let mut total = 0.0;
+    for r in ["policy", "user", "judge"] {
+        let u = &manifest["usage_total"][r];
+        let expected = (u["prompt_tokens"].as_f64().unwrap() * 1.5
+            + u["completion_tokens"].as_f64().unwrap() * 4.0)
+            / 1e6;
+        let cost = manifest["cost_usd"]["by_role"][r].as_f64().unwrap();
+        assert!(
+            cost > 0.0 && (cost - expected).abs() < 1e-12,
+            "{r}: {cost} vs {expected}"
+        );
+        total += cost;
+    }
+    let reported = manifest["cost_usd"]["total"].as_f64().unwrap();
+    assert!((reported - total).abs() < 1e-12);
 }
 
 #[tokio::test]

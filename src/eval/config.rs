@@ -1,11 +1,12 @@
 //! The resolved settings of an `eval_multiturn` run, the models it compares and their labels.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::llm::{EndpointOptions, ModelSpec};
+use crate::llm::{EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::JudgeMode;
 use crate::simulate::Sampling;
 use crate::task::TaskType;
@@ -298,6 +299,8 @@ pub struct EvalConfig {
     pub threads: Option<usize>,
     pub prompts: Option<PathBuf>,
     pub sandbox_timeout_s: f64,
+    /// Endpoint prices by model spec (USD per million tokens), for the manifest's `cost_usd`.
+    pub prices: BTreeMap<String, Price>,
 }
 
 impl Default for EvalConfig {
@@ -335,6 +338,7 @@ impl Default for EvalConfig {
             threads: None,
             prompts: None,
             sandbox_timeout_s: 10.0,
+            prices: BTreeMap::new(),
         }
     }
 }
@@ -375,6 +379,17 @@ impl EvalConfig {
         }
         if self.question_max_tokens == 0 {
             return Err(invalid("question_max_tokens", "must be at least 1"));
+        }
+        if let Some(spec) = self
+            .prices
+            .iter()
+            .find(|(_, p)| !p.is_valid())
+            .map(|(s, _)| s)
+        {
+            return Err(invalid(
+                "prices",
+                format!("the price of {spec} must be finite numbers >= 0"),
+            ));
         }
         if self.sandbox_timeout_s.is_nan() || self.sandbox_timeout_s <= 0.0 {
             return Err(invalid("sandbox_timeout_s", "must be > 0"));

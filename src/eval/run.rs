@@ -22,12 +22,12 @@ use super::summary::{summarize_dialogues, summarize_games, write_atomic, Summary
 use super::twenty_questions::{lmrl_transcript, GameRecord, World};
 use crate::generate::outputs::write_json_atomic;
 use crate::generate::record::now_secs;
-use crate::generate::run::git_revision;
+use crate::generate::run::{earlier_usage, git_revision};
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
 use crate::llm::roles::Role;
 use crate::llm::tokens::TokenCounter;
-use crate::llm::UsageSnapshot;
+use crate::llm::{add_usage, cost_usd, Price, PricedRole, UsageSnapshot};
 use crate::prompts::Prompts;
 use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{check_tasks_for_metrics, task_metric, Scorer};
@@ -321,23 +321,47 @@ fn conversations_path(dir: &Path, label: &str) -> PathBuf {
 
 type Job = Pin<Box<dyn Future<Output = (usize, String, Result<serde_json::Value, String>)> + Send>>;
 
-fn usage(roles: &EvalRoles, labels: &[String]) -> BTreeMap<String, UsageSnapshot> {
-    let mut out = BTreeMap::new();
-    for (label, r) in labels.iter().zip(&roles.models) {
-        if let Some(r) = r {
-            out.insert(format!("model:{label}"), r.meter.snapshot());
-        }
-    }
-    for (name, r) in [
+/// The roles that call a model, under the names the manifest's usage uses.
+fn named_roles<'a>(roles: &'a EvalRoles, labels: &[String]) -> Vec<(String, &'a Role)> {
+    let models = labels
+        .iter()
+        .zip(&roles.models)
+        .filter_map(|(label, r)| Some((format!("model:{label}"), r.as_ref()?)));
+    let others = [
         ("user", &roles.user),
         ("judge", &roles.judge),
         ("oracle", &roles.oracle),
-    ] {
-        if let Some(r) = r {
-            out.insert(name.to_string(), r.meter.snapshot());
-        }
-    }
-    out
+    ]
+    .into_iter()
+    .filter_map(|(name, r)| Some((name.to_string(), r.as_ref()?)));
+    models.chain(others).collect()
+}
+
+fn usage(roles: &EvalRoles, labels: &[String]) -> BTreeMap<String, UsageSnapshot> {
+    named_roles(roles, labels)
+        .into_iter()
+        .map(|(name, r)| (name, r.meter.snapshot()))
+        .collect()
+}
+
+fn cost(
+    roles: &EvalRoles,
+    labels: &[String],
+    usage: &BTreeMap<String, UsageSnapshot>,
+    prices: &BTreeMap<String, Price>,
+) -> serde_json::Value {
+    let priced = named_roles(roles, labels)
+        .into_iter()
+        .map(|(name, r)| {
+            let role = PricedRole {
+                spec: &r.spec,
+                local: r.engine.is_some(),
+                usage: usage.get(&name).copied().unwrap_or_default(),
+            };
+            (name, role)
+        })
+        .collect();
+    cost_usd(&priced, prices)
 }
 
 async fn run_prepared(
@@ -362,20 +386,11 @@ async fn run_prepared(
         warnings,
     } = prepared;
     // Usage of earlier invocations on this output directory, so the manifest also has totals.
-    let earlier: BTreeMap<String, UsageSnapshot> =
-        std::fs::read_to_string(cfg.output.join(MANIFEST_FILE))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .and_then(|m| serde_json::from_value(m["usage_total"].clone()).ok())
-            .unwrap_or_default();
+    let earlier = earlier_usage(&cfg.output.join(MANIFEST_FILE));
     let write_manifest =
         |status: &str, counts: serde_json::Value, failed: &[(String, String, String)]| {
             let now = usage(&roles, &labels);
-            let mut total = earlier.clone();
-            for (role, u) in &now {
-                let t = total.entry(role.clone()).or_default();
-                *t = *t + *u;
-            }
+            let total = add_usage(&earlier, &now);
             write_json_atomic(
                 &cfg.output.join(MANIFEST_FILE),
                 &serde_json::json!({
@@ -385,6 +400,7 @@ async fn run_prepared(
                     "status": status,
                     "started_at": started_at,
                     "updated_at": now_secs(),
+                    "finished_at": (status != "running").then(now_secs),
                     "config": cfg,
                     "identity": cfg.identity(),
                     "seed": cfg.seed,
@@ -397,13 +413,13 @@ async fn run_prepared(
                     "warnings": warnings,
                     // This invocation, and every invocation on this directory.
                     "usage": now,
+                    "cost_usd": cost(&roles, &labels, &total, &cfg.prices),
                     "usage_total": total,
-                    // Prices are not known to the tool; cost per role = tokens × your price.
-                    "cost_usd": serde_json::Value::Null,
                 }),
             )
         };
     write_manifest("running", serde_json::Value::Null, &[])?;
+    let mut written_usage = usage(&roles, &labels);
 
     // Open every model's log; what is already there is skipped.
     let mut logs = Vec::new();
@@ -449,6 +465,13 @@ async fn run_prepared(
             Ok(rec) => {
                 logs[mi].append(&rec)?;
                 done_now += 1;
+                // A killed run still accounts for the calls of what it finished (games
+                // without a model make none: no rewrite for them).
+                let now = usage(&roles, &labels);
+                if now != written_usage {
+                    write_manifest("running", serde_json::Value::Null, &failed)?;
+                    written_usage = now;
+                }
             }
             Err(e) => {
                 tracing::warn!(model = %labels[mi], item = %key, error = %e, "failed; a rerun retries it");

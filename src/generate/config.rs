@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::llm::{EndpointOptions, ModelSpec};
+use crate::llm::{EndpointOptions, ModelSpec, Price};
 use crate::pairs::PairMode;
 use crate::reward::judge::JudgeMode;
 use crate::reward::metrics::check_metric_name;
@@ -87,6 +87,9 @@ pub struct GenerateConfig {
     pub prompts: Option<PathBuf>,
     /// Seconds of wall time per sandboxed test run (pass_rate).
     pub sandbox_timeout_s: f64,
+    /// Endpoint prices by model spec (USD per million tokens), for the manifest's `cost_usd`.
+    /// TOML: `[prices."openai:gpt-4o-mini"]` with `input = 0.15` and `output = 0.6`.
+    pub prices: BTreeMap<String, Price>,
 }
 
 impl Default for GenerateConfig {
@@ -128,6 +131,7 @@ impl Default for GenerateConfig {
             threads: None,
             prompts: None,
             sandbox_timeout_s: 10.0,
+            prices: BTreeMap::new(),
         }
     }
 }
@@ -180,6 +184,14 @@ impl GenerateConfig {
         }
         if self.sandbox_timeout_s.is_nan() || self.sandbox_timeout_s <= 0.0 {
             return Err(invalid("sandbox_timeout_s", "must be > 0"));
+        }
+        for (spec, p) in &self.prices {
+            if !p.is_valid() {
+                return Err(invalid(
+                    "prices",
+                    format!("the price of {spec} must be finite numbers >= 0"),
+                ));
+            }
         }
         for (name, w) in &self.metrics {
             check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;

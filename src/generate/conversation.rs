@@ -99,6 +99,8 @@ impl Pipeline {
             weights,
             started_at,
             finished_at: now_secs(),
+            // Filled in by the caller, which measures the whole conversation.
+            usage: BTreeMap::new(),
         })
     }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::llm::{ChatMessage, FinishReason};
+use crate::llm::{ChatMessage, FinishReason, UsageSnapshot};
 use crate::reward::metrics::MetricScore;
 use crate::simulate::UserTurn;
 use crate::task::TaskType;
@@ -101,6 +101,10 @@ pub struct ConversationRecord {
     pub weights: BTreeMap<String, f64>,
     pub started_at: f64,
     pub finished_at: f64,
+    /// Model calls made for this conversation, per role (retries and cache hits included).
+    /// Absent in records written before it existed.
+    #[serde(default)]
+    pub usage: BTreeMap<String, UsageSnapshot>,
 }
 
 /// The append-only conversations file of a run directory.

@@ -21,7 +21,7 @@ use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
 use crate::llm::roles::Role;
 use crate::llm::tokens::TokenCounter;
-use crate::llm::UsageSnapshot;
+use crate::llm::{add_usage, cost_usd, with_usage_scope, Price, PricedRole, UsageSnapshot};
 use crate::pairs::select_pairs;
 use crate::prompts::Prompts;
 use crate::reward::judge::{Judge, JudgeMode};
@@ -68,15 +68,41 @@ impl Roles {
         })
     }
 
-    fn usage(&self) -> BTreeMap<String, UsageSnapshot> {
-        let mut out = BTreeMap::new();
-        for r in [&self.policy, &self.user, &self.judge] {
-            out.insert(r.name.clone(), r.meter.snapshot());
-        }
+    /// The distinct roles (the assistant is the policy unless it has a model of its own).
+    fn distinct(&self) -> Vec<&Role> {
+        let mut out = vec![&self.policy, &self.user, &self.judge];
         if !Arc::ptr_eq(&self.assistant.meter, &self.policy.meter) {
-            out.insert(self.assistant.name.clone(), self.assistant.meter.snapshot());
+            out.push(&self.assistant);
         }
         out
+    }
+
+    fn usage(&self) -> BTreeMap<String, UsageSnapshot> {
+        self.distinct()
+            .into_iter()
+            .map(|r| (r.name.clone(), r.meter.snapshot()))
+            .collect()
+    }
+
+    /// Cost per role of `usage` (see [`cost_usd`]).
+    fn cost(
+        &self,
+        usage: &BTreeMap<String, UsageSnapshot>,
+        prices: &BTreeMap<String, Price>,
+    ) -> serde_json::Value {
+        let roles = self
+            .distinct()
+            .into_iter()
+            .map(|r| {
+                let priced = PricedRole {
+                    spec: &r.spec,
+                    local: r.engine.is_some(),
+                    usage: usage.get(&r.name).copied().unwrap_or_default(),
+                };
+                (r.name.clone(), priced)
+            })
+            .collect();
+        cost_usd(&roles, prices)
     }
 }
 
@@ -322,47 +348,86 @@ fn scoring(cfg: &GenerateConfig) -> Scoring {
     }
 }
 
-/// The git revision of the source tree this binary was built from, if known.
+/// The git revision of the source tree this binary was built from, if known (asked once per
+/// process: manifests are rewritten after every conversation).
 pub fn git_revision() -> Option<String> {
-    let out = std::process::Command::new("git")
-        .args(["rev-parse", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    static REVISION: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    REVISION
+        .get_or_init(|| {
+            let out = std::process::Command::new("git")
+                .args(["rev-parse", "HEAD"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .output()
+                .ok()?;
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        })
+        .clone()
 }
 
-#[allow(clippy::too_many_arguments)]
-fn manifest(
-    cfg: &GenerateConfig,
-    status: &str,
+/// Usage recorded by earlier invocations on a run directory (`usage_total` of its manifest, or
+/// `usage` for manifests written before totals existed); empty for a new run.
+pub fn earlier_usage(manifest: &Path) -> BTreeMap<String, UsageSnapshot> {
+    let Some(m) = std::fs::read_to_string(manifest)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+    else {
+        return BTreeMap::new();
+    };
+    let field = if m.get("usage_total").is_some() {
+        "usage_total"
+    } else {
+        "usage"
+    };
+    serde_json::from_value(m[field].clone()).unwrap_or_default()
+}
+
+/// What the manifest says beyond the config: written when a run starts, after every finished
+/// conversation (so a killed run still accounts for its calls), and at the end.
+struct ManifestWriter<'a> {
+    cfg: &'a GenerateConfig,
+    roles: &'a Roles,
     started_at: f64,
-    stats: Option<&DatasetStats>,
-    usage: &BTreeMap<String, UsageSnapshot>,
-    token_counter: Option<String>,
-    prompts_source: &str,
-    failed: &[(String, String)],
-) -> serde_json::Value {
-    serde_json::json!({
-        "tool": "collabllm-rs generate_conv",
-        "version": env!("CARGO_PKG_VERSION"),
-        "git_revision": git_revision(),
-        "status": status,
-        "started_at": started_at,
-        "updated_at": now_secs(),
-        "config": cfg,
-        "generation_identity": cfg.generation_identity(),
-        "seed": cfg.seed,
-        "prompts": prompts_source,
-        "token_amount_tokenizer": token_counter,
-        "counts": stats,
-        "failed_tasks": failed,
-        "usage": usage,
-        // Prices are not known to the tool; cost per role = tokens × your price.
-        "cost_usd": serde_json::Value::Null,
-    })
+    token_counter: String,
+    prompts_source: String,
+    /// Usage of earlier invocations on this run directory.
+    earlier: BTreeMap<String, UsageSnapshot>,
+}
+
+impl ManifestWriter<'_> {
+    fn write(
+        &self,
+        status: &str,
+        stats: Option<&DatasetStats>,
+        failed: &[(String, String)],
+    ) -> anyhow::Result<()> {
+        let usage = self.roles.usage();
+        let total = add_usage(&self.earlier, &usage);
+        let finished_at = (status != "running").then(now_secs);
+        let m = serde_json::json!({
+            "tool": "collabllm-rs generate_conv",
+            "version": env!("CARGO_PKG_VERSION"),
+            "git_revision": git_revision(),
+            "status": status,
+            "started_at": self.started_at,
+            "updated_at": now_secs(),
+            "finished_at": finished_at,
+            "config": self.cfg,
+            "generation_identity": self.cfg.generation_identity(),
+            "seed": self.cfg.seed,
+            "prompts": self.prompts_source,
+            "token_amount_tokenizer": self.token_counter,
+            "counts": stats,
+            "failed_tasks": failed,
+            // This invocation, and every invocation on this directory.
+            "usage": usage,
+            "usage_total": total,
+            "cost_usd": self.roles.cost(&total, &self.cfg.prices),
+        });
+        outputs::write_json_atomic(&self.cfg.output.join(MANIFEST_FILE), &m)?;
+        Ok(())
+    }
 }
 
 /// Runs (or resumes) generation with roles built from the config's specs.
@@ -445,20 +510,15 @@ async fn run_prepared(
         },
         cfg: cfg.clone(),
     });
-    let manifest_path = cfg.output.join(MANIFEST_FILE);
-    outputs::write_json_atomic(
-        &manifest_path,
-        &manifest(
-            &cfg,
-            "running",
-            started_at,
-            None,
-            &roles.usage(),
-            Some(token_name.clone()),
-            &prompts.source,
-            &[],
-        ),
-    )?;
+    let manifest = ManifestWriter {
+        cfg: &cfg,
+        roles: &roles,
+        started_at,
+        token_counter: token_name,
+        prompts_source: prompts.source.clone(),
+        earlier: earlier_usage(&cfg.output.join(MANIFEST_FILE)),
+    };
+    manifest.write("running", None, &[])?;
     if cfg.judge_mode == JudgeMode::Logprob && roles.judge.engine.is_none() {
         bail!(
             "--judge-mode logprob needs a local judge model; {} is an endpoint",
@@ -473,7 +533,11 @@ async fn run_prepared(
     let mut stream = futures::stream::iter(pending.into_iter().map(|task| {
         let p = pipeline.clone();
         async move {
-            let r = p.run(&task).await;
+            let (r, usage) = with_usage_scope(p.run(&task)).await;
+            let r = r.map(|mut record| {
+                record.usage = usage;
+                record
+            });
             (task, r)
         }
     }))
@@ -484,6 +548,7 @@ async fn run_prepared(
                 log.append(&record)?;
                 finished_now += 1;
                 progress.finished(&record, &pipeline);
+                manifest.write("running", None, &failed)?;
             }
             Err(e) => {
                 tracing::warn!(task = %task.id, error = %e, "conversation failed; a rerun retries it");
@@ -506,19 +571,7 @@ async fn run_prepared(
     } else {
         "incomplete"
     };
-    outputs::write_json_atomic(
-        &manifest_path,
-        &manifest(
-            &cfg,
-            status,
-            started_at,
-            Some(&stats),
-            &usage,
-            Some(token_name),
-            &prompts.source,
-            &failed,
-        ),
-    )?;
+    manifest.write(status, Some(&stats), &failed)?;
     Ok(RunSummary {
         output: cfg.output.display().to_string(),
         tasks_total: tasks.len(),

@@ -28,7 +28,10 @@ use serde::{Deserialize, Serialize};
 pub use cache::{CachedBackend, RequestCache};
 pub use openai::OpenAiBackend;
 pub use spec::{EndpointOptions, ModelSpec};
-pub use usage::{UsageMeter, UsageSnapshot};
+pub use usage::{
+    add_usage, cost_usd, parse_price, with_usage_scope, Price, PricedRole, UsageMeter,
+    UsageSnapshot,
+};
 
 /// One chat message in the OpenAI shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -64,7 +64,7 @@ impl Role {
             None => inner,
         };
         let meter = UsageMeter::new();
-        let backend: SharedBackend = Arc::new(MeteredBackend::new(cached, meter.clone()));
+        let backend: SharedBackend = Arc::new(MeteredBackend::new(cached, meter.clone(), name));
         Role {
             name: name.to_string(),
             spec: spec.to_string(),

@@ -1,5 +1,6 @@
 //! Usage accounting per role: calls, tokens, retries, failures, cache hits.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -39,38 +40,15 @@ impl UsageMeter {
         Arc::new(Self::default())
     }
 
-    pub fn record(&self, resp: &ChatResponse) {
-        if resp.cached {
-            self.cache_hits.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        self.calls.fetch_add(1, Ordering::Relaxed);
+    fn add(&self, d: &UsageSnapshot) {
+        self.calls.fetch_add(d.calls, Ordering::Relaxed);
+        self.cache_hits.fetch_add(d.cache_hits, Ordering::Relaxed);
         self.prompt_tokens
-            .fetch_add(resp.usage.prompt_tokens, Ordering::Relaxed);
+            .fetch_add(d.prompt_tokens, Ordering::Relaxed);
         self.completion_tokens
-            .fetch_add(resp.usage.completion_tokens, Ordering::Relaxed);
-        self.retries
-            .fetch_add(u64::from(resp.retries), Ordering::Relaxed);
-    }
-
-    /// Counts a log-probability scoring call (a prompt pass, no completion).
-    pub fn record_probe(&self, p: &OptionProbs) {
-        if p.cached {
-            self.cache_hits.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.calls.fetch_add(1, Ordering::Relaxed);
-            self.prompt_tokens
-                .fetch_add(p.prompt_tokens, Ordering::Relaxed);
-        }
-    }
-
-    pub fn record_failure(&self, err: &LlmError) {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.failures.fetch_add(1, Ordering::Relaxed);
-        self.retries.fetch_add(
-            u64::from(attempts(err).saturating_sub(1)),
-            Ordering::Relaxed,
-        );
+            .fetch_add(d.completion_tokens, Ordering::Relaxed);
+        self.retries.fetch_add(d.retries, Ordering::Relaxed);
+        self.failures.fetch_add(d.failures, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> UsageSnapshot {
@@ -83,6 +61,84 @@ impl UsageMeter {
             failures: self.failures.load(Ordering::Relaxed),
         }
     }
+}
+
+impl UsageSnapshot {
+    const CACHE_HIT: Self = Self {
+        calls: 0,
+        cache_hits: 1,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+        retries: 0,
+        failures: 0,
+    };
+
+    /// What one answered call adds: a cache hit costs nothing but is counted as such.
+    pub fn of_response(resp: &ChatResponse) -> Self {
+        if resp.cached {
+            return Self::CACHE_HIT;
+        }
+        Self {
+            calls: 1,
+            prompt_tokens: resp.usage.prompt_tokens,
+            completion_tokens: resp.usage.completion_tokens,
+            retries: u64::from(resp.retries),
+            ..Self::default()
+        }
+    }
+
+    pub fn of_probe(p: &OptionProbs) -> Self {
+        if p.cached {
+            return Self::CACHE_HIT;
+        }
+        Self {
+            calls: 1,
+            prompt_tokens: p.prompt_tokens,
+            ..Self::default()
+        }
+    }
+
+    pub fn of_failure(err: &LlmError) -> Self {
+        Self {
+            calls: 1,
+            failures: 1,
+            retries: u64::from(attempts(err).saturating_sub(1)),
+            ..Self::default()
+        }
+    }
+}
+
+tokio::task_local! {
+    static USAGE_SCOPE: Arc<UsageTally>;
+}
+
+/// Usage per role of every metered call made inside one future (see [`with_usage_scope`]).
+#[derive(Debug, Default)]
+struct UsageTally(std::sync::Mutex<BTreeMap<String, UsageSnapshot>>);
+
+impl UsageTally {
+    fn add(&self, role: &str, d: UsageSnapshot) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let e = map.entry(role.to_string()).or_default();
+        *e = *e + d;
+    }
+}
+
+fn add_to_scope(role: &str, d: UsageSnapshot) {
+    // Outside a scope there is nothing to attribute the call to; the role's meter has it.
+    let _ = USAGE_SCOPE.try_with(|t| t.add(role, d));
+}
+
+/// Runs `fut` and returns, beside its output, the usage per role of every call that a
+/// [`MeteredBackend`] answered while polling it: what one conversation cost, even with many
+/// conversations in flight on the same roles. Calls on spawned tasks are not attributed.
+pub async fn with_usage_scope<F: std::future::Future>(
+    fut: F,
+) -> (F::Output, BTreeMap<String, UsageSnapshot>) {
+    let tally = Arc::new(UsageTally::default());
+    let out = USAGE_SCOPE.scope(tally.clone(), fut).await;
+    let map = tally.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    (out, map)
 }
 
 fn attempts(err: &LlmError) -> u32 {
@@ -111,16 +167,40 @@ impl std::ops::Add for UsageSnapshot {
     }
 }
 
+/// Adds two per-role usage tables.
+pub fn add_usage(
+    a: &BTreeMap<String, UsageSnapshot>,
+    b: &BTreeMap<String, UsageSnapshot>,
+) -> BTreeMap<String, UsageSnapshot> {
+    let mut out = a.clone();
+    for (role, u) in b {
+        let t = out.entry(role.clone()).or_default();
+        *t = *t + *u;
+    }
+    out
+}
+
 /// A backend whose every call is counted in a [`UsageMeter`]. Put it outermost (above the
 /// cache) so that cache hits are counted as such.
 pub struct MeteredBackend<B: ?Sized> {
     inner: Arc<B>,
     meter: Arc<UsageMeter>,
+    /// The role name calls are attributed to inside a [`with_usage_scope`].
+    role: String,
 }
 
 impl<B: ChatBackend + ?Sized> MeteredBackend<B> {
-    pub fn new(inner: Arc<B>, meter: Arc<UsageMeter>) -> Self {
-        Self { inner, meter }
+    pub fn new(inner: Arc<B>, meter: Arc<UsageMeter>, role: &str) -> Self {
+        Self {
+            inner,
+            meter,
+            role: role.to_string(),
+        }
+    }
+
+    fn count(&self, d: UsageSnapshot) {
+        self.meter.add(&d);
+        add_to_scope(&self.role, d);
     }
     pub fn meter(&self) -> &Arc<UsageMeter> {
         &self.meter
@@ -136,11 +216,11 @@ impl<B: ChatBackend + ?Sized> ChatBackend for MeteredBackend<B> {
     async fn chat(&self, req: &ChatRequest) -> Result<ChatResponse, LlmError> {
         match self.inner.chat(req).await {
             Ok(resp) => {
-                self.meter.record(&resp);
+                self.count(UsageSnapshot::of_response(&resp));
                 Ok(resp)
             }
             Err(e) => {
-                self.meter.record_failure(&e);
+                self.count(UsageSnapshot::of_failure(&e));
                 Err(e)
             }
         }
@@ -154,13 +234,145 @@ impl<B: ChatBackend + ?Sized> ChatBackend for MeteredBackend<B> {
     ) -> Result<OptionProbs, LlmError> {
         match self.inner.option_probs(messages, prefix, options).await {
             Ok(p) => {
-                self.meter.record_probe(&p);
+                self.count(UsageSnapshot::of_probe(&p));
                 Ok(p)
             }
             Err(e) => {
-                self.meter.record_failure(&e);
+                self.count(UsageSnapshot::of_failure(&e));
                 Err(e)
             }
         }
+    }
+}
+
+/// What an endpoint charges, in USD per million tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    /// USD per million prompt tokens.
+    pub input: f64,
+    /// USD per million completion tokens.
+    pub output: f64,
+}
+
+impl Price {
+    /// Both rates finite and ≥ 0 (what a TOML config must also satisfy).
+    pub fn is_valid(&self) -> bool {
+        [self.input, self.output]
+            .iter()
+            .all(|x| x.is_finite() && *x >= 0.0)
+    }
+}
+
+/// Parses `SPEC=INPUT,OUTPUT` (USD per million prompt and completion tokens), e.g.
+/// `openai:gpt-4o-mini=0.15,0.60`.
+pub fn parse_price(s: &str) -> Result<(String, Price), String> {
+    let (spec, rates) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}`: expected SPEC=INPUT,OUTPUT (USD per million tokens)"))?;
+    let (input, output) = rates
+        .split_once(',')
+        .ok_or_else(|| format!("`{s}`: expected SPEC=INPUT,OUTPUT (USD per million tokens)"))?;
+    let rate = |v: &str| -> Result<f64, String> {
+        match v.trim().parse::<f64>() {
+            Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+            _ => Err(format!("`{s}`: `{v}` is not a price (a number ≥ 0)")),
+        }
+    };
+    if spec.trim().is_empty() {
+        return Err(format!("`{s}`: the model spec before `=` is empty"));
+    }
+    Ok((
+        spec.trim().to_string(),
+        Price {
+            input: rate(input)?,
+            output: rate(output)?,
+        },
+    ))
+}
+
+/// One role as the cost computation sees it.
+pub struct PricedRole<'a> {
+    pub spec: &'a str,
+    /// Local models cost nothing per token.
+    pub local: bool,
+    pub usage: UsageSnapshot,
+}
+
+/// `{"by_role": {role: usd | null}, "total": usd | null}`: local roles cost 0, endpoint roles
+/// cost their answered tokens at the price given for their spec (`openai:<model>@<url>` or
+/// `openai:<model>`), and are `null` without one. The total is `null` if any role is.
+pub fn cost_usd(
+    roles: &BTreeMap<String, PricedRole<'_>>,
+    prices: &BTreeMap<String, Price>,
+) -> serde_json::Value {
+    let mut by_role = serde_json::Map::new();
+    let mut total = Some(0.0);
+    for (name, r) in roles {
+        let cost = if r.local {
+            Some(0.0)
+        } else {
+            let bare = r.spec.split_once('@').map_or(r.spec, |(m, _)| m);
+            prices.get(r.spec).or_else(|| prices.get(bare)).map(|p| {
+                (r.usage.prompt_tokens as f64 * p.input
+                    + r.usage.completion_tokens as f64 * p.output)
+                    / 1e6
+            })
+        };
+        total = total.zip(cost).map(|(t, c)| t + c);
+        by_role.insert(name.clone(), serde_json::json!(cost));
+    }
+    serde_json::json!({"by_role": by_role, "total": total})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prices_parse_and_name_bad_input() {
+        let (spec, p) = parse_price("openai:gpt-4o-mini@http://h:1/v1=0.15, 0.6").unwrap();
+        assert_eq!(spec, "openai:gpt-4o-mini@http://h:1/v1");
+        assert_eq!(
+            p,
+            Price {
+                input: 0.15,
+                output: 0.6
+            }
+        );
+        for bad in ["gpt", "gpt=1", "gpt=a,1", "gpt=1,-2", "=1,2"] {
+            let e = parse_price(bad).unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn cost_is_zero_for_local_priced_for_endpoints_and_null_when_unknown() {
+        let usage = UsageSnapshot {
+            prompt_tokens: 2_000_000,
+            completion_tokens: 500_000,
+            ..UsageSnapshot::default()
+        };
+        let role = |spec, local| PricedRole { spec, local, usage };
+        let prices = BTreeMap::from([(
+            "openai:m".to_string(),
+            Price {
+                input: 1.0,
+                output: 4.0,
+            },
+        )]);
+        let roles = BTreeMap::from([
+            ("judge".to_string(), role("openai:m@http://x/v1", false)),
+            ("policy".to_string(), role("default", true)),
+        ]);
+        let c = cost_usd(&roles, &prices);
+        assert_eq!(c["by_role"]["judge"], 4.0);
+        assert_eq!(c["by_role"]["policy"], 0.0);
+        assert_eq!(c["total"], 4.0);
+        let mut roles = roles;
+        roles.insert("user".into(), role("openai:other", false));
+        let c = cost_usd(&roles, &prices);
+        assert!(c["by_role"]["user"].is_null());
+        assert!(c["total"].is_null());
     }
 }
