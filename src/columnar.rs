@@ -470,3 +470,191 @@ fn list_json(values: &dyn Array) -> Result<serde_json::Value, String> {
         .collect::<Result<Vec<_>, _>>()
         .map(serde_json::Value::Array)
 }
+
+/// The arrow shape that holds a set of JSON values, found by [`JsonShape::of_values`].
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum JsonShape {
+    /// Only nulls so far.
+    Null,
+    Bool,
+    Int,
+    Float,
+    Str,
+    List(Box<JsonShape>),
+    /// An object; a key missing in some values is null there.
+    Struct(Vec<(String, JsonShape)>),
+    /// Values whose kinds conflict (or empty objects): stored as JSON text.
+    Text,
+}
+
+impl JsonShape {
+    fn of(v: &serde_json::Value) -> Self {
+        use serde_json::Value;
+        match v {
+            Value::Null => Self::Null,
+            Value::Bool(_) => Self::Bool,
+            Value::Number(n) if n.is_i64() => Self::Int,
+            Value::Number(_) => Self::Float,
+            Value::String(_) => Self::Str,
+            Value::Array(items) => Self::List(Box::new(Self::of_values(items))),
+            Value::Object(m) if m.is_empty() => Self::Text,
+            Value::Object(m) => {
+                Self::Struct(m.iter().map(|(k, v)| (k.clone(), Self::of(v))).collect())
+            }
+        }
+    }
+
+    /// The narrowest shape holding every value: integers widen to floats, struct keys unite (in
+    /// first-seen order), anything else that conflicts becomes JSON text.
+    pub(crate) fn of_values<'a>(values: impl IntoIterator<Item = &'a serde_json::Value>) -> Self {
+        values
+            .into_iter()
+            .fold(Self::Null, |acc, v| acc.merge(Self::of(v)))
+    }
+
+    fn merge(self, other: Self) -> Self {
+        match (self, other) {
+            (Self::Null, s) | (s, Self::Null) => s,
+            (Self::Int, Self::Float) | (Self::Float, Self::Int) => Self::Float,
+            (Self::List(a), Self::List(b)) => Self::List(Box::new(a.merge(*b))),
+            (Self::Struct(mut a), Self::Struct(b)) => {
+                for (k, s) in b {
+                    match a.iter_mut().find(|(name, _)| *name == k) {
+                        Some((_, t)) => *t = std::mem::replace(t, Self::Null).merge(s),
+                        None => a.push((k, s)),
+                    }
+                }
+                Self::Struct(a)
+            }
+            (a, b) if a == b => a,
+            _ => Self::Text,
+        }
+    }
+
+    /// Whether a column of this shape is stored nested (rather than as JSON text).
+    pub(crate) fn is_nested(&self) -> bool {
+        matches!(self, Self::List(_) | Self::Struct(_))
+    }
+
+    pub(crate) fn data_type(&self) -> DataType {
+        match self {
+            Self::Bool => DataType::Boolean,
+            Self::Int => DataType::Int64,
+            Self::Float => DataType::Float64,
+            // An all-null leaf has no type of its own; strings are what `datasets` assumes.
+            Self::Null | Self::Str | Self::Text => DataType::Utf8,
+            Self::List(item) => {
+                DataType::List(Arc::new(Field::new_list_field(item.data_type(), true)))
+            }
+            Self::Struct(fields) => DataType::Struct(
+                fields
+                    .iter()
+                    .map(|(k, s)| Field::new(k, s.data_type(), true))
+                    .collect(),
+            ),
+        }
+    }
+
+    /// An array of this shape's [`data_type`](Self::data_type) holding `values` (which must be
+    /// among those the shape was found from); nulls, and values of another kind, are null.
+    pub(crate) fn array(&self, values: &[&serde_json::Value]) -> ArrayRef {
+        use arrow::array::{BooleanArray, Float64Array, Int64Array, ListArray};
+        use serde_json::Value;
+        // Null where a value is not of the kind this level holds.
+        let valid = |is_kind: fn(&Value) -> bool| -> arrow::buffer::NullBuffer {
+            values
+                .iter()
+                .map(|v| is_kind(v))
+                .collect::<Vec<bool>>()
+                .into()
+        };
+        match self {
+            Self::Bool => Arc::new(BooleanArray::from_iter(values.iter().map(|v| v.as_bool()))),
+            Self::Int => Arc::new(Int64Array::from_iter(values.iter().map(|v| v.as_i64()))),
+            Self::Float => Arc::new(Float64Array::from_iter(values.iter().map(|v| v.as_f64()))),
+            Self::Null | Self::Str => {
+                Arc::new(StringArray::from_iter(values.iter().map(|v| v.as_str())))
+            }
+            Self::Text => Arc::new(StringArray::from_iter(
+                values.iter().map(|v| (!v.is_null()).then(|| v.to_string())),
+            )),
+            Self::List(item) => {
+                let empty: &[Value] = &[];
+                let lists: Vec<&[Value]> = values
+                    .iter()
+                    .map(|v| v.as_array().map_or(empty, |a| a.as_slice()))
+                    .collect();
+                let children: Vec<&Value> = lists.iter().flat_map(|l| l.iter()).collect();
+                let field = Arc::new(Field::new_list_field(item.data_type(), true));
+                Arc::new(ListArray::new(
+                    field,
+                    arrow::buffer::OffsetBuffer::from_lengths(lists.iter().map(|l| l.len())),
+                    item.array(&children),
+                    Some(valid(Value::is_array)),
+                ))
+            }
+            Self::Struct(fields) => {
+                let columns = fields
+                    .iter()
+                    .map(|(k, s)| {
+                        let col: Vec<&Value> = values
+                            .iter()
+                            .map(|v| v.get(k).unwrap_or(&Value::Null))
+                            .collect();
+                        s.array(&col)
+                    })
+                    .collect();
+                Arc::new(StructArray::new(
+                    match self.data_type() {
+                        DataType::Struct(f) => f,
+                        _ => unreachable!("a struct shape has a struct type"),
+                    },
+                    columns,
+                    Some(valid(Value::is_object)),
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn json_shapes_widen_unite_and_fall_back_to_text() {
+        let values = [
+            json!({"a": 1, "b": [1, 2]}),
+            json!(null),
+            json!({"a": 2.5, "c": "x", "b": []}),
+            json!({"a": 3, "b": [0.5], "c": {"nested": true}}),
+        ];
+        let shape = JsonShape::of_values(&values);
+        assert_eq!(
+            shape,
+            JsonShape::Struct(vec![
+                ("a".into(), JsonShape::Float),
+                ("b".into(), JsonShape::List(Box::new(JsonShape::Float))),
+                ("c".into(), JsonShape::Text),
+            ])
+        );
+        let refs: Vec<&serde_json::Value> = values.iter().collect();
+        let array = shape.array(&refs);
+        assert_eq!(array.data_type(), &shape.data_type());
+        let back: Vec<serde_json::Value> = (0..array.len())
+            .map(|i| to_json(array.as_ref(), i).unwrap())
+            .collect();
+        assert_eq!(
+            back,
+            [
+                json!({"a": 1.0, "b": [1.0, 2.0], "c": null}),
+                json!(null),
+                json!({"a": 2.5, "b": [], "c": "\"x\""}),
+                json!({"a": 3.0, "b": [0.5], "c": "{\"nested\":true}"}),
+            ]
+        );
+        assert!(!JsonShape::of_values(&[json!("s"), json!(null)]).is_nested());
+        assert_eq!(JsonShape::of_values(&[json!({})]), JsonShape::Text);
+    }
+}

@@ -241,7 +241,32 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
             .unwrap();
     assert_eq!(manifest["status"], "complete");
     assert!(manifest["usage"]["judge"]["calls"].as_u64().unwrap() > 0);
-    assert!(cfg.output.join("flat.parquet").is_file());
+
+    // flat.parquet in upstream's nested shape: per-session MR (averaging to the row's score),
+    // per-session metric scores and the simulated futures.
+    let flat = collabllm::dataset::read_flat_parquet(&cfg.output.join("flat.parquet")).unwrap();
+    assert_eq!(flat.len(), summary.stats.candidates);
+    for row in flat.iter().filter(|r| r.score.is_finite()) {
+        let mr: Vec<f64> = row.rewards["MR"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(mr.len(), cfg.samples);
+        let mean = mr.iter().sum::<f64>() / mr.len() as f64;
+        assert!((mean - row.score).abs() < 1e-9, "{mean} vs {}", row.score);
+        assert_eq!(
+            row.rewards["accuracy"].as_array().unwrap().len(),
+            cfg.samples
+        );
+        let sessions = row.sessions.as_array().unwrap();
+        assert_eq!(sessions.len(), cfg.samples);
+        assert_eq!(
+            sessions[0][0]["role"], "user",
+            "a future starts with the user"
+        );
+    }
 
     // Each conversation's own calls, attributed while three ran at once on shared roles, add
     // up to the run's calls per role.

@@ -46,8 +46,8 @@ fn flat(conv: &str, turn: u32, score: f64) -> FlatRow {
         single_turn_prompt: "What is 2+3?".into(),
         single_turn_completion: "5".into(),
         single_turn_metadata: json!({"level": "Level 1"}),
-        sessions: json!([]),
-        rewards: json!({"accuracy": [1.0]}),
+        sessions: json!([[{"role": "user", "content": "2 and 3"}]]),
+        rewards: json!({"MR": [score], "accuracy": [1.0]}),
     }
 }
 
@@ -258,6 +258,27 @@ async fn dataset_push_lfs_card_and_idempotence() {
     assert_eq!(splits, [("train".into(), 3), ("test".into(), 1)]);
     let flat_info = &y["dataset_info"].as_vec().unwrap()[1];
     assert!(names(&flat_info["features"], "name").contains(&"single_turn_prompt".to_string()));
+    // The nested upstream columns are declared the way the public CollabLLM cards declare them.
+    let feature = |name: &str| {
+        flat_info["features"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|f| f["name"].as_str() == Some(name))
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(
+        names(&feature("sessions")["list"]["list"], "name"),
+        ["content", "role"]
+    );
+    let rewards = feature("rewards");
+    assert_eq!(names(&rewards["struct"], "name"), ["MR", "accuracy"]);
+    assert_eq!(rewards["struct"][0]["sequence"].as_str(), Some("float64"));
+    assert_eq!(
+        feature("single_turn_metadata")["struct"][0]["name"].as_str(),
+        Some("level")
+    );
     assert_eq!(flat_info["splits"][0]["num_examples"].as_i64(), Some(4));
     // The body says how the data was made, from the manifest.
     for needle in [

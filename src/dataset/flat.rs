@@ -11,21 +11,20 @@
 //! | `score` | `Float64` — the candidate's multiturn-aware reward |
 //! | `single_turn_prompt` | `Utf8` — the hidden goal `q` |
 //! | `single_turn_completion` | `Utf8` — the reference `a` |
-//! | `single_turn_metadata` | `Utf8`, JSON text |
+//! | `single_turn_metadata` | `Struct` of the metadata keys (union over the file's rows) |
 //! | `turn_id` | `Int64` |
-//! | `sessions` | `Utf8`, JSON text |
-//! | `rewards` | `Utf8`, JSON text |
+//! | `sessions` | `List<List<Struct<content, role>>>` — each simulated future |
+//! | `rewards` | `Struct<MR: List<Float64>, <metric>: List<Float64>, …>` — per session |
 //!
-//! Why JSON text for the last three: their nested shapes vary per task type and per metric set
-//! (code tasks carry test code and library lists, math a level and a type; `rewards` has one key
-//! per configured metric; `sessions` holds the simulated futures). A parquet column needs one
-//! fixed type for the whole file, so nested structs would force every row into the union of all
-//! shapes (nulls everywhere), and two files made with different metrics could no longer be
-//! concatenated. JSON text keeps every row exact and every file compatible; `json.loads` restores
-//! it on the Python side.
+//! The last three are nested, as upstream published them, so that `datasets` users index
+//! `row["rewards"]["MR"]` without parsing. Their arrow type is inferred from the rows (see
+//! [`JsonShape`]): a key missing in a row is null there, integers mixed with floats are
+//! floats, and a value whose kind conflicts across rows is stored as JSON text at that spot.
+//! A column with no object or list at all (e.g. no task has metadata) is stored as JSON text.
 //!
-//! The reader also accepts what upstream published: `conv_id` as an integer, and these three
-//! columns as nested arrow values (structs, lists, maps, primitives), converted to JSON.
+//! The reader accepts what upstream published (`conv_id` as an integer) and both encodings of
+//! the last three columns: nested arrow values (structs, lists, maps, primitives) and JSON text
+//! (what earlier versions of this tool wrote), converted to JSON.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -34,12 +33,12 @@ use arrow::array::{
     Array as _, ArrayRef, Float64Array, Int64Array, RecordBatch, RecordBatchReader as _,
     StringArray,
 };
-use arrow::datatypes::{DataType, Field, Schema};
+use arrow::datatypes::{Field, Schema};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{open, write_batch, Ctx, DatasetError};
-use crate::columnar::{self, JsonColumn, MessagesColumn};
+use crate::columnar::{self, JsonColumn, JsonShape, MessagesColumn};
 use crate::llm::ChatMessage;
 
 /// One upstream flat row: candidate `completion` at turn `turn_id` of `conv_id`, after `prompt`.
@@ -57,52 +56,73 @@ pub struct FlatRow {
     pub rewards: Value,
 }
 
-/// The exact arrow schema [`write_flat_parquet`] writes (every field nullable, as pyarrow).
-pub fn flat_schema() -> Schema {
-    Schema::new(vec![
-        Field::new("prompt", columnar::messages_type(), true),
-        Field::new("completion", DataType::Utf8, true),
-        Field::new("conv_id", DataType::Utf8, true),
-        Field::new("score", DataType::Float64, true),
-        Field::new("single_turn_prompt", DataType::Utf8, true),
-        Field::new("single_turn_completion", DataType::Utf8, true),
-        Field::new("single_turn_metadata", DataType::Utf8, true),
-        Field::new("turn_id", DataType::Int64, true),
-        Field::new("sessions", DataType::Utf8, true),
-        Field::new("rewards", DataType::Utf8, true),
-    ])
-}
-
-fn json_text(rows: &[FlatRow], f: impl Fn(&FlatRow) -> &Value) -> ArrayRef {
+fn json_text(values: &[&Value]) -> ArrayRef {
     // Serializing a `serde_json::Value` cannot fail (its map keys are strings).
     Arc::new(StringArray::from_iter_values(
-        rows.iter()
-            .map(|r| serde_json::to_string(f(r)).expect("Value serializes")),
+        values
+            .iter()
+            .map(|v| serde_json::to_string(v).expect("Value serializes")),
     ))
 }
 
-/// Writes flat rows (schema: [`flat_schema`]), atomically, snappy-compressed.
+/// One JSON-valued column: nested when the rows hold objects or lists, else JSON text.
+fn json_column(rows: &[FlatRow], f: impl Fn(&FlatRow) -> &Value) -> ArrayRef {
+    let values: Vec<&Value> = rows.iter().map(f).collect();
+    let shape = JsonShape::of_values(values.iter().copied());
+    if shape.is_nested() {
+        shape.array(&values)
+    } else {
+        json_text(&values)
+    }
+}
+
+/// Writes flat rows in the upstream schema (module docs), atomically, snappy-compressed.
 pub fn write_flat_parquet(path: &Path, rows: &[FlatRow]) -> Result<(), DatasetError> {
     let ctx = Ctx { path };
     let text = |f: fn(&FlatRow) -> &str| -> ArrayRef {
         Arc::new(StringArray::from_iter_values(rows.iter().map(f)))
     };
-    let columns: Vec<ArrayRef> = vec![
-        columnar::messages_array(rows.iter().map(|r| r.prompt.as_slice())),
-        text(|r| &r.completion),
-        text(|r| &r.conv_id),
-        Arc::new(Float64Array::from_iter_values(rows.iter().map(|r| r.score))),
-        text(|r| &r.single_turn_prompt),
-        text(|r| &r.single_turn_completion),
-        json_text(rows, |r| &r.single_turn_metadata),
-        Arc::new(Int64Array::from_iter_values(
-            rows.iter().map(|r| i64::from(r.turn_id)),
-        )),
-        json_text(rows, |r| &r.sessions),
-        json_text(rows, |r| &r.rewards),
+    let columns: Vec<(&str, ArrayRef)> = vec![
+        (
+            "prompt",
+            columnar::messages_array(rows.iter().map(|r| r.prompt.as_slice())),
+        ),
+        ("completion", text(|r| &r.completion)),
+        ("conv_id", text(|r| &r.conv_id)),
+        (
+            "score",
+            Arc::new(Float64Array::from_iter_values(rows.iter().map(|r| r.score))),
+        ),
+        ("single_turn_prompt", text(|r| &r.single_turn_prompt)),
+        (
+            "single_turn_completion",
+            text(|r| &r.single_turn_completion),
+        ),
+        (
+            "single_turn_metadata",
+            json_column(rows, |r| &r.single_turn_metadata),
+        ),
+        (
+            "turn_id",
+            Arc::new(Int64Array::from_iter_values(
+                rows.iter().map(|r| i64::from(r.turn_id)),
+            )),
+        ),
+        ("sessions", json_column(rows, |r| &r.sessions)),
+        ("rewards", json_column(rows, |r| &r.rewards)),
     ];
-    let batch =
-        RecordBatch::try_new(Arc::new(flat_schema()), columns).map_err(|e| ctx.parquet(e))?;
+    // Every field nullable, as pyarrow writes them.
+    let schema = Schema::new(
+        columns
+            .iter()
+            .map(|(name, a)| Field::new(*name, a.data_type().clone(), true))
+            .collect::<Vec<_>>(),
+    );
+    let batch = RecordBatch::try_new(
+        Arc::new(schema),
+        columns.into_iter().map(|(_, a)| a).collect(),
+    )
+    .map_err(|e| ctx.parquet(e))?;
     write_batch(path, &batch)
 }
 
@@ -195,7 +215,7 @@ mod tests {
     use super::*;
     use arrow::array::{BooleanArray, Float32Array, ListArray, StructArray};
     use arrow::buffer::OffsetBuffer;
-    use arrow::datatypes::Fields;
+    use arrow::datatypes::{DataType, Fields};
     use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
     use parquet::arrow::ArrowWriter;
     use serde_json::json;
@@ -215,24 +235,24 @@ mod tests {
         }
     }
 
+    fn file_schema(p: &Path) -> arrow::datatypes::SchemaRef {
+        ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(p).unwrap())
+            .unwrap()
+            .schema()
+            .clone()
+    }
+
     #[test]
-    fn round_trip_and_schema() {
+    fn round_trip_in_the_upstream_nested_schema() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("flat.parquet");
         let mut rows = vec![flat("0", 0, 0.5), flat("0", 1, -0.25), flat("9", 0, 1.0)];
         rows[2].single_turn_metadata = Value::Null;
-        rows[2].sessions = json!("plain string");
         write_flat_parquet(&p, &rows).unwrap();
         assert_eq!(read_flat_parquet(&p).unwrap(), rows);
 
-        let b = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&p).unwrap()).unwrap();
-        assert_eq!(b.schema().fields(), flat_schema().fields());
-        let names: Vec<_> = b
-            .schema()
-            .fields()
-            .iter()
-            .map(|f| f.name().clone())
-            .collect();
+        let schema = file_schema(&p);
+        let names: Vec<_> = schema.fields().iter().map(|f| f.name().clone()).collect();
         assert_eq!(
             names,
             [
@@ -248,6 +268,61 @@ mod tests {
                 "rewards"
             ]
         );
+        let list = |t: DataType| DataType::List(Arc::new(Field::new_list_field(t, true)));
+        let strukt = |fields: Vec<(&str, DataType)>| {
+            DataType::Struct(
+                fields
+                    .into_iter()
+                    .map(|(n, t)| Field::new(n, t, true))
+                    .collect(),
+            )
+        };
+        let ty = |name: &str| schema.field_with_name(name).unwrap().data_type().clone();
+        assert_eq!(ty("prompt"), columnar::messages_type());
+        assert_eq!(
+            ty("single_turn_metadata"),
+            strukt(vec![("level", DataType::Utf8), ("type", DataType::Utf8)])
+        );
+        assert_eq!(
+            ty("sessions"),
+            list(list(strukt(vec![
+                ("content", DataType::Utf8),
+                ("role", DataType::Utf8)
+            ])))
+        );
+        assert_eq!(
+            ty("rewards"),
+            strukt(vec![
+                ("accuracy", list(DataType::Float64)),
+                ("token_amount", list(DataType::Float64))
+            ])
+        );
+    }
+
+    /// Values that fit no single nested shape are kept exactly, as JSON text.
+    #[test]
+    fn conflicting_shapes_fall_back_to_json_text() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("flat.parquet");
+        let mut rows = vec![flat("0", 0, 0.5), flat("9", 0, 1.0)];
+        rows[1].sessions = json!("plain string");
+        rows[0].single_turn_metadata = json!("just text");
+        rows[1].single_turn_metadata = Value::Null;
+        write_flat_parquet(&p, &rows).unwrap();
+        assert_eq!(read_flat_parquet(&p).unwrap(), rows);
+        let schema = file_schema(&p);
+        for name in ["sessions", "single_turn_metadata"] {
+            assert_eq!(
+                schema.field_with_name(name).unwrap().data_type(),
+                &DataType::Utf8,
+                "{name}"
+            );
+        }
+        assert!(schema
+            .field_with_name("rewards")
+            .unwrap()
+            .data_type()
+            .is_nested());
     }
 
     /// Upstream-style file: integer conv_id, nested struct metadata, list-of-struct sessions,

@@ -2,18 +2,18 @@
 //! pairs (split by conversation), the upstream flat rows. Used at the end of a run and by
 //! `--rescore`, which makes no model call.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use serde::Serialize;
 
-use super::record::ConversationRecord;
+use super::record::{CandidateRecord, ConversationRecord};
 use crate::dataset::flat::{write_flat_parquet, FlatRow};
 use crate::dataset::pairs::{split_by_conversation, write_pairs_parquet, PairRow};
 use crate::dataset::DatasetError;
 use crate::llm::ChatMessage;
 use crate::pairs::{select_pairs, PairMode};
-use crate::reward::mr::{multiturn_reward, MrFormula, SessionScores};
+use crate::reward::mr::{multiturn_reward, MrFormula};
 
 /// How records become pairs.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -104,7 +104,7 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
     let (mut sum_c, mut sum_r) = (0.0, 0.0);
     for rec in records {
         let weights = scoring.weights.as_ref().unwrap_or(&rec.weights);
-        for (ti, turn) in rec.turns.iter().enumerate() {
+        for turn in &rec.turns {
             stats.turns += 1;
             let mrs: Vec<Option<f64>> = (0..turn.candidates.len())
                 .map(|ci| {
@@ -134,8 +134,8 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
                     single_turn_prompt: rec.goal.clone(),
                     single_turn_completion: rec.reference.clone(),
                     single_turn_metadata: rec.metadata.clone(),
-                    sessions: serde_json::to_value(&cand.sessions).unwrap_or_default(),
-                    rewards: rewards_json(rec, ti, ci, weights, mrs[ci]),
+                    sessions: sessions_json(cand),
+                    rewards: rewards_json(cand, weights, scoring.formula),
                 });
             }
             let selected = select_pairs(&mrs, scoring.min_gap, scoring.pairs);
@@ -182,15 +182,38 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
     })
 }
 
+/// Upstream's `sessions`: each simulated future's messages (user first).
+fn sessions_json(cand: &CandidateRecord) -> serde_json::Value {
+    serde_json::json!(cand
+        .sessions
+        .iter()
+        .map(|s| &s.messages)
+        .collect::<Vec<_>>())
+}
+
+/// Upstream's `rewards`: metric → per-session scores, and `MR` → each session's own reward
+/// (the candidate's score is their mean when no score is missing); missing values are null.
 fn rewards_json(
-    rec: &ConversationRecord,
-    turn: usize,
-    cand: usize,
+    cand: &CandidateRecord,
     weights: &BTreeMap<String, f64>,
-    mr: Option<f64>,
+    formula: MrFormula,
 ) -> serde_json::Value {
-    let per_session: Vec<SessionScores> = rec.turns[turn].candidates[cand].session_scores();
-    serde_json::json!({"mr": mr, "weights": weights, "sessions": per_session})
+    let per_session = cand.session_scores();
+    let mut out = serde_json::Map::new();
+    let mr: Vec<Option<f64>> = per_session
+        .iter()
+        .map(|s| multiturn_reward(std::slice::from_ref(s), weights, formula))
+        .collect();
+    out.insert("MR".into(), serde_json::json!(mr));
+    let metrics: BTreeSet<&String> = per_session.iter().flat_map(|s| s.keys()).collect();
+    for m in metrics {
+        let values: Vec<Option<f64>> = per_session
+            .iter()
+            .map(|s| s.get(m).copied().flatten())
+            .collect();
+        out.insert(m.clone(), serde_json::json!(values));
+    }
+    serde_json::Value::Object(out)
 }
 
 /// Writes `flat.parquet` and `pairs/{train,test}.parquet` under `dir` (each atomically).

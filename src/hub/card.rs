@@ -86,6 +86,11 @@ fn type_yaml(t: &DataType, indent: usize, out: &mut String) {
                     feature_yaml(f, indent, out);
                 }
             }
+            // Upstream's `sessions` (a list of message lists) reads `list:` then the inner list.
+            inner @ (DataType::List(_) | DataType::LargeList(_)) => {
+                out.push_str(&format!("{pad}list:\n"));
+                type_yaml(inner, indent + 2, out);
+            }
             inner => out.push_str(&format!(
                 "{pad}sequence: {}\n",
                 dtype(inner).unwrap_or("string")
