@@ -6,7 +6,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::llm::{EndpointOptions, ModelSpec, Price};
+use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::JudgeMode;
 use crate::simulate::Sampling;
 use crate::task::TaskType;
@@ -380,17 +380,7 @@ impl EvalConfig {
         if self.question_max_tokens == 0 {
             return Err(invalid("question_max_tokens", "must be at least 1"));
         }
-        if let Some(spec) = self
-            .prices
-            .iter()
-            .find(|(_, p)| !p.is_valid())
-            .map(|(s, _)| s)
-        {
-            return Err(invalid(
-                "prices",
-                format!("the price of {spec} must be finite numbers >= 0"),
-            ));
-        }
+        check_prices(&self.prices).map_err(|e| invalid("prices", e))?;
         if self.sandbox_timeout_s.is_nan() || self.sandbox_timeout_s <= 0.0 {
             return Err(invalid("sandbox_timeout_s", "must be > 0"));
         }

@@ -25,9 +25,9 @@ use crate::generate::record::now_secs;
 use crate::generate::run::{earlier_usage, git_revision};
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
-use crate::llm::roles::Role;
+use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::tokens::TokenCounter;
-use crate::llm::{add_usage, cost_usd, Price, PricedRole, UsageSnapshot};
+use crate::llm::{add_usage, Price, UsageSnapshot};
 use crate::prompts::Prompts;
 use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{check_tasks_for_metrics, task_metric, Scorer};
@@ -350,18 +350,7 @@ fn cost(
     usage: &BTreeMap<String, UsageSnapshot>,
     prices: &BTreeMap<String, Price>,
 ) -> serde_json::Value {
-    let priced = named_roles(roles, labels)
-        .into_iter()
-        .map(|(name, r)| {
-            let role = PricedRole {
-                spec: &r.spec,
-                local: r.engine.is_some(),
-                usage: usage.get(&name).copied().unwrap_or_default(),
-            };
-            (name, role)
-        })
-        .collect();
-    cost_usd(&priced, prices)
+    roles_cost_usd(named_roles(roles, labels), usage, prices)
 }
 
 async fn run_prepared(

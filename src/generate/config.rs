@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::llm::{EndpointOptions, ModelSpec, Price};
+use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::pairs::PairMode;
 use crate::reward::judge::JudgeMode;
 use crate::reward::metrics::check_metric_name;
@@ -185,14 +185,7 @@ impl GenerateConfig {
         if self.sandbox_timeout_s.is_nan() || self.sandbox_timeout_s <= 0.0 {
             return Err(invalid("sandbox_timeout_s", "must be > 0"));
         }
-        for (spec, p) in &self.prices {
-            if !p.is_valid() {
-                return Err(invalid(
-                    "prices",
-                    format!("the price of {spec} must be finite numbers >= 0"),
-                ));
-            }
-        }
+        check_prices(&self.prices).map_err(|e| invalid("prices", e))?;
         for (name, w) in &self.metrics {
             check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;
             if !w.is_finite() {

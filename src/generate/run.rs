@@ -19,9 +19,9 @@ use super::record::{now_secs, read_records, ConversationLog, ConversationRecord}
 use crate::hub::import;
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
-use crate::llm::roles::Role;
+use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::tokens::TokenCounter;
-use crate::llm::{add_usage, cost_usd, with_usage_scope, Price, PricedRole, UsageSnapshot};
+use crate::llm::{add_usage, with_usage_scope, Price, UsageSnapshot};
 use crate::pairs::select_pairs;
 use crate::prompts::Prompts;
 use crate::reward::judge::{Judge, JudgeMode};
@@ -84,25 +84,14 @@ impl Roles {
             .collect()
     }
 
-    /// Cost per role of `usage` (see [`cost_usd`]).
+    /// Cost per role of `usage` (see [`roles_cost_usd`]).
     fn cost(
         &self,
         usage: &BTreeMap<String, UsageSnapshot>,
         prices: &BTreeMap<String, Price>,
     ) -> serde_json::Value {
-        let roles = self
-            .distinct()
-            .into_iter()
-            .map(|r| {
-                let priced = PricedRole {
-                    spec: &r.spec,
-                    local: r.engine.is_some(),
-                    usage: usage.get(&r.name).copied().unwrap_or_default(),
-                };
-                (r.name.clone(), priced)
-            })
-            .collect();
-        cost_usd(&roles, prices)
+        let named = self.distinct().into_iter().map(|r| (r.name.clone(), r));
+        roles_cost_usd(named, usage, prices)
     }
 }
 

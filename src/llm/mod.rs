@@ -29,8 +29,8 @@ pub use cache::{CachedBackend, RequestCache};
 pub use openai::OpenAiBackend;
 pub use spec::{EndpointOptions, ModelSpec};
 pub use usage::{
-    add_usage, cost_usd, parse_price, with_usage_scope, Price, PricedRole, UsageMeter,
-    UsageSnapshot,
+    add_usage, check_prices, cost_usd, parse_price, with_usage_scope, Price, PricedRole,
+    UsageMeter, UsageSnapshot,
 };
 
 /// One chat message in the OpenAI shape.

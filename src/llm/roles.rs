@@ -1,13 +1,14 @@
 //! A *role* (policy, simulated user, judge, future assistant) is a backend built from a model
 //! spec, wrapped in the run's request cache and a usage meter of its own.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::cache::{CachedBackend, RequestCache};
 use super::engine::Engine;
 use super::local::{LoadOptions, LocalBackend, LocalLoadError};
 use super::openai::OpenAiBackend;
-use super::usage::{MeteredBackend, UsageMeter};
+use super::usage::{cost_usd, MeteredBackend, Price, PricedRole, UsageMeter, UsageSnapshot};
 use super::{ChatBackend, EndpointOptions, LlmError, ModelSpec, SharedBackend};
 
 #[derive(Debug, thiserror::Error)]
@@ -113,4 +114,25 @@ impl Role {
             }
         }
     }
+}
+
+/// [`cost_usd`] of `usage` for named roles: a role is local when it has an engine, and is
+/// priced by its spec.
+pub fn roles_cost_usd<'a>(
+    roles: impl IntoIterator<Item = (String, &'a Role)>,
+    usage: &BTreeMap<String, UsageSnapshot>,
+    prices: &BTreeMap<String, Price>,
+) -> serde_json::Value {
+    let priced = roles
+        .into_iter()
+        .map(|(name, r)| {
+            let role = PricedRole {
+                spec: &r.spec,
+                local: r.engine.is_some(),
+                usage: usage.get(&name).copied().unwrap_or_default(),
+            };
+            (name, role)
+        })
+        .collect();
+    cost_usd(&priced, prices)
 }

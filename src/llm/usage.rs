@@ -264,6 +264,15 @@ impl Price {
     }
 }
 
+/// The first price of a config's table that is not [valid](Price::is_valid), as the message a
+/// config error carries.
+pub fn check_prices(prices: &BTreeMap<String, Price>) -> Result<(), String> {
+    match prices.iter().find(|(_, p)| !p.is_valid()) {
+        Some((spec, _)) => Err(format!("the price of {spec} must be finite numbers >= 0")),
+        None => Ok(()),
+    }
+}
+
 /// Parses `SPEC=INPUT,OUTPUT` (USD per million prompt and completion tokens), e.g.
 /// `openai:gpt-4o-mini=0.15,0.60`.
 pub fn parse_price(s: &str) -> Result<(String, Price), String> {
@@ -344,6 +353,15 @@ mod tests {
             let e = parse_price(bad).unwrap_err();
             assert!(e.contains(bad), "{e}");
         }
+        // A TOML table skips the parser: the config check names the spec instead.
+        let bad = Price {
+            input: f64::NAN,
+            output: 1.0,
+        };
+        let table = BTreeMap::from([("openai:m".to_string(), p), ("openai:x".to_string(), bad)]);
+        let e = check_prices(&table).unwrap_err();
+        assert!(e.contains("openai:x"), "{e}");
+        assert!(check_prices(&BTreeMap::from([("openai:m".to_string(), p)])).is_ok());
     }
 
     #[test]
