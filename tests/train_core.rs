@@ -730,3 +730,73 @@ fn checkpointed_gradients_equal_plain_gradients() {
         assert_same_gradients(&model, &plain, &ckpt, &format!("lora={lora}"));
     }
 }
+
+/// The fused f32 kernels (custom backward passes) against candle's composed-ops autograd
+/// (the f64 path) on a grouped-attention model with three query heads per key/value head,
+/// full fine-tuning and LoRA: a gradient scaled by the group size (or any other factor)
+/// in the custom ops would show here without the default model.
+#[test]
+fn fused_gradients_equal_composed_gradients_with_grouped_attention() {
+    one_thread();
+    let spec = TinySpec {
+        hidden_size: 48,
+        intermediate_size: 96,
+        num_attention_heads: 6,
+        num_key_value_heads: 2,
+        tie_word_embeddings: false,
+        seed: 11,
+        ..TinySpec::default()
+    };
+    let (_g, dir) = tiny_model_dir(&spec);
+    let f32_model = TrainLlama::from_hf_dir(&dir, DType::F32, &cpu()).unwrap();
+    let f64_model = TrainLlama::from_hf_dir(&dir, DType::F64, &cpu()).unwrap();
+    let batch = PairBatch::new(&toy_pairs()[..2], 258, &cpu()).unwrap();
+    let grads = |m: &TrainLlama, dtype: DType| {
+        let rc = Tensor::new(&[-60.0f64, -58.0], &cpu())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let rr = Tensor::new(&[-57.0f64, -61.0], &cpu())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let (pc, pr) = pair_logps(m, &batch, false).unwrap();
+        dpo_loss(&pc, &pr, &rc, &rr, &DpoConfig::default())
+            .unwrap()
+            .loss
+            .backward()
+            .unwrap()
+    };
+    let (g32, g64) = (grads(&f32_model, DType::F32), grads(&f64_model, DType::F64));
+    let v64 = f64_model.named_vars();
+    for (name, var) in f32_model.named_vars() {
+        let a = g32.get(var.as_tensor()).unwrap();
+        let other = &v64.iter().find(|(n, _)| *n == name).unwrap().1;
+        let b = g64
+            .get(other.as_tensor())
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let (na, nb) = (
+            a.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                .sqrt(),
+            b.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                .sqrt(),
+        );
+        let d = max_abs(&(a - &b).unwrap());
+        assert!(
+            d <= 1e-4 * max_abs(&b).max(1e-3),
+            "{name}: differs by {d} (norms {na} vs {nb})"
+        );
+    }
+}

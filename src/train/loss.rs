@@ -146,10 +146,23 @@ pub struct DpoOutput {
 }
 
 /// logσ(x) = −softplus(−x) = min(x, 0) − log(1 + e^{−|x|}), stable for any x.
+///
+/// `min(x, 0)` and `|x|` are written as `x` times a constant sign mask, so the gradient is
+/// σ(−x) everywhere, x = 0 included. Through candle's `relu` and `abs` it would be 1.5
+/// instead of 0.5 at 0 (both take the slope of the right side there), and x = 0 is exactly
+/// where every DPO run starts (reference = policy): the first step's gradients were 3× too
+/// large.
 pub fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
-    let min0 = x.neg()?.relu()?.neg()?;
-    let tail = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;
+    let right = x.ge(0.0)?.to_dtype(x.dtype())?; // 1 where x ≥ 0, else 0; no gradient
+    let min0 = (x * right.affine(-1.0, 1.0)?)?;
+    let abs = (x * right.affine(2.0, -1.0)?)?;
+    let tail = (abs.neg()?.exp()? + 1.0)?.log()?;
     min0 - tail
+}
+
+/// `max(x, 0)` with PyTorch's gradient at 0 (0; candle's `relu` gives 1 there).
+fn relu_torch(x: &Tensor) -> Result<Tensor> {
+    x * x.gt(0.0)?.to_dtype(x.dtype())?
 }
 
 fn mean_f64(t: &Tensor) -> Result<f64> {
@@ -181,7 +194,7 @@ pub fn dpo_losses(
             let b = (log_sigmoid(&bh.neg()?)? * eps)?;
             (a + b)? / (1.0 - 2.0 * eps)
         }
-        LossType::Hinge => bh.affine(-1.0, 1.0)?.relu(),
+        LossType::Hinge => relu_torch(&bh.affine(-1.0, 1.0)?),
         LossType::Ipo => (h - 1.0 / (2.0 * beta))?.sqr(),
     }
 }
@@ -217,4 +230,59 @@ pub fn dpo_loss(
         logps_rejected: mean_f64(policy_rejected)?,
     };
     Ok(DpoOutput { loss, metrics })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn grad_of(f: impl Fn(&Tensor) -> Result<Tensor>, xs: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let x = Var::new(xs, &Device::Cpu).unwrap();
+        let y = f(x.as_tensor()).unwrap();
+        let g = y.sum_all().unwrap().backward().unwrap();
+        (
+            y.to_vec1().unwrap(),
+            g.get(x.as_tensor()).unwrap().to_vec1().unwrap(),
+        )
+    }
+
+    /// logσ and its gradient σ(−x) everywhere, at 0 (DPO's first step) and far out.
+    #[test]
+    fn log_sigmoid_has_the_exact_gradient_at_zero_and_far_out() {
+        let xs = [0.0, 1e-3, -1e-3, 2.5, -2.5, 40.0, -40.0, 800.0, -800.0];
+        let (y, g) = grad_of(log_sigmoid, &xs);
+        for ((x, y), g) in xs.iter().zip(y).zip(g) {
+            let sig_neg = 1.0 / (1.0 + x.exp()); // σ(−x)
+            let want = if *x > -700.0 {
+                -(1.0 + (-x).exp()).ln()
+            } else {
+                *x
+            };
+            assert!((y - want).abs() < 1e-12, "logσ({x}) = {y}, want {want}");
+            assert!(
+                (g - sig_neg).abs() < 1e-12,
+                "logσ'({x}) = {g}, want {sig_neg}"
+            );
+        }
+    }
+
+    /// At the start of training (reference = policy, h = 0) the sigmoid loss's slope is
+    /// −β/2, and the hinge loss's kink at βh = 1 has PyTorch's zero slope.
+    #[test]
+    fn dpo_loss_slopes_at_the_start_and_at_the_hinge_kink() {
+        let cfg = DpoConfig::default();
+        let zero = Tensor::new(&[0.0f64], &Device::Cpu).unwrap();
+        let (_, g) = grad_of(|pc| dpo_losses(pc, &zero, &zero, &zero, &cfg), &[0.0]);
+        assert!((g[0] + cfg.beta / 2.0).abs() < 1e-12, "slope {}", g[0]);
+        let hinge = DpoConfig {
+            loss_type: LossType::Hinge,
+            ..cfg
+        };
+        let (_, g) = grad_of(
+            |pc| dpo_losses(pc, &zero, &zero, &zero, &hinge),
+            &[1.0 / hinge.beta],
+        );
+        assert_eq!(g[0], 0.0);
+    }
 }
