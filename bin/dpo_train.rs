@@ -199,7 +199,8 @@ struct Args {
     hub_public: bool,
 
     /// Threads for the compute kernels [default: CANDLE_NUM_THREADS, else all cores].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     threads: Option<usize>,
 }
 

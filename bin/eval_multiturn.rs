@@ -111,7 +111,8 @@ struct Args {
     #[arg(long = "price", value_name = "SPEC=IN,OUT", value_parser = parse_price)]
     prices: Vec<(String, Price)>,
     /// Compute threads for local models [default: CANDLE_NUM_THREADS, else all cores].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     threads: Option<usize>,
     /// Folder of prompt templates replacing the built-in ones (same file names as prompts/).
     #[arg(long, value_name = "DIR")]

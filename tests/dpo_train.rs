@@ -695,6 +695,10 @@ fn out_of_range_flags_are_refused_naming_flag_and_value() {
         assert_eq!(o.status.code(), Some(1), "{flag} {value}: {stderr}");
         assert!(stderr.contains(needle), "{flag} {value}: {stderr}");
     }
+    let o = dpo_train_bin(&["--data", &data, "--output", &out_s, "--threads", "0"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("'0' for '--threads <N>'"), "{stderr}");
 }
 
 /// `--max-grad-norm 0` is documented as "off": the update is the unclipped one (before, a

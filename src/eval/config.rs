@@ -382,6 +382,9 @@ impl EvalConfig {
         if self.concurrency == 0 {
             return Err(invalid("concurrency", "must be at least 1"));
         }
+        if self.threads == Some(0) {
+            return Err(invalid("threads", "0: must be at least 1"));
+        }
         if self.max_questions == 0 {
             return Err(invalid("max_questions", "must be at least 1"));
         }

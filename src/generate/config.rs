@@ -196,6 +196,9 @@ impl GenerateConfig {
         if self.concurrency == 0 {
             return Err(invalid("concurrency", "must be at least 1"));
         }
+        if self.threads == Some(0) {
+            return Err(invalid("threads", "0: must be at least 1"));
+        }
         if self.termination.trim().is_empty() {
             return Err(invalid("termination", "must not be empty"));
         }
