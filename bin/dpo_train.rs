@@ -21,7 +21,14 @@ use collabllm::train::trainer::{train, LoraOptions, Schedule, TrainConfig};
 /// --lora; each also holds the tokenizer and optimizer state), `train_summary.json`.
 /// Any checkpoint directory works as a model spec for `serve` and the other binaries.
 #[derive(Parser, Debug)]
-#[command(name = "dpo_train", version, about, long_about)]
+// Negative numbers parse as values, so `--max-grad-norm -1` gets the range check's message.
+#[command(
+    name = "dpo_train",
+    version,
+    about,
+    long_about,
+    allow_negative_numbers = true
+)]
 struct Args {
     /// Training pairs: a parquet file, a directory with train.parquet (test.parquet there is
     /// the evaluation split), or a generate_conv run directory (uses its pairs/).
@@ -124,7 +131,8 @@ struct Args {
     #[arg(long, value_name = "R", default_value_t = 0.1)]
     warmup_ratio: f64,
 
-    /// Clip the global gradient norm to this (the pre-clip norm is logged as grad_norm).
+    /// Clip the global gradient norm to this (the pre-clip norm is logged as grad_norm);
+    /// 0 turns clipping off.
     #[arg(long, value_name = "N", default_value_t = 1.0)]
     max_grad_norm: f64,
 
@@ -140,11 +148,12 @@ struct Args {
     #[arg(long, value_name = "K", default_value_t = 1)]
     logging_steps: usize,
 
-    /// Evaluate on the evaluation split every K steps (always at the end when there is one).
+    /// Evaluate on the evaluation split every K steps, K >= 1 (always at the end when there
+    /// is one).
     #[arg(long, value_name = "K")]
     eval_steps: Option<usize>,
 
-    /// Save a checkpoint every K steps (always at the end, as final/).
+    /// Save a checkpoint every K steps, K >= 1 (always at the end, as final/).
     #[arg(long, value_name = "K")]
     save_steps: Option<usize>,
 
@@ -152,6 +161,14 @@ struct Args {
     /// position, logs).
     #[arg(long)]
     resume: bool,
+
+    /// With --resume: settings that may differ from the interrupted run's, comma-separated
+    /// (e.g. lr,beta). Without it a resume that changes the run's math (data, model, loss,
+    /// beta, label-smoothing, sft-weight, lora, lr, epochs, max-steps, batch-size,
+    /// grad-accum, max-length, warmup-ratio, schedule, max-grad-norm, weight-decay, seed,
+    /// dtype) is refused. Each change is recorded in training_args.json.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', requires = "resume")]
+    resume_override: Vec<String>,
 
     /// Compute device: cpu, or cuda / cuda:N (needs a build with `--features cuda`).
     #[arg(long, value_name = "DEV", default_value = "cpu")]
@@ -182,7 +199,8 @@ struct Args {
     hub_public: bool,
 
     /// Threads for the compute kernels [default: CANDLE_NUM_THREADS, else all cores].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     threads: Option<usize>,
 }
 
@@ -217,6 +235,7 @@ impl Args {
         cfg.eval_steps = self.eval_steps;
         cfg.save_steps = self.save_steps;
         cfg.resume = self.resume;
+        cfg.resume_override = self.resume_override;
         cfg.device = self.device;
         cfg.dtype = self.dtype;
         cfg.ref_cache = !self.no_ref_cache;

@@ -7,8 +7,9 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
-use collabllm::llm::{parse_price, ModelSpec, Price};
+use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
 use collabllm::reward::judge::JudgeMode;
+use collabllm::simulate::Sampling;
 use collabllm::task::TaskType;
 
 /// Multi-turn evaluation: task success, interactivity and cost of chat models in
@@ -21,7 +22,14 @@ use collabllm::task::TaskType;
 /// (a file: every model answer). Killed at any moment, the same command resumes; rerun with more
 /// --model flags to add models to an evaluation.
 #[derive(Parser, Debug)]
-#[command(name = "eval_multiturn", version, about, long_about)]
+// Negative numbers parse as values: `--flag -1` gets the range check's message.
+#[command(
+    name = "eval_multiturn",
+    version,
+    about,
+    long_about,
+    allow_negative_numbers = true
+)]
 struct Args {
     /// Task: math, doc_edit, code or twenty_questions.
     #[arg(long, value_name = "TASK")]
@@ -77,8 +85,8 @@ struct Args {
     #[arg(long)]
     allow_overlap: bool,
     /// Sampling temperature of the evaluated models [default: 1.0].
-    #[arg(long, value_name = "T")]
-    temperature: Option<f32>,
+    #[arg(long, value_name = "T", value_parser = Sampling::TEMPERATURE.parser())]
+    temperature: Option<f64>,
     /// Token cap of one assistant reply [default: 256].
     #[arg(long, value_name = "N")]
     max_tokens: Option<usize>,
@@ -91,8 +99,8 @@ struct Args {
     /// Requests in flight per endpoint [default: 16].
     #[arg(long, value_name = "N")]
     max_concurrency: Option<usize>,
-    /// Seconds before one endpoint attempt is abandoned [default: 120].
-    #[arg(long, value_name = "SECS")]
+    /// Seconds before one endpoint attempt is abandoned, in (0, 86400] [default: 120].
+    #[arg(long, value_name = "SECS", value_parser = EndpointOptions::TIMEOUT_S.parser())]
     timeout: Option<f64>,
     /// Retries per endpoint call after the first attempt [default: 5].
     #[arg(long, value_name = "N")]
@@ -103,7 +111,8 @@ struct Args {
     #[arg(long = "price", value_name = "SPEC=IN,OUT", value_parser = parse_price)]
     prices: Vec<(String, Price)>,
     /// Compute threads for local models [default: CANDLE_NUM_THREADS, else all cores].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     threads: Option<usize>,
     /// Folder of prompt templates replacing the built-in ones (same file names as prompts/).
     #[arg(long, value_name = "DIR")]
@@ -140,7 +149,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         judge_mode
     );
     if let Some(t) = args.temperature {
-        cfg.assistant_sampling.temperature = t;
+        cfg.assistant_sampling.temperature = t as f32;
     }
     if let Some(m) = args.max_tokens {
         cfg.assistant_sampling.max_tokens = m;

@@ -6,9 +6,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use collabllm::generate::{self, GenerateConfig};
+use collabllm::generate::{self, config, GenerateConfig};
 use collabllm::hub::{self, import};
-use collabllm::llm::{parse_price, ModelSpec, Price};
+use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
 use collabllm::pairs::PairMode;
 use collabllm::reward::judge::JudgeMode;
 use collabllm::reward::metrics::parse_metric_weight;
@@ -29,7 +29,14 @@ use collabllm::task::TaskType;
 /// half-finished ones replay from the cache. Settings are: built-in defaults ← --config TOML ←
 /// flags.
 #[derive(Parser, Debug)]
-#[command(name = "generate_conv", version, about, long_about)]
+// Negative numbers parse as values: `--flag -1` gets the range check's message.
+#[command(
+    name = "generate_conv",
+    version,
+    about,
+    long_about,
+    allow_negative_numbers = true
+)]
 struct Args {
     /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}; a parquet
     /// file in the upstream CollabLLM flat schema; or hf:<org>/<name>, a published CollabLLM
@@ -97,16 +104,16 @@ struct Args {
     #[arg(long, value_name = "FORMULA")]
     mr_formula: Option<MrFormula>,
     /// Minimum MR gap between chosen and rejected [default: 0.02].
-    #[arg(long, value_name = "G")]
+    #[arg(long, value_name = "G", value_parser = config::MIN_GAP.parser())]
     min_gap: Option<f64>,
     /// Pairs per turn: best (best vs worst) or all (every pair above the gap) [default: best].
     #[arg(long, value_name = "MODE")]
     pairs: Option<PairMode>,
     /// Fraction of candidates using the proactive-collaborator prompt [default: 0.5].
-    #[arg(long, value_name = "R")]
+    #[arg(long, value_name = "R", value_parser = config::PROACT_RATIO.parser())]
     proact_ratio: Option<f64>,
     /// Share of conversations in pairs/test.parquet [default: 0.1].
-    #[arg(long, value_name = "F")]
+    #[arg(long, value_name = "F", value_parser = config::TEST_FRACTION.parser())]
     test_fraction: Option<f64>,
     /// Seed of every sampling decision and of the train/test split [default: 0].
     #[arg(long, value_name = "X")]
@@ -123,8 +130,8 @@ struct Args {
     /// Requests in flight per endpoint [default: 16].
     #[arg(long, value_name = "N")]
     max_concurrency: Option<usize>,
-    /// Seconds before one endpoint attempt is abandoned [default: 120].
-    #[arg(long, value_name = "SECS")]
+    /// Seconds before one endpoint attempt is abandoned, in (0, 86400] [default: 120].
+    #[arg(long, value_name = "SECS", value_parser = EndpointOptions::TIMEOUT_S.parser())]
     timeout: Option<f64>,
     /// Retries per endpoint call after the first attempt [default: 5].
     #[arg(long, value_name = "N")]
@@ -135,7 +142,8 @@ struct Args {
     #[arg(long = "price", value_name = "SPEC=IN,OUT", value_parser = parse_price)]
     prices: Vec<(String, Price)>,
     /// Compute threads for local models [default: CANDLE_NUM_THREADS, else all cores].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
     threads: Option<usize>,
     /// Folder of prompt templates replacing the built-in ones (same file names as prompts/).
     #[arg(long, value_name = "DIR")]

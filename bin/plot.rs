@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
+use collabllm::generate::config::MIN_GAP;
 use collabllm::plot::{self, Format, Options, Written};
 
 /// Figures for papers from run directories; every figure is written as PNG and SVG.
@@ -28,7 +29,7 @@ enum Command {
         common: Common,
         /// Smooth the curves with an exponential moving average of this weight in [0, 1)
         /// (0.9 = heavy); the raw curve stays faint behind.
-        #[arg(long)]
+        #[arg(long, value_parser = plot::SMOOTH.parser())]
         smooth: Option<f64>,
     },
     /// Data figures from generate_conv run directories: MR of chosen vs rejected, the gap
@@ -40,7 +41,7 @@ enum Command {
         #[command(flatten)]
         common: Common,
         /// Draw the threshold line here instead of each run's `config.min_gap`.
-        #[arg(long)]
+        #[arg(long, value_parser = MIN_GAP.parser())]
         min_gap: Option<f64>,
     },
     /// Evaluation figures from eval_multiturn output directories (`summary.json`): metric
@@ -71,10 +72,10 @@ enum Command {
         #[command(flatten)]
         common: Common,
         /// EMA weight for training curves (see `plot train --smooth`).
-        #[arg(long)]
+        #[arg(long, value_parser = plot::SMOOTH.parser())]
         smooth: Option<f64>,
         /// Min-gap line for data figures (see `plot data --min-gap`).
-        #[arg(long)]
+        #[arg(long, value_parser = MIN_GAP.parser())]
         min_gap: Option<f64>,
     },
 }

@@ -7,8 +7,9 @@
 //! (the generate_conv pipeline) → `train` (trainable llama, DPO log-probs and losses; uses only
 //! `llm`) → `eval` (multi-turn evaluation and 20 Questions; uses the pipeline before it) →
 //! `plot` (figures from the files the stages above wrote). `serve` is an HTTP front over
-//! `llm`; `parse` and `cli` are leaf utilities.
+//! `llm`; `parse`, `check` (range checks of user-given numbers) and `cli` are leaf utilities.
 
+pub mod check;
 pub mod cli;
 mod columnar;
 pub mod dataset;

@@ -37,6 +37,13 @@ pub struct Sampling {
     pub max_tokens: usize,
 }
 
+impl Sampling {
+    /// Accepted temperatures (0 is greedy).
+    pub const TEMPERATURE: crate::check::Range = crate::check::Range::at_least(0.0);
+    /// Accepted nucleus masses.
+    pub const TOP_P: crate::check::Range = crate::check::Range::open_closed(0.0, 1.0);
+}
+
 impl Default for Sampling {
     fn default() -> Self {
         Self {

@@ -149,10 +149,40 @@ fn dpo_learns_the_toy_preference_with_trl_metrics() {
         "grad_norm",
         "epoch",
         "step",
+        "logits/chosen",
+        "logits/rejected",
+        "entropy",
+        "mean_token_accuracy",
+        "num_tokens",
     ] {
         assert!(first.get(key).is_some(), "log line lacks `{key}`: {first}");
     }
+    // TRL's diagnostics: entropy within [0, ln V], token accuracy a fraction, num_tokens the
+    // running count of the 2B rows' tokens (every pair of the toy set has the same length).
+    let vocab = collabllm::llm::tiny::tiny_vocab_size() as f64;
+    let per_step = first["num_tokens"].as_u64().unwrap();
+    assert!(per_step > 0);
+    for (i, l) in lines.iter().enumerate() {
+        let h = l["entropy"].as_f64().unwrap();
+        assert!(h > 0.0 && h <= vocab.ln() + 1e-9, "{l}");
+        let acc = l["mean_token_accuracy"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&acc), "{l}");
+        assert!(l["logits/chosen"].as_f64().unwrap().is_finite(), "{l}");
+        assert!(l["logits/rejected"].as_f64().unwrap().is_finite(), "{l}");
+        assert!(
+            l["num_tokens"].as_u64().unwrap() > (i as u64) * per_step / 2,
+            "{l}"
+        );
+    }
+    assert!(lines[29]["num_tokens"].as_u64() > lines[28]["num_tokens"].as_u64());
     let last = lines.last().unwrap();
+    // Learning "yes": the chosen completion becomes the arg-max; the rejected side's logits
+    // move apart from the chosen side's.
+    assert!(
+        last["mean_token_accuracy"].as_f64().unwrap()
+            > first["mean_token_accuracy"].as_f64().unwrap(),
+        "{first}\n{last}"
+    );
     assert!(last["rewards/accuracies"].as_f64().unwrap() > 0.9, "{last}");
     assert!(last["loss"].as_f64().unwrap() < 0.3, "{last}");
     // The evaluation split (test.parquet beside train.parquet) is evaluated at the end.
@@ -305,7 +335,14 @@ fn resume_continues_with_the_same_state() {
     assert_eq!(b.len(), 6, "resumed logs: {b:?}");
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x["step"], y["step"]);
-        for k in ["loss", "grad_norm", "learning_rate", "rewards/margins"] {
+        for k in [
+            "loss",
+            "grad_norm",
+            "learning_rate",
+            "rewards/margins",
+            "entropy",
+            "num_tokens",
+        ] {
             let (p, q) = (x[k].as_f64().unwrap(), y[k].as_f64().unwrap());
             assert!((p - q).abs() <= 1e-6 * p.abs().max(1.0), "{k}: {p} vs {q}");
         }
@@ -558,4 +595,247 @@ fn bad_input_gives_clear_errors() {
     cfg.loss = "kto".into();
     let err = format!("{:#}", train(&cfg, false).unwrap_err());
     assert!(err.contains("kto"), "{err}");
+}
+
+fn dpo_train_bin(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_dpo_train"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env("CANDLE_NUM_THREADS", "1")
+        .output()
+        .expect("running dpo_train")
+}
+
+/// Every number is checked at start-up: the error names the flag and the value and says
+/// what is valid; no value reaches a panic (exit 101) or a silently damaged run.
+#[test]
+fn out_of_range_flags_are_refused_naming_flag_and_value() {
+    let f = fixture();
+    let data = f.data.to_str().unwrap().to_string();
+    let model = f.model.to_str().unwrap().to_string();
+    let out = f.root.join("flags");
+    let out_s = out.to_str().unwrap().to_string();
+    for (flag, value, needle) in [
+        (
+            "--weight-decay",
+            "NaN",
+            "--weight-decay NaN: must be a finite number >= 0",
+        ),
+        (
+            "--max-grad-norm",
+            "-1",
+            "--max-grad-norm -1.0: must be a finite number >= 0",
+        ),
+        (
+            "--max-grad-norm",
+            "NaN",
+            "--max-grad-norm NaN: must be a finite number >= 0",
+        ),
+        ("--lr", "inf", "--lr inf: must be a finite number > 0"),
+        ("--beta", "0", "--beta 0.0: must be a finite number > 0"),
+        (
+            "--label-smoothing",
+            "0.5",
+            "--label-smoothing 0.5: must be a finite number in [0, 0.5)",
+        ),
+        (
+            "--sft-weight",
+            "-0.1",
+            "--sft-weight -0.1: must be a finite number >= 0",
+        ),
+        (
+            "--warmup-ratio",
+            "NaN",
+            "--warmup-ratio NaN: must be a finite number in [0, 1)",
+        ),
+        ("--save-steps", "0", "--save-steps 0: must be at least 1"),
+        ("--eval-steps", "0", "--eval-steps 0: must be at least 1"),
+        (
+            "--logging-steps",
+            "0",
+            "--logging-steps 0: must be at least 1",
+        ),
+    ] {
+        let o = dpo_train_bin(&[
+            "--data",
+            &data,
+            "--model",
+            &model,
+            "--output",
+            &out_s,
+            "--max-length",
+            "128",
+            "--max-steps",
+            "2",
+            flag,
+            value,
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{flag} {value}: {stderr}");
+        assert!(stderr.contains(needle), "{flag} {value}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!out.join("final").exists(), "{flag} {value} trained");
+    }
+    for (flag, value, needle) in [
+        (
+            "--lora-alpha",
+            "inf",
+            "--lora-alpha inf: must be a finite number > 0",
+        ),
+        (
+            "--lora-dropout",
+            "1",
+            "--lora-dropout 1.0: must be a finite number in [0, 1)",
+        ),
+    ] {
+        let o = dpo_train_bin(&[
+            "--data", &data, "--model", &model, "--output", &out_s, "--lora", flag, value,
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{flag} {value}: {stderr}");
+        assert!(stderr.contains(needle), "{flag} {value}: {stderr}");
+    }
+    let o = dpo_train_bin(&["--data", &data, "--output", &out_s, "--threads", "0"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("'0' for '--threads <N>'"), "{stderr}");
+}
+
+/// `--max-grad-norm 0` is documented as "off": the update is the unclipped one (before, a
+/// zero clip threshold scaled every gradient to 0 and training silently did nothing).
+#[test]
+fn max_grad_norm_zero_turns_clipping_off() {
+    let f = fixture();
+    let run = |name: &str, max_norm: f64| {
+        let mut cfg = config(&f, name);
+        cfg.lr = 1e-3;
+        cfg.max_steps = Some(2);
+        cfg.max_grad_norm = max_norm;
+        train(&cfg, false).unwrap();
+        train_lines(&cfg.output)
+    };
+    let off = run("clip_off", 0.0);
+    let huge = run("clip_huge", 1e12);
+    for (a, b) in off.iter().zip(&huge) {
+        for k in ["loss", "grad_norm"] {
+            let (p, q) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+            assert!((p - q).abs() <= 1e-6 * p.abs().max(1.0), "{k}: {p} vs {q}");
+        }
+    }
+    // The second step saw updated weights.
+    assert_ne!(off[0]["loss"], off[1]["loss"]);
+}
+
+/// An update that overflows the weights (finite loss and gradient, infinite step) stops the
+/// run at that step, before any checkpoint holds the damaged weights.
+#[test]
+fn a_non_finite_weight_stops_the_run_before_any_save() {
+    let f = fixture();
+    let mut cfg = config(&f, "overflow");
+    // lr / (1 - β1) overflows f32: the first update makes every touched weight ±inf or NaN
+    // while the loss and gradient norm of step 1 are finite.
+    cfg.lr = 1e39;
+    cfg.max_steps = Some(3);
+    cfg.save_steps = Some(1);
+    cfg.batch_size = 1;
+    let err = train(&cfg, false).unwrap_err().to_string();
+    assert!(err.starts_with("step 1:"), "{err}");
+    assert!(err.contains("non-finite"), "{err}");
+    assert!(
+        !cfg.output.join("checkpoint-1").exists(),
+        "a damaged checkpoint was saved"
+    );
+    assert!(!cfg.output.join("final").exists());
+}
+
+fn read_args(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("training_args.json")).unwrap()).unwrap()
+}
+
+/// `--resume` with settings that change the run's math is refused, naming each one with both
+/// values, and leaves the run untouched; `--resume-override` allows the named ones and
+/// records them.
+#[test]
+fn resume_refuses_changed_settings_unless_overridden() {
+    let f = fixture();
+    let mut cfg = config(&f, "changed");
+    cfg.lr = 1e-3;
+    cfg.max_steps = Some(4);
+    cfg.save_steps = Some(1);
+    cfg.batch_size = 1;
+    cfg.stop_after = Some(2);
+    train(&cfg, false).unwrap_err();
+    cfg.stop_after = None;
+    cfg.resume = true;
+    let args_before = std::fs::read(cfg.output.join("training_args.json")).unwrap();
+    let logs_before = std::fs::read(cfg.output.join("logs.jsonl")).unwrap();
+
+    let mut changed = cfg.clone();
+    changed.lr = 2e-3;
+    changed.beta = 0.2;
+    changed.data = f.data.join("train.parquet");
+    let err = format!("{:#}", train(&changed, false).unwrap_err());
+    for needle in [
+        "--lr was 0.001, now 0.002",
+        "--beta was 0.1, now 0.2",
+        "--data was",
+        "train.parquet",
+        "--resume-override data,beta,lr",
+    ] {
+        assert!(err.contains(needle), "lacks {needle:?}: {err}");
+    }
+    assert_eq!(
+        std::fs::read(cfg.output.join("training_args.json")).unwrap(),
+        args_before
+    );
+    assert_eq!(
+        std::fs::read(cfg.output.join("logs.jsonl")).unwrap(),
+        logs_before
+    );
+
+    // Overriding only some of them still refuses the others.
+    changed.resume_override = vec!["lr".into()];
+    let err = format!("{:#}", train(&changed, false).unwrap_err());
+    assert!(err.contains("--beta") && !err.contains("--lr was"), "{err}");
+
+    // Settings outside the run's math (logging, saving, device) may change freely.
+    let mut harmless = cfg.clone();
+    harmless.logging_steps = 2;
+    harmless.eval_steps = Some(3);
+    harmless.stop_after = Some(3);
+    let err = train(&harmless, false).unwrap_err().to_string();
+    assert!(err.contains("stopped after step 3"), "{err}");
+
+    changed.resume_override = vec!["lr".into(), "beta".into(), "data".into()];
+    let summary = train(&changed, false).unwrap();
+    assert_eq!(summary.resumed_from, Some(3));
+    let recorded = read_args(&cfg.output);
+    assert_eq!(recorded["lr"], 2e-3);
+    let history = recorded["resume_overrides"].as_array().unwrap();
+    let settings: Vec<&str> = history
+        .iter()
+        .map(|h| h["setting"].as_str().unwrap())
+        .collect();
+    assert_eq!(settings, ["data", "beta", "lr"]);
+    let lr = &history[2];
+    assert_eq!(
+        (
+            lr["step"].clone(),
+            lr["previous"].clone(),
+            lr["now"].clone()
+        ),
+        (3.into(), 1e-3.into(), 2e-3.into())
+    );
+    // The final checkpoint records the same history.
+    assert_eq!(
+        read_args(&cfg.output.join("final"))["resume_overrides"],
+        recorded["resume_overrides"]
+    );
+
+    // An unknown name is refused before any work.
+    let mut typo = cfg.clone();
+    typo.output = f.root.join("typo");
+    typo.resume_override = vec!["learning_rate".into()];
+    let err = train(&typo, false).unwrap_err().to_string();
+    assert!(err.contains("--resume-override learning_rate"), "{err}");
 }

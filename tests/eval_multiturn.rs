@@ -727,6 +727,15 @@ fn binary_rejects_bad_flags_with_clear_errors() {
             ],
             "/no/such.jsonl",
         ),
+        // Numbers are checked at start-up, naming the flag, the value and the valid range.
+        (
+            vec!["--task", "math", "--temperature", "NaN", "--output", o],
+            "'NaN' for '--temperature <T>': must be a finite number >= 0",
+        ),
+        (
+            vec!["--task", "math", "--timeout", "1e30", "--output", o],
+            "'1e30' for '--timeout <SECS>': must be a finite number in (0, 86400]",
+        ),
     ] {
         let res = run_bin(&args);
         let stderr = String::from_utf8_lossy(&res.stderr);

@@ -669,6 +669,76 @@ async fn bad_input_is_named_and_finished_outputs_survive() {
     assert_eq!(snapshot(&out_dir), before, "finished outputs changed");
 }
 
+/// Out-of-range numbers, from flags or the config file, stop the run at start-up with an
+/// error naming the setting, the value and the valid range (never a panic).
+#[tokio::test]
+async fn out_of_range_numbers_are_refused_at_start_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("run");
+    let config = tmp.path().join("config.toml");
+    let base = |extra: &[&str]| -> Vec<String> {
+        ["--output", out_dir.to_str().unwrap()]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let config_arg = ["--config", config.to_str().unwrap()];
+    let cases: Vec<(Option<&str>, Vec<String>, &str)> = vec![
+        (
+            Some("sandbox_timeout_s = inf"),
+            base(&config_arg),
+            "`sandbox_timeout_s`: inf: must be a finite number in (0, 3600]",
+        ),
+        (
+            Some("sandbox_timeout_s = 1e300"),
+            base(&config_arg),
+            "`sandbox_timeout_s`: 1e300: must be a finite number in (0, 3600]",
+        ),
+        (
+            Some("[endpoint]\ntimeout_s = 1e30"),
+            base(&config_arg),
+            "timeout_s 1e30: must be a finite number in (0, 86400]",
+        ),
+        (
+            Some("[user_sampling]\ntemperature = nan\ntop_p = 1.0\nmax_tokens = 9"),
+            base(&config_arg),
+            "`user_sampling.temperature`: NaN: must be a finite number >= 0",
+        ),
+        (
+            None,
+            base(&["--timeout", "1e30"]),
+            "'1e30' for '--timeout <SECS>': must be a finite number in (0, 86400]",
+        ),
+        (
+            None,
+            base(&["--proact-ratio", "NaN"]),
+            "'NaN' for '--proact-ratio <R>': must be a finite number in [0, 1]",
+        ),
+        (
+            None,
+            base(&["--min-gap", "-1"]),
+            "'-1' for '--min-gap <G>': must be a finite number >= 0",
+        ),
+        (None, base(&["--metric", "accuracy=inf"]), "accuracy=inf"),
+    ];
+    for (toml, args, needle) in cases {
+        if let Some(t) = toml {
+            std::fs::write(&config, t).unwrap();
+        }
+        let out = run_bin(&args).await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(if toml.is_some() { 1 } else { 2 }),
+            "{args:?}: {stderr}"
+        );
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    assert!(!out_dir.exists(), "a refused run created its output");
+}
+
 #[tokio::test]
 async fn dry_run_prints_the_plan_without_calls() {
     let server = collab_server().await;

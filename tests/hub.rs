@@ -258,6 +258,15 @@ async fn dataset_push_lfs_card_and_idempotence() {
     assert_eq!(splits, [("train".into(), 3), ("test".into(), 1)]);
     let flat_info = &y["dataset_info"].as_vec().unwrap()[1];
     assert!(names(&flat_info["features"], "name").contains(&"single_turn_prompt".to_string()));
+    // The card describes the nested columns as what they are, not as JSON text.
+    assert!(!card.contains("json.loads"), "{card}");
+    for needle in [
+        "`single_turn_metadata` is a struct",
+        "`sessions` a list",
+        "`rewards` a struct",
+    ] {
+        assert!(card.contains(needle), "card lacks {needle:?}:\n{card}");
+    }
     // The nested upstream columns are declared the way the public CollabLLM cards declare them.
     let feature = |name: &str| {
         flat_info["features"]

@@ -6,10 +6,15 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::check::Range;
+use crate::generate::config::SANDBOX_TIMEOUT_S;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::JudgeMode;
 use crate::simulate::Sampling;
 use crate::task::TaskType;
+
+const TEMPERATURE: Range = Sampling::TEMPERATURE;
+const TOP_P: Range = Sampling::TOP_P;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EvalConfigError {
@@ -17,6 +22,15 @@ pub enum EvalConfigError {
     Invalid { field: String, message: String },
     #[error("--model {spec}: {message}")]
     Model { spec: String, message: String },
+}
+
+/// `field` must lie in `range`: `invalid setting `field`: value: must be a finite number ...`.
+fn in_range(field: &str, v: f64, range: Range) -> Result<(), EvalConfigError> {
+    if range.contains(v) {
+        Ok(())
+    } else {
+        Err(invalid(field, format!("{v:?}: {}", range.requirement())))
+    }
 }
 
 fn invalid(field: &str, message: impl Into<String>) -> EvalConfigError {
@@ -368,6 +382,9 @@ impl EvalConfig {
         if self.concurrency == 0 {
             return Err(invalid("concurrency", "must be at least 1"));
         }
+        if self.threads == Some(0) {
+            return Err(invalid("threads", "0: must be at least 1"));
+        }
         if self.max_questions == 0 {
             return Err(invalid("max_questions", "must be at least 1"));
         }
@@ -381,18 +398,26 @@ impl EvalConfig {
             return Err(invalid("question_max_tokens", "must be at least 1"));
         }
         check_prices(&self.prices).map_err(|e| invalid("prices", e))?;
-        if self.sandbox_timeout_s.is_nan() || self.sandbox_timeout_s <= 0.0 {
-            return Err(invalid("sandbox_timeout_s", "must be > 0"));
-        }
+        in_range(
+            "sandbox_timeout_s",
+            self.sandbox_timeout_s,
+            SANDBOX_TIMEOUT_S,
+        )?;
+        self.endpoint
+            .validate()
+            .map_err(|e| invalid("endpoint", e))?;
         for (field, s) in [
             ("assistant_sampling", &self.assistant_sampling),
             ("user_sampling", &self.user_sampling),
         ] {
-            if !(s.temperature >= 0.0 && s.top_p > 0.0 && s.top_p <= 1.0 && s.max_tokens > 0) {
-                return Err(invalid(
-                    field,
-                    "temperature >= 0, top_p in (0, 1] and max_tokens >= 1 are required",
-                ));
+            in_range(
+                &format!("{field}.temperature"),
+                s.temperature as f64,
+                TEMPERATURE,
+            )?;
+            in_range(&format!("{field}.top_p"), s.top_p as f64, TOP_P)?;
+            if s.max_tokens == 0 {
+                return Err(invalid(field, "max_tokens 0: must be at least 1"));
             }
         }
         Ok(())

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::check::Range;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::pairs::PairMode;
 use crate::reward::judge::JudgeMode;
@@ -14,12 +15,34 @@ use crate::reward::mr::MrFormula;
 use crate::simulate::Sampling;
 use crate::task::TaskType;
 
+/// Seconds of wall time of one sandboxed test run: more than 0, at most an hour.
+pub const SANDBOX_TIMEOUT_S: Range = Range::open_closed(0.0, 3600.0);
+/// Share of candidates drawn with the proactive prompt.
+pub const PROACT_RATIO: Range = Range::closed(0.0, 1.0);
+/// Share of conversations in the test split.
+pub const TEST_FRACTION: Range = Range::closed_open(0.0, 1.0);
+/// Minimum MR gap of a pair.
+pub const MIN_GAP: Range = Range::at_least(0.0);
+/// Metric weights (negative weights penalise, e.g. token_amount).
+pub const METRIC_WEIGHT: Range = Range::finite();
+const TEMPERATURE: Range = Sampling::TEMPERATURE;
+const TOP_P: Range = Sampling::TOP_P;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("config {path}: {message}")]
     File { path: PathBuf, message: String },
     #[error("invalid setting `{field}`: {message}")]
     Invalid { field: String, message: String },
+}
+
+/// `field` must lie in `range`: `invalid setting `field`: value: must be a finite number ...`.
+fn in_range(field: &str, v: f64, range: Range) -> Result<(), ConfigError> {
+    if range.contains(v) {
+        Ok(())
+    } else {
+        Err(invalid(field, format!("{v:?}: {}", range.requirement())))
+    }
 }
 
 fn invalid(field: &str, message: impl Into<String>) -> ConfigError {
@@ -167,44 +190,44 @@ impl GenerateConfig {
         if self.max_messages < 2 {
             return Err(invalid("max_messages", "must be at least 2"));
         }
-        if !(0.0..=1.0).contains(&self.proact_ratio) {
-            return Err(invalid("proact_ratio", "must be in [0, 1]"));
-        }
-        if !(0.0..1.0).contains(&self.test_fraction) {
-            return Err(invalid("test_fraction", "must be in [0, 1)"));
-        }
-        if !(self.min_gap >= 0.0 && self.min_gap.is_finite()) {
-            return Err(invalid("min_gap", "must be a finite number >= 0"));
-        }
+        in_range("proact_ratio", self.proact_ratio, PROACT_RATIO)?;
+        in_range("test_fraction", self.test_fraction, TEST_FRACTION)?;
+        in_range("min_gap", self.min_gap, MIN_GAP)?;
         if self.concurrency == 0 {
             return Err(invalid("concurrency", "must be at least 1"));
+        }
+        if self.threads == Some(0) {
+            return Err(invalid("threads", "0: must be at least 1"));
         }
         if self.termination.trim().is_empty() {
             return Err(invalid("termination", "must not be empty"));
         }
-        if self.sandbox_timeout_s.is_nan() || self.sandbox_timeout_s <= 0.0 {
-            return Err(invalid("sandbox_timeout_s", "must be > 0"));
-        }
+        in_range(
+            "sandbox_timeout_s",
+            self.sandbox_timeout_s,
+            SANDBOX_TIMEOUT_S,
+        )?;
+        self.endpoint
+            .validate()
+            .map_err(|e| invalid("endpoint", e))?;
         check_prices(&self.prices).map_err(|e| invalid("prices", e))?;
         for (name, w) in &self.metrics {
             check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;
-            if !w.is_finite() {
-                return Err(invalid(
-                    "metrics",
-                    format!("weight of {name} must be finite"),
-                ));
-            }
+            in_range(&format!("metrics.{name}"), *w, METRIC_WEIGHT)?;
         }
         for (field, s) in [
             ("policy_sampling", &self.policy_sampling),
             ("user_sampling", &self.user_sampling),
             ("assistant_sampling", &self.assistant_sampling),
         ] {
-            if !(s.temperature >= 0.0 && s.top_p > 0.0 && s.top_p <= 1.0 && s.max_tokens > 0) {
-                return Err(invalid(
-                    field,
-                    "temperature >= 0, top_p in (0, 1] and max_tokens >= 1 are required",
-                ));
+            in_range(
+                &format!("{field}.temperature"),
+                s.temperature as f64,
+                TEMPERATURE,
+            )?;
+            in_range(&format!("{field}.top_p"), s.top_p as f64, TOP_P)?;
+            if s.max_tokens == 0 {
+                return Err(invalid(field, "max_tokens 0: must be at least 1"));
             }
         }
         Ok(())

@@ -301,8 +301,12 @@ pub fn dataset_card(
     if configs.iter().any(|c| c.name == "flat") {
         md.push_str(&format!(
             "\nThe `flat` config holds every scored candidate in the upstream CollabLLM flat \
-             schema (`load_dataset({}, \"flat\")`); `single_turn_metadata`, `sessions` and \
-             `rewards` are JSON text (`json.loads`).\n",
+             schema (`load_dataset({}, \"flat\")`), nested as upstream published it: \
+             `single_turn_metadata` is a struct of the task's metadata keys, `sessions` a list \
+             of simulated futures (each a list of `{{role, content}}` messages) and `rewards` \
+             a struct of per-session score lists (`MR` and one per metric), so \
+             `row[\"rewards\"][\"MR\"]` needs no parsing. (A value whose kind differs \
+             across rows is stored as JSON text at that spot.)\n",
             q(repo)
         ));
     }
@@ -395,11 +399,14 @@ fn read_json(path: &Path) -> Option<Value> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
 
-/// A value that the Hub accepts as `base_model`: an `org/name` id that is not a local path.
+/// A value that the Hub accepts as `base_model`: an `org/name` id that is not a local path
+/// (`default` is the Hub id of the default model, `hf:org/name@rev` its repository).
 fn hub_model_id(v: &Value) -> Option<String> {
     let s = v.as_str()?;
-    let valid = super::split_repo(s).is_ok() && !Path::new(s).exists();
-    valid.then(|| s.to_string())
+    let spec: crate::llm::ModelSpec = s.parse().ok()?;
+    let id = spec.hub_id()?;
+    let valid = super::split_repo(id).is_ok() && !Path::new(s).exists();
+    valid.then(|| id.to_string())
 }
 
 /// The files of a model push (see [`super::push_model_dir`]).
@@ -534,4 +541,60 @@ pub fn model_card(dir: &Path, repo: &str, peft: bool, files: &[String]) -> Strin
         ));
     }
     md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn front_matter(card: &str) -> &str {
+        card.strip_prefix("---\n")
+            .and_then(|rest| rest.split("---\n").next())
+            .unwrap_or_else(|| panic!("no front matter:\n{card}"))
+    }
+
+    /// Cards name the Hub id of the base, whatever spelling the run recorded, so the Hub
+    /// links the model to it and PEFT finds it.
+    #[test]
+    fn model_cards_name_the_hub_base_model() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let card_with = |model: &str| {
+            std::fs::write(
+                dir.join("training_args.json"),
+                serde_json::json!({ "model": model, "beta": 0.1 }).to_string(),
+            )
+            .unwrap();
+            model_card(dir, "alice/m", false, &[])
+        };
+        let card = card_with("default");
+        let y = front_matter(&card);
+        assert!(y.contains("library_name: transformers\n"), "{y}");
+        assert!(
+            y.contains("base_model: \"HuggingFaceTB/SmolLM2-135M-Instruct\"\n"),
+            "{y}"
+        );
+        let y = card_with("hf:org/base@v2");
+        assert!(
+            front_matter(&y).contains("base_model: \"org/base\"\n"),
+            "{y}"
+        );
+        // A local path is no Hub id: no base_model rather than a path.
+        let local = dir.display().to_string();
+        assert!(!card_with(&local).contains("base_model:"));
+
+        // An adapter: library peft, base from adapter_config.json.
+        std::fs::write(
+            dir.join("adapter_config.json"),
+            r#"{"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}"#,
+        )
+        .unwrap();
+        let card = model_card(dir, "alice/m", true, &[]);
+        let y = front_matter(&card);
+        assert!(y.contains("library_name: peft\n"), "{y}");
+        assert!(
+            y.contains("base_model: \"HuggingFaceTB/SmolLM2-135M-Instruct\"\n"),
+            "{y}"
+        );
+    }
 }

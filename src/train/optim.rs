@@ -35,7 +35,8 @@ pub fn cosine_with_warmup(step: usize, total_steps: usize, warmup: usize) -> f64
 
 /// Scales the gradients of `vars` in place so that their global L2 norm is at most
 /// `max_norm` (`torch.nn.utils.clip_grad_norm_`: factor `max_norm / (norm + 1e-6)`, capped at
-/// 1). Returns the norm before clipping (what HF logs as `grad_norm`).
+/// 1). `max_norm` 0 only measures (HF `Trainer` clips only when `max_grad_norm > 0`).
+/// Returns the norm before clipping (what HF logs as `grad_norm`).
 pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Result<f64> {
     let mut sq = 0f64;
     for v in vars {
@@ -45,7 +46,7 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
     }
     let norm = sq.sqrt();
     let coef = max_norm / (norm + 1e-6);
-    if coef < 1.0 {
+    if max_norm > 0.0 && coef < 1.0 {
         for v in vars {
             if let Some(g) = grads.remove(v.as_tensor()) {
                 grads.insert(v.as_tensor(), scale(g, coef)?);
@@ -55,8 +56,9 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
     Ok(norm)
 }
 
-/// Σ g² in f64 (read in place for CPU f32 gradients; no f64 copy of a large tensor).
-fn squared_norm(g: &Tensor) -> Result<f64> {
+/// Σ g² in f64 (read in place for CPU f32 tensors; no f64 copy of a large tensor). Finite
+/// for every finite f32 tensor, so also the cheap test for a NaN or an infinity.
+pub(crate) fn squared_norm(g: &Tensor) -> Result<f64> {
     if g.device().is_cpu() && g.dtype() == DType::F32 && g.is_contiguous() {
         let (storage, layout) = g.storage_and_layout();
         let data = super::ops::cpu_f32(&storage, layout, "gradient")?;

@@ -129,6 +129,47 @@ pub struct TrainConfig {
     /// (tests of `--resume`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_after: Option<usize>,
+    /// Settings (names of [`RESUME_SETTINGS`]) that `--resume` may change from the run's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume_override: Vec<String>,
+    /// Every setting a resume changed, oldest first (kept across resumes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume_overrides: Vec<ResumeOverride>,
+}
+
+/// The settings that change a run's math, by flag name: `--resume` refuses to change any of
+/// them unless named in `--resume-override`. (Output, device, logging, evaluation, saving and
+/// memory settings may change freely.)
+pub const RESUME_SETTINGS: &[&str] = &[
+    "data",
+    "model",
+    "loss",
+    "beta",
+    "label-smoothing",
+    "sft-weight",
+    "lora",
+    "lr",
+    "epochs",
+    "max-steps",
+    "batch-size",
+    "grad-accum",
+    "max-length",
+    "warmup-ratio",
+    "schedule",
+    "max-grad-norm",
+    "weight-decay",
+    "seed",
+    "dtype",
+];
+
+/// One setting a `--resume --resume-override` changed, as recorded in `training_args.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResumeOverride {
+    /// The checkpoint step the run resumed from.
+    pub step: usize,
+    pub setting: String,
+    pub previous: serde_json::Value,
+    pub now: serde_json::Value,
 }
 
 impl TrainConfig {
@@ -165,6 +206,8 @@ impl TrainConfig {
             ref_cache: true,
             gradient_checkpointing: false,
             stop_after: None,
+            resume_override: Vec::new(),
+            resume_overrides: Vec::new(),
         }
     }
 
@@ -185,40 +228,61 @@ impl TrainConfig {
         Ok(Objective::Dpo(cfg))
     }
 
+    /// Checks every number once, before any work; errors name the flag and the value.
     fn validate(&self) -> Result<()> {
-        self.objective()?;
-        let positive = [
-            ("--batch-size", self.batch_size),
-            ("--grad-accum", self.grad_accum),
-            ("--max-length", self.max_length),
-            ("--logging-steps", self.logging_steps),
+        use crate::check::{at_least, Range};
+        let floats = [
+            ("--beta", self.beta, Range::above(0.0)),
+            (
+                "--label-smoothing",
+                self.label_smoothing,
+                Range::closed_open(0.0, 0.5),
+            ),
+            ("--sft-weight", self.sft_weight, Range::at_least(0.0)),
+            ("--lr", self.lr, Range::above(0.0)),
+            (
+                "--warmup-ratio",
+                self.warmup_ratio,
+                Range::closed_open(0.0, 1.0),
+            ),
+            // 0 turns clipping off (documented on the flag).
+            ("--max-grad-norm", self.max_grad_norm, Range::at_least(0.0)),
+            ("--weight-decay", self.weight_decay, Range::at_least(0.0)),
         ];
-        for (flag, v) in positive {
-            if v == 0 {
-                bail!("{flag} must be at least 1");
+        for (flag, v, range) in floats {
+            range.check(flag, v).map_err(|e| anyhow!(e))?;
+        }
+        let counts = [
+            ("--batch-size", Some(self.batch_size)),
+            ("--grad-accum", Some(self.grad_accum)),
+            ("--max-length", Some(self.max_length)),
+            ("--logging-steps", Some(self.logging_steps)),
+            ("--epochs", Some(self.epochs)),
+            ("--max-steps", self.max_steps),
+            ("--eval-steps", self.eval_steps),
+            ("--save-steps", self.save_steps),
+        ];
+        for (flag, v) in counts {
+            if let Some(v) = v {
+                at_least(flag, v, 1).map_err(|e| anyhow!(e))?;
             }
-        }
-        if self.max_steps == Some(0) || (self.max_steps.is_none() && self.epochs == 0) {
-            bail!("nothing to train: --epochs and --max-steps must be at least 1");
-        }
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            bail!("--lr must be positive, got {}", self.lr);
-        }
-        if !(0.0..1.0).contains(&self.warmup_ratio) {
-            bail!(
-                "--warmup-ratio must be in [0, 1), got {}",
-                self.warmup_ratio
-            );
-        }
-        if self.sft_weight < 0.0 {
-            bail!("--sft-weight must be non-negative");
         }
         if let Some(l) = &self.lora {
-            if l.r == 0 {
-                bail!("--lora-r must be at least 1");
-            }
-            if !(0.0..1.0).contains(&l.dropout) {
-                bail!("--lora-dropout must be in [0, 1)");
+            at_least("--lora-r", l.r, 1).map_err(|e| anyhow!(e))?;
+            Range::above(0.0)
+                .check("--lora-alpha", l.alpha)
+                .map_err(|e| anyhow!(e))?;
+            Range::closed_open(0.0, 1.0)
+                .check("--lora-dropout", l.dropout)
+                .map_err(|e| anyhow!(e))?;
+        }
+        self.objective()?;
+        for name in &self.resume_override {
+            if !RESUME_SETTINGS.contains(&name.as_str()) {
+                bail!(
+                    "--resume-override {name}: not a setting of the run's math (one of {})",
+                    RESUME_SETTINGS.join(", ")
+                );
             }
         }
         Ok(())
@@ -330,6 +394,8 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     let objective = cfg.objective()?;
     let started = Instant::now();
     prepare_output(cfg)?;
+    let recorded = resume_args(cfg)?;
+    let cfg = &recorded;
 
     let spec: ModelSpec = cfg
         .model
@@ -428,6 +494,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     )?;
     let mut start_step = 0;
     let mut resumed_from = None;
+    let mut tokens_before = 0;
     if cfg.resume {
         if let Some((dir, state)) = latest_checkpoint(&cfg.output)? {
             restore_checkpoint(&model, &mut opt, &dir, &state)?;
@@ -439,7 +506,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
             }
             start_step = state.global_step;
             resumed_from = Some(start_step);
-            truncate_logs(&cfg.output.join("logs.jsonl"), start_step)?;
+            tokens_before = truncate_logs(&cfg.output.join("logs.jsonl"), start_step)?;
             tracing::info!("resuming from {} (step {start_step})", dir.display());
         } else {
             tracing::info!(
@@ -462,6 +529,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
         eval: eval_ex.as_ref(),
         log: open_log(&cfg.output.join("logs.jsonl"))?,
         tokens: 0,
+        tokens_before,
         last_log: Default::default(),
         last_eval: None,
     };
@@ -493,6 +561,15 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
         opt.step(&grads, lr)?;
         drop(grads);
         let done = step + 1;
+        if let Some(name) = non_finite_weight(&model)? {
+            bar.abandon();
+            bail!(
+                "step {done}: the update made weight `{name}` non-finite; stopped before saving \
+                 anything from it; the last good checkpoint in {} is intact (lower --lr or \
+                 check the data)",
+                cfg.output.display()
+            );
+        }
         let mut m = metrics;
         m.push(("learning_rate".into(), lr));
         m.push(("grad_norm".into(), norm));
@@ -557,26 +634,109 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     Ok(summary)
 }
 
-/// `base_model_name_or_path` for the adapter: `default` and hub ids as given, local files as
+/// `base_model_name_or_path` for the adapter, so that PEFT's auto classes load it from its
+/// directory alone: the Hub id (`default` is [`crate::llm::spec::DEFAULT_MODEL_HF_ID`]), local files as
 /// absolute paths (so the adapter loads from any working directory).
 fn adapter_base_name(spec: &str, files: &LocalModelFiles) -> String {
-    match spec.parse::<ModelSpec>() {
-        Ok(ModelSpec::Default) | Ok(ModelSpec::HfId { .. }) => spec.to_string(),
-        _ => std::fs::canonicalize(files.path())
-            .unwrap_or_else(|_| files.path().to_path_buf())
-            .display()
-            .to_string(),
+    if let Some(id) = spec
+        .parse::<ModelSpec>()
+        .ok()
+        .as_ref()
+        .and_then(ModelSpec::hub_id)
+    {
+        return id.to_string();
     }
+    std::fs::canonicalize(files.path())
+        .unwrap_or_else(|_| files.path().to_path_buf())
+        .display()
+        .to_string()
+}
+
+/// The settings to record in `training_args.json`: `cfg` itself for a fresh run; for
+/// `--resume`, `cfg` after checking its math settings against the ones the run recorded
+/// (refused unless named in `--resume-override`), with the allowed changes added to the
+/// run's history of overrides.
+fn resume_args(cfg: &TrainConfig) -> Result<TrainConfig> {
+    if !cfg.resume {
+        return Ok(cfg.clone());
+    }
+    let checkpoint = latest_checkpoint(&cfg.output)?;
+    let candidates = [
+        Some(cfg.output.join("training_args.json")),
+        checkpoint
+            .as_ref()
+            .map(|(dir, _)| dir.join("training_args.json")),
+    ];
+    let Some(path) = candidates.into_iter().flatten().find(|p| p.is_file()) else {
+        return Ok(cfg.clone());
+    };
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let previous: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    let step = checkpoint.map_or(0, |(_, state)| state.global_step);
+    compare_resume_settings(cfg, &previous, step)
+        .with_context(|| format!("--resume of {}", cfg.output.display()))
+}
+
+/// See [`resume_args`]; `previous` is the recorded `training_args.json`.
+fn compare_resume_settings(
+    cfg: &TrainConfig,
+    previous: &serde_json::Value,
+    step: usize,
+) -> Result<TrainConfig> {
+    let now = serde_json::to_value(cfg)?;
+    let mut history: Vec<ResumeOverride> = match previous.get("resume_overrides") {
+        Some(v) => serde_json::from_value(v.clone()).context("resume_overrides")?,
+        None => Vec::new(),
+    };
+    let (mut refused, mut names) = (Vec::new(), Vec::new());
+    for name in RESUME_SETTINGS {
+        let key = name.replace('-', "_");
+        // A setting an older version did not record cannot be compared.
+        let (Some(was), Some(is)) = (previous.get(&key), now.get(&key)) else {
+            continue;
+        };
+        if was == is {
+            continue;
+        }
+        if cfg.resume_override.iter().any(|o| o == name) {
+            tracing::warn!("--resume-override {name}: {was} before, {is} from step {step}");
+            history.push(ResumeOverride {
+                step,
+                setting: name.to_string(),
+                previous: was.clone(),
+                now: is.clone(),
+            });
+        } else {
+            refused.push(format!("--{name} was {was}, now {is}"));
+            names.push(*name);
+        }
+    }
+    if !refused.is_empty() {
+        bail!(
+            "the run was trained with other settings ({}); resume with the same ones, pass \
+             --resume-override {} to change them (recorded in training_args.json), or start \
+             a new --output",
+            refused.join("; "),
+            names.join(",")
+        );
+    }
+    let mut out = cfg.clone();
+    out.resume_overrides = history;
+    Ok(out)
 }
 
 /// Refuses to write a fresh run over a finished or interrupted one.
 fn prepare_output(cfg: &TrainConfig) -> Result<()> {
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating --output {}", cfg.output.display()))?;
-    let has_run = cfg.output.join("logs.jsonl").is_file() || cfg.output.join("final").is_dir();
+    let has_run = ["logs.jsonl", "training_args.json", "final"]
+        .iter()
+        .any(|f| cfg.output.join(f).exists());
     if has_run && !cfg.resume {
         bail!(
-            "{} already holds a training run (logs.jsonl or final/); pass --resume to \
+            "{} already holds a training run (training_args.json, logs.jsonl or final/); pass --resume to \
              continue it or choose another --output",
             cfg.output.display()
         );
@@ -774,6 +934,9 @@ struct Run<'a> {
     log: std::fs::File,
     /// Non-padding tokens processed by training steps of this process.
     tokens: usize,
+    /// Training tokens of the run before this process (from the logs of a resumed run):
+    /// `num_tokens` counts from the start of the run, as TRL's.
+    tokens_before: usize,
     last_log: serde_json::Map<String, serde_json::Value>,
     last_eval: Option<serde_json::Map<String, serde_json::Value>>,
 }
@@ -884,12 +1047,24 @@ impl Run<'_> {
         p: &Prepared,
         hidden: &Tensor,
     ) -> candle_core::Result<(Tensor, Metrics)> {
-        let (sums, counts) = super::logps::completion_logps(self.model, hidden, &p.targets)?;
+        let (sums, counts, stats) =
+            super::logps::completion_logps_stats(self.model, hidden, &p.targets)?;
+        let all = 0..p.targets.num_rows;
         match (self.objective, &p.reference) {
             (Objective::Sft, _) => {
                 let loss = super::logps::token_mean_nll(&sums, &counts)?;
                 let v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                Ok((loss, vec![("loss".into(), v)]))
+                Ok((
+                    loss,
+                    vec![
+                        ("loss".into(), v),
+                        ("entropy".into(), stats.mean(&stats.entropy, all.clone())),
+                        (
+                            "mean_token_accuracy".into(),
+                            stats.mean(&stats.correct, all),
+                        ),
+                    ],
+                ))
             }
             (Objective::Dpo(dpo), Some((rc, rr))) => {
                 let b = p.pairs;
@@ -910,6 +1085,24 @@ impl Run<'_> {
                     metrics[0].1 = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                     metrics.push(("nll_loss".into(), nll_v));
                 }
+                // TRL's definitions: logits over each side's completion tokens, entropy
+                // over both sides', token accuracy over the chosen side's.
+                let (chosen, rejected) = (0..b, b..2 * b);
+                metrics.extend([
+                    (
+                        "logits/chosen".to_string(),
+                        stats.mean(&stats.logit_mean, chosen.clone()),
+                    ),
+                    (
+                        "logits/rejected".to_string(),
+                        stats.mean(&stats.logit_mean, rejected),
+                    ),
+                    ("entropy".to_string(), stats.mean(&stats.entropy, all)),
+                    (
+                        "mean_token_accuracy".to_string(),
+                        stats.mean(&stats.correct, chosen),
+                    ),
+                ]);
                 Ok((loss, metrics))
             }
             (Objective::Dpo(_), None) => candle_core::bail!("internal: no reference log-probs"),
@@ -962,7 +1155,9 @@ impl Run<'_> {
             let (_, metrics, _) = self.loss_of(&idx, false)?;
             all.push(metrics);
         }
-        let mean: Metrics = mean_metrics(&all)
+        let mut mean = mean_metrics(&all);
+        mean.push(("num_tokens".into(), self.num_tokens() as f64));
+        let mean: Metrics = mean
             .into_iter()
             .map(|(k, v)| (format!("eval_{k}"), v))
             .collect();
@@ -990,8 +1185,14 @@ impl Run<'_> {
         obj
     }
 
+    /// Training tokens (non-padding, as TRL's 2B rows hold them) since the run began.
+    fn num_tokens(&self) -> usize {
+        self.tokens_before + self.tokens
+    }
+
     fn write_log(&mut self, step: usize, metrics: &Metrics, tps: Option<f64>) -> Result<()> {
-        let line = self.log_line(step, metrics, tps);
+        let mut line = self.log_line(step, metrics, tps);
+        line.insert("num_tokens".into(), self.num_tokens().into());
         self.append_log(&line)?;
         self.last_log = line;
         Ok(())
@@ -1015,11 +1216,12 @@ fn open_log(path: &Path) -> Result<std::fs::File> {
 }
 
 /// Keeps the log lines of steps ≤ `step` (a resumed run rewrites what came after its
-/// checkpoint); a torn last line is dropped.
-fn truncate_logs(path: &Path, step: usize) -> Result<()> {
+/// checkpoint); a torn last line is dropped. Returns the run's `num_tokens` at `step`.
+fn truncate_logs(path: &Path, step: usize) -> Result<usize> {
     let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(());
+        return Ok(0);
     };
+    let mut tokens = 0;
     let mut kept = String::new();
     for line in text.lines() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
@@ -1028,9 +1230,13 @@ fn truncate_logs(path: &Path, step: usize) -> Result<()> {
         if v["step"].as_u64().is_some_and(|s| s as usize <= step) {
             kept.push_str(line);
             kept.push('\n');
+            if let Some(n) = v["num_tokens"].as_u64() {
+                tokens = tokens.max(n as usize);
+            }
         }
     }
-    write_atomic(path, kept.as_bytes())
+    write_atomic(path, kept.as_bytes())?;
+    Ok(tokens)
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -1057,6 +1263,7 @@ fn save_model_files(run: &Run, dir: &Path) -> Result<()> {
 }
 
 fn save_full_model(run: &Run, dir: &Path) -> Result<()> {
+    ensure_finite(run.model, dir)?;
     let tmp = dir.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     run.model.save_hf(&tmp, None)?;
@@ -1066,9 +1273,31 @@ fn save_full_model(run: &Run, dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The first trainable weight holding a NaN or an infinity, by name.
+fn non_finite_weight(model: &TrainLlama) -> Result<Option<String>> {
+    for (name, var) in model.named_vars() {
+        if !super::optim::squared_norm(var.as_tensor())?.is_finite() {
+            return Ok(Some(name));
+        }
+    }
+    Ok(None)
+}
+
+/// Refuses to save a model with a non-finite weight (whatever produced it).
+fn ensure_finite(model: &TrainLlama, dir: &Path) -> Result<()> {
+    match non_finite_weight(model)? {
+        Some(name) => bail!(
+            "not saving {}: weight `{name}` is non-finite",
+            dir.display()
+        ),
+        None => Ok(()),
+    }
+}
+
 /// Writes a checkpoint into a temporary directory and renames it into place, so a crash
 /// never leaves a half-written checkpoint under the real name.
 fn save_checkpoint(run: &Run, opt: &AdamW, dir: &Path, step: usize) -> Result<()> {
+    ensure_finite(run.model, dir)?;
     let tmp = dir.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp)?;
@@ -1167,4 +1396,43 @@ fn bar_message(metrics: &Metrics, tps: f64) -> String {
     }
     s.push_str(&format!(" {tps:.0} tok/s"));
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// PEFT's auto classes load an adapter from its directory alone only when
+    /// `base_model_name_or_path` is something `from_pretrained` finds: a Hub id or a path.
+    #[test]
+    fn adapter_base_is_a_loadable_id_or_path() {
+        let files = LocalModelFiles::Gguf(PathBuf::from("/no/such/model.gguf"));
+        assert_eq!(
+            adapter_base_name("default", &files),
+            "HuggingFaceTB/SmolLM2-135M-Instruct"
+        );
+        assert_eq!(adapter_base_name("hf:org/base@v2", &files), "org/base");
+        assert_eq!(adapter_base_name("org/base", &files), "org/base");
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("hf");
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = LocalModelFiles::HfDir(dir.clone());
+        assert_eq!(
+            adapter_base_name(&dir.display().to_string(), &files),
+            std::fs::canonicalize(&dir).unwrap().display().to_string()
+        );
+    }
+
+    #[test]
+    fn resume_settings_are_fields_of_the_config() {
+        let v = serde_json::to_value(TrainConfig::new(
+            PathBuf::from("d"),
+            "default",
+            PathBuf::from("o"),
+        ))
+        .unwrap();
+        for name in RESUME_SETTINGS {
+            assert!(v.get(name.replace('-', "_")).is_some(), "{name}");
+        }
+    }
 }
