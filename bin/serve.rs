@@ -3,16 +3,25 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
+use clap::builder::TypedValueParser;
 use clap::Parser;
+use collabllm::llm::llama::WeightFormat;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::{ModelSpec, SharedBackend};
+use collabllm::serve::ModelNames;
 
 /// Serve a local model over an OpenAI-compatible HTTP API.
 ///
 /// Endpoints: POST /v1/chat/completions (with `stream: true` for SSE), GET /v1/models,
-/// GET /health. Any OpenAI client works with base URL http://HOST:PORT/v1 and any API key;
-/// the request's `model` field is ignored (one model per server). Stop with ctrl-c: requests
-/// in flight are finished first.
+/// GET /health. Any OpenAI client works with base URL http://HOST:PORT/v1 and any API key.
+/// One model per server: a request's `model` must be the reported id (--model-id), the
+/// --model value as given, or an --alias; any other name is a 404 `model_not_found`.
+///
+/// Limits: request bodies up to 16 MiB; a prompt whose bytes alone cannot fit the context is
+/// refused before tokenizing, an explicit max_tokens must fit beside the prompt (400
+/// `context_length_exceeded`). Requests are served one at a time; a client that disconnects
+/// stops its generation at the next token, or before it starts if it was still queued.
+/// Stop with ctrl-c: requests in flight are finished first.
 #[derive(Parser, Debug)]
 #[command(name = "serve", version, about, long_about)]
 struct Args {
@@ -39,8 +48,32 @@ struct Args {
 
     /// Model name reported in responses and by GET /v1/models [default: the loaded model's
     /// name].
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = parse_name)]
     model_id: Option<String>,
+
+    /// Another name a request's `model` may give (repeatable), e.g. the name a client is
+    /// configured with.
+    #[arg(long = "alias", value_name = "NAME", value_parser = parse_name)]
+    aliases: Vec<String>,
+
+    /// How the weights are held in memory: `auto` (the file's own quantization, except GGUF
+    /// Q4_1/Q5_0/Q5_1, which are re-quantized to Q8_0 for the fast CPU kernel; safetensors in
+    /// f32), `q8` (every linear layer re-quantized to Q8_0: fastest, least memory, output
+    /// differs slightly from the original weights), `native` (each GGUF tensor in the file's
+    /// own type: what the file holds, with slower kernels for Q4_1/Q5_x), `f32` (dequantized
+    /// to f32: the exact reference, for checking output token for token against
+    /// transformers; about 4x the memory of q8 and slower).
+    #[arg(long, value_name = "FORMAT", default_value = "auto",
+          value_parser = clap::builder::PossibleValuesParser::new(WeightFormat::NAMES)
+              .try_map(|s| s.parse::<WeightFormat>()))]
+    weights: WeightFormat,
+}
+
+fn parse_name(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("a model name must not be empty".into());
+    }
+    Ok(s.to_string())
 }
 
 fn parse_local_spec(s: &str) -> Result<ModelSpec, String> {
@@ -55,24 +88,47 @@ fn parse_local_spec(s: &str) -> Result<ModelSpec, String> {
 }
 
 /// Loads the local engine for `spec` and returns it with its model name.
-async fn load_backend(spec: &ModelSpec) -> anyhow::Result<(SharedBackend, String)> {
-    let backend = LocalBackend::load(spec, &LoadOptions::default()).await?;
+async fn load_backend(
+    spec: &ModelSpec,
+    weights: WeightFormat,
+) -> anyhow::Result<(SharedBackend, String)> {
+    let opts = LoadOptions {
+        weights,
+        ..LoadOptions::default()
+    };
+    let backend = LocalBackend::load(spec, &opts).await?;
     let name = backend.model_name();
     Ok((backend, name))
 }
 
+/// The reported id, then every other name a client may use: the spec as given (and an HF id
+/// without its `hf:` prefix), then the aliases.
+fn model_names(args: &Args, loaded_name: String) -> ModelNames {
+    let mut implied = vec![args.model.to_string()];
+    if let ModelSpec::HfId { repo, .. } = &args.model {
+        implied.push(repo.clone());
+    }
+    ModelNames::new(args.model_id.clone().unwrap_or(loaded_name))
+        .with_aliases(implied)
+        .with_aliases(args.aliases.iter().cloned())
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
-    tracing::info!(model = %args.model, "loading model");
-    let (backend, name) = load_backend(&args.model)
+    tracing::info!(model = %args.model, weights = %args.weights, "loading model");
+    let (backend, name) = load_backend(&args.model, args.weights)
         .await
         .with_context(|| format!("loading model {}", args.model))?;
-    let model_id = args.model_id.unwrap_or(name);
+    let names = model_names(&args, name);
+    let model_id = names.id().to_string();
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
     let addr = listener.local_addr().context("reading the bound address")?;
-    println!("listening on http://{addr}/v1 (model {model_id})");
-    collabllm::serve::serve(listener, backend, model_id)
+    println!(
+        "listening on http://{addr}/v1 (model {model_id}; also answers to: {})",
+        names.all()[1..].join(", ")
+    );
+    collabllm::serve::serve(listener, backend, names)
         .await
         .context("serving HTTP")
 }

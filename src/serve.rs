@@ -1,8 +1,17 @@
 //! OpenAI-compatible HTTP front over any [`ChatBackend`]: `POST /v1/chat/completions`
-//! (plain and SSE streaming), `GET /v1/models`, `GET /health`. Single-model server: the
-//! request's `model` field is accepted whatever it says, and responses report the served
-//! model id. Errors are OpenAI-shaped JSON (`{"error": {message, type, param, code}}`), for
-//! malformed input as well as backend failures; bad input never panics.
+//! (plain and SSE streaming), `GET /v1/models`, `GET /health`. Single-model server: a request's
+//! `model` must be the served id or one of its aliases (else 404 `model_not_found`), and
+//! responses report the served id. Errors are OpenAI-shaped JSON
+//! (`{"error": {message, type, param, code}}`), for malformed input as well as backend
+//! failures; bad input never panics.
+//!
+//! Limits, all checked before any work is queued: the body size ([`MAX_BODY_BYTES`], 413), a
+//! prompt whose bytes alone cannot fit the context (no tokenizing of megabytes), an explicit
+//! `max_tokens` that leaves no room for a prompt; the exact token check follows on the model
+//! worker. A client that disconnects drops the request's future, and the local backend stops
+//! its generation at the next token (or never starts it).
+
+mod response_format;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -20,7 +29,9 @@ use axum::{Json, Router};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use crate::llm::{ChatMessage, ChatRequest, ChatResponse, LlmError, SharedBackend};
+pub use response_format::ResponseFormat;
+
+use crate::llm::{ChatMessage, ChatRequest, ChatResponse, ContextLimits, LlmError, SharedBackend};
 
 /// Largest `n` one request may ask for.
 pub const MAX_N: usize = 16;
@@ -30,19 +41,74 @@ pub const MAX_STOP: usize = 16;
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// Largest request body accepted (long multi-turn prompts fit easily).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+/// OpenAI's range for `temperature`.
+pub const MAX_TEMPERATURE: f64 = 2.0;
+/// OpenAI's range for `presence_penalty` and `frequency_penalty`: [-2, 2].
+pub const MAX_PENALTY: f64 = 2.0;
+
+/// The names a request's `model` may give: the id the server reports first, then aliases.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelNames {
+    names: Vec<String>,
+}
+
+impl ModelNames {
+    pub fn new(id: impl Into<String>) -> Self {
+        Self {
+            names: vec![id.into()],
+        }
+    }
+
+    /// Adds names that are accepted as well (duplicates and empty names are dropped).
+    pub fn with_aliases(mut self, aliases: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        for a in aliases {
+            let a = a.into();
+            if !a.is_empty() && !self.names.contains(&a) {
+                self.names.push(a);
+            }
+        }
+        self
+    }
+
+    /// The id responses report.
+    pub fn id(&self) -> &str {
+        &self.names[0]
+    }
+
+    pub fn all(&self) -> &[String] {
+        &self.names
+    }
+
+    pub fn accepts(&self, name: &str) -> bool {
+        self.names.iter().any(|n| n == name)
+    }
+}
+
+impl From<String> for ModelNames {
+    fn from(id: String) -> Self {
+        Self::new(id)
+    }
+}
+
+impl From<&str> for ModelNames {
+    fn from(id: &str) -> Self {
+        Self::new(id)
+    }
+}
 
 #[derive(Clone)]
 struct AppState {
     backend: SharedBackend,
-    model_id: Arc<str>,
+    names: Arc<ModelNames>,
 }
 
-/// The HTTP routes over `backend`, reporting `model_id` as the model name. Paths are served
-/// both under `/v1` and at the root (some clients are configured without the `/v1` prefix).
-pub fn router(backend: SharedBackend, model_id: String) -> Router {
+/// The HTTP routes over `backend`, reporting the first of `names` as the model name. Paths are
+/// served both under `/v1` and at the root (some clients are configured without the `/v1`
+/// prefix).
+pub fn router(backend: SharedBackend, names: impl Into<ModelNames>) -> Router {
     let state = AppState {
         backend,
-        model_id: model_id.into(),
+        names: Arc::new(names.into()),
     };
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -62,9 +128,9 @@ pub fn router(backend: SharedBackend, model_id: String) -> Router {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     backend: SharedBackend,
-    model_id: String,
+    names: impl Into<ModelNames>,
 ) -> std::io::Result<()> {
-    serve_with_shutdown(listener, backend, model_id, shutdown_signal()).await
+    serve_with_shutdown(listener, backend, names, shutdown_signal()).await
 }
 
 /// Serves until `shutdown` resolves, then finishes the requests in flight. Tests use this with
@@ -72,10 +138,10 @@ pub async fn serve(
 pub async fn serve_with_shutdown(
     listener: tokio::net::TcpListener,
     backend: SharedBackend,
-    model_id: String,
+    names: impl Into<ModelNames>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(backend, model_id))
+    axum::serve(listener, router(backend, names))
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -137,6 +203,9 @@ impl ApiError {
                 err.code = Some("invalid_value");
                 return err;
             }
+            LlmError::ContextExceeded { param, .. } => {
+                return Self::context_exceeded(message, param);
+            }
             LlmError::Unsupported { .. } => (
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
@@ -160,6 +229,50 @@ impl ApiError {
             kind,
             param: None,
             code,
+        }
+    }
+
+    fn context_exceeded(message: String, param: &str) -> Self {
+        let mut err = Self::invalid(message, Some(param));
+        err.code = Some("context_length_exceeded");
+        err
+    }
+
+    fn from_format(e: response_format::FormatError) -> Self {
+        let mut err = Self::invalid(e.message, Some(&e.param));
+        err.code = Some(if e.unsupported {
+            "unsupported_parameter"
+        } else {
+            "invalid_value"
+        });
+        err
+    }
+
+    /// A reply that does not satisfy `response_format`: the model's failure, not the client's.
+    fn format_not_met(index: usize, format: &ResponseFormat, why: &str) -> Self {
+        let wanted = match format {
+            ResponseFormat::JsonSchema { name, .. } => format!("json_schema `{name}`"),
+            _ => "json_object".into(),
+        };
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: format!(
+                "choice {index} does not satisfy response_format {wanted}: {why} (this server \
+                 checks the finished reply; it does not constrain decoding)"
+            ),
+            kind: "server_error",
+            param: Some("response_format".into()),
+            code: Some("response_format_not_met"),
+        }
+    }
+
+    fn model_not_found(name: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{name}` does not exist or you do not have access to it."),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
         }
     }
 
@@ -219,16 +332,23 @@ async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
+/// Every accepted name, the reported id first (clients that take the first entry get it).
 async fn list_models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": &*state.model_id,
-            "object": "model",
-            "created": unix_now(),
-            "owned_by": "collabllm",
-        }]
-    }))
+    let created = unix_now();
+    let data: Vec<Value> = state
+        .names
+        .all()
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "collabllm",
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 fn unix_now() -> u64 {
@@ -252,13 +372,19 @@ fn completion_id() -> String {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParsedRequest {
     pub request: ChatRequest,
+    /// The `model` the client named, if any.
+    pub model: Option<String>,
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk with empty choices carries the usage.
     pub include_usage: bool,
+    /// What the reply must be; checked on the finished output.
+    pub response_format: ResponseFormat,
 }
 
 /// Parses an OpenAI chat-completion request body. Fields this server does not know are
-/// ignored, as OpenAI does; known fields of the wrong type or with invalid values are a 400.
+/// ignored, as OpenAI does; known fields of the wrong type or with invalid values are a 400
+/// naming the field, and known fields the server cannot honour (penalties, logit bias,
+/// logprobs, tools) are refused rather than silently ignored.
 pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}"), None))?;
@@ -270,34 +396,43 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     };
     let field = |name: &str| obj.get(name).filter(|v| !v.is_null());
 
-    if let Some(m) = field("model") {
-        if !m.is_string() {
-            return Err(type_error("model", "a string"));
-        }
-    }
+    let model = match field("model") {
+        Some(Value::String(m)) => Some(m.clone()),
+        Some(_) => return Err(type_error("model", "a string")),
+        None => None,
+    };
     let messages = parse_messages(field("messages").ok_or_else(|| {
         ApiError::invalid("missing required parameter: `messages`", Some("messages"))
     })?)?;
     let mut req = ChatRequest::new(messages);
     if let Some(v) = field("temperature") {
-        req.temperature = number(v, "temperature")?;
+        req.temperature = number_in(v, "temperature", 0.0, MAX_TEMPERATURE)? as f32;
     }
     if let Some(v) = field("top_p") {
-        req.top_p = number(v, "top_p")?;
+        let p = number_in(v, "top_p", 0.0, 1.0)?;
+        if p == 0.0 {
+            return Err(out_of_range("top_p", "in (0, 1]", v));
+        }
+        req.top_p = p as f32;
     }
-    // `max_completion_tokens` is the current name; `max_tokens` the deprecated one.
-    if let Some(v) = field("max_completion_tokens") {
-        req.max_tokens = uint(v, "max_completion_tokens")?;
-    } else if let Some(v) = field("max_tokens") {
-        req.max_tokens = uint(v, "max_tokens")?;
+    // `max_completion_tokens` is the current name; `max_tokens` the deprecated one. A limit
+    // the client gives must fit beside the prompt; the default is only a cap.
+    let max_tokens = match (field("max_completion_tokens"), field("max_tokens")) {
+        (Some(v), _) => Some(("max_completion_tokens", v)),
+        (None, Some(v)) => Some(("max_tokens", v)),
+        (None, None) => None,
+    };
+    if let Some((name, v)) = max_tokens {
+        req.max_tokens = uint(v, name)?;
+        if req.max_tokens == 0 {
+            return Err(out_of_range(name, "at least 1", v));
+        }
+        req.strict_max_tokens = true;
     }
     if let Some(v) = field("n") {
         req.n = uint(v, "n")?;
-        if req.n > MAX_N {
-            return Err(ApiError::invalid(
-                format!("`n` must be at most {MAX_N}, got {}", req.n),
-                Some("n"),
-            ));
+        if !(1..=MAX_N).contains(&req.n) {
+            return Err(out_of_range("n", &format!("between 1 and {MAX_N}"), v));
         }
     }
     if let Some(v) = field("stop") {
@@ -308,12 +443,14 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
         req.seed = Some(
             v.as_u64()
                 .or_else(|| v.as_i64().map(|s| s as u64))
-                .ok_or_else(|| type_error("seed", "an integer"))?,
+                .ok_or_else(|| type_error("seed", "an integer of at most 64 bits"))?,
         );
     }
-    if let Some(v) = field("response_format") {
-        req.json_mode = parse_response_format(v)?;
-    }
+    let response_format = match field("response_format") {
+        Some(v) => ResponseFormat::parse(v).map_err(ApiError::from_format)?,
+        None => ResponseFormat::Text,
+    };
+    req.json_mode = response_format.wants_json();
     let stream = match field("stream") {
         Some(v) => v
             .as_bool()
@@ -330,12 +467,58 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
         Some(_) => return Err(type_error("stream_options", "an object")),
         None => false,
     };
-    // Features whose silent omission would mislead the client.
-    if field("logprobs").and_then(Value::as_bool) == Some(true) {
-        return Err(unsupported(
-            "logprobs",
-            "`logprobs` is not supported by this server",
-        ));
+    refuse_unhonoured(&field)?;
+    req.validate().map_err(|e| ApiError::from_llm(&e))?;
+    Ok(ParsedRequest {
+        request: req,
+        model,
+        stream,
+        include_usage,
+        response_format,
+    })
+}
+
+/// Known fields whose silent omission would mislead the client: validated, and refused unless
+/// they ask for nothing (0, false, empty).
+fn refuse_unhonoured<'a>(field: &impl Fn(&str) -> Option<&'a Value>) -> Result<(), ApiError> {
+    for name in ["presence_penalty", "frequency_penalty"] {
+        if let Some(v) = field(name) {
+            if number_in(v, name, -MAX_PENALTY, MAX_PENALTY)? != 0.0 {
+                return Err(unsupported(
+                    name,
+                    &format!("`{name}` is not supported by this server (only 0)"),
+                ));
+            }
+        }
+    }
+    if let Some(v) = field("logit_bias") {
+        let biases = v
+            .as_object()
+            .ok_or_else(|| type_error("logit_bias", "an object"))?;
+        if !biases.is_empty() {
+            return Err(unsupported(
+                "logit_bias",
+                "`logit_bias` is not supported by this server",
+            ));
+        }
+    }
+    if let Some(v) = field("logprobs") {
+        if v.as_bool()
+            .ok_or_else(|| type_error("logprobs", "a boolean"))?
+        {
+            return Err(unsupported(
+                "logprobs",
+                "`logprobs` is not supported by this server",
+            ));
+        }
+    }
+    if let Some(v) = field("top_logprobs") {
+        if uint(v, "top_logprobs")? > 0 {
+            return Err(unsupported(
+                "top_logprobs",
+                "`top_logprobs` is not supported by this server",
+            ));
+        }
     }
     if field("tools")
         .and_then(Value::as_array)
@@ -346,17 +529,18 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
             "tool calling is not supported by this server",
         ));
     }
-    req.validate().map_err(|e| ApiError::from_llm(&e))?;
-    Ok(ParsedRequest {
-        request: req,
-        stream,
-        include_usage,
-    })
+    Ok(())
 }
 
 fn type_error(param: &str, expected: &str) -> ApiError {
     let mut e = ApiError::invalid(format!("`{param}` must be {expected}"), Some(param));
     e.code = Some("invalid_type");
+    e
+}
+
+fn out_of_range(param: &str, range: &str, got: &Value) -> ApiError {
+    let mut e = ApiError::invalid(format!("`{param}` must be {range}, got {got}"), Some(param));
+    e.code = Some("invalid_value");
     e
 }
 
@@ -366,10 +550,14 @@ fn unsupported(param: &str, message: &str) -> ApiError {
     e
 }
 
-fn number(v: &Value, param: &str) -> Result<f32, ApiError> {
-    v.as_f64()
-        .map(|x| x as f32)
-        .ok_or_else(|| type_error(param, "a number"))
+/// A JSON number in `[lo, hi]` (JSON has no NaN or infinity, and serde_json refuses numbers
+/// beyond f64, so a finite range check is all that is left).
+fn number_in(v: &Value, param: &str, lo: f64, hi: f64) -> Result<f64, ApiError> {
+    let x = v.as_f64().ok_or_else(|| type_error(param, "a number"))?;
+    if !(x.is_finite() && (lo..=hi).contains(&x)) {
+        return Err(out_of_range(param, &format!("between {lo} and {hi}"), v));
+    }
+    Ok(x)
 }
 
 fn uint(v: &Value, param: &str) -> Result<usize, ApiError> {
@@ -408,21 +596,35 @@ fn parse_stop(v: &Value) -> Result<Vec<String>, ApiError> {
     Ok(stops.into_iter().filter(|s| !s.is_empty()).collect())
 }
 
-fn parse_response_format(v: &Value) -> Result<bool, ApiError> {
-    let kind = v
-        .get("type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| type_error("response_format", "an object with a string `type`"))?;
-    match kind {
-        "text" => Ok(false),
-        "json_object" => Ok(true),
-        // Best effort: JSON output is asked for, the schema itself is not enforced.
-        "json_schema" => Ok(true),
-        other => Err(ApiError::invalid(
-            format!("unknown `response_format.type` `{other}` (expected text, json_object or json_schema)"),
-            Some("response_format"),
-        )),
+/// Refuses, without tokenizing, a request that cannot fit the backend's context: message text
+/// longer than any tokenization of the context could cover, or an explicit `max_tokens` that
+/// leaves no token for the prompt. The exact check (prompt tokens + `max_tokens`) follows on
+/// the model worker.
+fn check_context(parsed: &ParsedRequest, limits: ContextLimits) -> Result<(), ApiError> {
+    let req = &parsed.request;
+    let bytes: usize = req.messages.iter().map(|m| m.content.len()).sum();
+    let max_bytes = limits.max_prompt_bytes();
+    if bytes > max_bytes {
+        return Err(ApiError::context_exceeded(
+            format!(
+                "`messages` hold {bytes} bytes of text; this model's context of {} tokens \
+                 cannot hold more than {max_bytes} bytes (no token covers more than {} bytes)",
+                limits.context_tokens, limits.max_token_bytes
+            ),
+            "messages",
+        ));
     }
+    if req.strict_max_tokens && req.max_tokens >= limits.context_tokens {
+        return Err(ApiError::context_exceeded(
+            format!(
+                "`max_tokens` = {} leaves no room for the prompt in this model's context of {} \
+                 tokens",
+                req.max_tokens, limits.context_tokens
+            ),
+            "max_tokens",
+        ));
+    }
+    Ok(())
 }
 
 fn parse_messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
@@ -572,11 +774,26 @@ async fn chat_completions(
         code: None,
     })?;
     let parsed = parse_request(&body)?;
-    let resp = state
+    if let Some(name) = parsed.model.as_deref() {
+        if !state.names.accepts(name) {
+            return Err(ApiError::model_not_found(name));
+        }
+    }
+    if let Some(limits) = state.backend.context_limits() {
+        check_context(&parsed, limits)?;
+    }
+    // Dropping this future (the client disconnected) cancels the generation.
+    let mut resp = state
         .backend
         .chat(&parsed.request)
         .await
         .map_err(|e| ApiError::from_llm(&e))?;
+    for (i, choice) in resp.choices.iter_mut().enumerate() {
+        choice.content = parsed
+            .response_format
+            .check(&choice.content)
+            .map_err(|why| ApiError::format_not_met(i, &parsed.response_format, &why))?;
+    }
     let stats = ChatStats {
         n: parsed.request.n,
         stream: parsed.stream,
@@ -586,7 +803,7 @@ async fn chat_completions(
     let id = completion_id();
     let created = unix_now();
     let mut response = if parsed.stream {
-        stream_response(&id, created, &state.model_id, &resp, parsed.include_usage)
+        stream_response(&id, created, state.names.id(), &resp, parsed.include_usage)
     } else {
         let choices = resp
             .choices
@@ -605,7 +822,7 @@ async fn chat_completions(
             id,
             object: "chat.completion",
             created,
-            model: &state.model_id,
+            model: state.names.id(),
             choices,
             usage: Usage::of(&resp),
             system_fingerprint: None,
@@ -730,7 +947,9 @@ mod tests {
             ],
             "temperature": 0, "top_p": 0.5, "max_tokens": 9, "max_completion_tokens": 7,
             "n": 2, "stop": "END", "seed": -1, "response_format": {"type": "json_object"},
-            "stream": true, "stream_options": {"include_usage": true}, "frequency_penalty": 0.1
+            "stream": true, "stream_options": {"include_usage": true}, "frequency_penalty": 0,
+            "presence_penalty": 0.0, "logit_bias": {}, "logprobs": false, "top_logprobs": 0,
+            "model": "x", "some_future_field": [1]
         }))
         .unwrap();
         let r = &p.request;
@@ -743,6 +962,45 @@ mod tests {
         assert_eq!(r.stop, vec!["END".to_string()]);
         assert_eq!(r.seed, Some(u64::MAX));
         assert!(r.json_mode && p.stream && p.include_usage);
+        assert_eq!(p.response_format, ResponseFormat::JsonObject);
+        assert_eq!(p.model.as_deref(), Some("x"));
+        // A limit the client gives must fit; the default one is only a cap.
+        assert!(r.strict_max_tokens);
+        let p = parse(json!({"messages": [{"role": "user", "content": "hi"}]})).unwrap();
+        assert!(!p.request.strict_max_tokens && p.model.is_none());
+    }
+
+    #[test]
+    fn model_names_and_context_bounds() {
+        let names = ModelNames::new("m").with_aliases(["a", "m", "", "b"]);
+        assert_eq!(names.all(), ["m", "a", "b"]);
+        assert!(names.accepts("b") && !names.accepts("c") && !names.accepts(""));
+        let e = ApiError::model_not_found("c");
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::NOT_FOUND, Some("model_not_found"))
+        );
+
+        let limits = ContextLimits {
+            context_tokens: 100,
+            max_token_bytes: 4,
+        };
+        let req = |content: &str, extra: Value| {
+            let mut body = json!({"messages": [{"role": "user", "content": content}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            parse(body).unwrap()
+        };
+        assert!(check_context(&req(&"x".repeat(400), json!({})), limits).is_ok());
+        let e = check_context(&req(&"x".repeat(401), json!({})), limits).unwrap_err();
+        assert_eq!(
+            (e.param.as_deref(), e.code),
+            (Some("messages"), Some("context_length_exceeded"))
+        );
+        assert!(check_context(&req("hi", json!({"max_tokens": 99})), limits).is_ok());
+        let e = check_context(&req("hi", json!({"max_tokens": 100})), limits).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
     }
 
     #[test]
@@ -788,6 +1046,46 @@ mod tests {
             ),
             (json!({"messages": user, "stream": "yes"}), Some("stream")),
             (json!({"messages": user, "model": 5}), Some("model")),
+            (
+                json!({"messages": user, "temperature": 2.5}),
+                Some("temperature"),
+            ),
+            (
+                json!({"messages": user, "temperature": "hot"}),
+                Some("temperature"),
+            ),
+            (
+                json!({"messages": user, "max_completion_tokens": 0}),
+                Some("max_completion_tokens"),
+            ),
+            (json!({"messages": user, "n": 1.5}), Some("n")),
+            (json!({"messages": user, "seed": 1.5}), Some("seed")),
+            (json!({"messages": user, "seed": 1e20}), Some("seed")),
+            (
+                json!({"messages": user, "presence_penalty": 0.5}),
+                Some("presence_penalty"),
+            ),
+            (
+                json!({"messages": user, "frequency_penalty": -3}),
+                Some("frequency_penalty"),
+            ),
+            (
+                json!({"messages": user, "logit_bias": {"12": 5}}),
+                Some("logit_bias"),
+            ),
+            (
+                json!({"messages": user, "logprobs": "yes"}),
+                Some("logprobs"),
+            ),
+            (
+                json!({"messages": user, "top_logprobs": 2}),
+                Some("top_logprobs"),
+            ),
+            (
+                json!({"messages": user, "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "string", "pattern": "x"}}}}),
+                Some("response_format.json_schema.schema.pattern"),
+            ),
             (json!([1, 2]), None),
         ];
         for (body, param) in cases {

@@ -34,7 +34,7 @@ fn messages() -> Vec<async_openai::types::chat::ChatCompletionRequestMessage> {
 async fn n_choices_and_usage() {
     let addr = echo_server().await;
     let req = CreateChatCompletionRequestArgs::default()
-        .model("anything")
+        .model(MODEL)
         .messages(messages())
         .n(3u8)
         .build()
@@ -82,7 +82,7 @@ async fn stop_strings_and_max_tokens() {
     // A single stop string, and the deprecated `max_tokens` name, over raw HTTP.
     let (status, body) = post_raw(
         addr,
-        json!({"model": "m", "messages": [{"role": "user", "content": "q"}],
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "q"}],
                "stop": "42", "max_tokens": 2})
         .to_string(),
     )
@@ -114,15 +114,14 @@ async fn content_parts_roles_and_unknown_fields() {
     let (status, body) = post_raw(
         addr,
         json!({
-            "model": "x",
             "messages": [
                 {"role": "developer", "content": "sys"},
                 {"role": "assistant", "content": null},
                 {"role": "user", "content": [{"type": "text", "text": "part one "},
                                              {"type": "text", "text": "part two"}]}
             ],
-            "response_format": {"type": "json_object"},
-            "seed": 7, "temperature": 0, "presence_penalty": 0.5, "user": "someone",
+            "response_format": {"type": "text"},
+            "seed": 7, "temperature": 0, "presence_penalty": 0, "user": "someone",
             "some_future_field": {"a": 1}
         })
         .to_string(),
@@ -202,6 +201,38 @@ async fn bad_requests_are_openai_errors() {
                 .to_string(),
             Some("messages[0].content[0]"),
         ),
+        (
+            &*json!({"messages": user, "temperature": 3}).to_string(),
+            Some("temperature"),
+        ),
+        (
+            &*json!({"messages": user, "max_completion_tokens": -1}).to_string(),
+            Some("max_completion_tokens"),
+        ),
+        (
+            &*json!({"messages": user, "seed": "7"}).to_string(),
+            Some("seed"),
+        ),
+        (
+            &*json!({"messages": user, "presence_penalty": 1}).to_string(),
+            Some("presence_penalty"),
+        ),
+        (
+            &*json!({"messages": user, "frequency_penalty": 2.5}).to_string(),
+            Some("frequency_penalty"),
+        ),
+        (
+            &*json!({"messages": user, "logit_bias": {"5": 100}}).to_string(),
+            Some("logit_bias"),
+        ),
+        (
+            &*json!({"messages": user, "top_logprobs": 5}).to_string(),
+            Some("top_logprobs"),
+        ),
+        (
+            &*json!({"messages": user, "response_format": {"type": "json_schema"}}).to_string(),
+            Some("response_format.json_schema"),
+        ),
     ];
     for (body, param) in cases {
         let (status, text) = post_raw(addr, body).await;
@@ -230,6 +261,126 @@ async fn bad_requests_are_openai_errors() {
         }
         other => panic!("expected an API error, got {other:?}"),
     }
+}
+
+#[tokio::test]
+async fn model_names_and_aliases() {
+    let names = collabllm::serve::ModelNames::new(MODEL).with_aliases(["alias-a", "alias-b"]);
+    let addr = spawn_server(ScriptedBackend::echo("echo"), names).await;
+    let ask = |model: Option<&str>| {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        if let Some(m) = model {
+            body["model"] = json!(m);
+        }
+        post_raw(addr, body.to_string())
+    };
+    for model in [Some(MODEL), Some("alias-b"), None] {
+        let (status, text) = ask(model).await;
+        assert_eq!(status, 200, "{model:?}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["model"], MODEL, "responses report the served id");
+    }
+    for model in ["gpt-4o", "TEST-MODEL", ""] {
+        let (status, text) = ask(Some(model)).await;
+        assert_eq!(status, 404, "{model}: {text}");
+        let err = api_error(&text);
+        assert_eq!(err["code"], "model_not_found");
+        assert_eq!(err["type"], "invalid_request_error");
+        assert_eq!(err["param"], "model");
+        assert!(err["message"].as_str().unwrap().contains(model));
+    }
+    // The real client sees the 404 too, streaming or not.
+    let req = CreateChatCompletionRequestArgs::default()
+        .model("some-other-model")
+        .messages(messages())
+        .stream(true)
+        .build()
+        .unwrap();
+    match openai_client(addr).chat().create_stream(req).await {
+        Err(OpenAIError::ApiError(e)) => {
+            assert_eq!(e.status_code.as_u16(), 404);
+            assert_eq!(e.api_error.code.as_deref(), Some("model_not_found"));
+        }
+        Ok(mut s) => match s.next().await {
+            Some(Err(e)) => assert!(e.to_string().contains("404"), "{e}"),
+            other => panic!("expected a 404, got {other:?}"),
+        },
+        Err(e) => assert!(e.to_string().contains("404"), "{e}"),
+    }
+    // Every accepted name is listed, the reported id first.
+    let (_, body) = get_raw(addr, "/v1/models").await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [MODEL, "alias-a", "alias-b"]);
+}
+
+#[tokio::test]
+async fn response_format_is_checked_not_ignored() {
+    let replies = vec![
+        "```json\n{\"name\": \"Ada\", \"age\": 36}\n```".to_string(),
+        "{\"name\": \"Ada\", \"age\": \"old\"}".to_string(),
+        "Sure! Here it is: name=Ada".to_string(),
+    ];
+    let backend = ScriptedBackend::cycle("c", replies);
+    let addr = spawn_server(backend, MODEL).await;
+    let schema = json!({
+        "type": "json_schema",
+        "json_schema": {"name": "person", "strict": true, "schema": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"], "additionalProperties": false}}
+    });
+    let ask = |format: Value, stream: bool| {
+        post_raw(
+            addr,
+            json!({"messages": [{"role": "user", "content": "who?"}],
+                   "response_format": format, "stream": stream})
+            .to_string(),
+        )
+    };
+    // 1st reply: fenced JSON that satisfies the schema comes back as bare JSON.
+    let (status, text) = ask(schema.clone(), false).await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(
+        serde_json::from_str::<Value>(content).unwrap(),
+        json!({"name": "Ada", "age": 36})
+    );
+    // 2nd: valid JSON with a wrong type; the error names the field.
+    let (status, text) = ask(schema.clone(), true).await;
+    assert_eq!(status, 500, "{text}");
+    let err = api_error(&text);
+    assert_eq!(err["code"], "response_format_not_met");
+    assert_eq!(err["type"], "server_error");
+    let msg = err["message"].as_str().unwrap();
+    assert!(
+        msg.contains("person") && msg.contains("$.age: expected integer"),
+        "{msg}"
+    );
+    // 3rd: not JSON at all, under json_object.
+    let (status, text) = ask(json!({"type": "json_object"}), false).await;
+    assert_eq!(status, 500, "{text}");
+    assert!(api_error(&text)["message"]
+        .as_str()
+        .unwrap()
+        .contains("not valid JSON"));
+    // A schema with a keyword the server does not check is refused up front.
+    let mut unchecked = schema.clone();
+    unchecked["json_schema"]["schema"]["properties"]["name"]["pattern"] = json!("^A");
+    let (status, text) = ask(unchecked, false).await;
+    assert_eq!(status, 400, "{text}");
+    let err = api_error(&text);
+    assert_eq!(err["code"], "unsupported_parameter");
+    assert_eq!(
+        err["param"],
+        "response_format.json_schema.schema.properties.name.pattern"
+    );
 }
 
 #[tokio::test]
@@ -393,7 +544,7 @@ async fn graceful_shutdown_finishes() {
     let server = tokio::spawn(collabllm::serve::serve_with_shutdown(
         listener,
         ScriptedBackend::echo("e"),
-        MODEL.into(),
+        MODEL,
         async {
             let _ = rx.await;
         },
@@ -422,6 +573,13 @@ fn binary_help_and_spec_checks() {
         "--port",
         "--threads",
         "--model-id",
+        "--alias",
+        "--weights",
+        "native",
+        "f32",
+        "q8",
+        "token for token",
+        "model_not_found",
         "127.0.0.1",
         "8000",
     ] {
@@ -435,4 +593,14 @@ fn binary_help_and_spec_checks() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("local models only"), "{err}");
+
+    for bad in [
+        &["--model", "default", "--weights", "q4"][..],
+        &["--model", "default", "--alias", " "][..],
+    ] {
+        let out = std::process::Command::new(bin).args(bad).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(bad[2]), "{bad:?}: {err}");
+    }
 }

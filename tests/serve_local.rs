@@ -1,5 +1,6 @@
 //! `serve` over the real local engine (the tiny random llama), driven by the real
-//! `async-openai` client on 127.0.0.1.
+//! `async-openai` client and raw connections on 127.0.0.1: answers, cancellation when a
+//! client leaves, and the context limits.
 
 #[path = "common/model_util.rs"]
 mod model_util;
@@ -9,7 +10,10 @@ mod serve_util;
 use async_openai::types::chat::{
     ChatCompletionRequestUserMessage, CreateChatCompletionRequestArgs, StopConfiguration,
 };
+use std::time::{Duration, Instant};
+
 use collabllm::llm::tiny::TinySpec;
+use serde_json::json;
 use serve_util::{api_error, openai_client, post_raw, spawn_server};
 
 #[tokio::test]
@@ -88,4 +92,219 @@ async fn openai_client_against_the_tiny_model() {
     let (status, body) = post_raw(addr, "{\"messages\": [").await;
     assert_eq!(status, 400);
     assert_eq!(api_error(&body)["type"], "invalid_request_error");
+}
+
+/// A request over a raw TCP connection that the test can abandon by dropping the stream: the
+/// server sees the client leave exactly as when a real client process dies.
+async fn open_request(
+    addr: std::net::SocketAddr,
+    body: &serde_json::Value,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let body = body.to_string();
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("write head");
+    stream.write_all(body.as_bytes()).await.expect("write body");
+    stream
+}
+
+async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn greedy(content: &str, max_tokens: usize, stream: bool) -> serde_json::Value {
+    json!({"messages": [{"role": "user", "content": content}], "temperature": 0,
+           "max_tokens": max_tokens, "stream": stream})
+}
+
+/// The tiny model with the embedding rows of its end-of-turn tokens zeroed: with a tied
+/// output head their logit is 0, below the best of the other random logits, so a greedy reply
+/// runs to `max_tokens` and a long request really is long.
+async fn never_ending_tiny(
+    spec: &TinySpec,
+) -> (
+    tempfile::TempDir,
+    std::sync::Arc<collabllm::llm::local::LocalBackend>,
+) {
+    use collabllm::llm::tiny::TINY_SPECIAL_TOKENS;
+    model_util::one_thread();
+    assert!(spec.tie_word_embeddings);
+    let (guard, dir) = model_util::tiny_model_dir(spec);
+    let file = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
+    let embed = tensors["model.embed_tokens.weight"].clone();
+    let mut rows: Vec<Vec<f32>> = embed.to_vec2().unwrap();
+    for t in ["<|endoftext|>", "<|im_end|>"] {
+        let id = 256 + TINY_SPECIAL_TOKENS.iter().position(|s| *s == t).unwrap();
+        rows[id].iter_mut().for_each(|x| *x = 0.0);
+    }
+    let flat: Vec<f32> = rows.concat();
+    tensors.insert(
+        "model.embed_tokens.weight".into(),
+        candle_core::Tensor::from_vec(flat, embed.dims(), &candle_core::Device::Cpu).unwrap(),
+    );
+    collabllm::llm::weights::save_safetensors(&tensors, &file).unwrap();
+    let backend = collabllm::llm::local::LocalBackend::load(
+        &collabllm::llm::ModelSpec::HfDir(dir),
+        &collabllm::llm::local::LoadOptions::default(),
+    )
+    .await
+    .unwrap();
+    (guard, backend)
+}
+
+/// Abandoned requests stop: the running one at its next token, the queued ones before they
+/// start, so the next client does not wait for work nobody will read.
+#[tokio::test]
+async fn a_client_that_leaves_cancels_its_generation() {
+    // Big enough that a token takes a few milliseconds, so a long request takes seconds.
+    let spec = TinySpec {
+        hidden_size: 512,
+        intermediate_size: 2048,
+        num_hidden_layers: 6,
+        num_attention_heads: 8,
+        num_key_value_heads: 4,
+        max_position_embeddings: 4096,
+        ..TinySpec::default()
+    };
+    let (_g, backend) = never_ending_tiny(&spec).await;
+    let addr = spawn_server(backend.clone(), "tiny").await;
+
+    // What a token costs here, from a finished request of 200 tokens.
+    let started = Instant::now();
+    let (status, body) = post_raw(
+        addr,
+        greedy("Tell me about the sea.", 200, false).to_string(),
+    )
+    .await;
+    let per_200 = started.elapsed();
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["usage"]["completion_tokens"], 200,
+        "the greedy reply must not end early for this test to mean anything: {body}"
+    );
+    let long_tokens = 3500;
+    let full_long = per_200.mul_f64(long_tokens as f64 / 200.0);
+
+    // A long request starts; two more (one streaming) queue behind it.
+    let before = backend.stats();
+    let running = open_request(addr, &greedy("Tell me about the sea.", long_tokens, false)).await;
+    wait_for("the long request to start", || {
+        backend.stats().started > before.started
+    })
+    .await;
+    let queued_a = open_request(addr, &greedy("And the sky?", long_tokens, true)).await;
+    let queued_b = open_request(addr, &greedy("And the hills?", long_tokens, false)).await;
+    wait_for("both requests to queue", || {
+        backend.stats().queued == before.queued + 3
+    })
+    .await;
+    // Let the long one decode for a while, so it is stopped mid-way, not before its first token.
+    tokio::time::sleep(per_200.max(Duration::from_millis(500))).await;
+
+    // Every client leaves; the next short request is served at once.
+    drop(queued_a);
+    drop(queued_b);
+    drop(running);
+    let left = Instant::now();
+    let (status, body) = post_raw(addr, greedy("Hi!", 4, false).to_string()).await;
+    let waited = left.elapsed();
+    assert_eq!(status, 200, "{body}");
+    let after = backend.stats();
+    assert_eq!(after.cancelled - before.cancelled, 1, "{after:?}");
+    assert_eq!(after.skipped - before.skipped, 2, "{after:?}");
+    assert_eq!(
+        after.started - before.started,
+        2,
+        "only the long request and the short one ran: {after:?}"
+    );
+    let stopped_at = after.cancelled_tokens - before.cancelled_tokens;
+    assert!(
+        stopped_at > 0 && stopped_at < long_tokens as u64 / 2,
+        "the abandoned generation ran on to {stopped_at} of {long_tokens} tokens"
+    );
+    assert!(
+        waited < full_long / 4,
+        "the short request waited {waited:?}; the abandoned long one alone would take {full_long:?}"
+    );
+    eprintln!(
+        "abandoned after {stopped_at} tokens; next request served in {waited:?} \
+         (a full long request takes ~{full_long:?})"
+    );
+}
+
+/// A prompt that cannot fit is refused without tokenizing it (bytes alone prove it), one
+/// that might fit is counted exactly, and an explicit `max_tokens` must fit beside it.
+#[tokio::test]
+async fn oversized_requests_are_refused_before_any_work() {
+    let (_g, backend) = model_util::load_tiny(&TinySpec::default()).await;
+    let limits = collabllm::llm::ChatBackend::context_limits(&*backend).expect("local limits");
+    assert_eq!(limits.context_tokens, 1024);
+    let addr = spawn_server(backend.clone(), "tiny").await;
+    let user = |content: String, extra: serde_json::Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": content}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body.to_string()
+    };
+
+    // 15 MB, under the body limit: refused at once, nothing queued.
+    let huge = "lorem ipsum ".repeat(15 * 1024 * 1024 / 12);
+    let started = Instant::now();
+    let (status, body) = post_raw(addr, user(huge, json!({}))).await;
+    let took = started.elapsed();
+    assert_eq!(status, 400, "{body}");
+    let err = api_error(&body);
+    assert_eq!(err["code"], "context_length_exceeded");
+    assert_eq!(err["param"], "messages");
+    assert_eq!(
+        backend.stats().queued,
+        0,
+        "nothing reached the model worker"
+    );
+    assert!(took < Duration::from_secs(5), "refusing took {took:?}");
+
+    // Under the byte bound but over the context in tokens: the exact count refuses it.
+    let long = "a b ".repeat(600);
+    assert!(long.len() < limits.max_prompt_bytes());
+    let (status, body) = post_raw(addr, user(long, json!({}))).await;
+    assert_eq!(status, 400, "{body}");
+    let err = api_error(&body);
+    assert_eq!(err["code"], "context_length_exceeded");
+    assert_eq!(err["param"], "messages");
+    assert!(
+        err["message"].as_str().unwrap().contains("tokens"),
+        "{body}"
+    );
+
+    // An explicit max_tokens beyond the context, alone or with the prompt.
+    for max_tokens in [1024, 5000, 1000] {
+        let (status, body) = post_raw(
+            addr,
+            user("hello".into(), json!({"max_tokens": max_tokens})),
+        )
+        .await;
+        assert_eq!(status, 400, "{max_tokens}: {body}");
+        let err = api_error(&body);
+        assert_eq!(err["code"], "context_length_exceeded", "{body}");
+        assert_eq!(err["param"], "max_tokens", "{body}");
+    }
+    // Without max_tokens, a long prompt gets the room that is left (the default is a cap).
+    let (status, body) = post_raw(addr, user("a b ".repeat(240), json!({"temperature": 0}))).await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let used = v["usage"]["prompt_tokens"].as_u64().unwrap()
+        + v["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(used <= 1024, "{body}");
 }

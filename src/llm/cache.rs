@@ -258,6 +258,10 @@ impl<B: ChatBackend + ?Sized> ChatBackend for CachedBackend<B> {
         self.inner.id()
     }
 
+    fn context_limits(&self) -> Option<super::ContextLimits> {
+        self.inner.context_limits()
+    }
+
     async fn chat(&self, req: &ChatRequest) -> Result<ChatResponse, LlmError> {
         req.validate()?;
         let id = self.inner.id();

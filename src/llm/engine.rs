@@ -3,6 +3,8 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
@@ -40,6 +42,44 @@ pub enum EngineError {
         prompt: usize,
         context: usize,
     },
+    /// Refused without tokenizing: no tokenization of this many bytes fits the context.
+    #[error(
+        "{model}: prompt of {bytes} bytes cannot fit the context length {context} \
+         (no token of this model covers more than {max_token_bytes} bytes)"
+    )]
+    PromptTooManyBytes {
+        model: String,
+        bytes: usize,
+        context: usize,
+        max_token_bytes: usize,
+    },
+    #[error(
+        "{model}: `max_tokens` = {max_tokens} plus the prompt's {prompt} tokens exceeds the \
+         context length {context}"
+    )]
+    NoRoomForMaxTokens {
+        model: String,
+        prompt: usize,
+        max_tokens: usize,
+        context: usize,
+    },
+    #[error("{model}: generation cancelled after {tokens} tokens")]
+    Cancelled { model: String, tokens: usize },
+}
+
+/// Set by whoever waits for a generation when it stops waiting (its client left); the
+/// generation checks it before the prefill and at every decode step, so abandoned work stops
+/// within one token.
+#[derive(Clone, Debug, Default)]
+pub struct CancelFlag(Arc<AtomicBool>);
+
+impl CancelFlag {
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 /// How to load a local model.
@@ -88,6 +128,7 @@ pub struct Engine {
     model: LlamaModel,
     codec: ChatCodec,
     context_length: usize,
+    max_token_bytes: usize,
 }
 
 /// The text side of a model: tokenizer, chat template and end-of-turn ids, loadable without
@@ -334,6 +375,7 @@ impl Engine {
         if let Some(c) = opts.context_length {
             engine.context_length = engine.context_length.min(c);
         }
+        engine.max_token_bytes = max_token_bytes(&engine.codec.tokenizer);
         Ok(engine)
     }
 
@@ -350,6 +392,7 @@ impl Engine {
             model,
             codec,
             context_length,
+            max_token_bytes: 0,
         })
     }
 
@@ -366,6 +409,7 @@ impl Engine {
             model,
             codec,
             context_length,
+            max_token_bytes: 0,
         })
     }
 
@@ -397,6 +441,7 @@ impl Engine {
             model,
             codec,
             context_length,
+            max_token_bytes: 0,
         })
     }
 
@@ -409,6 +454,11 @@ impl Engine {
     }
     pub fn context_length(&self) -> usize {
         self.context_length
+    }
+    /// An upper bound on the bytes of text one token stands for: a text longer than
+    /// `context_length × max_token_bytes` bytes cannot fit the context, whatever its tokens.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.codec.tokenizer
@@ -449,6 +499,29 @@ impl Engine {
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| self.gen_err(format!("tokenizing: {e}")))
+    }
+
+    /// The token ids of the chat prompt for `messages`, refused before tokenizing when its
+    /// bytes alone prove it cannot fit the context (tokenizing megabytes takes seconds).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        let text = self.render(messages)?;
+        if text.len() > self.context_length.saturating_mul(self.max_token_bytes) {
+            return Err(EngineError::PromptTooManyBytes {
+                model: self.name.clone(),
+                bytes: text.len(),
+                context: self.context_length,
+                max_token_bytes: self.max_token_bytes,
+            });
+        }
+        let ids = self.encode(&text)?;
+        if ids.len() >= self.context_length {
+            return Err(EngineError::PromptTooLong {
+                model: self.name.clone(),
+                prompt: ids.len(),
+                context: self.context_length,
+            });
+        }
+        Ok(ids)
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
@@ -493,6 +566,24 @@ impl Engine {
     /// Generates `params.n` continuations of `prompt`: one prefill, then the samples decode
     /// together as one batch; a finished sample leaves the batch.
     pub fn generate(&self, prompt: &[u32], params: &GenParams) -> Result<GenOutput, EngineError> {
+        self.generate_cancellable(prompt, params, &CancelFlag::default())
+    }
+
+    /// [`Engine::generate`] that stops with [`EngineError::Cancelled`] once `cancel` is set
+    /// (checked before the prefill and before each decode step).
+    pub fn generate_cancellable(
+        &self,
+        prompt: &[u32],
+        params: &GenParams,
+        cancel: &CancelFlag,
+    ) -> Result<GenOutput, EngineError> {
+        let cancelled = |tokens: usize| EngineError::Cancelled {
+            model: self.name.clone(),
+            tokens,
+        };
+        if cancel.is_cancelled() {
+            return Err(cancelled(0));
+        }
         let context = self.context_length;
         if prompt.is_empty() || prompt.len() >= context {
             return Err(EngineError::PromptTooLong {
@@ -537,8 +628,12 @@ impl Engine {
             .collect();
         let mut done: Vec<Option<Generation>> = vec![None; params.n];
         let mut logits: Vec<Vec<f32>> = vec![first_logits; params.n];
+        let mut generated = 0;
 
         for step in 0..max_new {
+            if cancel.is_cancelled() {
+                return Err(cancelled(generated));
+            }
             let mut next = Vec::with_capacity(rows.len());
             let mut keep = Vec::with_capacity(rows.len());
             for (r, row) in rows.iter_mut().enumerate() {
@@ -556,6 +651,7 @@ impl Engine {
                 };
                 let tok = row.sampler.sample(&logits[r], banned);
                 row.tokens += 1;
+                generated += 1;
                 if self.codec.eos_ids.contains(&tok) {
                     done[row.sample] = Some(row.finish(FinishReason::Stop));
                     continue;
@@ -622,6 +718,26 @@ impl Row {
             finish,
             tokens: self.tokens,
         }
+    }
+}
+
+/// The longest token's text in bytes (added tokens included), times a margin when a
+/// normalizer may shorten text before it is split (NFKC or lowercasing can shrink a character
+/// to a third of its bytes). The stored token text never stands for fewer bytes than it has:
+/// byte-level BPE writes each byte as one char of 1–2 bytes, SentencePiece writes `▁` (3
+/// bytes) for a space and `<0x0A>` for one byte.
+fn max_token_bytes(tokenizer: &Tokenizer) -> usize {
+    let longest = tokenizer
+        .get_vocab(true)
+        .keys()
+        .map(String::len)
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    if tokenizer.get_normalizer().is_some() {
+        longest * 3
+    } else {
+        longest
     }
 }
 

@@ -170,6 +170,41 @@ pub enum WeightFormat {
     Q8_0,
     /// Dequantize everything to f32 (exact reference path; slow and large).
     F32,
+    /// Keep every GGUF tensor in the file's own type, even without a fast CPU kernel
+    /// (safetensors weights load as f32, as with `Auto`).
+    Native,
+}
+
+impl WeightFormat {
+    /// The names `--weights` takes, as the flag's help lists them.
+    pub const NAMES: [&'static str; 4] = ["auto", "f32", "q8", "native"];
+}
+
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WeightFormat::Auto => "auto",
+            WeightFormat::F32 => "f32",
+            WeightFormat::Q8_0 => "q8",
+            WeightFormat::Native => "native",
+        })
+    }
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(WeightFormat::Auto),
+            "f32" => Ok(WeightFormat::F32),
+            "q8" | "q8_0" => Ok(WeightFormat::Q8_0),
+            "native" => Ok(WeightFormat::Native),
+            _ => Err(format!(
+                "unknown weight format `{s}` (expected one of: {})",
+                Self::NAMES.join(", ")
+            )),
+        }
+    }
 }
 
 /// A linear layer: our int8 kernel ([`Q8Linear`]) for Q8_0 weights on the CPU, candle's
@@ -353,7 +388,7 @@ fn to_linear_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<Linear> {
         (WeightFormat::Auto, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) => {
             Some(GgmlDType::Q8_0)
         }
-        (WeightFormat::Auto, d) => Some(d),
+        (WeightFormat::Auto | WeightFormat::Native, d) => Some(d),
     };
     let candle = |m: Result<QMatMul>| m.map(Linear::Candle);
     match target {

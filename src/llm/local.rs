@@ -5,17 +5,18 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, OnceLock, Weak};
 
 use async_trait::async_trait;
 
 pub use super::engine::LoadOptions;
-use super::engine::{Engine, EngineError, GenParams};
+use super::engine::{CancelFlag, Engine, EngineError, GenParams};
 use super::spec::{resolve_local, ModelSpec, SpecError};
 use super::{
-    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, LlmError, OptionProbs,
-    TokenUsage,
+    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, ContextLimits,
+    LlmError, OptionProbs, TokenUsage,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -46,19 +47,73 @@ fn worker() -> &'static mpsc::Sender<Job> {
     })
 }
 
+/// Sets the flag when dropped: dropping the future that waits for a job (an HTTP client that
+/// left) tells the job to stop. Also set after a normal finish, when the job is already done.
+struct CancelOnDrop(CancelFlag);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
 /// Runs `f` on the model worker thread and waits for its result without blocking the runtime.
+/// `f` gets a flag that is set once nobody waits for its result any more.
 async fn on_worker<T: Send + 'static>(
     what: &str,
-    f: impl FnOnce() -> T + Send + 'static,
+    f: impl FnOnce(&CancelFlag) -> T + Send + 'static,
 ) -> Result<T, String> {
     let (tx, rx) = tokio::sync::oneshot::channel();
+    let cancel = CancelFlag::default();
+    let job_cancel = cancel.clone();
     worker()
         .send(Box::new(move || {
-            let _ = tx.send(f());
+            let _ = tx.send(f(&job_cancel));
         }))
         .map_err(|_| format!("{what}: the model worker has stopped"))?;
+    let _cancel_on_drop = CancelOnDrop(cancel);
     rx.await
         .map_err(|_| format!("{what}: the model worker panicked"))
+}
+
+/// What a local backend's generation jobs came to (counted since it was loaded).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LocalStats {
+    /// Chat requests handed to the worker queue.
+    pub queued: u64,
+    /// Generations that started (prompt encoded, prefill under way).
+    pub started: u64,
+    /// Generations stopped part-way because their caller left.
+    pub cancelled: u64,
+    /// Tokens the cancelled generations had produced when they stopped.
+    pub cancelled_tokens: u64,
+    /// Queued requests never started because their caller had left.
+    pub skipped: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    queued: AtomicU64,
+    started: AtomicU64,
+    cancelled: AtomicU64,
+    cancelled_tokens: AtomicU64,
+    skipped: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+    fn snapshot(&self) -> LocalStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        LocalStats {
+            queued: get(&self.queued),
+            started: get(&self.started),
+            cancelled: get(&self.cancelled),
+            cancelled_tokens: get(&self.cancelled_tokens),
+            skipped: get(&self.skipped),
+        }
+    }
 }
 
 type Registry = HashMap<(PathBuf, String), Weak<Engine>>;
@@ -72,6 +127,7 @@ fn registry() -> &'static tokio::sync::Mutex<Registry> {
 pub struct LocalBackend {
     id: BackendId,
     engine: Arc<Engine>,
+    counters: Arc<Counters>,
 }
 
 impl LocalBackend {
@@ -92,7 +148,7 @@ impl LocalBackend {
             Some(e) => e,
             None => {
                 let opts = *opts;
-                let loaded = on_worker("loading", move || Engine::load(&files, &opts))
+                let loaded = on_worker("loading", move |_| Engine::load(&files, &opts))
                     .await
                     .map_err(|message| EngineError::Load {
                         path: path.clone(),
@@ -116,7 +172,13 @@ impl LocalBackend {
                 endpoint: String::new(),
             },
             engine,
+            counters: Arc::default(),
         }))
+    }
+
+    /// What this backend's generation jobs came to so far.
+    pub fn stats(&self) -> LocalStats {
+        self.counters.snapshot()
     }
 
     pub fn model_name(&self) -> String {
@@ -136,7 +198,18 @@ impl LocalBackend {
 
 fn to_llm_error(model: &str, e: EngineError) -> LlmError {
     match e {
-        EngineError::PromptTooLong { .. } => LlmError::InvalidRequest(e.to_string()),
+        EngineError::PromptTooLong { .. } | EngineError::PromptTooManyBytes { .. } => {
+            LlmError::ContextExceeded {
+                model: model.to_string(),
+                param: "messages",
+                message: e.to_string(),
+            }
+        }
+        EngineError::NoRoomForMaxTokens { .. } => LlmError::ContextExceeded {
+            model: model.to_string(),
+            param: "max_tokens",
+            message: e.to_string(),
+        },
         other => LlmError::Local {
             model: model.to_string(),
             message: other.to_string(),
@@ -144,10 +217,64 @@ fn to_llm_error(model: &str, e: EngineError) -> LlmError {
     }
 }
 
+/// One chat request on the worker thread: skipped when its caller already left, refused when
+/// a strict `max_tokens` does not fit beside the prompt, cancelled at the next token when the
+/// caller leaves mid-way.
+fn run_chat(
+    engine: &Engine,
+    messages: &[ChatMessage],
+    params: &GenParams,
+    strict_max_tokens: bool,
+    cancel: &CancelFlag,
+    counters: &Counters,
+) -> Result<super::engine::GenOutput, EngineError> {
+    if cancel.is_cancelled() {
+        Counters::add(&counters.skipped, 1);
+        tracing::info!(
+            model = engine.name(),
+            "skipped a queued request: its client left"
+        );
+        return Err(EngineError::Cancelled {
+            model: engine.name().to_string(),
+            tokens: 0,
+        });
+    }
+    let prompt = engine.encode_chat(messages)?;
+    let context = engine.context_length();
+    if strict_max_tokens && prompt.len() + params.max_new_tokens > context {
+        return Err(EngineError::NoRoomForMaxTokens {
+            model: engine.name().to_string(),
+            prompt: prompt.len(),
+            max_tokens: params.max_new_tokens,
+            context,
+        });
+    }
+    Counters::add(&counters.started, 1);
+    let out = engine.generate_cancellable(&prompt, params, cancel);
+    if let Err(EngineError::Cancelled { tokens, .. }) = &out {
+        Counters::add(&counters.cancelled, 1);
+        Counters::add(&counters.cancelled_tokens, *tokens as u64);
+        tracing::info!(
+            model = engine.name(),
+            tokens,
+            max_tokens = params.max_new_tokens,
+            "generation stopped: its client left"
+        );
+    }
+    out
+}
+
 #[async_trait]
 impl ChatBackend for LocalBackend {
     fn id(&self) -> &BackendId {
         &self.id
+    }
+
+    fn context_limits(&self) -> Option<ContextLimits> {
+        Some(ContextLimits {
+            context_tokens: self.engine.context_length(),
+            max_token_bytes: self.engine.max_token_bytes(),
+        })
     }
 
     async fn chat(&self, req: &ChatRequest) -> Result<ChatResponse, LlmError> {
@@ -163,9 +290,11 @@ impl ChatBackend for LocalBackend {
             n: req.n,
             ignore_eos: false,
         };
-        let out = on_worker("generation", move || {
-            let prompt = engine.encode(&engine.render(&messages)?)?;
-            engine.generate(&prompt, &params)
+        let counters = self.counters.clone();
+        let strict = req.strict_max_tokens;
+        Counters::add(&self.counters.queued, 1);
+        let out = on_worker("generation", move |cancel| {
+            run_chat(&engine, &messages, &params, strict, cancel, &counters)
         })
         .await
         .map_err(|e| self.local_err(e))?
@@ -206,7 +335,7 @@ impl ChatBackend for LocalBackend {
     ) -> Result<OptionProbs, LlmError> {
         let engine = self.engine.clone();
         let (messages, prefix, options) = (messages.to_vec(), prefix.to_string(), options.to_vec());
-        on_worker("scoring", move || {
+        on_worker("scoring", move |_| {
             engine.option_probs(&messages, &prefix, &options)
         })
         .await

@@ -74,6 +74,10 @@ pub struct ChatRequest {
     pub seed: Option<u64>,
     /// Ask the backend for a JSON object (OpenAI `response_format: json_object`).
     pub json_mode: bool,
+    /// Refuse, rather than shorten, a request whose prompt leaves fewer than `max_tokens`
+    /// tokens of context: a limit the client gave is a promise, a default one only a cap.
+    #[serde(default)]
+    pub strict_max_tokens: bool,
 }
 
 impl ChatRequest {
@@ -87,6 +91,7 @@ impl ChatRequest {
             stop: Vec::new(),
             seed: None,
             json_mode: false,
+            strict_max_tokens: false,
         }
     }
     pub fn temperature(mut self, t: f32) -> Self {
@@ -238,6 +243,15 @@ pub enum LlmError {
     EmptyReply { backend: String, attempts: u32 },
     #[error("local model {model}: {message}")]
     Local { model: String, message: String },
+    /// The prompt, or the prompt plus `max_tokens`, does not fit the model's context; `param`
+    /// names the request field to change (`messages` or `max_tokens`).
+    /// `message` names the model.
+    #[error("{message}")]
+    ContextExceeded {
+        model: String,
+        param: &'static str,
+        message: String,
+    },
     #[error("scripted backend: {0}")]
     Scripted(String),
     #[error("request cache {path}: {message}")]
@@ -296,13 +310,38 @@ impl std::fmt::Display for BackendId {
     }
 }
 
+/// How much one request to a backend can hold, for checks made before any work is queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextLimits {
+    /// Prompt plus completion tokens.
+    pub context_tokens: usize,
+    /// No token stands for more bytes of text than this, so a prompt of more than
+    /// `context_tokens × max_token_bytes` bytes cannot fit, without tokenizing it.
+    pub max_token_bytes: usize,
+}
+
+impl ContextLimits {
+    /// Bytes of prompt text beyond which no tokenization fits the context.
+    pub fn max_prompt_bytes(&self) -> usize {
+        self.context_tokens.saturating_mul(self.max_token_bytes)
+    }
+}
+
 /// The interface every role uses to talk to a model.
 #[async_trait]
 pub trait ChatBackend: Send + Sync {
     fn id(&self) -> &BackendId;
 
-    /// Answers with exactly `req.n` non-empty choices, or a typed error.
+    /// Answers with exactly `req.n` non-empty choices, or a typed error. A caller that stops
+    /// waiting (drops the future) cancels the work where the backend can (local models stop
+    /// at the next token, or never start).
     async fn chat(&self, req: &ChatRequest) -> Result<ChatResponse, LlmError>;
+
+    /// The context this backend's model has, when it is known locally (remote endpoints
+    /// enforce their own).
+    fn context_limits(&self) -> Option<ContextLimits> {
+        None
+    }
 
     /// Probability distribution over `options` for the token that follows `prefix` appended
     /// to the assistant turn of `messages` (log-probability judging). Only local models can

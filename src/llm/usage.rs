@@ -213,6 +213,10 @@ impl<B: ChatBackend + ?Sized> ChatBackend for MeteredBackend<B> {
         self.inner.id()
     }
 
+    fn context_limits(&self) -> Option<super::ContextLimits> {
+        self.inner.context_limits()
+    }
+
     async fn chat(&self, req: &ChatRequest) -> Result<ChatResponse, LlmError> {
         match self.inner.chat(req).await {
             Ok(resp) => {

@@ -9,19 +9,22 @@ use async_openai::config::OpenAIConfig;
 use async_openai::Client;
 use collabllm::llm::SharedBackend;
 
-/// Starts `serve` over `backend` on 127.0.0.1 (a free port) and returns its address. The
-/// server runs until the test's runtime ends; no signal handler is installed.
-pub async fn spawn_server(backend: SharedBackend, model_id: &str) -> SocketAddr {
+/// Starts `serve` over `backend` on 127.0.0.1 (a free port), answering to `names`, and returns
+/// its address. The server runs until the test's runtime ends; no signal handler is installed.
+pub async fn spawn_server(
+    backend: SharedBackend,
+    names: impl Into<collabllm::serve::ModelNames>,
+) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind 127.0.0.1:0");
     let addr = listener.local_addr().expect("local addr");
-    let model_id = model_id.to_string();
+    let names = names.into();
     tokio::spawn(async move {
         collabllm::serve::serve_with_shutdown(
             listener,
             backend,
-            model_id,
+            names,
             std::future::pending::<()>(),
         )
         .await

@@ -1,0 +1,619 @@
+//! `response_format`: the server cannot constrain decoding, so it checks the finished output
+//! instead. `json_object` replies must parse as a JSON object; `json_schema` replies must also
+//! satisfy the schema, checked with the subset of JSON Schema below. A schema that uses any
+//! other keyword is refused when the request arrives (400), so a check is never claimed that
+//! is not made. A reply that fails is an error, never passed on as if it were valid.
+//!
+//! Checked keywords: `type` (a name or a list), `properties`, `required`,
+//! `additionalProperties` (boolean or schema), `items`, `enum`, `const`, `minimum`, `maximum`,
+//! `exclusiveMinimum`, `exclusiveMaximum`, `minLength`, `maxLength`, `minItems`, `maxItems`,
+//! `anyOf`, `oneOf`, `allOf`, and `$ref` to `#/$defs/…` or `#/definitions/…` (what pydantic
+//! writes). Annotations (`title`, `description`, `default`, `examples`, `format`, `$schema`,
+//! `$id`, `$comment`) are accepted and not checked.
+
+use serde_json::{Map, Value};
+
+/// What the client asked the reply to be.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum ResponseFormat {
+    #[default]
+    Text,
+    JsonObject,
+    JsonSchema {
+        name: String,
+        schema: Value,
+    },
+}
+
+/// Why a `response_format` cannot be accepted: the parameter at fault and a message.
+#[derive(Debug, PartialEq)]
+pub struct FormatError {
+    pub param: String,
+    pub message: String,
+    /// True when the format is well-formed but asks for a check this server does not make.
+    pub unsupported: bool,
+}
+
+const CHECKED: &[&str] = &[
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "enum",
+    "const",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+    "$defs",
+    "definitions",
+];
+const ANNOTATIONS: &[&str] = &[
+    "title",
+    "description",
+    "default",
+    "examples",
+    "format",
+    "$schema",
+    "$id",
+    "$comment",
+];
+const TYPES: &[&str] = &[
+    "object", "array", "string", "number", "integer", "boolean", "null",
+];
+/// `$ref` hops and nesting followed at most (a schema that refers to itself without
+/// descending into the value would otherwise never end).
+const MAX_DEPTH: usize = 128;
+
+impl ResponseFormat {
+    /// Parses the request's `response_format` object.
+    pub fn parse(v: &Value) -> Result<Self, FormatError> {
+        let bad = |param: &str, message: String| FormatError {
+            param: param.to_string(),
+            message,
+            unsupported: false,
+        };
+        let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| {
+            bad(
+                "response_format",
+                "`response_format` must be an object with a string `type`".into(),
+            )
+        })?;
+        match kind {
+            "text" => Ok(Self::Text),
+            "json_object" => Ok(Self::JsonObject),
+            "json_schema" => {
+                let spec = v
+                    .get("json_schema")
+                    .and_then(Value::as_object)
+                    .ok_or_else(|| {
+                        bad(
+                        "response_format.json_schema",
+                        "`response_format.json_schema` must be an object with `name` and `schema`"
+                            .into(),
+                    )
+                    })?;
+                let name = match spec.get("name") {
+                    Some(Value::String(n)) if !n.is_empty() => n.clone(),
+                    _ => {
+                        return Err(bad(
+                            "response_format.json_schema.name",
+                            "`response_format.json_schema.name` must be a non-empty string".into(),
+                        ))
+                    }
+                };
+                let schema = spec
+                    .get("schema")
+                    .cloned()
+                    .unwrap_or(Value::Object(Map::new()));
+                check_schema(&schema, &schema, "response_format.json_schema.schema", 0)?;
+                Ok(Self::JsonSchema { name, schema })
+            }
+            other => Err(bad(
+                "response_format",
+                format!(
+                    "unknown `response_format.type` `{other}` (expected text, json_object or \
+                     json_schema)"
+                ),
+            )),
+        }
+    }
+
+    pub fn wants_json(&self) -> bool {
+        !matches!(self, Self::Text)
+    }
+
+    /// The reply to return when `content` satisfies the format (for JSON formats: the JSON
+    /// text, without the Markdown fence a model may put around it), or why it does not.
+    pub fn check(&self, content: &str) -> Result<String, String> {
+        if let Self::Text = self {
+            return Ok(content.to_string());
+        }
+        let json = unfence(content);
+        let value: Value =
+            serde_json::from_str(json).map_err(|e| format!("the reply is not valid JSON ({e})"))?;
+        match self {
+            Self::Text => {}
+            Self::JsonObject => {
+                if !value.is_object() {
+                    return Err(format!(
+                        "the reply is JSON but not an object (it is {})",
+                        type_name(&value)
+                    ));
+                }
+            }
+            Self::JsonSchema { schema, .. } => validate(&value, schema, schema, "$", 0)?,
+        }
+        Ok(json.to_string())
+    }
+}
+
+/// The text inside one surrounding ``` fence (with or without a language tag), trimmed.
+fn unfence(content: &str) -> &str {
+    let t = content.trim();
+    let Some(rest) = t.strip_prefix("```") else {
+        return t;
+    };
+    let Some(body) = rest.strip_suffix("```") else {
+        return t;
+    };
+    // The first line is the language tag (`json`) or empty.
+    match body.split_once('\n') {
+        Some((tag, inner)) if !tag.trim().contains(char::is_whitespace) => inner.trim(),
+        _ => t,
+    }
+}
+
+fn unsupported(param: &str, message: String) -> FormatError {
+    FormatError {
+        param: param.to_string(),
+        message,
+        unsupported: true,
+    }
+}
+
+fn invalid(param: &str, message: String) -> FormatError {
+    FormatError {
+        param: param.to_string(),
+        message,
+        unsupported: false,
+    }
+}
+
+/// Refuses a schema that uses a keyword this module does not check, or is malformed.
+fn check_schema(schema: &Value, root: &Value, at: &str, depth: usize) -> Result<(), FormatError> {
+    if depth > MAX_DEPTH {
+        return Err(unsupported(
+            at,
+            format!("`{at}` nests deeper than {MAX_DEPTH}"),
+        ));
+    }
+    let obj = match schema {
+        Value::Bool(_) => return Ok(()),
+        Value::Object(o) => o,
+        _ => return Err(invalid(at, format!("`{at}` must be a schema object"))),
+    };
+    for (key, v) in obj {
+        let here = format!("{at}.{key}");
+        if ANNOTATIONS.contains(&key.as_str()) {
+            continue;
+        }
+        if !CHECKED.contains(&key.as_str()) {
+            return Err(unsupported(
+                &here,
+                format!(
+                    "JSON Schema keyword `{key}` (at `{at}`) is not checked by this server; it \
+                     checks {}",
+                    CHECKED.join(", ")
+                ),
+            ));
+        }
+        match key.as_str() {
+            "type" => {
+                let names: Vec<&Value> = match v {
+                    Value::Array(a) => a.iter().collect(),
+                    one => vec![one],
+                };
+                for n in names {
+                    if !n.as_str().is_some_and(|n| TYPES.contains(&n)) {
+                        return Err(invalid(&here, format!("`{here}`: unknown type {n}")));
+                    }
+                }
+            }
+            "properties" | "$defs" | "definitions" => {
+                let props = v
+                    .as_object()
+                    .ok_or_else(|| invalid(&here, format!("`{here}` must be an object")))?;
+                for (name, sub) in props {
+                    check_schema(sub, root, &format!("{here}.{name}"), depth + 1)?;
+                }
+            }
+            "required" => {
+                if !v.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
+                    return Err(invalid(
+                        &here,
+                        format!("`{here}` must be an array of strings"),
+                    ));
+                }
+            }
+            "additionalProperties" | "items" => check_schema(v, root, &here, depth + 1)?,
+            "anyOf" | "oneOf" | "allOf" => {
+                let subs = v
+                    .as_array()
+                    .filter(|a| !a.is_empty())
+                    .ok_or_else(|| invalid(&here, format!("`{here}` must be a non-empty array")))?;
+                for (i, sub) in subs.iter().enumerate() {
+                    check_schema(sub, root, &format!("{here}[{i}]"), depth + 1)?;
+                }
+            }
+            "enum" => {
+                if !v.is_array() {
+                    return Err(invalid(&here, format!("`{here}` must be an array")));
+                }
+            }
+            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" => {
+                if !v.is_number() {
+                    return Err(invalid(&here, format!("`{here}` must be a number")));
+                }
+            }
+            "minLength" | "maxLength" | "minItems" | "maxItems" => {
+                if v.as_u64().is_none() {
+                    return Err(invalid(
+                        &here,
+                        format!("`{here}` must be a non-negative integer"),
+                    ));
+                }
+            }
+            "$ref" => {
+                let target = v
+                    .as_str()
+                    .ok_or_else(|| invalid(&here, format!("`{here}` must be a string")))?;
+                if resolve_ref(root, target).is_none() {
+                    return Err(unsupported(
+                        &here,
+                        format!(
+                            "`{here}`: only references to `#/$defs/<name>` or \
+                             `#/definitions/<name>` in the same schema are followed, not \
+                             `{target}`"
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn resolve_ref<'a>(root: &'a Value, target: &str) -> Option<&'a Value> {
+    let (section, name) = target
+        .strip_prefix("#/$defs/")
+        .map(|n| ("$defs", n))
+        .or_else(|| {
+            target
+                .strip_prefix("#/definitions/")
+                .map(|n| ("definitions", n))
+        })?;
+    root.get(section)?.get(name)
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "integer",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+fn has_type(v: &Value, name: &str) -> bool {
+    match name {
+        "integer" => v
+            .as_f64()
+            .is_some_and(|x| x.fract() == 0.0 && x.is_finite()),
+        "number" => v.is_number(),
+        other => type_name(v) == other,
+    }
+}
+
+fn count_chars(s: &str) -> u64 {
+    s.chars().count() as u64
+}
+
+/// Checks `value` (at JSON path `at`) against a schema already accepted by [`check_schema`].
+fn validate(
+    value: &Value,
+    schema: &Value,
+    root: &Value,
+    at: &str,
+    depth: usize,
+) -> Result<(), String> {
+    if depth > MAX_DEPTH {
+        return Err(format!("{at}: the schema nests deeper than {MAX_DEPTH}"));
+    }
+    let obj = match schema {
+        Value::Bool(true) => return Ok(()),
+        Value::Bool(false) => return Err(format!("{at}: no value is allowed here")),
+        Value::Object(o) => o,
+        _ => return Ok(()),
+    };
+    if let Some(target) = obj.get("$ref").and_then(Value::as_str) {
+        if let Some(sub) = resolve_ref(root, target) {
+            validate(value, sub, root, at, depth + 1)?;
+        }
+    }
+    if let Some(t) = obj.get("type") {
+        let names: Vec<&str> = match t {
+            Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+            one => one.as_str().into_iter().collect(),
+        };
+        if !names.iter().any(|n| has_type(value, n)) {
+            return Err(format!(
+                "{at}: expected {}, got {}",
+                names.join(" or "),
+                type_name(value)
+            ));
+        }
+    }
+    if let Some(options) = obj.get("enum").and_then(Value::as_array) {
+        if !options.contains(value) {
+            return Err(format!(
+                "{at}: {value} is not one of {}",
+                Value::Array(options.clone())
+            ));
+        }
+    }
+    if let Some(c) = obj.get("const") {
+        if c != value {
+            return Err(format!("{at}: expected {c}, got {value}"));
+        }
+    }
+    check_bounds(value, obj, at)?;
+    if let Value::Object(fields) = value {
+        check_object(fields, obj, root, at, depth)?;
+    }
+    if let (Value::Array(items), Some(item_schema)) = (value, obj.get("items")) {
+        for (i, item) in items.iter().enumerate() {
+            validate(item, item_schema, root, &format!("{at}[{i}]"), depth + 1)?;
+        }
+    }
+    check_combinators(value, obj, root, at, depth)
+}
+
+fn check_bounds(value: &Value, obj: &Map<String, Value>, at: &str) -> Result<(), String> {
+    let num = |k: &str| obj.get(k).and_then(Value::as_f64);
+    let int = |k: &str| obj.get(k).and_then(Value::as_u64);
+    if let Some(x) = value.as_f64() {
+        if let Some(m) = num("minimum").filter(|m| x < *m) {
+            return Err(format!("{at}: {x} is below the minimum {m}"));
+        }
+        if let Some(m) = num("maximum").filter(|m| x > *m) {
+            return Err(format!("{at}: {x} is above the maximum {m}"));
+        }
+        if let Some(m) = num("exclusiveMinimum").filter(|m| x <= *m) {
+            return Err(format!("{at}: {x} is not above {m}"));
+        }
+        if let Some(m) = num("exclusiveMaximum").filter(|m| x >= *m) {
+            return Err(format!("{at}: {x} is not below {m}"));
+        }
+    }
+    if let Value::String(s) = value {
+        let n = count_chars(s);
+        if let Some(m) = int("minLength").filter(|m| n < *m) {
+            return Err(format!("{at}: {n} characters, fewer than minLength {m}"));
+        }
+        if let Some(m) = int("maxLength").filter(|m| n > *m) {
+            return Err(format!("{at}: {n} characters, more than maxLength {m}"));
+        }
+    }
+    if let Value::Array(a) = value {
+        let n = a.len() as u64;
+        if let Some(m) = int("minItems").filter(|m| n < *m) {
+            return Err(format!("{at}: {n} items, fewer than minItems {m}"));
+        }
+        if let Some(m) = int("maxItems").filter(|m| n > *m) {
+            return Err(format!("{at}: {n} items, more than maxItems {m}"));
+        }
+    }
+    Ok(())
+}
+
+fn check_object(
+    fields: &Map<String, Value>,
+    obj: &Map<String, Value>,
+    root: &Value,
+    at: &str,
+    depth: usize,
+) -> Result<(), String> {
+    for key in obj
+        .get("required")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+    {
+        if !fields.contains_key(key) {
+            return Err(format!("{at}: required key `{key}` is missing"));
+        }
+    }
+    let props = obj.get("properties").and_then(Value::as_object);
+    for (key, v) in fields {
+        let here = format!("{at}.{key}");
+        match props.and_then(|p| p.get(key)) {
+            Some(sub) => validate(v, sub, root, &here, depth + 1)?,
+            None => match obj.get("additionalProperties") {
+                Some(Value::Bool(false)) => {
+                    return Err(format!("{at}: key `{key}` is not allowed by the schema"))
+                }
+                Some(extra) => validate(v, extra, root, &here, depth + 1)?,
+                None => {}
+            },
+        }
+    }
+    Ok(())
+}
+
+fn check_combinators(
+    value: &Value,
+    obj: &Map<String, Value>,
+    root: &Value,
+    at: &str,
+    depth: usize,
+) -> Result<(), String> {
+    let subs = |k: &str| obj.get(k).and_then(Value::as_array);
+    if let Some(all) = subs("allOf") {
+        for s in all {
+            validate(value, s, root, at, depth + 1)?;
+        }
+    }
+    if let Some(any) = subs("anyOf") {
+        let errors: Vec<String> = any
+            .iter()
+            .filter_map(|s| validate(value, s, root, at, depth + 1).err())
+            .collect();
+        if errors.len() == any.len() {
+            return Err(format!(
+                "{at}: matches none of anyOf ({})",
+                errors.join("; ")
+            ));
+        }
+    }
+    if let Some(one) = subs("oneOf") {
+        let matching = one
+            .iter()
+            .filter(|s| validate(value, s, root, at, depth + 1).is_ok())
+            .count();
+        if matching != 1 {
+            return Err(format!(
+                "{at}: matches {matching} of the oneOf schemas, not exactly one"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn schema_format(schema: Value) -> Result<ResponseFormat, FormatError> {
+        ResponseFormat::parse(&json!({
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": true}
+        }))
+    }
+
+    #[test]
+    fn json_object_needs_an_object_and_drops_a_fence() {
+        let f = ResponseFormat::JsonObject;
+        assert_eq!(f.check(" {\"a\": 1}\n").unwrap(), "{\"a\": 1}");
+        assert_eq!(f.check("```json\n{\"a\": 1}\n```").unwrap(), "{\"a\": 1}");
+        assert_eq!(f.check("```\n{}\n```").unwrap(), "{}");
+        assert!(f.check("[1, 2]").unwrap_err().contains("not an object"));
+        assert!(f
+            .check("Sure! {\"a\": 1}")
+            .unwrap_err()
+            .contains("not valid JSON"));
+        assert!(f.check("{\"a\": ").is_err());
+        assert_eq!(ResponseFormat::Text.check("anything").unwrap(), "anything");
+    }
+
+    #[test]
+    fn schema_checks_types_required_and_nesting() {
+        let f = schema_format(json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "age": {"type": "integer", "minimum": 0},
+                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+                "pet": {"$ref": "#/$defs/Pet"},
+                "nick": {"anyOf": [{"type": "string"}, {"type": "null"}]}
+            },
+            "required": ["name", "age"],
+            "additionalProperties": false,
+            "$defs": {"Pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}},
+                               "required": ["kind"], "title": "Pet"}}
+        }))
+        .unwrap();
+        assert!(f
+            .check(
+                r#"{"name": "Ada", "age": 36, "tags": ["x"], "pet": {"kind": "cat"}, "nick": null}"#
+            )
+            .is_ok());
+        let cases = [
+            (r#"{"name": "Ada"}"#, "required key `age`"),
+            (
+                r#"{"name": "Ada", "age": "36"}"#,
+                "$.age: expected integer, got string",
+            ),
+            (r#"{"name": "Ada", "age": 3.5}"#, "$.age: expected integer"),
+            (r#"{"name": "Ada", "age": -1}"#, "below the minimum"),
+            (r#"{"name": "", "age": 1}"#, "minLength"),
+            (
+                r#"{"name": "A", "age": 1, "tags": ["a", 2]}"#,
+                "$.tags[1]: expected string",
+            ),
+            (
+                r#"{"name": "A", "age": 1, "tags": ["a", "b", "c"]}"#,
+                "maxItems",
+            ),
+            (
+                r#"{"name": "A", "age": 1, "pet": {"kind": "cow"}}"#,
+                "$.pet.kind",
+            ),
+            (r#"{"name": "A", "age": 1, "nick": 5}"#, "anyOf"),
+            (
+                r#"{"name": "A", "age": 1, "extra": 1}"#,
+                "`extra` is not allowed",
+            ),
+            (r#"["name"]"#, "expected object, got array"),
+        ];
+        for (reply, want) in cases {
+            let err = f.check(reply).expect_err(reply);
+            assert!(err.contains(want), "{reply}: {err}");
+        }
+    }
+
+    #[test]
+    fn unchecked_keywords_and_bad_schemas_are_refused() {
+        let e = schema_format(json!({"type": "string", "pattern": "^a"})).unwrap_err();
+        assert!(e.unsupported, "{e:?}");
+        assert_eq!(e.param, "response_format.json_schema.schema.pattern");
+        let e = schema_format(json!({"properties": {"a": {"if": {}}}})).unwrap_err();
+        assert_eq!(
+            e.param,
+            "response_format.json_schema.schema.properties.a.if"
+        );
+        let e = schema_format(json!({"$ref": "https://example.com/s.json"})).unwrap_err();
+        assert!(e.unsupported);
+        let e = schema_format(json!({"type": "text"})).unwrap_err();
+        assert!(!e.unsupported);
+        let e = ResponseFormat::parse(&json!({"type": "json_schema"})).unwrap_err();
+        assert_eq!(e.param, "response_format.json_schema");
+        let e = ResponseFormat::parse(&json!({"type": "yaml"})).unwrap_err();
+        assert_eq!(e.param, "response_format");
+        // A schema that refers to itself without descending ends with an error, not a hang.
+        let f = schema_format(json!({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}))
+            .unwrap();
+        assert!(f.check("{}").unwrap_err().contains("deeper"));
+        // Annotations are accepted.
+        assert!(
+            schema_format(json!({"type": "object", "title": "T", "description": "d",
+                                     "properties": {"d": {"type": "string", "format": "date"}}}))
+            .is_ok()
+        );
+    }
+}
