@@ -33,4 +33,5 @@ pub mod loss;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub mod rl;
 pub mod trainer;
