@@ -5,6 +5,7 @@
 //! resumable state ([`state`]).
 
 pub mod advantage;
+pub mod batch;
 
 pub mod loss;
 
