@@ -8,6 +8,9 @@ pub mod advantage;
 pub mod batch;
 
 pub mod loss;
+pub mod state;
+pub mod step;
+pub mod sync;
 
 /// One sampled response of a group, with its multiturn-aware reward.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
