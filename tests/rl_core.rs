@@ -125,7 +125,9 @@ fn learns_the_rewarded_response(lora: bool, lr: f64) {
         if u == 0 {
             assert!(get("kl_loss").abs() < 1e-6, "no KL before any update");
         }
-        assert!(rep.grad_norms.iter().all(|n| n.is_finite() && *n > 0.0));
+        // Later steps may be fully clipped (zero gradient); the first one never is.
+        assert!(rep.grad_norms[0] > 0.0, "update {u}: {:?}", rep.grad_norms);
+        assert!(rep.grad_norms.iter().all(|n| n.is_finite()));
     }
     let after: Vec<f64> = (0..3)
         .map(|r| response_logp(t.policy(), &t, &codec, &probe, r))
@@ -144,7 +146,7 @@ fn repeated_updates_raise_the_rewarded_response_full() {
 
 #[test]
 fn repeated_updates_raise_the_rewarded_response_lora() {
-    learns_the_rewarded_response(true, 1e-2);
+    learns_the_rewarded_response(true, 3e-3);
 }
 
 #[test]
