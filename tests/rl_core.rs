@@ -370,6 +370,8 @@ fn sync_serves_the_updated_weights() {
             "lora {lora}: the update changed nothing"
         );
         assert_eq!(backend.engine().fingerprint(), "update-1");
+        // The engine of the previous version kept its own weights.
+        assert!(max_diff(&last_logits(&e0, &ids), &l0) < 1e-6, "lora {lora}");
         // Q8 re-quantization serves approximately the same weights.
         let q =
             sync::policy_engine(t.policy(), codec2(), "tiny", 1, None, WeightFormat::Q8_0).unwrap();

@@ -1,8 +1,13 @@
 //! Weights for the sampler after each update: the policy's current weights (LoRA merged)
 //! become an inference [`LlamaModel`] (f32, or re-quantized to Q8_0 for fast CPU sampling),
 //! wrapped in an [`Engine`] whose fingerprint names the update, and a [`LocalBackend`] that
-//! the rollout swaps in for the previous one. Sampling never reads the trainable variables,
-//! so the optimizer can update them while the engine of the previous version still serves.
+//! the rollout swaps in for the previous one. The engine owns its weights (copied or
+//! re-quantized), so the optimizer can update the trainable variables while the engine of
+//! the previous version still serves (tested).
+//!
+//! Cost on SmolLM2-135M (CPU, one thread, after the first call): f32 ~0.12 s (a copy of
+//! the weights), Q8_0 ~0.49 s (re-quantization), plus ~0.2 s to read the tokenizer when a
+//! new `ChatCodec` is loaded for each engine.
 
 use std::sync::Arc;
 
@@ -20,10 +25,21 @@ pub fn policy_model(
     factors: Option<Vec<f32>>,
     format: WeightFormat,
 ) -> Result<LlamaModel> {
+    // `hf_tensors` may share storage with the trainable variables (detached views), which
+    // the optimizer may update in place: an f32 engine takes its own copy so that it never
+    // changes under the sampler.
     let tensors = policy
         .hf_tensors()?
         .into_iter()
-        .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
+        .map(|(k, v)| {
+            let v = v.to_dtype(DType::F32)?;
+            let v = if format == WeightFormat::F32 {
+                v.copy()?
+            } else {
+                v
+            };
+            Ok((k, v))
+        })
         .collect::<Result<_>>()?;
     LlamaModel::from_hf_tensors(
         tensors,
