@@ -445,6 +445,24 @@ impl Engine {
         })
     }
 
+    /// An engine over a model built in memory (the weights of a policy being trained, see
+    /// `train::rl::sync`); `fingerprint` names that version of the weights.
+    pub fn from_parts(
+        name: String,
+        fingerprint: String,
+        model: LlamaModel,
+        codec: ChatCodec,
+    ) -> Engine {
+        let context_length = model.config().max_position_embeddings;
+        Engine {
+            name,
+            fingerprint,
+            model,
+            codec,
+            context_length,
+        }
+    }
+
     /// Display name: the file stem or directory name.
     pub fn name(&self) -> &str {
         &self.name

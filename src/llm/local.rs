@@ -181,6 +181,20 @@ impl LocalBackend {
         self.counters.snapshot()
     }
 
+    /// A backend over an engine built in memory (e.g. the policy weights after an RL
+    /// update); not registered for reuse by [`LocalBackend::load`].
+    pub fn from_engine(engine: Arc<Engine>) -> Arc<LocalBackend> {
+        Arc::new(LocalBackend {
+            id: BackendId {
+                kind: "local".into(),
+                model: format!("{}@{}", engine.name(), engine.fingerprint()),
+                endpoint: String::new(),
+            },
+            engine,
+            counters: Arc::default(),
+        })
+    }
+
     pub fn model_name(&self) -> String {
         self.engine.name().to_string()
     }

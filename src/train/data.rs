@@ -92,7 +92,7 @@ pub struct TokenizeStats {
 }
 
 /// Token ids of `messages` rendered by the template (no special tokens added).
-fn render_ids(
+pub(crate) fn render_ids(
     codec: &ChatCodec,
     messages: &[ChatMessage],
     generation_prompt: bool,
@@ -104,7 +104,7 @@ fn render_ids(
 }
 
 /// `full` must start with `prefix`; returns the rest.
-fn suffix_after(prefix: &[u32], full: &[u32], what: &str) -> Result<Vec<u32>, String> {
+pub(crate) fn suffix_after(prefix: &[u32], full: &[u32], what: &str) -> Result<Vec<u32>, String> {
     if full.len() <= prefix.len() || full[..prefix.len()] != *prefix {
         let at = prefix
             .iter()

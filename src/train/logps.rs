@@ -293,6 +293,25 @@ fn token_stats(logits: &Tensor, labels: &[u32]) -> Result<Vec<[f64; 3]>> {
         .collect())
 }
 
+/// Logits (K, V) at the positions that predict `targets` (the output head runs only there).
+pub fn target_logits(model: &TrainLlama, hidden: &Tensor, targets: &Targets) -> Result<Tensor> {
+    let (n, t, h) = hidden.dims3()?;
+    let selected = hidden
+        .reshape((n * t, h))?
+        .index_select(&targets.positions, 0)?;
+    model.logits_of(&selected)
+}
+
+/// Per-token log-probs (K,) of `targets`, in their order (what on-policy RL needs: ratios
+/// and KL are per token, not per sequence).
+pub fn target_token_logps(
+    model: &TrainLlama,
+    hidden: &Tensor,
+    targets: &Targets,
+) -> Result<Tensor> {
+    super::ops::token_logps(&target_logits(model, hidden, targets)?, &targets.labels)
+}
+
 /// Chosen and rejected log-probs, each (B,), from one forward pass of `model` over `batch`.
 /// With `average`, each sum is divided by its completion length (TRL does so for `ipo`).
 pub fn pair_logps(

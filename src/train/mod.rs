@@ -2,7 +2,8 @@
 //! from ops with explicit backward passes ([`ops`]), sequence log-probs of preference pairs
 //! packed one pair per row ([`logps`]), TRL's DPO losses and metrics ([`loss`]), AdamW with
 //! open state ([`adamw`]), HF/TRL schedule and clipping ([`optim`]), TRL-format data
-//! ([`data`]) and the training loop with checkpoints and resume ([`trainer`]).
+//! ([`data`]) and the training loop with checkpoints and resume ([`trainer`]); the training
+//! half of online RL (GRPO/PPO updates from scored groups) is in [`rl`].
 //!
 //! A step, in outline:
 //! ```no_run
@@ -33,4 +34,5 @@ pub mod loss;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub mod rl;
 pub mod trainer;

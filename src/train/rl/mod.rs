@@ -1,0 +1,35 @@
+//! On-policy RL training core (issue 18, DESIGN §5/§10): the training half of `rl_train`.
+//! The rollout half samples [`Group`]s of responses and scores them with the multiturn-aware
+//! reward; this half turns groups into advantages ([`advantage`]), token batches
+//! ([`batch`]), PPO/GRPO updates ([`loss`], [`step`]), weights for the sampler ([`sync`]) and
+//! resumable state ([`state`]).
+
+pub mod advantage;
+pub mod batch;
+
+pub mod loss;
+pub mod state;
+pub mod step;
+pub mod sync;
+
+/// One sampled response of a group, with its multiturn-aware reward.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ScoredResponse {
+    /// The assistant reply as sampled.
+    pub text: String,
+    /// MR; `None` = no valid score: the response leaves its group.
+    pub reward: Option<f64>,
+    /// Per-metric mean over the sampled futures.
+    pub metrics: std::collections::BTreeMap<String, f64>,
+    /// Hit `max_new_tokens`.
+    pub truncated: bool,
+}
+
+/// n responses to one prompt (a conversation prefix ending in a user turn).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Group {
+    pub task_id: String,
+    /// System message first if any.
+    pub prompt: Vec<crate::llm::ChatMessage>,
+    pub responses: Vec<ScoredResponse>,
+}

@@ -1,0 +1,509 @@
+//! One RL update of a [`TrainLlama`] from a batch of scored [`Group`]s (verl's actor update):
+//!
+//! 1. group advantages ([`super::advantage`]); responses tokenized and packed ([`super::batch`]);
+//! 2. old log-probs recomputed in f32 on the current weights (the ones that sampled, before
+//!    any change) and, when the KL term is on, reference log-probs from the initial weights
+//!    (a frozen copy for full fine-tuning; the base model with adapters switched off for LoRA,
+//!    as the DPO trainer does);
+//! 3. `ppo_epochs` passes over the responses in a seeded shuffled order, `mini_batch`
+//!    responses per optimizer step, `micro_batch` responses per forward/backward (gradients
+//!    accumulate; the loss weights come from the whole mini-batch so the sum is exact);
+//!    each step clips the global gradient norm and applies AdamW at the scheduled rate.
+//!
+//! LoRA dropout stays off in every pass: with it the ratio of the first mini-batch would not
+//! be 1 and the clip would act on noise rather than on policy change.
+//! A non-finite loss or gradient norm stops the update with an error before the optimizer
+//! touches the weights.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use super::advantage::{self, AdvantageStats, Estimator};
+use super::batch::{tokenize_response, RlBatch, RlSample};
+use super::loss::{entropy_of_logits, ppo_loss, PpoConfig, PpoMetrics, TokenTerms};
+use super::Group;
+use crate::llm::engine::ChatCodec;
+use crate::train::adamw::{AdamW, AdamWParams};
+use crate::train::logps::{target_logits, target_token_logps};
+use crate::train::model::TrainLlama;
+use crate::train::ops::token_logps;
+use crate::train::optim::{accumulate_grads, clip_grad_norm};
+use crate::train::trainer::Schedule;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RlError {
+    #[error("group {group} (task {task_id:?}), response {response}: {message}")]
+    Response {
+        group: usize,
+        task_id: String,
+        response: usize,
+        message: String,
+    },
+    #[error("update {update}, optimizer step {step}: non-finite {what} ({value}); the weights were not changed by this step")]
+    NonFinite {
+        update: u64,
+        step: u64,
+        what: &'static str,
+        value: f64,
+    },
+    #[error("invalid RL setting: {0}")]
+    Config(String),
+    #[error("{path}: {message}")]
+    State {
+        path: std::path::PathBuf,
+        message: String,
+    },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Hyper-parameters of the update (verl's GRPO defaults where it has them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RlConfig {
+    pub ppo: PpoConfig,
+    pub estimator: Estimator,
+    /// Passes over each rollout batch (`--ppo-epochs`).
+    pub ppo_epochs: usize,
+    /// Responses per optimizer step (`--mini-batch`); 0: the whole rollout batch.
+    pub mini_batch: usize,
+    /// Responses per forward/backward pass; 0: the whole mini-batch.
+    pub micro_batch: usize,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+    pub schedule: Schedule,
+    pub warmup_ratio: f64,
+    /// Optimizer steps of the whole run, for the schedule (0: constant rate).
+    pub total_steps: usize,
+    /// Longest prompt + response in tokens; longer responses are dropped (counted).
+    pub max_length: usize,
+    pub seed: u64,
+}
+
+impl Default for RlConfig {
+    fn default() -> Self {
+        Self {
+            ppo: PpoConfig::default(),
+            estimator: Estimator::Grpo,
+            ppo_epochs: 1,
+            mini_batch: 0,
+            micro_batch: 4,
+            lr: 1e-6,
+            weight_decay: 0.01,
+            max_grad_norm: 1.0,
+            schedule: Schedule::Constant,
+            warmup_ratio: 0.0,
+            total_steps: 0,
+            max_length: 2048,
+            seed: 0,
+        }
+    }
+}
+
+impl RlConfig {
+    /// Checks every value once; the error names the flag and the value.
+    pub fn validate(&self) -> Result<(), RlError> {
+        self.ppo.validate().map_err(RlError::Config)?;
+        let bad = |m: String| Err(RlError::Config(m));
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("--lr must be a positive number, got {}", self.lr));
+        }
+        if !(self.weight_decay.is_finite() && (0.0..1.0).contains(&self.weight_decay)) {
+            return bad(format!(
+                "--weight-decay must be in [0, 1), got {}",
+                self.weight_decay
+            ));
+        }
+        if !(self.max_grad_norm.is_finite() && self.max_grad_norm > 0.0) {
+            return bad(format!(
+                "--max-grad-norm must be > 0, got {}",
+                self.max_grad_norm
+            ));
+        }
+        if !(self.warmup_ratio.is_finite() && (0.0..=1.0).contains(&self.warmup_ratio)) {
+            return bad(format!(
+                "--warmup-ratio must be in [0, 1], got {}",
+                self.warmup_ratio
+            ));
+        }
+        if self.ppo_epochs == 0 {
+            return bad("--ppo-epochs must be at least 1, got 0".into());
+        }
+        if self.max_length < 2 {
+            return bad(format!(
+                "--max-length must be at least 2, got {}",
+                self.max_length
+            ));
+        }
+        Ok(())
+    }
+
+    fn lr_at(&self, step: u64) -> f64 {
+        if self.total_steps == 0 {
+            return self.lr;
+        }
+        let warmup = crate::train::optim::warmup_steps(self.total_steps, self.warmup_ratio);
+        self.lr
+            * self
+                .schedule
+                .factor(step as usize, self.total_steps, warmup)
+    }
+}
+
+/// What one update did.
+#[derive(Clone, Debug, Default)]
+pub struct UpdateReport {
+    pub advantage: AdvantageStats,
+    /// Responses trained on.
+    pub samples: usize,
+    pub response_tokens: usize,
+    pub dropped_too_long: usize,
+    pub optimizer_steps: usize,
+    /// Loss and metrics of each optimizer step, in order.
+    pub steps: Vec<PpoMetrics>,
+    pub losses: Vec<f64>,
+    pub grad_norms: Vec<f64>,
+    pub lr: f64,
+}
+
+impl UpdateReport {
+    /// Flat metrics: advantage counts, then means over the optimizer steps (ratio min / max
+    /// over all of them).
+    pub fn named(&self) -> Vec<(String, f64)> {
+        let mut out: Vec<(String, f64)> = self
+            .advantage
+            .named()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        out.push(("samples".into(), self.samples as f64));
+        out.push(("response_tokens".into(), self.response_tokens as f64));
+        out.push(("dropped_too_long".into(), self.dropped_too_long as f64));
+        out.push(("optimizer_steps".into(), self.optimizer_steps as f64));
+        out.push(("lr".into(), self.lr));
+        let n = self.steps.len().max(1) as f64;
+        out.push(("loss".into(), self.losses.iter().sum::<f64>() / n));
+        out.push(("grad_norm".into(), self.grad_norms.iter().sum::<f64>() / n));
+        if let Some(first) = self.steps.first() {
+            for (i, (k, _)) in first.named().into_iter().enumerate() {
+                let vals = self.steps.iter().map(|s| s.named()[i].1);
+                let v = match k {
+                    "ratio_min" => vals.fold(f64::INFINITY, f64::min),
+                    "ratio_max" => vals.fold(f64::NEG_INFINITY, f64::max),
+                    _ => vals.sum::<f64>() / n,
+                };
+                out.push((k.to_string(), v));
+            }
+        }
+        out
+    }
+}
+
+/// The policy, its frozen reference and optimizer, across updates.
+pub struct RlTrainer {
+    policy: TrainLlama,
+    /// Full fine-tuning with a KL term: the initial weights. LoRA uses the base model.
+    reference: Option<TrainLlama>,
+    opt: AdamW,
+    cfg: RlConfig,
+    pad_id: u32,
+    /// Updates (rollout batches) done.
+    updates: u64,
+}
+
+/// Per-sample log-probs of one pass.
+type SampleLogps = Vec<Vec<f32>>;
+
+impl RlTrainer {
+    /// Starts from `policy` as it is now (its weights are the reference). For LoRA, enable
+    /// the adapters on `policy` before calling.
+    pub fn new(policy: TrainLlama, cfg: RlConfig, pad_id: u32) -> Result<Self, RlError> {
+        cfg.validate()?;
+        let reference = if cfg.ppo.kl_coef > 0.0 && policy.lora_config().is_none() {
+            Some(policy.detached_copy()?)
+        } else {
+            None
+        };
+        policy.set_training(false);
+        let opt = AdamW::new(
+            policy.named_vars(),
+            AdamWParams {
+                weight_decay: cfg.weight_decay,
+                ..Default::default()
+            },
+        )?;
+        Ok(Self {
+            policy,
+            reference,
+            opt,
+            cfg,
+            pad_id,
+            updates: 0,
+        })
+    }
+
+    pub fn policy(&self) -> &TrainLlama {
+        &self.policy
+    }
+    pub fn config(&self) -> &RlConfig {
+        &self.cfg
+    }
+    pub fn updates(&self) -> u64 {
+        self.updates
+    }
+    pub fn optimizer(&self) -> &AdamW {
+        &self.opt
+    }
+    pub(crate) fn restore(
+        &mut self,
+        updates: u64,
+        opt_path: &std::path::Path,
+        steps: u64,
+    ) -> candle_core::Result<()> {
+        self.updates = updates;
+        self.opt.load(opt_path, steps)
+    }
+
+    /// Tokenized responses that train, with their advantages.
+    pub fn samples(
+        &self,
+        codec: &ChatCodec,
+        groups: &[Group],
+    ) -> Result<(Vec<RlSample>, AdvantageStats, usize), RlError> {
+        let (adv, stats) = advantage::compute(groups, self.cfg.estimator);
+        let mut out = Vec::with_capacity(adv.len());
+        let mut too_long = 0;
+        for a in adv {
+            let g = &groups[a.group];
+            let r = &g.responses[a.response];
+            let (prompt, response_ids) = tokenize_response(codec, &g.prompt, &r.text, r.truncated)
+                .map_err(|message| RlError::Response {
+                    group: a.group,
+                    task_id: g.task_id.clone(),
+                    response: a.response,
+                    message,
+                })?;
+            if prompt.len() + response_ids.len() > self.cfg.max_length {
+                too_long += 1;
+                continue;
+            }
+            out.push(RlSample {
+                group: a.group,
+                response: a.response,
+                prompt,
+                response_ids,
+                advantage: a.advantage as f32,
+            });
+        }
+        Ok((out, stats, too_long))
+    }
+
+    /// One update from a rollout batch sampled with the current weights.
+    pub fn update(&mut self, codec: &ChatCodec, groups: &[Group]) -> Result<UpdateReport, RlError> {
+        let (samples, advantage, dropped_too_long) = self.samples(codec, groups)?;
+        let report = self.update_samples(&samples)?;
+        Ok(UpdateReport {
+            advantage,
+            dropped_too_long,
+            ..report
+        })
+    }
+
+    /// One update from already tokenized samples.
+    pub fn update_samples(&mut self, samples: &[RlSample]) -> Result<UpdateReport, RlError> {
+        let mut report = UpdateReport {
+            samples: samples.len(),
+            response_tokens: samples.iter().map(|s| s.response_ids.len()).sum(),
+            lr: self.cfg.lr_at(self.opt.step_count()),
+            ..Default::default()
+        };
+        if samples.is_empty() {
+            self.updates += 1;
+            return Ok(report);
+        }
+        let old = self.sample_logps(samples, false)?;
+        let reference = if self.cfg.ppo.kl_coef > 0.0 {
+            Some(self.sample_logps(samples, true)?)
+        } else {
+            None
+        };
+        let mini = match self.cfg.mini_batch {
+            0 => samples.len(),
+            m => m.min(samples.len()),
+        };
+        for epoch in 0..self.cfg.ppo_epochs {
+            let order = self.shuffled(samples.len(), epoch);
+            for chunk in order.chunks(mini) {
+                let (loss, metrics, norm) =
+                    self.optimizer_step(samples, chunk, &old, reference.as_ref())?;
+                report.losses.push(loss);
+                report.steps.push(metrics);
+                report.grad_norms.push(norm);
+                report.optimizer_steps += 1;
+            }
+        }
+        self.updates += 1;
+        Ok(report)
+    }
+
+    /// A permutation seeded by (seed, update, epoch): resuming replays the same order.
+    fn shuffled(&self, n: usize, epoch: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..n).collect();
+        let seed = self
+            .cfg
+            .seed
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(self.updates.wrapping_mul(1_000_003))
+            .wrapping_add(epoch as u64);
+        order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        order
+    }
+
+    fn micro_chunks<'a>(&self, idx: &'a [usize]) -> std::slice::Chunks<'a, usize> {
+        let micro = match self.cfg.micro_batch {
+            0 => idx.len(),
+            m => m,
+        };
+        idx.chunks(micro.max(1))
+    }
+
+    /// Per-token log-probs (f32, no gradient) of every sample under the current policy or
+    /// the reference.
+    fn sample_logps(&self, samples: &[RlSample], reference: bool) -> Result<SampleLogps, RlError> {
+        let all: Vec<usize> = (0..samples.len()).collect();
+        let mut out = vec![Vec::new(); samples.len()];
+        let model = match (&self.reference, reference) {
+            (Some(r), true) => r,
+            _ => &self.policy,
+        };
+        let adapters_off = reference && self.reference.is_none();
+        if adapters_off {
+            self.policy.set_adapters_enabled(false);
+        }
+        let result = (|| -> candle_core::Result<()> {
+            for chunk in self.micro_chunks(&all) {
+                let refs: Vec<&RlSample> = chunk.iter().map(|&i| &samples[i]).collect();
+                let batch = RlBatch::new(&refs, self.pad_id, model.device())?;
+                let hidden = model.hidden_states_in(&batch.input_ids, &batch.layout)?;
+                let lp = target_token_logps(model, &hidden, &batch.targets)?
+                    .detach()
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?;
+                for (v, &local) in lp.into_iter().zip(&batch.token_sample) {
+                    out[chunk[local]].push(v);
+                }
+            }
+            Ok(())
+        })();
+        if adapters_off {
+            self.policy.set_adapters_enabled(true);
+        }
+        result?;
+        Ok(out)
+    }
+
+    /// Accumulates the gradients of one mini-batch, checks them, clips and steps.
+    fn optimizer_step(
+        &mut self,
+        samples: &[RlSample],
+        idx: &[usize],
+        old: &SampleLogps,
+        reference: Option<&SampleLogps>,
+    ) -> Result<(f64, PpoMetrics, f64), RlError> {
+        let tokens: usize = idx.iter().map(|&i| samples[i].response_ids.len()).sum();
+        let vars = self.policy.vars();
+        let mut grads: Option<GradStore> = None;
+        let mut metrics = PpoMetrics::default();
+        let mut loss_sum = 0.0;
+        for chunk in self.micro_chunks(idx) {
+            let (g, (m, l)) =
+                self.micro_grads(samples, chunk, old, reference, tokens, idx.len())?;
+            metrics.merge(&m);
+            loss_sum += l;
+            match grads.as_mut() {
+                None => grads = Some(g),
+                Some(acc) => accumulate_grads(acc, g, &vars)?,
+            }
+        }
+        let mut grads = grads.ok_or_else(|| RlError::Config("empty mini-batch".into()))?;
+        let step = self.opt.step_count();
+        let non_finite = |what, value| RlError::NonFinite {
+            update: self.updates,
+            step,
+            what,
+            value,
+        };
+        if !loss_sum.is_finite() {
+            return Err(non_finite("loss", loss_sum));
+        }
+        let norm = clip_grad_norm(&mut grads, &vars, self.cfg.max_grad_norm)?;
+        if !norm.is_finite() {
+            return Err(non_finite("gradient norm", norm));
+        }
+        self.opt.step(&grads, self.cfg.lr_at(step))?;
+        Ok((loss_sum, metrics, norm))
+    }
+
+    /// Gradients of one micro-batch's share of the mini-batch loss.
+    fn micro_grads(
+        &self,
+        samples: &[RlSample],
+        chunk: &[usize],
+        old: &SampleLogps,
+        reference: Option<&SampleLogps>,
+        mini_tokens: usize,
+        mini_seqs: usize,
+    ) -> Result<(GradStore, (PpoMetrics, f64)), RlError> {
+        let refs: Vec<&RlSample> = chunk.iter().map(|&i| &samples[i]).collect();
+        let dev = self.policy.device().clone();
+        let batch = RlBatch::new(&refs, self.pad_id, &dev)?;
+        // Per-token constants in the batch's token order.
+        let mut cursor = vec![0usize; chunk.len()];
+        let (mut old_t, mut ref_t) = (Vec::with_capacity(batch.tokens), Vec::new());
+        for &local in &batch.token_sample {
+            let (si, k) = (chunk[local], cursor[local]);
+            cursor[local] += 1;
+            old_t.push(old[si][k]);
+            if let Some(r) = reference {
+                ref_t.push(r[si][k]);
+            }
+        }
+        let weights =
+            self.cfg
+                .ppo
+                .agg
+                .token_weights(&batch.token_response_len, mini_tokens, mini_seqs);
+        let old_t = Tensor::new(old_t, &dev)?;
+        let ref_t = reference.map(|_| Tensor::new(ref_t, &dev)).transpose()?;
+        let weights = Tensor::new(weights, &dev)?;
+        let cfg = self.cfg.ppo;
+        let with_entropy = cfg.entropy_coef > 0.0;
+        let policy = &self.policy;
+        let (grads, extra) =
+            policy.checkpointed_grads(&batch.input_ids, &batch.layout, |hidden| {
+                let logits = target_logits(policy, hidden, &batch.targets)?;
+                let logp = token_logps(&logits, &batch.targets.labels)?.to_dtype(DType::F32)?;
+                let entropy = if with_entropy {
+                    Some(entropy_of_logits(&logits.to_dtype(DType::F32)?)?)
+                } else {
+                    None
+                };
+                let out = ppo_loss(
+                    &TokenTerms {
+                        logp: &logp,
+                        old_logp: &old_t,
+                        ref_logp: ref_t.as_ref(),
+                        advantages: &batch.advantages,
+                        weights: &weights,
+                        entropy: entropy.as_ref(),
+                    },
+                    &cfg,
+                )?;
+                let value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                Ok((out.loss, (out.metrics, value)))
+            })?;
+        Ok((grads, extra))
+    }
+}
