@@ -25,19 +25,19 @@ enum Command {
         #[arg(long, default_value = "default")]
         model: ModelSpec,
         /// Compute threads.
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
         threads: usize,
         /// Approximate prompt length in tokens (the chat template's own tokens included).
-        #[arg(long, default_value_t = 200)]
+        #[arg(long, default_value_t = 200, value_parser = at_least_one)]
         prompt_tokens: usize,
         /// Tokens generated per sample (end-of-turn is ignored so every run is this long).
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, default_value_t = 128, value_parser = at_least_one)]
         new_tokens: usize,
         /// Samples decoded together in the batched run.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, value_parser = at_least_one)]
         n: usize,
         /// Timed repetitions; the median is reported.
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         repeats: usize,
     },
     /// generate_conv's orchestration against a local OpenAI-compatible endpoint that answers
@@ -45,28 +45,28 @@ enum Command {
     /// the ideal cap/latency, conversation wall time against its critical path, peak RSS.
     Orchestration {
         /// Endpoint latency per request, milliseconds.
-        #[arg(long, default_value_t = 200)]
+        #[arg(long, default_value_t = 200, value_parser = at_least_one_u64)]
         latency_ms: u64,
         /// Requests the endpoint serves at once (others queue); also the client's limit.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, value_parser = at_least_one)]
         cap: usize,
         /// Tasks (conversations).
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = at_least_one)]
         tasks: usize,
         /// Turns per conversation (T).
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         turns: usize,
         /// Candidates per turn (N).
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         candidates: usize,
         /// Futures per candidate (S).
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         samples: usize,
         /// Messages per future (W).
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, value_parser = at_least_one)]
         window: usize,
         /// Conversations in flight.
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = at_least_one)]
         concurrency: usize,
     },
     /// One DPO optimizer step in f32 (batch 1 pair): seconds per step (forward, backward,
@@ -77,16 +77,16 @@ enum Command {
         #[arg(long, default_value = "default")]
         model: ModelSpec,
         /// Compute threads.
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
         threads: usize,
         /// Prompt tokens.
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, default_value_t = 128, value_parser = at_least_one)]
         prompt_tokens: usize,
         /// Tokens in each completion (chosen and rejected).
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, default_value_t = 128, value_parser = at_least_one)]
         completion_tokens: usize,
         /// Timed steps after one warm-up step; the median is reported.
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         steps: usize,
         /// Train LoRA adapters (r=32, α=16, all seven projections) instead of all weights.
         #[arg(long)]
@@ -95,6 +95,20 @@ enum Command {
         #[arg(long)]
         gradient_checkpointing: bool,
     },
+}
+
+/// Every bench count is at least 1: a zero would time nothing and print 0 (or infinite)
+/// rates. Clap names the flag and the value in the error.
+fn at_least_one_u64(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn at_least_one(s: &str) -> Result<usize, String> {
+    usize::try_from(at_least_one_u64(s)?).map_err(|e| e.to_string())
 }
 
 #[path = "bench/orchestration.rs"]

@@ -281,7 +281,8 @@ fn main() -> ExitCode {
     collabllm::cli::keep_freed_memory();
     let (repo, public) = (args.push_to_hub.clone(), args.hub_public);
     let cfg = args.into_config();
-    collabllm::cli::exit_on_error((|| {
+    let existed = cfg.output.exists();
+    let result = (|| {
         check_hub(repo.as_deref())?;
         let s = train(&cfg, true)?;
         let get = |k: &str| s.last_log.get(k).and_then(|v| v.as_f64());
@@ -304,5 +305,9 @@ fn main() -> ExitCode {
             push(&s.final_dir, repo, public)?;
         }
         Ok(())
-    })())
+    })();
+    if result.is_err() {
+        collabllm::cli::remove_unused_output(&cfg.output, existed);
+    }
+    collabllm::cli::exit_on_error(result)
 }

@@ -302,10 +302,14 @@ fn main() -> ExitCode {
         Err(e) => return collabllm::cli::exit_on_error(Err(e)),
     };
     collabllm::cli::set_compute_threads(cfg.threads);
+    let (output, existed) = (cfg.output.clone(), cfg.output.exists());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime");
     let result = runtime.and_then(|rt| rt.block_on(run(args, cfg)));
+    if result.is_err() {
+        collabllm::cli::remove_unused_output(&output, existed);
+    }
     collabllm::cli::exit_on_error(result)
 }

@@ -158,5 +158,7 @@ fn run(args: Args) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    collabllm::cli::exit_on_error(run(Args::parse()))
+    let args = Args::parse();
+    collabllm::cli::init_logging();
+    collabllm::cli::exit_on_error(run(args))
 }

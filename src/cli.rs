@@ -1,17 +1,53 @@
 //! What every binary shares: logging set-up, thread settings, and error reporting without a
 //! backtrace.
 
+use std::io::IsTerminal;
+use std::path::Path;
 use std::process::ExitCode;
 
-/// Sets up `tracing` to stderr; `RUST_LOG` overrides the default level (`info`).
+/// Sets up `tracing` to stderr; `RUST_LOG` overrides the default level (`info`). Colours only
+/// on a terminal, and never with `NO_COLOR` set (no-color.org).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(use_color(
+            std::io::stderr().is_terminal(),
+            std::env::var_os("NO_COLOR"),
+        ))
         .with_target(false)
         .try_init();
+}
+
+/// Whether to write ANSI colour codes: only to a terminal, and not when `NO_COLOR` is set to a
+/// non-empty value.
+pub fn use_color(terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+/// After a failed run: removes the output directory `dir` when the run created it (`existed`
+/// is false) and it holds nothing but empty files and folders, which is what a setup that
+/// failed (a model that would not load) leaves. A directory that existed before, or that
+/// holds any byte of output, is never touched.
+pub fn remove_unused_output(dir: &Path, existed: bool) {
+    fn unused(dir: &Path) -> bool {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return false;
+        };
+        entries.into_iter().all(|e| {
+            let Ok(e) = e else { return false };
+            match e.file_type() {
+                Ok(t) if t.is_dir() => unused(&e.path()),
+                Ok(t) if t.is_file() => e.metadata().is_ok_and(|m| m.len() == 0),
+                _ => false,
+            }
+        })
+    }
+    if !existed && unused(dir) {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// Fixes the number of threads candle's CPU kernels use. Must run before the first model is
@@ -65,5 +101,18 @@ pub fn keep_freed_memory() {
         // blocks up to 32 MiB (glibc's maximum) come from the heap and are reused.
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::use_color;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(use_color(true, None));
+        assert!(use_color(true, Some("".into())));
+        assert!(!use_color(true, Some("1".into())));
+        assert!(!use_color(false, None));
     }
 }

@@ -711,6 +711,19 @@ fn binary_rejects_bad_flags_with_clear_errors() {
             "all",
         ),
         (
+            vec![
+                "--task",
+                "twenty_questions",
+                "--model",
+                "reference",
+                "--objects",
+                "999",
+                "--output",
+                o,
+            ],
+            "only 158 objects",
+        ),
+        (
             vec!["--task", "chess", "--model", "reference", "--output", o],
             "chess",
         ),

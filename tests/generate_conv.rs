@@ -837,3 +837,122 @@ async fn hostile_code_scores_zero_and_the_run_continues() {
         "sandboxed code wrote outside its directory"
     );
 }
+
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Credentials inside an endpoint URL reach the server, never a file, a log line or a card;
+/// the card names models without local paths or endpoint URLs.
+#[tokio::test]
+async fn endpoint_credentials_and_local_paths_stay_private() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("run");
+    let plain = format!("openai:scripted@{}", server.base_url);
+    let secret = plain.replace("http://", "http://alice:PASS-s3cret@");
+    let mut args: Vec<String> = endpoint_args(&server, &out_dir, &data("math.jsonl"))
+        .into_iter()
+        .map(|a| if a == plain { secret.clone() } else { a })
+        .collect();
+    args.extend(["--max-tasks".into(), "2".into()]);
+    let out = tokio::process::Command::new(bin())
+        .args(&args)
+        .env("OPENAI_API_KEY", "test-key")
+        .env("RUST_LOG", "debug")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    let logs = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{logs}");
+    assert!(server.requests() > 0);
+    assert!(
+        !logs.contains("PASS-s3cret") && !logs.contains("alice:"),
+        "{logs}"
+    );
+    for f in files_under(&out_dir) {
+        let text = String::from_utf8_lossy(&std::fs::read(&f).unwrap()).into_owned();
+        assert!(
+            !text.contains("PASS-s3cret") && !text.contains("alice:"),
+            "{} holds the endpoint credentials",
+            f.display()
+        );
+    }
+    let manifest = std::fs::read_to_string(out_dir.join("manifest.json")).unwrap();
+    assert!(manifest.contains("http://***@127.0.0.1"), "{manifest}");
+
+    let layout = tmp.path().join("layout");
+    let push = std::process::Command::new(env!("CARGO_BIN_EXE_push_hf"))
+        .args(["dataset", out_dir.to_str().unwrap(), "--repo", "alice/d"])
+        .arg("--dry-run")
+        .arg(&layout)
+        .output()
+        .unwrap();
+    assert!(
+        push.status.success(),
+        "{}",
+        String::from_utf8_lossy(&push.stderr)
+    );
+    let card = std::fs::read_to_string(layout.join("README.md")).unwrap();
+    for private in [
+        "PASS-s3cret",
+        "alice:",
+        "127.0.0.1",
+        "://***",
+        env!("CARGO_MANIFEST_DIR"),
+        tmp.path().to_str().unwrap(),
+    ] {
+        assert!(!card.contains(private), "card shows `{private}`:\n{card}");
+    }
+    assert!(
+        card.contains("OpenAI-compatible endpoint, model scripted"),
+        "{card}"
+    );
+    assert!(card.contains("| tasks | math.jsonl |"), "{card}");
+}
+
+/// A model that cannot be loaded leaves no empty output directory behind, and never removes a
+/// directory that was there before.
+#[tokio::test]
+async fn failed_model_setup_leaves_no_empty_output_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-such-model.gguf");
+    for existing in [false, true] {
+        let out_dir = tmp.path().join(format!("run-{existing}"));
+        if existing {
+            std::fs::create_dir_all(&out_dir).unwrap();
+        }
+        let args: Vec<String> = [
+            "--tasks",
+            &data("math.jsonl"),
+            "--output",
+            out_dir.to_str().unwrap(),
+            "--policy",
+            missing.to_str().unwrap(),
+            "--max-tasks",
+            "1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let out = run_bin(&args).await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(stderr.contains("no-such-model.gguf"), "{stderr}");
+        assert_eq!(out_dir.exists(), existing, "existing = {existing}");
+    }
+}

@@ -521,13 +521,17 @@ async fn dry_run_writes_the_exact_layout() {
         .await
         .unwrap();
     assert!(report.dry_run);
-    let mut written = Vec::new();
-    for e in walk(&out) {
-        written.push(e.strip_prefix(&out).unwrap().display().to_string());
-    }
-    written.sort();
+    let layout = |out: &Path| {
+        let mut written: Vec<String> = walk(out)
+            .iter()
+            .map(|e| e.strip_prefix(out).unwrap().display().to_string())
+            .filter(|p| p != hub::DRY_RUN_MARKER)
+            .collect();
+        written.sort();
+        written
+    };
     assert_eq!(
-        written,
+        layout(&out),
         [
             "README.md",
             "data/test-00000-of-00001.parquet",
@@ -543,6 +547,47 @@ async fn dry_run_writes_the_exact_layout() {
         names(&front_matter(&card)["configs"], "config_name"),
         ["default"]
     );
+
+    // A second dry run over the first replaces it: no stale file of the first survives.
+    std::fs::write(out.join("data/stale.parquet"), b"old").unwrap();
+    hub::push_dataset_dir(&run, "alice/collab-math", false, &o)
+        .await
+        .unwrap();
+    assert!(!out.join("data/stale.parquet").exists());
+    assert_eq!(layout(&out).len(), 3);
+
+    // A directory with other files is refused and left as it was.
+    let other = tmp.path().join("mine");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("notes.txt"), b"keep").unwrap();
+    let o2 = PushOptions {
+        dry_run: Some(other.clone()),
+        ..o.clone()
+    };
+    let e = hub::push_dataset_dir(&run, "alice/collab-math", false, &o2)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("--dry-run"), "{e}");
+    assert_eq!(std::fs::read(other.join("notes.txt")).unwrap(), b"keep");
+    assert_eq!(walk(&other).len(), 1);
+    // An empty existing directory is fine.
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let o3 = PushOptions {
+        dry_run: Some(empty.clone()),
+        ..o.clone()
+    };
+    hub::push_dataset_dir(&run, "alice/collab-math", false, &o3)
+        .await
+        .unwrap();
+    assert_eq!(layout(&empty).len(), 3);
+    // Nothing left beside them.
+    let mut beside: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    beside.sort();
+    assert_eq!(beside, ["empty", "layout", "mine", "run"]);
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {

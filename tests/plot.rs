@@ -381,3 +381,51 @@ fn binary_writes_figures_and_reports_errors() {
         "{err}"
     );
 }
+
+/// A log value near f64::MAX (a diverged run) used to hang `plot train` at 100% CPU in the
+/// axis computation: now the figures come out (the value is left out and reported) in bounded
+/// time.
+#[test]
+fn huge_logged_values_are_left_out_not_a_hang() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("diverged");
+    write_train_run(&run, 20, 5, 0.0);
+    let mut logs = std::fs::read_to_string(run.join("logs.jsonl")).unwrap();
+    logs.push_str("{\"step\": 21, \"loss\": 1.7e308, \"grad_norm\": -1.79e308}\n");
+    logs.push_str("{\"step\": 22, \"loss\": 0.5, \"rewards/margins\": 1e250}\n");
+    std::fs::write(run.join("logs.jsonl"), logs).unwrap();
+    let out = tmp.path().join("figs");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_plot"))
+        .args([
+            "train",
+            run.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("plot train still running after 60 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let done = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("logs.jsonl:21") && stderr.contains("loss"),
+        "the left-out value is not reported: {stderr}"
+    );
+    // stderr is a pipe here: no colour codes.
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "ANSI codes on a pipe: {stderr:?}"
+    );
+    check_png(&out.join("train_loss.png"), 1200);
+}

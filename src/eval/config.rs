@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::check::Range;
 use crate::generate::config::SANDBOX_TIMEOUT_S;
+use crate::llm::spec::redact_credentials;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::JudgeMode;
 use crate::simulate::Sampling;
@@ -62,7 +63,7 @@ impl FromStr for EvalModel {
                 .parse::<ModelSpec>()
                 .map(EvalModel::Spec)
                 .map_err(|e| EvalConfigError::Model {
-                    spec: s.to_string(),
+                    spec: redact_credentials(s),
                     message: e.to_string(),
                 }),
         }
@@ -190,7 +191,10 @@ impl FromStr for OracleChoice {
         }
         s.parse::<ModelSpec>()
             .map(OracleChoice::Model)
-            .map_err(|e| invalid("oracle", format!("`{s}`: {e} (or `table`)")))
+            .map_err(|e| {
+                let s = redact_credentials(s);
+                invalid("oracle", format!("`{s}`: {e} (or `table`)"))
+            })
     }
 }
 
@@ -263,11 +267,16 @@ impl TryFrom<String> for ObjectSelection {
 }
 
 impl ObjectSelection {
-    /// How many of `total` objects are played.
-    pub fn count(self, total: usize) -> usize {
+    /// How many of `total` objects are played; asking for more than exist is refused rather
+    /// than silently playing fewer.
+    pub fn count(self, total: usize) -> Result<usize, EvalConfigError> {
         match self {
-            ObjectSelection::All => total,
-            ObjectSelection::First(n) => n.min(total),
+            ObjectSelection::All => Ok(total),
+            ObjectSelection::First(n) if n <= total => Ok(n),
+            ObjectSelection::First(n) => Err(invalid(
+                "objects",
+                format!("{n}: there are only {total} objects (use `all` or 1 to {total})"),
+            )),
         }
     }
 }
@@ -509,7 +518,9 @@ mod tests {
             "5".parse::<ObjectSelection>().unwrap(),
             ObjectSelection::First(5)
         );
-        assert_eq!(ObjectSelection::First(500).count(158), 158);
+        assert_eq!(ObjectSelection::First(158).count(158).unwrap(), 158);
+        let e = ObjectSelection::First(500).count(158).unwrap_err();
+        assert!(e.to_string().contains("only 158 objects"), "{e}");
         assert!("0".parse::<ObjectSelection>().is_err());
         assert!("some".parse::<ObjectSelection>().is_err());
         assert_eq!(

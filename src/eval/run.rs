@@ -206,7 +206,7 @@ fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
     });
     let (work, warnings) = if cfg.task == TaskType::TwentyQuestions {
         let world = World::load_default()?;
-        let objects: Vec<usize> = (0..cfg.objects.count(world.objects.len())).collect();
+        let objects: Vec<usize> = (0..cfg.objects.count(world.objects.len())?).collect();
         let warnings = overlap::check(&cfg.exclude_runs, cfg.allow_overlap, |run| {
             overlap::shared_objects(&world, &objects, run)
         })?;

@@ -15,6 +15,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use serde_json::Value;
 
 use super::{io_err, HubError, RepoFile};
+use crate::llm::spec::public_model_name;
 
 /// One split of a config as written to the repository.
 #[derive(Clone, Debug)]
@@ -158,6 +159,36 @@ fn text(v: &Value) -> String {
     }
 }
 
+/// Keys whose values are model specs.
+const MODEL_KEYS: [&str; 6] = [
+    "model",
+    "policy",
+    "user",
+    "judge",
+    "assistant",
+    "base_model",
+];
+
+/// A recorded setting as a published card may show it: models by their public name (no local
+/// path, no endpoint URL), files by their name, other URLs not at all (they may be private or
+/// carry credentials).
+fn public_setting(key: &str, v: &Value) -> String {
+    let Some(s) = v.as_str() else {
+        return text(v);
+    };
+    if MODEL_KEYS.contains(&key) || s.starts_with("openai:") {
+        public_model_name(s)
+    } else if s.contains("://") {
+        "(URL not published)".into()
+    } else if s.contains(['/', '\\']) {
+        Path::new(s)
+            .file_name()
+            .map_or_else(|| s.to_string(), |n| n.to_string_lossy().into_owned())
+    } else {
+        s.to_string()
+    }
+}
+
 /// Markdown table cell: no pipes or newlines.
 fn cell(s: &str) -> String {
     s.replace('|', "\\|").replace('\n', " ")
@@ -199,6 +230,11 @@ pub fn dataset_card(
     let name = repo.rsplit('/').next().unwrap_or(repo);
     let mut md = format!("---\n{}---\n\n# {name}\n\n", dataset_yaml(configs));
     if let Some(src) = manifest["import"]["source"].as_str() {
+        let src = if src.starts_with("hf:") {
+            src.to_string()
+        } else {
+            public_setting("source", &manifest["import"]["source"])
+        };
         md.push_str(&format!(
             "Preference pairs imported from `{src}` (upstream CollabLLM flat rows) by collabllm-rs \
              `generate_conv --import`: per conversation turn, the best- against the worst-scored \
@@ -217,15 +253,18 @@ pub fn dataset_card(
     let assistant = if c["policy"].is_null() {
         "-".to_string()
     } else if c["assistant"].is_null() {
-        format!("{} (the policy)", text(&c["policy"]))
+        format!("{} (the policy)", public_setting("policy", &c["policy"]))
     } else {
-        text(&c["assistant"])
+        public_setting("assistant", &c["assistant"])
     };
     let rows: Vec<(&str, String)> = vec![
-        ("tasks", text(&c["tasks"])),
-        ("policy (candidates)", text(&c["policy"])),
-        ("user simulator", text(&c["user"])),
-        ("judge", text(&c["judge"])),
+        ("tasks", public_setting("tasks", &c["tasks"])),
+        (
+            "policy (candidates)",
+            public_setting("policy", &c["policy"]),
+        ),
+        ("user simulator", public_setting("user", &c["user"])),
+        ("judge", public_setting("judge", &c["judge"])),
         ("assistant inside futures", assistant),
         (
             "metrics and weights",
@@ -499,7 +538,7 @@ pub fn model_card(dir: &Path, repo: &str, peft: bool, files: &[String]) -> Strin
         if let Some(o) = v.as_object() {
             md.push_str(&format!("## {title}\n\n| key | value |\n|---|---|\n"));
             for (k, v) in o {
-                md.push_str(&format!("| {k} | {} |\n", cell(&text(v))));
+                md.push_str(&format!("| {k} | {} |\n", cell(&public_setting(k, v))));
             }
             md.push('\n');
         }
@@ -596,5 +635,26 @@ mod tests {
             y.contains("base_model: \"HuggingFaceTB/SmolLM2-135M-Instruct\"\n"),
             "{y}"
         );
+    }
+
+    #[test]
+    fn model_card_shows_no_local_path_or_endpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().display().to_string();
+        let args = serde_json::json!({
+            "model": format!("{home}/models/base.gguf"),
+            "data": format!("{home}/runs/math/pairs"),
+            "output": format!("{home}/ckpt"),
+            "eval_data": "openai:m@http://u:PASS@10.1.2.3/v1",
+            "lr": 5e-6,
+        });
+        std::fs::write(dir.path().join("training_args.json"), args.to_string()).unwrap();
+        let card = model_card(dir.path(), "alice/m", false, &["model.safetensors".into()]);
+        for private in [home.as_str(), "PASS", "10.1.2.3", "u:"] {
+            assert!(!card.contains(private), "card shows `{private}`:\n{card}");
+        }
+        assert!(card.contains("| model | local model base.gguf |"), "{card}");
+        assert!(card.contains("| data | pairs |"), "{card}");
+        assert!(card.contains("| lr | 0.000005 |") || card.contains("| lr | 5e-6 |"), "{card}");
     }
 }

@@ -485,34 +485,46 @@ fn default_message(kind: RepoKind) -> String {
     )
 }
 
-/// Writes the exact repository layout under `dir` (each file atomically).
+/// Marks a directory as `--dry-run` output, which a later dry run may replace.
+pub const DRY_RUN_MARKER: &str = ".collabllm-dry-run";
+
+/// Writes the exact repository layout into a fresh directory beside `dir`, then puts it in
+/// place of `dir`: no file of an earlier layout survives. A `dir` that holds anything but a
+/// previous dry run is refused, never overwritten.
 fn write_dry_run(
     kind: RepoKind,
     repo: &str,
     dir: &Path,
     hashed: &[Hashed],
 ) -> Result<PushReport, HubError> {
-    let mut files = Vec::new();
-    for h in hashed {
-        let dest = dir.join(&h.file.path_in_repo);
-        if let Some(parent) = dest.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+    let replaces = dry_run_target(dir)?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(|e| io_err(&parent, e))?;
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "dry-run".into());
+    let fresh = parent.join(format!(".{name}.new-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&fresh);
+    let written = write_layout(&fresh, hashed);
+    let placed = written.and_then(|files| {
+        if replaces {
+            let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+            std::fs::rename(dir, &old).map_err(|e| io_err(dir, e))?;
+            std::fs::rename(&fresh, dir).map_err(|e| io_err(dir, e))?;
+            let _ = std::fs::remove_dir_all(&old);
+        } else {
+            std::fs::rename(&fresh, dir).map_err(|e| io_err(dir, e))?;
         }
-        let tmp = dest.with_file_name(format!(
-            ".{}.tmp-{}",
-            dest.file_name()
-                .map(|n| n.to_string_lossy())
-                .unwrap_or_default(),
-            std::process::id()
-        ));
-        match &h.file.source {
-            Source::File(p) => std::fs::copy(p, &tmp).map(|_| ()),
-            Source::Bytes(b) => std::fs::write(&tmp, b),
-        }
-        .map_err(|e| io_err(&dest, e))?;
-        std::fs::rename(&tmp, &dest).map_err(|e| io_err(&dest, e))?;
-        files.push(pushed(h, "written"));
+        Ok(files)
+    });
+    if placed.is_err() {
+        let _ = std::fs::remove_dir_all(&fresh);
     }
+    let files = placed?;
     Ok(PushReport {
         repo: repo.to_string(),
         kind,
@@ -522,6 +534,52 @@ fn write_dry_run(
         files,
         dry_run: true,
     })
+}
+
+/// Whether `dir` is an earlier dry run to replace (`true`), or absent or empty (`false`); any
+/// other existing path is refused.
+fn dry_run_target(dir: &Path) -> Result<bool, HubError> {
+    let mut entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(io_err(dir, e)),
+    };
+    if dir.join(DRY_RUN_MARKER).is_file() {
+        return Ok(true);
+    }
+    if entries.next().is_none() {
+        return Ok(false);
+    }
+    Err(HubError::Layout {
+        path: dir.to_path_buf(),
+        message: "--dry-run needs a new or empty directory, or an earlier --dry-run output \
+                  (this one holds other files)"
+            .into(),
+    })
+}
+
+/// Every file of the layout under `dir`, and the dry-run marker.
+fn write_layout(dir: &Path, hashed: &[Hashed]) -> Result<Vec<PushedFile>, HubError> {
+    let mut files = Vec::new();
+    for h in hashed {
+        let dest = dir.join(&h.file.path_in_repo);
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+        }
+        match &h.file.source {
+            Source::File(p) => std::fs::copy(p, &dest).map(|_| ()),
+            Source::Bytes(b) => std::fs::write(&dest, b),
+        }
+        .map_err(|e| io_err(&dest, e))?;
+        files.push(pushed(h, "written"));
+    }
+    let marker = dir.join(DRY_RUN_MARKER);
+    std::fs::write(
+        &marker,
+        "written by push_hf --dry-run; a later dry run may replace it\n",
+    )
+    .map_err(|e| io_err(&marker, e))?;
+    Ok(files)
 }
 
 /// Pushes a `generate_conv` run directory as a dataset: `data/{train,test}-00000-of-00001.parquet`

@@ -296,7 +296,9 @@ pub struct BackendId {
     /// Model name or file identity (for local models the file's content hash prefix, so a
     /// retrained checkpoint at the same path never hits stale cache entries).
     pub model: String,
-    /// Endpoint base URL for remote backends, empty otherwise.
+    /// Endpoint base URL for remote backends, empty otherwise; credentials in the URL are
+    /// replaced by `***` ([`spec::redact_credentials`]), so cache keys never depend on them:
+    /// a changed password keeps the cache, and the cache file never holds the password.
     pub endpoint: String,
 }
 

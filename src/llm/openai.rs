@@ -32,6 +32,7 @@ use reqwest::header::{HeaderValue, AUTHORIZATION, RETRY_AFTER};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
+use super::spec::redact_credentials;
 use super::{
     BackendId, ChatBackend, ChatRequest, ChatResponse, Choice, EndpointOptions, FinishReason,
     LlmError, TokenUsage,
@@ -133,9 +134,12 @@ impl OpenAiBackend {
             return Err(LlmError::InvalidRequest("empty model name".into()));
         }
         let base = resolve_base_url(base_url);
+        // Identity, logs and errors carry the URL without its credentials; only the HTTP
+        // client gets them.
+        let shown = redact_credentials(&base);
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             return Err(LlmError::InvalidRequest(format!(
-                "base URL `{base}` must start with http:// or https://"
+                "base URL `{shown}` must start with http:// or https://"
             )));
         }
         if opts.max_concurrency == 0 {
@@ -181,9 +185,9 @@ impl OpenAiBackend {
             .connect_timeout(timeout)
             .build()
             .map_err(|e| LlmError::Connection {
-                endpoint: base.clone(),
+                endpoint: shown.clone(),
                 attempts: 0,
-                message: format!("cannot build the HTTP client: {e}"),
+                message: redact_credentials(&format!("cannot build the HTTP client: {e}")),
             })?;
         let config = OpenAIConfig::new()
             .with_api_base(base.clone())
@@ -196,7 +200,7 @@ impl OpenAiBackend {
             id: BackendId {
                 kind: "openai".into(),
                 model: model.to_string(),
-                endpoint: base.clone(),
+                endpoint: shown,
             },
             opts: opts.clone(),
             timeout,
@@ -262,9 +266,10 @@ impl OpenAiBackend {
         Ok(out)
     }
 
-    /// Removes the key from a server-provided message and bounds its length.
+    /// Removes the key and URL credentials from a server- or client-provided message and bounds
+    /// its length.
     fn scrub(&self, s: &str) -> String {
-        let mut s = s.trim().to_string();
+        let mut s = redact_credentials(s.trim());
         if let Some(k) = &self.key {
             s = s.replace(&k.0, "[redacted]");
         }
@@ -789,5 +794,21 @@ mod tests {
         assert_eq!(b.base_url(), "http://127.0.0.1:9/v1");
         assert!(!format!("{b:?}").contains("sk-unit-secret-123"));
         assert_eq!(b.scrub("echo sk-unit-secret-123"), "echo [redacted]");
+    }
+
+    #[tokio::test]
+    async fn url_credentials_stay_out_of_identity_and_errors() {
+        let opts = EndpointOptions {
+            max_retries: 0,
+            ..Default::default()
+        };
+        let b = OpenAiBackend::new("m", Some("http://user:PASS@127.0.0.1:9/v1"), &opts).unwrap();
+        assert_eq!(b.id().to_string(), "openai:m@http://***@127.0.0.1:9/v1");
+        assert!(!format!("{b:?}").contains("PASS"));
+        // Port 9 (discard) refuses the connection: the error names the endpoint, not its password.
+        let req = ChatRequest::new(vec![super::super::ChatMessage::user("hi")]);
+        let err = b.chat(&req).await.unwrap_err();
+        assert!(!err.to_string().contains("PASS"), "{err}");
+        assert!(!format!("{err:?}").contains("PASS"), "{err:?}");
     }
 }

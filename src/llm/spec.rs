@@ -53,8 +53,9 @@ impl ModelSpec {
     }
 }
 
-/// How to reach a model.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// How to reach a model. `Display`, `Debug` and serialization hide endpoint credentials
+/// ([`redact_credentials`]); only the HTTP client sees them.
+#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(into = "String", try_from = "String")]
 pub enum ModelSpec {
     /// `default`: the embedded SmolLM2-135M-Instruct GGUF.
@@ -83,6 +84,63 @@ impl ModelSpec {
     }
 }
 
+/// What stands in for the credentials of a URL.
+pub const REDACTED: &str = "***";
+
+/// `text` with the user name and password of every URL in it (`scheme://user:pass@host/...`)
+/// replaced by [`REDACTED`]. The one redaction of endpoint credentials: specs, backend ids (and
+/// so cache keys, logs and manifests), and error messages all go through it, so a password
+/// given inside an endpoint URL is only ever held in memory for the HTTP client.
+pub fn redact_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| {
+                matches!(c, '/' | '?' | '#' | '`' | '"' | '\'' | ')' | '>') || c.is_whitespace()
+            })
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority.rfind('@') {
+            Some(at) => {
+                out.push_str(REDACTED);
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// How a published card names a model given as spec text: local files by their name only
+/// (never the path), endpoints as "OpenAI-compatible endpoint" and the model name (never the
+/// URL, which may be private), Hub ids as given.
+pub fn public_model_name(spec: &str) -> String {
+    let s = spec.trim();
+    if s == "default" {
+        return "local model SmolLM2-135M-Instruct (the built-in default)".into();
+    }
+    if let Some(rest) = s.strip_prefix("openai:") {
+        let model = rest.split_once('@').map_or(rest, |(m, _)| m);
+        return format!("OpenAI-compatible endpoint, model {model}");
+    }
+    if let Some(rest) = s.strip_prefix("hf:") {
+        return rest.to_string();
+    }
+    let is_path = s.starts_with(['/', '.', '~']) || s.contains('\\') || s.ends_with(".gguf");
+    if !is_path && parse_hf_id(s).is_some() {
+        return s.to_string();
+    }
+    let name = Path::new(s)
+        .file_name()
+        .map_or_else(|| s.to_string(), |n| n.to_string_lossy().into_owned());
+    format!("local model {name}")
+}
+
 impl std::fmt::Display for ModelSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -93,10 +151,16 @@ impl std::fmt::Display for ModelSpec {
                 None => write!(f, "hf:{repo}"),
             },
             ModelSpec::OpenAi { model, base_url } => match base_url {
-                Some(b) => write!(f, "openai:{model}@{b}"),
+                Some(b) => write!(f, "openai:{model}@{}", redact_credentials(b)),
                 None => write!(f, "openai:{model}"),
             },
         }
+    }
+}
+
+impl std::fmt::Debug for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ModelSpec({:?})", self.to_string())
     }
 }
 
@@ -122,7 +186,7 @@ impl FromStr for ModelSpec {
             return Err(SpecError::Empty);
         }
         let invalid = |message: &str| SpecError::Invalid {
-            spec: s.to_string(),
+            spec: redact_credentials(s),
             message: message.to_string(),
         };
         if s == "default" {
@@ -508,6 +572,44 @@ mod tests {
             "./no/such/dir",
         ] {
             assert!(s.parse::<ModelSpec>().is_err(), "{s} should not parse");
+        }
+    }
+
+    #[test]
+    fn credentials_never_leave_a_spec() {
+        let raw = "openai:m@http://user:PASS@host:8/v1";
+        let spec: ModelSpec = raw.parse().unwrap();
+        let shown = spec.to_string();
+        assert_eq!(shown, "openai:m@http://***@host:8/v1");
+        assert!(!serde_json::to_string(&spec).unwrap().contains("PASS"));
+        assert!(!format!("{spec:?}").contains("PASS"));
+        let err = "openai:@http://u:PASS@h".parse::<ModelSpec>().unwrap_err();
+        assert!(!err.to_string().contains("PASS"), "{err}");
+        assert_eq!(
+            redact_credentials("for url (https://a:b@c@h.io/x?k) and ftp://h/p"),
+            "for url (https://***@h.io/x?k) and ftp://h/p"
+        );
+    }
+
+    #[test]
+    fn public_names_hide_paths_and_endpoints() {
+        let cases = [
+            (
+                "default",
+                "local model SmolLM2-135M-Instruct (the built-in default)",
+            ),
+            (
+                "openai:gpt-x@http://u:p@10.0.0.5/v1",
+                "OpenAI-compatible endpoint, model gpt-x",
+            ),
+            ("openai:gpt-x", "OpenAI-compatible endpoint, model gpt-x"),
+            ("hf:a/b@r", "a/b@r"),
+            ("HuggingFaceTB/SmolLM2", "HuggingFaceTB/SmolLM2"),
+            ("/home/alice/models/m.Q8_0.gguf", "local model m.Q8_0.gguf"),
+            ("./ckpt/final", "local model final"),
+        ];
+        for (spec, want) in cases {
+            assert_eq!(public_model_name(spec), want);
         }
     }
 

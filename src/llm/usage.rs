@@ -7,6 +7,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use super::spec::redact_credentials;
 use super::{
     BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, LlmError, OptionProbs,
 };
@@ -280,23 +281,25 @@ pub fn check_prices(prices: &BTreeMap<String, Price>) -> Result<(), String> {
 /// Parses `SPEC=INPUT,OUTPUT` (USD per million prompt and completion tokens), e.g.
 /// `openai:gpt-4o-mini=0.15,0.60`.
 pub fn parse_price(s: &str) -> Result<(String, Price), String> {
+    let shown = redact_credentials(s);
     let (spec, rates) = s
         .rsplit_once('=')
-        .ok_or_else(|| format!("`{s}`: expected SPEC=INPUT,OUTPUT (USD per million tokens)"))?;
+        .ok_or_else(|| format!("`{shown}`: expected SPEC=INPUT,OUTPUT (USD per million tokens)"))?;
     let (input, output) = rates
         .split_once(',')
-        .ok_or_else(|| format!("`{s}`: expected SPEC=INPUT,OUTPUT (USD per million tokens)"))?;
+        .ok_or_else(|| format!("`{shown}`: expected SPEC=INPUT,OUTPUT (USD per million tokens)"))?;
     let rate = |v: &str| -> Result<f64, String> {
         match v.trim().parse::<f64>() {
             Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
-            _ => Err(format!("`{s}`: `{v}` is not a price (a number ≥ 0)")),
+            _ => Err(format!("`{shown}`: `{v}` is not a price (a number ≥ 0)")),
         }
     };
     if spec.trim().is_empty() {
-        return Err(format!("`{s}`: the model spec before `=` is empty"));
+        return Err(format!("`{shown}`: the model spec before `=` is empty"));
     }
     Ok((
-        spec.trim().to_string(),
+        // Keyed as the spec is shown everywhere else (no URL credentials).
+        redact_credentials(spec.trim()),
         Price {
             input: rate(input)?,
             output: rate(output)?,
@@ -326,7 +329,15 @@ pub fn cost_usd(
             Some(0.0)
         } else {
             let bare = r.spec.split_once('@').map_or(r.spec, |(m, _)| m);
-            prices.get(r.spec).or_else(|| prices.get(bare)).map(|p| {
+            let priced = |key: &str| {
+                prices.get(key).or_else(|| {
+                    prices
+                        .iter()
+                        .find(|(k, _)| redact_credentials(k) == key)
+                        .map(|(_, p)| p)
+                })
+            };
+            priced(r.spec).or_else(|| priced(bare)).map(|p| {
                 (r.usage.prompt_tokens as f64 * p.input
                     + r.usage.completion_tokens as f64 * p.output)
                     / 1e6
@@ -341,6 +352,27 @@ pub fn cost_usd(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn price_keys_and_errors_hide_url_credentials() {
+        let (spec, p) = parse_price("openai:m@http://u:PASS@h/v1=1,2").unwrap();
+        assert_eq!(spec, "openai:m@http://***@h/v1");
+        let err = parse_price("openai:m@http://u:PASS@h/v1=x,2").unwrap_err();
+        assert!(!err.contains("PASS"), "{err}");
+        // A price keyed with the credentials (from a config file) still applies.
+        let prices = BTreeMap::from([("openai:m@http://u:PASS@h/v1".to_string(), p)]);
+        let usage = UsageSnapshot {
+            prompt_tokens: 1_000_000,
+            ..Default::default()
+        };
+        let role = PricedRole {
+            spec: &spec,
+            local: false,
+            usage,
+        };
+        let cost = cost_usd(&BTreeMap::from([("policy".to_string(), role)]), &prices);
+        assert_eq!(cost["total"], 1.0);
+    }
 
     #[test]
     fn prices_parse_and_name_bad_input() {

@@ -269,10 +269,21 @@ fn draw_figure<DB: DrawingBackend>(
     Ok(())
 }
 
+/// Largest magnitude a figure plots. Axis ticks need the range and its width to be finite
+/// after padding (plotters loops forever on an infinite range); far beyond any real loss,
+/// reward or score.
+pub const PLOT_LIMIT: f64 = 1e100;
+
+/// Whether `v` can be placed on an axis (finite, within [`PLOT_LIMIT`]).
+pub fn plottable(v: f64) -> bool {
+    v.is_finite() && v.abs() <= PLOT_LIMIT
+}
+
 /// Data ranges of a panel with padding; never degenerate (a single point still gets a box).
+/// Points outside [`plottable`] are ignored.
 fn bounds(points: impl Iterator<Item = (f64, f64)>, y_from_zero: bool) -> ((f64, f64), (f64, f64)) {
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for (x, y) in points.filter(|(x, y)| x.is_finite() && y.is_finite()) {
+    for (x, y) in points.filter(|(x, y)| plottable(*x) && plottable(*y)) {
         x0 = x0.min(x);
         x1 = x1.max(x);
         y0 = y0.min(y);
@@ -431,6 +442,9 @@ fn draw_xy<DB: DrawingBackend>(
     // Keep vertical reference lines inside the box.
     for l in layers {
         if let Shape::VLine { x } = l.shape {
+            if !plottable(x) {
+                continue;
+            }
             let (x0, x1) = range.0;
             let pad = ((x1 - x0) * 0.03).max(1e-9);
             range.0 = (x0.min(x - pad), x1.max(x + pad));
@@ -458,6 +472,15 @@ fn draw_xy<DB: DrawingBackend>(
     Ok(())
 }
 
+/// The points of a series that [`plottable`] allows (the others would be drawn off the chart).
+fn on_axes(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    points
+        .iter()
+        .copied()
+        .filter(|(x, y)| plottable(*x) && plottable(*y))
+        .collect()
+}
+
 fn draw_layer<'a, DB: DrawingBackend + 'a>(
     chart: &mut Chart<'a, DB>,
     layer: &Layer,
@@ -469,6 +492,14 @@ fn draw_layer<'a, DB: DrawingBackend + 'a>(
     let w = s.stroke();
     let dash = (s.px(12.0), s.px(7.0));
     let r = s.int(5.0);
+    let off_axes = match layer.shape {
+        Shape::VLine { x } => !plottable(x),
+        Shape::Label { x, y, .. } => !(plottable(x) && plottable(y)),
+        _ => false,
+    };
+    if off_axes {
+        return Ok(());
+    }
     // Every series returns an annotation handle; only labelled ones get a legend entry.
     let anno = match &layer.shape {
         Shape::Line {
@@ -477,6 +508,7 @@ fn draw_layer<'a, DB: DrawingBackend + 'a>(
             faint,
             markers,
         } => {
+            let points = &on_axes(points);
             let style = if *faint {
                 c.mix(0.25).stroke_width(w)
             } else {
@@ -518,10 +550,10 @@ fn draw_layer<'a, DB: DrawingBackend + 'a>(
             return Ok(());
         }
         Shape::Area { points } => chart
-            .draw_series(AreaSeries::new(points.clone(), 0.0, c.mix(0.18)))
+            .draw_series(AreaSeries::new(on_axes(points), 0.0, c.mix(0.18)))
             .map_err(err)?,
-        Shape::Markers { points, marker } => match marker {
-            Marker::Circle { filled } => {
+        Shape::Markers { points, marker } => match (&on_axes(points), marker) {
+            (points, Marker::Circle { filled }) => {
                 let style = if *filled {
                     c.filled()
                 } else {
@@ -531,7 +563,7 @@ fn draw_layer<'a, DB: DrawingBackend + 'a>(
                     .draw_series(points.iter().map(|&p| Circle::new(p, r + 1, style)))
                     .map_err(err)?
             }
-            Marker::Triangle => chart
+            (points, Marker::Triangle) => chart
                 .draw_series(
                     points
                         .iter()
@@ -540,9 +572,21 @@ fn draw_layer<'a, DB: DrawingBackend + 'a>(
                 .map_err(err)?,
         },
         Shape::ErrorBars { points } => chart
-            .draw_series(points.iter().map(|&(x, y, e)| {
-                ErrorBar::new_vertical(x, y - e, y, y + e, c.stroke_width(w), s.int(10.0) as u32)
-            }))
+            .draw_series(
+                points
+                    .iter()
+                    .filter(|p| plottable(p.1 - p.2) && plottable(p.1 + p.2) && plottable(p.0))
+                    .map(|&(x, y, e)| {
+                        ErrorBar::new_vertical(
+                            x,
+                            y - e,
+                            y,
+                            y + e,
+                            c.stroke_width(w),
+                            s.int(10.0) as u32,
+                        )
+                    }),
+            )
             .map_err(err)?,
         Shape::VLine { x } => chart
             .draw_series(std::iter::once(DashedPathElement::new(

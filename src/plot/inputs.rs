@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use super::chart::{plottable, PLOT_LIMIT};
 use super::PlotError;
 
 /// The legend name of a directory: its last path component (`.` and `..` resolved).
@@ -88,8 +89,8 @@ pub fn read_train_run(dir: &Path) -> Result<TrainRun, PlotError> {
             .get("step")
             .ok_or_else(|| field(line, "step", "missing"))?
             .as_f64()
-            .filter(|s| s.is_finite() && *s >= 0.0)
-            .ok_or_else(|| field(line, "step", "not a non-negative number"))?;
+            .filter(|s| plottable(*s) && *s >= 0.0)
+            .ok_or_else(|| field(line, "step", "not a non-negative number up to 1e100"))?;
         let is_eval = obj.keys().any(|k| k.starts_with("eval_"));
         if !is_eval && !obj.contains_key("loss") {
             return Err(field(
@@ -107,7 +108,12 @@ pub fn read_train_run(dir: &Path) -> Result<TrainRun, PlotError> {
                 serde_json::Value::Number(n) => n.as_f64().unwrap_or(f64::NAN),
                 _ => return Err(field(line, key, "not a number")),
             };
-            if !x.is_finite() {
+            if !plottable(x) {
+                // A diverged run logs such values; its other points still make a figure.
+                tracing::warn!(
+                    "{}:{line}: `{key}` = {x:e} is beyond ±{PLOT_LIMIT:e}; left out of the figures",
+                    path.display()
+                );
                 continue;
             }
             match key.strip_prefix("eval_") {

@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 
 use crate::llm::engine::{fingerprint, ChatCodec};
 use crate::llm::peft::{AdapterConfig, ADAPTER_WEIGHTS, LORA_TARGETS};
-use crate::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
+use crate::llm::spec::{redact_credentials, resolve_local, LocalModelFiles, ModelSpec};
 
 use super::adamw::{AdamW, AdamWParams};
 use super::data::{
@@ -400,12 +400,9 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     let spec: ModelSpec = cfg
         .model
         .parse()
-        .with_context(|| format!("--model `{}`", cfg.model))?;
+        .with_context(|| format!("--model `{}`", redact_credentials(&cfg.model)))?;
     if !spec.is_local() {
-        bail!(
-            "--model `{}`: training needs local weights, not an API endpoint",
-            cfg.model
-        );
+        bail!("--model `{spec}`: training needs local weights, not an API endpoint");
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
