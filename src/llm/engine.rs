@@ -454,12 +454,14 @@ impl Engine {
         codec: ChatCodec,
     ) -> Engine {
         let context_length = model.config().max_position_embeddings;
+        let max_token_bytes = max_token_bytes(&codec.tokenizer);
         Engine {
             name,
             fingerprint,
             model,
             codec,
             context_length,
+            max_token_bytes,
         }
     }
 
