@@ -297,7 +297,7 @@ async fn dataset_push_lfs_card_and_idempotence() {
         "| minimum MR gap | 0.05 |",
         "| seed | 7 |",
         "accuracy=1.0, token_amount=-0.1",
-        "| judge | openai:gpt-4o-mini |",
+        "| judge | OpenAI-compatible endpoint, model gpt-4o-mini |",
         "collabllm-rs generate_conv 0.1.0 (git abc123)",
         "| pairs_train | 3 |",
         "load_dataset(\"alice/collab-math\")",
