@@ -9,7 +9,7 @@ use clap::Parser;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
 use collabllm::reward::judge::JudgeMode;
-use collabllm::simulate::Sampling;
+use collabllm::rollout::user::Sampling;
 use collabllm::task::TaskType;
 
 /// Multi-turn evaluation: task success, interactivity and cost of chat models in

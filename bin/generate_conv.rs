@@ -9,10 +9,10 @@ use clap::Parser;
 use collabllm::generate::{self, config, GenerateConfig};
 use collabllm::hub::{self, import};
 use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
-use collabllm::pairs::PairMode;
 use collabllm::reward::judge::JudgeMode;
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
+use collabllm::reward::pairs::PairMode;
 use collabllm::task::TaskType;
 
 /// Multiturn-aware rewards → DPO preference pairs (CollabLLM).

@@ -11,18 +11,14 @@
 
 pub mod check;
 pub mod cli;
-mod columnar;
 pub mod dataset;
 pub mod eval;
 pub mod generate;
 pub mod hub;
 pub mod llm;
-pub mod pairs;
-pub mod parse;
 pub mod plot;
-pub mod prompts;
 pub mod reward;
+pub mod rollout;
 pub mod serve;
-pub mod simulate;
 pub mod task;
 pub mod train;

@@ -20,7 +20,7 @@ use collabllm::llm::scripted::ScriptedBackend;
 use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::tokens::TokenCounter;
 use collabllm::llm::{EndpointOptions, ModelSpec};
-use collabllm::simulate::Sampling;
+use collabllm::rollout::user::Sampling;
 use collabllm::task::TaskType;
 use common::collab_script;
 

@@ -157,12 +157,12 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
         min_gap: 0.05,
         test_fraction: 0.34,
         concurrency: 3,
-        policy_sampling: collabllm::simulate::Sampling {
+        policy_sampling: collabllm::rollout::user::Sampling {
             temperature: 1.0,
             top_p: 1.0,
             max_tokens: 16,
         },
-        assistant_sampling: collabllm::simulate::Sampling {
+        assistant_sampling: collabllm::rollout::user::Sampling {
             temperature: 1.0,
             top_p: 1.0,
             max_tokens: 16,

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{open, write_batch, Ctx, DatasetError};
-use crate::columnar::{self, JsonColumn, JsonShape, MessagesColumn};
+use crate::dataset::columnar::{self, JsonColumn, JsonShape, MessagesColumn};
 use crate::llm::ChatMessage;
 
 /// One upstream flat row: candidate `completion` at turn `turn_id` of `conv_id`, after `prompt`.

@@ -17,8 +17,9 @@ use arrow::array::RecordBatch;
 use parquet::arrow::arrow_reader::{ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder};
 use parquet::arrow::ArrowWriter;
 
-use crate::columnar::{self, AtomicFile};
+use columnar::AtomicFile;
 
+pub(crate) mod columnar;
 pub mod flat;
 pub mod pairs;
 

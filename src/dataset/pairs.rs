@@ -26,7 +26,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use serde::{Deserialize, Serialize};
 
 use super::{open, write_batch, Ctx, DatasetError};
-use crate::columnar::{self, MessagesColumn};
+use crate::dataset::columnar::{self, MessagesColumn};
 use crate::llm::ChatMessage;
 
 /// One preference pair: at turn `turn_id` of conversation `conv_id`, after `prompt`, `chosen`

@@ -11,7 +11,7 @@ use crate::generate::config::SANDBOX_TIMEOUT_S;
 use crate::llm::spec::redact_credentials;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::JudgeMode;
-use crate::simulate::Sampling;
+use crate::rollout::user::Sampling;
 use crate::task::TaskType;
 
 const TEMPERATURE: Range = Sampling::TEMPERATURE;

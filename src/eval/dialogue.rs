@@ -13,7 +13,7 @@ use futures::future::join_all;
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest};
 use crate::reward::metrics::{count_tokens, MetricScore, Scorer};
-use crate::simulate::{derive_seed, Sampling, SimError, UserSimulator};
+use crate::rollout::user::{derive_seed, Sampling, SimError, UserSimulator};
 use crate::task::Task;
 
 /// One evaluated model with its own token counter (its tokenizer, or cl100k for endpoints).

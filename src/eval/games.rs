@@ -11,9 +11,9 @@ use super::twenty_questions::{
     play, GameMetrics, Oracle, Questioner, RandomGuessQuestioner, ReferenceQuestioner, TableOracle,
     World,
 };
+use crate::llm::prompts::Prompts;
 use crate::llm::roles::Role;
-use crate::prompts::Prompts;
-use crate::simulate::{derive_seed, Sampling};
+use crate::rollout::user::{derive_seed, Sampling};
 
 /// Who asks the questions.
 #[derive(Clone)]

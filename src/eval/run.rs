@@ -25,14 +25,14 @@ use crate::generate::record::now_secs;
 use crate::generate::run::{earlier_usage, git_revision};
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
+use crate::llm::prompts::Prompts;
 use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::tokens::TokenCounter;
 use crate::llm::{add_usage, Price, UsageSnapshot};
-use crate::prompts::Prompts;
 use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{check_tasks_for_metrics, task_metric, Scorer};
 use crate::reward::sandbox::SandboxLimits;
-use crate::simulate::{Sampling, UserSimulator};
+use crate::rollout::user::{Sampling, UserSimulator};
 use crate::task::{load_tasks, Task, TaskType};
 
 pub const MANIFEST_FILE: &str = "manifest.json";

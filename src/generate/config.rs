@@ -8,11 +8,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::check::Range;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
-use crate::pairs::PairMode;
 use crate::reward::judge::JudgeMode;
 use crate::reward::metrics::check_metric_name;
 use crate::reward::mr::MrFormula;
-use crate::simulate::Sampling;
+use crate::reward::pairs::PairMode;
+use crate::rollout::user::Sampling;
 use crate::task::TaskType;
 
 /// Seconds of wall time of one sandboxed test run: more than 0, at most an hour.

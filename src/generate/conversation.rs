@@ -16,12 +16,12 @@ use super::config::GenerateConfig;
 use super::record::{
     now_secs, CandidateRecord, ConversationRecord, SessionRecord, TurnRecord, Variant,
 };
+use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, FinishReason};
-use crate::prompts::{Prompt, Prompts};
 use crate::reward::metrics::Scorer;
 use crate::reward::mr::{multiturn_reward, SessionScores};
-use crate::simulate::{derive_seed, rollout_future, SimError, UserSimulator};
+use crate::rollout::user::{derive_seed, rollout_future, SimError, UserSimulator};
 use crate::task::Task;
 
 /// Everything a conversation needs; shared by all conversations of a run.
@@ -110,7 +110,7 @@ impl Pipeline {
         history: &[ChatMessage],
         turn_id: u32,
         weights: &BTreeMap<String, f64>,
-    ) -> Result<(TurnRecord, crate::simulate::UserTurn), SimError> {
+    ) -> Result<(TurnRecord, crate::rollout::user::UserTurn), SimError> {
         let t = turn_id.to_string();
         let candidates = self.candidates(task, history, &t).await?;
         let scored = try_join_all(
@@ -229,7 +229,7 @@ impl Pipeline {
         turn: &str,
         index: usize,
         weights: &BTreeMap<String, f64>,
-    ) -> Result<(Vec<SessionRecord>, crate::simulate::UserTurn), SimError> {
+    ) -> Result<(Vec<SessionRecord>, crate::rollout::user::UserTurn), SimError> {
         let idx = index.to_string();
         let reply = ChatMessage::assistant(cand.text.clone());
         let base: Vec<ChatMessage> = history.iter().cloned().chain([reply.clone()]).collect();

@@ -12,8 +12,8 @@ use crate::dataset::flat::{write_flat_parquet, FlatRow};
 use crate::dataset::pairs::{split_by_conversation, write_pairs_parquet, PairRow};
 use crate::dataset::DatasetError;
 use crate::llm::ChatMessage;
-use crate::pairs::{select_pairs, PairMode};
 use crate::reward::mr::{multiturn_reward, MrFormula};
+use crate::reward::pairs::{select_pairs, PairMode};
 
 /// How records become pairs.
 #[derive(Clone, Debug, PartialEq, Serialize)]

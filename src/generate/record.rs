@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::llm::{ChatMessage, FinishReason, UsageSnapshot};
 use crate::reward::metrics::MetricScore;
-use crate::simulate::UserTurn;
+use crate::rollout::user::UserTurn;
 use crate::task::TaskType;
 
 #[derive(Debug, thiserror::Error)]

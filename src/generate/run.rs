@@ -19,15 +19,15 @@ use super::record::{now_secs, read_records, ConversationLog, ConversationRecord}
 use crate::hub::import;
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
+use crate::llm::prompts::Prompts;
 use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::tokens::TokenCounter;
 use crate::llm::{add_usage, with_usage_scope, Price, UsageSnapshot};
-use crate::pairs::select_pairs;
-use crate::prompts::Prompts;
 use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{check_tasks_for_metrics, default_weights, Scorer};
+use crate::reward::pairs::select_pairs;
 use crate::reward::sandbox::SandboxLimits;
-use crate::simulate::UserSimulator;
+use crate::rollout::user::UserSimulator;
 use crate::task::{load_tasks, Task};
 
 pub const MANIFEST_FILE: &str = "manifest.json";

@@ -16,7 +16,7 @@ use crate::dataset::{
     DatasetError, FlatRow, PairRow,
 };
 use crate::llm::ChatMessage;
-use crate::pairs::{select_pairs, PairMode};
+use crate::reward::pairs::{select_pairs, PairMode};
 use crate::task::{write_tasks_jsonl, Task, TaskError, TaskType};
 
 /// The upstream flat schema's columns; the first eight are required for an import.

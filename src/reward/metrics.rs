@@ -8,11 +8,11 @@ use serde::{Deserialize, Serialize};
 
 use super::judge::Judge;
 use super::sandbox::{run_python_tests, SandboxLimits};
+use crate::llm::parse::extract_code;
+use crate::llm::prompts::Prompt;
 use crate::llm::tokens::TokenCounter;
 use crate::llm::ChatMessage;
-use crate::parse::extract_code;
-use crate::prompts::Prompt;
-use crate::simulate::transcript;
+use crate::rollout::user::transcript;
 use crate::task::{Task, TaskType};
 
 /// Metric names and their native ranges.

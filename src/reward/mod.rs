@@ -6,4 +6,5 @@ pub mod judge;
 pub mod math;
 pub mod metrics;
 pub mod mr;
+pub mod pairs;
 pub mod sandbox;

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::llm::prompts::{Prompt, PromptError, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, LlmError};
-use crate::prompts::{Prompt, PromptError, Prompts};
 use crate::task::{Task, TaskType};
 
 #[derive(Debug, thiserror::Error)]
@@ -181,7 +181,7 @@ impl UserSimulator {
     /// A usable user message from raw simulator output, or `None`.
     pub fn parse(&self, raw: &str) -> Option<UserTurn> {
         let text = if self.json {
-            let obj = crate::parse::parse_json_object(raw)?;
+            let obj = crate::llm::parse::parse_json_object(raw)?;
             obj.get("response")?.as_str()?.to_string()
         } else {
             clean_plain_user_text(raw)

@@ -15,57 +15,57 @@ use crate::task::TaskType;
 const PROMPTS: &[(&str, &str, &[&str])] = &[
     (
         "user_base.j2",
-        include_str!("../prompts/user_base.j2"),
+        include_str!("../../prompts/user_base.j2"),
         USER_VARS,
     ),
     (
         "user_math.j2",
-        include_str!("../prompts/user_math.j2"),
+        include_str!("../../prompts/user_math.j2"),
         USER_VARS,
     ),
     (
         "user_doc_edit.j2",
-        include_str!("../prompts/user_doc_edit.j2"),
+        include_str!("../../prompts/user_doc_edit.j2"),
         USER_VARS,
     ),
     (
         "user_code.j2",
-        include_str!("../prompts/user_code.j2"),
+        include_str!("../../prompts/user_code.j2"),
         USER_VARS,
     ),
     (
         "assistant_proactive.j2",
-        include_str!("../prompts/assistant_proactive.j2"),
+        include_str!("../../prompts/assistant_proactive.j2"),
         &["task_type"],
     ),
     (
         "judge_accuracy.j2",
-        include_str!("../prompts/judge_accuracy.j2"),
+        include_str!("../../prompts/judge_accuracy.j2"),
         &["goal", "reference", "conversation", "json"],
     ),
     (
         "judge_interactivity.j2",
-        include_str!("../prompts/judge_interactivity.j2"),
+        include_str!("../../prompts/judge_interactivity.j2"),
         &["conversation", "json"],
     ),
     (
         "extract_document.j2",
-        include_str!("../prompts/extract_document.j2"),
+        include_str!("../../prompts/extract_document.j2"),
         &["goal", "conversation"],
     ),
     (
         "extract_code.j2",
-        include_str!("../prompts/extract_code.j2"),
+        include_str!("../../prompts/extract_code.j2"),
         &["goal", "conversation"],
     ),
     (
         "twenty_questions_questioner.j2",
-        include_str!("../prompts/twenty_questions_questioner.j2"),
+        include_str!("../../prompts/twenty_questions_questioner.j2"),
         &["history", "questions_left", "max_questions"],
     ),
     (
         "twenty_questions_oracle.j2",
-        include_str!("../prompts/twenty_questions_oracle.j2"),
+        include_str!("../../prompts/twenty_questions_oracle.j2"),
         &["object", "names", "question"],
     ),
 ];

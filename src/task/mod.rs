@@ -22,7 +22,7 @@ use arrow::array::{Array as _, RecordBatchReader as _};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::columnar::{self, AtomicFile};
+use crate::dataset::columnar::{self, AtomicFile};
 
 /// The kind of task, which decides the metrics and the user-simulator prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

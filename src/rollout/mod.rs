@@ -1,0 +1,3 @@
+//! Multi-turn rollouts: the simulated user and the futures it plays out.
+
+pub mod user;
