@@ -655,6 +655,9 @@ mod tests {
         }
         assert!(card.contains("| model | local model base.gguf |"), "{card}");
         assert!(card.contains("| data | pairs |"), "{card}");
-        assert!(card.contains("| lr | 0.000005 |") || card.contains("| lr | 5e-6 |"), "{card}");
+        assert!(
+            card.contains("| lr | 0.000005 |") || card.contains("| lr | 5e-6 |"),
+            "{card}"
+        );
     }
 }
