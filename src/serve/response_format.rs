@@ -181,6 +181,15 @@ fn unsupported(param: &str, message: String) -> FormatError {
     }
 }
 
+/// `Ok` when `ok`, else the error that `here` must be `what`.
+fn require(ok: bool, here: &str, what: &str) -> Result<(), FormatError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(here, format!("`{here}` must be {what}")))
+    }
+}
+
 fn invalid(param: &str, message: String) -> FormatError {
     FormatError {
         param: param.to_string(),
@@ -237,14 +246,11 @@ fn check_schema(schema: &Value, root: &Value, at: &str, depth: usize) -> Result<
                     check_schema(sub, root, &format!("{here}.{name}"), depth + 1)?;
                 }
             }
-            "required" => {
-                if !v.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
-                    return Err(invalid(
-                        &here,
-                        format!("`{here}` must be an array of strings"),
-                    ));
-                }
-            }
+            "required" => require(
+                v.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
+                &here,
+                "an array of strings",
+            )?,
             "additionalProperties" | "items" => check_schema(v, root, &here, depth + 1)?,
             "anyOf" | "oneOf" | "allOf" => {
                 let subs = v
@@ -255,23 +261,12 @@ fn check_schema(schema: &Value, root: &Value, at: &str, depth: usize) -> Result<
                     check_schema(sub, root, &format!("{here}[{i}]"), depth + 1)?;
                 }
             }
-            "enum" => {
-                if !v.is_array() {
-                    return Err(invalid(&here, format!("`{here}` must be an array")));
-                }
-            }
+            "enum" => require(v.is_array(), &here, "an array")?,
             "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" => {
-                if !v.is_number() {
-                    return Err(invalid(&here, format!("`{here}` must be a number")));
-                }
+                require(v.is_number(), &here, "a number")?
             }
             "minLength" | "maxLength" | "minItems" | "maxItems" => {
-                if v.as_u64().is_none() {
-                    return Err(invalid(
-                        &here,
-                        format!("`{here}` must be a non-negative integer"),
-                    ));
-                }
+                require(v.as_u64().is_some(), &here, "a non-negative integer")?
             }
             "$ref" => {
                 let target = v
