@@ -1,36 +1,71 @@
 //! Runs untrusted Python code against its unit tests in a separate, confined process (DESIGN §7:
 //! never in the host process).
 //!
-//! [`run_python_tests`] writes `solution.py` (the code), `test_solution.py` (the tests; a
-//! `from solution import *` line is prepended when the tests do not import `solution`
-//! themselves) and a small trusted runner into a fresh temporary directory, and runs
-//! `python3 -I -B runner` there. The runner imports the tests, runs them with `unittest`, and
-//! reports the counts on stdout as one JSON line tagged with a random nonce, which the code under
-//! test never sees (a solution that prints fake results does not pass).
+//! [`run_python_tests`] starts `python3 -I -B -c <runner>` with the trusted runner
+//! (`sandbox_runner.py`, compiled in) and hands it the code and the tests on stdin. Nothing of the
+//! code under test runs in this process, and nothing it prints can count.
+//!
+//! # What cannot be forged
+//!
+//! The runner's first process (the *reporter*) never imports the code under test. It compiles the
+//! code, loads the tests with a stand-in `solution` module, enumerates the tests, and takes a
+//! snapshot of what a verdict depends on: every function and class (and their methods) of
+//! `builtins`, `sys`, `unittest.*`, `contextlib`, `functools`, `operator`, `math`, … and of the
+//! top level and `testing` modules of numpy/pandas/…, the dictionaries of the builtin types,
+//! `sys.modules` entries, trace hooks, and the set of existing classes. Then, for each test, it
+//! forks a child that imports the code, runs that one test with pristine unittest objects, and
+//! checks the snapshot afterwards: anything replaced, a test method shadowed on the instance,
+//! assertEqual's type dispatch changed, or a new class whose instances compare equal to an
+//! object nobody could know (`__eq__` always true) makes that test fail as *tampered*. The
+//! child reports over a pipe only it holds, tagged with a per-test random token; a missing,
+//! duplicated or malformed report, or an exit before the report (`sys.exit`, `os._exit`, a
+//! signal) fails the test. A test that skips itself while running fails (a skip decided by a
+//! decorator is not run and not counted). The reporter writes the totals on a copy of stdout,
+//! tagged with a nonce that it reads from stdin only after the last child is gone, so no process
+//! that ran candidate code ever had it; stdout of the children goes to stderr. With a PID
+//! namespace the reporter is the namespace's init (the code cannot kill it) and kills everything
+//! else between tests; it is never dumpable (no ptrace, no `/proc/<pid>/fd` or `mem` access).
+//!
+//! What remains possible, honestly: code that knows this runner can forge **its own test's**
+//! verdict inside its child — it runs in the same interpreter as that test, so with frame
+//! walking, `gc`, `ctypes` (C-level slots, memory), threads or `/proc/self/fd` it can find the
+//! per-test token and pipe, change expected values in the test's frame, or patch the checks
+//! themselves. Objects that existed before the code ran and compare equal to anything
+//! (`unittest.mock.ANY`) can be returned; a class made with `type()` that is freed before the
+//! check escapes the equality probe. Tests share files, not memory: state kept in a class
+//! attribute by one test is not seen by the next. Without a PID namespace, processes the code
+//! detached with `setsid` live until the end of the run (then they are killed).
 //!
 //! # Confinement (Linux)
 //!
 //! The spawned process is a small **supervisor** (still our own code, forked from this process
 //! and never `exec`ing) that:
-//! * starts a new session, and tries `unshare(CLONE_NEWNET)` (no network) and
+//! * starts a new session, and tries `unshare(CLONE_NEWNET)` (no network),
 //!   `unshare(CLONE_NEWPID)` (a PID namespace whose init is the Python process, so that when it
-//!   dies the kernel kills and reaps everything it started); both are skipped where not
-//!   permitted (`EPERM`) and reported in [`Isolation`];
+//!   dies the kernel kills and reaps everything it started) and `unshare(CLONE_NEWNS)` (a mount
+//!   namespace: one private tmpfs of [`SandboxLimits::tmp_bytes`] on `/tmp`, also bound on
+//!   `/var/tmp` and `/dev/shm`, and the rest of the file system read-only); each is skipped where
+//!   not permitted (`EPERM`), reported in [`Isolation`] and warned about once per process;
 //! * marks itself child subreaper, so that processes orphaned by the code are reaped here and not
 //!   left as zombies (an init that does not reap is common in containers);
-//! * forks the Python process, which gets its own process group, resource limits
-//!   (`RLIMIT_CPU`, `RLIMIT_AS`, `RLIMIT_FSIZE`, `RLIMIT_NPROC`, `RLIMIT_CORE` = 0),
-//!   `PR_SET_NO_NEW_PRIVS`, a parent-death signal, and — when we run as root, where
-//!   `RLIMIT_NPROC` is not enforced and file permissions do not protect — drops to an
-//!   unprivileged uid/gid with no supplementary groups;
+//! * forks the Python process, which mounts its own `/proc` (it sees only its own processes),
+//!   creates its working directory inside the private `/tmp`, and gets its own process group,
+//!   resource limits (`RLIMIT_CPU`, `RLIMIT_AS`, `RLIMIT_FSIZE`, `RLIMIT_NPROC`,
+//!   `RLIMIT_CORE` = 0), `PR_SET_NO_NEW_PRIVS`, a parent-death signal, and — when we run as
+//!   root, where `RLIMIT_NPROC` is not enforced and file permissions do not protect — drops to
+//!   an unprivileged uid/gid with no supplementary groups;
 //! * enforces the wall-clock timeout: kills the process group (repeatedly, until every
 //!   descendant is gone and reaped), and when running as root with a private uid also kills every
 //!   process of that uid (which catches code that escaped the group with `setsid`).
 //!
-//! The environment is cleared (only `PATH=/usr/bin:/bin`, `LANG=C.UTF-8`, `HOME=<temp dir>`,
+//! Everything the code wrote lives in the namespace's tmpfs and disappears with it when the run
+//! ends. Without a mount namespace the working directory is a fresh directory on the host's
+//! temporary file system (removed after the run) and `/tmp` and `/dev/shm` are the host's.
+//!
+//! The environment is cleared (only `PATH=/usr/bin:/bin`, `LANG=C.UTF-8`, `HOME=<work dir>`,
 //! and `OMP/OPENBLAS/MKL_NUM_THREADS=1` so numeric libraries stay within the limits),
-//! stdin is `/dev/null`, the working directory is the temp dir, and output is read with a cap
-//! (the last 64 KiB of stdout, the last 4 KiB of stderr are kept; the rest is drained and dropped).
+//! and output is read with a cap (the last 64 KiB of stdout, the last 4 KiB of stderr are kept;
+//! the rest is drained and dropped).
 //!
 //! **Private uids.** As root, each run uses its own uid (`PRIVATE_UID_BASE + slot`) when the
 //! user namespace maps it, else `nobody` (65534). A private uid makes `RLIMIT_NPROC` a
@@ -38,12 +73,12 @@
 //! would exhaust the budget of all the others) and makes "kill every process of this uid" a safe
 //! cleanup.
 //!
-//! What this is not: a security boundary against a determined attacker (no seccomp filter, no
-//! mount namespace; the code can read world-readable files, and since it runs in the same
-//! interpreter as the tests it could tamper with `unittest`). It is meant for model-generated
-//! code during reward computation. When running as root in a user namespace that maps no
-//! unprivileged uid, it refuses to run ([`SandboxError::NoUnprivilegedUser`]) rather than run
-//! the code as root.
+//! What this is not: a security boundary against a determined attacker (no seccomp filter; the
+//! code can read world-readable files and use the kernel's whole system-call surface). It is
+//! meant for model-generated code during reward computation. When running as root in a user
+//! namespace that maps no unprivileged uid, it refuses to run
+//! ([`SandboxError::NoUnprivilegedUser`]) rather than run the code as root. As an ordinary user
+//! (no `CAP_SYS_ADMIN`) there are no namespaces: the code runs as that user.
 
 use std::ffi::OsString;
 use std::io;
@@ -82,6 +117,15 @@ pub struct SandboxLimits {
     pub max_processes: u64,
     /// Wall-clock limit; the whole process tree is killed when it is reached.
     pub wall_timeout: Duration,
+    /// Size of the private tmpfs that holds the working directory, `/tmp`, `/var/tmp` and
+    /// `/dev/shm` (together) when a mount namespace is available; writes beyond it fail with
+    /// `ENOSPC`.
+    #[serde(default = "default_tmp_bytes")]
+    pub tmp_bytes: u64,
+}
+
+fn default_tmp_bytes() -> u64 {
+    64 * 1024 * 1024
 }
 
 impl Default for SandboxLimits {
@@ -92,6 +136,7 @@ impl Default for SandboxLimits {
             file_size_bytes: 1024 * 1024,
             max_processes: 32,
             wall_timeout: Duration::from_secs(10),
+            tmp_bytes: default_tmp_bytes(),
         }
     }
 }
@@ -108,6 +153,16 @@ pub struct Isolation {
     pub pid_namespace: bool,
     /// Every process the code started was gone and reaped when the run ended.
     pub cleanup_complete: bool,
+    /// The code ran in a fresh mount namespace with a private, size-limited tmpfs on `/tmp`,
+    /// `/var/tmp` and `/dev/shm` holding its working directory.
+    #[serde(default)]
+    pub mount_namespace: bool,
+    /// The rest of the file system was read-only.
+    #[serde(default)]
+    pub readonly_root: bool,
+    /// `/proc` was the PID namespace's own (only the sandbox's processes visible).
+    #[serde(default)]
+    pub private_proc: bool,
 }
 
 /// The result of one sandboxed test run.
@@ -117,8 +172,18 @@ pub struct SandboxOutcome {
     pub passed: bool,
     /// Tests run (0 when the solution or the tests failed to import).
     pub tests_run: u32,
-    /// Tests that did not pass: failures, errors and unexpected successes.
+    /// Tests that did not pass: failures, errors, skips while running, unexpected successes,
+    /// tampering, and tests whose process ended without a report.
     pub failures: u32,
+    /// Tests that passed (`tests_run - failures`).
+    #[serde(default)]
+    pub tests_passed: u32,
+    /// Tests failed because the code under test tampered with what decides a verdict.
+    #[serde(default)]
+    pub tampered: u32,
+    /// The tests that did not pass, with the reason (`Class.test: why`), at most 50.
+    #[serde(default)]
+    pub failed_tests: Vec<String>,
     /// Killed at the wall-clock limit, or by the CPU limit (SIGXCPU).
     pub timed_out: bool,
     /// Exit code of the Python process; `None` when it was killed by a signal.
@@ -133,6 +198,17 @@ pub struct SandboxOutcome {
     /// Protections in force.
     #[serde(default)]
     pub isolation: Isolation,
+}
+
+impl SandboxOutcome {
+    /// The fraction of tests that passed (0 when none ran or the run timed out).
+    pub fn pass_fraction(&self) -> f64 {
+        if self.tests_run == 0 || self.timed_out {
+            0.0
+        } else {
+            f64::from(self.tests_passed) / f64::from(self.tests_run)
+        }
+    }
 }
 
 /// Why a sandboxed run could not take place (as opposed to code that failed its tests, which
@@ -221,77 +297,32 @@ fn is_executable(p: &Path) -> bool {
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-/// The trusted runner. It reads and deletes the nonce file before importing anything of the
-/// code, runs the tests with verbose output on stderr, and writes one result line on a
-/// duplicate of stdout taken before the code ran.
-const RUNNER: &str = r#"import importlib, json, os, sys, traceback, unittest
+/// The trusted runner (see the module docs and the file's own comments).
+const RUNNER: &str = include_str!("sandbox_runner.py");
 
-def _collabllm_main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    nonce_path = os.path.join(here, "_collabllm_nonce")
-    with open(nonce_path) as f:
-        nonce = f.read().strip()
-    os.remove(nonce_path)
-    out_fd = os.dup(1)
-    sys.path.insert(0, here)
-    report = {"tests_run": 0, "failures": 0, "errors": 0, "skipped": 0, "load_error": None}
-    ok = False
-    try:
-        module = importlib.import_module("test_solution")
-        suite = unittest.defaultTestLoader.loadTestsFromModule(module)
-        result = unittest.TextTestRunner(stream=sys.stderr, verbosity=2).run(suite)
-        report["tests_run"] = result.testsRun
-        report["failures"] = len(result.failures) + len(result.unexpectedSuccesses)
-        report["errors"] = len(result.errors)
-        report["skipped"] = len(result.skipped)
-        ok = result.wasSuccessful() and result.testsRun > 0
-    except BaseException as exc:
-        try:
-            traceback.print_exc()
-        except BaseException:
-            pass
-        report["load_error"] = type(exc).__name__
-    line = "\nCOLLABLLM-RESULT-" + nonce + " " + json.dumps(report) + "\n"
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    try:
-        os.write(out_fd, line.encode())
-    except OSError:
-        pass
-    os._exit(0 if ok else 1)
-
-_collabllm_main()
-"#;
-
-const RUNNER_FILE: &str = "_collabllm_runner.py";
-const NONCE_FILE: &str = "_collabllm_nonce";
-
-/// The test file's source: the tests, preceded by `from solution import *` unless they import
-/// `solution` themselves.
-fn test_file_source(tests: &str) -> String {
-    let imports_solution = tests.lines().any(|l| {
-        let t = l.trim_start();
-        t.starts_with("from solution import") || t.starts_with("import solution")
-    });
-    if imports_solution {
-        tests.to_owned()
-    } else {
-        format!("from solution import *\n{tests}")
-    }
+/// What the runner reads first on stdin: 16 ASCII digits (the byte count), then the JSON.
+fn runner_input(code: &str, tests: &str) -> Vec<u8> {
+    let payload = serde_json::json!({"solution": code, "tests": tests}).to_string();
+    let mut input = format!("{:016}", payload.len()).into_bytes();
+    input.extend_from_slice(payload.as_bytes());
+    input
 }
 
 /// The runner's report, parsed from the last tagged line of stdout.
 #[derive(Debug, Default, Deserialize)]
 struct RunnerReport {
     tests_run: u32,
+    #[serde(default)]
+    passed: u32,
     failures: u32,
     errors: u32,
     #[allow(dead_code)]
     skipped: u32,
+    #[serde(default)]
+    tampered: u32,
     load_error: Option<String>,
+    #[serde(default)]
+    failed: Vec<String>,
 }
 
 fn find_report(stdout: &str, nonce: &str) -> Option<RunnerReport> {
@@ -322,6 +353,7 @@ pub async fn run_python_tests(
 struct RunOptions {
     try_pid_namespace: bool,
     try_net_namespace: bool,
+    try_mount_namespace: bool,
 }
 
 impl Default for RunOptions {
@@ -329,6 +361,7 @@ impl Default for RunOptions {
         Self {
             try_pid_namespace: true,
             try_net_namespace: true,
+            try_mount_namespace: true,
         }
     }
 }
@@ -371,9 +404,14 @@ mod linux {
     const F_TIMED_OUT: u32 = 4;
     const F_CHILD_DONE: u32 = 8;
     const F_STRAYS_LEFT: u32 = 16;
+    const F_MNTNS: u32 = 32;
+    const F_RDONLY: u32 = 64;
+    const F_PROC: u32 = 128;
+    /// The tmpfs is on /tmp (the working directory must be created in it).
+    const F_TMPFS: u32 = 256;
 
     /// Steps of the child's setup, recorded so that a spawn error names the failing step.
-    const STEPS: [&str; 8] = [
+    const STEPS: [&str; 10] = [
         "fork",
         "setsid",
         "fork python",
@@ -382,6 +420,8 @@ mod linux {
         "drop privileges",
         "prctl",
         "exec python",
+        "mount namespace",
+        "working directory",
     ];
 
     /// Shared between this process and the supervisor (a `MAP_SHARED` anonymous page survives
@@ -393,6 +433,8 @@ mod linux {
         step: AtomicU32,
         child_pid: AtomicI32,
         child_status: AtomicI32,
+        /// Set by the Python process before `exec` (the supervisor owns `flags`).
+        child_flags: AtomicU32,
     }
 
     struct SharedPage {
@@ -454,6 +496,10 @@ mod linux {
         private_uid: bool,
         try_netns: bool,
         try_pidns: bool,
+        try_mountns: bool,
+        /// NUL-terminated strings owned by `run` (valid in the forked copy of its memory).
+        work_dir: usize,
+        tmpfs_options: usize,
     }
 
     /// Chooses the identity the code runs as: none unless we are root; as root a private uid
@@ -496,20 +542,22 @@ mod linux {
         })
     }
 
-    /// A directory the sandbox uid can reach: `temp_dir()` if all its ancestors are
-    /// world-traversable, else `/tmp`.
+    /// Where the working directory is named: `/tmp` when it exists (with a mount namespace the
+    /// directory is created inside the private tmpfs mounted there, under the same path), else
+    /// `temp_dir()` if all its ancestors are world-traversable or we keep our uid.
     fn sandbox_parent_dir(dropping: bool) -> PathBuf {
-        let tmp = std::env::temp_dir();
-        if !dropping {
-            return tmp;
+        let slash_tmp = PathBuf::from("/tmp");
+        if slash_tmp.is_dir() {
+            return slash_tmp;
         }
+        let tmp = std::env::temp_dir();
         let reachable = tmp
             .ancestors()
             .all(|a| std::fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 != 0));
-        if reachable {
+        if !dropping || reachable {
             tmp
         } else {
-            PathBuf::from("/tmp")
+            slash_tmp
         }
     }
 
@@ -527,31 +575,28 @@ mod linux {
         let python = find_python()?;
         let identity = choose_identity()?;
 
+        // The working directory's name. With a mount namespace it is created inside the private
+        // tmpfs on /tmp (and this host directory stays empty); without, it is the directory.
+        let parent = sandbox_parent_dir(identity.is_some());
         let dir = tempfile::Builder::new()
             .prefix("collabllm-sandbox-")
-            .tempdir_in(sandbox_parent_dir(identity.is_some()))
+            .tempdir_in(&parent)
             .map_err(setup_err("create temp dir"))?;
-        let nonce = format!("{:032x}", rand::random::<u128>());
-        let files = [
-            ("solution.py", code.to_owned()),
-            ("test_solution.py", test_file_source(tests)),
-            (RUNNER_FILE, RUNNER.to_owned()),
-            (NONCE_FILE, nonce.clone()),
-        ];
-        for (name, content) in &files {
-            let path = dir.path().join(name);
-            std::fs::write(&path, content).map_err(setup_err(format!("write {name}")))?;
-            if let Some((uid, gid, _)) = identity {
-                chown(&path, uid, gid)?;
-                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-                    .map_err(setup_err(format!("chmod {name}")))?;
-            }
-        }
         if let Some((uid, gid, _)) = identity {
             chown(dir.path(), uid, gid)?;
             std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
                 .map_err(setup_err("chmod temp dir"))?;
         }
+        let work_dir = std::ffi::CString::new(dir.path().as_os_str().as_encoded_bytes())
+            .map_err(|e| setup_err("temp dir path")(io::Error::other(e)))?;
+        // Inodes bounded too (each costs kernel memory): one per 4 KiB of the size, at least 1024.
+        let tmpfs_options = std::ffi::CString::new(format!(
+            "size={},nr_inodes={},mode=1777",
+            limits.tmp_bytes.max(4096),
+            (limits.tmp_bytes / 4096).max(1024)
+        ))
+        .map_err(|e| setup_err("tmpfs options")(io::Error::other(e)))?;
+        let nonce = format!("{:032x}", rand::random::<u128>());
 
         let shared = SharedPage::new().map_err(setup_err("mmap status page"))?;
         let cfg = ExecConfig {
@@ -565,13 +610,17 @@ mod linux {
             private_uid: identity.is_some_and(|(_, _, private)| private),
             try_netns: options.try_net_namespace,
             try_pidns: options.try_pid_namespace,
+            // The in-namespace path must lie in the tmpfs mounted on /tmp.
+            try_mountns: options.try_mount_namespace && parent == Path::new("/tmp"),
+            work_dir: work_dir.as_ptr() as usize,
+            tmpfs_options: tmpfs_options.as_ptr() as usize,
         };
 
         let mut cmd = Command::new(&python);
         cmd.arg("-I")
             .arg("-B")
-            .arg(dir.path().join(RUNNER_FILE))
-            .current_dir(dir.path())
+            .arg("-c")
+            .arg(RUNNER)
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
             .env("LANG", "C.UTF-8")
@@ -581,7 +630,7 @@ mod linux {
             .env("OMP_NUM_THREADS", "1")
             .env("OPENBLAS_NUM_THREADS", "1")
             .env("MKL_NUM_THREADS", "1")
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(false);
@@ -617,6 +666,20 @@ mod linux {
                 }
             }
         };
+
+        // The code and tests first; the nonce right after it, which the runner reads only when
+        // every test process is gone.
+        let mut input = runner_input(code, tests);
+        input.extend_from_slice(nonce.as_bytes());
+        input.push(b'\n');
+        let stdin = child.stdin.take();
+        let writer = tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            if let Some(mut stdin) = stdin {
+                // A runner that died early closes the pipe (EPIPE): nothing to do then.
+                let _ = stdin.write_all(&input).await;
+            }
+        });
 
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stdout = child.stdout.take();
@@ -658,6 +721,7 @@ mod linux {
             r = &mut readers => r,
             _ = stop_later => readers.await,
         };
+        writer.abort();
         let duration_s = started.elapsed().as_secs_f64();
         let stdout = String::from_utf8_lossy(&out.unwrap_or_default()).into_owned();
         let stderr_tail = String::from_utf8_lossy(&err.unwrap_or_default()).into_owned();
@@ -679,32 +743,78 @@ mod linux {
         let timed_out = !supervisor_ok || flags & F_TIMED_OUT != 0 || signal == Some(libc::SIGXCPU);
 
         let report = find_report(&stdout, &nonce);
-        let (tests_run, failures, clean) = match &report {
-            Some(r) => (
-                r.tests_run,
-                r.failures.saturating_add(r.errors),
-                r.load_error.is_none(),
-            ),
-            None => (0, 0, false),
-        };
+        let clean = report.as_ref().is_some_and(|r| r.load_error.is_none());
+        let report = report.unwrap_or_default();
+        let tests_run = report.tests_run;
+        let failures = report.failures.saturating_add(report.errors).min(tests_run);
+        let tests_passed = report.passed.min(tests_run - failures);
         let passed = exit_code == Some(0) && !timed_out && clean && tests_run > 0 && failures == 0;
+        let child_flags = page.child_flags.load(Ordering::SeqCst);
+        let isolation = Isolation {
+            uid: cfg.identity.map(|(u, _)| u),
+            net_namespace: flags & F_NETNS != 0,
+            pid_namespace: flags & F_PIDNS != 0,
+            cleanup_complete: magic_ok && supervisor_ok && flags & F_STRAYS_LEFT == 0,
+            mount_namespace: flags & F_MNTNS != 0,
+            readonly_root: flags & F_RDONLY != 0,
+            private_proc: child_flags & F_PROC != 0,
+        };
+        warn_once_if_weaker(&isolation, magic_ok);
 
         Ok(SandboxOutcome {
             passed,
             tests_run,
             failures,
+            tests_passed: if timed_out { 0 } else { tests_passed },
+            tampered: report.tampered,
+            failed_tests: report.failed,
             timed_out,
             exit_code,
             stderr_tail,
             duration_s,
             signal,
-            isolation: Isolation {
-                uid: cfg.identity.map(|(u, _)| u),
-                net_namespace: flags & F_NETNS != 0,
-                pid_namespace: flags & F_PIDNS != 0,
-                cleanup_complete: magic_ok && supervisor_ok && flags & F_STRAYS_LEFT == 0,
-            },
+            isolation,
         })
+    }
+
+    /// One warning per process naming what the sandbox could not isolate here.
+    fn warn_once_if_weaker(isolation: &Isolation, supervisor_reported: bool) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        if !supervisor_reported {
+            return;
+        }
+        let missing: Vec<&str> = [
+            (isolation.net_namespace, "network (no network namespace)"),
+            (
+                isolation.pid_namespace,
+                "processes (no PID namespace: host processes are visible)",
+            ),
+            (
+                isolation.private_proc,
+                "/proc (the host's, every host process visible)",
+            ),
+            (
+                isolation.mount_namespace,
+                "/tmp, /var/tmp, /dev/shm (no mount namespace: the host's, no size limit)",
+            ),
+            (
+                isolation.readonly_root,
+                "the file system (not read-only outside the private tmpfs)",
+            ),
+        ]
+        .into_iter()
+        .filter(|(held, _)| !held)
+        .map(|(_, what)| what)
+        .collect();
+        if missing.is_empty() {
+            return;
+        }
+        WARNED.call_once(|| {
+            tracing::warn!(
+                "the Python sandbox cannot isolate here (needs CAP_SYS_ADMIN for namespaces): {}",
+                missing.join("; ")
+            );
+        });
     }
 
     fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), SandboxError> {
@@ -829,6 +939,13 @@ mod linux {
             if cfg.try_pidns && libc::unshare(libc::CLONE_NEWPID) == 0 {
                 flags |= F_PIDNS;
             }
+            let mut private_ns = false;
+            if cfg.try_mountns {
+                page.step.store(8, Ordering::SeqCst);
+                let (mount_flags, private) = private_mounts(cfg)?;
+                flags |= mount_flags;
+                private_ns = private;
+            }
             page.flags.store(flags, Ordering::SeqCst);
             libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0);
 
@@ -847,15 +964,129 @@ mod linux {
             }
             if pid == 0 {
                 libc::sigprocmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
-                return child_setup(cfg, page);
+                return child_setup(cfg, page, flags, private_ns);
             }
             page.child_pid.store(pid, Ordering::SeqCst);
             supervise(cfg, page, pid, &chld, flags)
         }
     }
 
-    /// The Python process, before `exec`: own process group, limits, unprivileged identity.
-    unsafe fn child_setup(cfg: &ExecConfig, page: &StatusPage) -> io::Result<()> {
+    /// `struct mount_attr` of mount_setattr(2).
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const AT_RECURSIVE: libc::c_int = 0x8000;
+
+    /// In the supervisor: a new mount namespace with the whole tree read-only and one private
+    /// tmpfs on `/tmp`, bound on `/dev/shm` and `/var/tmp` (one size limit for all three).
+    /// Returns the flags achieved and whether we are in a private namespace at all (which makes
+    /// mounting `/proc` safe). An error only when the tree is already read-only but the tmpfs
+    /// could not be mounted (the code would have nowhere to write).
+    unsafe fn private_mounts(cfg: &ExecConfig) -> io::Result<(u32, bool)> {
+        let none = std::ptr::null::<libc::c_char>();
+        if libc::unshare(libc::CLONE_NEWNS) != 0 {
+            return Ok((0, false));
+        }
+        // Nothing mounted here may propagate back to the host's namespace.
+        if libc::mount(
+            none,
+            c"/".as_ptr(),
+            none,
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Ok((0, false));
+        }
+        let attr = MountAttr {
+            attr_set: MOUNT_ATTR_RDONLY,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: 0,
+        };
+        let rdonly = libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            c"/".as_ptr(),
+            AT_RECURSIVE,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        ) == 0;
+        let tmp = c"/tmp".as_ptr();
+        let fs_flags = libc::MS_NOSUID | libc::MS_NODEV;
+        let tmpfs = c"tmpfs".as_ptr();
+        if libc::mount(
+            tmpfs,
+            tmp,
+            tmpfs,
+            fs_flags,
+            cfg.tmpfs_options as *const libc::c_void,
+        ) != 0
+        {
+            return if rdonly {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok((0, true))
+            };
+        }
+        let mut all_bound = true;
+        for target in [c"/dev/shm", c"/var/tmp"] {
+            if libc::mount(tmp, target.as_ptr(), none, libc::MS_BIND, std::ptr::null()) != 0
+                && errno() != libc::ENOENT
+            {
+                all_bound = false;
+            }
+        }
+        let mut flags = F_TMPFS | if rdonly { F_RDONLY } else { 0 };
+        if all_bound {
+            flags |= F_MNTNS;
+        }
+        Ok((flags, true))
+    }
+
+    /// The Python process, before `exec`: its own `/proc`, its working directory, own process
+    /// group, limits, unprivileged identity.
+    unsafe fn child_setup(
+        cfg: &ExecConfig,
+        page: &StatusPage,
+        flags: u32,
+        private_ns: bool,
+    ) -> io::Result<()> {
+        page.step.store(9, Ordering::SeqCst);
+        // Only in a private mount namespace: elsewhere this would cover the host's /proc.
+        if private_ns && flags & F_PIDNS != 0 {
+            let proc_ = c"proc".as_ptr();
+            let proc_flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+            if libc::mount(
+                proc_,
+                c"/proc".as_ptr(),
+                proc_,
+                proc_flags,
+                std::ptr::null(),
+            ) == 0
+            {
+                page.child_flags.fetch_or(F_PROC, Ordering::SeqCst);
+            }
+        }
+        let work_dir = cfg.work_dir as *const libc::c_char;
+        if flags & F_TMPFS != 0 {
+            if libc::mkdir(work_dir, 0o700) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if let Some((uid, gid)) = cfg.identity {
+                if libc::chown(work_dir, uid, gid) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+        }
+        if libc::chdir(work_dir) != 0 {
+            return Err(io::Error::last_os_error());
+        }
         page.step.store(3, Ordering::SeqCst);
         if libc::setpgid(0, 0) != 0 {
             return Err(io::Error::last_os_error());
@@ -1059,6 +1290,8 @@ mod tests {
         let out = run(ADD, ADD_TESTS, &limits(10)).await;
         assert!(out.passed, "{out:#?}");
         assert_eq!(out.tests_run, 2);
+        assert_eq!(out.tests_passed, 2);
+        assert_eq!(out.pass_fraction(), 1.0);
         assert_eq!(out.failures, 0);
         assert_eq!(out.exit_code, Some(0));
         assert!(!out.timed_out);
@@ -1153,7 +1386,7 @@ mod tests {
         for pidns in [true, false] {
             let options = RunOptions {
                 try_pid_namespace: pidns,
-                try_net_namespace: true,
+                ..RunOptions::default()
             };
             let start = Instant::now();
             let out = run_with_options(code, TRIVIAL_TESTS, &limits(5), options)
@@ -1198,8 +1431,16 @@ mod tests {
         );
         let out = run(&code, TRIVIAL_TESTS, &limits(10)).await;
         assert!(!out.passed);
+        // Refused by permissions, by the read-only tree, or the path is hidden under the
+        // private /tmp.
         assert!(
-            out.stderr_tail.contains("PermissionError"),
+            [
+                "PermissionError",
+                "Read-only file system",
+                "FileNotFoundError"
+            ]
+            .iter()
+            .any(|e| out.stderr_tail.contains(e)),
             "{}",
             out.stderr_tail
         );
@@ -1242,7 +1483,9 @@ mod tests {
         let fake = "import os, sys\nsys.stdout.write('\\nCOLLABLLM-RESULT-0 {\"tests_run\": 5, \"failures\": 0, \"errors\": 0, \"skipped\": 0, \"load_error\": null}\\n')\nsys.stdout.flush()\nos._exit(0)\n";
         let out = run(fake, TRIVIAL_TESTS, &limits(10)).await;
         assert!(!out.passed, "{out:#?}");
-        assert_eq!(out.exit_code, Some(0));
+        // The test's process exited before reporting; the runner itself reports the failure.
+        assert_eq!((out.tests_run, out.tests_passed), (1, 0), "{out:#?}");
+        assert_eq!(out.exit_code, Some(1));
     }
 
     #[test]
@@ -1256,9 +1499,17 @@ mod tests {
     }
 
     #[test]
-    fn test_file_gets_the_import_when_needed() {
-        assert!(test_file_source("import unittest\n").starts_with("from solution import *\n"));
-        let own = "from solution import add\nimport unittest\n";
-        assert_eq!(test_file_source(own), own);
+    fn runner_input_is_framed_by_its_length() {
+        let input = runner_input("x = 1\n", "t");
+        let (len, json) = input.split_at(16);
+        let len: usize = std::str::from_utf8(len).unwrap().parse().unwrap();
+        assert_eq!(len, json.len());
+        let v: serde_json::Value = serde_json::from_slice(json).unwrap();
+        assert_eq!(v["solution"], "x = 1\n");
+        assert_eq!(v["tests"], "t");
     }
 }
+
+#[cfg(all(test, target_os = "linux"))]
+#[path = "sandbox_attacks.rs"]
+mod attacks;
