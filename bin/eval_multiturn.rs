@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::Parser;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
@@ -171,7 +170,8 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
 }
 
 async fn run(cfg: EvalConfig) -> anyhow::Result<()> {
-    let report = eval::evaluate(cfg).await?;
+    let shutdown = collabllm::cli::catch_signals()?;
+    let report = eval::evaluate_until(cfg, &shutdown).await?;
     println!("{report}");
     println!(
         "summary: {} and {}",
@@ -196,11 +196,7 @@ fn main() -> ExitCode {
     };
     collabllm::cli::set_compute_threads(cfg.threads);
     let (output, existed) = (cfg.output.clone(), cfg.output.exists());
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime");
-    let result = runtime.and_then(|rt| rt.block_on(run(cfg)));
+    let result = collabllm::cli::block_on(run(cfg));
     if result.is_err() {
         collabllm::cli::remove_unused_output(&output, existed);
     }

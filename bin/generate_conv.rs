@@ -13,6 +13,7 @@ use collabllm::reward::judge::JudgeMode;
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
+use collabllm::run::{RunLock, Shutdown};
 use collabllm::task::TaskType;
 
 /// Multiturn-aware rewards → DPO preference pairs (CollabLLM).
@@ -248,14 +249,22 @@ async fn run(args: Args, cfg: GenerateConfig) -> anyhow::Result<()> {
             seed: cfg.seed,
             endpoint: None,
         };
+        std::fs::create_dir_all(&cfg.output)
+            .with_context(|| format!("creating {}", cfg.output.display()))?;
+        let _lock = RunLock::acquire(&cfg.output)?;
         let summary = import::import(source, &cfg.output, &opts).await?;
         println!("{summary}\noutput         {}", cfg.output.display());
         return push_at_end(&args, &cfg).await;
     }
-    let summary = if args.rescore {
-        generate::rescore(&cfg)?
+    let (summary, shutdown) = if args.rescore {
+        (generate::rescore(&cfg)?, Shutdown::never())
     } else {
-        generate::generate(cfg.clone()).await?
+        // From here a signal stops the run cleanly (status `interrupted`), and the push too.
+        let shutdown = collabllm::cli::catch_signals()?;
+        (
+            generate::generate_until(cfg.clone(), &shutdown).await?,
+            shutdown,
+        )
     };
     println!("{summary}");
     let pairs = cfg.output.join("pairs");
@@ -275,7 +284,7 @@ async fn run(args: Args, cfg: GenerateConfig) -> anyhow::Result<()> {
             }
         );
     }
-    push_at_end(&args, &cfg).await
+    shutdown.guard(push_at_end(&args, &cfg)).await?
 }
 
 /// `--push-to-hub`: one push of the finished output directory.
@@ -303,11 +312,7 @@ fn main() -> ExitCode {
     };
     collabllm::cli::set_compute_threads(cfg.threads);
     let (output, existed) = (cfg.output.clone(), cfg.output.exists());
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime");
-    let result = runtime.and_then(|rt| rt.block_on(run(args, cfg)));
+    let result = collabllm::cli::block_on(run(args, cfg));
     if result.is_err() {
         collabllm::cli::remove_unused_output(&output, existed);
     }

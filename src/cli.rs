@@ -28,9 +28,10 @@ pub fn use_color(terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
 }
 
 /// After a failed run: removes the output directory `dir` when the run created it (`existed`
-/// is false) and it holds nothing but empty files and folders, which is what a setup that
-/// failed (a model that would not load) leaves. A directory that existed before, or that
-/// holds any byte of output, is never touched.
+/// is false) and it holds nothing but empty files and folders (and the run lock, which
+/// only names a pid), which is what a setup that failed (a model that would not load)
+/// leaves. A directory that existed before, or that holds any byte of output, is never
+/// touched.
 pub fn remove_unused_output(dir: &Path, existed: bool) {
     fn unused(dir: &Path) -> bool {
         let Ok(entries) = std::fs::read_dir(dir) else {
@@ -38,6 +39,9 @@ pub fn remove_unused_output(dir: &Path, existed: bool) {
         };
         entries.into_iter().all(|e| {
             let Ok(e) = e else { return false };
+            if e.file_name() == crate::run::LOCK_FILE {
+                return true;
+            }
             match e.file_type() {
                 Ok(t) if t.is_dir() => unused(&e.path()),
                 Ok(t) if t.is_file() => e.metadata().is_ok_and(|m| m.len() == 0),
@@ -67,7 +71,8 @@ pub fn set_compute_threads(threads: Option<usize>) {
     }
 }
 
-/// Runs a binary's body and turns an error into one readable message and exit code 1.
+/// Runs a binary's body and turns an error into one readable message and exit code 1, or
+/// 128 + the signal's number for a run [interrupted](crate::run::Interrupted) by a signal.
 pub fn exit_on_error(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -76,9 +81,34 @@ pub fn exit_on_error(result: anyhow::Result<()>) -> ExitCode {
             for cause in e.chain().skip(1) {
                 eprintln!("  caused by: {cause}");
             }
-            ExitCode::FAILURE
+            match crate::run::interrupted_exit_code(&e) {
+                Some(code) => ExitCode::from(code),
+                None => ExitCode::FAILURE,
+            }
         }
     }
+}
+
+/// Runs a binary's async body on a multi-threaded runtime, then shuts the runtime down
+/// without waiting long for blocking work that a run stopped by a signal left behind (its
+/// results are not wanted).
+pub fn block_on(body: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = rt.block_on(body);
+    rt.shutdown_timeout(std::time::Duration::from_millis(200));
+    result
+}
+
+/// Catches SIGINT/SIGTERM from now on (see [`Shutdown::on_signals`](crate::run::Shutdown)):
+/// call it just before the work that stops on them, so that everything before keeps the
+/// default (a signal ends the process).
+pub fn catch_signals() -> anyhow::Result<crate::run::Shutdown> {
+    use anyhow::Context;
+    crate::run::Shutdown::on_signals().context("catching SIGINT/SIGTERM")
 }
 
 /// Peak resident set size of this process in bytes (Linux `VmHWM`), if known.

@@ -7,7 +7,8 @@
 //! (the generate_conv pipeline) → `train` (trainable llama, DPO log-probs and losses; uses only
 //! `llm`) → `eval` (multi-turn evaluation and 20 Questions; uses the pipeline before it) →
 //! `plot` (figures from the files the stages above wrote). `serve` is an HTTP front over
-//! `llm`; `parse`, `check` (range checks of user-given numbers) and `cli` are leaf utilities.
+//! `llm`; `parse`, `check` (range checks of user-given numbers), `run` (run directories: lock, atomic
+//! writes, signals) and `cli` are leaf utilities.
 
 pub mod check;
 pub mod cli;
@@ -19,6 +20,7 @@ pub mod llm;
 pub mod plot;
 pub mod reward;
 pub mod rollout;
+pub mod run;
 pub mod serve;
 pub mod task;
 pub mod train;

@@ -5,9 +5,6 @@
 //! Every helper reports problems as plain strings; the callers wrap them in their own typed
 //! errors, which name the file, the column and the row.
 
-use std::fs::File;
-use std::io;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, StringArray, StructArray};
@@ -16,70 +13,8 @@ use arrow::datatypes::{self as dt, DataType, Field, Fields};
 
 use crate::llm::ChatMessage;
 
-/// A file written under a temporary name in the destination's directory and renamed over the
-/// destination on [`AtomicFile::commit`]; dropped uncommitted, the temporary file is removed, so
-/// a crash or an error never leaves a half-written destination behind.
-pub(crate) struct AtomicFile {
-    tmp: PathBuf,
-    dest: PathBuf,
-    committed: bool,
-}
-
-impl AtomicFile {
-    pub(crate) fn create(dest: &Path) -> io::Result<(Self, File)> {
-        let dir = match dest.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let name = dest
-            .file_name()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?
-            .to_string_lossy()
-            .into_owned();
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let mut attempt = 0u32;
-        loop {
-            let tmp = dir.join(format!(
-                ".{name}.tmp-{}-{nanos}-{attempt}",
-                std::process::id()
-            ));
-            match File::options().write(true).create_new(true).open(&tmp) {
-                Ok(file) => {
-                    return Ok((
-                        Self {
-                            tmp,
-                            dest: dest.to_path_buf(),
-                            committed: false,
-                        },
-                        file,
-                    ))
-                }
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 100 => attempt += 1,
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    /// Flushes `file` to disk and renames the temporary file over the destination.
-    pub(crate) fn commit(mut self, file: File) -> io::Result<()> {
-        file.sync_all()?;
-        drop(file);
-        std::fs::rename(&self.tmp, &self.dest)?;
-        self.committed = true;
-        Ok(())
-    }
-}
-
-impl Drop for AtomicFile {
-    fn drop(&mut self) {
-        if !self.committed {
-            let _ = std::fs::remove_file(&self.tmp);
-        }
-    }
-}
+/// Atomic file replacement lives with the other run-directory plumbing.
+pub(crate) use crate::run::AtomicFile;
 
 /// Snappy-compressed writer properties used by every parquet file this crate writes.
 pub(crate) fn writer_properties() -> parquet::file::properties::WriterProperties {

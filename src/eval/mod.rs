@@ -23,4 +23,4 @@ pub mod summary;
 pub mod twenty_questions;
 
 pub use config::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};
-pub use run::{evaluate, evaluate_with_roles, EvalReport, EvalRoles};
+pub use run::{evaluate, evaluate_until, evaluate_with_roles, EvalReport, EvalRoles};

@@ -2,6 +2,10 @@
 //! (`<output>/cache`) and resumable (`conversations/<model>.jsonl`, append-only; finished
 //! conversations are skipped on restart), then `summary.json`, `summary.csv`, `lmrl/` (20
 //! Questions) and `manifest.json`.
+//!
+//! One process writes an output directory at a time ([`RunLock`]); a signal (with
+//! [`evaluate_until`]) stops the run between conversations with status `interrupted`; the
+//! manifest's `usage_total` comes from the request cache log's usage records (kills included).
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
@@ -20,19 +24,20 @@ use super::overlap;
 use super::records::{read_records, RecordLog};
 use super::summary::{summarize_dialogues, summarize_games, write_atomic, Summary};
 use super::twenty_questions::{lmrl_transcript, GameRecord, World};
-use crate::generate::outputs::write_json_atomic;
-use crate::generate::record::now_secs;
-use crate::generate::run::{earlier_usage, git_revision};
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
 use crate::llm::prompts::Prompts;
 use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::tokens::TokenCounter;
+use crate::llm::usage::recorded_usage;
 use crate::llm::{add_usage, Price, UsageSnapshot};
 use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{check_tasks_for_metrics, task_metric, Scorer};
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::user::{Sampling, UserSimulator};
+use crate::run::{
+    changed_settings, git_revision, now_secs, write_json_atomic, Interrupted, RunLock, Shutdown,
+};
 use crate::task::{load_tasks, Task, TaskType};
 
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -56,30 +61,31 @@ impl EvalRoles {
         cache: Option<Arc<RequestCache>>,
     ) -> anyhow::Result<EvalRoles> {
         let load = LoadOptions::default();
-        let build = |name: &'static str, spec| {
+        let build = |name: String, spec| {
             let cache = cache.clone();
-            async move { Role::build(name, spec, &cfg.endpoint, &load, cache).await }
+            async move { Role::build(&name, spec, &cfg.endpoint, &load, cache).await }
         };
         let mut models = Vec::new();
-        for m in &cfg.models {
+        // Named as the manifest's usage names them, so the cache log's usage records are too.
+        for (m, label) in cfg.models.iter().zip(model_labels(&cfg.models)) {
             models.push(match m {
-                EvalModel::Spec(s) => Some(build("model", s).await?),
+                EvalModel::Spec(s) => Some(build(format!("model:{label}"), s).await?),
                 _ => None,
             });
         }
         let dialogue = cfg.task != TaskType::TwentyQuestions;
         let user = if dialogue {
-            Some(build("user", &cfg.user).await?)
+            Some(build("user".into(), &cfg.user).await?)
         } else {
             None
         };
         let judge = if dialogue {
-            Some(build("judge", &cfg.judge).await?)
+            Some(build("judge".into(), &cfg.judge).await?)
         } else {
             None
         };
         let oracle = match (&cfg.oracle, dialogue) {
-            (OracleChoice::Model(s), false) => Some(build("oracle", s).await?),
+            (OracleChoice::Model(s), false) => Some(build("oracle".into(), s).await?),
             _ => None,
         };
         Ok(EvalRoles {
@@ -137,7 +143,8 @@ impl std::fmt::Display for EvalReport {
                     u.cache_hits,
                     u.prompt_tokens,
                     u.completion_tokens,
-                    u.retries,
+                    // Endpoint retries and re-asks of unusable answers.
+                    u.retries + u.reasks,
                     u.failures
                 )?;
             }
@@ -170,6 +177,8 @@ struct Item {
 }
 
 struct Prepared {
+    /// This process is the output directory's only writer while this lives.
+    _lock: RunLock,
     prompts: Arc<Prompts>,
     work: Work,
     items: Vec<Item>,
@@ -262,8 +271,10 @@ fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
     }
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating {}", cfg.output.display()))?;
+    let lock = RunLock::acquire(&cfg.output)?;
     check_resume(cfg)?;
     Ok(Prepared {
+        _lock: lock,
         prompts,
         work,
         items,
@@ -274,23 +285,8 @@ fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
 /// Refuses to reuse an output directory made with different settings.
 fn check_resume(cfg: &EvalConfig) -> anyhow::Result<()> {
     let path = cfg.output.join(MANIFEST_FILE);
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok(());
-    };
-    let old: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{}: not valid JSON", path.display()))?;
-    let before = &old["identity"];
-    let now = cfg.identity();
-    if !before.is_null() && *before != now {
-        let changed: Vec<String> = now
-            .as_object()
-            .map(|o| {
-                o.iter()
-                    .filter(|(k, v)| before.get(k.as_str()) != Some(v))
-                    .map(|(k, _)| k.clone())
-                    .collect()
-            })
-            .unwrap_or_default();
+    let changed = changed_settings(&path, "identity", &cfg.identity())?;
+    if !changed.is_empty() {
         bail!(
             "{} holds an evaluation made with different settings ({}); use the same settings \
              to resume or add models, or choose a new --output",
@@ -303,16 +299,25 @@ fn check_resume(cfg: &EvalConfig) -> anyhow::Result<()> {
 
 /// Runs (or resumes) an evaluation with roles built from the config's specs.
 pub async fn evaluate(cfg: EvalConfig) -> anyhow::Result<EvalReport> {
+    evaluate_until(cfg, &Shutdown::never()).await
+}
+
+/// [`evaluate`] that stops on `shutdown`'s signal: during set-up at once; after, once the
+/// summaries of the finished conversations and an `interrupted` manifest are written. Either
+/// way it returns [`Interrupted`].
+pub async fn evaluate_until(cfg: EvalConfig, shutdown: &Shutdown) -> anyhow::Result<EvalReport> {
     let prepared = prepare(&cfg)?;
     let cache = RequestCache::open(cfg.output.join("cache"))?;
-    let roles = EvalRoles::from_config(&cfg, Some(cache)).await?;
-    run_prepared(cfg, prepared, roles).await
+    let roles = shutdown
+        .guard(EvalRoles::from_config(&cfg, Some(cache.clone())))
+        .await??;
+    run_prepared(cfg, prepared, roles, Some(cache), shutdown).await
 }
 
 /// Runs (or resumes) an evaluation with the given roles (tests inject scripted backends).
 pub async fn evaluate_with_roles(cfg: EvalConfig, roles: EvalRoles) -> anyhow::Result<EvalReport> {
     let prepared = prepare(&cfg)?;
-    run_prepared(cfg, prepared, roles).await
+    run_prepared(cfg, prepared, roles, None, &Shutdown::never()).await
 }
 
 fn conversations_path(dir: &Path, label: &str) -> PathBuf {
@@ -357,6 +362,8 @@ async fn run_prepared(
     cfg: EvalConfig,
     prepared: Prepared,
     roles: EvalRoles,
+    ledger: Option<Arc<RequestCache>>,
+    shutdown: &Shutdown,
 ) -> anyhow::Result<EvalReport> {
     let started = Instant::now();
     let started_at = now_secs();
@@ -369,17 +376,26 @@ async fn run_prepared(
     }
     let labels = model_labels(&cfg.models);
     let Prepared {
+        _lock,
         prompts,
         work,
         items,
         warnings,
     } = prepared;
-    // Usage of earlier invocations on this output directory, so the manifest also has totals.
-    let earlier = earlier_usage(&cfg.output.join(MANIFEST_FILE));
+    // Usage no usage record of the cache log holds: a manifest's total from before the log
+    // had them, or (without a cache) earlier invocations'.
+    let earlier = match &ledger {
+        Some(c) if c.had_usage_records() => BTreeMap::new(),
+        _ => recorded_usage(&cfg.output.join(MANIFEST_FILE)),
+    };
+    let mut signal = None;
     let write_manifest =
-        |status: &str, counts: serde_json::Value, failed: &[(String, String, String)]| {
+        |status: &str, counts: serde_json::Value, failed: &[(String, String, String)], signal: Option<crate::run::Signal>| {
             let now = usage(&roles, &labels);
-            let total = add_usage(&earlier, &now);
+            let total = match &ledger {
+                Some(c) => add_usage(&earlier, &c.usage_totals()),
+                None => add_usage(&earlier, &now),
+            };
             write_json_atomic(
                 &cfg.output.join(MANIFEST_FILE),
                 &serde_json::json!({
@@ -399,6 +415,7 @@ async fn run_prepared(
                         .collect::<Vec<_>>(),
                     "counts": counts,
                     "failed": failed,
+                    "signal": signal.map(|s: crate::run::Signal| s.name()),
                     "warnings": warnings,
                     // This invocation, and every invocation on this directory.
                     "usage": now,
@@ -407,7 +424,7 @@ async fn run_prepared(
                 }),
             )
         };
-    write_manifest("running", serde_json::Value::Null, &[])?;
+    write_manifest("running", serde_json::Value::Null, &[], None)?;
     let mut written_usage = usage(&roles, &labels);
 
     // Open every model's log; what is already there is skipped.
@@ -449,7 +466,20 @@ async fn run_prepared(
     let mut failed = Vec::new();
     let mut done_now = 0;
     let mut stream = futures::stream::iter(jobs).buffer_unordered(cfg.concurrency);
-    while let Some((mi, key, result)) = stream.next().await {
+    loop {
+        // A signal stops the run between conversations; the ones in flight are dropped
+        // (their calls are cached: a rerun replays them for free).
+        let next = tokio::select! {
+            biased;
+            s = shutdown.wait() => {
+                signal = Some(s);
+                break;
+            }
+            next = stream.next() => next,
+        };
+        let Some((mi, key, result)) = next else {
+            break;
+        };
         match result {
             Ok(rec) => {
                 logs[mi].append(&rec)?;
@@ -458,7 +488,7 @@ async fn run_prepared(
                 // without a model make none: no rewrite for them).
                 let now = usage(&roles, &labels);
                 if now != written_usage {
-                    write_manifest("running", serde_json::Value::Null, &failed)?;
+                    write_manifest("running", serde_json::Value::Null, &failed, None)?;
                     written_usage = now;
                 }
             }
@@ -481,12 +511,15 @@ async fn run_prepared(
         "done_now": done_now,
         "failed": failed.len(),
     });
-    let status = if failed.is_empty() {
-        "complete"
-    } else {
-        "incomplete"
+    let status = match signal {
+        Some(_) => "interrupted",
+        None if failed.is_empty() => "complete",
+        None => "incomplete",
     };
-    write_manifest(status, counts, &failed)?;
+    write_manifest(status, counts, &failed, signal)?;
+    if let Some(signal) = signal {
+        return Err(Interrupted { signal }.into());
+    }
     Ok(EvalReport {
         output: cfg.output.clone(),
         summary,

@@ -58,6 +58,8 @@ pub enum SummaryError {
     },
     #[error("{path}: {message}")]
     Io { path: String, message: String },
+    #[error(transparent)]
+    Write(#[from] crate::run::WriteError),
 }
 
 /// Mean, standard error of the mean (sample sd / √n; 0 when n < 2) and n.
@@ -296,17 +298,9 @@ fn csv_field(s: &str) -> String {
     }
 }
 
-/// Writes a file through a temporary sibling and a rename.
+/// Writes a file atomically and durably ([`crate::run::write_atomic`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SummaryError> {
-    let io = |e: std::io::Error| SummaryError::Io {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    };
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    Ok(crate::run::write_atomic(path, bytes)?)
 }
 
 #[cfg(test)]

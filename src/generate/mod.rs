@@ -7,4 +7,7 @@ pub mod record;
 pub mod run;
 
 pub use config::GenerateConfig;
-pub use run::{generate, generate_with_roles, plan, rescore, Roles, RunSummary};
+pub use run::{
+    call_bounds, generate, generate_until, generate_with_roles, plan, rescore, CallBound, Roles,
+    RunSummary,
+};

@@ -39,6 +39,8 @@ pub enum OutputError {
     },
     #[error("{path}: {message}")]
     Io { path: String, message: String },
+    #[error(transparent)]
+    Write(#[from] crate::run::WriteError),
 }
 
 /// Counts and means for the summary and the manifest.
@@ -230,17 +232,7 @@ pub fn write(dir: &Path, built: &Built) -> Result<(), OutputError> {
     Ok(())
 }
 
-/// Writes JSON atomically (temp file + rename).
+/// Writes JSON atomically and durably ([`crate::run::write_json_atomic`]).
 pub fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<(), OutputError> {
-    let io = |e: std::io::Error| OutputError::Io {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    };
-    let tmp = path.with_extension("json.tmp");
-    let text = serde_json::to_string_pretty(value).map_err(|e| OutputError::Io {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    })?;
-    std::fs::write(&tmp, text).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    Ok(crate::run::write_json_atomic(path, value)?)
 }

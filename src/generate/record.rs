@@ -2,7 +2,6 @@
 //! without a model call. Append-only; a line torn by a crash is cut off before appending.
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -10,18 +9,40 @@ use serde::{Deserialize, Serialize};
 use crate::llm::{ChatMessage, FinishReason, UsageSnapshot};
 use crate::reward::metrics::MetricScore;
 use crate::rollout::user::UserTurn;
+use crate::run::{read_log, AppendLog, LogError};
 use crate::task::TaskType;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecordError {
-    #[error("{path}: {message}")]
-    Io { path: PathBuf, message: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}:{line}: not a conversation record: {message}")]
     Malformed {
         path: PathBuf,
         line: usize,
         message: String,
     },
+}
+
+impl From<LogError> for RecordError {
+    fn from(e: LogError) -> Self {
+        match e {
+            LogError::Io { path, source } => RecordError::Io { path, source },
+            LogError::Malformed {
+                path,
+                line,
+                message,
+            } => RecordError::Malformed {
+                path,
+                line,
+                message,
+            },
+        }
+    }
 }
 
 /// How a candidate was prompted.
@@ -108,10 +129,7 @@ pub struct ConversationRecord {
 }
 
 /// The append-only conversations file of a run directory.
-pub struct ConversationLog {
-    path: PathBuf,
-    file: std::fs::File,
-}
+pub struct ConversationLog(AppendLog<ConversationRecord>);
 
 pub const CONVERSATIONS_FILE: &str = "conversations.jsonl";
 
@@ -120,92 +138,32 @@ impl ConversationLog {
     /// append starts on a fresh line. Returns the log and the records already in it (first
     /// record of a task id wins).
     pub fn open(dir: &Path) -> Result<(Self, Vec<ConversationRecord>), RecordError> {
-        let path = dir.join(CONVERSATIONS_FILE);
-        let io = |e: std::io::Error| RecordError::Io {
-            path: path.clone(),
-            message: e.to_string(),
-        };
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .open(&path)
-            .map_err(io)?;
-        let mut text = String::new();
-        file.read_to_string(&mut text).map_err(io)?;
-        if !text.is_empty() && !text.ends_with('\n') {
-            let keep = text.rfind('\n').map_or(0, |i| i + 1);
-            tracing::warn!(
-                file = %path.display(),
-                bytes = text.len() - keep,
-                "cutting off a torn last record (the previous run was interrupted mid-write)"
-            );
-            file.set_len(keep as u64).map_err(io)?;
-            text.truncate(keep);
-        }
-        file.seek(SeekFrom::End(0)).map_err(io)?;
-        let records = parse_records(&path, &text)?;
-        Ok((Self { path, file }, records))
+        let (log, records) = AppendLog::open(&dir.join(CONVERSATIONS_FILE))?;
+        Ok((Self(log), first_per_task(records)))
     }
 
     /// Appends one record as one line and syncs it to disk.
     pub fn append(&mut self, rec: &ConversationRecord) -> Result<(), RecordError> {
-        let io = |e: std::io::Error| RecordError::Io {
-            path: self.path.clone(),
-            message: e.to_string(),
-        };
-        let mut line = serde_json::to_string(rec).map_err(|e| RecordError::Io {
-            path: self.path.clone(),
-            message: e.to_string(),
-        })?;
-        line.push('\n');
-        self.file.write_all(line.as_bytes()).map_err(io)?;
-        self.file.sync_data().map_err(io)
+        Ok(self.0.append(rec)?)
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        self.0.path()
     }
 }
 
-/// Reads `conversations.jsonl` without opening it for writing (re-scoring).
+/// Reads `conversations.jsonl` without opening it for writing (re-scoring); a torn last line
+/// is an interrupted write, not data.
 pub fn read_records(dir: &Path) -> Result<Vec<ConversationRecord>, RecordError> {
-    let path = dir.join(CONVERSATIONS_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|e| RecordError::Io {
-        path: path.clone(),
-        message: e.to_string(),
-    })?;
-    // A torn last line is an interrupted write, not data.
-    let complete = match text.rfind('\n') {
-        Some(i) => &text[..=i],
-        None => "",
-    };
-    parse_records(&path, complete)
+    Ok(first_per_task(read_log(&dir.join(CONVERSATIONS_FILE))?))
 }
 
-fn parse_records(path: &Path, text: &str) -> Result<Vec<ConversationRecord>, RecordError> {
+fn first_per_task(records: Vec<ConversationRecord>) -> Vec<ConversationRecord> {
     let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let rec: ConversationRecord =
-            serde_json::from_str(line).map_err(|e| RecordError::Malformed {
-                path: path.to_path_buf(),
-                line: i + 1,
-                message: e.to_string(),
-            })?;
-        if seen.insert(rec.task_id.clone()) {
-            out.push(rec);
-        }
-    }
-    Ok(out)
+    records
+        .into_iter()
+        .filter(|r| seen.insert(r.task_id.clone()))
+        .collect()
 }
 
-pub fn now_secs() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
+pub use crate::run::now_secs;

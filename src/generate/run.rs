@@ -1,6 +1,12 @@
 //! A whole `generate_conv` run: tasks in, conversations out (append-only, resumable), then
 //! pairs, flat rows, manifest and summary. `--rescore` rebuilds the outputs from
 //! `conversations.jsonl` without a model call.
+//!
+//! One process writes a run directory at a time ([`RunLock`]). On SIGINT/SIGTERM (with
+//! [`generate_until`]) the run stops taking tasks, writes the outputs of the finished ones,
+//! records status `interrupted` and returns [`Interrupted`]. The manifest's `usage_total`
+//! comes from the usage records of the request cache log, so calls of invocations killed
+//! with -9 are counted too.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
@@ -22,12 +28,14 @@ use crate::llm::local::LoadOptions;
 use crate::llm::prompts::Prompts;
 use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::tokens::TokenCounter;
+use crate::llm::usage::recorded_usage;
 use crate::llm::{add_usage, with_usage_scope, Price, UsageSnapshot};
 use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{check_tasks_for_metrics, default_weights, Scorer};
 use crate::reward::pairs::select_pairs;
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::user::UserSimulator;
+use crate::run::{changed_settings, Interrupted, RunLock, Shutdown};
 use crate::task::{load_tasks, Task};
 
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -152,24 +160,7 @@ impl std::fmt::Display for RunSummary {
             "judge failures {missing} missing scores {:?}",
             s.missing_scores
         )?;
-        writeln!(
-            f,
-            "{:<10} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}",
-            "role", "calls", "cached", "prompt", "completion", "retries", "failed"
-        )?;
-        for (role, u) in &self.usage {
-            writeln!(
-                f,
-                "{:<10} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}",
-                role,
-                u.calls,
-                u.cache_hits,
-                u.prompt_tokens,
-                u.completion_tokens,
-                u.retries,
-                u.failures
-            )?;
-        }
+        write!(f, "{}", usage_table(&self.usage, 10))?;
         for (task, err) in &self.tasks_failed {
             writeln!(f, "failed         {task}: {err}")?;
         }
@@ -237,8 +228,109 @@ fn load_prompts(cfg: &GenerateConfig) -> anyhow::Result<Prompts> {
     })
 }
 
-/// The plan of a run and an upper bound on its model calls (before retries; cached calls
-/// are free).
+/// The usage table of a summary, one row per role. `retries` adds endpoint retries and
+/// re-asks of unusable answers (a re-ask is also one of the `calls`).
+fn usage_table(usage: &BTreeMap<String, UsageSnapshot>, width: usize) -> String {
+    let mut out = format!(
+        "{:<width$} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}\n",
+        "role", "calls", "cached", "prompt", "completion", "retries", "failed"
+    );
+    for (role, u) in usage {
+        out.push_str(&format!(
+            "{:<width$} {:>7} {:>7} {:>9} {:>11} {:>8} {:>8}\n",
+            role,
+            u.calls,
+            u.cache_hits,
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.retries + u.reasks,
+            u.failures
+        ));
+    }
+    out
+}
+
+/// An upper bound on one role's model calls in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallBound {
+    /// Every call, first asks and re-asks (endpoint retries of a call are not calls).
+    pub calls: u64,
+    /// Of `calls`, the re-asks after unusable answers (judge replies without a score,
+    /// simulator replies without a message).
+    pub reasks: u64,
+}
+
+impl std::ops::AddAssign for CallBound {
+    fn add_assign(&mut self, o: Self) {
+        self.calls += o.calls;
+        self.reasks += o.reasks;
+    }
+}
+
+impl CallBound {
+    /// `first` first asks, each re-asked at most `retries` times.
+    fn asks(first: u64, retries: u32) -> Self {
+        let reasks = first * u64::from(retries);
+        Self {
+            calls: first + reasks,
+            reasks,
+        }
+    }
+}
+
+/// Upper bounds per role on the model calls of a run over `tasks` (cached calls included:
+/// the bound is what an empty cache could cost).
+pub fn call_bounds(cfg: &GenerateConfig, tasks: &[Task]) -> BTreeMap<String, CallBound> {
+    let n = cfg.candidates as u64;
+    let s = cfg.samples as u64;
+    let w = cfg.window as u64;
+    // A future holds W messages: its opener, then assistant and user messages in turn.
+    let (future_assistant, future_user) = (w / 2, w.saturating_sub(1) / 2);
+    let turns = (cfg.max_messages as u64)
+        .saturating_sub(1)
+        .div_ceil(2)
+        .max(1);
+    let candidate_calls =
+        u64::from(cfg.proactive_count() > 0) + u64::from(cfg.candidates > cfg.proactive_count());
+    let assistant = if cfg.assistant.is_some() {
+        "assistant"
+    } else {
+        "policy"
+    };
+    let mut out: BTreeMap<String, CallBound> = BTreeMap::new();
+    for t in tasks {
+        let weights = if cfg.metrics.is_empty() {
+            default_weights(t.task_type)
+        } else {
+            cfg.metrics.clone()
+        };
+        let llm_metrics = weights.keys().filter(|m| *m != "token_amount").count() as u64;
+        // The opening message; per turn, one call for each candidate's S+1 openers (every
+        // sample redrawn alone when unusable) and the futures' later user messages.
+        let opener_reasks = turns * n * (s + 1) * u64::from(cfg.user_retries);
+        let mut user = CallBound::asks(1, cfg.user_retries);
+        user += CallBound {
+            calls: turns * n + opener_reasks,
+            reasks: opener_reasks,
+        };
+        user += CallBound::asks(turns * n * s * future_user, cfg.user_retries);
+        *out.entry("user".into()).or_default() += user;
+        *out.entry("policy".into()).or_default() += CallBound {
+            calls: turns * candidate_calls,
+            reasks: 0,
+        };
+        *out.entry(assistant.into()).or_default() += CallBound {
+            calls: turns * n * s * future_assistant,
+            reasks: 0,
+        };
+        *out.entry("judge".into()).or_default() +=
+            CallBound::asks(turns * n * s * llm_metrics, cfg.judge_retries);
+    }
+    out
+}
+
+/// The plan of a run and an upper bound on its model calls, re-asks of unusable answers
+/// included (endpoint retries are not; cached calls are free).
 pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
     let n = cfg.candidates as u64;
     let s = cfg.samples as u64;
@@ -247,32 +339,26 @@ pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
         .saturating_sub(1)
         .div_ceil(2)
         .max(1);
-    let mut total = 0u64;
-    let mut lines = Vec::new();
-    for t in tasks {
-        let weights = if cfg.metrics.is_empty() {
-            default_weights(t.task_type)
-        } else {
-            cfg.metrics.clone()
-        };
-        let llm_metrics = weights.keys().filter(|m| *m != "token_amount").count() as u64;
-        let candidate_calls = u64::from(cfg.proactive_count() > 0)
-            + u64::from(cfg.candidates > cfg.proactive_count());
-        let per_turn = candidate_calls + n + n * s * w.saturating_sub(1) + n * s * llm_metrics;
-        total += 1 + turns * per_turn;
-        if lines.is_empty() {
-            lines.push(format!(
-                "per turn: {candidate_calls} candidate call(s), {n} simulator call(s) opening {s} future(s) each, \
-                 {} future message call(s), {} judge/extraction call(s)",
-                n * s * w.saturating_sub(1),
-                n * s * llm_metrics
-            ));
-        }
+    let candidate_calls =
+        u64::from(cfg.proactive_count() > 0) + u64::from(cfg.candidates > cfg.proactive_count());
+    let bounds = call_bounds(cfg, tasks);
+    let total = bounds.values().fold(CallBound::default(), |mut a, b| {
+        a += *b;
+        a
+    });
+    let mut table = format!("{:<10} {:>9} {:>9}\n", "role", "calls", "retries");
+    for (role, b) in &bounds {
+        table.push_str(&format!("{role:<10} {:>9} {:>9}\n", b.calls, b.reasks));
     }
     format!(
         "tasks {} from {}\nroles: policy {}, user {}, judge {}, assistant {}\n\
          N={} candidates ({} proactive), S={} futures, window {}, max {} messages (up to {} turns)\n\
-         metrics {}\n{}\nmodel calls: at most {} (before retries; cached calls cost nothing)",
+         metrics {}\n\
+         per turn: {candidate_calls} candidate call(s), {n} simulator call(s) opening {s} future(s) each, \
+         {} future message call(s), one judge/extraction call per future and model-scored metric\n\
+         re-asks of unusable answers: at most {} per simulator sample, {} per judge call\n\
+         upper bounds (retries: re-asks of unusable answers; endpoint retries come on top)\n{table}\
+         model calls: at most {} ({} of them re-asks; cached calls cost nothing)",
         tasks.len(),
         cfg.tasks,
         cfg.policy,
@@ -290,31 +376,19 @@ pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
         } else {
             format!("{:?}", cfg.metrics)
         },
-        lines.join("\n"),
-        total
+        n * s * w.saturating_sub(1),
+        cfg.user_retries,
+        cfg.judge_retries,
+        total.calls,
+        total.reasks,
     )
 }
 
 /// Refuses to resume a run directory made with different generation settings.
 fn check_resume(cfg: &GenerateConfig) -> anyhow::Result<()> {
     let path = cfg.output.join(MANIFEST_FILE);
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok(());
-    };
-    let old: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{}: not valid JSON", path.display()))?;
-    let before = &old["generation_identity"];
-    let now = cfg.generation_identity();
-    if !before.is_null() && *before != now {
-        let changed: Vec<String> = now
-            .as_object()
-            .map(|o| {
-                o.iter()
-                    .filter(|(k, v)| before.get(k.as_str()) != Some(v))
-                    .map(|(k, _)| k.clone())
-                    .collect()
-            })
-            .unwrap_or_default();
+    let changed = changed_settings(&path, "generation_identity", &cfg.generation_identity())?;
+    if !changed.is_empty() {
         bail!(
             "{} was made with different settings ({}); resume with the same settings, \
              or choose a new --output (weights, --min-gap, --pairs and --mr-formula may change: \
@@ -337,39 +411,12 @@ fn scoring(cfg: &GenerateConfig) -> Scoring {
     }
 }
 
-/// The git revision of the source tree this binary was built from, if known (asked once per
-/// process: manifests are rewritten after every conversation).
-pub fn git_revision() -> Option<String> {
-    static REVISION: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    REVISION
-        .get_or_init(|| {
-            let out = std::process::Command::new("git")
-                .args(["rev-parse", "HEAD"])
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .output()
-                .ok()?;
-            out.status
-                .success()
-                .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-        })
-        .clone()
-}
+pub use crate::run::git_revision;
 
-/// Usage recorded by earlier invocations on a run directory (`usage_total` of its manifest, or
-/// `usage` for manifests written before totals existed); empty for a new run.
+/// Usage recorded by earlier invocations in a run directory's manifest (see
+/// [`recorded_usage`]); empty for a new run.
 pub fn earlier_usage(manifest: &Path) -> BTreeMap<String, UsageSnapshot> {
-    let Some(m) = std::fs::read_to_string(manifest)
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-    else {
-        return BTreeMap::new();
-    };
-    let field = if m.get("usage_total").is_some() {
-        "usage_total"
-    } else {
-        "usage"
-    };
-    serde_json::from_value(m[field].clone()).unwrap_or_default()
+    recorded_usage(manifest)
 }
 
 /// What the manifest says beyond the config: written when a run starts, after every finished
@@ -380,19 +427,63 @@ struct ManifestWriter<'a> {
     started_at: f64,
     token_counter: String,
     prompts_source: String,
-    /// Usage of earlier invocations on this run directory.
+    /// The request cache whose usage records give `usage_total`, if the run has one.
+    ledger: Option<Arc<RequestCache>>,
+    /// Usage no usage record holds: the manifest's total from before the cache log had
+    /// usage records, or (without a cache) from earlier invocations.
     earlier: BTreeMap<String, UsageSnapshot>,
 }
 
 impl ManifestWriter<'_> {
+    fn new<'a>(
+        cfg: &'a GenerateConfig,
+        roles: &'a Roles,
+        ledger: Option<Arc<RequestCache>>,
+        token_counter: String,
+        prompts_source: String,
+    ) -> ManifestWriter<'a> {
+        let earlier = match &ledger {
+            Some(c) if c.had_usage_records() => BTreeMap::new(),
+            _ => recorded_usage(&cfg.output.join(MANIFEST_FILE)),
+        };
+        ManifestWriter {
+            cfg,
+            roles,
+            started_at: now_secs(),
+            token_counter,
+            prompts_source,
+            ledger,
+            earlier,
+        }
+    }
+
+    /// Every invocation's usage: what the cache log records was sent, or (without one)
+    /// this invocation's meters.
+    fn total(&self, now: &BTreeMap<String, UsageSnapshot>) -> BTreeMap<String, UsageSnapshot> {
+        match &self.ledger {
+            Some(c) => add_usage(&self.earlier, &c.usage_totals()),
+            None => add_usage(&self.earlier, now),
+        }
+    }
+
     fn write(
         &self,
         status: &str,
         stats: Option<&DatasetStats>,
         failed: &[(String, String)],
     ) -> anyhow::Result<()> {
+        self.write_with(status, stats, failed, None)
+    }
+
+    fn write_with(
+        &self,
+        status: &str,
+        stats: Option<&DatasetStats>,
+        failed: &[(String, String)],
+        signal: Option<crate::run::Signal>,
+    ) -> anyhow::Result<()> {
         let usage = self.roles.usage();
-        let total = add_usage(&self.earlier, &usage);
+        let total = self.total(&usage);
         let finished_at = (status != "running").then(now_secs);
         let m = serde_json::json!({
             "tool": "collabllm-rs generate_conv",
@@ -409,6 +500,7 @@ impl ManifestWriter<'_> {
             "token_amount_tokenizer": self.token_counter,
             "counts": stats,
             "failed_tasks": failed,
+            "signal": signal.map(|s| s.name()),
             // This invocation, and every invocation on this directory.
             "usage": usage,
             "usage_total": total,
@@ -421,11 +513,25 @@ impl ManifestWriter<'_> {
 
 /// Runs (or resumes) generation with roles built from the config's specs.
 pub async fn generate(cfg: GenerateConfig) -> anyhow::Result<RunSummary> {
-    let tasks = fetch_config_tasks(&cfg).await?;
-    let prompts = prepare(&cfg)?;
+    generate_until(cfg, &Shutdown::never()).await
+}
+
+/// [`generate`] that stops on `shutdown`'s signal: before the run starts, at once; after,
+/// once the finished conversations' outputs and an `interrupted` manifest are written. Either
+/// way it returns [`Interrupted`].
+pub async fn generate_until(cfg: GenerateConfig, shutdown: &Shutdown) -> anyhow::Result<RunSummary> {
+    let tasks = shutdown.guard(fetch_config_tasks(&cfg)).await??;
+    let (lock, prompts) = prepare(&cfg)?;
     let cache = RequestCache::open(cfg.output.join("cache"))?;
-    let roles = Roles::from_config(&cfg, Some(cache)).await?;
-    run_prepared(cfg, tasks, roles, prompts).await
+    let roles = shutdown
+        .guard(Roles::from_config(&cfg, Some(cache.clone())))
+        .await??;
+    let run = Prepared {
+        _lock: lock,
+        prompts,
+        ledger: Some(cache),
+    };
+    run_prepared(cfg, tasks, roles, run, shutdown).await
 }
 
 /// Runs (or resumes) generation with the given roles (tests inject scripted backends).
@@ -434,29 +540,45 @@ pub async fn generate_with_roles(
     tasks: Vec<Task>,
     roles: Roles,
 ) -> anyhow::Result<RunSummary> {
-    let prompts = prepare(&cfg)?;
-    run_prepared(cfg, tasks, roles, prompts).await
+    let (lock, prompts) = prepare(&cfg)?;
+    let run = Prepared {
+        _lock: lock,
+        prompts,
+        ledger: None,
+    };
+    run_prepared(cfg, tasks, roles, run, &Shutdown::never()).await
 }
 
-/// Everything checked before any model is loaded or called: settings, prompts, and that the
-/// run directory may be (re)used with these settings.
-fn prepare(cfg: &GenerateConfig) -> anyhow::Result<Arc<Prompts>> {
+/// What a run holds from set-up to the end.
+struct Prepared {
+    /// This process is the run directory's only writer while this lives.
+    _lock: RunLock,
+    prompts: Arc<Prompts>,
+    /// The request cache whose usage records are the run's durable spend.
+    ledger: Option<Arc<RequestCache>>,
+}
+
+/// Everything checked before any model is loaded or called: settings, prompts, that no other
+/// process writes the run directory, and that it may be (re)used with these settings.
+fn prepare(cfg: &GenerateConfig) -> anyhow::Result<(RunLock, Arc<Prompts>)> {
     cfg.validate()?;
     let prompts = Arc::new(load_prompts(cfg)?);
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating {}", cfg.output.display()))?;
+    let lock = RunLock::acquire(&cfg.output)?;
     check_resume(cfg)?;
-    Ok(prompts)
+    Ok((lock, prompts))
 }
 
 async fn run_prepared(
     cfg: GenerateConfig,
     tasks: Vec<Task>,
     roles: Roles,
-    prompts: Arc<Prompts>,
+    run: Prepared,
+    shutdown: &Shutdown,
 ) -> anyhow::Result<RunSummary> {
     let started = Instant::now();
-    let started_at = now_secs();
+    let prompts = run.prompts.clone();
     let (mut log, done_records) = ConversationLog::open(&cfg.output)?;
     let done: HashSet<String> = done_records.iter().map(|r| r.task_id.clone()).collect();
     let pending: Vec<Task> = tasks
@@ -499,14 +621,13 @@ async fn run_prepared(
         },
         cfg: cfg.clone(),
     });
-    let manifest = ManifestWriter {
-        cfg: &cfg,
-        roles: &roles,
-        started_at,
-        token_counter: token_name,
-        prompts_source: prompts.source.clone(),
-        earlier: earlier_usage(&cfg.output.join(MANIFEST_FILE)),
-    };
+    let manifest = ManifestWriter::new(
+        &cfg,
+        &roles,
+        run.ledger.clone(),
+        token_name,
+        prompts.source.clone(),
+    );
     manifest.write("running", None, &[])?;
     if cfg.judge_mode == JudgeMode::Logprob && roles.judge.engine.is_none() {
         bail!(
@@ -531,7 +652,21 @@ async fn run_prepared(
         }
     }))
     .buffer_unordered(cfg.concurrency);
-    while let Some((task, result)) = stream.next().await {
+    let mut interrupted = None;
+    loop {
+        // A signal stops the run between conversations; the ones in flight are dropped
+        // (their calls are in the cache: a rerun replays them for free).
+        let next = tokio::select! {
+            biased;
+            signal = shutdown.wait() => {
+                interrupted = Some(signal);
+                break;
+            }
+            next = stream.next() => next,
+        };
+        let Some((task, result)) = next else {
+            break;
+        };
         match result {
             Ok(record) => {
                 log.append(&record)?;
@@ -555,12 +690,15 @@ async fn run_prepared(
     outputs::write(&cfg.output, &built)?;
     let stats = built.stats;
     let usage = roles.usage();
-    let status = if failed.is_empty() {
-        "complete"
-    } else {
-        "incomplete"
+    let status = match interrupted {
+        Some(_) => "interrupted",
+        None if failed.is_empty() => "complete",
+        None => "incomplete",
     };
-    manifest.write(status, Some(&stats), &failed)?;
+    manifest.write_with(status, Some(&stats), &failed, interrupted)?;
+    if let Some(signal) = interrupted {
+        return Err(Interrupted { signal }.into());
+    }
     Ok(RunSummary {
         output: cfg.output.display().to_string(),
         tasks_total: tasks.len(),
@@ -578,6 +716,11 @@ async fn run_prepared(
 /// config's weights, formula, gap and pair mode. Makes no model call.
 pub fn rescore(cfg: &GenerateConfig) -> anyhow::Result<RunSummary> {
     let started = Instant::now();
+    // (A missing directory is reported by the read below.)
+    let _lock = match cfg.output.is_dir() {
+        true => Some(RunLock::acquire(&cfg.output)?),
+        false => None,
+    };
     let records: Vec<ConversationRecord> = read_records(&cfg.output)?;
     if records.is_empty() {
         bail!(

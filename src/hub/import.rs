@@ -514,10 +514,8 @@ pub async fn import(
 }
 
 fn write_json(path: &Path, v: &Value) -> Result<(), ImportError> {
-    let io = |e: std::io::Error| ImportError::Hub(super::io_err(path, e));
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_string_pretty(v).unwrap_or_default()).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    crate::run::write_json_atomic(path, v)
+        .map_err(|e| ImportError::Hub(super::io_err(path, e.source)))
 }
 
 #[cfg(test)]

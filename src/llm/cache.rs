@@ -18,8 +18,16 @@
 //!
 //! `option_probs` answers are cached too, under a key of (backend, messages, prefix, options),
 //! stored as a one-choice entry whose content is the JSON of the answer.
+//!
+//! The same log is the run's durable record of spend: a [`CachedBackend`] given a role
+//! ([`CachedBackend::for_role`]) appends a usage record `{"usage": {"role", …}}` *before* it
+//! sends a call to the model (one call, and whether it is a re-ask), another when the answer
+//! comes (tokens, retries, or a failure), and one per cache hit. A call in flight when the
+//! process is killed (kill -9 included) is therefore counted: an endpoint bills it anyway.
+//! [`RequestCache::usage_totals`] sums every record ever written, so a resumed run's totals
+//! are what was really sent, whatever happened to the processes before it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -29,6 +37,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::usage::{attempts, in_reask, UsageSnapshot};
 use super::{
     BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, LlmError, OptionProbs,
     TokenUsage,
@@ -43,10 +52,68 @@ struct RecordRef<'a> {
     value: &'a Choice,
 }
 
+/// One line of the log: a cached sample, or a usage record.
 #[derive(Deserialize)]
-struct Record {
-    key: String,
-    value: Choice,
+#[serde(untagged)]
+enum Record {
+    Entry { key: String, value: Choice },
+    Usage { usage: UsageLine },
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
+}
+
+/// A usage record: one role's counters to add (zeros left out to keep lines short).
+#[derive(Serialize, Deserialize)]
+struct UsageLine {
+    role: String,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    calls: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    cache_hits: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    prompt_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    completion_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    retries: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    failures: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    reasks: u64,
+}
+
+impl UsageLine {
+    fn new(role: &str, u: UsageSnapshot) -> Self {
+        Self {
+            role: role.to_string(),
+            calls: u.calls,
+            cache_hits: u.cache_hits,
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            retries: u.retries,
+            failures: u.failures,
+            reasks: u.reasks,
+        }
+    }
+
+    fn snapshot(&self) -> UsageSnapshot {
+        UsageSnapshot {
+            calls: self.calls,
+            cache_hits: self.cache_hits,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            retries: self.retries,
+            failures: self.failures,
+            reasks: self.reasks,
+        }
+    }
+}
+
+fn add_to(totals: &mut BTreeMap<String, UsageSnapshot>, role: &str, u: UsageSnapshot) {
+    let t = totals.entry(role.to_string()).or_default();
+    *t = *t + u;
 }
 
 /// The cache: an in-memory map loaded from, and appended to, one log file.
@@ -56,6 +123,9 @@ pub struct RequestCache {
     entries: Mutex<HashMap<String, Choice>>,
     file: Mutex<File>,
     skipped: usize,
+    /// Usage records: every one in the file (`.0`), and whether the file had any when opened.
+    usage: Mutex<BTreeMap<String, UsageSnapshot>>,
+    usage_at_open: bool,
 }
 
 impl RequestCache {
@@ -87,6 +157,7 @@ impl RequestCache {
             .map_err(|e| err(format!("read: {e}")))?;
 
         let mut entries = HashMap::new();
+        let mut usage = BTreeMap::new();
         let mut skipped = 0;
         let torn_tail = !bytes.is_empty() && !bytes.ends_with(b"\n");
         for line in bytes.split(|b| *b == b'\n') {
@@ -94,9 +165,10 @@ impl RequestCache {
                 continue;
             }
             match parse_line(line) {
-                Some(r) => {
-                    entries.entry(r.key).or_insert(r.value);
+                Some(Record::Entry { key, value }) => {
+                    entries.entry(key).or_insert(value);
                 }
+                Some(Record::Usage { usage: u }) => add_to(&mut usage, &u.role, u.snapshot()),
                 None => skipped += 1,
             }
         }
@@ -118,6 +190,8 @@ impl RequestCache {
             entries: Mutex::new(entries),
             file: Mutex::new(file),
             skipped,
+            usage_at_open: !usage.is_empty(),
+            usage: Mutex::new(usage),
         }))
     }
 
@@ -141,6 +215,46 @@ impl RequestCache {
 
     pub fn get(&self, key: &str) -> Option<Choice> {
         self.map().get(key).cloned()
+    }
+
+    /// Usage per role of every usage record in the file: this process's and every earlier
+    /// one's (see the module docs).
+    pub fn usage_totals(&self) -> BTreeMap<String, UsageSnapshot> {
+        self.usage
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Whether the file held usage records when it was opened (a log written before they
+    /// existed has none: its spend is only in the run's manifest).
+    pub fn had_usage_records(&self) -> bool {
+        self.usage_at_open
+    }
+
+    /// Appends a usage record for `role` (one write; see the module docs).
+    pub fn record_usage(&self, role: &str, delta: UsageSnapshot) -> Result<(), LlmError> {
+        let err = |message: String| LlmError::Cache {
+            path: self.path.display().to_string(),
+            message,
+        };
+        let json = serde_json::to_vec(&serde_json::json!({"usage": UsageLine::new(role, delta)}))
+            .map_err(|e| err(format!("serialize: {e}")))?;
+        let mut line = format!("{:08x}\t", crc32fast::hash(&json)).into_bytes();
+        line.extend_from_slice(&json);
+        line.push(b'\n');
+        {
+            let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
+            file.write_all(&line)
+                .and_then(|_| file.flush())
+                .map_err(|e| err(format!("append: {e}")))?;
+        }
+        add_to(
+            &mut self.usage.lock().unwrap_or_else(PoisonError::into_inner),
+            role,
+            delta,
+        );
+        Ok(())
     }
 
     /// Adds entries whose key is not cached yet (first record wins), appending them to the file
@@ -238,11 +352,63 @@ fn parse_line(line: &[u8]) -> Option<Record> {
 pub struct CachedBackend<B: ?Sized> {
     inner: Arc<B>,
     cache: Arc<RequestCache>,
+    /// The role usage records are written for; `None`: none are written.
+    role: Option<String>,
 }
 
 impl<B: ChatBackend + ?Sized> CachedBackend<B> {
     pub fn new(inner: Arc<B>, cache: Arc<RequestCache>) -> Self {
-        Self { inner, cache }
+        Self {
+            inner,
+            cache,
+            role: None,
+        }
+    }
+
+    /// Records this backend's spend in the cache log under `role` (see the module docs).
+    pub fn for_role(mut self, role: &str) -> Self {
+        self.role = Some(role.to_string());
+        self
+    }
+
+    /// Appends a usage record when this backend has a role; a failed write only warns (the
+    /// call itself is not at fault).
+    fn record(&self, delta: UsageSnapshot) {
+        if let Some(role) = &self.role {
+            if let Err(e) = self.cache.record_usage(role, delta) {
+                tracing::warn!(error = %e, "could not record usage in the request cache");
+            }
+        }
+    }
+
+    /// Before a call is sent: it counts from now on, answered or not.
+    fn record_sent(&self) {
+        self.record(UsageSnapshot {
+            calls: 1,
+            reasks: u64::from(in_reask()),
+            ..UsageSnapshot::default()
+        });
+    }
+
+    /// After a sent call: what it cost, or that it failed.
+    fn record_outcome(&self, tokens: (u64, u64), retries: u32, error: Option<&LlmError>) {
+        self.record(UsageSnapshot {
+            prompt_tokens: tokens.0,
+            completion_tokens: tokens.1,
+            retries: u64::from(match error {
+                Some(e) => attempts(e).saturating_sub(1),
+                None => retries,
+            }),
+            failures: u64::from(error.is_some()),
+            ..UsageSnapshot::default()
+        });
+    }
+
+    fn record_hit(&self) {
+        self.record(UsageSnapshot {
+            cache_hits: 1,
+            ..UsageSnapshot::default()
+        });
     }
     pub fn inner(&self) -> &Arc<B> {
         &self.inner
@@ -268,6 +434,7 @@ impl<B: ChatBackend + ?Sized> ChatBackend for CachedBackend<B> {
         let keys: Vec<String> = (0..req.n).map(|i| RequestCache::key(id, req, i)).collect();
         let found: Vec<Option<Choice>> = keys.iter().map(|k| self.cache.get(k)).collect();
         let Some(first) = found.iter().position(Option::is_none) else {
+            self.record_hit();
             let choices = found
                 .into_iter()
                 .flatten()
@@ -298,7 +465,19 @@ impl<B: ChatBackend + ?Sized> ChatBackend for CachedBackend<B> {
                 })?;
             sub.seed = Some(shifted);
         }
-        let resp = self.inner.chat(&sub).await?;
+        self.record_sent();
+        let resp = match self.inner.chat(&sub).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.record_outcome((0, 0), 0, Some(&e));
+                return Err(e);
+            }
+        };
+        self.record_outcome(
+            (resp.usage.prompt_tokens, resp.usage.completion_tokens),
+            resp.retries,
+            None,
+        );
         if resp.choices.len() < missing {
             return Err(LlmError::MalformedResponse {
                 endpoint: id.to_string(),
@@ -348,10 +527,19 @@ impl<B: ChatBackend + ?Sized> ChatBackend for CachedBackend<B> {
         if let Some(hit) = self.cache.get(&key) {
             if let Ok(mut p) = serde_json::from_str::<OptionProbs>(&hit.content) {
                 p.cached = true;
+                self.record_hit();
                 return Ok(p);
             }
         }
-        let p = self.inner.option_probs(messages, prefix, options).await?;
+        self.record_sent();
+        let p = match self.inner.option_probs(messages, prefix, options).await {
+            Ok(p) => p,
+            Err(e) => {
+                self.record_outcome((0, 0), 0, Some(&e));
+                return Err(e);
+            }
+        };
+        self.record_outcome((p.prompt_tokens, 0), 0, None);
         let stored = Choice {
             index: 0,
             content: serde_json::to_string(&p).unwrap_or_default(),
@@ -463,5 +651,52 @@ mod tests {
         assert!(again.cached);
         assert_eq!(inner.calls(), 2);
         assert_eq!(again.usage, TokenUsage::default());
+    }
+
+    #[tokio::test]
+    async fn usage_records_count_sent_calls_hits_failures_and_reasks_across_reopens() {
+        use crate::llm::usage::reask;
+        let dir = tempfile::tempdir().unwrap();
+        let cache = RequestCache::open(dir.path()).unwrap();
+        assert!(!cache.had_usage_records());
+        let inner = ScriptedBackend::new("s", |req, _| {
+            let last = &req.messages[0].content;
+            if last == "fail" {
+                Err(LlmError::InvalidRequest("no".into()))
+            } else {
+                Ok(format!("answer to {last}"))
+            }
+        });
+        let b = CachedBackend::new(inner.clone(), cache.clone()).for_role("judge");
+        let req = |t: &str| ChatRequest::new(vec![ChatMessage::user(t)]).seed(1);
+        b.chat(&req("a")).await.unwrap();
+        b.chat(&req("a")).await.unwrap(); // a hit
+        reask(true, b.chat(&req("b"))).await.unwrap();
+        assert!(b.chat(&req("fail")).await.is_err());
+        // A backend without a role records nothing.
+        CachedBackend::new(inner, cache.clone())
+            .chat(&req("c"))
+            .await
+            .unwrap();
+        let judge = cache.usage_totals()["judge"];
+        assert_eq!(
+            (judge.calls, judge.cache_hits, judge.reasks, judge.failures),
+            (3, 1, 1, 1)
+        );
+        assert!(judge.prompt_tokens > 0 && judge.completion_tokens > 0);
+        assert_eq!(cache.usage_totals().len(), 1);
+        drop((b, cache));
+
+        // Reopened (a resumed run): the totals are rebuilt from the log, entries still load,
+        // and new records add to them.
+        let cache = RequestCache::open(dir.path()).unwrap();
+        assert!(cache.had_usage_records());
+        assert_eq!(cache.usage_totals()["judge"], judge);
+        assert_eq!(cache.len(), 3);
+        assert_eq!(cache.skipped_records(), 0);
+        cache
+            .record_usage("judge", UsageSnapshot { calls: 2, ..Default::default() })
+            .unwrap();
+        assert_eq!(cache.usage_totals()["judge"].calls, 5);
     }
 }

@@ -61,7 +61,7 @@ impl Role {
         engine: Option<Arc<Engine>>,
     ) -> Role {
         let cached: SharedBackend = match cache {
-            Some(c) => Arc::new(CachedBackend::new(inner, c)),
+            Some(c) => Arc::new(CachedBackend::new(inner, c).for_role(name)),
             None => inner,
         };
         let meter = UsageMeter::new();

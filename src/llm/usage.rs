@@ -1,4 +1,9 @@
-//! Usage accounting per role: calls, tokens, retries, failures, cache hits.
+//! Usage accounting per role: calls, tokens, retries, failures, cache hits, re-asks.
+//!
+//! A *re-ask* is a call made because an earlier answer was unusable (a judge reply without a
+//! score, a simulator reply without a message): the caller marks it with [`reask`]. It is a
+//! call like any other (it counts in `calls` and costs tokens) and is also counted in
+//! `reasks`, so a run's summary can show how many calls the re-asks cost.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,6 +26,7 @@ pub struct UsageMeter {
     completion_tokens: AtomicU64,
     retries: AtomicU64,
     failures: AtomicU64,
+    reasks: AtomicU64,
 }
 
 /// A point-in-time copy of a [`UsageMeter`], as written to manifests and summaries.
@@ -34,6 +40,9 @@ pub struct UsageSnapshot {
     pub retries: u64,
     /// Calls that ended in an error after every retry.
     pub failures: u64,
+    /// Calls that re-asked after an unusable answer (part of `calls`; see the module docs).
+    #[serde(default)]
+    pub reasks: u64,
 }
 
 impl UsageMeter {
@@ -50,6 +59,7 @@ impl UsageMeter {
             .fetch_add(d.completion_tokens, Ordering::Relaxed);
         self.retries.fetch_add(d.retries, Ordering::Relaxed);
         self.failures.fetch_add(d.failures, Ordering::Relaxed);
+        self.reasks.fetch_add(d.reasks, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> UsageSnapshot {
@@ -60,6 +70,7 @@ impl UsageMeter {
             completion_tokens: self.completion_tokens.load(Ordering::Relaxed),
             retries: self.retries.load(Ordering::Relaxed),
             failures: self.failures.load(Ordering::Relaxed),
+            reasks: self.reasks.load(Ordering::Relaxed),
         }
     }
 }
@@ -72,6 +83,7 @@ impl UsageSnapshot {
         completion_tokens: 0,
         retries: 0,
         failures: 0,
+        reasks: 0,
     };
 
     /// What one answered call adds: a cache hit costs nothing but is counted as such.
@@ -142,7 +154,43 @@ pub async fn with_usage_scope<F: std::future::Future>(
     (out, map)
 }
 
-fn attempts(err: &LlmError) -> u32 {
+tokio::task_local! {
+    static REASK: ();
+}
+
+/// Runs `call` marked as a re-ask (see the module docs) when `is_reask`; as is otherwise.
+pub async fn reask<F: std::future::Future>(is_reask: bool, call: F) -> F::Output {
+    if is_reask {
+        REASK.scope((), call).await
+    } else {
+        call.await
+    }
+}
+
+/// Whether the current call runs inside [`reask`].
+pub(crate) fn in_reask() -> bool {
+    REASK.try_with(|_| ()).is_ok()
+}
+
+/// Usage recorded in a run's manifest (`usage_total`, or `usage` for manifests written
+/// before totals existed); empty when there is none.
+pub fn recorded_usage(manifest: &std::path::Path) -> BTreeMap<String, UsageSnapshot> {
+    let Some(m) = std::fs::read_to_string(manifest)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+    else {
+        return BTreeMap::new();
+    };
+    let field = if m.get("usage_total").is_some() {
+        "usage_total"
+    } else {
+        "usage"
+    };
+    serde_json::from_value(m[field].clone()).unwrap_or_default()
+}
+
+/// Attempts an endpoint made before it returned `err`.
+pub(crate) fn attempts(err: &LlmError) -> u32 {
     match err {
         LlmError::RateLimited { attempts, .. }
         | LlmError::Server { attempts, .. }
@@ -164,6 +212,7 @@ impl std::ops::Add for UsageSnapshot {
             completion_tokens: self.completion_tokens + o.completion_tokens,
             retries: self.retries + o.retries,
             failures: self.failures + o.failures,
+            reasks: self.reasks + o.reasks,
         }
     }
 }
@@ -199,7 +248,10 @@ impl<B: ChatBackend + ?Sized> MeteredBackend<B> {
         }
     }
 
-    fn count(&self, d: UsageSnapshot) {
+    fn count(&self, mut d: UsageSnapshot) {
+        if in_reask() {
+            d.reasks = d.calls;
+        }
         self.meter.add(&d);
         add_to_scope(&self.role, d);
     }

@@ -25,7 +25,13 @@ pub fn save_safetensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Resul
     let tmp = std::path::PathBuf::from(tmp);
     safetensors::serialize_to_file(contiguous, Some(metadata), &tmp)
         .map_err(|e| err("write", &e))?;
-    std::fs::rename(&tmp, path).map_err(|e| err("rename into place", &e))
+    // Durable like `run::write_atomic` (the tensors stream to the file, so not through it).
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| err("sync", &e))?;
+    std::fs::rename(&tmp, path).map_err(|e| err("rename into place", &e))?;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
+    crate::run::sync_dir(dir.unwrap_or(std::path::Path::new("."))).map_err(|e| err("sync", &e))
 }
 
 #[cfg(test)]

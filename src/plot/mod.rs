@@ -15,7 +15,6 @@ pub mod figures;
 pub mod inputs;
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use plotters::style::RGBColor;
@@ -165,25 +164,12 @@ pub struct Written {
     pub files: Vec<PathBuf>,
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory and a rename.
+/// Writes `bytes` to `path` atomically and durably ([`crate::run::write_atomic`]).
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), PlotError> {
-    let werr = |e: &dyn std::fmt::Display| PlotError::Write {
+    crate::run::write_atomic(path, bytes).map_err(|e| PlotError::Write {
         path: path.to_path_buf(),
-        message: e.to_string(),
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| werr(&e))?;
-    tmp.write_all(bytes).map_err(|e| werr(&e))?;
-    // Temporary files are created private; figures are ordinary readable files.
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        tmp.as_file()
-            .set_permissions(std::fs::Permissions::from_mode(0o644))
-            .map_err(|e| werr(&e))?;
-    }
-    tmp.persist(path).map_err(|e| werr(&e.error))?;
-    Ok(())
+        message: e.source.to_string(),
+    })
 }
 
 /// Renders and writes figures in every requested format.

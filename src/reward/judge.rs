@@ -11,6 +11,7 @@ use crate::llm::parse::{extract_fenced_or_all, parse_json_object, score_field};
 use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest};
+use crate::llm::usage::reask;
 
 /// How the judge is asked.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,12 +129,9 @@ impl Judge {
                 let opts: Vec<String> = options.iter().map(|s| s.to_string()).collect();
                 let mut last = String::new();
                 for attempt in 1..=self.retries + 1 {
-                    match self
-                        .role
-                        .backend
-                        .option_probs(&[ChatMessage::user(text.clone())], LOGPROB_PREFIX, &opts)
-                        .await
-                    {
+                    let messages = [ChatMessage::user(text.clone())];
+                    let call = self.role.backend.option_probs(&messages, LOGPROB_PREFIX, &opts);
+                    match reask(attempt > 1, call).await {
                         Ok(answer) => {
                             let p = answer.probs;
                             let expect: f64 = p
@@ -164,7 +162,7 @@ impl Judge {
                 let mut last = String::new();
                 for attempt in 0..=self.retries {
                     let req = self.request(&text, seed, attempt).json_mode(true);
-                    match self.role.backend.chat(&req).await {
+                    match reask(attempt > 0, self.role.backend.chat(&req)).await {
                         Ok(resp) => {
                             last = resp.choices[0].content.clone();
                             if let Some(v) =
@@ -219,7 +217,7 @@ impl Judge {
             let req = self
                 .request(&text, seed, attempt)
                 .max_tokens(self.max_tokens.max(1024));
-            if let Ok(resp) = self.role.backend.chat(&req).await {
+            if let Ok(resp) = reask(attempt > 0, self.role.backend.chat(&req)).await {
                 let raw = resp.choices[0].content.clone();
                 return Some((extract_fenced_or_all(&raw), raw));
             }

@@ -155,7 +155,7 @@ impl UserSimulator {
                     .n(1)
                     .seed(seed.wrapping_add(((attempt as u64) << 32) + i as u64))
                     .temperature(self.sampling.temperature.max(0.7));
-                let r = self.call(&retry).await?;
+                let r = crate::llm::usage::reask(true, self.call(&retry)).await?;
                 last = r.choices[0].content.clone();
                 parsed = self.parse(&last);
             }

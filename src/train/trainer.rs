@@ -393,7 +393,8 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     cfg.validate()?;
     let objective = cfg.objective()?;
     let started = Instant::now();
-    prepare_output(cfg)?;
+    // One writer per output directory until training returns.
+    let _lock = prepare_output(cfg)?;
     let recorded = resume_args(cfg)?;
     let cfg = &recorded;
 
@@ -724,10 +725,12 @@ fn compare_resume_settings(
     Ok(out)
 }
 
-/// Refuses to write a fresh run over a finished or interrupted one.
-fn prepare_output(cfg: &TrainConfig) -> Result<()> {
+/// Locks the output directory for this process, and refuses to write a fresh run over a
+/// finished or interrupted one.
+fn prepare_output(cfg: &TrainConfig) -> Result<crate::run::RunLock> {
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating --output {}", cfg.output.display()))?;
+    let lock = crate::run::RunLock::acquire(&cfg.output)?;
     let has_run = ["logs.jsonl", "training_args.json", "final"]
         .iter()
         .any(|f| cfg.output.join(f).exists());
@@ -744,7 +747,7 @@ fn prepare_output(cfg: &TrainConfig) -> Result<()> {
             cfg.output.display()
         );
     }
-    Ok(())
+    Ok(lock)
 }
 
 fn load_examples(
@@ -1237,10 +1240,7 @@ fn truncate_logs(path: &Path, step: usize) -> Result<usize> {
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    Ok(crate::run::write_atomic(path, bytes)?)
 }
 
 fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<()> {

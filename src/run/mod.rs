@@ -1,0 +1,55 @@
+//! Run directories: what every stage that writes an output directory shares.
+//!
+//! - `lock`: [`RunLock`], one writer per run directory (an exclusive `flock` on `<dir>/.lock`
+//!   holding the writer's pid; the kernel drops it when the process ends, kill -9 included).
+//! - `atomic`: [`write_atomic`] / [`write_json_atomic`] and the crate's `AtomicFile`: a file is
+//!   written under a temporary name in its own directory, fsynced, renamed over the
+//!   destination, and the directory fsynced, so a reader (or a crash) sees the old file or the
+//!   new one, never a half-written one.
+//! - `log`: [`AppendLog`], an append-only JSON-lines log of finished work, synced per record,
+//!   its torn last line cut on reopen.
+//! - `manifest`: [`changed_settings`], the resume check of a manifest's recorded settings.
+//! - `signal`: [`Shutdown`] (SIGINT/SIGTERM as a future a run can race its work against) and
+//!   [`Interrupted`], the error a run returns after recording status `interrupted`; binaries
+//!   exit with 128 + the signal's number.
+//!
+//! Depends on nothing else in the crate.
+
+mod atomic;
+mod lock;
+mod log;
+mod manifest;
+mod signal;
+
+pub(crate) use atomic::AtomicFile;
+pub use atomic::{sync_dir, write_atomic, write_json_atomic, WriteError};
+pub use lock::{LockError, RunLock, LOCK_FILE};
+pub use log::{read_log, AppendLog, LogError};
+pub use manifest::{changed_settings, ManifestError};
+pub use signal::{interrupted_exit_code, Interrupted, Shutdown, Signal};
+
+/// Seconds since the Unix epoch (manifest times).
+pub fn now_secs() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// The git revision of the source tree this binary was built from, if known (asked once per
+/// process: manifests are rewritten after every conversation).
+pub fn git_revision() -> Option<String> {
+    static REVISION: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    REVISION
+        .get_or_init(|| {
+            let out = std::process::Command::new("git")
+                .args(["rev-parse", "HEAD"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .output()
+                .ok()?;
+            out.status
+                .success()
+                .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        })
+        .clone()
+}
