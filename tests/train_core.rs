@@ -22,8 +22,7 @@ fn cpu() -> Device {
 }
 
 fn inference_model(dir: &Path) -> LlamaModel {
-    let cfg: LlamaConfig =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = LlamaConfig::from_hf_json(&dir.join("config.json")).unwrap();
     LlamaModel::from_safetensors(
         &[dir.join("model.safetensors")],
         cfg,

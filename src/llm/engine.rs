@@ -12,6 +12,7 @@ use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplate;
+use super::config::ConfigError;
 use super::gguf_tokenizer::{meta_str, meta_u32, tokenizer_from_gguf};
 use super::llama::{LlamaConfig, LlamaModel, WeightFormat};
 use super::sampling::{restricted_probs, Sampler};
@@ -195,19 +196,20 @@ fn read_json(dir: &Path, name: &str) -> Result<serde_json::Value, EngineError> {
     serde_json::from_str(&text).map_err(|e| load_err(&p, format!("invalid JSON: {e}")))
 }
 
-/// `config.json` of an HF directory, checked to be a llama.
+/// `config.json` of an HF directory, through the one config reader (errors name the field).
 fn read_hf_config(dir: &Path) -> Result<LlamaConfig, EngineError> {
-    let config_path = dir.join("config.json");
-    let raw = read_json(dir, "config.json")?;
-    let model_type = raw["model_type"].as_str().unwrap_or("");
-    if model_type != "llama" {
-        return Err(load_err(
-            &config_path,
-            format!("model_type `{model_type}` is not supported (only `llama`)"),
-        ));
-    }
-    serde_json::from_value(raw)
-        .map_err(|e| load_err(&config_path, format!("invalid llama config: {e}")))
+    let path = dir.join("config.json");
+    LlamaConfig::from_hf_json(&path).map_err(|e| match e {
+        ConfigError::File { path, message } => EngineError::Load { path, message },
+        ConfigError::Field {
+            path,
+            field,
+            message,
+        } => EngineError::Load {
+            path,
+            message: format!("`{field}`: {message}"),
+        },
+    })
 }
 
 fn safetensors_in(dir: &Path) -> Result<Vec<PathBuf>, EngineError> {
@@ -300,7 +302,7 @@ impl ChatCodec {
             ChatTemplate::from_tokenizer_config(&tc_path).map_err(|e| load_err(&tc_path, e))?;
         let mut declared = Vec::new();
         if dir.join("config.json").is_file() {
-            declared.extend(json_ids(read_json(dir, "config.json")?.get("eos_token_id")));
+            declared.extend(json_ids(read_hf_config(dir)?.eos_token_id.as_ref()));
         }
         if dir.join("generation_config.json").is_file() {
             declared.extend(json_ids(

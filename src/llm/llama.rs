@@ -13,151 +13,13 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor};
 use rayon::prelude::*;
-use serde::Deserialize;
 
 use super::gguf_tokenizer::meta_u32;
 use super::q8::{self, Q8Linear};
 
 type Result<T> = candle_core::Result<T>;
 
-/// Hyper-parameters, mirroring the fields of an HF llama `config.json`.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-pub struct LlamaConfig {
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    #[serde(default)]
-    pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    #[serde(default = "default_rms_eps")]
-    pub rms_norm_eps: f64,
-    #[serde(default = "default_rope_theta")]
-    pub rope_theta: f64,
-    #[serde(default = "default_max_pos")]
-    pub max_position_embeddings: usize,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub rope_scaling: Option<RopeScaling>,
-    #[serde(default)]
-    pub bos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    pub eos_token_id: Option<serde_json::Value>,
-}
-
-fn default_rms_eps() -> f64 {
-    1e-5
-}
-fn default_rope_theta() -> f64 {
-    10_000.0
-}
-fn default_max_pos() -> usize {
-    2048
-}
-
-/// Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`).
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-pub struct RopeScaling {
-    #[serde(alias = "type")]
-    pub rope_type: String,
-    pub factor: f64,
-    #[serde(default)]
-    pub low_freq_factor: Option<f64>,
-    #[serde(default)]
-    pub high_freq_factor: Option<f64>,
-    #[serde(default)]
-    pub original_max_position_embeddings: Option<usize>,
-}
-
-impl LlamaConfig {
-    pub fn num_kv_heads(&self) -> usize {
-        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
-    }
-    pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads)
-    }
-
-    /// Reads the `llama.*` keys of a GGUF file.
-    pub fn from_gguf(content: &gguf_file::Content) -> std::result::Result<Self, String> {
-        let arch = super::gguf_tokenizer::meta_str(content, "general.architecture").unwrap_or("");
-        if arch != "llama" {
-            return Err(format!(
-                "architecture `{arch}` is not supported (only the llama family)"
-            ));
-        }
-        let req = |k: &str| -> std::result::Result<usize, String> {
-            meta_u32(content, k)
-                .map(|v| v as usize)
-                .ok_or_else(|| format!("missing metadata key `{k}`"))
-        };
-        let f = |k: &str| content.metadata.get(k).and_then(|v| v.to_f32().ok());
-        let heads = req("llama.attention.head_count")?;
-        let hidden = req("llama.embedding_length")?;
-        let vocab = match meta_u32(content, "llama.vocab_size") {
-            Some(v) => v as usize,
-            None => content
-                .metadata
-                .get("tokenizer.ggml.tokens")
-                .and_then(|v| v.to_vec().ok())
-                .map(|v| v.len())
-                .ok_or("missing vocabulary size")?,
-        };
-        Ok(Self {
-            vocab_size: vocab,
-            hidden_size: hidden,
-            intermediate_size: req("llama.feed_forward_length")?,
-            num_hidden_layers: req("llama.block_count")?,
-            num_attention_heads: heads,
-            num_key_value_heads: Some(
-                meta_u32(content, "llama.attention.head_count_kv").map_or(heads, |v| v as usize),
-            ),
-            head_dim: meta_u32(content, "llama.rope.dimension_count").map(|v| v as usize),
-            rms_norm_eps: f64::from(f("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5)),
-            rope_theta: f64::from(f("llama.rope.freq_base").unwrap_or(10_000.0)),
-            max_position_embeddings: meta_u32(content, "llama.context_length")
-                .map_or(2048, |v| v as usize),
-            tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
-            rope_scaling: None,
-            bos_token_id: None,
-            eos_token_id: None,
-        })
-    }
-
-    /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them.
-    pub(crate) fn inv_freqs(&self) -> Vec<f64> {
-        let d = self.head_dim();
-        let base: Vec<f64> = (0..d / 2)
-            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64))
-            .collect();
-        match &self.rope_scaling {
-            Some(s) if s.rope_type == "llama3" => {
-                let low = s.low_freq_factor.unwrap_or(1.0);
-                let high = s.high_freq_factor.unwrap_or(4.0);
-                let orig = s.original_max_position_embeddings.unwrap_or(8192) as f64;
-                let low_wavelen = orig / low;
-                let high_wavelen = orig / high;
-                base.into_iter()
-                    .map(|f| {
-                        let wavelen = 2.0 * std::f64::consts::PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / s.factor
-                        } else {
-                            let smooth = (orig / wavelen - low) / (high - low);
-                            (1.0 - smooth) * f / s.factor + smooth * f
-                        }
-                    })
-                    .collect()
-            }
-            _ => base,
-        }
-    }
-}
+pub use super::config::{LlamaConfig, RopeScaling};
 
 /// How the linear layers are stored in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -423,6 +285,14 @@ fn tensor_to_linear(t: Tensor, format: WeightFormat) -> Result<Linear> {
     Ok(Linear::Candle(QMatMul::Tensor(t)))
 }
 
+/// The error of a config that unties the output head from the embedding while the weights
+/// have no head of their own.
+pub(crate) const UNTIED_WITHOUT_HEAD: &str =
+    "config `tie_word_embeddings` is false but the weights have no `lm_head.weight`";
+
+/// cos/sin tables (positions × head_dim/2) of the frequencies of [`LlamaConfig::inv_freqs`]
+/// divided by GGUF `rope_freqs` factors, if any: the one table both rope layouts, inference
+/// and training use.
 pub(crate) fn rope_tables(
     cfg: &LlamaConfig,
     factors: Option<Vec<f32>>,
@@ -550,8 +420,11 @@ impl LlamaModel {
             cfg.num_kv_heads() * cfg.head_dim(),
         );
         let embed_w = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
-        let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+        let lm_head = if cfg.tie_word_embeddings {
             tensor_to_linear(embed_w.clone(), format)?
+        } else if !vb.contains_tensor("lm_head.weight") {
+            // transformers would start such a head from random values: never guess.
+            candle_core::bail!("{UNTIED_WITHOUT_HEAD}")
         } else {
             tensor_to_linear(vb.get((cfg.vocab_size, h), "lm_head.weight")?, format)?
         };

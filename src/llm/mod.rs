@@ -4,6 +4,7 @@
 
 pub mod cache;
 pub mod chat_template;
+pub mod config;
 pub mod engine;
 pub mod gguf_tokenizer;
 pub mod llama;

@@ -16,7 +16,7 @@ use candle_nn::VarMap;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::llm::llama::{rope_tables, LlamaConfig};
+use crate::llm::llama::{rope_tables, LlamaConfig, RopeScaling};
 use crate::llm::peft::{peft_tensor_name, AdapterConfig};
 
 /// Additive bias for masked attention scores. Finite, so that a row whose keys are all masked
@@ -160,6 +160,8 @@ pub struct TrainLlama {
     lm_head: Option<Tensor>,
     cos: Tensor,
     sin: Tensor,
+    /// GGUF `rope_freqs` factors the tables were built with (Llama 3 GGUFs), if any.
+    rope_factors: Option<Vec<f32>>,
     dtype: DType,
     device: Device,
     lora: Option<LoraState>,
@@ -231,10 +233,9 @@ impl TrainLlama {
         if cfg.num_attention_heads % cfg.num_kv_heads() != 0 {
             candle_core::bail!("attention heads must be a multiple of the key/value heads");
         }
-        let mut cfg = cfg;
         if !cfg.tie_word_embeddings && !tensors.contains_key("lm_head.weight") {
-            // Some checkpoints say "untied" but ship no head: the embedding is the head.
-            cfg.tie_word_embeddings = true;
+            // transformers would start such a head from random values: never guess.
+            candle_core::bail!("{}", crate::llm::llama::UNTIED_WITHOUT_HEAD);
         }
         let names = hf_tensor_names(&cfg);
         let varmap = VarMap::new();
@@ -281,9 +282,10 @@ impl TrainLlama {
         } else {
             Some(get("lm_head.weight")?)
         };
-        let (cos, sin) = rope_tables(&cfg, factors, device)?;
+        let (cos, sin) = rope_tables(&cfg, factors.clone(), device)?;
         Ok(Self {
             cfg,
+            rope_factors: factors,
             varmap,
             names,
             embed,
@@ -301,9 +303,7 @@ impl TrainLlama {
     /// Loads an HF checkpoint directory: `config.json` and `model.safetensors` (or every
     /// `*.safetensors` shard in it).
     pub fn from_hf_dir(dir: &Path, dtype: DType, device: &Device) -> anyhow::Result<Self> {
-        let cfg_text = std::fs::read_to_string(dir.join("config.json"))
-            .map_err(|e| anyhow::anyhow!("{}: {e}", dir.join("config.json").display()))?;
-        let cfg: LlamaConfig = serde_json::from_str(&cfg_text)?;
+        let cfg = LlamaConfig::from_hf_json(&dir.join("config.json"))?;
         let files = safetensors_files(dir)?;
         let mut tensors = HashMap::new();
         for f in &files {
@@ -323,21 +323,22 @@ impl TrainLlama {
     /// An independent copy of the current weights (new variables, no shared storage): the
     /// frozen reference model of DPO when its log-probs are not precomputed.
     pub fn detached_copy(&self) -> Result<Self> {
-        let mut copy = Self::from_tensors(
+        Self::from_tensors(
             self.cfg.clone(),
             // Detached tensors share storage; `Var::from_tensor` copies it.
             self.hf_tensors()?,
-            None,
+            self.rope_factors.clone(),
             self.dtype,
             &self.device,
-        )?;
-        copy.cos = self.cos.clone();
-        copy.sin = self.sin.clone();
-        Ok(copy)
+        )
     }
 
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+    /// GGUF `rope_freqs` factors the model was loaded with, if any.
+    pub fn rope_factors(&self) -> Option<&[f32]> {
+        self.rope_factors.as_deref()
     }
     pub fn device(&self) -> &Device {
         &self.device
@@ -737,9 +738,15 @@ impl TrainLlama {
     }
 
     /// The HF `config.json` object: `source`'s fields (when given) with this model's values
-    /// written over them.
-    pub fn hf_config_json(&self, source: Option<&serde_json::Value>) -> serde_json::Value {
-        let c = &self.cfg;
+    /// written over them, its rope settings in `source`'s form (`rope_parameters` when it has
+    /// them, else top-level `rope_theta` + `rope_scaling`, which transformers 4 and 5 read).
+    /// A model loaded with GGUF `rope_freqs` factors writes them as the `llama3` scaling they
+    /// came from, and is refused when they match none.
+    pub fn hf_config_json(
+        &self,
+        source: Option<&serde_json::Value>,
+    ) -> anyhow::Result<serde_json::Value> {
+        let c = &self.exported_config()?;
         let mut obj = source
             .and_then(|v| v.as_object().cloned())
             .unwrap_or_default();
@@ -763,30 +770,41 @@ impl TrainLlama {
         set("num_key_value_heads", c.num_kv_heads().into());
         set("head_dim", c.head_dim().into());
         set("rms_norm_eps", c.rms_norm_eps.into());
-        set("rope_theta", c.rope_theta.into());
         set("max_position_embeddings", c.max_position_embeddings.into());
         set("tie_word_embeddings", c.tie_word_embeddings.into());
         set("torch_dtype", dtype.into());
-        if let Some(s) = &c.rope_scaling {
-            let mut r = serde_json::json!({"rope_type": s.rope_type, "factor": s.factor});
-            if let Some(v) = s.low_freq_factor {
-                r["low_freq_factor"] = v.into();
-            }
-            if let Some(v) = s.high_freq_factor {
-                r["high_freq_factor"] = v.into();
-            }
-            if let Some(v) = s.original_max_position_embeddings {
-                r["original_max_position_embeddings"] = v.into();
-            }
-            set("rope_scaling", r);
-        }
         if let Some(v) = &c.bos_token_id {
             set("bos_token_id", v.clone());
         }
         if let Some(v) = &c.eos_token_id {
             set("eos_token_id", v.clone());
         }
-        serde_json::Value::Object(obj)
+        write_rope(&mut obj, c);
+        Ok(serde_json::Value::Object(obj))
+    }
+
+    /// The config a checkpoint of this model states: GGUF `rope_freqs` factors, which an HF
+    /// config cannot hold, become the `llama3` scaling that produces them.
+    fn exported_config(&self) -> anyhow::Result<LlamaConfig> {
+        let Some(factors) = &self.rope_factors else {
+            return Ok(self.cfg.clone());
+        };
+        let c = &self.cfg;
+        let scaling = match &c.rope_scaling {
+            None => RopeScaling::llama3_from_factors(c.rope_theta, c.head_dim(), factors),
+            Some(_) => None,
+        };
+        let Some(scaling) = scaling else {
+            anyhow::bail!(
+                "the model's GGUF `rope_freqs` factors match no llama3 rope scaling, so an HF \
+                 config.json cannot state them; not saving a checkpoint that would load as a \
+                 different model"
+            );
+        };
+        Ok(LlamaConfig {
+            rope_scaling: Some(scaling),
+            ..c.clone()
+        })
     }
 
     /// Writes an HF checkpoint into `dir` (created if needed): `model.safetensors` and
@@ -803,7 +821,7 @@ impl TrainLlama {
                 Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
             })
             .transpose()?;
-        let cfg = self.hf_config_json(source_cfg.as_ref());
+        let cfg = self.hf_config_json(source_cfg.as_ref())?;
         std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
         if let Some(src) = source_dir {
             for f in [
@@ -819,6 +837,26 @@ impl TrainLlama {
             }
         }
         Ok(())
+    }
+}
+
+/// Writes `c`'s rope base and scaling into a config object, in the form it already uses.
+fn write_rope(obj: &mut serde_json::Map<String, serde_json::Value>, c: &LlamaConfig) {
+    let scaling = c.rope_scaling.as_ref().map(RopeScaling::to_json);
+    if obj.get("rope_parameters").is_some_and(|v| !v.is_null()) {
+        // transformers ≥ 5's form: one dict, and no top-level copy that could disagree.
+        let mut rope = scaling.unwrap_or_default();
+        rope.entry("rope_type").or_insert("default".into());
+        rope.insert("rope_theta".into(), c.rope_theta.into());
+        obj.insert("rope_parameters".into(), rope.into());
+        obj.remove("rope_theta");
+        obj.remove("rope_scaling");
+    } else {
+        obj.insert("rope_theta".into(), c.rope_theta.into());
+        match scaling {
+            Some(s) => obj.insert("rope_scaling".into(), s.into()),
+            None => obj.remove("rope_scaling"),
+        };
     }
 }
 

@@ -1,0 +1,845 @@
+//! The one reader of a llama-family model's hyper-parameters, for inference and training
+//! alike: an HF `config.json` (transformers ≤ 4 writes the rope base as a top-level
+//! `rope_theta` and its scaling as `rope_scaling`; transformers ≥ 5 writes both under
+//! `rope_parameters`) or the `llama.*` metadata of a GGUF file.
+//!
+//! Nothing that changes the model's math is guessed: a rope type or rope key we do not
+//! implement, a field whose value we do not implement (`attention_bias: true`,
+//! `hidden_act` other than `silu`, a sliding window, partial rotary embeddings, …) or a
+//! missing required field is a [`ConfigError`] naming the file and the field. The defaults
+//! left are transformers' own for `LlamaConfig` (`rope_theta` 10000 when the file names
+//! none, `num_key_value_heads` = heads, `head_dim` = hidden / heads, untied head).
+//!
+//! [`rope_inv_freqs`] is the one computation of the rotary frequencies (default, `linear`,
+//! `llama3`), used by the inference model and the trainable one.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use serde_json::{Map, Value};
+
+use super::gguf_tokenizer::{meta_str, meta_u32};
+use crate::check::Range;
+
+/// transformers' `rope_theta` when a config names none (and llama.cpp's when a GGUF has no
+/// `llama.rope.freq_base`).
+pub const DEFAULT_ROPE_THETA: f64 = 10_000.0;
+
+/// The rope types we implement, as `rope_type` names them.
+pub const ROPE_TYPES: [&str; 3] = ["default", "linear", "llama3"];
+
+/// Why a model's configuration was refused: the file, and the field when one is to blame.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{}: {message}", path.display())]
+    File { path: PathBuf, message: String },
+    #[error("{}: `{field}`: {message}", path.display())]
+    Field {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+}
+
+impl ConfigError {
+    /// The offending field (`rope_parameters.rope_type`, `llama.rope.scaling.type`, …).
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            ConfigError::File { .. } => None,
+            ConfigError::Field { field, .. } => Some(field),
+        }
+    }
+}
+
+/// Rotary frequency scaling (`rope_type` other than `default`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (position interpolation).
+    Linear { factor: f64 },
+    /// Llama 3.1's scaling: low frequencies divided by `factor`, high ones kept, a smooth
+    /// blend between (Llama-3.2-1B-Instruct: factor 32, low 1, high 4, original 8192).
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    pub fn rope_type(&self) -> &'static str {
+        match self {
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Llama3 { .. } => "llama3",
+        }
+    }
+
+    /// The HF rope dict's fields for this scaling (`rope_type` and its parameters).
+    pub fn to_json(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("rope_type".into(), self.rope_type().into());
+        match *self {
+            RopeScaling::Linear { factor } => {
+                m.insert("factor".into(), factor.into());
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                m.insert("factor".into(), factor.into());
+                m.insert("low_freq_factor".into(), low_freq_factor.into());
+                m.insert("high_freq_factor".into(), high_freq_factor.into());
+                m.insert(
+                    "original_max_position_embeddings".into(),
+                    original_max_position_embeddings.into(),
+                );
+            }
+        }
+        m
+    }
+
+    /// The `llama3` scaling whose frequencies equal the base ones divided by GGUF
+    /// `rope_freqs` `factors` (what llama.cpp's converter writes instead of the HF dict), if
+    /// one of the settings Llama 3.x models use reproduces every factor (1e-4 relative: the
+    /// converter computes in f32). `None` when none does.
+    pub fn llama3_from_factors(theta: f64, head_dim: usize, factors: &[f32]) -> Option<Self> {
+        if factors.len() != head_dim / 2 {
+            return None;
+        }
+        let max = factors.iter().copied().fold(f32::NAN, f32::max);
+        // The factor as written (32, not 32.000001).
+        let factor = format!("{max}").parse::<f64>().ok()?;
+        let base = rope_inv_freqs(theta, head_dim, None);
+        let candidates = [1.0, 2.0].into_iter().flat_map(|low| {
+            [2.0, 4.0, 8.0].into_iter().flat_map(move |high| {
+                [4096, 8192, 16384, 32768]
+                    .into_iter()
+                    .map(move |orig| RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor: low,
+                        high_freq_factor: high,
+                        original_max_position_embeddings: orig,
+                    })
+            })
+        });
+        candidates.into_iter().find(|s| {
+            let scaled = rope_inv_freqs(theta, head_dim, Some(s));
+            base.iter().zip(&scaled).zip(factors).all(|((b, x), &f)| {
+                let want = b / x;
+                (want - f64::from(f)).abs() <= 1e-4 * want
+            })
+        })
+    }
+}
+
+/// Inverse frequencies of the rotary embedding, `head_dim / 2` of them, as transformers'
+/// `ROPE_INIT_FUNCTIONS` compute them (in f64; transformers uses f32, ~1e-7 apart).
+pub fn rope_inv_freqs(theta: f64, head_dim: usize, scaling: Option<&RopeScaling>) -> Vec<f64> {
+    let d = head_dim as f64;
+    let base = (0..head_dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f64 / d));
+    match *scaling.unwrap_or(&RopeScaling::Linear { factor: 1.0 }) {
+        RopeScaling::Linear { factor } => base.map(|f| f / factor).collect(),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position_embeddings: orig,
+        } => {
+            let orig = orig as f64;
+            let (low_wavelen, high_wavelen) = (orig / low, orig / high);
+            base.map(|f| {
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                if wavelen < high_wavelen {
+                    f
+                } else if wavelen > low_wavelen {
+                    f / factor
+                } else {
+                    let smooth = (orig / wavelen - low) / (high - low);
+                    (1.0 - smooth) * f / factor + smooth * f
+                }
+            })
+            .collect()
+        }
+    }
+}
+
+/// Hyper-parameters of a llama-family model, as an HF `config.json` names them. Built only
+/// by [`LlamaConfig::from_hf_json`] / [`LlamaConfig::from_hf_value`] /
+/// [`LlamaConfig::from_gguf`], which refuse what we do not implement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub rope_scaling: Option<RopeScaling>,
+    pub bos_token_id: Option<Value>,
+    pub eos_token_id: Option<Value>,
+}
+
+/// Top-level fields that change the math, with the one value we implement (absent and
+/// `null` are that value too, as in transformers' `LlamaConfig`).
+const NEUTRAL_FIELDS: &[(&str, Neutral)] = &[
+    ("hidden_act", Neutral::Str("silu")),
+    ("attention_bias", Neutral::False),
+    ("mlp_bias", Neutral::False),
+    // Dropout is active in transformers' training mode; our trainer has none.
+    ("attention_dropout", Neutral::Number(0.0)),
+    ("partial_rotary_factor", Neutral::Number(1.0)),
+    ("sliding_window", Neutral::Null),
+    ("use_sliding_window", Neutral::False),
+    ("quantization_config", Neutral::Null),
+    ("attn_logit_softcapping", Neutral::Null),
+    ("final_logit_softcapping", Neutral::Null),
+    ("embedding_multiplier", Neutral::Number(1.0)),
+    ("residual_multiplier", Neutral::Number(1.0)),
+    ("logits_scaling", Neutral::Number(1.0)),
+    ("attention_multiplier", Neutral::Null),
+];
+
+#[derive(Clone, Copy, Debug)]
+enum Neutral {
+    Str(&'static str),
+    False,
+    Number(f64),
+    Null,
+}
+
+impl Neutral {
+    fn accepts(self, v: &Value) -> bool {
+        match self {
+            Neutral::Str(s) => v.as_str() == Some(s),
+            Neutral::False => v.as_bool() == Some(false),
+            Neutral::Number(x) => v.as_f64() == Some(x),
+            Neutral::Null => false,
+        }
+    }
+    fn describe(self) -> String {
+        match self {
+            Neutral::Str(s) => format!("only `{s}` is implemented"),
+            Neutral::False => "only `false` is implemented".into(),
+            Neutral::Number(x) => format!("only {x:?} is implemented"),
+            Neutral::Null => "not implemented (only absent or null)".into(),
+        }
+    }
+}
+
+/// Typed access to one JSON object's fields; errors name `prefix` + key.
+struct Fields<'a> {
+    path: &'a Path,
+    obj: &'a Map<String, Value>,
+    prefix: &'a str,
+}
+
+type Res<T> = Result<T, ConfigError>;
+
+impl Fields<'_> {
+    fn err(&self, key: &str, message: impl Into<String>) -> ConfigError {
+        ConfigError::Field {
+            path: self.path.to_path_buf(),
+            field: format!("{}{key}", self.prefix),
+            message: message.into(),
+        }
+    }
+    /// The value, `None` when absent or `null` (transformers reads both as unset).
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+    fn required<T>(&self, key: &str, v: Option<T>) -> Res<T> {
+        v.ok_or_else(|| self.err(key, "required field missing"))
+    }
+    fn usize_opt(&self, key: &str) -> Res<Option<usize>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
+            Some(n) if n >= 1 => Ok(Some(n)),
+            _ => Err(self.err(key, format!("{v}: must be an integer >= 1"))),
+        }
+    }
+    fn usize_req(&self, key: &str) -> Res<usize> {
+        let v = self.usize_opt(key)?;
+        self.required(key, v)
+    }
+    fn f64_opt(&self, key: &str, range: Range) -> Res<Option<f64>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        match v.as_f64() {
+            Some(x) if range.contains(x) => Ok(Some(x)),
+            _ => Err(self.err(key, format!("{v}: {}", range.requirement()))),
+        }
+    }
+    fn f64_req(&self, key: &str, range: Range) -> Res<f64> {
+        let v = self.f64_opt(key, range)?;
+        self.required(key, v)
+    }
+    fn bool_opt(&self, key: &str) -> Res<Option<bool>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_bool()
+            .map(Some)
+            .ok_or_else(|| self.err(key, format!("{v}: must be true or false")))
+    }
+    fn str_opt(&self, key: &str) -> Res<Option<&str>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_str()
+            .map(Some)
+            .ok_or_else(|| self.err(key, format!("{v}: must be a string")))
+    }
+}
+
+/// What one rope dict (`rope_parameters` or `rope_scaling`) says.
+#[derive(Debug, PartialEq)]
+struct RopeDict {
+    theta: Option<f64>,
+    scaling: Option<RopeScaling>,
+}
+
+/// The keys a rope dict of each type may hold (besides `rope_type`/`type`).
+fn rope_keys(rope_type: &str) -> &'static [&'static str] {
+    match rope_type {
+        "default" => &["rope_theta", "partial_rotary_factor"],
+        "linear" => &["rope_theta", "partial_rotary_factor", "factor"],
+        _ => &[
+            "rope_theta",
+            "partial_rotary_factor",
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+    }
+}
+
+fn parse_rope_dict(f: &Fields) -> Res<RopeDict> {
+    // transformers reads `type` (≤ 4.4x) as `rope_type`, which wins when both are given.
+    let named = f.str_opt("rope_type")?;
+    let legacy = f.str_opt("type")?;
+    if let (Some(a), Some(b)) = (named, legacy) {
+        if a != b {
+            return Err(f.err("type", format!("`{b}` disagrees with `rope_type` `{a}`")));
+        }
+    }
+    let rope_type = named.or(legacy).unwrap_or("default");
+    let type_key = if named.is_some() { "rope_type" } else { "type" };
+    if !ROPE_TYPES.contains(&rope_type) {
+        return Err(f.err(
+            type_key,
+            format!(
+                "rope type `{rope_type}` is not supported (supported: {})",
+                ROPE_TYPES.join(", ")
+            ),
+        ));
+    }
+    let allowed = rope_keys(rope_type);
+    for key in f.obj.keys() {
+        if key != "rope_type" && key != "type" && !allowed.contains(&key.as_str()) {
+            return Err(f.err(
+                key,
+                format!(
+                    "unknown key for rope type `{rope_type}` (accepted: rope_type, {})",
+                    allowed.join(", ")
+                ),
+            ));
+        }
+    }
+    if let Some(p) = f.f64_opt("partial_rotary_factor", Range::finite())? {
+        if p != 1.0 {
+            return Err(f.err(
+                "partial_rotary_factor",
+                format!("{p}: partial rotary embeddings are not implemented (only 1.0)"),
+            ));
+        }
+    }
+    let theta = f.f64_opt("rope_theta", Range::above(0.0))?;
+    let factor = || f.f64_req("factor", Range::above(0.0));
+    let scaling = match rope_type {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear { factor: factor()? }),
+        _ => {
+            let low = f.f64_req("low_freq_factor", Range::above(0.0))?;
+            let high = f.f64_req("high_freq_factor", Range::above(low))?;
+            Some(RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: f
+                    .usize_req("original_max_position_embeddings")?,
+            })
+        }
+    };
+    Ok(RopeDict { theta, scaling })
+}
+
+/// The rope base and scaling from either form. Both forms at once must agree: transformers 4
+/// reads one, transformers 5 the other, so a disagreement has no single meaning.
+fn parse_rope(f: &Fields) -> Res<(f64, Option<RopeScaling>)> {
+    let top_theta = f.f64_opt("rope_theta", Range::above(0.0))?;
+    let mut dicts = Vec::new();
+    for key in ["rope_parameters", "rope_scaling"] {
+        let Some(v) = f.get(key) else { continue };
+        let obj = v
+            .as_object()
+            .ok_or_else(|| f.err(key, format!("{v}: must be an object")))?;
+        let prefix = format!("{key}.");
+        let sub = Fields {
+            path: f.path,
+            obj,
+            prefix: &prefix,
+        };
+        dicts.push((key, parse_rope_dict(&sub)?));
+    }
+    if let [(_, a), (_, b)] = dicts.as_slice() {
+        let differ = a.scaling != b.scaling || a.theta.zip(b.theta).is_some_and(|(x, y)| x != y);
+        if differ {
+            return Err(f.err(
+                "rope_scaling",
+                "disagrees with `rope_parameters` (transformers 4 reads one, 5 the other)",
+            ));
+        }
+    }
+    let dict_theta = dicts.iter().find_map(|(_, d)| d.theta);
+    let (dict_key, scaling) = dicts
+        .into_iter()
+        .next()
+        .map_or(("rope_parameters", None), |(k, d)| (k, d.scaling));
+    let theta = match (top_theta, dict_theta) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(f.err(
+                "rope_theta",
+                format!("{a} disagrees with `{dict_key}.rope_theta` {b}"),
+            ))
+        }
+        (a, b) => b.or(a).unwrap_or(DEFAULT_ROPE_THETA),
+    };
+    // transformers gives a top-level `original_max_position_embeddings` priority for llama3.
+    if let Some(top) = f.usize_opt("original_max_position_embeddings")? {
+        if let Some(RopeScaling::Llama3 {
+            original_max_position_embeddings: inner,
+            ..
+        }) = &scaling
+        {
+            if top != *inner {
+                return Err(f.err(
+                    "original_max_position_embeddings",
+                    format!("{top} disagrees with `{dict_key}.original_max_position_embeddings` {inner}"),
+                ));
+            }
+        }
+    }
+    Ok((theta, scaling))
+}
+
+fn check_neutral_fields(f: &Fields) -> Res<()> {
+    for (key, neutral) in NEUTRAL_FIELDS {
+        if let Some(v) = f.get(key) {
+            if !neutral.accepts(v) {
+                return Err(f.err(key, format!("{v}: {}", neutral.describe())));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl LlamaConfig {
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them.
+    pub fn inv_freqs(&self) -> Vec<f64> {
+        rope_inv_freqs(self.rope_theta, self.head_dim(), self.rope_scaling.as_ref())
+    }
+
+    /// Reads an HF `config.json`.
+    pub fn from_hf_json(path: &Path) -> Result<Self, ConfigError> {
+        let file_err = |message: String| ConfigError::File {
+            path: path.to_path_buf(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
+        let value: Value =
+            serde_json::from_str(&text).map_err(|e| file_err(format!("invalid JSON: {e}")))?;
+        Self::from_hf_value(&value, path)
+    }
+
+    /// Reads an HF config already parsed; `path` names it in errors.
+    pub fn from_hf_value(value: &Value, path: &Path) -> Result<Self, ConfigError> {
+        let obj = value.as_object().ok_or_else(|| ConfigError::File {
+            path: path.to_path_buf(),
+            message: "not a JSON object".into(),
+        })?;
+        let f = Fields {
+            path,
+            obj,
+            prefix: "",
+        };
+        match f.str_opt("model_type")? {
+            Some("llama") => {}
+            Some(other) => {
+                return Err(f.err(
+                    "model_type",
+                    format!("`{other}` is not supported (only `llama`)"),
+                ))
+            }
+            None => return Err(f.err("model_type", "required field missing")),
+        }
+        check_neutral_fields(&f)?;
+        let hidden_size = f.usize_req("hidden_size")?;
+        let heads = f.usize_req("num_attention_heads")?;
+        let cfg = Self {
+            vocab_size: f.usize_req("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize_req("intermediate_size")?,
+            num_hidden_layers: f.usize_req("num_hidden_layers")?,
+            num_attention_heads: heads,
+            num_key_value_heads: f.usize_opt("num_key_value_heads")?,
+            head_dim: f.usize_opt("head_dim")?,
+            rms_norm_eps: f.f64_req("rms_norm_eps", Range::above(0.0))?,
+            max_position_embeddings: f.usize_req("max_position_embeddings")?,
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            rope_theta: 0.0,
+            rope_scaling: None,
+            bos_token_id: f.get("bos_token_id").cloned(),
+            eos_token_id: f.get("eos_token_id").cloned(),
+        };
+        if hidden_size % heads != 0 {
+            return Err(f.err(
+                "hidden_size",
+                format!("{hidden_size} is not a multiple of num_attention_heads {heads}"),
+            ));
+        }
+        let (rope_theta, rope_scaling) = parse_rope(&f)?;
+        let cfg = Self {
+            rope_theta,
+            rope_scaling,
+            ..cfg
+        };
+        cfg.check_shape().map_err(|(field, m)| f.err(field, m))?;
+        Ok(cfg)
+    }
+
+    /// Head counts and the rotary dimension fit together (both sources).
+    fn check_shape(&self) -> Result<(), (&'static str, String)> {
+        let (heads, kv) = (self.num_attention_heads, self.num_kv_heads());
+        if heads % kv != 0 {
+            return Err((
+                "num_key_value_heads",
+                format!("{kv} does not divide num_attention_heads {heads}"),
+            ));
+        }
+        let hd = self.head_dim();
+        if hd == 0 || hd % 2 != 0 {
+            return Err((
+                "head_dim",
+                format!("{hd}: the rotary embedding needs an even head dimension"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads the `llama.*` keys of a GGUF file (llama.cpp's names; errors name the key).
+    pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, String> {
+        let arch = meta_str(content, "general.architecture").unwrap_or("");
+        if arch != "llama" {
+            return Err(format!(
+                "`general.architecture`: `{arch}` is not supported (only the llama family)"
+            ));
+        }
+        let opt_u = |k: &str| meta_u32(content, k).map(|v| v as usize);
+        let req_u = |k: &str| opt_u(k).ok_or_else(|| format!("`{k}`: required key missing"));
+        // f32 metadata as the decimal it was written from (1e-5, not 9.99999974e-6), so a
+        // converted checkpoint's config.json reads as the original.
+        let opt_f = |k: &str| -> Result<Option<f64>, String> {
+            let Some(v) = content.metadata.get(k) else {
+                return Ok(None);
+            };
+            let x = v
+                .to_f32()
+                .map_err(|e| format!("`{k}`: not a 32-bit float: {e}"))?;
+            Ok(format!("{x}").parse::<f64>().ok())
+        };
+        let positive = |k: &str, v: Option<f64>| match v {
+            Some(x) if !(x.is_finite() && x > 0.0) => {
+                Err(format!("`{k}`: {x}: must be a finite number > 0"))
+            }
+            v => Ok(v),
+        };
+        if opt_u("llama.expert_count").unwrap_or(0) > 0 {
+            return Err("`llama.expert_count`: mixture-of-experts models are not supported".into());
+        }
+        let heads = req_u("llama.attention.head_count")?;
+        let hidden = req_u("llama.embedding_length")?;
+        let vocab = match opt_u("llama.vocab_size") {
+            Some(v) => v,
+            None => content
+                .metadata
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.to_vec().ok())
+                .map(|v| v.len())
+                .ok_or("`llama.vocab_size`: missing, and no `tokenizer.ggml.tokens`")?,
+        };
+        if heads == 0 {
+            return Err("`llama.attention.head_count`: must be >= 1".into());
+        }
+        let head_dim = opt_u("llama.attention.key_length").unwrap_or(hidden / heads);
+        for k in ["llama.attention.value_length", "llama.rope.dimension_count"] {
+            if let Some(v) = opt_u(k) {
+                if v != head_dim {
+                    return Err(format!(
+                        "`{k}`: {v} differs from the head dimension {head_dim} \
+                         (partial rotary embeddings are not implemented)"
+                    ));
+                }
+            }
+        }
+        let rms_key = "llama.attention.layer_norm_rms_epsilon";
+        let rms = positive(rms_key, opt_f(rms_key)?)?
+            .ok_or_else(|| format!("`{rms_key}`: required key missing"))?;
+        let theta_key = "llama.rope.freq_base";
+        let cfg = Self {
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: req_u("llama.feed_forward_length")?,
+            num_hidden_layers: req_u("llama.block_count")?,
+            num_attention_heads: heads,
+            num_key_value_heads: Some(opt_u("llama.attention.head_count_kv").unwrap_or(heads)),
+            head_dim: Some(head_dim),
+            rms_norm_eps: rms,
+            rope_theta: positive(theta_key, opt_f(theta_key)?)?.unwrap_or(DEFAULT_ROPE_THETA),
+            max_position_embeddings: req_u("llama.context_length")?,
+            tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
+            rope_scaling: gguf_rope_scaling(content, &opt_f)?,
+            bos_token_id: None,
+            eos_token_id: None,
+        };
+        if cfg.num_kv_heads() == 0 {
+            return Err("`llama.attention.head_count_kv`: must be >= 1".into());
+        }
+        cfg.check_shape().map_err(|(field, m)| {
+            let key = match field {
+                "head_dim" => "llama.attention.key_length",
+                _ => "llama.attention.head_count_kv",
+            };
+            format!("`{key}` ({field}): {m}")
+        })?;
+        Ok(cfg)
+    }
+}
+
+/// `llama.rope.scaling.type` (`none` | `linear`; llama.cpp's older `llama.rope.scale_linear`
+/// too). Llama 3 GGUFs carry their scaling as the `rope_freqs` tensor instead.
+fn gguf_rope_scaling(
+    content: &gguf_file::Content,
+    opt_f: &dyn Fn(&str) -> Result<Option<f64>, String>,
+) -> Result<Option<RopeScaling>, String> {
+    let linear = |key: &str, factor: Option<f64>| match factor {
+        Some(f) if f.is_finite() && f > 0.0 => Ok(Some(RopeScaling::Linear { factor: f })),
+        Some(f) => Err(format!("`{key}`: {f}: must be a finite number > 0")),
+        None => Err(format!("`{key}`: required by a linear rope scaling")),
+    };
+    match meta_str(content, "llama.rope.scaling.type") {
+        None if content.metadata.contains_key("llama.rope.scale_linear") => {
+            let key = "llama.rope.scale_linear";
+            linear(key, opt_f(key)?)
+        }
+        None | Some("none") => Ok(None),
+        Some("linear") => {
+            let key = "llama.rope.scaling.factor";
+            linear(key, opt_f(key)?)
+        }
+        Some(other) => Err(format!(
+            "`llama.rope.scaling.type`: `{other}` is not supported (supported: none, linear)"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Value {
+        serde_json::json!({
+            "model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+        })
+    }
+
+    fn read(v: Value) -> Result<LlamaConfig, ConfigError> {
+        LlamaConfig::from_hf_value(&v, Path::new("m/config.json"))
+    }
+
+    #[test]
+    fn both_forms_give_the_same_rope() {
+        let mut classic = base();
+        classic["rope_theta"] = 100000.0.into();
+        classic["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
+        let mut v5 = base();
+        v5["rope_parameters"] =
+            serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0});
+        let (a, b) = (read(classic).unwrap(), read(v5).unwrap());
+        assert_eq!(a, b);
+        assert_eq!(a.rope_theta, 100000.0);
+        assert_eq!(a.rope_scaling, Some(RopeScaling::Linear { factor: 2.0 }));
+    }
+
+    #[test]
+    fn disagreements_are_refused() {
+        let mut v = base();
+        v["rope_theta"] = 10000.0.into();
+        v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e5});
+        assert_eq!(read(v).unwrap_err().field(), Some("rope_theta"));
+        let mut v = base();
+        v["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0});
+        v["rope_parameters"] = serde_json::json!({"rope_type": "default"});
+        assert_eq!(read(v).unwrap_err().field(), Some("rope_scaling"));
+    }
+
+    #[test]
+    fn math_fields_and_shapes_are_refused() {
+        for (key, val, field) in [
+            ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
+            ("mlp_bias", true.into(), "mlp_bias"),
+            ("sliding_window", 4096.into(), "sliding_window"),
+            ("head_dim", 3.into(), "head_dim"),
+            ("num_key_value_heads", 3.into(), "num_key_value_heads"),
+            ("rms_norm_eps", (-1.0).into(), "rms_norm_eps"),
+            ("model_type", "mistral".into(), "model_type"),
+        ] {
+            let mut v = base();
+            v[key] = val;
+            let err = read(v).unwrap_err();
+            assert_eq!(err.field(), Some(field), "{err}");
+            assert!(err.to_string().starts_with("m/config.json: "), "{err}");
+        }
+        let mut v = base();
+        v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
+        assert_eq!(
+            read(v).unwrap_err().field(),
+            Some("rope_scaling.low_freq_factor")
+        );
+    }
+
+    fn gguf(extra: &[(&str, gguf_file::Value)]) -> gguf_file::Content {
+        use gguf_file::Value as V;
+        let mut metadata: std::collections::HashMap<String, V> = [
+            ("general.architecture", V::String("llama".into())),
+            ("llama.attention.head_count", V::U32(2)),
+            ("llama.attention.head_count_kv", V::U32(1)),
+            ("llama.embedding_length", V::U32(8)),
+            ("llama.feed_forward_length", V::U32(16)),
+            ("llama.block_count", V::U32(1)),
+            ("llama.context_length", V::U32(64)),
+            ("llama.vocab_size", V::U32(10)),
+            ("llama.rope.freq_base", V::F32(100000.0)),
+            ("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        for (k, v) in extra {
+            metadata.insert(k.to_string(), v.clone());
+        }
+        gguf_file::Content {
+            magic: gguf_file::VersionedMagic::GgufV3,
+            metadata,
+            tensor_infos: Default::default(),
+            tensor_data_offset: 0,
+        }
+    }
+
+    #[test]
+    fn gguf_rope_keys_are_read_or_refused() {
+        use gguf_file::Value as V;
+        let c = LlamaConfig::from_gguf(&gguf(&[])).unwrap();
+        assert_eq!(
+            (c.rope_theta, c.rms_norm_eps, c.rope_scaling),
+            (1e5, 1e-5, None)
+        );
+        let c = LlamaConfig::from_gguf(&gguf(&[
+            ("llama.rope.scaling.type", V::String("linear".into())),
+            ("llama.rope.scaling.factor", V::F32(4.0)),
+        ]))
+        .unwrap();
+        assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 4.0 }));
+        for (extra, key) in [
+            (
+                ("llama.rope.scaling.type", V::String("yarn".into())),
+                "llama.rope.scaling.type",
+            ),
+            (
+                ("llama.rope.dimension_count", V::U32(2)),
+                "llama.rope.dimension_count",
+            ),
+            (
+                ("llama.rope.scaling.type", V::String("linear".into())),
+                "llama.rope.scaling.factor",
+            ),
+        ] {
+            let err = LlamaConfig::from_gguf(&gguf(&[extra])).unwrap_err();
+            assert!(err.contains(&format!("`{key}`")), "{err}");
+        }
+        let mut no_eps = gguf(&[]);
+        no_eps
+            .metadata
+            .remove("llama.attention.layer_norm_rms_epsilon");
+        let err = LlamaConfig::from_gguf(&no_eps).unwrap_err();
+        assert!(err.contains("layer_norm_rms_epsilon"), "{err}");
+    }
+
+    #[test]
+    fn gguf_rope_freqs_are_recognised_as_their_llama3_scaling() {
+        let s = RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        // llama.cpp's converter: base / scaled frequency, in f32.
+        let base = rope_inv_freqs(500000.0, 64, None);
+        let scaled = rope_inv_freqs(500000.0, 64, Some(&s));
+        let factors: Vec<f32> = base
+            .iter()
+            .zip(&scaled)
+            .map(|(b, x)| (b / x) as f32)
+            .collect();
+        assert_eq!(
+            RopeScaling::llama3_from_factors(500000.0, 64, &factors),
+            Some(s)
+        );
+        let odd: Vec<f32> = (0..32).map(|i| 1.0 + i as f32 * 0.37).collect();
+        assert_eq!(RopeScaling::llama3_from_factors(500000.0, 64, &odd), None);
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let s = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let plain = rope_inv_freqs(500000.0, 64, None);
+        let scaled = rope_inv_freqs(500000.0, 64, Some(&s));
+        assert_eq!(scaled[0], plain[0]);
+        assert!((scaled[31] - plain[31] / 8.0).abs() < 1e-18);
+    }
+}
