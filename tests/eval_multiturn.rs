@@ -319,7 +319,7 @@ async fn twenty_questions_five_games_summary_matches_games_and_resumes_free() {
         }
         let agg = serde_json::to_value(AggregateMetrics::of(&games)).unwrap();
         let metrics = &summary["models"][mi]["metrics"];
-        assert_eq!(metrics.as_object().unwrap().len(), 12);
+        assert_eq!(metrics.as_object().unwrap().len(), 13);
         for (k, v) in metrics.as_object().unwrap() {
             let s: Stat = serde_json::from_value(agg[k].clone()).unwrap();
             assert_stat(v, s, &format!("{name} {k}"));

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use collabllm::eval::compare::{compare_runs, mcnemar_exact};
+use collabllm::eval::compare::{compare_runs, mcnemar_exact, wilson_interval, Z95};
 use collabllm::eval::transcripts::{read_games, rescore_file, split_line, RescoredGame};
 use collabllm::eval::twenty_questions::World;
 
@@ -237,4 +237,37 @@ fn compare_pairs_games_and_tests_with_mcnemar() {
     ]);
     assert!(!res.status.success());
     assert!(String::from_utf8_lossy(&res.stderr).contains("--task twenty_questions"));
+}
+
+#[test]
+fn mcnemar_exact_matches_known_values() {
+    // Two-sided exact binomial (scipy.stats.binomtest(k, n, 0.5).pvalue, statsmodels
+    // mcnemar(exact=True)).
+    assert_eq!(mcnemar_exact(0, 0), 1.0);
+    assert_eq!(mcnemar_exact(3, 3), 1.0);
+    assert!((mcnemar_exact(0, 6) - 2.0 / 64.0).abs() < 1e-15);
+    assert!((mcnemar_exact(6, 0) - 0.031_25).abs() < 1e-15);
+    assert!((mcnemar_exact(1, 9) - 22.0 / 1024.0).abs() < 1e-15);
+    assert!((mcnemar_exact(0, 1) - 1.0).abs() < 1e-15);
+    // 2·P(X ≤ 2), X ~ Bin(12, ½) = 2·79/4096.
+    assert!((mcnemar_exact(2, 10) - 158.0 / 4096.0).abs() < 1e-15);
+    // Large counts: no underflow; symmetric; P(X ≤ 400) for Bin(1000, ½) ≈ 1.364e-10.
+    let p = mcnemar_exact(400, 600);
+    assert!(
+        p > 0.0 && (p / 2.0 - 1.364e-10).abs() / 1.364e-10 < 1e-2,
+        "{p}"
+    );
+    assert_eq!(mcnemar_exact(400, 600), mcnemar_exact(600, 400));
+    assert_eq!(mcnemar_exact(5000, 5000), 1.0);
+}
+
+#[test]
+fn wilson_interval_matches_known_values() {
+    let (lo, hi) = wilson_interval(0, 10, Z95);
+    assert!(lo == 0.0 && (hi - 0.277_532).abs() < 1e-6, "{hi}");
+    let (lo, hi) = wilson_interval(5, 10, Z95);
+    assert!((lo - 0.236_593).abs() < 1e-6 && (hi - 0.763_407).abs() < 1e-6);
+    let (lo, hi) = wilson_interval(10, 10, Z95);
+    assert!((lo - 0.722_468).abs() < 1e-6 && (hi - 1.0).abs() < 1e-12);
+    assert_eq!(wilson_interval(0, 0, Z95), (0.0, 1.0));
 }
