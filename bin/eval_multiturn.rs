@@ -31,16 +31,32 @@ use collabllm::task::TaskType;
 )]
 struct Args {
     /// Task: math, doc_edit, code or twenty_questions.
-    #[arg(long, value_name = "TASK")]
-    task: TaskType,
+    #[arg(long, value_name = "TASK", required_unless_present = "compare")]
+    task: Option<TaskType>,
     /// Model to evaluate, repeatable: `default`, a .gguf file, an HF directory or id,
     /// `openai:<model>[@<base_url>]`; for 20 Questions also `reference` (greedy information
     /// gain) and `random` (random distinct guesses).
-    #[arg(long = "model", value_name = "SPEC", required = true)]
+    #[arg(
+        long = "model",
+        value_name = "SPEC",
+        required_unless_present_any = ["transcripts", "compare"]
+    )]
     models: Vec<EvalModel>,
-    /// Output directory.
-    #[arg(long, value_name = "DIR")]
-    output: PathBuf,
+    /// Output directory (with --compare: where compare.json and compare.md go, optional).
+    #[arg(long, value_name = "DIR", required_unless_present = "compare")]
+    output: Option<PathBuf>,
+    /// 20 Questions: re-score games in LMRL-Gym's offline form (JSON lines `{"lines":
+    /// ["<question>? <answer>", …], "word": [names…], "correct": …}`) under our rules instead of
+    /// playing: writes games.jsonl (one line per input game, in order) and summary.json/.csv.
+    /// The file's `correct` is ignored (disagreements are counted).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["models", "compare"])]
+    transcripts: Option<PathBuf>,
+    /// Compare finished 20 Questions runs on paired games (same object and repeat): each RUN is
+    /// an eval_multiturn output directory (every model in it is a row) or a --transcripts
+    /// output; the first row is the base. Prints success with 95% Wilson intervals, mean turns,
+    /// turns on a win, information gain per question, unparsed rate and McNemar's exact test.
+    #[arg(long, value_name = "RUN", num_args = 1.., conflicts_with = "models")]
+    compare: Vec<PathBuf>,
     /// Tasks file (JSONL or parquet) for math/doc_edit/code [default: data/<task>.jsonl].
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
@@ -65,8 +81,11 @@ struct Args {
     /// Conversations (or games) in flight at once [default: 8].
     #[arg(long, value_name = "C")]
     concurrency: Option<usize>,
-    /// 20 Questions oracle: `table` (deterministic attribute table) or a model spec (an LLM
-    /// answering "Yes."/"No.") [default: table].
+    /// 20 Questions oracle: `table` (the attribute table; a question it cannot parse is
+    /// answered "No." and counted as unparsed), `llm[:SPEC]` (a model answers "Yes."/"No."; a
+    /// bare model spec also means this) or `hybrid[:SPEC]` (the table when the question
+    /// parses, the model otherwise); SPEC defaults to `default` [default: hybrid when a model
+    /// questioner plays, table for reference/random only].
     #[arg(long, value_name = "ORACLE")]
     oracle: Option<OracleChoice>,
     /// 20 Questions objects: `all` (the 158 in task order, once each) or N (the first N)
@@ -119,10 +138,14 @@ struct Args {
 }
 
 fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
+    let oracle_given = args.oracle.is_some();
+    let (Some(task), Some(output)) = (args.task, args.output) else {
+        anyhow::bail!("--task and --output are required");
+    };
     let mut cfg = EvalConfig {
-        task: args.task,
+        task,
         models: args.models,
-        output: args.output,
+        output,
         tasks: args.tasks,
         max_tasks: args.max_tasks,
         seed: args.seed,
@@ -165,6 +188,9 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
     if let Some(v) = args.max_retries {
         cfg.endpoint.max_retries = v;
     }
+    if cfg.task == TaskType::TwentyQuestions && !oracle_given {
+        cfg.oracle = OracleChoice::default_for(&cfg.models);
+    }
     cfg.validate()?;
     Ok(cfg)
 }
@@ -187,9 +213,50 @@ async fn run(cfg: EvalConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--compare`: the table, and its files when --output is given.
+fn compare(runs: &[PathBuf], output: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let cmp = eval::compare::compare_runs(runs, output)?;
+    print!("{}", cmp.table());
+    if let Some(dir) = output {
+        println!(
+            "comparison: {} and {}",
+            dir.join("compare.json").display(),
+            dir.join("compare.md").display()
+        );
+    }
+    Ok(())
+}
+
+/// `--transcripts`: re-scores LMRL-Gym games under our rules.
+fn transcripts(
+    task: Option<TaskType>,
+    file: &std::path::Path,
+    output: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    if task != Some(TaskType::TwentyQuestions) {
+        anyhow::bail!("--transcripts needs --task twenty_questions");
+    }
+    let output = output.context("--transcripts needs --output")?;
+    let report = eval::transcripts::rescore_file(file, output)?;
+    print!("{report}");
+    println!(
+        "games: {}; summary: {}",
+        output.join(eval::transcripts::GAMES_FILE).display(),
+        output.join("summary.json").display()
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     collabllm::cli::init_logging();
+    if !args.compare.is_empty() {
+        return collabllm::cli::exit_on_error(compare(&args.compare, args.output.as_deref()));
+    }
+    if let Some(file) = &args.transcripts {
+        let r = transcripts(args.task, file, args.output.as_deref());
+        return collabllm::cli::exit_on_error(r);
+    }
     let cfg = match resolve(args) {
         Ok(c) => c,
         Err(e) => return collabllm::cli::exit_on_error(Err(e)),

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use collabllm::eval::run::{evaluate_with_roles, EvalRoles};
 use collabllm::eval::twenty_questions::{AggregateMetrics, GameMetrics, GameRecord, Stat};
-use collabllm::eval::{EvalConfig, EvalModel, ObjectSelection};
+use collabllm::eval::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 use collabllm::generate::{generate_with_roles, GenerateConfig, Roles};
 use collabllm::llm::cache::RequestCache;
 use collabllm::llm::local::LoadOptions;
@@ -319,7 +319,7 @@ async fn twenty_questions_five_games_summary_matches_games_and_resumes_free() {
         }
         let agg = serde_json::to_value(AggregateMetrics::of(&games)).unwrap();
         let metrics = &summary["models"][mi]["metrics"];
-        assert_eq!(metrics.as_object().unwrap().len(), 12);
+        assert_eq!(metrics.as_object().unwrap().len(), 13);
         for (k, v) in metrics.as_object().unwrap() {
             let s: Stat = serde_json::from_value(agg[k].clone()).unwrap();
             assert_stat(v, s, &format!("{name} {k}"));
@@ -437,6 +437,139 @@ async fn llm_oracle_answers_are_normalised_and_gains_come_from_the_table() {
     assert_eq!(GameMetrics::of(&game).repeated, 18);
     assert_eq!(questioner.calls(), 22);
     assert_eq!(oracle.calls(), 22);
+}
+
+#[tokio::test]
+async fn hybrid_oracle_asks_the_model_only_what_the_table_cannot_parse() {
+    // Questioner: an attribute question, then one the table cannot read, then the guess.
+    let questioner = ScriptedBackend::new("questioner", |req, _| {
+        let prompt = &req.messages[0].content;
+        Ok(if prompt.contains("\n2. ") {
+            "Is it a basketball?".to_string()
+        } else if prompt.contains("\n1. ") {
+            "Hmm, could you describe how it feels?".to_string()
+        } else {
+            "Is it an animal?".to_string()
+        })
+    });
+    // A model that says yes to everything: only the unparsed question may reach it.
+    let oracle = ScriptedBackend::new("oracle", |_, _| Ok("Yes.".to_string()));
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval-hybrid");
+    let cfg = EvalConfig {
+        task: TaskType::TwentyQuestions,
+        models: vec![EvalModel::Spec(ModelSpec::Default)],
+        oracle: "hybrid:openai:judge@http://127.0.0.1:9/v1".parse().unwrap(),
+        output: out.clone(),
+        objects: ObjectSelection::First(1),
+        ..EvalConfig::default()
+    };
+    let roles = EvalRoles {
+        models: vec![Some(Role::from_backend(
+            "model",
+            "scripted",
+            questioner.clone(),
+            None,
+            None,
+        ))],
+        user: None,
+        judge: None,
+        oracle: Some(Role::from_backend(
+            "oracle",
+            "scripted",
+            oracle.clone(),
+            None,
+            None,
+        )),
+    };
+    let report = evaluate_with_roles(cfg.clone(), roles).await.unwrap();
+    assert_eq!((report.done_now, report.failed.len()), (1, 0), "{report}");
+    let rec = &read_lines(&out.join("conversations/default.jsonl"))[0];
+    assert_eq!(rec["oracle"], "hybrid");
+    let game: GameRecord = serde_json::from_value(rec["game"].clone()).unwrap();
+    // Basketball: the table says "No." to "animal" (the yes-saying model would have lied),
+    // the model answers the unparsed question, the table confirms the guess.
+    let answers: Vec<&str> = game.turns.iter().map(|t| t.answer.as_str()).collect();
+    assert_eq!(answers, ["No.", "Yes.", "Yes."]);
+    assert!(game.won && game.turns[1].unparsed && !game.turns[0].unparsed);
+    assert_eq!(oracle.calls(), 1);
+    assert_eq!(rec["oracle_table_answers"], 2);
+    assert_eq!(rec["oracle_raw"].as_array().unwrap().len(), 1);
+    assert_eq!(rec["metrics"]["unparsed"], 1);
+    let s = read_json(&out.join("summary.json"));
+    let rate = s["models"][0]["metrics"]["unparsed_rate"]["mean"]
+        .as_f64()
+        .unwrap();
+    assert!((rate - 1.0 / 3.0).abs() < 1e-12, "{rate}");
+    // Not the table oracle: no honesty warning.
+    assert!(report.warnings.is_empty(), "{report}");
+
+    // A configured model oracle without a backend fails the games instead of silently
+    // using the table.
+    let out2 = tmp.path().join("eval-missing");
+    let report = evaluate_with_roles(
+        EvalConfig {
+            output: out2,
+            ..cfg
+        },
+        EvalRoles {
+            models: vec![Some(Role::from_backend(
+                "model",
+                "scripted",
+                questioner.clone(),
+                None,
+                None,
+            ))],
+            user: None,
+            judge: None,
+            oracle: None,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.failed.len(), 1);
+    assert!(report.failed[0].2.contains("oracle has no backend"));
+}
+
+#[tokio::test]
+async fn table_oracle_reports_unparsed_questions() {
+    let questioner = ScriptedBackend::new("questioner", |_, _| {
+        Ok("Hmm, could you describe how it feels?".to_string())
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval-table");
+    let cfg = EvalConfig {
+        task: TaskType::TwentyQuestions,
+        models: vec![EvalModel::Spec(ModelSpec::Default)],
+        oracle: OracleChoice::Table,
+        output: out.clone(),
+        objects: ObjectSelection::First(1),
+        max_questions: 4,
+        ..EvalConfig::default()
+    };
+    let roles = EvalRoles {
+        models: vec![Some(Role::from_backend(
+            "model", "scripted", questioner, None, None,
+        ))],
+        user: None,
+        judge: None,
+        oracle: None,
+    };
+    let report = evaluate_with_roles(cfg, roles).await.unwrap();
+    let rec = &read_lines(&out.join("conversations/default.jsonl"))[0];
+    assert_eq!(rec["oracle"], "table");
+    assert_eq!(rec["metrics"]["unparsed"], 4);
+    assert!(rec["game"]["turns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t["answer"] == "No." && t["unparsed"] == true));
+    assert_eq!(report.warnings.len(), 1, "{report}");
+    let w = &report.warnings[0];
+    assert!(
+        w.contains("default") && w.contains("100.0%") && w.contains("No."),
+        "{w}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -607,7 +740,7 @@ fn binary_plays_all_objects_with_builtin_questioners_and_refuses_overlap() {
     assert_eq!(random["success_rate"]["n"], 158);
     assert_eq!(random["repeated"]["mean"], 0.0);
     let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
-    assert_eq!(csv.lines().count(), 1 + 2 * 12);
+    assert_eq!(csv.lines().count(), 1 + 2 * 13);
     assert_eq!(read_lines(&out.join("lmrl/reference.jsonl")).len(), 158);
 
     // A generate_conv run directory written by hand in record.rs's format: one finished

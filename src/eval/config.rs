@@ -177,24 +177,67 @@ pub fn model_labels(models: &[EvalModel]) -> Vec<String> {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(into = "String", try_from = "String")]
 pub enum OracleChoice {
-    /// The deterministic attribute-table oracle.
+    /// The deterministic attribute-table oracle; a question it cannot parse is answered "No."
+    /// (LMRL-Gym's normalisation) and counted as unparsed.
     Table,
-    /// An LLM prompted with the object and the question.
+    /// An LLM prompted with the object and the question (`llm[:SPEC]`, or a bare spec).
     Model(ModelSpec),
+    /// The table when the question parses, the LLM otherwise (`hybrid[:SPEC]`).
+    Hybrid(ModelSpec),
+}
+
+impl OracleChoice {
+    /// The oracle when `--oracle` is not given: hybrid with the default model when a model
+    /// questioner plays (a model is loaded anyway), the table for built-in questioners only
+    /// (their questions always parse).
+    pub fn default_for(models: &[EvalModel]) -> OracleChoice {
+        if models.iter().any(|m| !m.is_builtin()) {
+            OracleChoice::Hybrid(ModelSpec::Default)
+        } else {
+            OracleChoice::Table
+        }
+    }
+
+    /// The oracle's model, if it has one.
+    pub fn model(&self) -> Option<&ModelSpec> {
+        match self {
+            OracleChoice::Table => None,
+            OracleChoice::Model(s) | OracleChoice::Hybrid(s) => Some(s),
+        }
+    }
 }
 
 impl FromStr for OracleChoice {
     type Err = EvalConfigError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.trim() == "table" {
-            return Ok(OracleChoice::Table);
-        }
-        s.parse::<ModelSpec>()
-            .map(OracleChoice::Model)
-            .map_err(|e| {
+        let s = s.trim();
+        let spec = |text: &str| {
+            if text.is_empty() {
+                return Ok(ModelSpec::Default);
+            }
+            text.parse::<ModelSpec>().map_err(|e| {
                 let s = redact_credentials(s);
-                invalid("oracle", format!("`{s}`: {e} (or `table`)"))
+                invalid(
+                    "oracle",
+                    format!("`{s}`: {e} (or `table`, `llm[:SPEC]`, `hybrid[:SPEC]`)"),
+                )
             })
+        };
+        match s {
+            "table" => Ok(OracleChoice::Table),
+            "llm" | "hybrid" => Ok(if s == "llm" {
+                OracleChoice::Model(ModelSpec::Default)
+            } else {
+                OracleChoice::Hybrid(ModelSpec::Default)
+            }),
+            _ => {
+                if let Some(rest) = s.strip_prefix("hybrid:") {
+                    spec(rest).map(OracleChoice::Hybrid)
+                } else {
+                    spec(s.strip_prefix("llm:").unwrap_or(s)).map(OracleChoice::Model)
+                }
+            }
+        }
     }
 }
 
@@ -203,6 +246,7 @@ impl std::fmt::Display for OracleChoice {
         match self {
             OracleChoice::Table => f.write_str("table"),
             OracleChoice::Model(s) => write!(f, "{s}"),
+            OracleChoice::Hybrid(s) => write!(f, "hybrid:{s}"),
         }
     }
 }
@@ -531,6 +575,33 @@ mod tests {
             "openai:m".parse::<OracleChoice>().unwrap(),
             OracleChoice::Model(_)
         ));
+        for (text, shown) in [
+            ("llm", "default"),
+            ("llm:openai:m", "openai:m"),
+            ("hybrid", "hybrid:default"),
+            (
+                "hybrid:openai:m@http://127.0.0.1:9/v1",
+                "hybrid:openai:m@http://127.0.0.1:9/v1",
+            ),
+        ] {
+            let o: OracleChoice = text.parse().unwrap();
+            assert_eq!(o.to_string(), shown, "{text}");
+            assert_eq!(o.to_string().parse::<OracleChoice>().unwrap(), o, "{text}");
+        }
+        assert!(matches!(
+            "hybrid".parse::<OracleChoice>().unwrap(),
+            OracleChoice::Hybrid(ModelSpec::Default)
+        ));
+        let e = "hybrid:openai:".parse::<OracleChoice>().unwrap_err();
+        assert!(e.to_string().contains("hybrid[:SPEC]"), "{e}");
+        assert_eq!(
+            OracleChoice::default_for(&[EvalModel::Reference, EvalModel::Random]),
+            OracleChoice::Table
+        );
+        assert_eq!(
+            OracleChoice::default_for(&[EvalModel::Reference, EvalModel::Spec(ModelSpec::Default)]),
+            OracleChoice::Hybrid(ModelSpec::Default)
+        );
     }
 
     #[test]

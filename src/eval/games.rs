@@ -29,6 +29,8 @@ pub struct GameSettings {
     pub prompts: Arc<Prompts>,
     /// `None`: the table oracle.
     pub oracle: Option<Role>,
+    /// With `oracle`: the table answers what it parses, the model the rest.
+    pub hybrid: bool,
     /// The model questioner's sampling (`max_tokens` = the question cap).
     pub sampling: Sampling,
     pub max_questions: usize,
@@ -75,6 +77,8 @@ pub fn play_game(
     let oracle: &mut dyn Oracle = match &s.oracle {
         None => table.insert(TableOracle::new(world)),
         Some(role) => llm.insert(LlmOracle {
+            hybrid: s.hybrid,
+            table_answers: 0,
             role: role.clone(),
             prompts: s.prompts.clone(),
             handle: handle.clone(),
@@ -90,9 +94,9 @@ pub fn play_game(
         Some(q) => (Some(q.raw), q.error),
         None => (None, None),
     };
-    let (o_raw, o_invalid, o_err) = match llm {
-        Some(o) => (Some(o.raw), Some(o.invalid), o.error),
-        None => (None, None, None),
+    let (o_raw, o_invalid, o_table, o_err) = match llm {
+        Some(o) => (Some(o.raw), Some(o.invalid), Some(o.table_answers), o.error),
+        None => (None, None, None, None),
     };
     if let Some(e) = q_err.or(o_err) {
         return Err(e);
@@ -111,6 +115,41 @@ pub fn play_game(
     if let Some(raw) = o_raw {
         rec["oracle_raw"] = serde_json::json!(raw);
         rec["oracle_invalid"] = serde_json::json!(o_invalid);
+        rec["oracle_table_answers"] = serde_json::json!(o_table);
     }
+    rec["oracle"] = serde_json::json!(match (&s.oracle, s.hybrid) {
+        (None, _) => "table",
+        (Some(_), false) => "llm",
+        (Some(_), true) => "hybrid",
+    });
     Ok(rec)
+}
+
+/// Oracle honesty: with the table oracle, every model whose questions did not all parse gets a
+/// line saying how many were answered "No." without being understood.
+pub fn unparsed_warnings(
+    oracle: &super::config::OracleChoice,
+    summary: &super::summary::Summary,
+) -> Vec<String> {
+    if *oracle != super::config::OracleChoice::Table {
+        return Vec::new();
+    }
+    summary
+        .models
+        .iter()
+        .filter_map(|m| {
+            let rate = m.get("unparsed_rate")?;
+            let per_game = m.get("unparsed")?;
+            (rate.mean > 0.0).then(|| {
+                format!(
+                    "{}: {:.1}% of a game's questions on average ({:.2} per game) did not parse; the table oracle \
+                     answered them \"No.\" (LMRL-Gym's rule) — --oracle hybrid lets a model \
+                     answer those",
+                    m.name,
+                    100.0 * rate.mean,
+                    per_game.mean
+                )
+            })
+        })
+        .collect()
 }

@@ -11,7 +11,10 @@
 //! - `records`: append-only per-model JSONL logs (resume); `summary`: mean, s.e., n per
 //!   model × metric, JSON/CSV/table; `overlap`: refusal to evaluate on training tasks;
 //!   `run`: the whole run (concurrency, cache, resume, manifest).
+//! - `transcripts`: LMRL-Gym offline 20 Questions games re-scored under our rules;
+//!   `compare`: paired comparison of 20 Questions runs (Wilson intervals, McNemar's exact test).
 
+pub mod compare;
 pub mod config;
 pub mod dialogue;
 pub mod games;
@@ -20,6 +23,7 @@ pub mod players;
 pub mod records;
 pub mod run;
 pub mod summary;
+pub mod transcripts;
 pub mod twenty_questions;
 
 pub use config::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};

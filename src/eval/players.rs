@@ -160,8 +160,12 @@ pub fn normalise_yes_no(raw: &str) -> Option<bool> {
 
 /// An LLM oracle: the model decides "Yes."/"No."; the table parser still reads the question so
 /// that information gain is computed whenever the table understands it (`parsed`). A reply
-/// with neither yes nor no counts as "No." and in `invalid`.
+/// with neither yes nor no counts as "No." and in `invalid`. `hybrid`: a question the table
+/// parses is answered from the table (exact, no model call; counted in `table_answers`), only
+/// the others go to the model.
 pub struct LlmOracle<'a> {
+    pub hybrid: bool,
+    pub table_answers: usize,
     pub role: Role,
     pub prompts: Arc<Prompts>,
     pub handle: Handle,
@@ -174,7 +178,15 @@ pub struct LlmOracle<'a> {
 
 impl Oracle for LlmOracle<'_> {
     fn answer(&mut self, object: &Object, question: &str) -> OracleAnswer {
-        let parsed = self.world.parse(question).map(|q| self.world.query_key(&q));
+        let query = self.world.parse(question);
+        let parsed = query.as_ref().map(|q| self.world.query_key(q));
+        if let (true, Some(q)) = (self.hybrid, &query) {
+            self.table_answers += 1;
+            return OracleAnswer {
+                yes: self.world.eval(q, object.index),
+                parsed,
+            };
+        }
         if self.error.is_some() {
             return OracleAnswer { yes: false, parsed };
         }

@@ -84,8 +84,8 @@ impl EvalRoles {
         } else {
             None
         };
-        let oracle = match (&cfg.oracle, dialogue) {
-            (OracleChoice::Model(s), false) => Some(build("oracle".into(), s).await?),
+        let oracle = match (cfg.oracle.model(), dialogue) {
+            (Some(s), false) => Some(build("oracle".into(), s).await?),
             _ => None,
         };
         Ok(EvalRoles {
@@ -520,6 +520,8 @@ async fn run_prepared(
     if let Some(signal) = signal {
         return Err(Interrupted { signal }.into());
     }
+    let mut warnings = warnings;
+    warnings.extend(super::games::unparsed_warnings(&cfg.oracle, &summary));
     Ok(EvalReport {
         output: cfg.output.clone(),
         summary,
@@ -621,6 +623,7 @@ fn game_jobs(
     let settings = GameSettings {
         prompts: prompts.clone(),
         oracle: roles.oracle.clone(),
+        hybrid: matches!(cfg.oracle, OracleChoice::Hybrid(_)),
         sampling: Sampling {
             max_tokens: cfg.question_max_tokens,
             ..cfg.assistant_sampling.clone()
@@ -639,6 +642,9 @@ fn game_jobs(
             (_, r) => r.clone().map(Player::Model),
         })
         .collect();
+    // A configured LLM oracle without a backend (hand-built roles) fails every game rather
+    // than silently falling back to the table.
+    let oracle_missing = cfg.oracle.model().is_some() && roles.oracle.is_none();
     pending
         .into_iter()
         .map(|(mi, it)| {
@@ -650,6 +656,9 @@ fn game_jobs(
                 let Some(player) = player else {
                     return (mi, it.key, Err(format!("model {label} has no backend")));
                 };
+                if oracle_missing {
+                    return (mi, it.key, Err("the oracle has no backend".to_string()));
+                }
                 let handle = tokio::runtime::Handle::current();
                 let r = tokio::task::spawn_blocking(move || {
                     play_game(

@@ -25,6 +25,7 @@ pub const TWENTY_QUESTIONS_METRICS: &[&str] = &[
     "info_gain_per_question",
     "expected_gain_per_question",
     "unparsed",
+    "unparsed_rate",
     "repeated",
     "inconsistent_guesses",
 ];

@@ -2,7 +2,7 @@
 //!
 //! - [`World`]: the 158 objects (task order), the yes/no attribute table and the
 //!   question→attribute lexicon, loaded from `data/twenty_questions_*.tsv`.
-//! - [`is_win`]: the LMRL win rule without a part-of-speech tagger.
+//! - [`is_win`]: the LMRL win rule, nouns told by a word list instead of NLTK's tagger.
 //! - [`Oracle`] / [`TableOracle`]: answers "Yes."/"No." from the table.
 //! - [`play`]: one game (≤ 20 questions) with exact information gain under the table;
 //!   [`GameMetrics`] / [`AggregateMetrics`] for the numbers; [`lmrl_transcript`] for LMRL's
@@ -351,20 +351,171 @@ fn within(inner: &Mention, outer: &Mention) -> bool {
     outer.start <= inner.start && inner.end <= outer.end
 }
 
-/// The LMRL win rule (without the oracle's "yes", which [`play`] adds): the question ends with
-/// one of `object`'s accepted names (case-insensitive, trailing punctuation ignored, a plural
-/// "s"/"es" tolerated) and names no other object. A mention of another object that lies inside a
-/// mention of the target ("Baseball" in "Baseball bat") does not count.
-pub fn is_win(question: &str, object: &Object, all: &[Object]) -> bool {
-    let tokens = tokenize(question);
-    let ms = mentions(&tokens, all);
-    let own: Vec<&Mention> = ms.iter().filter(|m| m.object == object.index).collect();
-    if !own.iter().any(|m| m.end == tokens.len()) {
+/// Words the win rule never counts as nouns (`~word`: a noun only right after a determiner or
+/// possessive), embedded so that [`is_win`] needs no data directory.
+const NON_NOUNS_TEXT: &str = include_str!("../../data/twenty_questions_non_nouns.txt");
+
+/// (never nouns, nouns only after a determiner) from [`NON_NOUNS_TEXT`].
+fn non_nouns() -> &'static (HashSet<&'static str>, HashSet<&'static str>) {
+    static SETS: std::sync::OnceLock<(HashSet<&str>, HashSet<&str>)> = std::sync::OnceLock::new();
+    SETS.get_or_init(|| {
+        let (mut never, mut after_det) = (HashSet::new(), HashSet::new());
+        for line in NON_NOUNS_TEXT.lines().map(str::trim) {
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            match line.strip_prefix('~') {
+                Some(w) => after_det.insert(w),
+                None => never.insert(line),
+            };
+        }
+        (never, after_det)
+    })
+}
+
+/// Determiners and possessives after which a `~word` is a noun ("my guess", "the answer").
+const DETERMINERS: &[&str] = &[
+    "a", "an", "the", "my", "your", "his", "her", "its", "our", "their", "this", "that", "final",
+];
+
+/// Nouns with a suffix that would otherwise make them an adverb (-ly), gerund (-ing) or
+/// participle (-ed).
+const SUFFIX_NOUNS: &[&str] = &[
+    "family",
+    "belly",
+    "jelly",
+    "lily",
+    "ally",
+    "bully",
+    "supply",
+    "assembly",
+    "butterfly",
+    "dragonfly",
+    "firefly",
+    "rally",
+    "tally",
+    "anomaly",
+    "monopoly",
+    "thing",
+    "something",
+    "anything",
+    "everything",
+    "nothing",
+    "string",
+    "spring",
+    "swing",
+    "sling",
+    "building",
+    "clothing",
+    "painting",
+    "ceiling",
+    "evening",
+    "morning",
+    "pudding",
+    "stuffing",
+    "frosting",
+    "icing",
+    "filling",
+    "wedding",
+    "meeting",
+    "feeling",
+    "drawing",
+    "housing",
+    "bedding",
+    "lighting",
+    "railing",
+    "earring",
+    "offspring",
+    "seaweed",
+    "hundred",
+];
+
+/// Splits a question into lower-case words as NLTK's `word_tokenize` would for the win rule:
+/// punctuation separates words but hyphens and apostrophes inside a word stay ("t-shirt" is
+/// one word), and clitics are words of their own ("it's" → `it`, `'s`; "don't" → `do`, `n't`).
+pub fn win_tokens(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for piece in text
+        .to_lowercase()
+        .split(|c: char| !(c.is_alphanumeric() || c == '-' || c == '\''))
+    {
+        let w = piece.trim_matches(|c: char| c == '-' || c == '\'');
+        if w.is_empty() {
+            continue;
+        }
+        let clitic = ["n't", "'s", "'re", "'ve", "'ll", "'d", "'m"]
+            .iter()
+            .find(|c| w.len() > c.len() && w.ends_with(**c));
+        match clitic {
+            Some(c) => {
+                out.push(w[..w.len() - c.len()].to_string());
+                out.push(c.to_string());
+            }
+            None => out.push(w.to_string()),
+        }
+    }
+    out
+}
+
+/// Whether `tokens[i]` counts as a noun for the win rule: the words of any object's names are
+/// nouns (unless listed as non-nouns: "stuffed", "cooking"); listed words are not; adverbs in
+/// -ly, gerunds in -ing and participles in -ed (with a list of nouns so spelled) are not;
+/// numbers are not; every other word is.
+fn is_noun(tokens: &[String], i: usize, object_words: &HashSet<String>) -> bool {
+    let w = tokens[i].as_str();
+    let (never, after_det) = non_nouns();
+    if never.contains(w) {
         return false;
     }
-    ms.iter()
-        .filter(|m| m.object != object.index)
-        .all(|m| own.iter().any(|o| within(m, o)))
+    if after_det.contains(w) {
+        return i > 0 && DETERMINERS.contains(&tokens[i - 1].as_str());
+    }
+    if object_words.contains(w) || SUFFIX_NOUNS.contains(&w) {
+        return true;
+    }
+    if w.chars().all(|c| c.is_ascii_digit()) {
+        return false;
+    }
+    let n = w.chars().count();
+    let suffixed = (n >= 5 && w.ends_with("ly"))
+        || (n >= 6 && w.ends_with("ing"))
+        || (n >= 5 && w.ends_with("ed") && !w.ends_with("eed"));
+    !suffixed
+}
+
+/// Nouns LMRL-Gym's rule ignores besides the target's own words.
+const FILLER_NOUNS: &[&str] = &["object", "something", "type", "kind"];
+
+/// The LMRL-Gym win rule (`is_done` in its `twenty_questions/env/data.py`), less the oracle's
+/// "yes" that [`play`] adds. Trailing non-letters are cut; then no word may be a noun other than
+/// the words of the target's names, the fillers "object", "something", "type", "kind", and a
+/// noun followed by "of" ("pair of", "bottle of"); and the question must end with one of the
+/// target's names, word for word (so "cats" does not name Cat, and "a ball" does not name
+/// Soccer ball). "Does it have wheels, like a car?" is no win for Car ("wheels" is a noun),
+/// "Is it a dog or a cat?" none for Cat. LMRL-Gym tags nouns with NLTK; we use a word list
+/// (`data/twenty_questions_non_nouns.txt`, see [`is_noun`]) in which unknown words are nouns,
+/// so where the two differ we deny a win LMRL-Gym would grant, never the reverse for the
+/// listed words. `all` supplies the other objects' name words, which are always nouns.
+pub fn is_win(question: &str, object: &Object, all: &[Object]) -> bool {
+    let trimmed = question.trim_end_matches(|c: char| !c.is_alphabetic());
+    let tokens = win_tokens(trimmed);
+    if tokens.is_empty() {
+        return false;
+    }
+    let names: Vec<Vec<String>> = object.variants.iter().map(|v| win_tokens(v)).collect();
+    let own: HashSet<&str> = names.iter().flatten().map(String::as_str).collect();
+    let object_words: HashSet<String> = all
+        .iter()
+        .flat_map(|o| o.variants.iter().flat_map(|v| win_tokens(v)))
+        .collect();
+    let extra_noun = (0..tokens.len()).any(|i| {
+        let w = tokens[i].as_str();
+        !own.contains(w)
+            && !FILLER_NOUNS.contains(&w)
+            && tokens.get(i + 1).map(String::as_str) != Some("of")
+            && is_noun(&tokens, i, &object_words)
+    });
+    !extra_noun && names.iter().any(|n| !n.is_empty() && tokens.ends_with(n))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -935,6 +1086,8 @@ pub struct AggregateMetrics {
     pub info_gain_per_question: Stat,
     pub expected_gain_per_question: Stat,
     pub unparsed: Stat,
+    /// Per game: unparsed questions / questions asked (0 for a game with no question).
+    pub unparsed_rate: Stat,
     pub repeated: Stat,
     pub inconsistent_guesses: Stat,
 }
@@ -959,10 +1112,121 @@ impl AggregateMetrics {
             info_gain_per_question: s(&|g| g.info_gain_per_question),
             expected_gain_per_question: s(&|g| g.expected_gain_per_question),
             unparsed: s(&|g| g.unparsed as f64),
+            unparsed_rate: s(&|g| {
+                if g.questions_asked == 0 {
+                    0.0
+                } else {
+                    g.unparsed as f64 / g.questions_asked as f64
+                }
+            }),
             repeated: s(&|g| g.repeated as f64),
             inconsistent_guesses: s(&|g| g.inconsistent_guesses as f64),
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rewards of a future (issue 19 item 2), exact under the table.
+
+/// The exact rewards of a 20 Questions future: the questions asked after a history (the
+/// candidate question first), with the oracle's answers, up to a win or the future's end.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FutureRewards {
+    /// Bits gathered: log2(|consistent before the future| / |consistent after it|), the sum of
+    /// the realised gains of its questions (unparsed questions and answers that contradict
+    /// every consistent object gather none).
+    pub info_gain_bits: f64,
+    /// `info_gain_bits / log2(|consistent before the future|)`: the share of the uncertainty
+    /// left at the candidate that the future removes, in [0, 1] (0 when one object was left).
+    pub info_gain: f64,
+    /// 1 when the game is won within the future, else 0.
+    pub success: f64,
+    /// Questions asked in the future, the winning one included.
+    pub questions: f64,
+    /// LMRL-Gym's return over the future: −1 per question, 0 for the winning one.
+    pub lmrl_return: f64,
+}
+
+/// Objects consistent with a history of (question, answer-was-yes) under the table; an
+/// unparsed question, or an answer no consistent object agrees with, changes nothing (as in
+/// [`play`]).
+pub fn consistent_after(world: &World, history: &[(String, bool)]) -> Vec<usize> {
+    let mut consistent: Vec<usize> = (0..world.objects.len()).collect();
+    for (q, yes) in history {
+        if let Some(query) = world.parse(q) {
+            let next: Vec<usize> = consistent
+                .iter()
+                .copied()
+                .filter(|&o| world.eval(&query, o) == *yes)
+                .collect();
+            if !next.is_empty() {
+                consistent = next;
+            }
+        }
+    }
+    consistent
+}
+
+/// Rewards of `future` for the hidden `object` after `history`. The future stops at its first
+/// win (a "yes" to a question that [`is_win`]); later turns are not counted.
+pub fn future_rewards(
+    world: &World,
+    object: &Object,
+    history: &[(String, bool)],
+    future: &[(String, bool)],
+) -> FutureRewards {
+    let before = consistent_after(world, history);
+    let mut played: Vec<(String, bool)> = history.to_vec();
+    let (mut questions, mut won) = (0usize, false);
+    for (q, yes) in future {
+        questions += 1;
+        played.push((q.clone(), *yes));
+        if *yes && is_win(q, object, &world.objects) {
+            won = true;
+            break;
+        }
+    }
+    let after = consistent_after(world, &played);
+    let bits = realised_gain(before.len(), after.len());
+    let max_bits = (before.len() as f64).log2();
+    FutureRewards {
+        info_gain_bits: bits,
+        info_gain: if max_bits > 0.0 {
+            (bits / max_bits).clamp(0.0, 1.0)
+        } else {
+            0.0
+        },
+        success: if won { 1.0 } else { 0.0 },
+        questions: questions as f64,
+        lmrl_return: -(questions as f64) + if won { 1.0 } else { 0.0 },
+    }
+}
+
+/// The 20 Questions study's two reward variants as metric weights (`--metric-preset`): its
+/// generation used task weight 1, LLM-reward weight 1 and a cost of 5e-4 per token (= −0.5
+/// per thousand tokens, our `token_amount` unit); the task metric is `success`, the LLM
+/// reward the judged `interactivity` or the exact `info_gain` (the study judged it by LLM).
+pub const METRIC_PRESETS: &[(&str, &[(&str, f64)])] = &[
+    (
+        "20q-interactive",
+        &[
+            ("success", 1.0),
+            ("interactivity", 1.0),
+            ("token_amount", -0.5),
+        ],
+    ),
+    (
+        "20q-infogain",
+        &[("success", 1.0), ("info_gain", 1.0), ("token_amount", -0.5)],
+    ),
+];
+
+/// The weights of a preset by name.
+pub fn metric_preset(name: &str) -> Option<&'static [(&'static str, f64)]> {
+    METRIC_PRESETS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, w)| *w)
 }
 
 // ---------------------------------------------------------------------------------------------
