@@ -220,6 +220,7 @@ impl Pipeline {
             ),
         )?;
         Ok(pro.into_iter().chain(plain).collect())
+    }
 
     /// The runner that scores a candidate's futures (the shared rollout core).
     fn futures(&self) -> FutureRunner<'_> {
