@@ -32,6 +32,18 @@ enum Command {
         #[arg(long, value_parser = plot::SMOOTH.parser())]
         smooth: Option<f64>,
     },
+    /// RL curves from rl_train output directories (`logs.jsonl`): reward (held-out reward
+    /// as markers), each metric's reward, KL to the reference, response length; runs overlaid.
+    Rl {
+        /// rl_train output directories (the legend uses each directory's name).
+        #[arg(required = true)]
+        runs: Vec<PathBuf>,
+        #[command(flatten)]
+        common: Common,
+        /// Smooth the curves with an exponential moving average of this weight in [0, 1).
+        #[arg(long, value_parser = plot::SMOOTH.parser())]
+        smooth: Option<f64>,
+    },
     /// Data figures from generate_conv run directories: MR of chosen vs rejected, the gap
     /// histogram with the min-gap line, per-metric session scores, pairs per turn.
     Data {
@@ -135,6 +147,11 @@ fn run(args: Args) -> anyhow::Result<()> {
             common,
             smooth,
         } => plot::plot_train(&runs, &options(common, smooth, None))?,
+        Command::Rl {
+            runs,
+            common,
+            smooth,
+        } => plot::plot_rl(&runs, &options(common, smooth, None))?,
         Command::Data {
             runs,
             common,

@@ -10,18 +10,16 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use futures::future::{join_all, try_join_all};
+use futures::future::try_join_all;
 
 use super::config::GenerateConfig;
-use super::record::{
-    now_secs, CandidateRecord, ConversationRecord, SessionRecord, TurnRecord, Variant,
-};
+use super::record::{now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant};
 use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, FinishReason};
 use crate::reward::metrics::Scorer;
-use crate::reward::mr::{multiturn_reward, SessionScores};
-use crate::rollout::user::{derive_seed, rollout_future, SimError, UserSimulator};
+use crate::rollout::futures::FutureRunner;
+use crate::rollout::user::{derive_seed, SimError, UserSimulator};
 use crate::task::Task;
 
 /// Everything a conversation needs; shared by all conversations of a run.
@@ -113,27 +111,32 @@ impl Pipeline {
     ) -> Result<(TurnRecord, crate::rollout::user::UserTurn), SimError> {
         let t = turn_id.to_string();
         let candidates = self.candidates(task, history, &t).await?;
-        let scored = try_join_all(
-            candidates
-                .iter()
-                .enumerate()
-                .map(|(i, c)| self.score_candidate(task, history, c, &t, i, weights)),
-        )
+        let runner = self.futures();
+        let scored = try_join_all(candidates.iter().enumerate().map(|(i, c)| {
+            let (runner, t) = (&runner, &t);
+            async move {
+                let i = i.to_string();
+                runner
+                    .score_reply(task, history, &c.text, weights, &[t, &i], true)
+                    .await
+            }
+        }))
         .await?;
         let mut records = Vec::with_capacity(scored.len());
         let mut next_users = Vec::with_capacity(scored.len());
-        for (i, (c, (sessions, next_user))) in candidates.into_iter().zip(scored).enumerate() {
-            let per_session: Vec<SessionScores> =
-                sessions.iter().map(SessionRecord::values).collect();
+        for (i, (c, scored)) in candidates.into_iter().zip(scored).enumerate() {
             records.push(CandidateRecord {
                 index: i,
                 variant: c.variant,
                 text: c.text,
                 finish_reason: c.finish,
-                mr: multiturn_reward(&per_session, weights, self.cfg.mr_formula),
-                sessions,
+                mr: scored.mr(weights, self.cfg.mr_formula),
+                sessions: scored.sessions,
             });
-            next_users.push(next_user);
+            next_users.push(scored.next_user.ok_or(SimError::NoUserMessage {
+                attempts: 1,
+                last: String::new(),
+            })?);
         }
         // The best MR continues; without any MR (every judge failed) the first candidate does.
         let chosen = records
@@ -219,74 +222,16 @@ impl Pipeline {
         Ok(pro.into_iter().chain(plain).collect())
     }
 
-    /// The S futures of one candidate, each scored on every metric, plus the reserved
-    /// independent sample for the real next user turn.
-    async fn score_candidate(
-        &self,
-        task: &Task,
-        history: &[ChatMessage],
-        cand: &Candidate,
-        turn: &str,
-        index: usize,
-        weights: &BTreeMap<String, f64>,
-    ) -> Result<(Vec<SessionRecord>, crate::rollout::user::UserTurn), SimError> {
-        let idx = index.to_string();
-        let reply = ChatMessage::assistant(cand.text.clone());
-        let base: Vec<ChatMessage> = history.iter().cloned().chain([reply.clone()]).collect();
-        let samples = self.cfg.samples;
-        let mut openers = self
-            .user
-            .next_messages(
-                task,
-                &base,
-                samples + 1,
-                self.seed(task, &["future-user", turn, &idx]),
-            )
-            .await?;
-        let next_user = openers.pop().ok_or(SimError::NoUserMessage {
-            attempts: 1,
-            last: String::new(),
-        })?;
-        let idx = &idx;
-        let sessions = try_join_all(openers.into_iter().enumerate().map(|(k, opener)| {
-            let base = &base;
-            let reply = &reply;
-            async move {
-                let kk = k.to_string();
-                let future = rollout_future(
-                    &self.user,
-                    (&self.assistant, &self.cfg.assistant_sampling),
-                    task,
-                    base,
-                    opener,
-                    self.cfg.window,
-                    self.seed(task, &["future", turn, idx, &kk]),
-                )
-                .await?;
-                let after: Vec<ChatMessage> = std::iter::once(reply.clone())
-                    .chain(future.messages.iter().cloned())
-                    .collect();
-                let kk = &kk;
-                let scores = join_all(weights.keys().map(|metric| {
-                    let after = &after;
-                    async move {
-                        let seed = self.seed(task, &["judge", metric, turn, idx, kk]);
-                        let s = self.scorer.score(metric, task, history, after, seed).await;
-                        (metric.clone(), s)
-                    }
-                }))
-                .await
-                .into_iter()
-                .collect();
-                Ok::<_, SimError>(SessionRecord {
-                    messages: future.messages,
-                    terminated: future.terminated,
-                    user_raw: future.user_raw,
-                    scores,
-                })
-            }
-        }))
-        .await?;
-        Ok((sessions, next_user))
+    /// The runner that scores a candidate's futures (the shared rollout core).
+    fn futures(&self) -> FutureRunner<'_> {
+        FutureRunner {
+            user: &self.user,
+            assistant: &self.assistant,
+            assistant_sampling: &self.cfg.assistant_sampling,
+            scorer: &self.scorer,
+            samples: self.cfg.samples,
+            window: self.cfg.window,
+            run_seed: self.cfg.seed,
+        }
     }
 }

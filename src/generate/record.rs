@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::llm::{ChatMessage, FinishReason, UsageSnapshot};
-use crate::reward::metrics::MetricScore;
+pub use crate::rollout::futures::SessionRecord;
 use crate::rollout::user::UserTurn;
 use crate::run::{read_log, AppendLog, LogError};
 use crate::task::TaskType;
@@ -56,16 +56,6 @@ pub enum Variant {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SessionRecord {
-    /// The future after the candidate (user first).
-    pub messages: Vec<ChatMessage>,
-    pub terminated: bool,
-    pub user_raw: Vec<String>,
-    /// metric → score of the whole session (history + candidate + future).
-    pub scores: BTreeMap<String, MetricScore>,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CandidateRecord {
     pub index: usize,
     pub variant: Variant,
@@ -80,15 +70,6 @@ impl CandidateRecord {
     /// Per-session metric values, as the MR formulas take them.
     pub fn session_scores(&self) -> Vec<crate::reward::mr::SessionScores> {
         self.sessions.iter().map(SessionRecord::values).collect()
-    }
-}
-
-impl SessionRecord {
-    pub fn values(&self) -> crate::reward::mr::SessionScores {
-        self.scores
-            .iter()
-            .map(|(k, v)| (k.clone(), v.value))
-            .collect()
     }
 }
 

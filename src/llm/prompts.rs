@@ -9,6 +9,7 @@ use std::path::Path;
 use minijinja::Environment;
 use serde::Serialize;
 
+use super::ChatMessage;
 use crate::task::TaskType;
 
 /// (file name, built-in text, variables the pipeline provides to it).
@@ -263,4 +264,21 @@ mod tests {
             "{msg}"
         );
     }
+}
+
+/// Plain-text transcript of a conversation for judges and the simulator ("User: …").
+pub fn transcript(messages: &[ChatMessage]) -> String {
+    messages
+        .iter()
+        .filter(|m| m.role != "system")
+        .map(|m| {
+            let who = if m.role == "assistant" {
+                "Assistant"
+            } else {
+                "User"
+            };
+            format!("{who}: {}", m.content.trim())
+        })
+        .collect::<Vec<_>>()
+        .join("\n\n")
 }

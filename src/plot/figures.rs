@@ -191,6 +191,68 @@ pub fn train(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Vec<F
     figs
 }
 
+/// RL figures (`rl_train` logs): reward (eval reward as markers), each metric's mean
+/// reward, KL to the reference and response length over steps; a figure is left out when no
+/// run logged its metric.
+pub fn rl(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Vec<Figure> {
+    let metrics: BTreeSet<&str> = runs
+        .iter()
+        .flat_map(|r| r.train.keys())
+        .filter_map(|k| k.strip_prefix("rewards/")?.strip_suffix("/mean"))
+        .filter(|m| !m.starts_with("mr_"))
+        .collect();
+    let mut single: Vec<(String, String, String, String)> = vec![(
+        "rl_reward".into(),
+        "Reward (multiturn-aware, mean over responses)".into(),
+        "reward".into(),
+        "MR (weighted metric sum)".into(),
+    )];
+    for m in metrics {
+        single.push((
+            format!("rl_reward_{}", m.replace('/', "_")),
+            format!("Metric {m} (mean over responses' futures)"),
+            format!("rewards/{m}/mean"),
+            format!("{m} (native range, unweighted)"),
+        ));
+    }
+    single.push((
+        "rl_kl".into(),
+        "KL to the reference (k3, token mean)".into(),
+        "kl".into(),
+        "KL (nats per token)".into(),
+    ));
+    single.push((
+        "rl_length".into(),
+        "Response length".into(),
+        "completions/mean_length".into(),
+        "tokens per response".into(),
+    ));
+    let mut figs = Vec::new();
+    for (name, title, key, y) in single {
+        let mut layers = Vec::new();
+        for r in runs {
+            let c = palette.color(&r.name);
+            if let Some(p) = r.train.get(&key) {
+                layers.extend(train_curve(r.name.clone(), c, p, smooth, false));
+            }
+            if key == "reward" {
+                if let Some(p) = r.train.get("eval/reward") {
+                    layers.push(eval_markers(format!("{} (held-out)", r.name), c, p));
+                }
+            }
+        }
+        if layers.is_empty() {
+            continue;
+        }
+        figs.push(Figure {
+            name,
+            title,
+            panels: vec![Panel::xy("step (rollout batches)", &y, layers)],
+        });
+    }
+    figs
+}
+
 // ---------------------------------------------------------------------------------------------
 // Histograms.
 

@@ -222,6 +222,18 @@ pub fn plot_train(dirs: &[PathBuf], opts: &Options) -> Result<Vec<Written>, Plot
     write_figures(&figures::train(&runs, &palette, opts.smooth), opts)
 }
 
+/// `plot rl`: reward, per-metric reward, KL and response length of rl_train runs.
+pub fn plot_rl(dirs: &[PathBuf], opts: &Options) -> Result<Vec<Written>, PlotError> {
+    opts.check()?;
+    need_dirs(dirs)?;
+    let runs = dirs
+        .iter()
+        .map(|d| inputs::read_train_run(d))
+        .collect::<Result<Vec<_>, _>>()?;
+    let palette = Palette::new(runs.iter().map(|r| r.name.clone()));
+    write_figures(&figures::rl(&runs, &palette, opts.smooth), opts)
+}
+
 /// `plot data`: MR of chosen vs rejected, gap histogram, session scores, pairs per turn.
 pub fn plot_data(dirs: &[PathBuf], opts: &Options) -> Result<Vec<Written>, PlotError> {
     opts.check()?;

@@ -12,7 +12,7 @@ use crate::llm::parse::extract_code;
 use crate::llm::prompts::Prompt;
 use crate::llm::tokens::TokenCounter;
 use crate::llm::ChatMessage;
-use crate::rollout::user::transcript;
+use crate::llm::prompts::transcript;
 use crate::task::{Task, TaskType};
 
 /// Metric names and their native ranges.

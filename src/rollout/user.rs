@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::llm::prompts::{Prompt, PromptError, Prompts};
+use crate::llm::prompts::{transcript, Prompt, PromptError, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, LlmError};
 use crate::task::{Task, TaskType};
@@ -62,23 +62,6 @@ pub struct UserTurn {
     pub terminated: bool,
     /// The simulator's raw output (JSON for API simulators).
     pub raw: String,
-}
-
-/// Plain-text transcript of a conversation for judges and the simulator ("User: …").
-pub fn transcript(messages: &[ChatMessage]) -> String {
-    messages
-        .iter()
-        .filter(|m| m.role != "system")
-        .map(|m| {
-            let who = if m.role == "assistant" {
-                "Assistant"
-            } else {
-                "User"
-            };
-            format!("{who}: {}", m.content.trim())
-        })
-        .collect::<Vec<_>>()
-        .join("\n\n")
 }
 
 /// A stable seed for one call site of a run: (run seed, task, turn, purpose, index).

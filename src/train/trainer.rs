@@ -635,7 +635,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
 /// `base_model_name_or_path` for the adapter, so that PEFT's auto classes load it from its
 /// directory alone: the Hub id (`default` is [`crate::llm::spec::DEFAULT_MODEL_HF_ID`]), local files as
 /// absolute paths (so the adapter loads from any working directory).
-fn adapter_base_name(spec: &str, files: &LocalModelFiles) -> String {
+pub(crate) fn adapter_base_name(spec: &str, files: &LocalModelFiles) -> String {
     if let Some(id) = spec
         .parse::<ModelSpec>()
         .ok()

@@ -6,8 +6,10 @@
 
 pub mod advantage;
 pub mod batch;
-
+pub mod config;
 pub mod loss;
+pub mod rollout;
+pub mod run;
 pub mod state;
 pub mod step;
 pub mod sync;

@@ -26,7 +26,10 @@ use super::loss::{entropy_of_logits, ppo_loss, PpoConfig, PpoMetrics, TokenTerms
 use super::Group;
 use crate::llm::engine::ChatCodec;
 use crate::train::adamw::{AdamW, AdamWParams};
-use crate::train::logps::{target_logits, target_token_logps};
+use crate::train::logps::{
+    completion_logps, target_logits, target_token_logps, PairBatch, TokenizedPair,
+};
+use crate::train::loss::{dpo_loss, DpoConfig, DpoMetrics};
 use crate::train::model::TrainLlama;
 use crate::train::ops::token_logps;
 use crate::train::optim::{accumulate_grads, clip_grad_norm};
@@ -80,6 +83,9 @@ pub struct RlConfig {
     /// Longest prompt + response in tokens; longer responses are dropped (counted).
     pub max_length: usize,
     pub seed: u64,
+    /// Online DPO (`--algo online_dpo`): the loss of its pairs. Keeps a frozen reference
+    /// (the initial weights) whatever the KL coefficient.
+    pub dpo: Option<DpoConfig>,
 }
 
 impl Default for RlConfig {
@@ -98,6 +104,7 @@ impl Default for RlConfig {
             total_steps: 0,
             max_length: 2048,
             seed: 0,
+            dpo: None,
         }
     }
 }
@@ -130,6 +137,9 @@ impl RlConfig {
         }
         if self.ppo_epochs == 0 {
             return bad("--ppo-epochs must be at least 1, got 0".into());
+        }
+        if let Some(d) = &self.dpo {
+            d.validate().map_err(RlError::Config)?;
         }
         if self.max_length < 2 {
             return bad(format!(
@@ -166,6 +176,8 @@ pub struct UpdateReport {
     pub losses: Vec<f64>,
     pub grad_norms: Vec<f64>,
     pub lr: f64,
+    /// Online DPO: pairs formed and TRL's DPO metrics (means over optimizer steps).
+    pub dpo: Vec<(String, f64)>,
 }
 
 impl UpdateReport {
@@ -186,6 +198,7 @@ impl UpdateReport {
         let n = self.steps.len().max(1) as f64;
         out.push(("loss".into(), self.losses.iter().sum::<f64>() / n));
         out.push(("grad_norm".into(), self.grad_norms.iter().sum::<f64>() / n));
+        out.extend(self.dpo.iter().cloned());
         if let Some(first) = self.steps.first() {
             for (i, (k, _)) in first.named().into_iter().enumerate() {
                 let vals = self.steps.iter().map(|s| s.named()[i].1);
@@ -221,7 +234,8 @@ impl RlTrainer {
     /// the adapters on `policy` before calling.
     pub fn new(policy: TrainLlama, cfg: RlConfig, pad_id: u32) -> Result<Self, RlError> {
         cfg.validate()?;
-        let reference = if cfg.ppo.kl_coef > 0.0 && policy.lora_config().is_none() {
+        let needs_reference = cfg.ppo.kl_coef > 0.0 || cfg.dpo.is_some();
+        let reference = if needs_reference && policy.lora_config().is_none() {
             Some(policy.detached_copy()?)
         } else {
             None
@@ -485,11 +499,14 @@ impl RlTrainer {
             policy.checkpointed_grads(&batch.input_ids, &batch.layout, |hidden| {
                 let logits = target_logits(policy, hidden, &batch.targets)?;
                 let logp = token_logps(&logits, &batch.targets.labels)?.to_dtype(DType::F32)?;
+                // The entropy is logged on every step (TRL and verl do); without the bonus
+                // it is computed from detached logits and adds nothing to the backward pass.
                 let entropy = if with_entropy {
-                    Some(entropy_of_logits(&logits.to_dtype(DType::F32)?)?)
+                    entropy_of_logits(&logits.to_dtype(DType::F32)?)?
                 } else {
-                    None
+                    entropy_of_logits(&logits.detach().to_dtype(DType::F32)?)?
                 };
+                let entropy = Some(entropy);
                 let out = ppo_loss(
                     &TokenTerms {
                         logp: &logp,
@@ -505,5 +522,190 @@ impl RlTrainer {
                 Ok((out.loss, (out.metrics, value)))
             })?;
         Ok((grads, extra))
+    }
+}
+
+/// One preference pair of an online DPO step.
+#[derive(Clone, Debug)]
+struct OnlinePair {
+    tokens: TokenizedPair,
+}
+
+impl RlTrainer {
+    /// Online DPO (upstream CollabLLM v1): the best and worst reward of each group, when
+    /// they differ by at least `min_gap` (ties never pair), form one pair, trained with the
+    /// DPO loss against the frozen initial weights (LoRA: the base model). One optimizer
+    /// step per PPO epoch over all the step's pairs, `micro_batch` pairs per pass.
+    pub fn dpo_update(
+        &mut self,
+        codec: &ChatCodec,
+        groups: &[Group],
+        min_gap: f64,
+    ) -> Result<UpdateReport, RlError> {
+        let dcfg = self
+            .cfg
+            .dpo
+            .ok_or_else(|| RlError::Config("dpo_update needs RlConfig::dpo".into()))?;
+        let (_, advantage) = advantage::compute(groups, self.cfg.estimator);
+        let mut pairs = Vec::new();
+        let mut too_long = 0;
+        for (gi, g) in groups.iter().enumerate() {
+            let rewards: Vec<Option<f64>> = g.responses.iter().map(|r| r.reward).collect();
+            let picked = crate::reward::pairs::select_pairs(
+                &rewards,
+                min_gap,
+                crate::reward::pairs::PairMode::Best,
+            );
+            for (c, r) in picked {
+                let tok = |i: usize| {
+                    let resp = &g.responses[i];
+                    tokenize_response(codec, &g.prompt, &resp.text, resp.truncated).map_err(
+                        |message| RlError::Response {
+                            group: gi,
+                            task_id: g.task_id.clone(),
+                            response: i,
+                            message,
+                        },
+                    )
+                };
+                let (prompt, chosen) = tok(c)?;
+                let (_, rejected) = tok(r)?;
+                if prompt.len() + chosen.len().max(rejected.len()) > self.cfg.max_length {
+                    too_long += 1;
+                    continue;
+                }
+                pairs.push(OnlinePair {
+                    tokens: TokenizedPair {
+                        prompt,
+                        chosen,
+                        rejected,
+                    },
+                });
+            }
+        }
+        let mut report = UpdateReport {
+            advantage,
+            samples: 2 * pairs.len(),
+            response_tokens: pairs
+                .iter()
+                .map(|p| p.tokens.chosen.len() + p.tokens.rejected.len())
+                .sum(),
+            dropped_too_long: too_long,
+            lr: self.cfg.lr_at(self.opt.step_count()),
+            ..Default::default()
+        };
+        report.dpo.push(("dpo/pairs".into(), pairs.len() as f64));
+        if pairs.is_empty() {
+            self.updates += 1;
+            return Ok(report);
+        }
+        let reference = self.pair_reference_logps(&pairs)?;
+        let mut all_metrics = Vec::new();
+        for _ in 0..self.cfg.ppo_epochs {
+            let (loss, metrics, norm) = self.dpo_step(&pairs, &reference, &dcfg)?;
+            report.losses.push(loss);
+            report.grad_norms.push(norm);
+            report.optimizer_steps += 1;
+            all_metrics.push(metrics);
+        }
+        let mean = DpoMetrics::mean(&all_metrics);
+        report.dpo.extend(
+            mean.named()
+                .into_iter()
+                .map(|(k, v)| (format!("dpo/{k}"), v)),
+        );
+        self.updates += 1;
+        Ok(report)
+    }
+
+    fn pair_chunks<'a>(&self, pairs: &'a [OnlinePair]) -> std::slice::Chunks<'a, OnlinePair> {
+        let micro = match self.cfg.micro_batch {
+            0 => pairs.len(),
+            m => m,
+        };
+        pairs.chunks(micro.max(1))
+    }
+
+    /// (chosen, rejected) summed log-probs of every pair under the reference, in order.
+    fn pair_reference_logps(&self, pairs: &[OnlinePair]) -> Result<Vec<(f32, f32)>, RlError> {
+        let model = self.reference.as_ref().unwrap_or(&self.policy);
+        let adapters_off = self.reference.is_none();
+        if adapters_off {
+            self.policy.set_adapters_enabled(false);
+        }
+        let result = (|| -> candle_core::Result<Vec<(f32, f32)>> {
+            let mut out = Vec::with_capacity(pairs.len());
+            for chunk in self.pair_chunks(pairs) {
+                let rows: Vec<TokenizedPair> = chunk.iter().map(|p| p.tokens.clone()).collect();
+                let batch = PairBatch::new(&rows, self.pad_id, model.device())?;
+                let hidden = model.hidden_states_in(&batch.input_ids, &batch.layout)?;
+                let (sums, _) = completion_logps(model, &hidden, &batch.targets)?;
+                let v = sums.detach().to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let b = rows.len();
+                out.extend((0..b).map(|i| (v[i], v[b + i])));
+            }
+            Ok(out)
+        })();
+        if adapters_off {
+            self.policy.set_adapters_enabled(true);
+        }
+        Ok(result?)
+    }
+
+    /// One optimizer step of the batch-mean DPO loss over all pairs (micro-batches scaled
+    /// by their share, so the accumulated gradient is the whole batch's).
+    fn dpo_step(
+        &mut self,
+        pairs: &[OnlinePair],
+        reference: &[(f32, f32)],
+        dcfg: &DpoConfig,
+    ) -> Result<(f64, DpoMetrics, f64), RlError> {
+        let vars = self.policy.vars();
+        let dev = self.policy.device().clone();
+        let mut grads: Option<GradStore> = None;
+        let (mut loss_sum, mut metrics, mut start) = (0.0, Vec::new(), 0);
+        for chunk in self.pair_chunks(pairs) {
+            let rows: Vec<TokenizedPair> = chunk.iter().map(|p| p.tokens.clone()).collect();
+            let b = rows.len();
+            let refs = &reference[start..start + b];
+            start += b;
+            let batch = PairBatch::new(&rows, self.pad_id, &dev)?;
+            let ref_c = Tensor::new(refs.iter().map(|r| r.0).collect::<Vec<_>>(), &dev)?;
+            let ref_r = Tensor::new(refs.iter().map(|r| r.1).collect::<Vec<_>>(), &dev)?;
+            let share = b as f64 / pairs.len() as f64;
+            let policy = &self.policy;
+            let (g, (m, l)) =
+                policy.checkpointed_grads(&batch.input_ids, &batch.layout, |hidden| {
+                    let (sums, _) = completion_logps(policy, hidden, &batch.targets)?;
+                    let sums = sums.to_dtype(DType::F32)?;
+                    let (c, r) = (sums.narrow(0, 0, b)?, sums.narrow(0, b, b)?);
+                    let out = dpo_loss(&c, &r, &ref_c, &ref_r, dcfg)?;
+                    let value = out.metrics.loss * share;
+                    Ok(((out.loss * share)?, (out.metrics, value)))
+                })?;
+            loss_sum += l;
+            metrics.push(m);
+            match grads.as_mut() {
+                None => grads = Some(g),
+                Some(acc) => accumulate_grads(acc, g, &vars)?,
+            }
+        }
+        let mut grads = grads.ok_or_else(|| RlError::Config("no DPO pair".into()))?;
+        let step = self.opt.step_count();
+        let non_finite = |what, value| RlError::NonFinite {
+            update: self.updates,
+            step,
+            what,
+            value,
+        };
+        if !loss_sum.is_finite() {
+            return Err(non_finite("loss", loss_sum));
+        }
+        let norm = clip_grad_norm(&mut grads, &vars, self.cfg.max_grad_norm)?;
+        if !norm.is_finite() {
+            return Err(non_finite("gradient norm", norm));
+        }
+        self.opt.step(&grads, self.cfg.lr_at(step))?;
+        Ok((loss_sum, DpoMetrics::mean(&metrics), norm))
     }
 }

@@ -1,0 +1,306 @@
+//! `rl_train`: online RL of a local chat model with the multiturn-aware reward.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use collabllm::llm::{EndpointOptions, ModelSpec};
+use collabllm::reward::judge::JudgeMode;
+use collabllm::reward::metrics::parse_metric_weight;
+use collabllm::reward::mr::MrFormula;
+use collabllm::task::TaskType;
+use collabllm::train::rl::config::{self as rl, Algo, RlRunConfig};
+use collabllm::train::rl::run::rl_train;
+
+/// Online RL with the multiturn-aware reward (CollabLLM's verl recipe: GRPO; also Dr. GRPO,
+/// RLOO and online DPO), on our own trainer and sampler.
+///
+/// Each step takes B prompts (the simulated user opens each task's conversation from its
+/// hidden goal); the current policy samples n responses per prompt; each response is
+/// continued S times by the simulated user and the same policy for up to W messages and
+/// every future is scored by the task metrics (the same rollout core generate_conv uses); the
+/// multiturn-aware reward (MR) of each response gives group-relative advantages, and the
+/// clipped surrogate with a k3 KL term to the initial model updates the weights (response
+/// tokens only). A response with no valid score leaves its group. The sampler is rebuilt
+/// from the updated weights after every step.
+///
+/// Outputs in --output: logs.jsonl (per step, TRL/verl names: reward, reward_std,
+/// rewards/<metric>/mean, kl, clip_ratio, entropy, completion_length, advantages/*, loss,
+/// grad_norm, learning_rate, time/*, api/*), rollouts.jsonl (every prompt, response, future
+/// and score), checkpoint-<k>/ and final/ (HF layout, or PEFT with --lora-r; servable by
+/// `serve`), rl_config.json, rl_summary.json, cache. Settings: defaults ← --config TOML ←
+/// flags.
+#[derive(Parser, Debug)]
+// Negative numbers parse as values: `--lr -1` gets the range check's message.
+#[command(
+    name = "rl_train",
+    version,
+    about,
+    long_about,
+    allow_negative_numbers = true
+)]
+struct Args {
+    /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}, an
+    /// upstream CollabLLM flat parquet file, or hf:<org>/<name> [default: data/math.jsonl].
+    #[arg(long, value_name = "PATH")]
+    tasks: Option<String>,
+    /// Task type of imported flat-schema tasks without one in their metadata.
+    #[arg(long, value_name = "TYPE")]
+    task_type: Option<TaskType>,
+    /// Use only the first K tasks.
+    #[arg(long, value_name = "K")]
+    max_tasks: Option<usize>,
+    /// Held-out tasks, scored with one response each every --eval-every steps (logged as
+    /// eval/reward).
+    #[arg(long, value_name = "PATH")]
+    eval_tasks: Option<String>,
+    /// Validate on --eval-tasks every K steps (and after the last step).
+    #[arg(long, value_name = "K")]
+    eval_every: Option<usize>,
+    /// Use only the first K held-out tasks.
+    #[arg(long, value_name = "K")]
+    eval_max_tasks: Option<usize>,
+    /// Run directory [default: outputs/rl].
+    #[arg(long, value_name = "DIR")]
+    output: Option<PathBuf>,
+    /// TOML file with any of the settings (field names as in rl_config.json); flags override it.
+    #[arg(long, value_name = "TOML")]
+    config: Option<PathBuf>,
+    /// Continue the run in --output from its last checkpoint (same data order and seeds);
+    /// on a finished run, does nothing and says so. Refuses changed math settings.
+    #[arg(long)]
+    resume: bool,
+    /// Model to train: `default`, a .gguf file, an HF directory (e.g. a dpo_train final/) or
+    /// an HF id [default: default].
+    #[arg(long, value_name = "SPEC")]
+    model: Option<String>,
+    /// Simulated user model: a local spec or openai:<model>[@<base_url>] [default: default].
+    #[arg(long, value_name = "SPEC")]
+    user: Option<ModelSpec>,
+    /// Judge and extractor model [default: default].
+    #[arg(long, value_name = "SPEC")]
+    judge: Option<ModelSpec>,
+    /// Prompts per step, B [default: 2].
+    #[arg(long, value_name = "B")]
+    batch_prompts: Option<usize>,
+    /// Responses sampled per prompt, n (at least 2) [default: 8].
+    #[arg(long, value_name = "N")]
+    group_size: Option<usize>,
+    /// Futures per response, S [default: 3].
+    #[arg(long, value_name = "S")]
+    samples: Option<usize>,
+    /// Messages per future (user, assistant, …), W [default: 4].
+    #[arg(long, value_name = "W")]
+    window: Option<usize>,
+    /// Longest sampled response and assistant turn in a future, in tokens [default: 256].
+    #[arg(long, value_name = "T")]
+    max_new_tokens: Option<usize>,
+    /// Sampling temperature of the policy, in (0, 10] [default: 1.0].
+    #[arg(long, value_name = "T", value_parser = rl::TEMPERATURE.parser())]
+    temperature: Option<f64>,
+    /// Steps (rollout batches) to train [default: 50].
+    #[arg(long, value_name = "N")]
+    max_steps: Option<usize>,
+    /// Metric weight, repeatable: accuracy, interactivity, token_amount, bleu, pass_rate
+    /// (e.g. --metric token_amount=-1) [default: per task type].
+    #[arg(long = "metric", value_name = "NAME=WEIGHT", value_parser = parse_metric)]
+    metrics: Vec<(String, f64)>,
+    /// MR formula used as reward: mean or verl_clamp (both are recorded) [default: mean].
+    #[arg(long, value_name = "FORMULA")]
+    mr_formula: Option<MrFormula>,
+    /// grpo ((R−mean)/(std+1e-6)), drgrpo (R−mean), rloo (leave-one-out), or online_dpo
+    /// (best vs worst of each group as a DPO pair) [default: grpo].
+    #[arg(long, value_name = "ALGO")]
+    algo: Option<Algo>,
+    /// Learning rate (constant) [default: 1e-6].
+    #[arg(long, value_name = "X", value_parser = rl::LR.parser())]
+    lr: Option<f64>,
+    /// Coefficient of the k3 KL loss to the initial model; 0 turns the reference off
+    /// [default: 0.001].
+    #[arg(long, value_name = "X", value_parser = rl::KL_COEF.parser())]
+    kl_coef: Option<f64>,
+    /// PPO clip range ε: the ratio is clipped to [1−ε, 1+ε], ε in (0, 1] [default: 0.2].
+    #[arg(long, value_name = "EPS", value_parser = rl::CLIP_RATIO.parser())]
+    clip_ratio: Option<f64>,
+    /// Dual-clip bound c (> 1) for negative advantages [default: 3.0].
+    #[arg(long, value_name = "C", value_parser = rl::CLIP_RATIO_C.parser())]
+    clip_ratio_c: Option<f64>,
+    /// Entropy bonus coefficient [default: 0].
+    #[arg(long, value_name = "X", value_parser = rl::ENTROPY_COEF.parser())]
+    entropy_coef: Option<f64>,
+    /// Passes over each step's responses [default: 1].
+    #[arg(long, value_name = "E")]
+    ppo_epochs: Option<usize>,
+    /// Responses per optimizer step; 0 = all of the step's [default: 0].
+    #[arg(long, value_name = "M")]
+    mini_batch: Option<usize>,
+    /// Responses (online DPO: pairs) per forward/backward pass; 0 = the whole mini-batch
+    /// [default: 4].
+    #[arg(long, value_name = "M")]
+    micro_batch: Option<usize>,
+    /// AdamW weight decay, in [0, 1) [default: 0.01].
+    #[arg(long, value_name = "W", value_parser = rl::WEIGHT_DECAY.parser())]
+    weight_decay: Option<f64>,
+    /// Clip the global gradient norm to this [default: 1.0].
+    #[arg(long, value_name = "N", value_parser = rl::MAX_GRAD_NORM.parser())]
+    max_grad_norm: Option<f64>,
+    /// Longest prompt + response that trains, in tokens (longer ones are dropped, counted)
+    /// [default: 2048].
+    #[arg(long, value_name = "L")]
+    max_length: Option<usize>,
+    /// Online DPO temperature β [default: 0.1].
+    #[arg(long, value_name = "B", value_parser = rl::BETA.parser())]
+    beta: Option<f64>,
+    /// Online DPO: minimum MR gap between best and worst of a group [default: 0.02].
+    #[arg(long, value_name = "G", value_parser = rl::MIN_GAP.parser())]
+    min_gap: Option<f64>,
+    /// Train LoRA adapters of rank R (PEFT layout) instead of all weights.
+    #[arg(long, value_name = "R")]
+    lora_r: Option<usize>,
+    /// LoRA α [default: 16].
+    #[arg(long, value_name = "A", value_parser = rl::LORA_ALPHA.parser())]
+    lora_alpha: Option<f64>,
+    /// Save a checkpoint every K steps (always final/ at the end).
+    #[arg(long, value_name = "K")]
+    save_steps: Option<usize>,
+    /// Seed of the data order, every sample and the LoRA initialisation [default: 0].
+    #[arg(long, value_name = "X")]
+    seed: Option<u64>,
+    /// Trainer device: cpu, cuda or cuda:N (needs a build with --features cuda) [default: cpu].
+    #[arg(long, value_name = "DEV")]
+    device: Option<String>,
+    /// How the sampler holds the synced weights: auto (q8 on the CPU), f32 or q8.
+    #[arg(long, value_name = "FMT")]
+    sampler_weights: Option<String>,
+    /// Responses scored at once [default: 8].
+    #[arg(long, value_name = "C")]
+    concurrency: Option<usize>,
+    /// Judge mode: auto, json, logprob [default: auto].
+    #[arg(long, value_name = "MODE")]
+    judge_mode: Option<JudgeMode>,
+    /// Environment variable holding the endpoints' API key [default: OPENAI_API_KEY].
+    #[arg(long, value_name = "VAR")]
+    api_key_env: Option<String>,
+    /// Requests in flight per endpoint [default: 16].
+    #[arg(long, value_name = "N")]
+    max_concurrency: Option<usize>,
+    /// Seconds before one endpoint attempt is abandoned, in (0, 86400] [default: 120].
+    #[arg(long, value_name = "SECS", value_parser = EndpointOptions::TIMEOUT_S.parser())]
+    timeout: Option<f64>,
+    /// Retries per endpoint call after the first attempt [default: 5].
+    #[arg(long, value_name = "N")]
+    max_retries: Option<u32>,
+    /// Compute threads [default: CANDLE_NUM_THREADS, else all cores].
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    threads: Option<usize>,
+    /// Folder of prompt templates replacing the built-in ones.
+    #[arg(long, value_name = "DIR")]
+    prompts: Option<PathBuf>,
+}
+
+fn parse_metric(s: &str) -> Result<(String, f64), String> {
+    parse_metric_weight(s).map_err(|e| e.to_string())
+}
+
+fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
+    let mut cfg = match &args.config {
+        Some(p) => RlRunConfig::from_toml_file(p)?,
+        None => RlRunConfig::default(),
+    };
+    macro_rules! set {
+        ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )* };
+    }
+    macro_rules! set_opt {
+        ($($field:ident),*) => { $( if args.$field.is_some() { cfg.$field = args.$field.clone(); } )* };
+    }
+    set!(
+        tasks,
+        output,
+        model,
+        user,
+        judge,
+        batch_prompts,
+        group_size,
+        samples,
+        window,
+        max_new_tokens,
+        temperature,
+        max_steps,
+        mr_formula,
+        algo,
+        lr,
+        kl_coef,
+        clip_ratio,
+        clip_ratio_c,
+        entropy_coef,
+        ppo_epochs,
+        mini_batch,
+        micro_batch,
+        weight_decay,
+        max_grad_norm,
+        max_length,
+        beta,
+        min_gap,
+        lora_alpha,
+        seed,
+        device,
+        sampler_weights,
+        concurrency,
+        judge_mode
+    );
+    set_opt!(
+        task_type,
+        max_tasks,
+        eval_tasks,
+        eval_every,
+        eval_max_tasks,
+        lora_r,
+        save_steps,
+        threads,
+        prompts
+    );
+    if !args.metrics.is_empty() {
+        cfg.metrics = args.metrics.iter().cloned().collect();
+    }
+    if let Some(v) = &args.api_key_env {
+        cfg.endpoint.api_key_env = v.clone();
+    }
+    if let Some(v) = args.max_concurrency {
+        cfg.endpoint.max_concurrency = v;
+    }
+    if let Some(v) = args.timeout {
+        cfg.endpoint.timeout_s = v;
+    }
+    if let Some(v) = args.max_retries {
+        cfg.endpoint.max_retries = v;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    collabllm::cli::init_logging();
+    let cfg = match resolve(&args) {
+        Ok(c) => c,
+        Err(e) => return collabllm::cli::exit_on_error(Err(e)),
+    };
+    collabllm::cli::set_compute_threads(cfg.threads);
+    collabllm::cli::keep_freed_memory();
+    let (output, existed) = (cfg.output.clone(), cfg.output.exists());
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime");
+    let result = runtime.and_then(|rt| {
+        let summary = rt.block_on(rl_train(cfg, args.resume, true))?;
+        println!("{summary}");
+        Ok(())
+    });
+    if result.is_err() {
+        collabllm::cli::remove_unused_output(&output, existed);
+    }
+    collabllm::cli::exit_on_error(result)
+}

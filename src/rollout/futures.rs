@@ -1,0 +1,171 @@
+//! Futures of a reply (DESIGN §2): the simulated user answers the reply, the assistant and
+//! the user continue for up to `window` messages, S times, and every future is scored on
+//! every metric. This is the one rollout core of the method: `generate_conv` ranks its
+//! candidates with it and `rl_train` scores its sampled responses with it.
+//!
+//! Seeds are derived from (run seed, task id, purpose, caller's key), so a reply scored at
+//! the same key draws the same simulator and judge samples, and cached calls are reused.
+
+use std::collections::BTreeMap;
+
+use futures::future::{join_all, try_join_all};
+use serde::{Deserialize, Serialize};
+
+use super::user::{derive_seed, rollout_future, Sampling, SimError, UserSimulator, UserTurn};
+use crate::llm::roles::Role;
+use crate::llm::ChatMessage;
+use crate::reward::metrics::{MetricScore, Scorer};
+use crate::reward::mr::{multiturn_reward, MrFormula, SessionScores};
+use crate::task::Task;
+
+/// One scored future of a reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    /// The future after the reply (user first).
+    pub messages: Vec<ChatMessage>,
+    pub terminated: bool,
+    pub user_raw: Vec<String>,
+    /// metric → score of the whole session (history + reply + future).
+    pub scores: BTreeMap<String, MetricScore>,
+}
+
+impl SessionRecord {
+    pub fn values(&self) -> SessionScores {
+        self.scores
+            .iter()
+            .map(|(k, v)| (k.clone(), v.value))
+            .collect()
+    }
+}
+
+/// A reply's futures and, when asked for, one extra independent user sample on
+/// `history + reply` (the real next user turn of a generated conversation).
+#[derive(Clone, Debug)]
+pub struct ScoredReply {
+    pub sessions: Vec<SessionRecord>,
+    pub next_user: Option<UserTurn>,
+}
+
+impl ScoredReply {
+    /// The multiturn-aware reward of the reply; `None` when no future has a score for
+    /// every weighted metric (never a silent 0).
+    pub fn mr(&self, weights: &BTreeMap<String, f64>, formula: MrFormula) -> Option<f64> {
+        let per_session: Vec<SessionScores> =
+            self.sessions.iter().map(SessionRecord::values).collect();
+        multiturn_reward(&per_session, weights, formula)
+    }
+}
+
+/// What scoring a reply needs; shared by every reply of a run.
+pub struct FutureRunner<'a> {
+    pub user: &'a UserSimulator,
+    /// The model that plays the assistant inside futures.
+    pub assistant: &'a Role,
+    pub assistant_sampling: &'a Sampling,
+    pub scorer: &'a Scorer,
+    /// Futures per reply (S).
+    pub samples: usize,
+    /// Messages per future, the user's first one included.
+    pub window: usize,
+    pub run_seed: u64,
+}
+
+impl FutureRunner<'_> {
+    fn seed(&self, task: &Task, purpose: &str, key: &[&str]) -> u64 {
+        let mut parts = vec![task.id.as_str(), purpose];
+        parts.extend_from_slice(key);
+        derive_seed(self.run_seed, &parts)
+    }
+
+    /// Plays `samples` futures after `reply` (the next assistant message after `history`)
+    /// and scores each on every metric of `weights`. The futures' openers are one simulator
+    /// request with `samples (+1)` samples; with `with_next_user` the extra sample is
+    /// returned as `next_user` and is not one of the futures.
+    pub async fn score_reply(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        reply: &str,
+        weights: &BTreeMap<String, f64>,
+        key: &[&str],
+        with_next_user: bool,
+    ) -> Result<ScoredReply, SimError> {
+        let reply = ChatMessage::assistant(reply.to_string());
+        let base: Vec<ChatMessage> = history.iter().cloned().chain([reply.clone()]).collect();
+        let extra = usize::from(with_next_user);
+        let mut openers = self
+            .user
+            .next_messages(
+                task,
+                &base,
+                self.samples + extra,
+                self.seed(task, "future-user", key),
+            )
+            .await?;
+        let next_user = if with_next_user {
+            Some(openers.pop().ok_or(SimError::NoUserMessage {
+                attempts: 1,
+                last: String::new(),
+            })?)
+        } else {
+            None
+        };
+        let sessions = try_join_all(openers.into_iter().enumerate().map(|(k, opener)| {
+            let (base, reply) = (&base, &reply);
+            async move {
+                let k = k.to_string();
+                let mut future_key = key.to_vec();
+                future_key.push(&k);
+                let future = rollout_future(
+                    self.user,
+                    (self.assistant, self.assistant_sampling),
+                    task,
+                    base,
+                    opener,
+                    self.window,
+                    self.seed(task, "future", &future_key),
+                )
+                .await?;
+                let after: Vec<ChatMessage> = std::iter::once(reply.clone())
+                    .chain(future.messages.iter().cloned())
+                    .collect();
+                let scores = self
+                    .score_session(task, history, &after, weights, &future_key)
+                    .await;
+                Ok::<_, SimError>(SessionRecord {
+                    messages: future.messages,
+                    terminated: future.terminated,
+                    user_raw: future.user_raw,
+                    scores,
+                })
+            }
+        }))
+        .await?;
+        Ok(ScoredReply {
+            sessions,
+            next_user,
+        })
+    }
+
+    /// Every metric of one session, concurrently; a metric that fails is recorded as
+    /// missing by the scorer, never as 0.
+    async fn score_session(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        after: &[ChatMessage],
+        weights: &BTreeMap<String, f64>,
+        future_key: &[&str],
+    ) -> BTreeMap<String, MetricScore> {
+        join_all(weights.keys().map(|metric| async move {
+            let mut parts = vec![metric.as_str()];
+            parts.extend_from_slice(future_key);
+            let seed = self.seed(task, "judge", &parts);
+            let s = self.scorer.score(metric, task, history, after, seed).await;
+            (metric.clone(), s)
+        }))
+        .await
+        .into_iter()
+        .collect()
+    }
+}

@@ -1,0 +1,547 @@
+//! The resolved configuration of an `rl_train` run: defaults ← `--config` TOML ← flags,
+//! validated once at start-up, before any model loads or any rollout starts.
+//!
+//! The rollout side reuses generate_conv's settings (tasks, roles, futures, judges,
+//! endpoints) through [`RlRunConfig::rollout_view`], so both binaries read tasks and build
+//! their simulated user and judges the same way.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use super::advantage::Estimator;
+use super::loss::{LossAgg, PpoConfig};
+use super::step::RlConfig;
+use crate::check::Range;
+use crate::generate::config::ConfigError;
+use crate::generate::GenerateConfig;
+use crate::llm::llama::WeightFormat;
+use crate::llm::peft::LORA_TARGETS;
+use crate::llm::{EndpointOptions, ModelSpec, Price};
+use crate::reward::judge::JudgeMode;
+use crate::reward::mr::MrFormula;
+use crate::rollout::user::Sampling;
+use crate::task::TaskType;
+use crate::train::loss::DpoConfig;
+use crate::train::trainer::Schedule;
+
+/// Learning rate: positive.
+pub const LR: Range = Range::above(0.0);
+/// KL coefficient (0 turns the reference model off).
+pub const KL_COEF: Range = Range::closed(0.0, 1e3);
+/// PPO clip range ε (ratio clipped to [1 − ε, 1 + ε]).
+pub const CLIP_RATIO: Range = Range::open_closed(0.0, 1.0);
+/// Dual-clip bound c for negative advantages.
+pub const CLIP_RATIO_C: Range = Range::above(1.0);
+pub const ENTROPY_COEF: Range = Range::closed(0.0, 1e3);
+pub const WEIGHT_DECAY: Range = Range::closed_open(0.0, 1.0);
+pub const MAX_GRAD_NORM: Range = Range::above(0.0);
+/// Sampling temperature of the policy: positive (greedy responses of a group are identical
+/// and carry no signal).
+pub const TEMPERATURE: Range = Range::open_closed(0.0, 10.0);
+pub const TOP_P: Range = Sampling::TOP_P;
+/// Online DPO: β and the minimum MR gap of a pair.
+pub const BETA: Range = Range::above(0.0);
+pub const MIN_GAP: Range = Range::at_least(0.0);
+pub const LORA_ALPHA: Range = Range::above(0.0);
+
+/// What the update does with a group of scored responses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algo {
+    /// Clipped surrogate with (R − mean)/(std + 1e-6) advantages (the verl recipe).
+    #[default]
+    Grpo,
+    /// Clipped surrogate with R − mean advantages (no std division).
+    Drgrpo,
+    /// Clipped surrogate with leave-one-out baselines.
+    Rloo,
+    /// Best vs worst MR of each group (above the gap) as one DPO pair, trained the same step.
+    OnlineDpo,
+}
+
+impl Algo {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Grpo => "grpo",
+            Self::Drgrpo => "drgrpo",
+            Self::Rloo => "rloo",
+            Self::OnlineDpo => "online_dpo",
+        }
+    }
+
+    /// The advantage estimator of the policy-gradient algorithms.
+    pub fn estimator(self) -> Option<Estimator> {
+        match self {
+            Self::Grpo => Some(Estimator::Grpo),
+            Self::Drgrpo => Some(Estimator::DrGrpo),
+            Self::Rloo => Some(Estimator::Rloo),
+            Self::OnlineDpo => None,
+        }
+    }
+}
+
+impl fmt::Display for Algo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Algo {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "grpo" => Ok(Self::Grpo),
+            "drgrpo" | "dr_grpo" | "dr-grpo" => Ok(Self::Drgrpo),
+            "rloo" => Ok(Self::Rloo),
+            "online_dpo" | "online-dpo" => Ok(Self::OnlineDpo),
+            other => Err(format!(
+                "unknown --algo {other:?} (expected grpo, drgrpo, rloo or online_dpo)"
+            )),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RlRunConfig {
+    /// Tasks (as generate_conv reads them: JSONL, parquet, upstream flat parquet, `hf:`).
+    pub tasks: String,
+    pub task_type: Option<TaskType>,
+    /// Use only the first K tasks.
+    pub max_tasks: Option<usize>,
+    /// Held-out tasks scored every `eval_every` steps (one response each).
+    pub eval_tasks: Option<String>,
+    pub eval_every: Option<usize>,
+    /// Use only the first K held-out tasks.
+    pub eval_max_tasks: Option<usize>,
+    /// Run directory: logs.jsonl, rollouts.jsonl, checkpoints, final/, request cache.
+    pub output: PathBuf,
+    /// The model trained (local weights: `default`, a .gguf file, an HF directory or id).
+    pub model: String,
+    pub user: ModelSpec,
+    pub judge: ModelSpec,
+    /// Prompts per step (B).
+    pub batch_prompts: usize,
+    /// Responses sampled per prompt (n).
+    pub group_size: usize,
+    /// Futures per response (S).
+    pub samples: usize,
+    /// Messages per future, the user's first one included.
+    pub window: usize,
+    /// Longest sampled response (and assistant turn inside a future), in tokens.
+    pub max_new_tokens: usize,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub max_steps: usize,
+    /// Metric weights; empty = the task type's defaults.
+    pub metrics: BTreeMap<String, f64>,
+    pub mr_formula: MrFormula,
+    pub algo: Algo,
+    pub lr: f64,
+    pub kl_coef: f64,
+    pub clip_ratio: f64,
+    pub clip_ratio_c: f64,
+    pub entropy_coef: f64,
+    pub loss_agg: String,
+    pub ppo_epochs: usize,
+    /// Responses per optimizer step; 0: the whole step's responses.
+    pub mini_batch: usize,
+    /// Responses per forward/backward pass; 0: the whole mini-batch.
+    pub micro_batch: usize,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+    /// Longest prompt + response that trains, in tokens.
+    pub max_length: usize,
+    /// Online DPO: β and the minimum MR gap between best and worst.
+    pub beta: f64,
+    pub min_gap: f64,
+    /// LoRA rank; none = full fine-tuning.
+    pub lora_r: Option<usize>,
+    pub lora_alpha: f64,
+    pub lora_targets: Vec<String>,
+    pub save_steps: Option<usize>,
+    pub seed: u64,
+    pub threads: Option<usize>,
+    /// Compute device of the trainer: cpu, cuda, cuda:N.
+    pub device: String,
+    /// How the sampler holds the synced weights: auto (q8 on the CPU, f32 elsewhere), f32, q8.
+    pub sampler_weights: String,
+    pub user_sampling: Sampling,
+    pub judge_mode: JudgeMode,
+    pub judge_retries: u32,
+    pub user_retries: u32,
+    pub judge_max_tokens: usize,
+    pub termination: String,
+    /// Responses scored at once.
+    pub concurrency: usize,
+    pub endpoint: EndpointOptions,
+    pub prompts: Option<PathBuf>,
+    pub sandbox_timeout_s: f64,
+    pub prices: BTreeMap<String, Price>,
+}
+
+impl Default for RlRunConfig {
+    fn default() -> Self {
+        let gen = GenerateConfig::default();
+        Self {
+            tasks: gen.tasks,
+            task_type: None,
+            max_tasks: None,
+            eval_tasks: None,
+            eval_every: None,
+            eval_max_tasks: None,
+            output: PathBuf::from("outputs/rl"),
+            model: "default".into(),
+            user: ModelSpec::Default,
+            judge: ModelSpec::Default,
+            batch_prompts: 2,
+            group_size: 8,
+            samples: 3,
+            window: 4,
+            max_new_tokens: 256,
+            temperature: 1.0,
+            top_p: 1.0,
+            max_steps: 50,
+            metrics: BTreeMap::new(),
+            mr_formula: MrFormula::Mean,
+            algo: Algo::Grpo,
+            lr: 1e-6,
+            kl_coef: 0.001,
+            clip_ratio: 0.2,
+            clip_ratio_c: 3.0,
+            entropy_coef: 0.0,
+            loss_agg: LossAgg::TokenMean.as_str().into(),
+            ppo_epochs: 1,
+            mini_batch: 0,
+            micro_batch: 4,
+            weight_decay: 0.01,
+            max_grad_norm: 1.0,
+            max_length: 2048,
+            beta: 0.1,
+            min_gap: 0.02,
+            lora_r: None,
+            lora_alpha: 16.0,
+            lora_targets: LORA_TARGETS.map(String::from).to_vec(),
+            save_steps: None,
+            seed: 0,
+            threads: None,
+            device: "cpu".into(),
+            sampler_weights: "auto".into(),
+            user_sampling: gen.user_sampling,
+            judge_mode: gen.judge_mode,
+            judge_retries: gen.judge_retries,
+            user_retries: gen.user_retries,
+            judge_max_tokens: gen.judge_max_tokens,
+            termination: gen.termination,
+            concurrency: gen.concurrency,
+            endpoint: gen.endpoint,
+            prompts: None,
+            sandbox_timeout_s: gen.sandbox_timeout_s,
+            prices: BTreeMap::new(),
+        }
+    }
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+fn check(field: &str, v: f64, range: Range) -> Result<(), ConfigError> {
+    range
+        .check(field, v)
+        .map(|_| ())
+        .map_err(|m| invalid(field, m))
+}
+
+fn at_least(field: &str, v: usize, min: usize) -> Result<(), ConfigError> {
+    crate::check::at_least(field, v, min)
+        .map(|_| ())
+        .map_err(|m| invalid(field, m))
+}
+
+/// Settings that may change when a run resumes: they decide how long it runs, where it
+/// writes and how it talks to endpoints, never what a step computes.
+pub const RESUMABLE_CHANGES: &[&str] = &[
+    "output",
+    "max_steps",
+    "save_steps",
+    "threads",
+    "concurrency",
+    "endpoint",
+    "prices",
+    "eval_every",
+];
+
+impl RlRunConfig {
+    pub fn from_toml_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::File {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The policy's sampling (also the assistant's inside futures: the same current policy).
+    pub fn policy_sampling(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature as f32,
+            top_p: self.top_p as f32,
+            max_tokens: self.max_new_tokens,
+        }
+    }
+
+    /// The generate_conv settings of the rollout side (tasks, roles, futures, judges).
+    pub fn rollout_view(&self) -> GenerateConfig {
+        GenerateConfig {
+            tasks: self.tasks.clone(),
+            task_type: self.task_type,
+            output: self.output.clone(),
+            policy: self.model.parse().unwrap_or(ModelSpec::Default),
+            user: self.user.clone(),
+            judge: self.judge.clone(),
+            assistant: None,
+            candidates: self.group_size,
+            samples: self.samples,
+            window: self.window,
+            max_tasks: self.max_tasks,
+            metrics: self.metrics.clone(),
+            mr_formula: self.mr_formula,
+            seed: self.seed,
+            termination: self.termination.clone(),
+            concurrency: self.concurrency,
+            judge_mode: self.judge_mode,
+            judge_retries: self.judge_retries,
+            user_retries: self.user_retries,
+            judge_max_tokens: self.judge_max_tokens,
+            policy_sampling: self.policy_sampling(),
+            user_sampling: self.user_sampling.clone(),
+            assistant_sampling: self.policy_sampling(),
+            endpoint: self.endpoint.clone(),
+            threads: self.threads,
+            prompts: self.prompts.clone(),
+            sandbox_timeout_s: self.sandbox_timeout_s,
+            prices: self.prices.clone(),
+            ..GenerateConfig::default()
+        }
+    }
+
+    /// The held-out tasks' view (same roles and metrics, other tasks).
+    pub fn eval_view(&self) -> Option<GenerateConfig> {
+        let tasks = self.eval_tasks.clone()?;
+        Some(GenerateConfig {
+            tasks,
+            max_tasks: self.eval_max_tasks,
+            ..self.rollout_view()
+        })
+    }
+
+    pub fn loss_agg(&self) -> Result<LossAgg, ConfigError> {
+        self.loss_agg.parse().map_err(|e| invalid("loss_agg", e))
+    }
+
+    pub fn weight_format(&self) -> Result<WeightFormat, ConfigError> {
+        match self.sampler_weights.as_str() {
+            "auto" if self.device == "cpu" => Ok(WeightFormat::Q8_0),
+            "auto" | "f32" => Ok(WeightFormat::F32),
+            "q8" => Ok(WeightFormat::Q8_0),
+            other => Err(invalid(
+                "sampler_weights",
+                format!("{other:?}: expected auto, f32 or q8"),
+            )),
+        }
+    }
+
+    /// The update's hyper-parameters.
+    pub fn rl_config(&self) -> Result<RlConfig, ConfigError> {
+        Ok(RlConfig {
+            ppo: PpoConfig {
+                clip_low: self.clip_ratio,
+                clip_high: self.clip_ratio,
+                clip_ratio_c: Some(self.clip_ratio_c),
+                kl_coef: self.kl_coef,
+                entropy_coef: self.entropy_coef,
+                agg: self.loss_agg()?,
+            },
+            estimator: self.algo.estimator().unwrap_or_default(),
+            ppo_epochs: self.ppo_epochs,
+            mini_batch: self.mini_batch,
+            micro_batch: self.micro_batch,
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
+            schedule: Schedule::Constant,
+            warmup_ratio: 0.0,
+            total_steps: 0,
+            max_length: self.max_length,
+            seed: self.seed,
+            dpo: (self.algo == Algo::OnlineDpo).then_some(DpoConfig {
+                beta: self.beta,
+                ..DpoConfig::default()
+            }),
+        })
+    }
+
+    /// Checks every setting once; the error names the setting and the value.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        at_least("batch_prompts", self.batch_prompts, 1)?;
+        if self.group_size < 2 {
+            return Err(invalid(
+                "group_size",
+                format!(
+                    "{}: {} needs at least 2 responses per prompt (a group of one has no \
+                     baseline to compare with)",
+                    self.group_size, self.algo
+                ),
+            ));
+        }
+        at_least("max_steps", self.max_steps, 1)?;
+        at_least("max_new_tokens", self.max_new_tokens, 1)?;
+        at_least("ppo_epochs", self.ppo_epochs, 1)?;
+        at_least("max_length", self.max_length, 2)?;
+        if self.save_steps == Some(0) {
+            return Err(invalid("save_steps", "0: must be at least 1"));
+        }
+        if self.eval_every == Some(0) {
+            return Err(invalid("eval_every", "0: must be at least 1"));
+        }
+        if self.eval_every.is_some() && self.eval_tasks.is_none() {
+            return Err(invalid("eval_every", "needs held-out tasks (--eval-tasks)"));
+        }
+        if self.lora_r == Some(0) {
+            return Err(invalid("lora_r", "0: must be at least 1"));
+        }
+        check("lr", self.lr, LR)?;
+        check("kl_coef", self.kl_coef, KL_COEF)?;
+        check("clip_ratio", self.clip_ratio, CLIP_RATIO)?;
+        check("clip_ratio_c", self.clip_ratio_c, CLIP_RATIO_C)?;
+        check("entropy_coef", self.entropy_coef, ENTROPY_COEF)?;
+        check("weight_decay", self.weight_decay, WEIGHT_DECAY)?;
+        check("max_grad_norm", self.max_grad_norm, MAX_GRAD_NORM)?;
+        check("temperature", self.temperature, TEMPERATURE)?;
+        check("top_p", self.top_p, TOP_P)?;
+        check("beta", self.beta, BETA)?;
+        check("min_gap", self.min_gap, MIN_GAP)?;
+        check("lora_alpha", self.lora_alpha, LORA_ALPHA)?;
+        let spec: ModelSpec = self
+            .model
+            .parse()
+            .map_err(|e: crate::llm::spec::SpecError| invalid("model", e.to_string()))?;
+        if !spec.is_local() {
+            return Err(invalid(
+                "model",
+                format!("{spec}: training needs local weights, not an API endpoint"),
+            ));
+        }
+        crate::train::trainer::parse_device(&self.device)
+            .map_err(|e| invalid("device", e.to_string()))?;
+        self.weight_format()?;
+        self.rl_config()?
+            .validate()
+            .map_err(|e| invalid("rl", e.to_string()))?;
+        self.rollout_view().validate()?;
+        if let Some(v) = self.eval_view() {
+            v.validate()?;
+        }
+        Ok(())
+    }
+
+    /// The settings a resumed run must share with the run it continues.
+    pub fn identity(&self) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        if let Some(o) = v.as_object_mut() {
+            for k in RESUMABLE_CHANGES {
+                o.remove(*k);
+            }
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_round_trip_and_unknown_keys_rejected() {
+        let cfg = RlRunConfig {
+            group_size: 4,
+            algo: Algo::OnlineDpo,
+            metrics: [("token_amount".to_string(), -1.0)].into(),
+            ..Default::default()
+        };
+        let text = toml::to_string(&cfg).unwrap();
+        let back: RlRunConfig = toml::from_str(&text).unwrap();
+        assert_eq!(back, cfg);
+        let err = toml::from_str::<RlRunConfig>("group_sise = 3").unwrap_err();
+        assert!(err.to_string().contains("group_sise"), "{err}");
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let bad = |cfg: RlRunConfig, field: &str| {
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains(field), "{field}: {err}");
+        };
+        bad(
+            RlRunConfig {
+                group_size: 1,
+                ..Default::default()
+            },
+            "group_size",
+        );
+        bad(
+            RlRunConfig {
+                clip_ratio: 0.0,
+                ..Default::default()
+            },
+            "clip_ratio",
+        );
+        bad(
+            RlRunConfig {
+                lr: f64::NAN,
+                ..Default::default()
+            },
+            "lr",
+        );
+        bad(
+            RlRunConfig {
+                model: "openai:gpt-4o".into(),
+                ..Default::default()
+            },
+            "model",
+        );
+        bad(
+            RlRunConfig {
+                eval_every: Some(2),
+                ..Default::default()
+            },
+            "eval_every",
+        );
+    }
+
+    #[test]
+    fn identity_ignores_how_long_and_where() {
+        let a = RlRunConfig::default();
+        let b = RlRunConfig {
+            max_steps: 99,
+            concurrency: 1,
+            ..Default::default()
+        };
+        assert_eq!(a.identity(), b.identity());
+        let c = RlRunConfig {
+            lr: 2e-6,
+            ..Default::default()
+        };
+        assert_ne!(a.identity(), c.identity());
+    }
+}

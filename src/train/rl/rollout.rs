@@ -1,0 +1,329 @@
+//! The rollout half of an RL step (DESIGN §10): for each of the step's prompts the simulated
+//! user opens the conversation from the task's hidden goal, the *current* policy samples n
+//! responses, and every response is continued S times by the simulated user and the same
+//! policy and scored on every metric by the shared rollout core
+//! ([`FutureRunner::score_reply`], the code generate_conv ranks its candidates with).
+//!
+//! A response whose futures failed, or that has no score for some weighted metric in any
+//! future, has no reward: it stays in `rollouts.jsonl` with `reward: null` and leaves its
+//! group (never scored 0).
+//!
+//! Seeds derive from (run seed, task, purpose, split, step, prompt, response), so a resumed
+//! step draws the same samples and its cached calls are reused.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use super::config::RlRunConfig;
+use super::{Group, ScoredResponse};
+use crate::llm::roles::Role;
+use crate::llm::{ChatMessage, ChatRequest, FinishReason};
+use crate::reward::metrics::{default_weights, Scorer};
+use crate::reward::mr::MrFormula;
+use crate::rollout::futures::{FutureRunner, ScoredReply, SessionRecord};
+use crate::rollout::user::{derive_seed, SimError, UserSimulator};
+use crate::task::Task;
+
+/// One sampled response, its futures and its scores.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResponseRecord {
+    pub index: usize,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    /// Tokens of the response (the policy's tokenizer).
+    pub tokens: usize,
+    /// The reward the update used: MR under the configured formula; `null` = no valid
+    /// score, the response left its group.
+    pub reward: Option<f64>,
+    /// MR under both formulas (DESIGN §2), whichever trained.
+    pub mr_mean: Option<f64>,
+    pub mr_verl_clamp: Option<f64>,
+    /// metric → mean over the futures that have a score for it.
+    pub metrics: BTreeMap<String, f64>,
+    pub sessions: Vec<SessionRecord>,
+    /// Why the futures could not be played, when they could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One prompt of a step and its group of responses: a line of `rollouts.jsonl`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GroupRecord {
+    pub step: u64,
+    /// `train`, or `eval` for held-out tasks.
+    pub split: String,
+    pub prompt_index: usize,
+    pub task_id: String,
+    /// The conversation prefix the policy answered (ends with a user message).
+    pub prompt: Vec<ChatMessage>,
+    pub weights: BTreeMap<String, f64>,
+    pub responses: Vec<ResponseRecord>,
+}
+
+impl GroupRecord {
+    /// The trainer's view of the group.
+    pub fn to_group(&self) -> Group {
+        Group {
+            task_id: self.task_id.clone(),
+            prompt: self.prompt.clone(),
+            responses: self
+                .responses
+                .iter()
+                .map(|r| ScoredResponse {
+                    text: r.text.clone(),
+                    reward: r.reward,
+                    metrics: r.metrics.clone(),
+                    truncated: r.finish_reason == FinishReason::Length,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// What one step's rollout produced and what it cost in time.
+#[derive(Debug, Default)]
+pub struct StepRollout {
+    pub groups: Vec<GroupRecord>,
+    /// Prompts the simulated user could not open: (task id, error).
+    pub failed_prompts: Vec<(String, String)>,
+    /// Seconds opening the prompts and sampling the responses.
+    pub time_rollout: f64,
+    /// Seconds playing and scoring the futures (judges included: they run interleaved).
+    pub time_futures: f64,
+}
+
+/// Everything a rollout needs besides the policy (which changes every step).
+pub struct Rollout<'a> {
+    pub cfg: &'a RlRunConfig,
+    pub user: &'a UserSimulator,
+}
+
+impl Rollout<'_> {
+    fn seed(&self, task: &Task, parts: &[&str]) -> u64 {
+        let mut all = vec![task.id.as_str()];
+        all.extend_from_slice(parts);
+        derive_seed(self.cfg.seed, &all)
+    }
+
+    /// The metric weights of a task: the configured ones or its type's defaults.
+    pub fn weights_for(&self, task: &Task) -> BTreeMap<String, f64> {
+        if self.cfg.metrics.is_empty() {
+            default_weights(task.task_type)
+        } else {
+            self.cfg.metrics.clone()
+        }
+    }
+
+    /// Opens each prompt, samples `n` responses per prompt from `policy` and scores them.
+    pub async fn step(
+        &self,
+        policy: &Role,
+        scorer: &Scorer,
+        split: &str,
+        step: u64,
+        tasks: &[Task],
+        n: usize,
+    ) -> anyhow::Result<StepRollout> {
+        let started = Instant::now();
+        let step_s = step.to_string();
+        let opened = futures::future::join_all(tasks.iter().enumerate().map(|(i, task)| {
+            let step_s = &step_s;
+            async move {
+                let i_s = i.to_string();
+                let r = self.open(policy, task, split, step_s, &i_s, n).await;
+                (i, task, r)
+            }
+        }))
+        .await;
+        let mut out = StepRollout::default();
+        let mut sampled = Vec::new();
+        for (i, task, r) in opened {
+            match r {
+                Ok(Opened::Sampled(prompt, choices)) => sampled.push((i, task, prompt, choices)),
+                Ok(Opened::UserFailed(e)) => {
+                    tracing::warn!(task = %task.id, error = %e, "the simulated user could not open this prompt; it is left out of the step");
+                    out.failed_prompts.push((task.id.clone(), e.to_string()));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        out.time_rollout = started.elapsed().as_secs_f64();
+
+        let started = Instant::now();
+        let runner = FutureRunner {
+            user: self.user,
+            assistant: policy,
+            assistant_sampling: &self.cfg.policy_sampling(),
+            scorer,
+            samples: self.cfg.samples,
+            window: self.cfg.window,
+            run_seed: self.cfg.seed,
+        };
+        let jobs: Vec<(usize, usize)> = sampled
+            .iter()
+            .enumerate()
+            .flat_map(|(g, s)| (0..s.3.len()).map(move |j| (g, j)))
+            .collect();
+        let scored: Vec<((usize, usize), Result<ScoredReply, SimError>)> =
+            futures::stream::iter(jobs.into_iter().map(|(g, j)| {
+                let (runner, sampled, step_s) = (&runner, &sampled, &step_s);
+                async move {
+                    let (i, task, prompt, choices) = &sampled[g];
+                    let (i_s, j_s) = (i.to_string(), j.to_string());
+                    let weights = self.weights_for(task);
+                    let key = [split, step_s.as_str(), i_s.as_str(), j_s.as_str()];
+                    let r = runner
+                        .score_reply(task, prompt, &choices[j].0, &weights, &key, false)
+                        .await;
+                    ((g, j), r)
+                }
+            }))
+            .buffer_unordered(self.cfg.concurrency)
+            .collect()
+            .await;
+        let mut by_key: BTreeMap<(usize, usize), Result<ScoredReply, SimError>> =
+            scored.into_iter().collect();
+        for (g, (i, task, prompt, choices)) in sampled.into_iter().enumerate() {
+            let weights = self.weights_for(task);
+            let responses = choices
+                .into_iter()
+                .enumerate()
+                .map(|(j, (text, finish, tokens))| {
+                    let scored = by_key.remove(&(g, j));
+                    self.record(j, text, finish, tokens, &weights, scored)
+                })
+                .collect();
+            out.groups.push(GroupRecord {
+                step,
+                split: split.to_string(),
+                prompt_index: i,
+                task_id: task.id.clone(),
+                prompt,
+                weights,
+                responses,
+            });
+        }
+        out.time_futures = started.elapsed().as_secs_f64();
+        Ok(out)
+    }
+
+    /// The prompt (the simulated user's opening message) and `n` sampled responses.
+    async fn open(
+        &self,
+        policy: &Role,
+        task: &Task,
+        split: &str,
+        step: &str,
+        i: &str,
+        n: usize,
+    ) -> anyhow::Result<Opened> {
+        let first = match self
+            .user
+            .next_messages(
+                task,
+                &[],
+                1,
+                self.seed(task, &["rl-first-user", split, step, i]),
+            )
+            .await
+        {
+            Ok(mut v) if !v.is_empty() => v.remove(0),
+            Ok(_) => {
+                return Ok(Opened::UserFailed(SimError::NoUserMessage {
+                    attempts: 1,
+                    last: String::new(),
+                }))
+            }
+            Err(e) => return Ok(Opened::UserFailed(e)),
+        };
+        let prompt = vec![ChatMessage::user(first.text)];
+        let s = self.cfg.policy_sampling();
+        let req = ChatRequest::new(prompt.clone())
+            .temperature(s.temperature)
+            .top_p(s.top_p)
+            .max_tokens(s.max_tokens)
+            .n(n)
+            .seed(self.seed(task, &["rl-policy", split, step, i]));
+        let resp = policy
+            .backend
+            .chat(&req)
+            .await
+            .map_err(|e| anyhow::anyhow!("policy sampling for task {}: {e}", task.id))?;
+        let count = |t: &str| {
+            policy
+                .engine
+                .as_ref()
+                .and_then(|e| e.tokenizer().encode(t, false).ok())
+                .map_or(0, |enc| enc.len())
+        };
+        let choices = resp
+            .choices
+            .into_iter()
+            .map(|c| {
+                let tokens = count(&c.content);
+                (c.content, c.finish_reason, tokens)
+            })
+            .collect();
+        Ok(Opened::Sampled(prompt, choices))
+    }
+
+    fn record(
+        &self,
+        index: usize,
+        text: String,
+        finish_reason: FinishReason,
+        tokens: usize,
+        weights: &BTreeMap<String, f64>,
+        scored: Option<Result<ScoredReply, SimError>>,
+    ) -> ResponseRecord {
+        let (scored, error) = match scored {
+            Some(Ok(s)) => (Some(s), None),
+            Some(Err(e)) => (None, Some(e.to_string())),
+            None => (None, Some("not scored".to_string())),
+        };
+        let mr = |f| scored.as_ref().and_then(|s| s.mr(weights, f));
+        let (mr_mean, mr_verl_clamp) = (mr(MrFormula::Mean), mr(MrFormula::VerlClamp));
+        let reward = match self.cfg.mr_formula {
+            MrFormula::Mean => mr_mean,
+            MrFormula::VerlClamp => mr_verl_clamp,
+        };
+        let sessions = scored.map(|s| s.sessions).unwrap_or_default();
+        ResponseRecord {
+            index,
+            text,
+            finish_reason,
+            tokens,
+            reward,
+            mr_mean,
+            mr_verl_clamp,
+            metrics: metric_means(&sessions, weights),
+            sessions,
+            error,
+        }
+    }
+}
+
+enum Opened {
+    Sampled(Vec<ChatMessage>, Vec<(String, FinishReason, usize)>),
+    UserFailed(SimError),
+}
+
+/// metric → mean over the sessions that scored it (a metric no session scored is absent).
+fn metric_means(
+    sessions: &[SessionRecord],
+    weights: &BTreeMap<String, f64>,
+) -> BTreeMap<String, f64> {
+    weights
+        .keys()
+        .filter_map(|m| {
+            let vals: Vec<f64> = sessions
+                .iter()
+                .filter_map(|s| s.scores.get(m).and_then(|x| x.value))
+                .collect();
+            (!vals.is_empty()).then(|| (m.clone(), vals.iter().sum::<f64>() / vals.len() as f64))
+        })
+        .collect()
+}

@@ -1,0 +1,840 @@
+//! A whole `rl_train` run (DESIGN §10, issue 18): the step loop over B prompts.
+//!
+//! Each step: the current policy's sampler (the trainer's weights synced into an inference
+//! engine) answers B prompts n times; every response is scored by its futures
+//! ([`super::rollout`]); [`RlTrainer::update`] trains on the scored groups (or one DPO pair
+//! per group with `online_dpo`); the sampler is rebuilt from the updated weights, so step
+//! k + 1 samples from the weights after step k.
+//!
+//! Outputs in the run directory: `rl_config.json` (the resolved settings), `rollouts.jsonl`
+//! (one line per prompt and step: every response, future and per-metric score),
+//! `logs.jsonl` (one line per step, TRL GRPOTrainer / verl metric names), `checkpoint-<k>/`
+//! every `save_steps` and `final/` (HF layout, or PEFT with LoRA, plus tokenizer, optimizer
+//! and RL state), `rl_summary.json`, and `cache` (every model answer).
+//!
+//! Resume: the latest checkpoint's weights, optimizer and step; the data order and every
+//! sampling seed derive from (seed, step), so the resumed run replays the steps it lost,
+//! with the answers of the request cache. Lines of `logs.jsonl` and `rollouts.jsonl` after
+//! the checkpoint are dropped first (they are recomputed).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use candle_core::DType;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+
+use super::config::{Algo, RlRunConfig};
+use super::rollout::{GroupRecord, Rollout, StepRollout};
+use super::state::{self, RlState, RL_STATE};
+use super::step::{RlTrainer, UpdateReport};
+use super::sync;
+use crate::generate::run::{fetch_config_tasks, git_revision};
+use crate::llm::cache::{CachedBackend, RequestCache};
+use crate::llm::engine::ChatCodec;
+use crate::llm::llama::WeightFormat;
+use crate::llm::local::{LoadOptions, LocalBackend};
+use crate::llm::peft::AdapterConfig;
+use crate::llm::prompts::Prompts;
+use crate::llm::roles::{roles_cost_usd, Role};
+use crate::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
+use crate::llm::tokens::TokenCounter;
+use crate::llm::usage::{MeteredBackend, UsageMeter};
+use crate::llm::{SharedBackend, UsageSnapshot};
+use crate::reward::judge::{Judge, JudgeMode};
+use crate::reward::metrics::Scorer;
+use crate::reward::sandbox::SandboxLimits;
+use crate::rollout::user::{derive_seed, UserSimulator};
+use crate::task::Task;
+use crate::train::model::TrainLlama;
+use crate::train::trainer::{adapter_base_name, parse_device};
+
+pub const CONFIG_FILE: &str = "rl_config.json";
+pub const LOGS_FILE: &str = "logs.jsonl";
+pub const ROLLOUTS_FILE: &str = "rollouts.jsonl";
+pub const SUMMARY_FILE: &str = "rl_summary.json";
+
+/// What a run did.
+#[derive(Clone, Debug, Serialize)]
+pub struct RlSummary {
+    pub output: PathBuf,
+    /// Steps done in all (this invocation and earlier ones).
+    pub steps: usize,
+    pub max_steps: usize,
+    /// The step this invocation started after (a checkpoint's), if it resumed.
+    pub resumed_from: Option<u64>,
+    /// The run had finished before this invocation; nothing was done.
+    pub already_finished: bool,
+    pub final_dir: PathBuf,
+    /// The last step's log line.
+    pub last_log: Map<String, Value>,
+    pub usage: BTreeMap<String, UsageSnapshot>,
+    pub cost_usd: Value,
+    pub wall_s: f64,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl std::fmt::Display for RlSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.already_finished {
+            return write!(
+                f,
+                "{}: finished before ({} of {} steps); nothing to do (final model: {})",
+                self.output.display(),
+                self.steps,
+                self.max_steps,
+                self.final_dir.display()
+            );
+        }
+        let get = |k: &str| self.last_log.get(k).and_then(Value::as_f64);
+        writeln!(f, "run            {}", self.output.display())?;
+        writeln!(
+            f,
+            "steps          {} of {}{}",
+            self.steps,
+            self.max_steps,
+            self.resumed_from
+                .map(|s| format!(" (resumed after step {s})"))
+                .unwrap_or_default()
+        )?;
+        writeln!(
+            f,
+            "last step      reward {:.4} ± {:.4}, kl {:.2e}, loss {:.4}",
+            get("reward").unwrap_or(f64::NAN),
+            get("reward_std").unwrap_or(f64::NAN),
+            get("kl").unwrap_or(f64::NAN),
+            get("loss").unwrap_or(f64::NAN)
+        )?;
+        for (role, u) in &self.usage {
+            writeln!(
+                f,
+                "{role:<10} {} calls ({} cached), {} + {} tokens, {} failed",
+                u.calls, u.cache_hits, u.prompt_tokens, u.completion_tokens, u.failures
+            )?;
+        }
+        writeln!(f, "final model    {}", self.final_dir.display())?;
+        write!(f, "wall time      {:.1} s", self.wall_s)
+    }
+}
+
+/// The roles besides the policy, and what scoring needs.
+struct Roles {
+    user: Role,
+    judge: Role,
+    policy_meter: Arc<UsageMeter>,
+    cache: Arc<RequestCache>,
+}
+
+impl Roles {
+    fn usage(&self) -> BTreeMap<String, UsageSnapshot> {
+        let mut out = BTreeMap::new();
+        out.insert("policy".to_string(), self.policy_meter.snapshot());
+        // User and judge share one meter when they are the same role object.
+        out.insert(self.user.name.clone(), self.user.meter.snapshot());
+        out.insert(self.judge.name.clone(), self.judge.meter.snapshot());
+        out
+    }
+}
+
+/// The sampler's role for one version of the weights: cached (keys carry the version) and
+/// metered on the run's one policy meter.
+fn policy_role(backend: Arc<LocalBackend>, roles: &Roles, spec: &str) -> Role {
+    let engine = backend.engine().clone();
+    let inner: SharedBackend = backend;
+    let cached: SharedBackend = Arc::new(CachedBackend::new(inner, roles.cache.clone()));
+    let metered: SharedBackend = Arc::new(MeteredBackend::new(
+        cached,
+        roles.policy_meter.clone(),
+        "policy",
+    ));
+    Role {
+        name: "policy".into(),
+        spec: spec.to_string(),
+        backend: metered,
+        meter: roles.policy_meter.clone(),
+        engine: Some(engine),
+    }
+}
+
+/// The B tasks of `step` (1-based): each epoch over the tasks in its own seeded order, so
+/// the order depends on (seed, step) only and a resumed run continues it exactly.
+pub fn step_tasks(tasks: &[Task], seed: u64, step: u64, batch: usize) -> Vec<Task> {
+    let n = tasks.len();
+    let mut cached: Option<(usize, Vec<usize>)> = None;
+    (0..batch)
+        .map(|i| {
+            let g = (step.saturating_sub(1) as usize) * batch + i;
+            let epoch = g / n;
+            if cached.as_ref().is_none_or(|c| c.0 != epoch) {
+                let mut order: Vec<usize> = (0..n).collect();
+                let s = derive_seed(seed, &["rl-data-order", &epoch.to_string()]);
+                order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(s));
+                cached = Some((epoch, order));
+            }
+            let order = &cached.as_ref().map(|c| c.1.clone()).unwrap_or_default();
+            tasks[order[g % n]].clone()
+        })
+        .collect()
+}
+
+fn write_json_atomic(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(value)?)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Keeps the lines of a JSONL file whose `step` is at most `step` (and that parse: a torn
+/// last line is dropped), rewriting it atomically. Missing file: nothing to do.
+pub fn truncate_jsonl(path: &Path, step: u64) -> anyhow::Result<usize> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(0);
+    };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .collect();
+    let mut body = kept.join("\n");
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, body).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(kept.len())
+}
+
+fn append_lines(path: &Path, lines: &[String]) -> anyhow::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mut buf = String::new();
+    for l in lines {
+        buf.push_str(l);
+        buf.push('\n');
+    }
+    // One write per step: a kill leaves at most a torn last line, cut on resume.
+    f.write_all(buf.as_bytes())
+        .and_then(|_| f.flush())
+        .with_context(|| format!("appending to {}", path.display()))
+}
+
+/// The saved state with the most updates among `checkpoint-*/` and `final/`.
+pub fn latest_state(output: &Path) -> anyhow::Result<Option<(PathBuf, RlState)>> {
+    let Ok(entries) = std::fs::read_dir(output) else {
+        return Ok(None);
+    };
+    let mut best: Option<(PathBuf, RlState)> = None;
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !(name == "final"
+            || name
+                .strip_prefix("checkpoint-")
+                .is_some_and(|n| n.parse::<u64>().is_ok()))
+        {
+            continue;
+        }
+        let path = e.path().join(RL_STATE);
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let st: RlState = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not an RL state", path.display()))?;
+        if best.as_ref().is_none_or(|b| st.updates > b.1.updates) {
+            best = Some((e.path(), st));
+        }
+    }
+    Ok(best)
+}
+
+/// Refuses to reuse a run directory without `--resume`, or to resume with other math.
+fn check_output(cfg: &RlRunConfig, resume: bool) -> anyhow::Result<()> {
+    let path = cfg.output.join(CONFIG_FILE);
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    if !resume {
+        bail!(
+            "{} already holds an rl_train run ({}); pass --resume to continue it, or choose \
+             another --output",
+            cfg.output.display(),
+            CONFIG_FILE
+        );
+    }
+    let old: RlRunConfig = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not an rl_train configuration", path.display()))?;
+    let (before, now) = (old.identity(), cfg.identity());
+    if before != now {
+        let changed: Vec<String> = now
+            .as_object()
+            .map(|o| {
+                o.iter()
+                    .filter(|(k, v)| before.get(k.as_str()) != Some(v))
+                    .map(|(k, _)| k.replace('_', "-"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        bail!(
+            "--resume: {} was trained with other settings (changed: {}); resume with the \
+             same ones (only --max-steps, --save-steps, --eval-every, --threads, \
+             --concurrency and endpoint settings may change), or choose another --output",
+            cfg.output.display(),
+            changed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// The trained model and its files (for the tokenizer and the sampler's codec).
+fn load_policy(cfg: &RlRunConfig, files: &LocalModelFiles) -> anyhow::Result<TrainLlama> {
+    let device = parse_device(&cfg.device)?;
+    // f32 on every device: old and reference log-probs must be f32 (DESIGN §10).
+    let mut model = match files {
+        LocalModelFiles::Gguf(p) => TrainLlama::from_gguf(p, DType::F32, &device)?,
+        LocalModelFiles::HfDir(d) => TrainLlama::from_hf_dir(d, DType::F32, &device)?,
+        LocalModelFiles::Adapter { .. } => bail!(
+            "--model {}: a LoRA adapter; train from its merged model or its base model",
+            cfg.model
+        ),
+    };
+    if let Some(r) = cfg.lora_r {
+        let base = adapter_base_name(&cfg.model, files);
+        let targets: Vec<&str> = cfg.lora_targets.iter().map(String::as_str).collect();
+        let acfg = AdapterConfig::lora(r, cfg.lora_alpha, 0.0, &targets, &base);
+        model.enable_lora(acfg, cfg.seed)?;
+    }
+    Ok(model)
+}
+
+/// Everything of a run that does not change from step to step.
+struct Run<'a> {
+    cfg: &'a RlRunConfig,
+    files: LocalModelFiles,
+    codec: ChatCodec,
+    roles: Roles,
+    judge: Arc<Judge>,
+    user: UserSimulator,
+    format: WeightFormat,
+}
+
+impl Run<'_> {
+    /// The sampler of the trainer's current weights (update `update`).
+    fn sampler(&self, trainer: &RlTrainer, update: u64) -> anyhow::Result<(Role, f64)> {
+        let started = Instant::now();
+        let codec = ChatCodec::load(&self.files)?;
+        let backend =
+            sync::policy_backend(trainer.policy(), codec, "policy", update, None, self.format)?;
+        let role = policy_role(backend, &self.roles, &self.cfg.model);
+        Ok((role, started.elapsed().as_secs_f64()))
+    }
+
+    fn scorer(&self, policy: &Role) -> Scorer {
+        let tokens = match &policy.engine {
+            Some(e) => TokenCounter::Local(e.clone()),
+            None => unreachable!("the policy is always local"),
+        };
+        Scorer {
+            judge: self.judge.clone(),
+            tokens,
+            sandbox: SandboxLimits {
+                wall_timeout: Duration::from_secs_f64(self.cfg.sandbox_timeout_s),
+                ..SandboxLimits::default()
+            },
+        }
+    }
+
+    fn rollout(&self) -> Rollout<'_> {
+        Rollout {
+            cfg: self.cfg,
+            user: &self.user,
+        }
+    }
+}
+
+/// Runs (or, with `resume`, continues) an RL run. `progress` draws a progress bar.
+pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow::Result<RlSummary> {
+    let started = Instant::now();
+    cfg.validate()?;
+    let tasks = fetch_config_tasks(&cfg.rollout_view()).await?;
+    let eval_tasks = match cfg.eval_view() {
+        Some(v) => Some(fetch_config_tasks(&v).await?),
+        None => None,
+    };
+    let prompts = Arc::new(match &cfg.prompts {
+        Some(dir) => Prompts::from_dir(dir)?,
+        None => Prompts::builtin()?,
+    });
+    if cfg.judge_mode == JudgeMode::Logprob && !cfg.judge.is_local() {
+        bail!(
+            "--judge-mode logprob needs a local judge model; {} is an endpoint",
+            cfg.judge
+        );
+    }
+    std::fs::create_dir_all(&cfg.output)
+        .with_context(|| format!("creating {}", cfg.output.display()))?;
+    check_output(&cfg, resume)?;
+    let saved = if resume {
+        latest_state(&cfg.output)?
+    } else {
+        None
+    };
+    if let Some((dir, st)) = &saved {
+        if dir.ends_with("final") && st.updates as usize >= cfg.max_steps {
+            return Ok(RlSummary {
+                output: cfg.output.clone(),
+                steps: st.updates as usize,
+                max_steps: cfg.max_steps,
+                resumed_from: Some(st.updates),
+                already_finished: true,
+                final_dir: dir.clone(),
+                last_log: Map::new(),
+                usage: BTreeMap::new(),
+                cost_usd: Value::Null,
+                wall_s: started.elapsed().as_secs_f64(),
+                peak_rss_bytes: crate::cli::peak_rss_bytes(),
+            });
+        }
+    }
+
+    let spec: ModelSpec = cfg.model.parse()?;
+    let files = resolve_local(&spec)
+        .await
+        .with_context(|| format!("--model {}", cfg.model))?;
+    let codec = ChatCodec::load(&files)?;
+    let pad_id = codec.eos_ids.first().copied().unwrap_or(0);
+    let model = load_policy(&cfg, &files)?;
+    let mut trainer = RlTrainer::new(model, cfg.rl_config()?, pad_id)?;
+    let mut start = 0u64;
+    if let Some((dir, _)) = &saved {
+        let st = state::load(&mut trainer, dir)?;
+        start = st.updates;
+        tracing::info!("resuming after step {start} from {}", dir.display());
+    } else if resume {
+        tracing::info!(
+            "--resume: no checkpoint in {}; starting at step 1",
+            cfg.output.display()
+        );
+    }
+    truncate_jsonl(&cfg.output.join(LOGS_FILE), start)?;
+    truncate_jsonl(&cfg.output.join(ROLLOUTS_FILE), start)?;
+    write_json_atomic(&cfg.output.join(CONFIG_FILE), &cfg)?;
+
+    let cache = RequestCache::open(cfg.output.join("cache"))?;
+    let load = LoadOptions::default();
+    let user = Role::build("user", &cfg.user, &cfg.endpoint, &load, Some(cache.clone())).await?;
+    let judge = Role::build(
+        "judge",
+        &cfg.judge,
+        &cfg.endpoint,
+        &load,
+        Some(cache.clone()),
+    )
+    .await?;
+    let roles = Roles {
+        user: user.clone(),
+        judge: judge.clone(),
+        policy_meter: UsageMeter::new(),
+        cache,
+    };
+    let run = Run {
+        cfg: &cfg,
+        format: cfg.weight_format()?,
+        files,
+        codec,
+        judge: Arc::new(Judge {
+            role: judge,
+            prompts: prompts.clone(),
+            mode: cfg.judge_mode,
+            retries: cfg.judge_retries,
+            max_tokens: cfg.judge_max_tokens,
+        }),
+        user: UserSimulator {
+            json: user.engine.is_none(),
+            role: user,
+            prompts,
+            sampling: cfg.user_sampling.clone(),
+            termination: cfg.termination.clone(),
+            retries: cfg.user_retries,
+        },
+        roles,
+    };
+    let (mut policy, mut sync_s) = run.sampler(&trainer, start)?;
+    tracing::info!(
+        "sampler ready ({} weights, {sync_s:.2} s)",
+        cfg.sampler_weights
+    );
+
+    let bar = progress_bar(progress, cfg.max_steps, start);
+    let mut last_log = Map::new();
+    for step in start + 1..=cfg.max_steps as u64 {
+        let step_started = Instant::now();
+        let usage_before = run.roles.usage();
+        let batch = step_tasks(&tasks, cfg.seed, step, cfg.batch_prompts);
+        let scorer = run.scorer(&policy);
+        let rollout = run
+            .rollout()
+            .step(&policy, &scorer, "train", step, &batch, cfg.group_size)
+            .await?;
+        if rollout.groups.is_empty() {
+            bail!(
+                "step {step}: the simulated user could not open any prompt ({}); nothing \
+                 to train on",
+                rollout
+                    .failed_prompts
+                    .iter()
+                    .map(|(t, e)| format!("{t}: {e}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+        }
+        let lines = rollout
+            .groups
+            .iter()
+            .map(serde_json::to_string)
+            .collect::<Result<Vec<_>, _>>()?;
+        append_lines(&cfg.output.join(ROLLOUTS_FILE), &lines)?;
+
+        let groups: Vec<super::Group> = rollout.groups.iter().map(GroupRecord::to_group).collect();
+        let update_started = Instant::now();
+        let report = match cfg.algo {
+            Algo::OnlineDpo => trainer.dpo_update(&run.codec, &groups, cfg.min_gap)?,
+            _ => trainer.update(&run.codec, &groups)?,
+        };
+        let update_s = update_started.elapsed().as_secs_f64();
+        drop(scorer);
+        // The previous sampler's weights are freed before the new copy is made.
+        drop(policy);
+        (policy, sync_s) = run.sampler(&trainer, step)?;
+
+        let mut log = step_log(step, &cfg, tasks.len(), &rollout, &report);
+        log.insert("time/rollout".into(), json!(rollout.time_rollout));
+        log.insert("time/futures".into(), json!(rollout.time_futures));
+        log.insert("time/update".into(), json!(update_s));
+        log.insert("time/sync".into(), json!(sync_s));
+        if let (Some(k), Some(eval)) = (cfg.eval_every, &eval_tasks) {
+            if step % k as u64 == 0 || step == cfg.max_steps as u64 {
+                let scorer = run.scorer(&policy);
+                let r = run
+                    .rollout()
+                    .step(&policy, &scorer, "eval", step, eval, 1)
+                    .await?;
+                let lines = r
+                    .groups
+                    .iter()
+                    .map(serde_json::to_string)
+                    .collect::<Result<Vec<_>, _>>()?;
+                append_lines(&cfg.output.join(ROLLOUTS_FILE), &lines)?;
+                eval_log(&mut log, &r);
+            }
+        }
+        usage_log(&mut log, &usage_before, &run.roles.usage());
+        log.insert(
+            "time/step".into(),
+            json!(step_started.elapsed().as_secs_f64()),
+        );
+        append_lines(&cfg.output.join(LOGS_FILE), &[serde_json::to_string(&log)?])?;
+        bar.set_message(bar_message(&log));
+        bar.set_position(step);
+        last_log = log;
+        let rollout_state = json!({"step": step, "tasks_seen": step as usize * cfg.batch_prompts});
+        if cfg.save_steps.is_some_and(|k| step % k as u64 == 0) && step != cfg.max_steps as u64 {
+            let dir = cfg.output.join(format!("checkpoint-{step}"));
+            state::save(&trainer, Some(&run.codec), &dir, rollout_state)?;
+        }
+    }
+    bar.finish();
+    let final_dir = cfg.output.join("final");
+    let done = cfg.max_steps as u64;
+    state::save(
+        &trainer,
+        Some(&run.codec),
+        &final_dir,
+        json!({"step": done, "tasks_seen": done as usize * cfg.batch_prompts}),
+    )?;
+    let usage = run.roles.usage();
+    let named: Vec<(String, &Role)> = vec![
+        ("policy".to_string(), &policy),
+        (run.roles.user.name.clone(), &run.roles.user),
+        (run.roles.judge.name.clone(), &run.roles.judge),
+    ];
+    let cost_usd = roles_cost_usd(named, &usage, &cfg.prices);
+    let summary = RlSummary {
+        output: cfg.output.clone(),
+        steps: cfg.max_steps,
+        max_steps: cfg.max_steps,
+        resumed_from: saved.map(|s| s.1.updates),
+        already_finished: false,
+        final_dir,
+        last_log,
+        usage,
+        cost_usd,
+        wall_s: started.elapsed().as_secs_f64(),
+        peak_rss_bytes: crate::cli::peak_rss_bytes(),
+    };
+    let mut v = serde_json::to_value(&summary)?;
+    v["git_revision"] = json!(git_revision());
+    v["version"] = json!(env!("CARGO_PKG_VERSION"));
+    write_json_atomic(&cfg.output.join(SUMMARY_FILE), &v)?;
+    Ok(summary)
+}
+
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// The unbiased standard deviation (torch's default, as TRL and verl use).
+fn std(v: &[f64]) -> Option<f64> {
+    let m = mean(v)?;
+    (v.len() >= 2)
+        .then(|| (v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64).sqrt())
+}
+
+/// One `logs.jsonl` line: TRL GRPOTrainer names at the top level, verl's `actor/*` for the
+/// update's own metrics.
+fn step_log(
+    step: u64,
+    cfg: &RlRunConfig,
+    n_tasks: usize,
+    rollout: &StepRollout,
+    report: &UpdateReport,
+) -> Map<String, Value> {
+    let mut log = Map::new();
+    let mut put = |k: &str, v: Option<f64>| {
+        log.insert(k.to_string(), v.map_or(Value::Null, |x| json!(x)));
+    };
+    put("step", Some(step as f64));
+    put(
+        "epoch",
+        Some((step as usize * cfg.batch_prompts) as f64 / n_tasks as f64),
+    );
+    let responses: Vec<_> = rollout.groups.iter().flat_map(|g| &g.responses).collect();
+    let rewards: Vec<f64> = responses.iter().filter_map(|r| r.reward).collect();
+    put("reward", mean(&rewards));
+    // TRL: the mean over groups of each group's reward std.
+    let group_stds: Vec<f64> = rollout
+        .groups
+        .iter()
+        .filter_map(|g| {
+            std(&g
+                .responses
+                .iter()
+                .filter_map(|r| r.reward)
+                .collect::<Vec<_>>())
+        })
+        .collect();
+    put("reward_std", mean(&group_stds));
+    put(
+        "frac_reward_zero_std",
+        mean(
+            &group_stds
+                .iter()
+                .map(|s| f64::from(u8::from(*s == 0.0)))
+                .collect::<Vec<_>>(),
+        ),
+    );
+    let metrics: std::collections::BTreeSet<&String> = rollout
+        .groups
+        .iter()
+        .flat_map(|g| g.weights.keys())
+        .collect();
+    for m in metrics {
+        let vals: Vec<f64> = responses
+            .iter()
+            .filter_map(|r| r.metrics.get(m).copied())
+            .collect();
+        put(&format!("rewards/{m}/mean"), mean(&vals));
+        put(&format!("rewards/{m}/std"), std(&vals));
+    }
+    let mr = |f: fn(&super::rollout::ResponseRecord) -> Option<f64>| {
+        mean(&responses.iter().filter_map(|r| f(r)).collect::<Vec<_>>())
+    };
+    put("rewards/mr_mean/mean", mr(|r| r.mr_mean));
+    put("rewards/mr_verl_clamp/mean", mr(|r| r.mr_verl_clamp));
+    let lens: Vec<f64> = responses.iter().map(|r| r.tokens as f64).collect();
+    put("completions/mean_length", mean(&lens));
+    put("completion_length", mean(&lens));
+    put(
+        "completions/min_length",
+        lens.iter().copied().reduce(f64::min),
+    );
+    put(
+        "completions/max_length",
+        lens.iter().copied().reduce(f64::max),
+    );
+    put(
+        "completions/clipped_ratio",
+        mean(
+            &responses
+                .iter()
+                .map(|r| {
+                    f64::from(u8::from(
+                        r.finish_reason == crate::llm::FinishReason::Length,
+                    ))
+                })
+                .collect::<Vec<_>>(),
+        ),
+    );
+    put(
+        "responses/no_reward",
+        Some(responses.iter().filter(|r| r.reward.is_none()).count() as f64),
+    );
+    put(
+        "responses/futures_failed",
+        Some(responses.iter().filter(|r| r.error.is_some()).count() as f64),
+    );
+    put("prompts/failed", Some(rollout.failed_prompts.len() as f64));
+    let named: BTreeMap<String, f64> = report.named().into_iter().collect();
+    let get = |k: &str| named.get(k).copied();
+    put("loss", get("loss"));
+    put("grad_norm", get("grad_norm"));
+    put("learning_rate", get("lr"));
+    put("kl", get("kl_loss"));
+    put("clip_ratio", get("pg_clipfrac"));
+    put("entropy", get("entropy"));
+    for (k, v) in report.advantage.named() {
+        put(&format!("advantages/{k}"), Some(v));
+    }
+    for (k, v) in &named {
+        put(&format!("actor/{k}"), Some(*v));
+    }
+    log
+}
+
+fn eval_log(log: &mut Map<String, Value>, r: &StepRollout) {
+    let responses: Vec<_> = r.groups.iter().flat_map(|g| &g.responses).collect();
+    let rewards: Vec<f64> = responses.iter().filter_map(|x| x.reward).collect();
+    log.insert("eval/reward".into(), json!(mean(&rewards)));
+    log.insert("eval/reward_std".into(), json!(std(&rewards)));
+    log.insert("eval/responses".into(), json!(responses.len()));
+    log.insert(
+        "eval/no_reward".into(),
+        json!(responses.len() - rewards.len()),
+    );
+    let lens: Vec<f64> = responses.iter().map(|x| x.tokens as f64).collect();
+    log.insert("eval/completions/mean_length".into(), json!(mean(&lens)));
+}
+
+/// This step's calls and tokens per role (`api/<role>/<field>`) and in all.
+fn usage_log(
+    log: &mut Map<String, Value>,
+    before: &BTreeMap<String, UsageSnapshot>,
+    after: &BTreeMap<String, UsageSnapshot>,
+) {
+    let (mut calls, mut tokens) = (0, 0);
+    for (role, a) in after {
+        let b = before.get(role).copied().unwrap_or_default();
+        let d = |x: u64, y: u64| x.saturating_sub(y);
+        let fields = [
+            ("calls", d(a.calls, b.calls)),
+            ("cache_hits", d(a.cache_hits, b.cache_hits)),
+            ("prompt_tokens", d(a.prompt_tokens, b.prompt_tokens)),
+            (
+                "completion_tokens",
+                d(a.completion_tokens, b.completion_tokens),
+            ),
+            ("retries", d(a.retries, b.retries)),
+            ("failures", d(a.failures, b.failures)),
+        ];
+        for (k, v) in fields {
+            log.insert(format!("api/{role}/{k}"), json!(v));
+        }
+        calls += fields[0].1;
+        tokens += fields[2].1 + fields[3].1;
+    }
+    log.insert("api/calls".into(), json!(calls));
+    log.insert("api/tokens".into(), json!(tokens));
+}
+
+fn progress_bar(enabled: bool, total: usize, start: u64) -> indicatif::ProgressBar {
+    if !enabled {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(start);
+    bar.reset_eta();
+    bar
+}
+
+fn bar_message(log: &Map<String, Value>) -> String {
+    let get = |k: &str| log.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    format!(
+        "reward {:.3} kl {:.1e} len {:.0} · {:.0} s/step",
+        get("reward"),
+        get("kl"),
+        get("completions/mean_length"),
+        get("time/step")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::task::TaskType;
+
+    fn tasks(n: usize) -> Vec<Task> {
+        (0..n)
+            .map(|i| Task {
+                id: format!("t{i}"),
+                task_type: TaskType::Math,
+                prompt: format!("q{i}"),
+                reference: String::new(),
+                metadata: Value::Null,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn data_order_covers_each_epoch_and_depends_on_seed_and_step_only() {
+        let t = tasks(5);
+        let ids = |seed, step| -> Vec<String> {
+            step_tasks(&t, seed, step, 2)
+                .into_iter()
+                .map(|t| t.id)
+                .collect()
+        };
+        // Steps 1-2 and the first prompt of step 3 are epoch 0: five distinct tasks.
+        let mut epoch0: Vec<String> = [ids(7, 1), ids(7, 2), ids(7, 3)[..1].to_vec()].concat();
+        epoch0.sort();
+        epoch0.dedup();
+        assert_eq!(epoch0.len(), 5);
+        assert_eq!(
+            ids(7, 4),
+            ids(7, 4),
+            "a resumed step takes the same prompts"
+        );
+        let all_seeds: Vec<Vec<String>> = (0..6).map(|s| ids(s, 1)).collect();
+        assert!(all_seeds.iter().any(|x| *x != all_seeds[0]), "seeded");
+    }
+
+    #[test]
+    fn truncation_keeps_the_steps_up_to_the_checkpoint_and_drops_a_torn_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("logs.jsonl");
+        std::fs::write(&p, "{\"step\":1}\n{\"step\":2}\n{\"step\":3}\n{\"st").unwrap();
+        assert_eq!(truncate_jsonl(&p, 2).unwrap(), 2);
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            "{\"step\":1}\n{\"step\":2}\n"
+        );
+    }
+}

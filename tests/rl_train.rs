@@ -1,0 +1,442 @@
+//! `rl_train` end to end: the binary trains the tiny random llama with a local
+//! OpenAI-compatible server on 127.0.0.1 as simulated user and judge. Logs, rollouts and the
+//! final model are checked for shape and content; a response whose judge never answers
+//! leaves its group; a run resumed after a checkpoint takes the same next steps as an
+//! uninterrupted one; bad input is refused before any model call.
+
+mod common;
+#[path = "common/model_util.rs"]
+mod model_util;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use collabllm::llm::local::{LoadOptions, LocalBackend};
+use collabllm::llm::tiny::TinySpec;
+use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, ModelSpec};
+use common::fault_server::FaultServer;
+use serde_json::Value;
+
+fn data(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+fn hash(s: &str) -> u64 {
+    s.bytes().fold(1469598103934665603u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(1099511628211)
+    })
+}
+
+/// The simulated user answers in JSON; the interactivity judge scores by a hash of the
+/// transcript, and for half the transcripts answers nothing usable (every retry sees the
+/// same transcript, so that score is missing).
+fn reply(body: &Value, sample: usize) -> String {
+    let prompt = body["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|x| x["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or("");
+    let seed = body["seed"]
+        .as_u64()
+        .unwrap_or(0)
+        .wrapping_add(sample as u64);
+    if prompt.contains("role-playing a USER") {
+        let response = format!("Please help with part {} of my problem.", seed % 5);
+        return serde_json::json!({"current_answer": "", "thought": "t", "response": response})
+            .to_string();
+    }
+    if prompt.contains("rating how well") {
+        let h = hash(prompt);
+        if h % 2 == 0 {
+            return "I would rather not say.".into();
+        }
+        return format!("{{\"thought\": \"ok\", \"interactivity\": {}}}", 1 + h % 5);
+    }
+    "ok".into()
+}
+
+async fn server() -> FaultServer {
+    let s = FaultServer::start().await;
+    s.set_responder(reply);
+    s
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_rl_train")
+}
+
+/// The test run's flags; `extra` flags replace the defaults of the same name (`--metric`
+/// adds to them), flags without a value (`--resume`) are appended.
+fn args(server: &FaultServer, model: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let spec = format!("openai:scripted@{}", server.base_url);
+    let tasks = data("math.jsonl");
+    let mut flags: Vec<(String, Option<String>)> = [
+        ("--tasks", tasks.as_str()),
+        ("--max-tasks", "3"),
+        ("--output", out.to_str().unwrap()),
+        ("--model", model.to_str().unwrap()),
+        ("--user", &spec),
+        ("--judge", &spec),
+        ("--metric", "interactivity=1"),
+        ("--metric", "token_amount=-1"),
+        ("--batch-prompts", "2"),
+        ("--group-size", "3"),
+        ("--samples", "2"),
+        ("--window", "2"),
+        ("--max-new-tokens", "8"),
+        ("--max-steps", "3"),
+        ("--lr", "1e-3"),
+        ("--kl-coef", "0.01"),
+        ("--ppo-epochs", "2"),
+        ("--sampler-weights", "f32"),
+        ("--threads", "1"),
+        ("--concurrency", "4"),
+        ("--max-retries", "0"),
+        ("--timeout", "5"),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), Some(v.to_string())))
+    .collect();
+    let mut i = 0;
+    while i < extra.len() {
+        let flag = extra[i].to_string();
+        let value = extra
+            .get(i + 1)
+            .filter(|v| !v.starts_with("--"))
+            .map(|v| v.to_string());
+        i += 1 + usize::from(value.is_some());
+        match flags.iter_mut().find(|(k, _)| *k == flag) {
+            Some(slot) if flag != "--metric" => slot.1 = value,
+            _ => flags.push((flag, value)),
+        }
+    }
+    flags
+        .into_iter()
+        .flat_map(|(k, v)| std::iter::once(k).chain(v))
+        .collect()
+}
+
+async fn run_bin(args: &[String]) -> std::process::Output {
+    tokio::process::Command::new(bin())
+        .args(args)
+        .env("OPENAI_API_KEY", "test-key")
+        .env("RUST_LOG", "warn")
+        .env("CANDLE_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("running rl_train")
+}
+
+fn ok(out: &std::process::Output) -> String {
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    text
+}
+
+fn jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn tiny() -> (tempfile::TempDir, PathBuf) {
+    model_util::tiny_model_dir(&TinySpec::default())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn trains_end_to_end_and_a_missing_score_leaves_its_group() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    ok(&run_bin(&args(&server, &model, &out, &["--save-steps", "2"])).await);
+
+    let logs = jsonl(&out.join("logs.jsonl"));
+    assert_eq!(logs.len(), 3);
+    for (i, l) in logs.iter().enumerate() {
+        assert_eq!(l["step"], (i + 1) as f64);
+        for k in [
+            "reward",
+            "reward_std",
+            "rewards/interactivity/mean",
+            "rewards/token_amount/mean",
+            "rewards/mr_mean/mean",
+            "rewards/mr_verl_clamp/mean",
+            "kl",
+            "clip_ratio",
+            "entropy",
+            "completion_length",
+            "loss",
+            "grad_norm",
+            "learning_rate",
+            "advantages/advantage_abs_mean",
+            "time/rollout",
+            "time/futures",
+            "time/update",
+            "time/sync",
+        ] {
+            assert!(l[k].as_f64().is_some_and(f64::is_finite), "{k}: {l}");
+        }
+        assert_eq!(l["learning_rate"], 1e-3);
+        assert!(l["api/judge/calls"].as_u64().unwrap() > 0, "{l}");
+        assert!(l["api/user/calls"].as_u64().unwrap() > 0, "{l}");
+        // 2 prompts × 3 responses, each with 2 futures.
+        assert_eq!(l["actor/optimizer_steps"], 2.0, "two PPO epochs");
+    }
+    assert!(logs.iter().all(|l| l["kl"].as_f64().unwrap() >= 0.0));
+    assert!(logs[2]["kl"].as_f64().unwrap() > 0.0, "the policy moved");
+
+    let rollouts = jsonl(&out.join("rollouts.jsonl"));
+    assert_eq!(rollouts.len(), 6, "2 prompts × 3 steps");
+    let mut missing = 0;
+    for r in &rollouts {
+        assert_eq!(r["split"], "train");
+        assert_eq!(r["prompt"][0]["role"], "user");
+        let responses = r["responses"].as_array().unwrap();
+        assert_eq!(responses.len(), 3);
+        for resp in responses {
+            let sessions = resp["sessions"].as_array().unwrap();
+            assert_eq!(sessions.len(), 2, "S futures");
+            assert_eq!(sessions[0]["messages"][0]["role"], "user");
+            assert!(sessions[0]["scores"]["token_amount"]["value"].is_number());
+            // MR needs every weighted metric in a future: a future without its judge score
+            // takes no part, and a response with no complete future has no reward.
+            let any_complete = sessions
+                .iter()
+                .any(|s| s["scores"]["interactivity"]["value"].is_number());
+            assert_eq!(resp["reward"].is_null(), !any_complete, "{resp}");
+            if resp["reward"].is_null() {
+                missing += 1;
+                assert!(resp["mr_mean"].is_null());
+            } else {
+                assert_eq!(resp["reward"], resp["mr_mean"], "--mr-formula mean");
+                assert!(resp["mr_verl_clamp"].is_number());
+            }
+        }
+    }
+    let logged: f64 = logs
+        .iter()
+        .map(|l| l["responses/no_reward"].as_f64().unwrap())
+        .sum();
+    let dropped: f64 = logs
+        .iter()
+        .map(|l| l["advantages/invalid_rewards"].as_f64().unwrap())
+        .sum();
+    assert!(
+        missing > 0,
+        "the judge's gaps left some response without a reward"
+    );
+    assert_eq!(logged, missing as f64);
+    assert_eq!(
+        dropped, missing as f64,
+        "every response without MR left its group"
+    );
+    let trained: f64 = logs
+        .iter()
+        .map(|l| l["actor/samples"].as_f64().unwrap())
+        .sum();
+    assert!(trained <= (18 - missing) as f64);
+
+    // Checkpoint at step 2, final after step 3: a model serve loads and chats with.
+    let ckpt = out.join("checkpoint-2");
+    assert!(ckpt.join("rl_state.json").is_file());
+    let fin = out.join("final");
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "optimizer.safetensors",
+    ] {
+        assert!(fin.join(f).is_file(), "final/{f}");
+    }
+    let st: Value =
+        serde_json::from_str(&std::fs::read_to_string(fin.join("rl_state.json")).unwrap()).unwrap();
+    assert_eq!(st["updates"], 3);
+    let backend = LocalBackend::load(&ModelSpec::HfDir(fin.clone()), &LoadOptions::default())
+        .await
+        .unwrap();
+    let resp = backend
+        .chat(&ChatRequest::new(vec![ChatMessage::user("hi".to_string())]).max_tokens(4))
+        .await
+        .unwrap();
+    assert_eq!(resp.choices.len(), 1);
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rl_summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["steps"], 3);
+
+    // A finished run resumed: nothing to do, no model call, nothing rewritten.
+    let calls = server.requests();
+    let text = ok(&run_bin(&args(&server, &model, &out, &["--resume"])).await);
+    assert!(text.contains("nothing to do"), "{text}");
+    assert_eq!(server.requests(), calls);
+    assert_eq!(jsonl(&out.join("logs.jsonl")).len(), 3);
+
+    // The same directory without --resume is refused.
+    let o = run_bin(&args(&server, &model, &out, &[])).await;
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--resume"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn resume_after_a_checkpoint_takes_the_same_next_steps() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let full = tmp.path().join("full");
+    ok(&run_bin(&args(&server, &model, &full, &["--save-steps", "1"])).await);
+
+    // The same run, "killed" after checkpoint-1 (later state and the request cache gone,
+    // so the resumed steps sample again from the restored weights).
+    let killed = tmp.path().join("killed");
+    ok(&run_bin(&args(&server, &model, &killed, &["--save-steps", "1"])).await);
+    for d in ["final", "checkpoint-2"] {
+        std::fs::remove_dir_all(killed.join(d)).unwrap();
+    }
+    std::fs::remove_file(killed.join("cache")).unwrap();
+    // A changed math setting is refused by name.
+    let o = run_bin(&args(
+        &server,
+        &model,
+        &killed,
+        &["--save-steps", "1", "--resume", "--lr", "2e-3"],
+    ))
+    .await;
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("lr"), "{err}");
+    ok(&run_bin(&args(
+        &server,
+        &model,
+        &killed,
+        &["--save-steps", "1", "--resume"],
+    ))
+    .await);
+
+    let (a, b) = (
+        jsonl(&full.join("logs.jsonl")),
+        jsonl(&killed.join("logs.jsonl")),
+    );
+    assert_eq!(b.len(), 3, "steps after the checkpoint were redone once");
+    for step in 1..3 {
+        for k in ["loss", "grad_norm", "kl", "reward", "actor/ratio_mean"] {
+            let (x, y) = (a[step][k].as_f64().unwrap(), b[step][k].as_f64().unwrap());
+            assert!(
+                (x - y).abs() <= 1e-6 * x.abs().max(1e-3),
+                "step {} {k}: {x} vs {y}",
+                step + 1
+            );
+        }
+    }
+    let (ra, rb) = (
+        jsonl(&full.join("rollouts.jsonl")),
+        jsonl(&killed.join("rollouts.jsonl")),
+    );
+    assert_eq!(ra, rb, "the same prompts, responses, futures and scores");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn online_dpo_with_lora_writes_a_peft_adapter() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("dpo");
+    ok(&run_bin(&args(
+        &server,
+        &model,
+        &out,
+        &[
+            "--algo",
+            "online_dpo",
+            "--lora-r",
+            "4",
+            "--max-steps",
+            "2",
+            "--min-gap",
+            "0",
+        ],
+    ))
+    .await);
+    let logs = jsonl(&out.join("logs.jsonl"));
+    assert_eq!(logs.len(), 2);
+    for l in &logs {
+        let pairs = l["actor/dpo/pairs"].as_f64().unwrap();
+        assert!(
+            (0.0..=2.0).contains(&pairs),
+            "one pair per group at most: {l}"
+        );
+    }
+    let pairs: f64 = logs
+        .iter()
+        .map(|l| l["actor/dpo/pairs"].as_f64().unwrap())
+        .sum();
+    assert!(pairs > 0.0, "{logs:?}");
+    let first = logs
+        .iter()
+        .find(|l| l["actor/dpo/pairs"].as_f64() > Some(0.0))
+        .unwrap();
+    // The first DPO step starts at the reference: loss ln 2.
+    if first["step"] == 1.0 {
+        assert!(
+            (first["actor/dpo/loss"].as_f64().unwrap() - 2f64.ln()).abs() < 1e-4,
+            "{first}"
+        );
+    }
+    let fin = out.join("final");
+    assert!(fin.join("adapter_model.safetensors").is_file());
+    assert!(fin.join("adapter_config.json").is_file());
+    assert!(!fin.join("model.safetensors").exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_is_refused_before_any_model_call() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let no_reference = tmp.path().join("tasks.jsonl");
+    std::fs::write(
+        &no_reference,
+        "{\"id\": \"a\", \"task_type\": \"math\", \"prompt\": \"2+2?\"}\n",
+    )
+    .unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--group-size", "1"], "group_size"),
+        (vec!["--clip-ratio", "0"], "--clip-ratio"),
+        (vec!["--clip-ratio", "-0.2"], "--clip-ratio"),
+        (vec!["--lr", "NaN"], "--lr"),
+        (vec!["--kl-coef", "inf"], "--kl-coef"),
+        (vec!["--temperature", "0"], "--temperature"),
+        (vec!["--model", "openai:gpt-4o"], "model"),
+        (
+            vec![
+                "--tasks",
+                no_reference.to_str().unwrap(),
+                "--metric",
+                "accuracy=1",
+            ],
+            "reference",
+        ),
+    ];
+    for (extra, needle) in cases {
+        let out = tmp.path().join("never");
+        let o = run_bin(&args(&server, &model, &out, &extra)).await;
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{extra:?} was accepted");
+        assert!(err.contains(needle), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!out.exists(), "{extra:?} left {}", out.display());
+    }
+    assert_eq!(server.requests(), 0, "bad input made model calls");
+}
