@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use crate::run::{read_log, AppendLog};
 pub use crate::run::LogError;
+use crate::run::{read_log, AppendLog};
 
 /// An append-only JSONL file of records (JSON objects).
 pub struct RecordLog(AppendLog<serde_json::Value>);

@@ -389,41 +389,43 @@ async fn run_prepared(
         _ => recorded_usage(&cfg.output.join(MANIFEST_FILE)),
     };
     let mut signal = None;
-    let write_manifest =
-        |status: &str, counts: serde_json::Value, failed: &[(String, String, String)], signal: Option<crate::run::Signal>| {
-            let now = usage(&roles, &labels);
-            let total = match &ledger {
-                Some(c) => add_usage(&earlier, &c.usage_totals()),
-                None => add_usage(&earlier, &now),
-            };
-            write_json_atomic(
-                &cfg.output.join(MANIFEST_FILE),
-                &serde_json::json!({
-                    "tool": "collabllm-rs eval_multiturn",
-                    "version": env!("CARGO_PKG_VERSION"),
-                    "git_revision": git_revision(),
-                    "status": status,
-                    "started_at": started_at,
-                    "updated_at": now_secs(),
-                    "finished_at": (status != "running").then(now_secs),
-                    "config": cfg,
-                    "identity": cfg.identity(),
-                    "seed": cfg.seed,
-                    "prompts": prompts.source,
-                    "models": labels.iter().zip(&cfg.models)
-                        .map(|(l, m)| serde_json::json!({"name": l, "spec": m.to_string()}))
-                        .collect::<Vec<_>>(),
-                    "counts": counts,
-                    "failed": failed,
-                    "signal": signal.map(|s: crate::run::Signal| s.name()),
-                    "warnings": warnings,
-                    // This invocation, and every invocation on this directory.
-                    "usage": now,
-                    "cost_usd": cost(&roles, &labels, &total, &cfg.prices),
-                    "usage_total": total,
-                }),
-            )
+    let write_manifest = |status: &str,
+                          counts: serde_json::Value,
+                          failed: &[(String, String, String)],
+                          signal: Option<crate::run::Signal>| {
+        let now = usage(&roles, &labels);
+        let total = match &ledger {
+            Some(c) => add_usage(&earlier, &c.usage_totals()),
+            None => add_usage(&earlier, &now),
         };
+        write_json_atomic(
+            &cfg.output.join(MANIFEST_FILE),
+            &serde_json::json!({
+                "tool": "collabllm-rs eval_multiturn",
+                "version": env!("CARGO_PKG_VERSION"),
+                "git_revision": git_revision(),
+                "status": status,
+                "started_at": started_at,
+                "updated_at": now_secs(),
+                "finished_at": (status != "running").then(now_secs),
+                "config": cfg,
+                "identity": cfg.identity(),
+                "seed": cfg.seed,
+                "prompts": prompts.source,
+                "models": labels.iter().zip(&cfg.models)
+                    .map(|(l, m)| serde_json::json!({"name": l, "spec": m.to_string()}))
+                    .collect::<Vec<_>>(),
+                "counts": counts,
+                "failed": failed,
+                "signal": signal.map(|s: crate::run::Signal| s.name()),
+                "warnings": warnings,
+                // This invocation, and every invocation on this directory.
+                "usage": now,
+                "cost_usd": cost(&roles, &labels, &total, &cfg.prices),
+                "usage_total": total,
+            }),
+        )
+    };
     write_manifest("running", serde_json::Value::Null, &[], None)?;
     let mut written_usage = usage(&roles, &labels);
 

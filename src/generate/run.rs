@@ -519,7 +519,10 @@ pub async fn generate(cfg: GenerateConfig) -> anyhow::Result<RunSummary> {
 /// [`generate`] that stops on `shutdown`'s signal: before the run starts, at once; after,
 /// once the finished conversations' outputs and an `interrupted` manifest are written. Either
 /// way it returns [`Interrupted`].
-pub async fn generate_until(cfg: GenerateConfig, shutdown: &Shutdown) -> anyhow::Result<RunSummary> {
+pub async fn generate_until(
+    cfg: GenerateConfig,
+    shutdown: &Shutdown,
+) -> anyhow::Result<RunSummary> {
     let tasks = shutdown.guard(fetch_config_tasks(&cfg)).await??;
     let (lock, prompts) = prepare(&cfg)?;
     let cache = RequestCache::open(cfg.output.join("cache"))?;

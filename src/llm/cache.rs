@@ -695,7 +695,13 @@ mod tests {
         assert_eq!(cache.len(), 3);
         assert_eq!(cache.skipped_records(), 0);
         cache
-            .record_usage("judge", UsageSnapshot { calls: 2, ..Default::default() })
+            .record_usage(
+                "judge",
+                UsageSnapshot {
+                    calls: 2,
+                    ..Default::default()
+                },
+            )
             .unwrap();
         assert_eq!(cache.usage_totals()["judge"].calls, 5);
     }

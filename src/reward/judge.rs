@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 use crate::llm::parse::{extract_fenced_or_all, parse_json_object, score_field};
 use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
-use crate::llm::{ChatMessage, ChatRequest};
 use crate::llm::usage::reask;
+use crate::llm::{ChatMessage, ChatRequest};
 
 /// How the judge is asked.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -130,7 +130,10 @@ impl Judge {
                 let mut last = String::new();
                 for attempt in 1..=self.retries + 1 {
                     let messages = [ChatMessage::user(text.clone())];
-                    let call = self.role.backend.option_probs(&messages, LOGPROB_PREFIX, &opts);
+                    let call = self
+                        .role
+                        .backend
+                        .option_probs(&messages, LOGPROB_PREFIX, &opts);
                     match reask(attempt > 1, call).await {
                         Ok(answer) => {
                             let p = answer.probs;

@@ -136,7 +136,9 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text, "{\"k\":1}\n{\"k\":3}\n");
         std::fs::write(&path, "{\"k\":1}\nnot json\n").unwrap();
-        let e = read_log::<serde_json::Value>(&path).unwrap_err().to_string();
+        let e = read_log::<serde_json::Value>(&path)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("m.jsonl:2"), "{e}");
     }
 }

@@ -22,11 +22,10 @@ pub fn changed_settings(
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(Vec::new());
     };
-    let old: serde_json::Value =
-        serde_json::from_str(&text).map_err(|source| ManifestError {
-            path: path.to_path_buf(),
-            source,
-        })?;
+    let old: serde_json::Value = serde_json::from_str(&text).map_err(|source| ManifestError {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let before = &old[field];
     if before.is_null() || before == now {
         return Ok(Vec::new());
@@ -52,7 +51,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("manifest.json");
         let now = json!({"seed": 1, "n": 3});
-        assert!(changed_settings(&path, "identity", &now).unwrap().is_empty());
+        assert!(changed_settings(&path, "identity", &now)
+            .unwrap()
+            .is_empty());
         std::fs::write(&path, json!({"identity": {"seed": 0, "n": 3}}).to_string()).unwrap();
         assert_eq!(changed_settings(&path, "identity", &now).unwrap(), ["seed"]);
         assert!(changed_settings(&path, "other", &now).unwrap().is_empty());

@@ -103,7 +103,10 @@ impl Shutdown {
     }
 
     /// Runs `work` unless a signal comes first (setup steps that record nothing yet).
-    pub async fn guard<T>(&self, work: impl std::future::Future<Output = T>) -> Result<T, Interrupted> {
+    pub async fn guard<T>(
+        &self,
+        work: impl std::future::Future<Output = T>,
+    ) -> Result<T, Interrupted> {
         tokio::select! {
             biased;
             signal = self.wait() => Err(Interrupted { signal }),
