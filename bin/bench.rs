@@ -69,6 +69,38 @@ enum Command {
         #[arg(long, default_value_t = 8, value_parser = at_least_one)]
         concurrency: usize,
     },
+    /// Continuous batching: `c` concurrent clients of the local backend (greedy chat
+    /// requests, one after another per client) for each `c` of `--concurrency`: aggregate
+    /// generated tokens/s, mean latency, peak RSS. `--max-batch 1` is the one-request-at-a-time
+    /// baseline.
+    ServeThroughput {
+        /// Model spec (`default`, a .gguf file, an HF directory or id).
+        #[arg(long, default_value = "default")]
+        model: ModelSpec,
+        /// Compute threads.
+        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+        threads: usize,
+        /// Send the requests to this OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1,
+        /// an older `serve` or llama.cpp's server) instead of a backend in this process;
+        /// `--model` then only supplies the tokenizer that sizes the prompts.
+        #[arg(long, value_name = "URL")]
+        endpoint: Option<String>,
+        /// Concurrent clients, one run each (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,4,8,16", value_parser = at_least_one)]
+        concurrency: Vec<usize>,
+        /// Rows of the decode batch (1: one request at a time).
+        #[arg(long, default_value_t = collabllm::llm::local::DEFAULT_MAX_BATCH, value_parser = at_least_one)]
+        max_batch: usize,
+        /// Approximate prompt length in tokens.
+        #[arg(long, default_value_t = 200, value_parser = at_least_one)]
+        prompt_tokens: usize,
+        /// `max_tokens` of every request.
+        #[arg(long, default_value_t = 128, value_parser = at_least_one)]
+        new_tokens: usize,
+        /// Requests each client sends, one after another.
+        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+        rounds: usize,
+    },
     /// One DPO optimizer step in f32 (batch 1 pair): seconds per step (forward, backward,
     /// optimizer), tokens/s and peak RSS; full fine-tuning, or LoRA r=32 with `--lora`. Run
     /// each mode in its own process: peak RSS is per process.
@@ -113,6 +145,8 @@ fn at_least_one(s: &str) -> Result<usize, String> {
 
 #[path = "bench/orchestration.rs"]
 mod orchestration;
+#[path = "bench/serve_throughput.rs"]
+mod serve_throughput;
 #[path = "bench/train_step.rs"]
 mod train_step;
 
@@ -231,6 +265,33 @@ fn main() -> ExitCode {
                 lora,
                 checkpointing: gradient_checkpointing,
             })
+        }
+        Command::ServeThroughput {
+            model,
+            threads,
+            endpoint,
+            concurrency,
+            max_batch,
+            prompt_tokens,
+            new_tokens,
+            rounds,
+        } => {
+            collabllm::cli::set_compute_threads(Some(threads));
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(anyhow::Error::from)
+                .and_then(|rt| {
+                    rt.block_on(serve_throughput::run(serve_throughput::Params {
+                        model,
+                        endpoint,
+                        concurrency,
+                        max_batch,
+                        prompt_tokens,
+                        new_tokens,
+                        rounds,
+                    }))
+                })
         }
         Command::Orchestration {
             latency_ms,

@@ -19,8 +19,10 @@ use collabllm::serve::ModelNames;
 ///
 /// Limits: request bodies up to 16 MiB; a prompt whose bytes alone cannot fit the context is
 /// refused before tokenizing, an explicit max_tokens must fit beside the prompt (400
-/// `context_length_exceeded`). Requests are served one at a time; a client that disconnects
-/// stops its generation at the next token, or before it starts if it was still queued.
+/// `context_length_exceeded`). Concurrent requests are decoded together (continuous batching,
+/// up to --max-batch samples at once) and `stream: true` sends the reply token by token; a
+/// client that disconnects stops its generation at the next token, or before it starts if it
+/// was still queued.
 /// Stop with ctrl-c: requests in flight are finished first.
 #[derive(Parser, Debug)]
 #[command(name = "serve", version, about, long_about)]
@@ -67,6 +69,12 @@ struct Args {
           value_parser = clap::builder::PossibleValuesParser::new(WeightFormat::NAMES)
               .try_map(|s| s.parse::<WeightFormat>()))]
     weights: WeightFormat,
+
+    /// Samples (over all requests in flight) decoded together in one batch; requests beyond
+    /// it wait for a free row. 1 serves one request at a time.
+    #[arg(long, value_name = "ROWS", default_value_t = collabllm::llm::local::DEFAULT_MAX_BATCH,
+          value_parser = clap::value_parser!(u64).range(1..=256).map(|v| v as usize))]
+    max_batch: usize,
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
@@ -91,12 +99,14 @@ fn parse_local_spec(s: &str) -> Result<ModelSpec, String> {
 async fn load_backend(
     spec: &ModelSpec,
     weights: WeightFormat,
+    max_batch: usize,
 ) -> anyhow::Result<(SharedBackend, String)> {
     let opts = LoadOptions {
         weights,
         ..LoadOptions::default()
     };
     let backend = LocalBackend::load(spec, &opts).await?;
+    backend.set_max_batch(max_batch);
     let name = backend.model_name();
     Ok((backend, name))
 }
@@ -115,7 +125,7 @@ fn model_names(args: &Args, loaded_name: String) -> ModelNames {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(model = %args.model, weights = %args.weights, "loading model");
-    let (backend, name) = load_backend(&args.model, args.weights)
+    let (backend, name) = load_backend(&args.model, args.weights, args.max_batch)
         .await
         .with_context(|| format!("loading model {}", args.model))?;
     let names = model_names(&args, name);

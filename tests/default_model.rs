@@ -127,3 +127,10 @@ fn gguf_tokenizer_exported_for_checkpoints_round_trips() {
     assert_eq!(codec.special_tokens["unk_token"], "<|endoftext|>");
     assert_eq!(back.special_tokens, codec.special_tokens);
 }
+
+/// Continuous batching on the default model: requests joining mid-decode give the tokens
+/// they give alone.
+#[test]
+fn requests_joining_mid_decode_equal_alone() {
+    assert_joining_mid_decode_equals_alone(&engine());
+}

@@ -338,3 +338,22 @@ async fn offline_hf_id_names_the_model_and_the_fix() {
     assert!(err.contains("HuggingFaceTB/SmolLM2-135M-Instruct"), "{err}");
     assert!(err.contains("offline") || err.contains("download"), "{err}");
 }
+
+/// Requests that join a running decode batch mid-way give the tokens they give alone, with
+/// f32 weights (candle's matmul) and Q8_0 weights (our int8 kernel).
+#[test]
+fn requests_joining_mid_decode_equal_alone() {
+    one_thread();
+    for weights in [WeightFormat::Auto, WeightFormat::Q8_0] {
+        let (_g, dir) = tiny_model_dir(&TinySpec::default());
+        let engine = Engine::load(
+            &LocalModelFiles::HfDir(dir),
+            &LoadOptions {
+                weights,
+                context_length: None,
+            },
+        )
+        .unwrap();
+        assert_joining_mid_decode_equals_alone(&engine);
+    }
+}

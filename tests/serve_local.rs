@@ -113,6 +113,10 @@ async fn open_request(
     stream
 }
 
+/// The tests that time long generations run one at a time: they share the process's model
+/// thread, and each measures what a token costs.
+static TIMED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !done() {
@@ -176,7 +180,10 @@ async fn a_client_that_leaves_cancels_its_generation() {
         max_position_embeddings: 4096,
         ..TinySpec::default()
     };
+    let _timed = TIMED.lock().await;
     let (_g, backend) = never_ending_tiny(&spec).await;
+    // One request at a time, so that two requests queue behind the long one.
+    backend.set_max_batch(1);
     let addr = spawn_server(backend.clone(), "tiny").await;
 
     // What a token costs here, from a finished request of 200 tokens.
@@ -307,4 +314,130 @@ async fn oversized_requests_are_refused_before_any_work() {
     let used = v["usage"]["prompt_tokens"].as_u64().unwrap()
         + v["usage"]["completion_tokens"].as_u64().unwrap();
     assert!(used <= 1024, "{body}");
+}
+
+/// Continuous batching: two long requests decode together, a third waits for a row; when a
+/// client leaves, its row is free at the next token and the waiting request starts while the
+/// other long one goes on.
+#[tokio::test]
+async fn a_client_that_leaves_frees_its_batch_row() {
+    let spec = TinySpec {
+        hidden_size: 512,
+        intermediate_size: 2048,
+        num_hidden_layers: 6,
+        num_attention_heads: 8,
+        num_key_value_heads: 4,
+        max_position_embeddings: 4096,
+        ..TinySpec::default()
+    };
+    let _timed = TIMED.lock().await;
+    let (_g, backend) = never_ending_tiny(&spec).await;
+    backend.set_max_batch(2);
+    let addr = spawn_server(backend.clone(), "tiny").await;
+    let long_tokens = 3500;
+    let before = backend.stats();
+    let a = open_request(addr, &greedy("Tell me about the sea.", long_tokens, true)).await;
+    let b = open_request(addr, &greedy("And the sky?", long_tokens, false)).await;
+    wait_for("both long requests to start", || {
+        backend.stats().started == before.started + 2
+    })
+    .await;
+    let c = open_request(addr, &greedy("And the hills?", long_tokens, true)).await;
+    wait_for("the third request to queue", || {
+        backend.stats().queued == before.queued + 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        backend.stats().started,
+        before.started + 2,
+        "the batch holds two rows"
+    );
+
+    drop(a);
+    wait_for("the waiting request to take the free row", || {
+        backend.stats().started == before.started + 3
+    })
+    .await;
+    let mid = backend.stats();
+    assert_eq!(mid.cancelled - before.cancelled, 1, "{mid:?}");
+    assert!(
+        mid.cancelled_tokens - before.cancelled_tokens < long_tokens as u64 / 2,
+        "{mid:?}"
+    );
+
+    drop(b);
+    drop(c);
+    wait_for("both remaining requests to stop", || {
+        backend.stats().cancelled == before.cancelled + 3
+    })
+    .await;
+    let after = backend.stats();
+    assert_eq!(after.skipped, before.skipped, "{after:?}");
+}
+
+/// `stream: true` sends the reply token by token in OpenAI's chunk format: the role first,
+/// many content pieces that add up to the non-streamed reply, the finish reason, the usage
+/// chunk when asked, then `[DONE]`. Concurrent streams are decoded in one batch and each
+/// still equals its own non-streamed reply.
+#[tokio::test]
+async fn streaming_sends_tokens_as_they_are_generated() {
+    let (_g, backend) = never_ending_tiny(&TinySpec::default()).await;
+    let addr = spawn_server(backend.clone(), "tiny").await;
+    let prompts = ["Tell me about the sea.", "Hi", "And the hills?", "Why?"];
+    let mut expected = Vec::new();
+    for p in prompts {
+        let (status, body) = post_raw(addr, greedy(p, 40, false).to_string()).await;
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        expected.push((
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+            v["usage"].clone(),
+        ));
+    }
+    let stream_one = |p: &'static str| async move {
+        let mut body = greedy(p, 40, true);
+        body["stream_options"] = json!({"include_usage": true});
+        let resp = reqwest::Client::new()
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        serve_util::sse_data(&resp.text().await.unwrap())
+    };
+    let streams = futures::future::join_all(prompts.iter().map(|p| stream_one(p))).await;
+    for (data, (text, usage)) in streams.into_iter().zip(expected) {
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+        let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let ids: std::collections::HashSet<_> =
+            chunks.iter().map(|c| c["id"].to_string()).collect();
+        assert_eq!(ids.len(), 1, "one id for every chunk");
+        assert!(chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk"));
+        let (last, pieces) = chunks.split_last().unwrap();
+        assert_eq!(last["choices"], json!([]));
+        assert_eq!(last["usage"], usage);
+        let (finish, pieces) = pieces.split_last().unwrap();
+        assert_eq!(finish["choices"][0]["finish_reason"], "length");
+        assert_eq!(pieces[0]["choices"][0]["delta"]["role"], "assistant");
+        let streamed: String = pieces
+            .iter()
+            .map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(streamed, text);
+        assert!(
+            pieces.len() >= 10,
+            "{} pieces: the reply was not streamed token by token",
+            pieces.len()
+        );
+    }
 }

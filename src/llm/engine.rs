@@ -14,7 +14,7 @@ use tokenizers::Tokenizer;
 use super::chat_template::ChatTemplate;
 use super::config::ConfigError;
 use super::gguf_tokenizer::{meta_str, meta_u32, tokenizer_from_gguf};
-use super::llama::{LlamaConfig, LlamaModel, WeightFormat};
+use super::llama::{KvCache, LlamaConfig, LlamaModel, WeightFormat};
 use super::sampling::{restricted_probs, Sampler};
 use super::spec::LocalModelFiles;
 use super::{ChatMessage, FinishReason};
@@ -599,13 +599,30 @@ impl Engine {
         params: &GenParams,
         cancel: &CancelFlag,
     ) -> Result<GenOutput, EngineError> {
-        let cancelled = |tokens: usize| EngineError::Cancelled {
+        if cancel.is_cancelled() {
+            return Err(self.cancelled(0));
+        }
+        let mut state = self.start(prompt, params)?;
+        while !state.is_finished() {
+            if cancel.is_cancelled() {
+                return Err(self.cancelled(state.generated()));
+            }
+            self.step(&mut [&mut state])?;
+        }
+        self.finish(state)
+    }
+
+    /// The error of a generation stopped after `tokens` tokens because its caller left.
+    pub fn cancelled(&self, tokens: usize) -> EngineError {
+        EngineError::Cancelled {
             model: self.name.clone(),
             tokens,
-        };
-        if cancel.is_cancelled() {
-            return Err(cancelled(0));
         }
+    }
+
+    /// Starts a generation: checks the prompt, prefills it once and copies its cache into
+    /// `params.n` rows. [`Engine::step`] then decodes it, alone or beside others.
+    pub fn start(&self, prompt: &[u32], params: &GenParams) -> Result<GenState, EngineError> {
         let context = self.context_length;
         if prompt.is_empty() || prompt.len() >= context {
             return Err(EngineError::PromptTooLong {
@@ -631,11 +648,15 @@ impl Engine {
             .map_err(err)?;
         let prefill_secs = started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
-        let mut cache = prefill.fork(params.n, max_new).map_err(err)?;
+        // Room for the first KV_GROWTH new tokens; the cache grows as needed, so many
+        // requests with a large `max_tokens` in one batch do not reserve it all up front.
+        let cache = prefill
+            .fork(params.n, max_new.min(KV_GROWTH))
+            .map_err(err)?;
         drop(prefill);
 
         let base_seed = params.seed.unwrap_or_else(rand::random);
-        let mut rows: Vec<Row> = (0..params.n)
+        let rows: Vec<Row> = (0..params.n)
             .map(|i| Row {
                 sample: i,
                 sampler: Sampler::new(
@@ -646,82 +667,187 @@ impl Engine {
                 ids: Vec::new(),
                 text: String::new(),
                 tokens: 0,
+                sent: 0,
             })
             .collect();
-        let mut done: Vec<Option<Generation>> = vec![None; params.n];
-        let mut logits: Vec<Vec<f32>> = vec![first_logits; params.n];
-        let mut generated = 0;
+        Ok(GenState {
+            prompt_tokens: prompt.len(),
+            stop: params.stop.clone(),
+            ignore_eos: params.ignore_eos,
+            max_new,
+            step: 0,
+            generated: 0,
+            rows,
+            done: vec![None; params.n],
+            logits: vec![first_logits; params.n],
+            cache,
+            prefill_secs,
+            started,
+            stream: None,
+        })
+    }
 
-        for step in 0..max_new {
-            if cancel.is_cancelled() {
-                return Err(cancelled(generated));
+    /// One token for every unfinished row of `states`: each row samples from its logits
+    /// (finished rows leave their state), then the remaining rows of all states run one
+    /// forward pass together. A state's tokens are the same whatever else is in the batch.
+    pub fn step(&self, states: &mut [&mut GenState]) -> Result<(), EngineError> {
+        let err = |e: candle_core::Error| self.gen_err(e);
+        let mut next: Vec<Vec<u32>> = Vec::with_capacity(states.len());
+        for state in states.iter_mut() {
+            next.push(if state.is_finished() {
+                Vec::new()
+            } else {
+                self.sample_state(state)?
+            });
+        }
+        let mut tokens: Vec<&[u32]> = Vec::with_capacity(states.len());
+        let mut caches: Vec<&mut KvCache> = Vec::with_capacity(states.len());
+        let mut live: Vec<usize> = Vec::with_capacity(states.len());
+        for (i, (state, toks)) in states.iter_mut().zip(&next).enumerate() {
+            if !toks.is_empty() {
+                tokens.push(toks);
+                caches.push(&mut state.cache);
+                live.push(i);
             }
-            let mut next = Vec::with_capacity(rows.len());
-            let mut keep = Vec::with_capacity(rows.len());
-            for (r, row) in rows.iter_mut().enumerate() {
-                // An empty reply is never an answer: end-of-turn is withheld until the reply
-                // has visible text.
-                let banned: &[u32] = if row.text.trim().is_empty() {
-                    &self.codec.eos_ids
-                } else {
-                    &[]
-                };
-                let banned = if params.ignore_eos {
-                    &self.codec.eos_ids
-                } else {
-                    banned
-                };
-                let tok = row.sampler.sample(&logits[r], banned);
-                row.tokens += 1;
-                generated += 1;
-                if self.codec.eos_ids.contains(&tok) {
-                    done[row.sample] = Some(row.finish(FinishReason::Stop));
-                    continue;
-                }
+        }
+        if live.is_empty() {
+            return Ok(());
+        }
+        let logits = self
+            .model
+            .forward_decode(&tokens, &mut caches)
+            .map_err(err)?;
+        drop(caches);
+        for (i, l) in live.into_iter().zip(logits) {
+            states[i].logits = l.to_vec2::<f32>().map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// Samples one token per row of `state`; finished rows are recorded and leave its cache.
+    /// Returns the tokens of the rows that go on.
+    fn sample_state(&self, state: &mut GenState) -> Result<Vec<u32>, EngineError> {
+        let mut next = Vec::with_capacity(state.rows.len());
+        let mut keep = Vec::with_capacity(state.rows.len());
+        let last = state.step + 1 == state.max_new;
+        for (r, row) in state.rows.iter_mut().enumerate() {
+            // An empty reply is never an answer: end-of-turn is withheld until the reply
+            // has visible text.
+            let banned: &[u32] = if state.ignore_eos || row.text.trim().is_empty() {
+                &self.codec.eos_ids
+            } else {
+                &[]
+            };
+            let tok = row.sampler.sample(&state.logits[r], banned);
+            row.tokens += 1;
+            state.generated += 1;
+            let finish = if self.codec.eos_ids.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else {
                 row.ids.push(tok);
                 row.text = self.decode(&row.ids)?;
-                if let Some(cut) = first_stop(&row.text, &params.stop) {
+                if let Some(cut) = first_stop(&row.text, &state.stop) {
                     row.text.truncate(cut);
-                    done[row.sample] = Some(row.finish(FinishReason::Stop));
-                    continue;
+                    Some(FinishReason::Stop)
+                } else if last {
+                    Some(FinishReason::Length)
+                } else {
+                    None
                 }
-                if step + 1 == max_new {
-                    done[row.sample] = Some(row.finish(FinishReason::Length));
-                    continue;
+            };
+            if let Some(sink) = state.stream.as_mut() {
+                row.send_delta(sink, &state.stop, finish.is_some());
+            }
+            match finish {
+                Some(f) => state.done[row.sample] = Some(row.finish(f)),
+                None => {
+                    keep.push(r);
+                    next.push(tok);
                 }
-                keep.push(r);
-                next.push(tok);
             }
-            if keep.is_empty() {
-                break;
-            }
-            if keep.len() < rows.len() {
-                cache.retain_rows(&keep).map_err(err)?;
-                let mut kept = Vec::with_capacity(keep.len());
-                for (r, row) in rows.into_iter().enumerate() {
-                    if keep.contains(&r) {
-                        kept.push(row);
-                    }
-                }
-                rows = kept;
-            }
-            let input = Tensor::from_vec(next, (rows.len(), 1), device).map_err(err)?;
-            logits = self
-                .model
-                .forward_last(&input, &mut cache)
-                .and_then(|l| l.to_vec2::<f32>())
-                .map_err(err)?;
         }
-        let samples = done
+        state.step += 1;
+        if keep.is_empty() {
+            state.rows.clear();
+            return Ok(Vec::new());
+        }
+        if keep.len() < state.rows.len() {
+            state
+                .cache
+                .retain_rows(&keep)
+                .map_err(|e| self.gen_err(e))?;
+            let rows = std::mem::take(&mut state.rows);
+            state.rows = rows
+                .into_iter()
+                .enumerate()
+                .filter(|(r, _)| keep.contains(r))
+                .map(|(_, row)| row)
+                .collect();
+        }
+        Ok(next)
+    }
+
+    /// The finished generation's samples, in order.
+    pub fn finish(&self, state: GenState) -> Result<GenOutput, EngineError> {
+        let samples = state
+            .done
             .into_iter()
             .map(|g| g.ok_or_else(|| self.gen_err("a sample ended without a result")))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(GenOutput {
-            prompt_tokens: prompt.len(),
+            prompt_tokens: state.prompt_tokens,
             samples,
-            prefill_secs,
-            decode_secs: started.elapsed().as_secs_f64(),
+            prefill_secs: state.prefill_secs,
+            decode_secs: state.started.elapsed().as_secs_f64(),
         })
+    }
+}
+
+/// Positions a generation's cache reserves beyond the prompt before it has to grow.
+const KV_GROWTH: usize = 256;
+
+/// Text as it is generated: sample index and the new text (the deltas of a sample
+/// concatenate to its final text).
+pub type TokenSink = Box<dyn FnMut(usize, &str) + Send>;
+
+/// One generation in flight (see [`Engine::start`] and [`Engine::step`]).
+pub struct GenState {
+    prompt_tokens: usize,
+    stop: Vec<String>,
+    ignore_eos: bool,
+    max_new: usize,
+    step: usize,
+    generated: usize,
+    rows: Vec<Row>,
+    done: Vec<Option<Generation>>,
+    logits: Vec<Vec<f32>>,
+    cache: KvCache,
+    prefill_secs: f64,
+    started: std::time::Instant,
+    stream: Option<TokenSink>,
+}
+
+impl GenState {
+    /// Every sample has ended.
+    pub fn is_finished(&self) -> bool {
+        self.rows.is_empty() || self.step >= self.max_new
+    }
+    /// Tokens generated so far over all samples.
+    pub fn generated(&self) -> usize {
+        self.generated
+    }
+    /// Rows still decoding (the samples not yet ended).
+    pub fn rows(&self) -> usize {
+        self.rows.len()
+    }
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+    /// Sends each sample's text to `sink` as it is generated. Text that may still turn into
+    /// a stop string, or that ends in an incomplete character, is held back until it is
+    /// settled, so the deltas never contain what the final text cuts.
+    pub fn set_stream(&mut self, sink: TokenSink) {
+        self.stream = Some(sink);
     }
 }
 
@@ -731,6 +857,8 @@ struct Row {
     ids: Vec<u32>,
     text: String,
     tokens: usize,
+    /// Bytes of `text` already sent to the stream.
+    sent: usize,
 }
 
 impl Row {
@@ -741,6 +869,38 @@ impl Row {
             tokens: self.tokens,
         }
     }
+
+    /// Sends the settled new part of the text (all of it when the sample has ended).
+    fn send_delta(&mut self, sink: &mut TokenSink, stop: &[String], ended: bool) {
+        let settled = if ended {
+            self.text.len()
+        } else {
+            settled_len(&self.text, stop)
+        };
+        // The text decoded so far only ever grows at the end once settled; should a
+        // tokenizer rewrite earlier text, nothing more is sent until the end.
+        if settled > self.sent && self.text.is_char_boundary(self.sent) {
+            sink(self.sample, &self.text[self.sent..settled]);
+            self.sent = settled;
+        }
+    }
+}
+
+/// Length of the prefix of `text` that no later token can change: trailing replacement
+/// characters (a multi-byte character split across tokens) and a tail that begins a stop
+/// string are held back.
+fn settled_len(text: &str, stop: &[String]) -> usize {
+    let base = text.trim_end_matches(char::REPLACEMENT_CHARACTER).len();
+    let mut end = base;
+    for s in stop.iter().filter(|s| !s.is_empty()) {
+        // The longest tail of text[..base] that `s` starts with.
+        for (i, _) in text[..base].char_indices().rev().take(s.chars().count()) {
+            if s.starts_with(&text[i..base]) {
+                end = end.min(i);
+            }
+        }
+    }
+    end
 }
 
 /// The longest token's text in bytes (added tokens included), times a margin when a

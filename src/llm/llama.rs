@@ -564,7 +564,29 @@ impl LlamaModel {
         mask: Option<&Tensor>,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let (b, seq, _) = x.dims3()?;
+        let [q, k, v] = &layer.qkv.forward(x)?[..] else {
+            candle_core::bail!("the q/k/v projections gave no three outputs");
+        };
+        let y = self.attend(layer_idx, q, k, v, cos, sin, mask, cache)?;
+        layer.wo.forward(&y)
+    }
+
+    /// Attention of projected `q`, `k`, `v` (b, seq, heads·hd) for rows that share `cache`'s
+    /// position: rotary embedding, cache append, softmax(q·kᵀ)·v; (b, seq, heads·hd) before
+    /// the output projection.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        layer_idx: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (b, seq, _) = q.dims3()?;
         let (nh, kvh, hd) = (
             self.cfg.num_attention_heads,
             self.cfg.num_kv_heads(),
@@ -574,9 +596,6 @@ impl LlamaModel {
         // (b, seq, heads·hd) -> (b, heads, seq, hd)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()
-        };
-        let [q, k, v] = &layer.qkv.forward(x)?[..] else {
-            candle_core::bail!("the q/k/v projections gave no three outputs");
         };
         let q = heads(q.clone(), nh)?;
         let k = heads(k.clone(), kvh)?;
@@ -625,11 +644,96 @@ impl LlamaModel {
         } else {
             attend(&q, &k_all, &v_all)?
         };
-        let y = y
-            .reshape((b, nh, seq, hd))?
+        y.reshape((b, nh, seq, hd))?
             .transpose(1, 2)?
-            .reshape((b, seq, nh * hd))?;
-        layer.wo.forward(&y)
+            .reshape((b, seq, nh * hd))
+    }
+
+    /// One decode step for several independent groups of rows (continuous batching): group
+    /// `g` feeds one token per row, `tokens[g]`, at the position of its own cache `caches[g]`
+    /// (groups may sit at different positions). The norms and linear layers run over all rows
+    /// at once; attention runs per group against its own cache. Returns each group's logits,
+    /// (rows, vocab). A group's result is exactly what [`LlamaModel::forward_last`] gives for
+    /// it alone: every op here is row-independent.
+    pub fn forward_decode(
+        &self,
+        tokens: &[&[u32]],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<Tensor>> {
+        q8::on_pool(|| self.decode_groups(tokens, caches))
+    }
+
+    fn decode_groups(&self, tokens: &[&[u32]], caches: &mut [&mut KvCache]) -> Result<Vec<Tensor>> {
+        if tokens.len() != caches.len() {
+            candle_core::bail!("{} token groups for {} caches", tokens.len(), caches.len());
+        }
+        let sizes: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        let mut trig = Vec::with_capacity(caches.len());
+        for (c, &rows) in caches.iter().zip(&sizes) {
+            if c.len + 1 > self.cfg.max_position_embeddings {
+                candle_core::bail!(
+                    "sequence of {} tokens exceeds the context length {}",
+                    c.len + 1,
+                    self.cfg.max_position_embeddings
+                );
+            }
+            if rows == 0 || (c.batch() != rows && c.batch() != 0) {
+                candle_core::bail!("{rows} tokens for a cache of {} rows", c.batch());
+            }
+            trig.push((self.cos.narrow(0, c.len, 1)?, self.sin.narrow(0, c.len, 1)?));
+        }
+        let total: usize = sizes.iter().sum();
+        let ids = Tensor::from_vec(tokens.concat(), (total, 1), &self.device)?;
+        let mut x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
+        let eps = self.cfg.rms_norm_eps as f32;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let [q, k, v] = &layer.qkv.forward(&h)?[..] else {
+                candle_core::bail!("the q/k/v projections gave no three outputs");
+            };
+            let mut parts = Vec::with_capacity(sizes.len());
+            let mut r0 = 0;
+            for &rows in &sizes {
+                parts.push((
+                    q.narrow(0, r0, rows)?,
+                    k.narrow(0, r0, rows)?,
+                    v.narrow(0, r0, rows)?,
+                ));
+                r0 += rows;
+            }
+            // Groups attend independently: spread them over the compute threads.
+            let ys = caches
+                .par_iter_mut()
+                .zip(parts.par_iter())
+                .zip(trig.par_iter())
+                .map(|((cache, (q, k, v)), (cos, sin))| {
+                    self.attend(i, q, k, v, cos, sin, None, cache)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let y = if ys.len() == 1 {
+                ys.into_iter().next().expect("one group")
+            } else {
+                Tensor::cat(&ys, 0)?
+            };
+            x = (x + layer.wo.forward(&y)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
+                candle_core::bail!("the gate/up projections gave no two outputs");
+            };
+            x = (x + layer.w_down.forward(&(gate.silu()? * up)?)?)?;
+        }
+        for c in caches.iter_mut() {
+            c.len += 1;
+        }
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        let logits = self.lm_head.forward(&x)?.squeeze(1)?;
+        let mut out = Vec::with_capacity(sizes.len());
+        let mut r0 = 0;
+        for &rows in &sizes {
+            out.push(logits.narrow(0, r0, rows)?);
+            r0 += rows;
+        }
+        Ok(out)
     }
 
     /// Vocabulary-sized logits of the last position for a plain token sequence (batch 1).

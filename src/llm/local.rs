@@ -1,18 +1,20 @@
 //! The local candle engine as a [`ChatBackend`]. All local model work in a process runs on one
-//! worker thread, fed by a queue: concurrent callers are served in turn, and two models never
-//! compete for the same cores (candle's CPU kernels spin-wait, DESIGN §8). A model spec loaded
+//! worker thread, fed by a queue, so two models never compete for the same cores (candle's CPU
+//! kernels spin-wait, DESIGN §8). Generations are batched continuously: a request joins the
+//! running decode batch at the next token boundary while the batch has room
+//! ([`LocalBackend::set_max_batch`]) and leaves it when done or abandoned. A model spec loaded
 //! twice with the same options is loaded once.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, OnceLock, Weak};
 
 use async_trait::async_trait;
 
 pub use super::engine::LoadOptions;
-use super::engine::{CancelFlag, Engine, EngineError, GenParams};
+use super::engine::{CancelFlag, Engine, EngineError, GenOutput, GenParams, GenState, TokenSink};
 use super::spec::{resolve_local, ModelSpec, SpecError};
 use super::{
     BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, ContextLimits,
@@ -27,7 +29,31 @@ pub enum LocalLoadError {
     Engine(#[from] EngineError),
 }
 
-type Job = Box<dyn FnOnce() + Send>;
+/// Work for the model thread: a plain job (loading, scoring) runs on its own; generations
+/// join the running decode batch.
+enum Job {
+    Run(Box<dyn FnOnce() + Send>),
+    Generate(Box<GenJob>),
+}
+
+/// One chat request for the scheduler.
+struct GenJob {
+    engine: Arc<Engine>,
+    messages: Vec<ChatMessage>,
+    params: GenParams,
+    strict_max_tokens: bool,
+    cancel: CancelFlag,
+    counters: Arc<Counters>,
+    /// Rows this request's backend lets the batch hold (see [`LocalBackend::set_max_batch`]).
+    max_batch: usize,
+    stream: Option<TokenSink>,
+    reply: tokio::sync::oneshot::Sender<Result<GenOutput, EngineError>>,
+}
+
+/// Rows (samples being decoded, over all requests) one decode batch holds unless a backend
+/// says otherwise: enough for the concurrency of a pipeline turn (N candidates × S futures)
+/// while a step of the default model stays a small fraction of a second.
+pub const DEFAULT_MAX_BATCH: usize = 16;
 
 fn worker() -> &'static mpsc::Sender<Job> {
     static WORKER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
@@ -35,16 +61,196 @@ fn worker() -> &'static mpsc::Sender<Job> {
         let (tx, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("collabllm-model".into())
-            .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    // A panicking job must not take the queue down with it; its caller sees
-                    // the dropped reply channel.
-                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-                }
-            })
+            .spawn(move || Scheduler::default().run(&rx))
             .expect("spawning the model worker thread");
         tx
     })
+}
+
+/// A generation in the decode batch.
+struct Active {
+    job: Box<GenJob>,
+    state: GenState,
+}
+
+/// Continuous batching on the model thread: requests join the running batch at token
+/// boundaries (prefilled on arrival, in order, while the batch has room) and leave when
+/// done or when their caller leaves; one decode step per loaded model and round.
+#[derive(Default)]
+struct Scheduler {
+    pending: std::collections::VecDeque<Box<GenJob>>,
+    active: Vec<Active>,
+}
+
+impl Scheduler {
+    fn run(mut self, rx: &mpsc::Receiver<Job>) {
+        loop {
+            let idle = self.active.is_empty() && self.pending.is_empty();
+            let first = if idle {
+                match rx.recv() {
+                    Ok(job) => Some(job),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            for job in first.into_iter().chain(rx.try_iter()) {
+                match job {
+                    // A panicking job must not take the thread down with it; its caller
+                    // sees the dropped reply channel.
+                    Job::Run(f) => {
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+                    }
+                    Job::Generate(g) => self.pending.push_back(g),
+                }
+            }
+            self.admit();
+            self.step();
+        }
+    }
+
+    fn rows_in_use(&self) -> usize {
+        self.active.iter().map(|a| a.state.rows()).sum()
+    }
+
+    /// Starts queued requests, oldest first, while their rows fit the batch (a request
+    /// larger than the cap runs when the batch is empty). Requests whose caller left are
+    /// skipped.
+    fn admit(&mut self) {
+        while let Some(job) = self.pending.front() {
+            if job.cancel.is_cancelled() {
+                let job = self.pending.pop_front().expect("front exists");
+                let err = skip(&job);
+                let _ = job.reply.send(Err(err));
+                continue;
+            }
+            let used = self.rows_in_use();
+            if used > 0 && used + job.params.n > job.max_batch {
+                return;
+            }
+            let mut job = self.pending.pop_front().expect("front exists");
+            let started =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start(&mut job)));
+            match started {
+                Ok(Ok(state)) => self.active.push(Active { job, state }),
+                Ok(Err(e)) => {
+                    let _ = job.reply.send(Err(e));
+                }
+                Err(_) => {} // the reply channel drops: "the model worker panicked"
+            }
+        }
+    }
+
+    /// One decode step for every model with generations in flight; finished and abandoned
+    /// generations leave the batch and are answered.
+    fn step(&mut self) {
+        self.retire_done();
+        if self.active.is_empty() {
+            return;
+        }
+        // Group by model: rows of different models never share a forward pass.
+        let mut engines: Vec<Arc<Engine>> = Vec::new();
+        for a in &self.active {
+            if !engines.iter().any(|e| Arc::ptr_eq(e, &a.job.engine)) {
+                engines.push(a.job.engine.clone());
+            }
+        }
+        for engine in engines {
+            let mut states: Vec<&mut GenState> = self
+                .active
+                .iter_mut()
+                .filter(|a| Arc::ptr_eq(&a.job.engine, &engine))
+                .map(|a| &mut a.state)
+                .collect();
+            let stepped =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step(&mut states)));
+            drop(states);
+            let failure = match stepped {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => None,
+            };
+            // The batch's forward pass failed: every generation in it fails with it.
+            let (failed, kept): (Vec<Active>, Vec<Active>) = std::mem::take(&mut self.active)
+                .into_iter()
+                .partition(|a| Arc::ptr_eq(&a.job.engine, &engine));
+            self.active = kept;
+            for a in failed {
+                if let Some(message) = &failure {
+                    let _ = a.job.reply.send(Err(EngineError::Generate {
+                        model: engine.name().to_string(),
+                        message: message.clone(),
+                    }));
+                }
+            }
+        }
+        self.retire_done();
+    }
+
+    /// Answers the generations that finished or whose caller left (at the token boundary).
+    fn retire_done(&mut self) {
+        let mut i = 0;
+        while i < self.active.len() {
+            let a = &self.active[i];
+            if a.job.cancel.is_cancelled() || a.state.is_finished() {
+                retire(self.active.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+/// The answer to a request whose caller left before it started.
+fn skip(job: &GenJob) -> EngineError {
+    Counters::add(&job.counters.skipped, 1);
+    tracing::info!(
+        model = job.engine.name(),
+        "skipped a queued request: its client left"
+    );
+    job.engine.cancelled(0)
+}
+
+/// Encodes and prefills a request (refused when a strict `max_tokens` does not fit beside
+/// the prompt).
+fn start(job: &mut GenJob) -> Result<GenState, EngineError> {
+    let engine = &job.engine;
+    let prompt = engine.encode_chat(&job.messages)?;
+    let context = engine.context_length();
+    if job.strict_max_tokens && prompt.len() + job.params.max_new_tokens > context {
+        return Err(EngineError::NoRoomForMaxTokens {
+            model: engine.name().to_string(),
+            prompt: prompt.len(),
+            max_tokens: job.params.max_new_tokens,
+            context,
+        });
+    }
+    Counters::add(&job.counters.started, 1);
+    let mut state = engine.start(&prompt, &job.params)?;
+    if let Some(sink) = job.stream.take() {
+        state.set_stream(sink);
+    }
+    Ok(state)
+}
+
+/// Answers a generation that left the batch: finished, or stopped because its caller left.
+fn retire(a: Active) {
+    let Active { job, state } = a;
+    let out = if state.is_finished() {
+        job.engine.finish(state)
+    } else {
+        let tokens = state.generated();
+        Counters::add(&job.counters.cancelled, 1);
+        Counters::add(&job.counters.cancelled_tokens, tokens as u64);
+        tracing::info!(
+            model = job.engine.name(),
+            tokens,
+            max_tokens = job.params.max_new_tokens,
+            "generation stopped: its client left"
+        );
+        Err(job.engine.cancelled(tokens))
+    };
+    let _ = job.reply.send(out);
 }
 
 /// Sets the flag when dropped: dropping the future that waits for a job (an HTTP client that
@@ -58,20 +264,16 @@ impl Drop for CancelOnDrop {
 }
 
 /// Runs `f` on the model worker thread and waits for its result without blocking the runtime.
-/// `f` gets a flag that is set once nobody waits for its result any more.
 async fn on_worker<T: Send + 'static>(
     what: &str,
-    f: impl FnOnce(&CancelFlag) -> T + Send + 'static,
+    f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, String> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let cancel = CancelFlag::default();
-    let job_cancel = cancel.clone();
     worker()
-        .send(Box::new(move || {
-            let _ = tx.send(f(&job_cancel));
-        }))
+        .send(Job::Run(Box::new(move || {
+            let _ = tx.send(f());
+        })))
         .map_err(|_| format!("{what}: the model worker has stopped"))?;
-    let _cancel_on_drop = CancelOnDrop(cancel);
     rx.await
         .map_err(|_| format!("{what}: the model worker panicked"))
 }
@@ -128,6 +330,7 @@ pub struct LocalBackend {
     id: BackendId,
     engine: Arc<Engine>,
     counters: Arc<Counters>,
+    max_batch: AtomicUsize,
 }
 
 impl LocalBackend {
@@ -148,7 +351,7 @@ impl LocalBackend {
             Some(e) => e,
             None => {
                 let opts = *opts;
-                let loaded = on_worker("loading", move |_| Engine::load(&files, &opts))
+                let loaded = on_worker("loading", move || Engine::load(&files, &opts))
                     .await
                     .map_err(|message| EngineError::Load {
                         path: path.clone(),
@@ -173,7 +376,19 @@ impl LocalBackend {
             },
             engine,
             counters: Arc::default(),
+            max_batch: AtomicUsize::new(DEFAULT_MAX_BATCH),
         }))
+    }
+
+    /// Caps the rows (samples, over all requests in flight) that the decode batch may hold
+    /// while this backend's requests join it; 1 serves one request at a time. A request
+    /// with more samples than the cap runs alone.
+    pub fn set_max_batch(&self, rows: usize) {
+        self.max_batch.store(rows.max(1), Ordering::Relaxed);
+    }
+
+    pub fn max_batch(&self) -> usize {
+        self.max_batch.load(Ordering::Relaxed)
     }
 
     /// What this backend's generation jobs came to so far.
@@ -192,6 +407,7 @@ impl LocalBackend {
             },
             engine,
             counters: Arc::default(),
+            max_batch: AtomicUsize::new(DEFAULT_MAX_BATCH),
         })
     }
 
@@ -200,6 +416,73 @@ impl LocalBackend {
     }
     pub fn engine(&self) -> &Arc<Engine> {
         &self.engine
+    }
+
+    /// Hands a chat request to the scheduler and waits for it; dropping the future cancels
+    /// it (skipped if not started, stopped at the next token otherwise).
+    async fn generate(
+        &self,
+        req: &ChatRequest,
+        stream: Option<TokenSink>,
+    ) -> Result<ChatResponse, LlmError> {
+        req.validate()?;
+        let params = GenParams {
+            temperature: req.temperature,
+            top_p: req.top_p,
+            max_new_tokens: req.max_tokens,
+            stop: req.stop.clone(),
+            seed: req.seed,
+            n: req.n,
+            ignore_eos: false,
+        };
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let cancel = CancelFlag::default();
+        let job = GenJob {
+            engine: self.engine.clone(),
+            messages: req.messages.clone(),
+            params,
+            strict_max_tokens: req.strict_max_tokens,
+            cancel: cancel.clone(),
+            counters: self.counters.clone(),
+            max_batch: self.max_batch(),
+            stream,
+            reply,
+        };
+        Counters::add(&self.counters.queued, 1);
+        worker()
+            .send(Job::Generate(Box::new(job)))
+            .map_err(|_| self.local_err("generation: the model worker has stopped"))?;
+        let _cancel_on_drop = CancelOnDrop(cancel);
+        let out = rx
+            .await
+            .map_err(|_| self.local_err("generation: the model worker panicked"))?
+            .map_err(|e| to_llm_error(self.engine.name(), e))?;
+        if out.samples.iter().any(|s| s.text.trim().is_empty()) {
+            return Err(LlmError::EmptyReply {
+                backend: self.id.to_string(),
+                attempts: 1,
+            });
+        }
+        let completion_tokens = out.samples.iter().map(|s| s.tokens as u64).sum();
+        Ok(ChatResponse {
+            choices: out
+                .samples
+                .into_iter()
+                .enumerate()
+                .map(|(index, s)| Choice {
+                    index,
+                    content: s.text,
+                    finish_reason: s.finish,
+                })
+                .collect(),
+            usage: TokenUsage {
+                prompt_tokens: out.prompt_tokens as u64,
+                completion_tokens,
+            },
+            model: self.engine.name().to_string(),
+            retries: 0,
+            cached: false,
+        })
     }
 
     fn local_err(&self, e: impl std::fmt::Display) -> LlmError {
@@ -231,53 +514,6 @@ fn to_llm_error(model: &str, e: EngineError) -> LlmError {
     }
 }
 
-/// One chat request on the worker thread: skipped when its caller already left, refused when
-/// a strict `max_tokens` does not fit beside the prompt, cancelled at the next token when the
-/// caller leaves mid-way.
-fn run_chat(
-    engine: &Engine,
-    messages: &[ChatMessage],
-    params: &GenParams,
-    strict_max_tokens: bool,
-    cancel: &CancelFlag,
-    counters: &Counters,
-) -> Result<super::engine::GenOutput, EngineError> {
-    if cancel.is_cancelled() {
-        Counters::add(&counters.skipped, 1);
-        tracing::info!(
-            model = engine.name(),
-            "skipped a queued request: its client left"
-        );
-        return Err(EngineError::Cancelled {
-            model: engine.name().to_string(),
-            tokens: 0,
-        });
-    }
-    let prompt = engine.encode_chat(messages)?;
-    let context = engine.context_length();
-    if strict_max_tokens && prompt.len() + params.max_new_tokens > context {
-        return Err(EngineError::NoRoomForMaxTokens {
-            model: engine.name().to_string(),
-            prompt: prompt.len(),
-            max_tokens: params.max_new_tokens,
-            context,
-        });
-    }
-    Counters::add(&counters.started, 1);
-    let out = engine.generate_cancellable(&prompt, params, cancel);
-    if let Err(EngineError::Cancelled { tokens, .. }) = &out {
-        Counters::add(&counters.cancelled, 1);
-        Counters::add(&counters.cancelled_tokens, *tokens as u64);
-        tracing::info!(
-            model = engine.name(),
-            tokens,
-            max_tokens = params.max_new_tokens,
-            "generation stopped: its client left"
-        );
-    }
-    out
-}
-
 #[async_trait]
 impl ChatBackend for LocalBackend {
     fn id(&self) -> &BackendId {
@@ -292,53 +528,20 @@ impl ChatBackend for LocalBackend {
     }
 
     async fn chat(&self, req: &ChatRequest) -> Result<ChatResponse, LlmError> {
-        req.validate()?;
-        let engine = self.engine.clone();
-        let messages = req.messages.clone();
-        let params = GenParams {
-            temperature: req.temperature,
-            top_p: req.top_p,
-            max_new_tokens: req.max_tokens,
-            stop: req.stop.clone(),
-            seed: req.seed,
-            n: req.n,
-            ignore_eos: false,
-        };
-        let counters = self.counters.clone();
-        let strict = req.strict_max_tokens;
-        Counters::add(&self.counters.queued, 1);
-        let out = on_worker("generation", move |cancel| {
-            run_chat(&engine, &messages, &params, strict, cancel, &counters)
-        })
+        self.generate(req, None).await
+    }
+
+    async fn chat_stream(
+        &self,
+        req: &ChatRequest,
+        sink: &super::DeltaSink,
+    ) -> Result<ChatResponse, LlmError> {
+        let sink = sink.clone();
+        self.generate(
+            req,
+            Some(Box::new(move |i: usize, text: &str| sink.send(i, text))),
+        )
         .await
-        .map_err(|e| self.local_err(e))?
-        .map_err(|e| to_llm_error(self.engine.name(), e))?;
-        if out.samples.iter().any(|s| s.text.trim().is_empty()) {
-            return Err(LlmError::EmptyReply {
-                backend: self.id.to_string(),
-                attempts: 1,
-            });
-        }
-        let completion_tokens = out.samples.iter().map(|s| s.tokens as u64).sum();
-        Ok(ChatResponse {
-            choices: out
-                .samples
-                .into_iter()
-                .enumerate()
-                .map(|(index, s)| Choice {
-                    index,
-                    content: s.text,
-                    finish_reason: s.finish,
-                })
-                .collect(),
-            usage: TokenUsage {
-                prompt_tokens: out.prompt_tokens as u64,
-                completion_tokens,
-            },
-            model: self.engine.name().to_string(),
-            retries: 0,
-            cached: false,
-        })
     }
 
     async fn option_probs(
@@ -349,7 +552,7 @@ impl ChatBackend for LocalBackend {
     ) -> Result<OptionProbs, LlmError> {
         let engine = self.engine.clone();
         let (messages, prefix, options) = (messages.to_vec(), prefix.to_string(), options.to_vec());
-        on_worker("scoring", move |_| {
+        on_worker("scoring", move || {
             engine.option_probs(&messages, &prefix, &options)
         })
         .await

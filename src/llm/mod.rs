@@ -348,6 +348,21 @@ pub trait ChatBackend: Send + Sync {
         None
     }
 
+    /// [`ChatBackend::chat`] that also sends each choice's text to `sink` as it is
+    /// generated. The default sends each whole choice once the answer is complete; local
+    /// models send it token by token.
+    async fn chat_stream(
+        &self,
+        req: &ChatRequest,
+        sink: &DeltaSink,
+    ) -> Result<ChatResponse, LlmError> {
+        let resp = self.chat(req).await?;
+        for c in &resp.choices {
+            sink.send(c.index, &c.content);
+        }
+        Ok(resp)
+    }
+
     /// Probability distribution over `options` for the token that follows `prefix` appended
     /// to the assistant turn of `messages` (log-probability judging). Only local models can
     /// answer; the default says so.
@@ -365,3 +380,23 @@ pub trait ChatBackend: Send + Sync {
 }
 
 pub type SharedBackend = Arc<dyn ChatBackend>;
+
+/// Where [`ChatBackend::chat_stream`] sends text as it is generated: (choice index, new
+/// text); the pieces of a choice concatenate to its final content.
+#[derive(Clone, Debug)]
+pub struct DeltaSink(tokio::sync::mpsc::UnboundedSender<(usize, String)>);
+
+impl DeltaSink {
+    pub fn channel() -> (Self, tokio::sync::mpsc::UnboundedReceiver<(usize, String)>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (Self(tx), rx)
+    }
+
+    /// Sends a piece of choice `index`'s text (nothing for an empty piece, or once the
+    /// receiver is gone).
+    pub fn send(&self, index: usize, text: &str) {
+        if !text.is_empty() {
+            let _ = self.0.send((index, text.to_string()));
+        }
+    }
+}

@@ -782,6 +782,9 @@ async fn chat_completions(
     if let Some(limits) = state.backend.context_limits() {
         check_context(&parsed, limits)?;
     }
+    if parsed.stream && !parsed.response_format.wants_json() {
+        return live_stream(&state, &parsed).await;
+    }
     // Dropping this future (the client disconnected) cancels the generation.
     let mut resp = state
         .backend
@@ -833,10 +836,52 @@ async fn chat_completions(
     Ok(response)
 }
 
-/// The finished answer as an SSE stream: per choice one chunk with the role and the whole
-/// content and one with its finish reason, then (if asked) a usage chunk, then `[DONE]`.
-/// True token-by-token streaming would need the engine to hand out tokens as they are
-/// sampled (a streaming method on `ChatBackend`); the wire format would stay the same.
+/// Writes the chunks of one streamed completion.
+#[derive(Clone)]
+struct ChunkWriter {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl ChunkWriter {
+    fn event(&self, choices: Vec<Value>, usage: Option<Usage>) -> Event {
+        let c = Chunk {
+            id: &self.id,
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage,
+            system_fingerprint: None,
+        };
+        Event::default().data(serde_json::to_string(&c).expect("chunk serializes"))
+    }
+
+    /// A piece of choice `index`'s text; the choice's first piece also carries the role.
+    fn delta(&self, index: usize, text: &str, first: bool) -> Event {
+        let delta = if first {
+            json!({"role": "assistant", "content": text})
+        } else {
+            json!({"content": text})
+        };
+        self.event(
+            vec![json!({"index": index, "delta": delta, "finish_reason": null, "logprobs": null})],
+            None,
+        )
+    }
+
+    fn finish(&self, index: usize, reason: &str) -> Event {
+        self.event(
+            vec![json!({"index": index, "delta": {}, "finish_reason": reason, "logprobs": null})],
+            None,
+        )
+    }
+}
+
+/// The finished answer as an SSE stream (JSON response formats, whose reply is checked
+/// before anything is sent): per choice one chunk with the role and the whole content and
+/// one with its finish reason, then (if asked) a usage chunk, then `[DONE]`.
 fn stream_response(
     id: &str,
     created: u64,
@@ -844,45 +889,154 @@ fn stream_response(
     resp: &ChatResponse,
     include_usage: bool,
 ) -> Response {
-    let chunk = |choices: Vec<Value>, usage: Option<Usage>| {
-        let c = Chunk {
-            id,
-            object: "chat.completion.chunk",
-            created,
-            model,
-            choices,
-            usage,
-            system_fingerprint: None,
-        };
-        Event::default().data(serde_json::to_string(&c).expect("chunk serializes"))
+    let w = ChunkWriter {
+        id: id.to_string(),
+        created,
+        model: model.to_string(),
     };
     let mut events = Vec::with_capacity(2 * resp.choices.len() + 2);
     for (i, c) in resp.choices.iter().enumerate() {
-        events.push(chunk(
-            vec![json!({
-                "index": i,
-                "delta": {"role": "assistant", "content": c.content},
-                "finish_reason": null,
-                "logprobs": null,
-            })],
-            None,
-        ));
-        events.push(chunk(
-            vec![json!({
-                "index": i,
-                "delta": {},
-                "finish_reason": c.finish_reason.as_str(),
-                "logprobs": null,
-            })],
-            None,
-        ));
+        events.push(w.delta(i, &c.content, true));
+        events.push(w.finish(i, c.finish_reason.as_str()));
     }
     if include_usage {
-        events.push(chunk(Vec::new(), Some(Usage::of(resp))));
+        events.push(w.event(Vec::new(), Some(Usage::of(resp))));
     }
     events.push(Event::default().data("[DONE]"));
     let stream = futures::stream::iter(events.into_iter().map(Ok::<_, std::convert::Infallible>));
     Sse::new(stream).into_response()
+}
+
+type ChatFuture = std::pin::Pin<Box<dyn Future<Output = Result<ChatResponse, LlmError>> + Send>>;
+
+/// A streamed completion in flight: the generation's future (polled by the response body,
+/// so a client that disconnects drops it and the generation stops at the next token), the
+/// text it sends, and the chunks not yet written.
+struct LiveStream {
+    gen: Option<ChatFuture>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<(usize, String)>,
+    writer: ChunkWriter,
+    include_usage: bool,
+    /// Text sent so far, per choice.
+    sent: Vec<String>,
+    queue: std::collections::VecDeque<Event>,
+}
+
+impl LiveStream {
+    fn push_delta(&mut self, index: usize, text: &str) {
+        let Some(sent) = self.sent.get_mut(index) else {
+            return;
+        };
+        let first = sent.is_empty();
+        sent.push_str(text);
+        self.queue.push_back(self.writer.delta(index, text, first));
+    }
+
+    fn push_end(&mut self, result: Result<ChatResponse, LlmError>) {
+        while let Ok((i, text)) = self.rx.try_recv() {
+            self.push_delta(i, &text);
+        }
+        match result {
+            Ok(resp) => {
+                for (i, c) in resp.choices.iter().enumerate() {
+                    // What the pieces did not carry (a backend that sends nothing while it
+                    // works): the rest of the final content.
+                    let sent = self.sent.get(i).map_or("", String::as_str);
+                    let rest = c.content.strip_prefix(sent).unwrap_or("");
+                    if !rest.is_empty() || sent.is_empty() {
+                        let first = sent.is_empty();
+                        self.queue.push_back(self.writer.delta(i, rest, first));
+                    }
+                    self.queue
+                        .push_back(self.writer.finish(i, c.finish_reason.as_str()));
+                }
+                if self.include_usage {
+                    self.queue
+                        .push_back(self.writer.event(Vec::new(), Some(Usage::of(&resp))));
+                }
+                self.queue.push_back(Event::default().data("[DONE]"));
+                tracing::info!(
+                    prompt_tokens = resp.usage.prompt_tokens,
+                    completion_tokens = resp.usage.completion_tokens,
+                    "stream finished"
+                );
+            }
+            // The status line is long gone: the error goes in the stream, OpenAI-shaped.
+            Err(e) => {
+                let err = ApiError::from_llm(&e);
+                tracing::warn!(error = %err.message, "stream failed");
+                let body = json!({"error": {"message": err.message, "type": err.kind,
+                                            "param": err.param, "code": err.code}});
+                self.queue
+                    .push_back(Event::default().data(body.to_string()));
+            }
+        }
+    }
+
+    /// The next event: queued chunks first, then whatever the generation does next.
+    async fn next(&mut self) -> Option<Event> {
+        loop {
+            if let Some(ev) = self.queue.pop_front() {
+                return Some(ev);
+            }
+            let gen = self.gen.as_mut()?;
+            tokio::select! {
+                biased;
+                Some((i, text)) = self.rx.recv() => self.push_delta(i, &text),
+                result = gen => {
+                    self.gen = None;
+                    self.push_end(result);
+                }
+            }
+        }
+    }
+}
+
+/// Token-by-token streaming: each piece of text goes out as one chunk as soon as the backend
+/// produces it. An error before the first piece is an ordinary JSON error with its status.
+async fn live_stream(state: &AppState, parsed: &ParsedRequest) -> Result<Response, ApiError> {
+    let (sink, rx) = crate::llm::DeltaSink::channel();
+    let backend = state.backend.clone();
+    let request = parsed.request.clone();
+    let gen: ChatFuture = Box::pin(async move { backend.chat_stream(&request, &sink).await });
+    let mut live = LiveStream {
+        gen: Some(gen),
+        rx,
+        writer: ChunkWriter {
+            id: completion_id(),
+            created: unix_now(),
+            model: state.names.id().to_string(),
+        },
+        include_usage: parsed.include_usage,
+        sent: vec![String::new(); parsed.request.n],
+        queue: Default::default(),
+    };
+    // Wait for the first piece of text (or the end) before answering with a status.
+    if let Some(gen) = live.gen.as_mut() {
+        tokio::select! {
+            biased;
+            Some((i, text)) = live.rx.recv() => live.push_delta(i, &text),
+            result = gen => {
+                live.gen = None;
+                match result {
+                    Err(e) => return Err(ApiError::from_llm(&e)),
+                    ok => live.push_end(ok),
+                }
+            }
+        }
+    }
+    let stream = futures::stream::unfold(live, |mut live| async move {
+        let ev = live.next().await?;
+        Some((Ok::<_, std::convert::Infallible>(ev), live))
+    });
+    let mut response = Sse::new(stream).into_response();
+    response.extensions_mut().insert(ChatStats {
+        n: parsed.request.n,
+        stream: true,
+        prompt_tokens: 0,
+        completion_tokens: 0,
+    });
+    Ok(response)
 }
 
 /// What the chat handler tells the access log about a completed request.

@@ -41,3 +41,69 @@ pub fn default_model_path() -> PathBuf {
         panic!("{e}\n(CI fetches it in .ci/run; locally run `bash scripts/fetch_default_model.sh`)")
     })
 }
+
+/// Continuous batching keeps every request's tokens: three requests with different prompt
+/// lengths (so different positions), sample counts and sampling settings join one decode
+/// batch at steps 0, 3 and 7 (the first still decoding: it ignores end-of-turn), and each
+/// gives exactly what it gives alone.
+pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::llm::engine::Engine) {
+    use collabllm::llm::engine::{GenParams, GenState};
+    use collabllm::llm::ChatMessage;
+    let prompt = |text: &str| {
+        engine
+            .encode(&engine.render(&[ChatMessage::user(text)]).unwrap())
+            .unwrap()
+    };
+    let params = |n, temperature, seed, ignore_eos| GenParams {
+        temperature,
+        top_p: 0.9,
+        max_new_tokens: 24,
+        stop: Vec::new(),
+        seed: Some(seed),
+        n,
+        ignore_eos,
+    };
+    let cases = [
+        (0, prompt("Tell me about the sea."), params(1, 0.0, 1, true)),
+        (3, prompt("Hi"), params(3, 1.0, 7, false)),
+        (
+            7,
+            prompt("Write a long story about three ships, a lighthouse and a storm at night."),
+            params(2, 0.0, 3, false),
+        ),
+    ];
+    let alone: Vec<_> = cases
+        .iter()
+        .map(|(_, p, g)| engine.generate(p, g).unwrap().samples)
+        .collect();
+    let mut states: Vec<Option<GenState>> = cases.iter().map(|_| None).collect();
+    let mut step = 0;
+    loop {
+        for (i, (at, p, g)) in cases.iter().enumerate() {
+            if *at == step {
+                if i > 0 {
+                    let first = states[0].as_ref().unwrap();
+                    assert!(
+                        !first.is_finished(),
+                        "the first request ended before {i} joined"
+                    );
+                }
+                states[i] = Some(engine.start(p, g).unwrap());
+            }
+        }
+        let mut live: Vec<&mut GenState> = states
+            .iter_mut()
+            .flatten()
+            .filter(|s| !s.is_finished())
+            .collect();
+        if live.is_empty() && step > cases[2].0 {
+            break;
+        }
+        engine.step(&mut live).unwrap();
+        step += 1;
+    }
+    for (i, (state, alone)) in states.into_iter().zip(alone).enumerate() {
+        let batched = engine.finish(state.unwrap()).unwrap().samples;
+        assert_eq!(batched, alone, "request {i}");
+    }
+}

@@ -1,0 +1,154 @@
+//! The continuous-batching benchmark: `c` clients each send `rounds` greedy chat requests,
+//! one after another, for each concurrency `c`; reports aggregate generated tokens/s and
+//! mean request latency. The clients talk to the local backend in this process (the
+//! scheduler `serve` uses; peak RSS reported) or, with `--endpoint`, to any OpenAI-compatible
+//! server (an older `serve` binary, llama.cpp's server) over HTTP.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use collabllm::llm::engine::ChatCodec;
+use collabllm::llm::local::{LoadOptions, LocalBackend};
+use collabllm::llm::spec::resolve_local;
+use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, ModelSpec};
+
+pub struct Params {
+    pub model: ModelSpec,
+    pub endpoint: Option<String>,
+    pub concurrency: Vec<usize>,
+    pub max_batch: usize,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub rounds: usize,
+}
+
+/// Where the requests go.
+#[derive(Clone)]
+enum Target {
+    Local(Arc<LocalBackend>),
+    /// `POST {base}/chat/completions`.
+    Http(reqwest::Client, String),
+}
+
+impl Target {
+    /// Completion tokens of one greedy request.
+    async fn ask(&self, message: &str, max_tokens: usize) -> anyhow::Result<u64> {
+        match self {
+            Target::Local(b) => {
+                let req = ChatRequest::new(vec![ChatMessage::user(message)])
+                    .temperature(0.0)
+                    .max_tokens(max_tokens);
+                Ok(b.chat(&req).await?.usage.completion_tokens)
+            }
+            Target::Http(client, base) => {
+                let body = serde_json::json!({"messages": [{"role": "user", "content": message}],
+                                              "temperature": 0, "max_tokens": max_tokens});
+                let url = format!("{base}/chat/completions");
+                let resp: serde_json::Value = client
+                    .post(&url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .with_context(|| format!("POST {url}"))?
+                    .error_for_status()
+                    .with_context(|| format!("POST {url}"))?
+                    .json()
+                    .await
+                    .with_context(|| format!("reading the answer of {url}"))?;
+                resp["usage"]["completion_tokens"]
+                    .as_u64()
+                    .with_context(|| format!("{url}: no usage.completion_tokens in {resp}"))
+            }
+        }
+    }
+}
+
+/// The user message of client `i`: its own opening, then filler up to about `target` prompt
+/// tokens, then a request for a long answer (so replies rarely end before `max_tokens`).
+fn message(codec: &ChatCodec, i: usize, target: usize) -> anyhow::Result<String> {
+    let sentence = "The committee reviewed the quarterly report on river water quality, \
+                    noting that nitrate levels fell while turbidity rose after the spring floods. ";
+    let ask = "Write a long, detailed essay about what the report means for the town.";
+    let mut text = format!("Report number {i}. ");
+    loop {
+        let full = format!("{text}{ask}");
+        let ids = codec
+            .encode(&codec.render(&[ChatMessage::user(full.clone())], true)?)
+            .map_err(anyhow::Error::msg)?;
+        if ids.len() >= target {
+            return Ok(full);
+        }
+        text.push_str(sentence);
+    }
+}
+
+pub async fn run(p: Params) -> anyhow::Result<()> {
+    let codec = ChatCodec::load(&resolve_local(&p.model).await?)?;
+    let (target, name) = match &p.endpoint {
+        None => {
+            let backend = LocalBackend::load(&p.model, &LoadOptions::default()).await?;
+            backend.set_max_batch(p.max_batch);
+            let name = backend.model_name();
+            (Target::Local(backend), name)
+        }
+        Some(url) => {
+            let base = url.trim_end_matches('/').to_string();
+            (Target::Http(reqwest::Client::new(), base), url.clone())
+        }
+    };
+    let most = p.concurrency.iter().copied().max().unwrap_or(1);
+    let messages = (0..most)
+        .map(|i| message(&codec, i, p.prompt_tokens))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    target.ask(&messages[0], p.new_tokens).await?; // warm-up
+    println!(
+        "{name} · threads {} · max batch {} · ~{} prompt tokens · max_tokens {} · {} rounds",
+        std::env::var("CANDLE_NUM_THREADS").unwrap_or_default(),
+        if p.endpoint.is_some() {
+            "(server's)".to_string()
+        } else {
+            p.max_batch.to_string()
+        },
+        p.prompt_tokens,
+        p.new_tokens,
+        p.rounds
+    );
+    let mut base = None;
+    for &c in &p.concurrency {
+        let started = Instant::now();
+        let clients = messages[..c].iter().map(|m| {
+            let target = target.clone();
+            async move {
+                let (mut tokens, mut latency) = (0u64, 0.0);
+                for _ in 0..p.rounds {
+                    let t = Instant::now();
+                    tokens += target.ask(m, p.new_tokens).await?;
+                    latency += t.elapsed().as_secs_f64();
+                }
+                anyhow::Ok((tokens, latency))
+            }
+        });
+        let done = futures::future::try_join_all(clients).await?;
+        let wall = started.elapsed().as_secs_f64();
+        let tokens: u64 = done.iter().map(|d| d.0).sum();
+        let latency = done.iter().map(|d| d.1).sum::<f64>() / (c * p.rounds) as f64;
+        let tps = tokens as f64 / wall;
+        let speedup = tps / *base.get_or_insert(tps);
+        println!(
+            "concurrency {c:>3}: {tokens:>6} tokens in {wall:>6.1} s = {tps:>7.1} tokens/s \
+             ({speedup:.2}x the first), mean latency {latency:.2} s"
+        );
+        println!(
+            "{}",
+            serde_json::json!({"bench": "serve-throughput", "concurrency": c,
+                "max_batch": p.max_batch, "endpoint": p.endpoint, "tokens": tokens,
+                "wall_s": wall, "tps": tps, "speedup": speedup, "mean_latency_s": latency})
+        );
+    }
+    if p.endpoint.is_none() {
+        let rss = collabllm::cli::peak_rss_bytes().unwrap_or(0) as f64 / 1e6;
+        println!("peak RSS {rss:.0} MB");
+    }
+    Ok(())
+}
