@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use clap::Parser;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
-use collabllm::reward::judge::JudgeMode;
-use collabllm::rollout::user::Sampling;
+use collabllm::reward::judge::{InteractivityScale, JudgeMode};
+use collabllm::rollout::user::{parse_role_max_tokens, Sampling, TokenRole};
 use collabllm::task::TaskType;
 
 /// Multi-turn evaluation: task success, interactivity and cost of chat models in
@@ -105,9 +105,15 @@ struct Args {
     /// Sampling temperature of the evaluated models [default: 1.0].
     #[arg(long, value_name = "T", value_parser = Sampling::TEMPERATURE.parser())]
     temperature: Option<f64>,
-    /// Token cap of one assistant reply [default: 256].
-    #[arg(long, value_name = "N")]
-    max_tokens: Option<usize>,
+    /// Token cap of one reply, repeatable: ROLE=N with ROLE policy (the evaluated models), user,
+    /// judge or extractor; a bare N caps the evaluated models [default: upstream's policy=2048
+    /// user=1024 judge=512 extractor=2048].
+    #[arg(long = "max-tokens", value_name = "ROLE=N", value_parser = parse_eval_max_tokens)]
+    max_tokens: Vec<(TokenRole, usize)>,
+    /// Interactivity judge scale: v2 (0 / 0.5 / 1, upstream CollabLLM), verl, v1 (1–3
+    /// rescaled (x − 2.5)·2) or likert5 (1–5 mapped onto [0, 1]) [default: v2].
+    #[arg(long, value_name = "SCALE")]
+    interactivity_scale: Option<InteractivityScale>,
     /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
     #[arg(long, value_name = "MODE")]
     judge_mode: Option<JudgeMode>,
@@ -135,6 +141,14 @@ struct Args {
     /// Folder of prompt templates replacing the built-in ones (same file names as prompts/).
     #[arg(long, value_name = "DIR")]
     prompts: Option<PathBuf>,
+}
+
+/// `ROLE=N`, or a bare `N` for the evaluated models (the flag's older form).
+fn parse_eval_max_tokens(s: &str) -> Result<(TokenRole, usize), String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) => parse_role_max_tokens(&format!("policy={n}")),
+        Err(_) => parse_role_max_tokens(s),
+    }
 }
 
 fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
@@ -168,13 +182,12 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         oracle,
         objects,
         max_questions,
-        judge_mode
+        judge_mode,
+        interactivity_scale
     );
+    cfg.set_max_tokens(&args.max_tokens);
     if let Some(t) = args.temperature {
         cfg.assistant_sampling.temperature = t as f32;
-    }
-    if let Some(m) = args.max_tokens {
-        cfg.assistant_sampling.max_tokens = m;
     }
     if let Some(v) = args.api_key_env {
         cfg.endpoint.api_key_env = v;

@@ -6,14 +6,16 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
+use collabllm::generate::proactive::ProactiveStyle;
 use collabllm::generate::{self, config, GenerateConfig};
 use collabllm::hub::{self, import};
 use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
-use collabllm::reward::judge::JudgeMode;
+use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
 use collabllm::run::{RunLock, Shutdown};
+use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::task::TaskType;
 
 /// Multiturn-aware rewards → DPO preference pairs (CollabLLM).
@@ -110,9 +112,15 @@ struct Args {
     /// Pairs per turn: best (best vs worst) or all (every pair above the gap) [default: best].
     #[arg(long, value_name = "MODE")]
     pairs: Option<PairMode>,
-    /// Fraction of candidates using the proactive-collaborator prompt [default: 0.5].
+    /// Fraction of candidates drawn with the proactive prompt; int(N·R) of them, as upstream [default: 0.5].
     #[arg(long, value_name = "R", value_parser = config::PROACT_RATIO.parser())]
     proact_ratio: Option<f64>,
+    /// How proactive candidates are prompted: json (upstream's instruction: the conversation in
+    /// one user message, a {current_problem, thought, response} answer of which the response is
+    /// kept), system (a collaborator system prompt before the conversation), auto (json for
+    /// endpoint policies, system for local ones) [default: auto].
+    #[arg(long, value_name = "STYLE")]
+    proactive_style: Option<ProactiveStyle>,
     /// Share of conversations in pairs/test.parquet [default: 0.1].
     #[arg(long, value_name = "F", value_parser = config::TEST_FRACTION.parser())]
     test_fraction: Option<f64>,
@@ -125,6 +133,17 @@ struct Args {
     /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
     #[arg(long, value_name = "MODE")]
     judge_mode: Option<JudgeMode>,
+    /// Interactivity judge scale: v2 (0 / 0.5 / 1, upstream CollabLLM), verl (mean of
+    /// understanding, clarification and suggestion, each in [0, 1]), v1 (1–3 rescaled
+    /// (x − 2.5)·2, the paper-era scripts), likert5 (1–5 mapped onto [0, 1]) [default: v2].
+    #[arg(long, value_name = "SCALE")]
+    interactivity_scale: Option<InteractivityScale>,
+    /// Token cap of one reply, repeatable: ROLE=N with ROLE policy (candidates, and the future
+    /// assistant turns unless assistant= is given), assistant, user, judge or extractor
+    /// [default: upstream's policy=2048 user=1024 judge=512 extractor=2048]. A candidate cut
+    /// at its cap is recorded (finish_reason "length") and counted in the summary.
+    #[arg(long = "max-tokens", value_name = "ROLE=N", value_parser = parse_role_max_tokens)]
+    max_tokens: Vec<(TokenRole, usize)>,
     /// Environment variable holding the API key of OpenAI-compatible endpoints [default: OPENAI_API_KEY].
     #[arg(long, value_name = "VAR")]
     api_key_env: Option<String>,
@@ -187,8 +206,11 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         test_fraction,
         seed,
         concurrency,
-        judge_mode
+        judge_mode,
+        interactivity_scale,
+        proactive_style
     );
+    cfg.set_max_tokens(&args.max_tokens);
     if args.task_type.is_some() {
         cfg.task_type = args.task_type;
     }

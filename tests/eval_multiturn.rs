@@ -192,7 +192,9 @@ async fn math_with_the_tiny_model_summary_matches_transcripts_and_resumes_free()
     }
     let csv = std::fs::read_to_string(out.join("summary.csv")).unwrap();
     assert!(csv.starts_with("model,metric,mean,se,n\n"));
-    assert_eq!(csv.lines().count(), 1 + 6);
+    // The six dialogue metrics plus math's `accuracy_disagree` (judge vs explicit answer).
+    assert_eq!(csv.lines().count(), 1 + 7);
+    assert!(csv.contains(",accuracy_disagree,"), "{csv}");
     let manifest = read_json(&out.join("manifest.json"));
     assert_eq!(manifest["status"], "complete");
     assert!(manifest["finished_at"].is_number());

@@ -221,9 +221,21 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
         .collect();
     assert_eq!(
         variants.iter().filter(|v| **v == "proactive").count(),
-        2,
-        "round(3 × 0.5)"
+        1,
+        "int(3 × 0.5), as upstream"
     );
+    // Candidates cut at the 16-token cap are recorded and counted.
+    let cut = recs
+        .iter()
+        .flat_map(|r| r["turns"].as_array().unwrap())
+        .flat_map(|t| t["candidates"].as_array().unwrap())
+        .filter(|c| c["finish_reason"] == "length")
+        .count();
+    assert!(cut > 0, "a 16-token cap cuts some tiny-model replies");
+    assert_eq!(summary.stats.candidates_truncated, cut);
+    assert!(summary
+        .to_string()
+        .contains(&format!("truncated      {cut} candidate(s)")));
     let session = &turn["candidates"][0]["sessions"][0];
     for m in ["accuracy", "interactivity", "token_amount"] {
         assert!(session["scores"][m]["value"].is_number(), "{m}: {session}");
@@ -737,6 +749,107 @@ async fn out_of_range_numbers_are_refused_at_start_up() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
     assert!(!out_dir.exists(), "a refused run created its output");
+}
+
+/// Upstream's defaults against an endpoint: per-role token caps in every request, the
+/// proactive share asked with the JSON instruction (its `response` is the candidate), and the
+/// interactivity judge on the chosen scale.
+#[tokio::test]
+async fn endpoint_run_uses_upstream_caps_proactive_json_and_the_chosen_scale() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let mut args = endpoint_args(&server, &out, &data("math.jsonl"));
+    args.extend(
+        [
+            "--max-tasks",
+            "1",
+            "--max-tokens",
+            "user=300",
+            "--max-tokens",
+            "judge=77",
+            "--interactivity-scale",
+            "v1",
+        ]
+        .map(String::from),
+    );
+    let run = run_bin(&args).await;
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let bodies: Vec<serde_json::Value> = server.received().into_iter().map(|r| r.body).collect();
+    let prompt = |b: &serde_json::Value| {
+        b["messages"].as_array().unwrap().last().unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let cap = |b: &serde_json::Value| {
+        b["max_completion_tokens"]
+            .as_u64()
+            .or_else(|| b["max_tokens"].as_u64())
+            .unwrap()
+    };
+    let mut seen = HashSet::new();
+    for b in &bodies {
+        let p = prompt(b);
+        let (role, want) = if p.contains("role-playing a USER") {
+            ("user", 300)
+        } else if p.contains("rating how well") || p.contains("grading whether") {
+            ("judge", 77)
+        } else {
+            ("policy", 2048)
+        };
+        assert_eq!(cap(b), want, "{role}: {p}");
+        seen.insert(role);
+        if p.contains("rating how well") {
+            assert!(p.contains("<1, 2 or 3>"), "v1 rubric: {p}");
+        }
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    let json_instructions = bodies
+        .iter()
+        .filter(|b| prompt(b).contains("\"current_problem\""))
+        .count();
+    assert!(
+        json_instructions > 0,
+        "proactive candidates use the JSON instruction"
+    );
+
+    let rec: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(out.join("conversations.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    let cands = rec["turns"][0]["candidates"].as_array().unwrap();
+    let proactive: Vec<&serde_json::Value> = cands
+        .iter()
+        .filter(|c| c["variant"] == "proactive")
+        .collect();
+    assert_eq!(proactive.len(), 1, "int(3 × 0.5)");
+    let text = proactive[0]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("Let me think") && !text.contains("current_problem"),
+        "{text}"
+    );
+    for c in cands {
+        for s in c["sessions"].as_array().unwrap() {
+            let v = s["scores"]["interactivity"]["value"].as_f64().unwrap();
+            assert!(
+                [-3.0, -1.0, 1.0].contains(&v),
+                "v1 scores are (x − 2.5)·2: {v}"
+            );
+        }
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["config"]["interactivity_scale"], "v1");
+    assert_eq!(manifest["config"]["user_sampling"]["max_tokens"], 300);
 }
 
 #[tokio::test]

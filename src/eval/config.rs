@@ -10,8 +10,10 @@ use crate::check::Range;
 use crate::generate::config::SANDBOX_TIMEOUT_S;
 use crate::llm::spec::redact_credentials;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
-use crate::reward::judge::JudgeMode;
-use crate::rollout::user::Sampling;
+use crate::reward::judge::{InteractivityScale, JudgeMode};
+use crate::rollout::user::{
+    Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
+};
 use crate::task::TaskType;
 
 const TEMPERATURE: Range = Sampling::TEMPERATURE;
@@ -358,6 +360,10 @@ pub struct EvalConfig {
     pub judge_retries: u32,
     pub user_retries: u32,
     pub judge_max_tokens: usize,
+    /// Token cap of one extraction (final document or code).
+    pub extractor_max_tokens: usize,
+    /// Rubric and rescaling of the interactivity judge.
+    pub interactivity_scale: InteractivityScale,
     pub assistant_sampling: Sampling,
     pub user_sampling: Sampling,
     /// Token cap of one 20 Questions question (model questioners).
@@ -393,12 +399,14 @@ impl Default for EvalConfig {
             judge_mode: JudgeMode::Auto,
             judge_retries: 3,
             user_retries: 3,
-            judge_max_tokens: 512,
+            judge_max_tokens: JUDGE_MAX_TOKENS,
+            extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
+            interactivity_scale: InteractivityScale::default(),
             assistant_sampling: Sampling::default(),
             user_sampling: Sampling {
                 temperature: 1.0,
                 top_p: 1.0,
-                max_tokens: 128,
+                max_tokens: USER_MAX_TOKENS,
             },
             question_max_tokens: 64,
             endpoint: EndpointOptions::default(),
@@ -450,6 +458,14 @@ impl EvalConfig {
         if self.question_max_tokens == 0 {
             return Err(invalid("question_max_tokens", "must be at least 1"));
         }
+        for (field, n) in [
+            ("judge_max_tokens", self.judge_max_tokens),
+            ("extractor_max_tokens", self.extractor_max_tokens),
+        ] {
+            if n == 0 {
+                return Err(invalid(field, "0: must be at least 1"));
+            }
+        }
         check_prices(&self.prices).map_err(|e| invalid("prices", e))?;
         in_range(
             "sandbox_timeout_s",
@@ -474,6 +490,18 @@ impl EvalConfig {
             }
         }
         Ok(())
+    }
+
+    /// Applies `--max-tokens ROLE=N`: `policy` (and `assistant`) cap the evaluated models.
+    pub fn set_max_tokens(&mut self, caps: &[(TokenRole, usize)]) {
+        for &(role, n) in caps {
+            match role {
+                TokenRole::Policy | TokenRole::Assistant => self.assistant_sampling.max_tokens = n,
+                TokenRole::User => self.user_sampling.max_tokens = n,
+                TokenRole::Judge => self.judge_max_tokens = n,
+                TokenRole::Extractor => self.extractor_max_tokens = n,
+            }
+        }
     }
 
     /// The tasks file: `--tasks`, else `data/<task>.jsonl` (relative to the working directory
@@ -509,6 +537,9 @@ impl EvalConfig {
             "user_sampling": self.user_sampling,
             "question_max_tokens": self.question_max_tokens,
             "prompts": self.prompts,
+            "judge_max_tokens": self.judge_max_tokens,
+            "extractor_max_tokens": self.extractor_max_tokens,
+            "interactivity_scale": self.interactivity_scale,
         })
     }
 }

@@ -125,6 +125,24 @@ impl DialogueRunner {
         for m in judged {
             metrics.insert(m.into(), serde_json::json!(scores[m].value));
         }
+        // Upstream's character-level BLEU of the same extracted document, for the paper's
+        // numbers (`bleu` stays token-level).
+        if let Some(c) = scores
+            .get("bleu")
+            .and_then(|s| s.detail.as_ref())
+            .and_then(|d| d.get("bleu_char"))
+        {
+            metrics.insert("bleu_char".into(), c.clone());
+        }
+        // 1 where the judge and the programmatic check of an explicit final answer disagree,
+        // 0 where they agree, null where either is missing: its mean is the disagreement rate.
+        if let Some(acc) = scores.get("accuracy") {
+            let agree = acc.detail.as_ref().and_then(|d| d["agree"].as_bool());
+            metrics.insert(
+                "accuracy_disagree".into(),
+                serde_json::json!(agree.map(|a| if a { 0.0 } else { 1.0 })),
+            );
+        }
         metrics.insert(
             "tokens_read_k".into(),
             serde_json::json!(read as f64 / 1000.0),

@@ -560,6 +560,8 @@ fn dialogue_jobs(
         mode: cfg.judge_mode,
         retries: cfg.judge_retries,
         max_tokens: cfg.judge_max_tokens,
+        extract_max_tokens: cfg.extractor_max_tokens,
+        interactivity_scale: cfg.interactivity_scale,
     });
     let metric = task_metric(cfg.task).unwrap_or("accuracy");
     let runner = Arc::new(DialogueRunner {

@@ -39,10 +39,22 @@ pub const DIALOGUE_METRICS: &[&str] = &[
     "judge_failures",
 ];
 
+/// Second views of the task metric, reported right after it: math's judge-vs-programmatic
+/// disagreement (mean = rate over conversations with both), doc_edit's character-level BLEU
+/// (upstream's number).
+fn task_metric_companions(task: TaskType) -> &'static [&'static str] {
+    match task {
+        TaskType::Math => &["accuracy_disagree"],
+        TaskType::DocEdit => &["bleu_char"],
+        _ => &[],
+    }
+}
+
 /// Metric names reported for a task, in order.
 pub fn metric_names(task: TaskType) -> Vec<&'static str> {
     match crate::reward::metrics::task_metric(task) {
         Some(m) => std::iter::once(m)
+            .chain(task_metric_companions(task).iter().copied())
             .chain(DIALOGUE_METRICS.iter().copied())
             .collect(),
         None => TWENTY_QUESTIONS_METRICS.to_vec(),

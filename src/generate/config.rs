@@ -6,13 +6,16 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::proactive::ProactiveStyle;
 use crate::check::Range;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
-use crate::reward::judge::JudgeMode;
+use crate::reward::judge::{InteractivityScale, JudgeMode};
 use crate::reward::metrics::check_metric_name;
 use crate::reward::mr::MrFormula;
 use crate::reward::pairs::PairMode;
-use crate::rollout::user::Sampling;
+use crate::rollout::user::{
+    Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
+};
 use crate::task::TaskType;
 
 /// Seconds of wall time of one sandboxed test run: more than 0, at most an hour.
@@ -78,8 +81,12 @@ pub struct GenerateConfig {
     pub max_messages: usize,
     /// Use only the first K tasks.
     pub max_tasks: Option<usize>,
-    /// Fraction of candidates drawn with the proactive-collaborator system prompt.
+    /// Fraction of candidates drawn with the proactive prompt (`int(N · ratio)` of them).
     pub proact_ratio: f64,
+    /// How proactive candidates are prompted: upstream's JSON instruction or a system prompt.
+    pub proactive_style: ProactiveStyle,
+    /// Redraws of a proactive candidate whose JSON answer is unusable (then the system prompt).
+    pub proactive_retries: u32,
     /// Metric weights; empty = the task type's defaults (DESIGN §2).
     pub metrics: BTreeMap<String, f64>,
     pub mr_formula: MrFormula,
@@ -98,7 +105,12 @@ pub struct GenerateConfig {
     pub judge_retries: u32,
     /// Extra user-simulator attempts when an output is unusable.
     pub user_retries: u32,
+    /// Token cap of one judge answer.
     pub judge_max_tokens: usize,
+    /// Token cap of one extraction (final document or code).
+    pub extractor_max_tokens: usize,
+    /// Rubric and rescaling of the interactivity judge.
+    pub interactivity_scale: InteractivityScale,
     pub policy_sampling: Sampling,
     pub user_sampling: Sampling,
     pub assistant_sampling: Sampling,
@@ -131,6 +143,8 @@ impl Default for GenerateConfig {
             max_messages: 14,
             max_tasks: None,
             proact_ratio: 0.5,
+            proactive_style: ProactiveStyle::default(),
+            proactive_retries: 3,
             metrics: BTreeMap::new(),
             mr_formula: MrFormula::Mean,
             min_gap: 0.02,
@@ -142,12 +156,14 @@ impl Default for GenerateConfig {
             judge_mode: JudgeMode::Auto,
             judge_retries: 3,
             user_retries: 3,
-            judge_max_tokens: 512,
+            judge_max_tokens: JUDGE_MAX_TOKENS,
+            extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
+            interactivity_scale: InteractivityScale::default(),
             policy_sampling: Sampling::default(),
             user_sampling: Sampling {
                 temperature: 1.0,
                 top_p: 1.0,
-                max_tokens: 128,
+                max_tokens: USER_MAX_TOKENS,
             },
             assistant_sampling: Sampling::default(),
             endpoint: EndpointOptions::default(),
@@ -215,6 +231,14 @@ impl GenerateConfig {
             check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;
             in_range(&format!("metrics.{name}"), *w, METRIC_WEIGHT)?;
         }
+        for (field, n) in [
+            ("judge_max_tokens", self.judge_max_tokens),
+            ("extractor_max_tokens", self.extractor_max_tokens),
+        ] {
+            if n == 0 {
+                return Err(invalid(field, "0: must be at least 1"));
+            }
+        }
         for (field, s) in [
             ("policy_sampling", &self.policy_sampling),
             ("user_sampling", &self.user_sampling),
@@ -237,9 +261,31 @@ impl GenerateConfig {
         self.assistant.as_ref().unwrap_or(&self.policy)
     }
 
-    /// Candidates per turn drawn with the proactive prompt.
+    /// Candidates per turn drawn with the proactive prompt: `int(N · ratio)` as upstream
+    /// (rounded down, so N = 3 at 0.5 gives 1).
     pub fn proactive_count(&self) -> usize {
-        ((self.candidates as f64) * self.proact_ratio).round() as usize
+        // The same float product and truncation as Python's `int(n * ratio)`, so the count
+        // agrees with upstream even where the product is inexact (100 × 0.57 → 56).
+        ((self.candidates as f64) * self.proact_ratio) as usize
+    }
+
+    /// Applies one `--max-tokens ROLE=N`: `policy` also caps the future assistant turns (the
+    /// same model by default, as upstream shares one setting), unless `assistant` is given.
+    pub fn set_max_tokens(&mut self, caps: &[(TokenRole, usize)]) {
+        for &(role, n) in caps {
+            match role {
+                TokenRole::Policy => {
+                    self.policy_sampling.max_tokens = n;
+                    if !caps.iter().any(|(r, _)| *r == TokenRole::Assistant) {
+                        self.assistant_sampling.max_tokens = n;
+                    }
+                }
+                TokenRole::Assistant => self.assistant_sampling.max_tokens = n,
+                TokenRole::User => self.user_sampling.max_tokens = n,
+                TokenRole::Judge => self.judge_max_tokens = n,
+                TokenRole::Extractor => self.extractor_max_tokens = n,
+            }
+        }
     }
 
     /// The settings that decide what the model calls are; a run directory can only be resumed
@@ -255,6 +301,10 @@ impl GenerateConfig {
             "policy_sampling": self.policy_sampling, "user_sampling": self.user_sampling,
             "assistant_sampling": self.assistant_sampling, "judge_mode": self.judge_mode,
             "prompts": self.prompts,
+            "proactive_style": self.proactive_style,
+            "judge_max_tokens": self.judge_max_tokens,
+            "extractor_max_tokens": self.extractor_max_tokens,
+            "interactivity_scale": self.interactivity_scale,
         })
     }
 }
@@ -275,6 +325,74 @@ mod tests {
         assert_eq!(back, cfg);
         let err = toml::from_str::<GenerateConfig>("candidatez = 3").unwrap_err();
         assert!(err.to_string().contains("candidatez"), "{err}");
+    }
+
+    #[test]
+    fn upstream_token_caps_by_default_and_per_role_flags() {
+        let cfg = GenerateConfig::default();
+        assert_eq!(cfg.policy_sampling.max_tokens, 2048);
+        assert_eq!(cfg.assistant_sampling.max_tokens, 2048);
+        assert_eq!(cfg.user_sampling.max_tokens, 1024);
+        assert_eq!(cfg.user_sampling.temperature, 1.0);
+        assert_eq!(
+            (cfg.judge_max_tokens, cfg.extractor_max_tokens),
+            (512, 2048)
+        );
+        assert_eq!(cfg.interactivity_scale, InteractivityScale::V2);
+
+        let parse = crate::rollout::user::parse_role_max_tokens;
+        let mut cfg = GenerateConfig::default();
+        cfg.set_max_tokens(&[parse("policy=300").unwrap(), parse("user=40").unwrap()]);
+        assert_eq!(cfg.policy_sampling.max_tokens, 300);
+        assert_eq!(
+            cfg.assistant_sampling.max_tokens, 300,
+            "policy caps future turns too"
+        );
+        assert_eq!(cfg.user_sampling.max_tokens, 40);
+        cfg.set_max_tokens(&[
+            parse("assistant=100").unwrap(),
+            parse("policy=500").unwrap(),
+            parse("judge=64").unwrap(),
+            parse("extractor=4096").unwrap(),
+        ]);
+        assert_eq!(cfg.policy_sampling.max_tokens, 500);
+        assert_eq!(
+            cfg.assistant_sampling.max_tokens, 100,
+            "an explicit assistant cap wins"
+        );
+        assert_eq!((cfg.judge_max_tokens, cfg.extractor_max_tokens), (64, 4096));
+        for bad in ["policy", "critic=5", "user=0", "user=-3", "judge=lots"] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+        assert!(parse("critic=5").unwrap_err().contains("critic"));
+        assert!(parse("user=0").unwrap_err().contains("--max-tokens user 0"));
+        let cfg = GenerateConfig {
+            extractor_max_tokens: 0,
+            ..Default::default()
+        };
+        assert!(cfg
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("extractor_max_tokens"));
+    }
+
+    #[test]
+    fn proactive_count_is_int_of_n_times_ratio() {
+        let count = |candidates, proact_ratio| {
+            GenerateConfig {
+                candidates,
+                proact_ratio,
+                ..Default::default()
+            }
+            .proactive_count()
+        };
+        assert_eq!(count(3, 0.5), 1, "int(1.5), not round");
+        assert_eq!(count(5, 0.5), 2);
+        assert_eq!(count(10, 0.3), 3);
+        assert_eq!(count(100, 0.57), 56, "Python: int(100 * 0.57) == 56");
+        assert_eq!(count(4, 1.0), 4);
+        assert_eq!(count(4, 0.0), 0);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use futures::future::try_join_all;
 
 use super::config::GenerateConfig;
 use super::record::{now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant};
-use crate::llm::prompts::{Prompt, Prompts};
+use crate::llm::prompts::Prompts;
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, FinishReason};
 use crate::reward::metrics::Scorer;
@@ -161,7 +161,7 @@ impl Pipeline {
         ))
     }
 
-    /// N replies: the proactive share with the collaborator system prompt, the rest plain.
+    /// N replies: the proactive share prompted per `proactive_style`, the rest plain.
     async fn candidates(
         &self,
         task: &Task,
@@ -179,12 +179,30 @@ impl Pipeline {
                 .n(n)
                 .seed(self.seed(task, &["candidates", turn, tag]))
         };
-        let system = self.prompts.render(
-            Prompt::Proactive,
-            serde_json::json!({"task_type": task.task_type.to_string()}),
-        )?;
-        let mut pro_msgs = vec![ChatMessage::system(system)];
-        pro_msgs.extend_from_slice(history);
+        let proactive = async {
+            if n_pro == 0 {
+                return Ok(Vec::new());
+            }
+            let draw = super::proactive::ProactiveDraw {
+                policy: &self.policy,
+                prompts: &self.prompts,
+                style: self.cfg.proactive_style,
+                retries: self.cfg.proactive_retries,
+            };
+            let drawn = draw
+                .draw(task, history, |m| request(m, n_pro, "proactive"))
+                .await?;
+            Ok::<_, SimError>(
+                drawn
+                    .into_iter()
+                    .map(|d| Candidate {
+                        variant: Variant::Proactive,
+                        text: d.text,
+                        finish: d.finish,
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        };
         let call = |req: Option<ChatRequest>, variant: Variant| async move {
             let Some(req) = req else {
                 return Ok(Vec::new());
@@ -210,10 +228,7 @@ impl Pipeline {
             )
         };
         let (pro, plain) = futures::try_join!(
-            call(
-                (n_pro > 0).then(|| request(pro_msgs, n_pro, "proactive")),
-                Variant::Proactive
-            ),
+            proactive,
             call(
                 (n_plain > 0).then(|| request(history.to_vec(), n_plain, "plain")),
                 Variant::Plain

@@ -3,6 +3,7 @@
 pub mod config;
 pub mod conversation;
 pub mod outputs;
+pub mod proactive;
 pub mod record;
 pub mod run;
 

@@ -11,7 +11,7 @@ use super::record::{CandidateRecord, ConversationRecord};
 use crate::dataset::flat::{write_flat_parquet, FlatRow};
 use crate::dataset::pairs::{split_by_conversation, write_pairs_parquet, PairRow};
 use crate::dataset::DatasetError;
-use crate::llm::ChatMessage;
+use crate::llm::{ChatMessage, FinishReason};
 use crate::reward::mr::{multiturn_reward, MrFormula};
 use crate::reward::pairs::{select_pairs, PairMode};
 
@@ -60,6 +60,14 @@ pub struct DatasetStats {
     pub missing_scores: BTreeMap<String, usize>,
     /// Pairs by turn index.
     pub pairs_per_turn: BTreeMap<u32, usize>,
+    /// Candidates cut at their token cap (`finish_reason` "length").
+    pub candidates_truncated: usize,
+    /// Sessions whose accuracy has both a judge verdict and a programmatic check of an
+    /// explicit final answer, and how many of those disagree (judge ≥ 0.5 vs the check).
+    pub accuracy_checks: usize,
+    pub accuracy_disagreements: usize,
+    /// `accuracy_disagreements / accuracy_checks`; `None` without checks.
+    pub accuracy_disagreement_rate: Option<f64>,
 }
 
 /// Checks that every weighted metric was computed for every record.
@@ -120,11 +128,18 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
             for (ci, cand) in turn.candidates.iter().enumerate() {
                 stats.candidates += 1;
                 stats.sessions += cand.sessions.len();
+                stats.candidates_truncated +=
+                    usize::from(cand.finish_reason == FinishReason::Length);
                 for s in &cand.sessions {
                     for (m, score) in &s.scores {
                         if score.value.is_none() {
                             *stats.missing_scores.entry(m.clone()).or_default() += 1;
                         }
+                    }
+                    let agree = s.scores.get("accuracy").and_then(|a| a.detail.as_ref());
+                    if let Some(agree) = agree.and_then(|d| d["agree"].as_bool()) {
+                        stats.accuracy_checks += 1;
+                        stats.accuracy_disagreements += usize::from(!agree);
                     }
                 }
                 flat.push(FlatRow {
@@ -167,6 +182,10 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
                 });
             }
         }
+    }
+    if stats.accuracy_checks > 0 {
+        stats.accuracy_disagreement_rate =
+            Some(stats.accuracy_disagreements as f64 / stats.accuracy_checks as f64);
     }
     let n = pairs.len();
     if n > 0 {

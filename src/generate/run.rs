@@ -154,6 +154,20 @@ impl std::fmt::Display for RunSummary {
                 .collect();
             writeln!(f, "no pair        {}", why.join(", "))?;
         }
+        writeln!(
+            f,
+            "truncated      {} candidate(s) cut at their token cap",
+            s.candidates_truncated
+        )?;
+        if let Some(rate) = s.accuracy_disagreement_rate {
+            writeln!(
+                f,
+                "accuracy       judge vs explicit answer disagree in {}/{} sessions ({:.1}%)",
+                s.accuracy_disagreements,
+                s.accuracy_checks,
+                100.0 * rate
+            )?;
+        }
         let missing: usize = s.missing_scores.values().sum();
         writeln!(
             f,
@@ -601,6 +615,8 @@ async fn run_prepared(
         mode: cfg.judge_mode,
         retries: cfg.judge_retries,
         max_tokens: cfg.judge_max_tokens,
+        extract_max_tokens: cfg.extractor_max_tokens,
+        interactivity_scale: cfg.interactivity_scale,
     });
     let pipeline = Arc::new(Pipeline {
         prompts: prompts.clone(),

@@ -40,6 +40,11 @@ const PROMPTS: &[(&str, &str, &[&str])] = &[
         &["task_type"],
     ),
     (
+        "assistant_proactive_json.j2",
+        include_str!("../../prompts/assistant_proactive_json.j2"),
+        &["conversation", "task_type", "max_tokens"],
+    ),
+    (
         "judge_accuracy.j2",
         include_str!("../../prompts/judge_accuracy.j2"),
         &["goal", "reference", "conversation", "json"],
@@ -47,7 +52,7 @@ const PROMPTS: &[(&str, &str, &[&str])] = &[
     (
         "judge_interactivity.j2",
         include_str!("../../prompts/judge_interactivity.j2"),
-        &["conversation", "json"],
+        &["conversation", "json", "scale", "aspect"],
     ),
     (
         "extract_document.j2",
@@ -99,7 +104,11 @@ pub enum PromptError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Prompt {
     User(TaskType),
+    /// The proactive system prompt (local policies).
     Proactive,
+    /// Upstream's proactive instruction: one user message holding the conversation, asking for
+    /// `{current_problem, thought, response}` JSON (endpoint policies).
+    ProactiveJson,
     JudgeAccuracy,
     JudgeInteractivity,
     ExtractDocument,
@@ -118,6 +127,7 @@ impl Prompt {
             Prompt::User(TaskType::Code) => "user_code.j2",
             Prompt::User(_) => "user_base.j2",
             Prompt::Proactive => "assistant_proactive.j2",
+            Prompt::ProactiveJson => "assistant_proactive_json.j2",
             Prompt::JudgeAccuracy => "judge_accuracy.j2",
             Prompt::JudgeInteractivity => "judge_interactivity.j2",
             Prompt::ExtractDocument => "extract_document.j2",

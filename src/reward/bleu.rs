@@ -4,7 +4,10 @@
 //!
 //! BLEU counts **word** n-grams: both sides are tokenized with [`tokenize_13a`] first. Handing raw
 //! strings to a function that expects token lists silently computes character-level BLEU, a
-//! mistake of an earlier implementation (DESIGN §7); this module has no such entry point.
+//! mistake of an earlier implementation (DESIGN §7). That number is still what upstream
+//! CollabLLM reports (its BLEU metric hands raw strings to NLTK's `sentence_bleu`), so
+//! [`char_bleu`] computes it under its own name (`bleu_char`), never as `bleu`, for comparison
+//! with the paper.
 
 use std::collections::HashMap;
 use std::sync::LazyLock;
@@ -163,9 +166,81 @@ pub fn sentence_bleu(hypothesis: &str, reference: &str) -> f64 {
     BleuStats::from_tokens(&hyp, &reference).score()
 }
 
+/// Character-level BLEU-4 of `hypothesis` against one `reference`, in [0, 1]: what upstream
+/// CollabLLM's `nltk.translate.bleu_score.sentence_bleu([reference], hypothesis)` computes when
+/// both are plain strings (NLTK then iterates them as sequences of characters). NLTK's
+/// defaults: uniform weights over orders 1–4, no smoothing (an order without a match
+/// contributes `ln(f64::MIN_POSITIVE)`, so the score is practically 0), brevity penalty
+/// `exp(1 − r/c)` when the hypothesis is not longer than the reference; 0 when no character
+/// matches.
+pub fn char_bleu(hypothesis: &str, reference: &str) -> f64 {
+    let hyp: Vec<char> = hypothesis.chars().collect();
+    let reference: Vec<char> = reference.chars().collect();
+    fn counts(seq: &[char], n: usize) -> HashMap<&[char], usize> {
+        let mut m = HashMap::new();
+        for gram in seq.windows(n) {
+            *m.entry(gram).or_insert(0) += 1;
+        }
+        m
+    }
+    let mut log_sum = Vec::with_capacity(MAX_NGRAM_ORDER);
+    for n in 1..=MAX_NGRAM_ORDER {
+        let hyp_counts = counts(&hyp, n);
+        let ref_counts = counts(&reference, n);
+        let matched: usize = hyp_counts
+            .iter()
+            .map(|(g, &c)| c.min(ref_counts.get(g).copied().unwrap_or(0)))
+            .sum();
+        let total = hyp_counts.values().sum::<usize>().max(1);
+        if n == 1 && matched == 0 {
+            return 0.0;
+        }
+        let p = if matched == 0 {
+            f64::MIN_POSITIVE
+        } else {
+            matched as f64 / total as f64
+        };
+        log_sum.push(p.ln() / MAX_NGRAM_ORDER as f64);
+    }
+    let (c, r) = (hyp.len(), reference.len());
+    let bp = if c > r {
+        1.0
+    } else if c == 0 {
+        0.0
+    } else {
+        (1.0 - r as f64 / c as f64).exp()
+    };
+    bp * log_sum.iter().sum::<f64>().exp()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hand-computed character BLEU (NLTK's `sentence_bleu([r], h)` on raw strings).
+    #[test]
+    fn char_bleu_matches_hand_computed_values() {
+        // Orders 1–4 match 4/5, 3/4, 2/3, 1/2: (0.8 · 0.75 · 2/3 · 0.5)^(1/4) = 0.2^(1/4).
+        let expected = 0.2f64.powf(0.25);
+        assert!((char_bleu("abcde", "abcdf") - expected).abs() < 1e-12);
+        // Clipping: five `a` against four match 4/5, 3/4, 2/3, 1/2 as well; longer: no penalty.
+        assert!((char_bleu("aaaaa", "aaaa") - expected).abs() < 1e-12);
+        // All orders match, the hypothesis is one character short: exp(1 − 5/4).
+        assert!((char_bleu("abcd", "abcdx") - (-0.25f64).exp()).abs() < 1e-12);
+        // No common character: 0; an order without a match: practically 0 (no smoothing).
+        assert_eq!(char_bleu("xyz", "abc"), 0.0);
+        assert!(char_bleu("abcd", "abce") < 1e-70);
+        assert_eq!(char_bleu("", "abc"), 0.0);
+        assert!((char_bleu("same text", "same text") - 1.0).abs() < 1e-12);
+        // Characters, not tokens: the word-shuffled pair that token BLEU scores 0.
+        assert!(char_bleu("tac god", "cat dog") > 0.0);
+        assert_eq!(sentence_bleu("tac god", "cat dog"), 0.0);
+        // NLTK 3.10.4's `sentence_bleu([r], h)` on these raw strings (code points, newlines kept).
+        let h = "Dear team,\nThe meeting is moved to Friday at 3pm. Caf\u{e9} na\u{ef}ve.";
+        let r = "Dear team,\n\nThe meeting has been moved to Friday at 3 pm. Caf\u{e9}!";
+        assert!((char_bleu(h, r) - 0.7789881866230725).abs() < 1e-12);
+        assert!((char_bleu("abcd", "abce") - 8.636168555094496e-78).abs() < 1e-88);
+    }
 
     /// Golden values from sacrebleu 2.6.0: `sacrebleu.sentence_bleu(h, [r]).score / 100`.
     const GOLDEN: &[(&str, &str, &str, f64)] = &[

@@ -314,9 +314,115 @@ pub fn check_math(conversation_final_text: &str, reference: &str) -> Option<bool
     answers_match(&candidate, &reference_answer)
 }
 
+/// A stated final answer: "final answer" or "the answer is", then the rest of the line.
+static STATED_ANSWER: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"(?i)(?:\bfinal answer\b|\bthe answer is\b)[ \t]*(?:is\b|:|=)?[ \t]*([^\n]*)")
+        .expect("static stated-answer pattern compiles")
+});
+
+/// The answer written after a stated-answer phrase: a box inside it, the whole clause when it
+/// is one number (`$\frac{3}{4}$.`), else its first number (`42 apples`).
+fn stated_answer(rest: &str) -> Option<String> {
+    if let Some(b) = last_boxed(rest) {
+        return Some(b);
+    }
+    let clause = rest.trim().trim_end_matches(['.', '!']).trim();
+    if parse_number(clause).is_some() {
+        return Some(clause.to_owned());
+    }
+    NUMBER_IN_TEXT
+        .find(rest)
+        .map(|m| m.as_str().replace('−', "-"))
+}
+
+/// The explicit final answer of one message: whichever comes last of its last complete
+/// `\boxed{…}` and its last stated answer ("… final answer is 42", "The answer is: 7").
+/// A bare number is not an explicit answer (`None`): in a conversation the last number is
+/// often a follow-up ("want two more examples?").
+pub fn explicit_answer(text: &str) -> Option<String> {
+    let mut best: Option<(usize, String)> = None;
+    let mut from = 0;
+    while let Some((cmd_end, content)) = find_box_command(text, from) {
+        from = cmd_end;
+        if let Some(c) = content {
+            best = Some((cmd_end, c));
+        }
+    }
+    for caps in STATED_ANSWER.captures_iter(text) {
+        let (Some(whole), Some(rest)) = (caps.get(0), caps.get(1)) else {
+            continue;
+        };
+        if best.as_ref().is_some_and(|(at, _)| *at > whole.start()) {
+            continue;
+        }
+        if let Some(a) = stated_answer(rest.as_str()) {
+            best = Some((whole.start(), a));
+        }
+    }
+    best.map(|(_, a)| a)
+}
+
+/// The programmatic second opinion on a math conversation: the explicit final answer of the
+/// latest assistant message that has one (see [`explicit_answer`]), compared with
+/// `reference`. `None` when no message states an answer or either side is not a number.
+/// Returns the answer found and whether it matches.
+pub fn check_explicit_answer<'a>(
+    assistant_messages: impl DoubleEndedIterator<Item = &'a str>,
+    reference: &str,
+) -> Option<(String, bool)> {
+    let answer = assistant_messages.rev().find_map(explicit_answer)?;
+    let reference_answer = if parse_number(reference).is_some() {
+        reference.to_owned()
+    } else {
+        extract_final_answer(reference)?
+    };
+    let ok = answers_match(&answer, &reference_answer)?;
+    Some((answer, ok))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn explicit_answers_only() {
+        assert_eq!(explicit_answer("So x = 3. Want two more examples?"), None);
+        assert_eq!(
+            explicit_answer("Thus \\boxed{42}. Want 2 more?"),
+            Some("42".into())
+        );
+        assert_eq!(
+            explicit_answer("The final answer is 12 apples. Shall I explain step 3?"),
+            Some("12".into())
+        );
+        assert_eq!(
+            explicit_answer("Final answer: $\\frac{3}{4}$."),
+            Some("$\\frac{3}{4}$".into())
+        );
+        // The later of a box and a stated answer wins.
+        assert_eq!(
+            explicit_answer("First \\boxed{5}, but the answer is 6 after all."),
+            Some("6".into())
+        );
+        assert_eq!(
+            explicit_answer("The answer is 6? No: \\boxed{7}"),
+            Some("7".into())
+        );
+        // A follow-up message after the answer does not hide it; the latest answer wins.
+        let msgs = [
+            "The answer is 4.",
+            "\\boxed{5}",
+            "Would you like two more examples?",
+        ];
+        assert_eq!(
+            check_explicit_answer(msgs.iter().copied(), "5"),
+            Some(("5".into(), true))
+        );
+        assert_eq!(
+            check_explicit_answer(["Let me know if 7 helps."].into_iter(), "7"),
+            None
+        );
+    }
 
     fn ans(s: &str) -> Option<String> {
         extract_final_answer(s)

@@ -17,10 +17,11 @@ use crate::task::{Task, TaskType};
 
 /// Metric names and their native ranges.
 pub const METRICS: &[(&str, &str)] = &[
-    ("accuracy", "{0,1}: LLM judge of the final answer; for math a programmatic check of the final boxed/last number wins when it parses"),
-    ("interactivity", "[0,1]: LLM judge rating 1-5 mapped linearly"),
+    ("accuracy", "{0,1}: LLM judge of the final answer (as upstream); for math an explicit final answer (boxed or stated) is checked programmatically as a second opinion, recorded in `detail` and used only when the judge gives no verdict"),
+    ("interactivity", "LLM judge on --interactivity-scale: v2 {0,0.5,1}, verl [0,1] (mean of three sub-scores), v1 {-3,-1,1} ((x-2.5)*2 of 1-3), likert5 [0,1] ((x-1)/4 of 1-5)"),
     ("token_amount", ">=0: thousands of assistant tokens in the candidate and its future"),
     ("bleu", "[0,1]: token-level BLEU-4 (13a, exp smoothing) of the LLM-extracted final document against the reference"),
+    ("bleu_char", "[0,1]: character-level BLEU-4 (NLTK sentence_bleu on raw strings, no smoothing: upstream CollabLLM's number) of the same extracted document"),
     ("pass_rate", "{0,1}: the LLM-extracted final code passes the task's unittest tests in the sandbox"),
 ];
 
@@ -105,7 +106,7 @@ pub fn check_tasks_for_metrics(tasks: &[Task], metrics: &[String]) -> Result<(),
                 what: what.into(),
             };
             match m.as_str() {
-                "accuracy" | "bleu" if t.reference.trim().is_empty() => {
+                "accuracy" | "bleu" | "bleu_char" if t.reference.trim().is_empty() => {
                     return Err(lacks("a `reference`"))
                 }
                 "pass_rate" if tests_of(t).is_none() => {
@@ -179,7 +180,8 @@ impl Scorer {
                     detail: Some(serde_json::json!({"tokens": n})),
                 }
             }
-            "bleu" => self.bleu(task, &session, seed).await,
+            "bleu" => self.bleu(task, &session, seed, false).await,
+            "bleu_char" => self.bleu(task, &session, seed, true).await,
             "pass_rate" => self.pass_rate(task, &session, seed).await,
             other => MetricScore {
                 value: None,
@@ -190,38 +192,53 @@ impl Scorer {
         }
     }
 
+    /// The judge's verdict, as upstream. For math, an explicit final answer anywhere in the
+    /// session's assistant messages is checked as a second opinion: both are recorded in
+    /// `detail` (`judge`, `programmatic`, `agree`), and the check stands in only for a missing
+    /// verdict.
     async fn accuracy(&self, task: &Task, session: &[ChatMessage], seed: u64) -> MetricScore {
         let verdict = self
             .judge
             .accuracy(&task.prompt, &task.reference, &transcript(session), seed)
             .await;
         let programmatic = if task.task_type == TaskType::Math {
-            last_assistant(session).and_then(|text| super::math::check_math(text, &task.reference))
+            let assistant = session
+                .iter()
+                .filter(|m| m.role == "assistant")
+                .map(|m| m.content.as_str());
+            super::math::check_explicit_answer(assistant, &task.reference)
         } else {
             None
         };
+        let check = programmatic.as_ref().map(|(_, ok)| *ok);
         let detail = serde_json::json!({
             "judge": verdict.value,
             "judge_method": verdict.method,
-            "programmatic": programmatic,
+            "programmatic": check,
+            "programmatic_answer": programmatic.as_ref().map(|(a, _)| a),
+            "agree": verdict.value.zip(check).map(|(j, p)| (j >= 0.5) == p),
         });
-        match programmatic {
-            Some(ok) => MetricScore {
-                value: Some(if ok { 1.0 } else { 0.0 }),
-                method: "programmatic".into(),
-                raw: Some(verdict.raw),
-                detail: Some(detail),
-            },
-            None => MetricScore {
-                value: verdict.value,
-                method: verdict.method,
-                raw: Some(verdict.raw),
-                detail: Some(detail),
-            },
+        let (value, method) = match (verdict.value, check) {
+            (None, Some(ok)) => (Some(if ok { 1.0 } else { 0.0 }), "programmatic".into()),
+            (v, _) => (v, verdict.method),
+        };
+        MetricScore {
+            value,
+            method,
+            raw: Some(verdict.raw),
+            detail: Some(detail),
         }
     }
 
-    async fn bleu(&self, task: &Task, session: &[ChatMessage], seed: u64) -> MetricScore {
+    /// BLEU of the extracted final document: token-level (`bleu`) or character-level
+    /// (`bleu_char`); the detail keeps both.
+    async fn bleu(
+        &self,
+        task: &Task,
+        session: &[ChatMessage],
+        seed: u64,
+        chars: bool,
+    ) -> MetricScore {
         let extracted = self
             .judge
             .extract(
@@ -231,19 +248,28 @@ impl Scorer {
                 seed,
             )
             .await;
-        let (doc, raw, method) = match extracted {
-            Some((doc, raw)) if !doc.trim().is_empty() => (doc, Some(raw), "llm-extract+bleu13a"),
+        let (doc, raw, source) = match extracted {
+            Some((doc, raw)) if !doc.trim().is_empty() => (doc, Some(raw), "llm-extract"),
             other => (
                 last_assistant(session).unwrap_or("").to_string(),
                 other.map(|(_, raw)| raw),
-                "last-message+bleu13a",
+                "last-message",
             ),
         };
+        let token = super::bleu::sentence_bleu(&doc, &task.reference);
+        let character = super::bleu::char_bleu(&doc, &task.reference);
+        let (value, kind) = if chars {
+            (character, "bleu-char")
+        } else {
+            (token, "bleu13a")
+        };
         MetricScore {
-            value: Some(super::bleu::sentence_bleu(&doc, &task.reference)),
-            method: method.into(),
+            value: Some(value),
+            method: format!("{source}+{kind}"),
             raw,
-            detail: Some(serde_json::json!({"document": doc})),
+            detail: Some(
+                serde_json::json!({"document": doc, "bleu": token, "bleu_char": character}),
+            ),
         }
     }
 
@@ -331,5 +357,93 @@ mod tests {
         assert!(e.contains("accuracy=lots"), "{e}");
         assert!(parse_metric_weight("accuracy").is_err());
         assert!(parse_metric_weight("accuracy=inf").is_err());
+    }
+}
+
+#[cfg(test)]
+mod accuracy_tests {
+    use super::*;
+    use crate::llm::prompts::Prompts;
+    use crate::llm::roles::Role;
+    use crate::llm::scripted::ScriptedBackend;
+    use crate::reward::judge::{InteractivityScale, JudgeMode};
+
+    fn scorer(judge_reply: &'static str) -> Scorer {
+        let backend = ScriptedBackend::new("judge", move |_, _| Ok(judge_reply.to_string()));
+        Scorer {
+            judge: Arc::new(Judge {
+                role: Role::from_backend("judge", "scripted", backend, None, None),
+                prompts: Arc::new(Prompts::builtin().unwrap()),
+                mode: JudgeMode::Json,
+                retries: 0,
+                max_tokens: 512,
+                extract_max_tokens: 2048,
+                interactivity_scale: InteractivityScale::V2,
+            }),
+            tokens: TokenCounter::cl100k().unwrap(),
+            sandbox: SandboxLimits::default(),
+        }
+    }
+
+    fn task() -> Task {
+        serde_json::from_value(serde_json::json!({"id": "t", "task_type": "math",
+            "prompt": "What is 2 + 3?", "reference": "5"}))
+        .unwrap()
+    }
+
+    /// A future that ends on a follow-up whose last number is not the answer: the judge
+    /// decides, the explicit answer earlier in the session is the second opinion.
+    #[tokio::test]
+    async fn the_judge_decides_and_the_explicit_answer_is_a_second_opinion() {
+        let session = [
+            ChatMessage::user("what's 2+3"),
+            ChatMessage::assistant("2 + 3 = \\boxed{5}."),
+            ChatMessage::user("thanks"),
+            ChatMessage::assistant("Want 2 more examples?"),
+        ];
+        let s = scorer(r#"{"thought": "wrong", "accuracy": 0}"#)
+            .score("accuracy", &task(), &session[..1], &session[1..], 7)
+            .await;
+        assert_eq!(s.value, Some(0.0), "the judge's verdict stands: {s:?}");
+        assert_eq!(s.method, "llm-json");
+        let d = s.detail.unwrap();
+        assert_eq!(d["programmatic"], true);
+        assert_eq!(d["programmatic_answer"], "5");
+        assert_eq!(d["agree"], false);
+
+        // No usable verdict: the explicit answer stands in, and says so.
+        let s = scorer("no idea")
+            .score("accuracy", &task(), &session[..1], &session[1..], 7)
+            .await;
+        assert_eq!((s.value, s.method.as_str()), (Some(1.0), "programmatic"));
+
+        // Without an explicit answer there is no check (the last number "2" is not one).
+        let s = scorer(r#"{"thought": "ok", "accuracy": 1}"#)
+            .score("accuracy", &task(), &session[..1], &session[3..], 7)
+            .await;
+        assert_eq!(s.value, Some(1.0));
+        assert_eq!(s.detail.unwrap()["agree"], serde_json::Value::Null);
+    }
+
+    #[tokio::test]
+    async fn bleu_char_scores_the_extracted_document_by_characters() {
+        let mut t = task();
+        t.task_type = TaskType::DocEdit;
+        t.reference = "abcdf".into();
+        let session = [
+            ChatMessage::user("write it"),
+            ChatMessage::assistant("draft"),
+        ];
+        let s = scorer("```\nabcde\n```")
+            .score("bleu_char", &t, &[], &session, 1)
+            .await;
+        assert!(
+            (s.value.unwrap() - 0.2f64.powf(0.25)).abs() < 1e-12,
+            "{s:?}"
+        );
+        assert_eq!(s.method, "llm-extract+bleu-char");
+        let d = s.detail.unwrap();
+        assert_eq!(d["bleu"], 0.0);
+        check_metric_name("bleu_char").unwrap();
     }
 }

@@ -45,12 +45,78 @@ impl Sampling {
 }
 
 impl Default for Sampling {
+    /// Upstream CollabLLM's assistant settings: temperature 1 here (upstream 0.8, a sampling
+    /// choice of ours for diverse candidates), no nucleus cut, 2048 new tokens.
     fn default() -> Self {
         Self {
             temperature: 1.0,
             top_p: 1.0,
-            max_tokens: 256,
+            max_tokens: POLICY_MAX_TOKENS,
         }
+    }
+}
+
+/// Upstream CollabLLM's token caps per role (`--max-tokens ROLE=N`): the assistant (policy and
+/// future assistant turns) 2048, the simulated user 1024, a judge 512 (upstream leaves the
+/// judge uncapped; its JSON verdict is short), an extraction 2048 (the whole final document
+/// or program).
+pub const POLICY_MAX_TOKENS: usize = 2048;
+pub const USER_MAX_TOKENS: usize = 1024;
+pub const JUDGE_MAX_TOKENS: usize = 512;
+pub const EXTRACTOR_MAX_TOKENS: usize = 2048;
+
+/// A role whose replies have a token cap (`--max-tokens ROLE=N`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenRole {
+    /// The policy's candidates, and the future assistant turns unless `assistant` is given.
+    Policy,
+    /// Only the assistant turns inside futures.
+    Assistant,
+    User,
+    Judge,
+    Extractor,
+}
+
+impl TokenRole {
+    pub const NAMES: &'static str = "policy, assistant, user, judge, extractor";
+}
+
+/// Parses `ROLE=N` (`--max-tokens policy=2048`): a known role and a cap of at least 1.
+pub fn parse_role_max_tokens(arg: &str) -> Result<(TokenRole, usize), String> {
+    let (role, n) = arg.split_once('=').ok_or_else(|| {
+        format!(
+            "`{arg}`: expected ROLE=N with ROLE one of {}",
+            TokenRole::NAMES
+        )
+    })?;
+    let role = match role.trim() {
+        "policy" => TokenRole::Policy,
+        "assistant" => TokenRole::Assistant,
+        "user" => TokenRole::User,
+        "judge" => TokenRole::Judge,
+        "extractor" => TokenRole::Extractor,
+        other => {
+            return Err(format!(
+                "`{arg}`: unknown role `{other}` (expected one of {})",
+                TokenRole::NAMES
+            ))
+        }
+    };
+    let n: usize = n
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{arg}`: the cap must be a whole number of tokens"))?;
+    crate::check::at_least(&format!("--max-tokens {}", role_name(role)), n, 1)?;
+    Ok((role, n))
+}
+
+fn role_name(role: TokenRole) -> &'static str {
+    match role {
+        TokenRole::Policy => "policy",
+        TokenRole::Assistant => "assistant",
+        TokenRole::User => "user",
+        TokenRole::Judge => "judge",
+        TokenRole::Extractor => "extractor",
     }
 }
 

@@ -31,19 +31,41 @@ pub fn reply(prompt: &str, seed: u64, sample: usize) -> String {
         );
     }
     if prompt.contains("rating how well") {
-        return format!(
-            "Sure: {{'thought': 'fine', 'interactivity': {},}}",
-            1 + hash(prompt) % 5
-        );
+        // Answer on the scale the prompt asks for (judge_interactivity.j2's `scale`).
+        let h = hash(prompt);
+        if prompt.contains("\"understanding\": <") {
+            let level = |x: u64| [0.0, 0.3, 0.7, 1.0][(x % 4) as usize];
+            return format!(
+                "{{\"thought\": \"ok\", \"understanding\": {}, \"clarification\": {}, \"suggestion\": {}}}",
+                level(h),
+                level(h / 4),
+                level(h / 16)
+            );
+        }
+        let rating = if prompt.contains("<1, 2 or 3>") {
+            (1 + h % 3).to_string()
+        } else if prompt.contains("<integer from 1 to 5>") {
+            (1 + h % 5).to_string()
+        } else {
+            ["0", "0.5", "1"][(h % 3) as usize].to_string()
+        };
+        return format!("Sure: {{'thought': 'fine', 'interactivity': {rating},}}");
     }
     if prompt.contains("Extract the final") {
         return "```\nThe final document.\n```".into();
     }
-    format!(
+    let reply = format!(
         "Let me think ({k}). Is this about {}? The answer is {}.",
         k % 3,
         k % 7
-    )
+    );
+    if prompt.contains("\"current_problem\"") {
+        // The proactive JSON instruction (assistant_proactive_json.j2): the reply is the
+        // `response` field.
+        return serde_json::json!({"current_problem": "p", "thought": "t", "response": reply})
+            .to_string();
+    }
+    reply
 }
 
 /// The same for an OpenAI request body (the fault server's responder).
