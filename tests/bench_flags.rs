@@ -22,6 +22,12 @@ fn zero_counts_are_refused_with_the_flag_named() {
         (vec!["orchestration", "--latency-ms", "0"], "--latency-ms"),
         (vec!["orchestration", "--cap", "0"], "--cap"),
         (vec!["train-step", "--steps", "0"], "--steps"),
+        (vec!["serve-throughput", "--max-batch", "0"], "--max-batch"),
+        (
+            vec!["serve-throughput", "--concurrency", "4,0"],
+            "--concurrency",
+        ),
+        (vec!["serve-throughput", "--rounds", "0"], "--rounds"),
     ] {
         let (ok, stderr) = bench(&args);
         assert!(!ok, "{args:?} was accepted");

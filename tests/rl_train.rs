@@ -366,6 +366,8 @@ async fn online_dpo_with_lora_writes_a_peft_adapter() {
             "2",
             "--min-gap",
             "0",
+            "--ppo-epochs",
+            "1",
         ],
     ))
     .await);

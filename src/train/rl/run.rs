@@ -202,8 +202,8 @@ pub fn truncate_jsonl(path: &Path, step: u64) -> anyhow::Result<usize> {
         .filter(|l| {
             serde_json::from_str::<Value>(l)
                 .ok()
-                .and_then(|v| v["step"].as_u64())
-                .is_some_and(|s| s <= step)
+                .and_then(|v| v["step"].as_f64())
+                .is_some_and(|s| s <= step as f64)
         })
         .collect();
     let mut body = kept.join("\n");
@@ -613,10 +613,10 @@ fn step_log(
     report: &UpdateReport,
 ) -> Map<String, Value> {
     let mut log = Map::new();
+    log.insert("step".into(), json!(step));
     let mut put = |k: &str, v: Option<f64>| {
         log.insert(k.to_string(), v.map_or(Value::Null, |x| json!(x)));
     };
-    put("step", Some(step as f64));
     put(
         "epoch",
         Some((step as usize * cfg.batch_prompts) as f64 / n_tasks as f64),

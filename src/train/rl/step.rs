@@ -195,7 +195,8 @@ impl UpdateReport {
         out.push(("dropped_too_long".into(), self.dropped_too_long as f64));
         out.push(("optimizer_steps".into(), self.optimizer_steps as f64));
         out.push(("lr".into(), self.lr));
-        let n = self.steps.len().max(1) as f64;
+        // Means over optimizer steps (online DPO has losses but no PPO metrics).
+        let n = self.losses.len().max(1) as f64;
         out.push(("loss".into(), self.losses.iter().sum::<f64>() / n));
         out.push(("grad_norm".into(), self.grad_norms.iter().sum::<f64>() / n));
         out.extend(self.dpo.iter().cloned());
