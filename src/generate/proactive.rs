@@ -11,7 +11,8 @@ use crate::llm::parse::parse_json_object;
 use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, ChatResponse, FinishReason};
-use crate::rollout::user::{transcript, SimError};
+use crate::llm::prompts::transcript;
+use crate::rollout::user::SimError;
 use crate::task::Task;
 
 /// How proactive candidates are prompted (`--proactive-style`).

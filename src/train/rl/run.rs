@@ -461,6 +461,9 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
             mode: cfg.judge_mode,
             retries: cfg.judge_retries,
             max_tokens: cfg.judge_max_tokens,
+            // The generate_conv defaults (upstream's): rl_train has no flags for these yet.
+            extract_max_tokens: crate::rollout::user::EXTRACTOR_MAX_TOKENS,
+            interactivity_scale: crate::reward::judge::InteractivityScale::default(),
         }),
         user: UserSimulator {
             json: user.engine.is_none(),
