@@ -14,8 +14,8 @@ use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
-use collabllm::run::{RunLock, Shutdown};
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
+use collabllm::run::{RunLock, Shutdown};
 use collabllm::task::TaskType;
 
 /// Multiturn-aware rewards → DPO preference pairs (CollabLLM).

@@ -8,10 +8,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::llm::parse::parse_json_object;
+use crate::llm::prompts::transcript;
 use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, ChatResponse, FinishReason};
-use crate::llm::prompts::transcript;
 use crate::rollout::user::SimError;
 use crate::task::Task;
 

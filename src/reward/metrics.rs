@@ -9,10 +9,10 @@ use serde::{Deserialize, Serialize};
 use super::judge::Judge;
 use super::sandbox::{run_python_tests, SandboxLimits};
 use crate::llm::parse::extract_code;
+use crate::llm::prompts::transcript;
 use crate::llm::prompts::Prompt;
 use crate::llm::tokens::TokenCounter;
 use crate::llm::ChatMessage;
-use crate::llm::prompts::transcript;
 use crate::task::{Task, TaskType};
 
 /// Metric names and their native ranges.
