@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
 use clap::Parser;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
