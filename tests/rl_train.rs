@@ -54,7 +54,9 @@ fn reply(body: &Value, sample: usize) -> String {
         if h % 2 == 0 {
             return "I would rather not say.".into();
         }
-        return format!("{{\"thought\": \"ok\", \"interactivity\": {}}}", 1 + h % 5);
+        // On the default (upstream v2) scale: 0, 0.5 or 1.
+        let rating = ["0", "0.5", "1"][(h / 2 % 3) as usize];
+        return format!("{{\"thought\": \"ok\", \"interactivity\": {rating}}}");
     }
     "ok".into()
 }
