@@ -444,3 +444,20 @@ async fn bad_input_is_refused_before_any_model_call() {
     }
     assert_eq!(server.requests(), 0, "bad input made model calls");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_on_one_output_is_refused_naming_the_holder() {
+    let server = server().await;
+    let (_m, model) = tiny();
+    let out = tempfile::tempdir().unwrap();
+    let _held = collabllm::run::RunLock::acquire(out.path()).unwrap();
+    let res = run_bin(&args(&server, &model, out.path(), &[])).await;
+    let text = String::from_utf8_lossy(&res.stderr).to_string();
+    assert!(!res.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("pid {}", std::process::id())),
+        "the error names the holder: {text}"
+    );
+    assert!(!out.path().join("logs.jsonl").exists(), "nothing written");
+    assert_eq!(server.requests(), 0, "no model call");
+}

@@ -269,7 +269,8 @@ fn assert_refused(dir: &Path, field: &str) {
 fn unimplemented_settings_are_refused_naming_the_field() {
     let (guard, tiny) = tiny_model_dir(&TinySpec::default());
     let root = guard.path();
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut Value)>, &str)> = vec![
+    type Edit = Box<dyn FnOnce(&mut Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "dynamic",
             Box::new(v5(json!({"rope_type": "dynamic", "factor": 2.0}))),

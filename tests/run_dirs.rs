@@ -327,7 +327,7 @@ async fn usage_total_counts_every_request_across_a_kill_9() {
     let args = generate_args(&server, &out, 6);
     let bin = env!("CARGO_BIN_EXE_generate_conv");
     let mut child = spawn(bin, &args);
-    wait_until("a finished conversation", || task_ids(&out).len() >= 1).await;
+    wait_until("a finished conversation", || !task_ids(&out).is_empty()).await;
     // From now on every request hangs: the kill lands with calls in flight, and once the
     // request count stops moving every call the run started has reached the server.
     server.set_always(Some(Fault::Hang(Duration::from_secs(120))));

@@ -231,6 +231,23 @@ impl Prompts {
     }
 }
 
+/// Plain-text transcript of a conversation for judges and the simulator ("User: …").
+pub fn transcript(messages: &[ChatMessage]) -> String {
+    messages
+        .iter()
+        .filter(|m| m.role != "system")
+        .map(|m| {
+            let who = if m.role == "assistant" {
+                "Assistant"
+            } else {
+                "User"
+            };
+            format!("{who}: {}", m.content.trim())
+        })
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,21 +291,4 @@ mod tests {
             "{msg}"
         );
     }
-}
-
-/// Plain-text transcript of a conversation for judges and the simulator ("User: …").
-pub fn transcript(messages: &[ChatMessage]) -> String {
-    messages
-        .iter()
-        .filter(|m| m.role != "system")
-        .map(|m| {
-            let who = if m.role == "assistant" {
-                "Assistant"
-            } else {
-                "User"
-            };
-            format!("{who}: {}", m.content.trim())
-        })
-        .collect::<Vec<_>>()
-        .join("\n\n")
 }

@@ -386,6 +386,8 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
     }
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating {}", cfg.output.display()))?;
+    // One writer per run directory: a second rl_train on the same --output stops here.
+    let _lock = crate::run::RunLock::acquire(&cfg.output)?;
     check_output(&cfg, resume)?;
     let saved = if resume {
         latest_state(&cfg.output)?
