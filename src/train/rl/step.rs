@@ -442,7 +442,20 @@ impl RlTrainer {
                 Some(acc) => accumulate_grads(acc, g, &vars)?,
             }
         }
-        let mut grads = grads.ok_or_else(|| RlError::Config("empty mini-batch".into()))?;
+        let norm = self.apply_grads(grads, loss_sum, "empty mini-batch")?;
+        Ok((loss_sum, metrics, norm))
+    }
+
+    /// The one optimizer step of PPO and DPO updates: refuses a non-finite loss or gradient
+    /// norm before any weight changes, clips, steps. Returns the pre-clip gradient norm.
+    fn apply_grads(
+        &mut self,
+        grads: Option<GradStore>,
+        loss_sum: f64,
+        empty: &str,
+    ) -> Result<f64, RlError> {
+        let vars = self.policy.vars();
+        let mut grads = grads.ok_or_else(|| RlError::Config(empty.into()))?;
         let step = self.opt.step_count();
         let non_finite = |what, value| RlError::NonFinite {
             update: self.updates,
@@ -458,7 +471,7 @@ impl RlTrainer {
             return Err(non_finite("gradient norm", norm));
         }
         self.opt.step(&grads, self.cfg.lr_at(step))?;
-        Ok((loss_sum, metrics, norm))
+        Ok(norm)
     }
 
     /// Gradients of one micro-batch's share of the mini-batch loss.
@@ -691,22 +704,7 @@ impl RlTrainer {
                 Some(acc) => accumulate_grads(acc, g, &vars)?,
             }
         }
-        let mut grads = grads.ok_or_else(|| RlError::Config("no DPO pair".into()))?;
-        let step = self.opt.step_count();
-        let non_finite = |what, value| RlError::NonFinite {
-            update: self.updates,
-            step,
-            what,
-            value,
-        };
-        if !loss_sum.is_finite() {
-            return Err(non_finite("loss", loss_sum));
-        }
-        let norm = clip_grad_norm(&mut grads, &vars, self.cfg.max_grad_norm)?;
-        if !norm.is_finite() {
-            return Err(non_finite("gradient norm", norm));
-        }
-        self.opt.step(&grads, self.cfg.lr_at(step))?;
+        let norm = self.apply_grads(grads, loss_sum, "no DPO pair")?;
         Ok((loss_sum, DpoMetrics::mean(&metrics), norm))
     }
 }
