@@ -9,9 +9,11 @@ use collabllm::llm::{EndpointOptions, ModelSpec};
 use collabllm::reward::judge::JudgeMode;
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
+use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::task::TaskType;
-use collabllm::train::rl::config::{self as rl, Algo, RlRunConfig};
+use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig};
 use collabllm::train::rl::run::rl_train;
+use collabllm::train::trainer::Schedule;
 
 /// Online RL with the multiturn-aware reward (CollabLLM's verl recipe: GRPO; also Dr. GRPO,
 /// RLOO and online DPO), on our own trainer and sampler.
@@ -87,7 +89,14 @@ struct Args {
     /// Responses sampled per prompt, n (at least 2) [default: 8].
     #[arg(long, value_name = "N")]
     group_size: Option<usize>,
-    /// Futures per response, S [default: 3].
+    /// Who writes each prompt: `user` (the simulated user opens the conversation from the
+    /// task's hidden goal), `task` (the task's prompt verbatim: a fixed prompt set, no
+    /// simulator call) or `dataset` (every conversation prefix of an upstream flat dataset,
+    /// as the verl recipe trains: multi-turn histories ending in a user turn) [default: user].
+    #[arg(long, value_name = "FROM")]
+    opening: Option<Opening>,
+    /// Futures per response, S; 0 scores each response alone (the single-turn reward, as
+    /// TRL's GRPOTrainer optimises) [default: 3].
     #[arg(long, value_name = "S")]
     samples: Option<usize>,
     /// Messages per future (user, assistant, …), W [default: 4].
@@ -113,7 +122,7 @@ struct Args {
     /// (best vs worst of each group as a DPO pair) [default: grpo].
     #[arg(long, value_name = "ALGO")]
     algo: Option<Algo>,
-    /// Learning rate (constant) [default: 1e-6].
+    /// Peak learning rate (see --schedule) [default: 1e-6].
     #[arg(long, value_name = "X", value_parser = rl::LR.parser())]
     lr: Option<f64>,
     /// Coefficient of the k3 KL loss to the initial model; 0 turns the reference off
@@ -198,6 +207,24 @@ struct Args {
     /// Folder of prompt templates replacing the built-in ones.
     #[arg(long, value_name = "DIR")]
     prompts: Option<PathBuf>,
+    /// Learning-rate schedule over the run's optimizer steps: constant, linear or cosine
+    /// [default: constant].
+    #[arg(long, value_enum, value_name = "SCHEDULE")]
+    schedule: Option<Schedule>,
+    /// Share of the optimizer steps that warm the rate up linearly from 0, in [0, 1]
+    /// [default: 0].
+    #[arg(long, value_name = "R")]
+    warmup_ratio: Option<f64>,
+    /// Recompute each layer's activations in the backward pass: less memory, one more
+    /// forward pass per micro-batch.
+    #[arg(long)]
+    gradient_checkpointing: bool,
+    /// Per-role token cap, repeatable: user=N (simulated user's turns, default 1024),
+    /// judge=N (512), extractor=N (2048); policy=N and assistant=N set --max-new-tokens
+    /// (the trained model plays the assistant inside futures). Futures usually dominate a
+    /// step's time: a short user cap is the cheapest speed-up.
+    #[arg(long = "max-tokens", value_name = "ROLE=N", value_parser = parse_role_max_tokens)]
+    max_tokens: Vec<(TokenRole, usize)>,
 }
 
 fn parse_metric(s: &str) -> Result<(String, f64), String> {
@@ -223,6 +250,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         judge,
         batch_prompts,
         group_size,
+        opening,
         samples,
         window,
         max_new_tokens,
@@ -240,6 +268,8 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         micro_batch,
         weight_decay,
         max_grad_norm,
+        schedule,
+        warmup_ratio,
         max_length,
         beta,
         min_gap,
@@ -261,6 +291,12 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         threads,
         prompts
     );
+    cfg.gradient_checkpointing |= args.gradient_checkpointing;
+    cfg.set_max_tokens(&args.max_tokens);
+    if let Some(v) = args.max_new_tokens {
+        // The dedicated flag wins over policy=/assistant= caps.
+        cfg.max_new_tokens = v;
+    }
     if !args.metrics.is_empty() {
         cfg.metrics = args.metrics.iter().cloned().collect();
     }

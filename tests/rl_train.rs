@@ -349,6 +349,148 @@ async fn resume_after_a_checkpoint_takes_the_same_next_steps() {
     assert_eq!(ra, rb, "the same prompts, responses, futures and scores");
 }
 
+/// `--opening task --samples 0`: the task's prompt verbatim, each response scored alone (the
+/// single-turn reward TRL optimises): the simulated user is never asked, and a single on-policy
+/// optimizer step takes its old log-probs from its own pass (ratio exactly 1).
+#[tokio::test(flavor = "multi_thread")]
+async fn single_turn_from_task_prompts_never_calls_the_user() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("single");
+    let extra = [
+        "--opening",
+        "task",
+        "--samples",
+        "0",
+        "--ppo-epochs",
+        "1",
+        "--max-steps",
+        "2",
+        "--max-tokens",
+        "judge=64",
+        "--schedule",
+        "linear",
+    ];
+    ok(&run_bin(&args(&server, &model, &out, &extra)).await);
+    let received = server.received();
+    assert!(!received.is_empty(), "the judge was asked");
+    for r in &received {
+        let text = r.body["messages"].to_string();
+        assert!(!text.contains("role-playing a USER"), "a user call: {text}");
+        assert_eq!(r.body["max_tokens"], 64, "--max-tokens judge=64");
+    }
+    let tasks: Vec<Value> = std::fs::read_to_string(data("math.jsonl"))
+        .unwrap()
+        .lines()
+        .take(3)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for r in jsonl(&out.join("rollouts.jsonl")) {
+        let task = tasks.iter().find(|t| t["id"] == r["task_id"]).unwrap();
+        assert_eq!(r["prompt"].as_array().unwrap().len(), 1);
+        assert_eq!(r["prompt"][0]["content"], task["prompt"], "verbatim prompt");
+        for resp in r["responses"].as_array().unwrap() {
+            let sessions = resp["sessions"].as_array().unwrap();
+            assert_eq!(sessions.len(), 1, "the response alone");
+            assert!(sessions[0]["messages"].as_array().unwrap().is_empty());
+            assert!(sessions[0]["scores"]["token_amount"]["value"].is_number());
+        }
+    }
+    let logs = jsonl(&out.join("logs.jsonl"));
+    assert_eq!(logs.len(), 2);
+    assert_eq!(logs[0]["api/user/calls"].as_u64(), Some(0), "{}", logs[0]);
+    for l in &logs {
+        if l["actor/samples"].as_f64() > Some(0.0) {
+            assert_eq!(l["actor/ratio_min"], 1.0, "{l}");
+            assert_eq!(l["actor/ratio_max"], 1.0, "{l}");
+        }
+    }
+    // Linear decay over the run's 2 optimizer steps: 1e-3, then 5e-4.
+    assert_eq!(logs[0]["learning_rate"], 1e-3);
+    assert!((logs[1]["learning_rate"].as_f64().unwrap() - 5e-4).abs() < 1e-12);
+}
+
+/// `--opening dataset`: the prompts are the conversation prefixes of an upstream flat parquet
+/// file (multi-turn histories ending with the user), each scored against its task.
+#[tokio::test(flavor = "multi_thread")]
+async fn dataset_opening_trains_on_the_flat_files_multi_turn_prefixes() {
+    use collabllm::dataset::{write_flat_parquet, FlatRow};
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let row = |conv: &str, turn: u32, prompt: Vec<ChatMessage>, goal: &str| FlatRow {
+        prompt,
+        completion: "c".into(),
+        conv_id: conv.into(),
+        turn_id: turn,
+        score: 0.5,
+        single_turn_prompt: goal.into(),
+        single_turn_completion: "4".into(),
+        single_turn_metadata: serde_json::json!({"task_type": "math"}),
+        sessions: Value::Null,
+        rewards: Value::Null,
+    };
+    let second_turn = vec![
+        ChatMessage::user("I need a sum.".to_string()),
+        ChatMessage::assistant("Which numbers?".to_string()),
+        ChatMessage::user("Two and two.".to_string()),
+    ];
+    let rows = vec![
+        row(
+            "a",
+            0,
+            vec![ChatMessage::user("I need a sum.".to_string())],
+            "What is 2+2?",
+        ),
+        row("a", 1, second_turn.clone(), "What is 2+2?"),
+        row("a", 1, second_turn.clone(), "What is 2+2?"),
+    ];
+    let flat = tmp.path().join("flat.parquet");
+    write_flat_parquet(&flat, &rows).unwrap();
+    let out = tmp.path().join("prefixes");
+    let extra = [
+        "--tasks",
+        flat.to_str().unwrap(),
+        "--opening",
+        "dataset",
+        "--max-steps",
+        "2",
+        "--ppo-epochs",
+        "1",
+    ];
+    ok(&run_bin(&args(&server, &model, &out, &extra)).await);
+    let rollouts = jsonl(&out.join("rollouts.jsonl"));
+    assert_eq!(rollouts.len(), 4, "2 prompts × 2 steps");
+    let lens: std::collections::BTreeSet<usize> = rollouts
+        .iter()
+        .map(|r| r["prompt"].as_array().unwrap().len())
+        .collect();
+    assert_eq!(lens, [1, 3].into(), "both prefixes, verbatim");
+    let three = rollouts
+        .iter()
+        .find(|r| r["prompt"].as_array().unwrap().len() == 3)
+        .unwrap();
+    assert_eq!(three["prompt"][2]["content"], "Two and two.");
+    for r in &rollouts {
+        assert!(r["task_id"].as_str().unwrap().starts_with("flat-"));
+    }
+
+    // A JSONL task file has no prefixes: refused before any model call.
+    let before = server.requests();
+    let o = run_bin(&args(
+        &server,
+        &model,
+        &tmp.path().join("refused"),
+        &["--opening", "dataset"],
+    ))
+    .await;
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--opening dataset"), "{err}");
+    assert_eq!(server.requests(), before);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn online_dpo_with_lora_writes_a_peft_adapter() {
     let server = server().await;

@@ -354,6 +354,45 @@ pub fn tasks_from_flat(
     Ok(out)
 }
 
+/// One conversation prefix of a flat dataset: the `prompt` of one (conversation, turn),
+/// ending with a user message, and the task it belongs to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlatPrefix {
+    pub task_id: String,
+    pub messages: Vec<ChatMessage>,
+}
+
+/// The prompt of every (conv_id, turn_id), in first-seen order: the multi-turn prefixes
+/// upstream's verl recipe trains on. Returns them and the number of prompts skipped because
+/// they do not end with a user message (nothing for the policy to answer).
+pub fn prefixes_from_flat(rows: &[FlatRow]) -> (Vec<FlatPrefix>, usize) {
+    let mut seen = std::collections::HashSet::new();
+    let (mut out, mut skipped) = (Vec::new(), 0);
+    for r in rows {
+        if !seen.insert((r.conv_id.as_str(), r.turn_id)) {
+            continue;
+        }
+        if r.prompt.last().is_none_or(|m| m.role != "user") {
+            skipped += 1;
+            continue;
+        }
+        out.push(FlatPrefix {
+            task_id: task_id(&r.single_turn_prompt),
+            messages: r.prompt.clone(),
+        });
+    }
+    (out, skipped)
+}
+
+/// The conversation prefixes of a flat source (a local parquet file or `hf:` dataset).
+pub async fn load_flat_prefixes(
+    source: &str,
+    endpoint: Option<&str>,
+) -> Result<(Vec<FlatPrefix>, usize), ImportError> {
+    let (_, rows) = read_source(source, endpoint).await?;
+    Ok(prefixes_from_flat(&rows))
+}
+
 /// Preference pairs: rows grouped by (conv_id, turn_id) in first-seen order, each group's scores
 /// ranked by [`select_pairs`]. Returns the pairs and the number of groups (turns) and of turns
 /// without a pair.
@@ -535,6 +574,31 @@ mod tests {
             sessions: Value::Null,
             rewards: Value::Null,
         }
+    }
+
+    #[test]
+    fn prefixes_are_one_per_turn_and_end_with_the_user() {
+        let mut second = row("a", 1, 0.5, "g1");
+        second.prompt = vec![
+            ChatMessage::user("hi"),
+            ChatMessage::assistant("what do you need?"),
+            ChatMessage::user("a sum"),
+        ];
+        let mut ends_with_assistant = row("b", 0, 0.1, "g2");
+        ends_with_assistant.prompt.push(ChatMessage::assistant("x"));
+        let rows = vec![
+            row("a", 0, 0.1, "g1"),
+            row("a", 0, 0.9, "g1"),
+            second.clone(),
+            second,
+            ends_with_assistant,
+        ];
+        let (prefixes, skipped) = prefixes_from_flat(&rows);
+        assert_eq!(skipped, 1);
+        assert_eq!(prefixes.len(), 2);
+        assert_eq!(prefixes[1].messages.len(), 3);
+        let tasks = tasks_from_flat(&rows, Some(TaskType::Math), "x").unwrap();
+        assert!(prefixes.iter().all(|p| p.task_id == tasks[0].id));
     }
 
     #[test]

@@ -63,7 +63,7 @@ pub struct FutureRunner<'a> {
     pub assistant: &'a Role,
     pub assistant_sampling: &'a Sampling,
     pub scorer: &'a Scorer,
-    /// Futures per reply (S).
+    /// Futures per reply (S); 0 scores the reply alone (single-turn reward).
     pub samples: usize,
     /// Messages per future, the user's first one included.
     pub window: usize,
@@ -91,6 +91,9 @@ impl FutureRunner<'_> {
         with_next_user: bool,
     ) -> Result<ScoredReply, SimError> {
         let reply = ChatMessage::assistant(reply.to_string());
+        if self.samples == 0 && !with_next_user {
+            return Ok(self.score_alone(task, history, reply, weights, key).await);
+        }
         let base: Vec<ChatMessage> = history.iter().cloned().chain([reply.clone()]).collect();
         let extra = usize::from(with_next_user);
         let mut openers = self
@@ -145,6 +148,30 @@ impl FutureRunner<'_> {
             sessions,
             next_user,
         })
+    }
+
+    /// `samples == 0`: the single-turn reward (the ablation of the paper and what TRL's
+    /// GRPOTrainer optimises): one session with no future, the reply scored as the last turn.
+    async fn score_alone(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        reply: ChatMessage,
+        weights: &BTreeMap<String, f64>,
+        key: &[&str],
+    ) -> ScoredReply {
+        let scores = self
+            .score_session(task, history, &[reply], weights, key)
+            .await;
+        ScoredReply {
+            sessions: vec![SessionRecord {
+                messages: Vec::new(),
+                terminated: false,
+                user_raw: Vec::new(),
+                scores,
+            }],
+            next_user: None,
+        }
     }
 
     /// Every metric of one session, concurrently; a metric that fails is recorded as

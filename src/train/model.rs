@@ -607,6 +607,24 @@ impl TrainLlama {
     /// output (as the surrogate `sum(output · grad)`), so activation memory is one layer's
     /// instead of all of them, for about one extra forward pass of compute. Returns the
     /// gradients of the trainable variables and whatever `loss_fn` returns besides the loss.
+    /// Gradients of `loss_fn` over the final hidden states: with per-layer activation
+    /// checkpointing (`checkpoint`: less memory, one more forward pass) or by one plain
+    /// backward pass.
+    pub fn grads<T>(
+        &self,
+        tokens: &Tensor,
+        layout: &BatchLayout,
+        checkpoint: bool,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(candle_core::backprop::GradStore, T)> {
+        if checkpoint {
+            return self.checkpointed_grads(tokens, layout, loss_fn);
+        }
+        let hidden = self.hidden_states_in(tokens, layout)?;
+        let (loss, extra) = loss_fn(&hidden)?;
+        Ok((loss.backward()?, extra))
+    }
+
     pub fn checkpointed_grads<T>(
         &self,
         tokens: &Tensor,

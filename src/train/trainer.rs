@@ -973,19 +973,15 @@ impl Run<'_> {
             let prepared = self.prepare(&idx, true)?;
             self.tokens += prepared.tokens;
             let scale = 1.0 / k as f64;
-            let (grads, metrics) = if self.cfg.gradient_checkpointing {
-                self.model
-                    .checkpointed_grads(&prepared.input_ids, &prepared.layout, |hidden| {
-                        let (loss, metrics) = self.loss_from_hidden(&prepared, hidden)?;
-                        Ok(((loss * scale)?, metrics))
-                    })?
-            } else {
-                let hidden = self
-                    .model
-                    .hidden_states_in(&prepared.input_ids, &prepared.layout)?;
-                let (loss, metrics) = self.loss_from_hidden(&prepared, &hidden)?;
-                ((loss * scale)?.backward()?, metrics)
-            };
+            let (grads, metrics) = self.model.grads(
+                &prepared.input_ids,
+                &prepared.layout,
+                self.cfg.gradient_checkpointing,
+                |hidden| {
+                    let (loss, metrics) = self.loss_from_hidden(&prepared, hidden)?;
+                    Ok(((loss * scale)?, metrics))
+                },
+            )?;
             match acc.as_mut() {
                 None => acc = Some(grads),
                 Some(a) => super::optim::accumulate_grads(a, grads, &vars)?,

@@ -23,7 +23,7 @@ use crate::llm::peft::LORA_TARGETS;
 use crate::llm::{EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::JudgeMode;
 use crate::reward::mr::MrFormula;
-use crate::rollout::user::Sampling;
+use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::TaskType;
 use crate::train::loss::DpoConfig;
 use crate::train::trainer::Schedule;
@@ -39,6 +39,7 @@ pub const CLIP_RATIO_C: Range = Range::above(1.0);
 pub const ENTROPY_COEF: Range = Range::closed(0.0, 1e3);
 pub const WEIGHT_DECAY: Range = Range::closed_open(0.0, 1.0);
 pub const MAX_GRAD_NORM: Range = Range::above(0.0);
+pub const WARMUP_RATIO: Range = Range::closed(0.0, 1.0);
 /// Sampling temperature of the policy: positive (greedy responses of a group are identical
 /// and carry no signal).
 pub const TEMPERATURE: Range = Range::open_closed(0.0, 10.0);
@@ -80,6 +81,35 @@ impl Algo {
             Self::Drgrpo => Some(Estimator::DrGrpo),
             Self::Rloo => Some(Estimator::Rloo),
             Self::OnlineDpo => None,
+        }
+    }
+}
+
+/// Where a step's prompts come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Opening {
+    /// The simulated user opens each conversation from the task's hidden goal (DESIGN §10).
+    #[default]
+    User,
+    /// The task's prompt is the user's first message, verbatim (a fixed prompt set, as TRL's
+    /// GRPOTrainer reads one; no simulator call).
+    Task,
+    /// The conversation prefixes of an upstream flat dataset (its `prompt` column: every
+    /// turn of every conversation), as the verl recipe trains on them.
+    Dataset,
+}
+
+impl FromStr for Opening {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "user" => Ok(Self::User),
+            "task" => Ok(Self::Task),
+            "dataset" => Ok(Self::Dataset),
+            other => Err(format!(
+                "unknown --opening {other:?} (expected user, task or dataset)"
+            )),
         }
     }
 }
@@ -128,7 +158,9 @@ pub struct RlRunConfig {
     pub batch_prompts: usize,
     /// Responses sampled per prompt (n).
     pub group_size: usize,
-    /// Futures per response (S).
+    /// Who writes the prompt: the simulated user, or the task's prompt verbatim.
+    pub opening: Opening,
+    /// Futures per response (S); 0 scores each response alone (single-turn reward).
     pub samples: usize,
     /// Messages per future, the user's first one included.
     pub window: usize,
@@ -154,6 +186,13 @@ pub struct RlRunConfig {
     pub micro_batch: usize,
     pub weight_decay: f64,
     pub max_grad_norm: f64,
+    /// Learning-rate schedule over the run's optimizer steps (verl: constant).
+    pub schedule: Schedule,
+    /// Share of the run's optimizer steps spent warming the rate up linearly from 0.
+    pub warmup_ratio: f64,
+    /// Per-layer activation checkpointing in the backward pass: less memory, one more
+    /// forward pass per micro-batch.
+    pub gradient_checkpointing: bool,
     /// Longest prompt + response that trains, in tokens.
     pub max_length: usize,
     /// Online DPO: β and the minimum MR gap between best and worst.
@@ -175,6 +214,7 @@ pub struct RlRunConfig {
     pub judge_retries: u32,
     pub user_retries: u32,
     pub judge_max_tokens: usize,
+    pub extractor_max_tokens: usize,
     pub termination: String,
     /// Responses scored at once.
     pub concurrency: usize,
@@ -200,6 +240,7 @@ impl Default for RlRunConfig {
             judge: ModelSpec::Default,
             batch_prompts: 2,
             group_size: 8,
+            opening: Opening::User,
             samples: 3,
             window: 4,
             max_new_tokens: 256,
@@ -220,6 +261,9 @@ impl Default for RlRunConfig {
             micro_batch: 4,
             weight_decay: 0.01,
             max_grad_norm: 1.0,
+            schedule: Schedule::Constant,
+            warmup_ratio: 0.0,
+            gradient_checkpointing: false,
             max_length: 2048,
             beta: 0.1,
             min_gap: 0.02,
@@ -236,6 +280,7 @@ impl Default for RlRunConfig {
             judge_retries: gen.judge_retries,
             user_retries: gen.user_retries,
             judge_max_tokens: gen.judge_max_tokens,
+            extractor_max_tokens: gen.extractor_max_tokens,
             termination: gen.termination,
             concurrency: gen.concurrency,
             endpoint: gen.endpoint,
@@ -291,6 +336,19 @@ impl RlRunConfig {
         })
     }
 
+    /// Per-role token caps (`--max-tokens ROLE=N`). The policy and the assistant inside
+    /// futures are the same model being trained, so both set `max_new_tokens`.
+    pub fn set_max_tokens(&mut self, caps: &[(TokenRole, usize)]) {
+        for &(role, n) in caps {
+            match role {
+                TokenRole::Policy | TokenRole::Assistant => self.max_new_tokens = n,
+                TokenRole::User => self.user_sampling.max_tokens = n,
+                TokenRole::Judge => self.judge_max_tokens = n,
+                TokenRole::Extractor => self.extractor_max_tokens = n,
+            }
+        }
+    }
+
     /// The policy's sampling (also the assistant's inside futures: the same current policy).
     pub fn policy_sampling(&self) -> Sampling {
         Sampling {
@@ -323,6 +381,7 @@ impl RlRunConfig {
             judge_retries: self.judge_retries,
             user_retries: self.user_retries,
             judge_max_tokens: self.judge_max_tokens,
+            extractor_max_tokens: self.extractor_max_tokens,
             policy_sampling: self.policy_sampling(),
             user_sampling: self.user_sampling.clone(),
             assistant_sampling: self.policy_sampling(),
@@ -379,16 +438,29 @@ impl RlRunConfig {
             lr: self.lr,
             weight_decay: self.weight_decay,
             max_grad_norm: self.max_grad_norm,
-            schedule: Schedule::Constant,
-            warmup_ratio: 0.0,
-            total_steps: 0,
+            schedule: self.schedule,
+            warmup_ratio: self.warmup_ratio,
+            total_steps: self.optimizer_steps(),
             max_length: self.max_length,
             seed: self.seed,
+            gradient_checkpointing: self.gradient_checkpointing,
             dpo: (self.algo == Algo::OnlineDpo).then_some(DpoConfig {
                 beta: self.beta,
                 ..DpoConfig::default()
             }),
         })
+    }
+
+    /// Optimizer steps of the whole run, for the schedule: every rollout batch of B·n
+    /// responses makes `ppo_epochs` passes of ⌈B·n / mini_batch⌉ steps (responses dropped as
+    /// too long can make a step's count smaller; the schedule then ends a little early).
+    pub fn optimizer_steps(&self) -> usize {
+        let responses = self.batch_prompts * self.group_size;
+        let per_pass = match self.mini_batch {
+            0 => 1,
+            m => responses.div_ceil(m),
+        };
+        self.max_steps * self.ppo_epochs * per_pass
     }
 
     /// Checks every setting once; the error names the setting and the value.
@@ -427,6 +499,7 @@ impl RlRunConfig {
         check("entropy_coef", self.entropy_coef, ENTROPY_COEF)?;
         check("weight_decay", self.weight_decay, WEIGHT_DECAY)?;
         check("max_grad_norm", self.max_grad_norm, MAX_GRAD_NORM)?;
+        check("warmup_ratio", self.warmup_ratio, WARMUP_RATIO)?;
         check("temperature", self.temperature, TEMPERATURE)?;
         check("top_p", self.top_p, TOP_P)?;
         check("beta", self.beta, BETA)?;
@@ -448,7 +521,10 @@ impl RlRunConfig {
         self.rl_config()?
             .validate()
             .map_err(|e| invalid("rl", e.to_string()))?;
-        self.rollout_view().validate()?;
+        // `samples = 0` (no futures) is ours, not generate_conv's: check the rest of the view.
+        let mut view = self.rollout_view();
+        view.samples = view.samples.max(1);
+        view.validate()?;
         if let Some(v) = self.eval_view() {
             v.validate()?;
         }
@@ -484,6 +560,26 @@ mod tests {
         assert_eq!(back, cfg);
         let err = toml::from_str::<RlRunConfig>("group_sise = 3").unwrap_err();
         assert!(err.to_string().contains("group_sise"), "{err}");
+    }
+
+    #[test]
+    fn role_caps_reach_the_rollout_view() {
+        let mut cfg = RlRunConfig::default();
+        cfg.set_max_tokens(&[
+            (TokenRole::User, 48),
+            (TokenRole::Judge, 200),
+            (TokenRole::Extractor, 300),
+            (TokenRole::Assistant, 96),
+        ]);
+        let view = cfg.rollout_view();
+        assert_eq!(view.user_sampling.max_tokens, 48);
+        assert_eq!(view.judge_max_tokens, 200);
+        assert_eq!(view.extractor_max_tokens, 300);
+        assert_eq!(view.policy_sampling.max_tokens, 96);
+        assert_eq!(view.assistant_sampling.max_tokens, 96);
+        let mut zero = cfg.clone();
+        zero.user_sampling.max_tokens = 0;
+        assert!(zero.validate().unwrap_err().to_string().contains("user"));
     }
 
     #[test]

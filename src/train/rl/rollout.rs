@@ -17,7 +17,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use super::config::RlRunConfig;
+use super::config::{Opening, RlRunConfig};
 use super::{Group, ScoredResponse};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, FinishReason};
@@ -95,6 +95,20 @@ pub struct StepRollout {
     pub time_futures: f64,
 }
 
+/// One prompt of a step: its task (metrics, hidden goal) and, for `--opening dataset`, the
+/// conversation prefix the policy answers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RlPrompt {
+    pub task: Task,
+    pub prefix: Option<Vec<ChatMessage>>,
+}
+
+impl RlPrompt {
+    pub fn of_task(task: Task) -> Self {
+        Self { task, prefix: None }
+    }
+}
+
 /// Everything a rollout needs besides the policy (which changes every step).
 pub struct Rollout<'a> {
     pub cfg: &'a RlRunConfig,
@@ -124,17 +138,17 @@ impl Rollout<'_> {
         scorer: &Scorer,
         split: &str,
         step: u64,
-        tasks: &[Task],
+        prompts: &[RlPrompt],
         n: usize,
     ) -> anyhow::Result<StepRollout> {
         let started = Instant::now();
         let step_s = step.to_string();
-        let opened = futures::future::join_all(tasks.iter().enumerate().map(|(i, task)| {
+        let opened = futures::future::join_all(prompts.iter().enumerate().map(|(i, p)| {
             let step_s = &step_s;
             async move {
                 let i_s = i.to_string();
-                let r = self.open(policy, task, split, step_s, &i_s, n).await;
-                (i, task, r)
+                let r = self.open(policy, p, split, step_s, &i_s, n).await;
+                (i, &p.task, r)
             }
         }))
         .await;
@@ -214,32 +228,23 @@ impl Rollout<'_> {
     async fn open(
         &self,
         policy: &Role,
-        task: &Task,
+        p: &RlPrompt,
         split: &str,
         step: &str,
         i: &str,
         n: usize,
     ) -> anyhow::Result<Opened> {
-        let first = match self
-            .user
-            .next_messages(
-                task,
-                &[],
-                1,
-                self.seed(task, &["rl-first-user", split, step, i]),
-            )
-            .await
-        {
-            Ok(mut v) if !v.is_empty() => v.remove(0),
-            Ok(_) => {
-                return Ok(Opened::UserFailed(SimError::NoUserMessage {
-                    attempts: 1,
-                    last: String::new(),
-                }))
+        let task = &p.task;
+        let prompt = match (&p.prefix, self.cfg.opening) {
+            (Some(prefix), _) => prefix.clone(),
+            (None, Opening::Task | Opening::Dataset) => {
+                vec![ChatMessage::user(task.prompt.clone())]
             }
-            Err(e) => return Ok(Opened::UserFailed(e)),
+            (None, Opening::User) => match self.open_by_user(task, split, step, i).await {
+                Ok(text) => vec![ChatMessage::user(text)],
+                Err(e) => return Ok(Opened::UserFailed(e)),
+            },
         };
-        let prompt = vec![ChatMessage::user(first.text)];
         let s = self.cfg.policy_sampling();
         let req = ChatRequest::new(prompt.clone())
             .temperature(s.temperature)
@@ -268,6 +273,25 @@ impl Rollout<'_> {
             })
             .collect();
         Ok(Opened::Sampled(prompt, choices))
+    }
+
+    /// The simulated user's opening message for `task`.
+    async fn open_by_user(
+        &self,
+        task: &Task,
+        split: &str,
+        step: &str,
+        i: &str,
+    ) -> Result<String, SimError> {
+        let seed = self.seed(task, &["rl-first-user", split, step, i]);
+        let mut turns = self.user.next_messages(task, &[], 1, seed).await?;
+        if turns.is_empty() {
+            return Err(SimError::NoUserMessage {
+                attempts: 1,
+                last: String::new(),
+            });
+        }
+        Ok(turns.remove(0).text)
     }
 
     fn record(

@@ -30,12 +30,13 @@ use rand::SeedableRng;
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use super::config::{Algo, RlRunConfig};
-use super::rollout::{GroupRecord, Rollout, StepRollout};
+use super::config::{Algo, Opening, RlRunConfig};
+use super::rollout::{GroupRecord, RlPrompt, Rollout, StepRollout};
 use super::state::{self, RlState, RL_STATE};
 use super::step::{RlTrainer, UpdateReport};
 use super::sync;
 use crate::generate::run::{fetch_config_tasks, git_revision};
+use crate::hub::import;
 use crate::llm::cache::{CachedBackend, RequestCache};
 use crate::llm::engine::ChatCodec;
 use crate::llm::llama::WeightFormat;
@@ -162,9 +163,54 @@ fn policy_role(backend: Arc<LocalBackend>, roles: &Roles, spec: &str) -> Role {
     }
 }
 
+/// The prompts of a split: one per task, or with `--opening dataset` one per conversation
+/// prefix of the flat source whose task is among `tasks` (so `--max-tasks` bounds both).
+async fn rl_prompts(
+    cfg: &RlRunConfig,
+    source: &str,
+    tasks: Vec<Task>,
+) -> anyhow::Result<Vec<RlPrompt>> {
+    if cfg.opening != Opening::Dataset {
+        return Ok(tasks.into_iter().map(RlPrompt::of_task).collect());
+    }
+    if !(import::is_hub_source(source) || import::is_flat_parquet(Path::new(source))) {
+        bail!(
+            "--opening dataset needs an upstream CollabLLM flat dataset (a parquet file with \
+             `single_turn_prompt`, or hf:<org>/<name>); {source} is not one"
+        );
+    }
+    let (prefixes, skipped) = import::load_flat_prefixes(source, None).await?;
+    if skipped > 0 {
+        tracing::warn!(
+            "{source}: {skipped} conversation prefix(es) do not end with a user message and \
+             are left out"
+        );
+    }
+    let by_id: std::collections::HashMap<&str, &Task> =
+        tasks.iter().map(|t| (t.id.as_str(), t)).collect();
+    let prompts: Vec<RlPrompt> = prefixes
+        .into_iter()
+        .filter_map(|p| {
+            by_id.get(p.task_id.as_str()).map(|t| RlPrompt {
+                task: (*t).clone(),
+                prefix: Some(p.messages),
+            })
+        })
+        .collect();
+    if prompts.is_empty() {
+        bail!("{source}: no conversation prefix ending with a user message");
+    }
+    tracing::info!(
+        "{source}: {} conversation prefixes of {} tasks",
+        prompts.len(),
+        tasks.len()
+    );
+    Ok(prompts)
+}
+
 /// The B tasks of `step` (1-based): each epoch over the tasks in its own seeded order, so
 /// the order depends on (seed, step) only and a resumed run continues it exactly.
-pub fn step_tasks(tasks: &[Task], seed: u64, step: u64, batch: usize) -> Vec<Task> {
+pub fn step_tasks<T: Clone>(tasks: &[T], seed: u64, step: u64, batch: usize) -> Vec<T> {
     let n = tasks.len();
     let mut cached: Option<(usize, Vec<usize>)> = None;
     (0..batch)
@@ -370,8 +416,9 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
     let started = Instant::now();
     cfg.validate()?;
     let tasks = fetch_config_tasks(&cfg.rollout_view()).await?;
+    let tasks = rl_prompts(&cfg, &cfg.tasks, tasks).await?;
     let eval_tasks = match cfg.eval_view() {
-        Some(v) => Some(fetch_config_tasks(&v).await?),
+        Some(v) => Some(rl_prompts(&cfg, &v.tasks, fetch_config_tasks(&v).await?).await?),
         None => None,
     };
     let prompts = Arc::new(match &cfg.prompts {
@@ -463,8 +510,8 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
             mode: cfg.judge_mode,
             retries: cfg.judge_retries,
             max_tokens: cfg.judge_max_tokens,
-            // The generate_conv defaults (upstream's): rl_train has no flags for these yet.
-            extract_max_tokens: crate::rollout::user::EXTRACTOR_MAX_TOKENS,
+            extract_max_tokens: cfg.extractor_max_tokens,
+            // The generate_conv default (upstream v2 scale): rl_train has no flag for it yet.
             interactivity_scale: crate::reward::judge::InteractivityScale::default(),
         }),
         user: UserSimulator {

@@ -86,6 +86,9 @@ pub struct RlConfig {
     /// Online DPO (`--algo online_dpo`): the loss of its pairs. Keeps a frozen reference
     /// (the initial weights) whatever the KL coefficient.
     pub dpo: Option<DpoConfig>,
+    /// Per-layer activation checkpointing in the backward pass (less memory, one more
+    /// forward pass; TRL's and dpo_train's default is off).
+    pub gradient_checkpointing: bool,
 }
 
 impl Default for RlConfig {
@@ -105,6 +108,7 @@ impl Default for RlConfig {
             max_length: 2048,
             seed: 0,
             dpo: None,
+            gradient_checkpointing: false,
         }
     }
 }
@@ -338,21 +342,29 @@ impl RlTrainer {
             self.updates += 1;
             return Ok(report);
         }
-        let old = self.sample_logps(samples, false)?;
+        let mini = match self.cfg.mini_batch {
+            0 => samples.len(),
+            m => m.min(samples.len()),
+        };
+        // One optimizer step per rollout batch: the weights that score the loss are the ones
+        // that sampled, so the old log-probs are the loss pass's own, detached (ratio 1, as
+        // TRL does); a separate pass would only add rounding noise and a forward's cost.
+        let on_policy = self.cfg.ppo_epochs == 1 && mini == samples.len();
+        let old = if on_policy {
+            None
+        } else {
+            Some(self.sample_logps(samples, false)?)
+        };
         let reference = if self.cfg.ppo.kl_coef > 0.0 {
             Some(self.sample_logps(samples, true)?)
         } else {
             None
         };
-        let mini = match self.cfg.mini_batch {
-            0 => samples.len(),
-            m => m.min(samples.len()),
-        };
         for epoch in 0..self.cfg.ppo_epochs {
             let order = self.shuffled(samples.len(), epoch);
             for chunk in order.chunks(mini) {
                 let (loss, metrics, norm) =
-                    self.optimizer_step(samples, chunk, &old, reference.as_ref())?;
+                    self.optimizer_step(samples, chunk, old.as_ref(), reference.as_ref())?;
                 report.losses.push(loss);
                 report.steps.push(metrics);
                 report.grad_norms.push(norm);
@@ -424,7 +436,7 @@ impl RlTrainer {
         &mut self,
         samples: &[RlSample],
         idx: &[usize],
-        old: &SampleLogps,
+        old: Option<&SampleLogps>,
         reference: Option<&SampleLogps>,
     ) -> Result<(f64, PpoMetrics, f64), RlError> {
         let tokens: usize = idx.iter().map(|&i| samples[i].response_ids.len()).sum();
@@ -479,7 +491,7 @@ impl RlTrainer {
         &self,
         samples: &[RlSample],
         chunk: &[usize],
-        old: &SampleLogps,
+        old: Option<&SampleLogps>,
         reference: Option<&SampleLogps>,
         mini_tokens: usize,
         mini_seqs: usize,
@@ -493,7 +505,9 @@ impl RlTrainer {
         for &local in &batch.token_sample {
             let (si, k) = (chunk[local], cursor[local]);
             cursor[local] += 1;
-            old_t.push(old[si][k]);
+            if let Some(o) = old {
+                old_t.push(o[si][k]);
+            }
             if let Some(r) = reference {
                 ref_t.push(r[si][k]);
             }
@@ -503,16 +517,21 @@ impl RlTrainer {
                 .ppo
                 .agg
                 .token_weights(&batch.token_response_len, mini_tokens, mini_seqs);
-        let old_t = Tensor::new(old_t, &dev)?;
+        let old_t = old.map(|_| Tensor::new(old_t, &dev)).transpose()?;
         let ref_t = reference.map(|_| Tensor::new(ref_t, &dev)).transpose()?;
         let weights = Tensor::new(weights, &dev)?;
         let cfg = self.cfg.ppo;
         let with_entropy = cfg.entropy_coef > 0.0;
         let policy = &self.policy;
+        let checkpoint = self.cfg.gradient_checkpointing;
         let (grads, extra) =
-            policy.checkpointed_grads(&batch.input_ids, &batch.layout, |hidden| {
+            policy.grads(&batch.input_ids, &batch.layout, checkpoint, |hidden| {
                 let logits = target_logits(policy, hidden, &batch.targets)?;
                 let logp = token_logps(&logits, &batch.targets.labels)?.to_dtype(DType::F32)?;
+                let old_logp = match &old_t {
+                    Some(t) => t.clone(),
+                    None => logp.detach(),
+                };
                 // The entropy is logged on every step (TRL and verl do); without the bonus
                 // it is computed from detached logits and adds nothing to the backward pass.
                 let entropy = if with_entropy {
@@ -524,7 +543,7 @@ impl RlTrainer {
                 let out = ppo_loss(
                     &TokenTerms {
                         logp: &logp,
-                        old_logp: &old_t,
+                        old_logp: &old_logp,
                         ref_logp: ref_t.as_ref(),
                         advantages: &batch.advantages,
                         weights: &weights,
@@ -688,8 +707,9 @@ impl RlTrainer {
             let ref_r = Tensor::new(refs.iter().map(|r| r.1).collect::<Vec<_>>(), &dev)?;
             let share = b as f64 / pairs.len() as f64;
             let policy = &self.policy;
+            let checkpoint = self.cfg.gradient_checkpointing;
             let (g, (m, l)) =
-                policy.checkpointed_grads(&batch.input_ids, &batch.layout, |hidden| {
+                policy.grads(&batch.input_ids, &batch.layout, checkpoint, |hidden| {
                     let (sums, _) = completion_logps(policy, hidden, &batch.targets)?;
                     let sums = sums.to_dtype(DType::F32)?;
                     let (c, r) = (sums.narrow(0, 0, b)?, sums.narrow(0, b, b)?);
