@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
-use collabllm::generate::config::MIN_GAP;
 use collabllm::plot::{self, Format, Options, Written};
+use collabllm::reward::pairs::MIN_GAP;
 
 /// Figures for papers from run directories; every figure is written as PNG and SVG.
 #[derive(Parser, Debug)]

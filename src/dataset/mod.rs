@@ -20,6 +20,7 @@ use parquet::arrow::ArrowWriter;
 use columnar::AtomicFile;
 
 pub(crate) mod columnar;
+pub mod conversations;
 pub mod flat;
 pub mod pairs;
 

@@ -7,10 +7,10 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::check::Range;
-use crate::generate::config::SANDBOX_TIMEOUT_S;
 use crate::llm::spec::redact_credentials;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::{InteractivityScale, JudgeMode};
+use crate::reward::sandbox::SANDBOX_TIMEOUT_S;
 use crate::rollout::user::{
     Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
 };

@@ -18,14 +18,12 @@ use crate::rollout::user::{
 };
 use crate::task::TaskType;
 
-/// Seconds of wall time of one sandboxed test run: more than 0, at most an hour.
-pub const SANDBOX_TIMEOUT_S: Range = Range::open_closed(0.0, 3600.0);
+pub use crate::reward::sandbox::SANDBOX_TIMEOUT_S;
 /// Share of candidates drawn with the proactive prompt.
 pub const PROACT_RATIO: Range = Range::closed(0.0, 1.0);
 /// Share of conversations in the test split.
 pub const TEST_FRACTION: Range = Range::closed_open(0.0, 1.0);
-/// Minimum MR gap of a pair.
-pub const MIN_GAP: Range = Range::at_least(0.0);
+pub use crate::reward::pairs::MIN_GAP;
 /// Metric weights (negative weights penalise, e.g. token_amount).
 pub const METRIC_WEIGHT: Range = Range::finite();
 const TEMPERATURE: Range = Sampling::TEMPERATURE;

@@ -13,7 +13,9 @@ use std::sync::Arc;
 use futures::future::try_join_all;
 
 use super::config::GenerateConfig;
-use super::record::{now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant};
+use crate::dataset::conversations::{
+    now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant,
+};
 use crate::llm::prompts::Prompts;
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, FinishReason};

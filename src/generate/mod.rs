@@ -4,7 +4,6 @@ pub mod config;
 pub mod conversation;
 pub mod outputs;
 pub mod proactive;
-pub mod record;
 pub mod run;
 
 pub use config::GenerateConfig;

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::record::{CandidateRecord, ConversationRecord};
+use crate::dataset::conversations::{CandidateRecord, ConversationRecord};
 use crate::dataset::flat::{write_flat_parquet, FlatRow};
 use crate::dataset::pairs::{split_by_conversation, write_pairs_parquet, PairRow};
 use crate::dataset::DatasetError;

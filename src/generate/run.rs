@@ -21,7 +21,7 @@ use serde::Serialize;
 use super::config::GenerateConfig;
 use super::conversation::Pipeline;
 use super::outputs::{self, DatasetStats, Scoring};
-use super::record::{now_secs, read_records, ConversationLog, ConversationRecord};
+use crate::dataset::conversations::{now_secs, read_records, ConversationLog, ConversationRecord};
 use crate::hub::import;
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;

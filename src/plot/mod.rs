@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 
 use plotters::style::RGBColor;
 
+use crate::dataset::conversations::RecordError;
 use crate::dataset::DatasetError;
-use crate::generate::record::RecordError;
 
 pub use chart::{render_png, render_svg, Figure};
 
@@ -118,7 +118,7 @@ impl Options {
             SMOOTH.check("--smooth", w).map_err(PlotError::Option)?;
         }
         if let Some(g) = self.min_gap {
-            crate::generate::config::MIN_GAP
+            crate::reward::pairs::MIN_GAP
                 .check("--min-gap", g)
                 .map_err(PlotError::Option)?;
         }

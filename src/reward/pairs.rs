@@ -2,6 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Minimum MR gap between the chosen and the rejected reply of a pair: 0 or more.
+pub const MIN_GAP: crate::check::Range = crate::check::Range::at_least(0.0);
+
 /// Which pairs a turn yields.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -87,6 +87,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+/// Seconds of wall time of one sandboxed test run: more than 0, at most an hour.
+pub const SANDBOX_TIMEOUT_S: crate::check::Range = crate::check::Range::open_closed(0.0, 3600.0);
+
 /// Environment variable naming the Python interpreter to use instead of the default search.
 pub const PYTHON_ENV: &str = "COLLABLLM_SANDBOX_PYTHON";
 

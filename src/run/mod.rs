@@ -36,20 +36,7 @@ pub fn now_secs() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The git revision of the source tree this binary was built from, if known (asked once per
-/// process: manifests are rewritten after every conversation).
+/// The git revision this library was built from (`build.rs`), if the build had git.
 pub fn git_revision() -> Option<String> {
-    static REVISION: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    REVISION
-        .get_or_init(|| {
-            let out = std::process::Command::new("git")
-                .args(["rev-parse", "HEAD"])
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .output()
-                .ok()?;
-            out.status
-                .success()
-                .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-        })
-        .clone()
+    option_env!("COLLABLLM_GIT_REVISION").map(str::to_string)
 }

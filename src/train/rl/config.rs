@@ -46,7 +46,7 @@ pub const TEMPERATURE: Range = Range::open_closed(0.0, 10.0);
 pub const TOP_P: Range = Sampling::TOP_P;
 /// Online DPO: β and the minimum MR gap of a pair.
 pub const BETA: Range = Range::above(0.0);
-pub const MIN_GAP: Range = Range::at_least(0.0);
+pub use crate::reward::pairs::MIN_GAP;
 pub const LORA_ALPHA: Range = Range::above(0.0);
 
 /// What the update does with a group of scored responses.
