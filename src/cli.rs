@@ -111,13 +111,8 @@ pub fn catch_signals() -> anyhow::Result<crate::run::Shutdown> {
     crate::run::Shutdown::on_signals().context("catching SIGINT/SIGTERM")
 }
 
-/// Peak resident set size of this process in bytes (Linux `VmHWM`), if known.
-pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
+/// Peak resident set size (run bookkeeping; re-exported for the binaries).
+pub use crate::run::peak_rss_bytes;
 
 /// Keeps freed heap memory for reuse instead of returning it to the kernel after every large
 /// tensor (glibc's trim threshold). Training allocates and frees the same activation sizes

@@ -20,7 +20,6 @@ use parquet::arrow::ArrowWriter;
 use columnar::AtomicFile;
 
 pub(crate) mod columnar;
-pub mod conversations;
 pub mod flat;
 pub mod pairs;
 

@@ -11,9 +11,9 @@ use super::twenty_questions::{
     play, GameMetrics, Oracle, Questioner, RandomGuessQuestioner, ReferenceQuestioner, TableOracle,
     World,
 };
-use crate::llm::prompts::Prompts;
 use crate::llm::roles::Role;
 use crate::rollout::user::{derive_seed, Sampling};
+use crate::task::prompts::Prompts;
 
 /// Who asks the questions.
 #[derive(Clone)]

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use super::twenty_questions::World;
-use crate::dataset::conversations::{read_records, CONVERSATIONS_FILE};
+use crate::rollout::records::{read_records, CONVERSATIONS_FILE};
 use crate::task::{Task, TaskType};
 
 #[derive(Debug, thiserror::Error)]

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use tokio::runtime::Handle;
 
 use super::twenty_questions::{Object, Oracle, OracleAnswer, Questioner, World};
-use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest};
 use crate::rollout::user::{derive_seed, Sampling};
+use crate::task::prompts::{Prompt, Prompts};
 
 /// The assistant model as a questioner. A model error stops the game's model calls; the game
 /// is then discarded by the runner (and retried by a rerun), never scored.

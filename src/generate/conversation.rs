@@ -13,15 +13,13 @@ use std::sync::Arc;
 use futures::future::try_join_all;
 
 use super::config::GenerateConfig;
-use crate::dataset::conversations::{
-    now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant,
-};
-use crate::llm::prompts::Prompts;
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, FinishReason};
 use crate::reward::metrics::Scorer;
 use crate::rollout::futures::FutureRunner;
+use crate::rollout::records::{now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant};
 use crate::rollout::user::{derive_seed, SimError, UserSimulator};
+use crate::task::prompts::Prompts;
 use crate::task::Task;
 
 /// Everything a conversation needs; shared by all conversations of a run.

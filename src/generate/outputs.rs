@@ -7,13 +7,13 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::dataset::conversations::{CandidateRecord, ConversationRecord};
 use crate::dataset::flat::{write_flat_parquet, FlatRow};
 use crate::dataset::pairs::{split_by_conversation, write_pairs_parquet, PairRow};
 use crate::dataset::DatasetError;
 use crate::llm::{ChatMessage, FinishReason};
 use crate::reward::mr::{multiturn_reward, MrFormula};
 use crate::reward::pairs::{select_pairs, PairMode};
+use crate::rollout::records::{CandidateRecord, ConversationRecord};
 
 /// How records become pairs.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -8,11 +8,11 @@
 use serde::{Deserialize, Serialize};
 
 use crate::llm::parse::parse_json_object;
-use crate::llm::prompts::transcript;
-use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, ChatResponse, FinishReason};
 use crate::rollout::user::SimError;
+use crate::task::prompts::transcript;
+use crate::task::prompts::{Prompt, Prompts};
 use crate::task::Task;
 
 /// How proactive candidates are prompted (`--proactive-style`).

@@ -12,7 +12,6 @@ pub mod local;
 pub mod openai;
 pub mod parse;
 pub mod peft;
-pub mod prompts;
 pub mod q8;
 pub mod roles;
 pub mod sampling;

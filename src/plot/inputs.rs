@@ -192,7 +192,7 @@ pub fn read_data_run(dir: &Path) -> Result<DataRun, PlotError> {
     let records = if manifest.get("import").is_some() {
         Vec::new()
     } else {
-        crate::dataset::conversations::read_records(dir)?
+        crate::rollout::records::read_records(dir)?
     };
     for rec in records {
         for turn in &rec.turns {

@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 
 use plotters::style::RGBColor;
 
-use crate::dataset::conversations::RecordError;
 use crate::dataset::DatasetError;
+use crate::rollout::records::RecordError;
 
 pub use chart::{render_png, render_svg, Figure};
 

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::llm::parse::{extract_fenced_or_all, parse_json_object, score_field};
-use crate::llm::prompts::{Prompt, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::usage::reask;
 use crate::llm::{ChatMessage, ChatRequest};
+use crate::task::prompts::{Prompt, Prompts};
 
 /// How the judge is asked.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

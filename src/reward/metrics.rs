@@ -9,10 +9,10 @@ use serde::{Deserialize, Serialize};
 use super::judge::Judge;
 use super::sandbox::{run_python_tests, SandboxLimits};
 use crate::llm::parse::extract_code;
-use crate::llm::prompts::transcript;
-use crate::llm::prompts::Prompt;
 use crate::llm::tokens::TokenCounter;
 use crate::llm::ChatMessage;
+use crate::task::prompts::transcript;
+use crate::task::prompts::Prompt;
 use crate::task::{Task, TaskType};
 
 /// Metric names and their native ranges.
@@ -363,10 +363,10 @@ mod tests {
 #[cfg(test)]
 mod accuracy_tests {
     use super::*;
-    use crate::llm::prompts::Prompts;
     use crate::llm::roles::Role;
     use crate::llm::scripted::ScriptedBackend;
     use crate::reward::judge::{InteractivityScale, JudgeMode};
+    use crate::task::prompts::Prompts;
 
     fn scorer(judge_reply: &'static str) -> Scorer {
         let backend = ScriptedBackend::new("judge", move |_, _| Ok(judge_reply.to_string()));

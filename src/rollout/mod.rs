@@ -1,4 +1,7 @@
-//! Multi-turn rollouts: the simulated user and the futures it plays out.
+//! Multi-turn rollouts: the simulated user, the futures it plays out, and the append-only
+//! conversation records (`conversations.jsonl`) that generation writes and evaluation and
+//! plots read.
 
 pub mod futures;
+pub mod records;
 pub mod user;

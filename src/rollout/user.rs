@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::llm::prompts::{transcript, Prompt, PromptError, Prompts};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, LlmError};
+use crate::task::prompts::{transcript, Prompt, PromptError, Prompts};
 use crate::task::{Task, TaskType};
 
 #[derive(Debug, thiserror::Error)]

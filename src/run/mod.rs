@@ -40,3 +40,11 @@ pub fn now_secs() -> f64 {
 pub fn git_revision() -> Option<String> {
     option_env!("COLLABLLM_GIT_REVISION").map(str::to_string)
 }
+
+/// Peak resident set size of this process in bytes (Linux `VmHWM`), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

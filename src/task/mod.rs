@@ -24,6 +24,8 @@ use serde_json::Value;
 
 use crate::dataset::columnar::{self, AtomicFile};
 
+pub mod prompts;
+
 /// The kind of task, which decides the metrics and the user-simulator prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -626,7 +626,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
         final_dir,
         merged_dir,
         ref_cache: ref_cache_path,
-        peak_rss_bytes: crate::cli::peak_rss_bytes(),
+        peak_rss_bytes: crate::run::peak_rss_bytes(),
     };
     write_json_atomic(&cfg.output.join("train_summary.json"), &summary)?;
     Ok(summary)

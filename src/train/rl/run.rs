@@ -42,7 +42,6 @@ use crate::llm::engine::ChatCodec;
 use crate::llm::llama::WeightFormat;
 use crate::llm::local::{LoadOptions, LocalBackend};
 use crate::llm::peft::AdapterConfig;
-use crate::llm::prompts::Prompts;
 use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
 use crate::llm::tokens::TokenCounter;
@@ -52,6 +51,7 @@ use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::Scorer;
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::user::{derive_seed, UserSimulator};
+use crate::task::prompts::Prompts;
 use crate::task::Task;
 use crate::train::model::TrainLlama;
 use crate::train::trainer::{adapter_base_name, parse_device};
@@ -454,7 +454,7 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
                 usage: BTreeMap::new(),
                 cost_usd: Value::Null,
                 wall_s: started.elapsed().as_secs_f64(),
-                peak_rss_bytes: crate::cli::peak_rss_bytes(),
+                peak_rss_bytes: crate::run::peak_rss_bytes(),
             });
         }
     }
@@ -635,7 +635,7 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
         usage,
         cost_usd,
         wall_s: started.elapsed().as_secs_f64(),
-        peak_rss_bytes: crate::cli::peak_rss_bytes(),
+        peak_rss_bytes: crate::run::peak_rss_bytes(),
     };
     let mut v = serde_json::to_value(&summary)?;
     v["git_revision"] = json!(git_revision());

@@ -9,8 +9,8 @@ use std::path::Path;
 use minijinja::Environment;
 use serde::Serialize;
 
-use super::ChatMessage;
-use crate::task::TaskType;
+use super::TaskType;
+use crate::llm::ChatMessage;
 
 /// (file name, built-in text, variables the pipeline provides to it).
 const PROMPTS: &[(&str, &str, &[&str])] = &[
