@@ -10,7 +10,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use collabllm::eval::run::{evaluate_with_roles, EvalRoles};
-use collabllm::eval::twenty_questions::{AggregateMetrics, GameMetrics, GameRecord, Stat};
 use collabllm::eval::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 use collabllm::generate::{generate_with_roles, GenerateConfig, Roles};
 use collabllm::llm::cache::RequestCache;
@@ -21,6 +20,7 @@ use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::tokens::TokenCounter;
 use collabllm::llm::{EndpointOptions, ModelSpec};
 use collabllm::rollout::user::Sampling;
+use collabllm::task::twenty_questions::{AggregateMetrics, GameMetrics, GameRecord, Stat};
 use collabllm::task::TaskType;
 use common::collab_script;
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use collabllm::eval::twenty_questions::*;
+use collabllm::task::twenty_questions::*;
 
 fn world() -> &'static World {
     static W: OnceLock<World> = OnceLock::new();

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use collabllm::eval::compare::{compare_runs, mcnemar_exact, wilson_interval, Z95};
 use collabllm::eval::transcripts::{read_games, rescore_file, split_line, RescoredGame};
-use collabllm::eval::twenty_questions::World;
+use collabllm::task::twenty_questions::World;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lmrl_twenty_questions.jsonl")

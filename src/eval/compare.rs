@@ -16,7 +16,7 @@ use super::records::read_records;
 use super::run::CONVERSATIONS_DIR;
 use super::summary::{write_atomic, SummaryError};
 use super::transcripts::{RescoredGame, GAMES_FILE};
-use super::twenty_questions::{GameMetrics, Stat};
+use crate::task::twenty_questions::{GameMetrics, Stat};
 
 /// z for a two-sided 95% interval.
 pub const Z95: f64 = 1.959_963_984_540_054;

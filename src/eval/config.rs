@@ -392,7 +392,7 @@ impl Default for EvalConfig {
             concurrency: 8,
             oracle: OracleChoice::Table,
             objects: ObjectSelection::All,
-            max_questions: crate::eval::twenty_questions::MAX_QUESTIONS,
+            max_questions: crate::task::twenty_questions::MAX_QUESTIONS,
             exclude_runs: Vec::new(),
             allow_overlap: false,
             termination: "[[TERMINATE CHAT]]".into(),

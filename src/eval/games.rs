@@ -7,13 +7,13 @@ use std::sync::Arc;
 use tokio::runtime::Handle;
 
 use super::players::{LlmOracle, ModelQuestioner};
-use super::twenty_questions::{
-    play, GameMetrics, Oracle, Questioner, RandomGuessQuestioner, ReferenceQuestioner, TableOracle,
-    World,
-};
 use crate::llm::roles::Role;
 use crate::rollout::user::{derive_seed, Sampling};
 use crate::task::prompts::Prompts;
+use crate::task::twenty_questions::{
+    play, GameMetrics, Oracle, Questioner, RandomGuessQuestioner, ReferenceQuestioner, TableOracle,
+    World,
+};
 
 /// Who asks the questions.
 #[derive(Clone)]

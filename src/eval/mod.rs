@@ -1,8 +1,8 @@
 //! Multi-turn evaluation (`eval_multiturn`).
 //!
-//! - `twenty_questions`: the deterministic core of LMRL-Gym's 20 Questions (DESIGN §6):
-//!   objects, win rule, table oracle, exact information gain, game loop, metrics and the
-//!   reference questioners. No model inside.
+//! - The deterministic core of LMRL-Gym's 20 Questions (objects, win rule, table oracle,
+//!   exact information gain, game loop, metrics, reference questioners) is
+//!   `task::twenty_questions`, so that generation and RL can use it too.
 //! - `players`: model-backed 20 Questions questioner and LLM oracle (prompted templates).
 //! - `config`: the resolved settings, the evaluated models and their labels.
 //! - `dialogue` (math/doc_edit/code) and `games` (20 Questions): one conversation or game →
@@ -24,7 +24,6 @@ pub mod records;
 pub mod run;
 pub mod summary;
 pub mod transcripts;
-pub mod twenty_questions;
 
 pub use config::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 pub use run::{evaluate, evaluate_until, evaluate_with_roles, EvalReport, EvalRoles};

@@ -5,8 +5,8 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use super::twenty_questions::World;
 use crate::rollout::records::{read_records, CONVERSATIONS_FILE};
+use crate::task::twenty_questions::World;
 use crate::task::{Task, TaskType};
 
 #[derive(Debug, thiserror::Error)]

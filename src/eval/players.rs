@@ -1,6 +1,6 @@
 //! Model-backed 20 Questions players: a questioner (the evaluated assistant model, prompted
 //! with the game so far) and an LLM oracle. Both implement the synchronous traits of
-//! [`twenty_questions`](super::twenty_questions) so that [`play`](super::twenty_questions::play)
+//! [`twenty_questions`](crate::task::twenty_questions) so that [`play`](crate::task::twenty_questions::play)
 //! stays the one game loop: each game runs on a blocking thread that waits on the async model
 //! call through the runtime handle.
 
@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use tokio::runtime::Handle;
 
-use super::twenty_questions::{Object, Oracle, OracleAnswer, Questioner, World};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest};
 use crate::rollout::user::{derive_seed, Sampling};
 use crate::task::prompts::{Prompt, Prompts};
+use crate::task::twenty_questions::{Object, Oracle, OracleAnswer, Questioner, World};
 
 /// The assistant model as a questioner. A model error stops the game's model calls; the game
 /// is then discarded by the runner (and retried by a rerun), never scored.

@@ -23,7 +23,6 @@ use super::games::{play_game, GameSettings, Player};
 use super::overlap;
 use super::records::{read_records, RecordLog};
 use super::summary::{summarize_dialogues, summarize_games, write_atomic, Summary};
-use super::twenty_questions::{lmrl_transcript, GameRecord, World};
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
 use crate::llm::roles::{roles_cost_usd, Role};
@@ -38,6 +37,7 @@ use crate::run::{
     changed_settings, git_revision, now_secs, write_json_atomic, Interrupted, RunLock, Shutdown,
 };
 use crate::task::prompts::Prompts;
+use crate::task::twenty_questions::{lmrl_transcript, GameRecord, World};
 use crate::task::{load_tasks, Task, TaskType};
 
 pub const MANIFEST_FILE: &str = "manifest.json";

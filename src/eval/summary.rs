@@ -9,7 +9,7 @@ use std::path::Path;
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
-use super::twenty_questions::{AggregateMetrics, GameMetrics, Stat};
+use crate::task::twenty_questions::{AggregateMetrics, GameMetrics, Stat};
 use crate::task::TaskType;
 
 /// The 20 Questions metrics, in report order: the fields of [`AggregateMetrics`] (less

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::players::normalise_yes_no;
 use super::summary::{summarize_games, write_atomic, ModelSummary, Summary, SummaryError};
-use super::twenty_questions::{
+use crate::task::twenty_questions::{
     play, GameMetrics, GameRecord, Object, Oracle, OracleAnswer, Questioner, World, MAX_QUESTIONS,
 };
 use crate::task::TaskType;
@@ -36,7 +36,7 @@ pub enum TranscriptError {
     #[error(transparent)]
     Summary(#[from] SummaryError),
     #[error(transparent)]
-    Data(#[from] super::twenty_questions::DataError),
+    Data(#[from] crate::task::twenty_questions::DataError),
 }
 
 /// One line of an LMRL-Gym offline file.

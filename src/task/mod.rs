@@ -25,6 +25,7 @@ use serde_json::Value;
 use crate::dataset::columnar::{self, AtomicFile};
 
 pub mod prompts;
+pub mod twenty_questions;
 
 /// The kind of task, which decides the metrics and the user-simulator prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

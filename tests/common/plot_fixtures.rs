@@ -5,11 +5,11 @@
 use std::path::Path;
 
 use collabllm::dataset::{write_pairs_parquet, PairRow};
-use collabllm::eval::twenty_questions::{
+use collabllm::llm::ChatMessage;
+use collabllm::task::twenty_questions::{
     play, AggregateMetrics, GameMetrics, GameRecord, Questioner, RandomGuessQuestioner,
     ReferenceQuestioner, TableOracle, World,
 };
-use collabllm::llm::ChatMessage;
 use serde_json::{json, Value};
 
 fn write(path: &Path, text: &str) {
