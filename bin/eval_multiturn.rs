@@ -6,8 +6,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
+use collabllm::cli::EndpointArgs;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
-use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
+use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::rollout::user::{parse_role_max_tokens, Sampling, TokenRole};
 use collabllm::task::TaskType;
@@ -118,18 +119,8 @@ struct Args {
     /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
     #[arg(long, value_name = "MODE")]
     judge_mode: Option<JudgeMode>,
-    /// Environment variable holding the API key of OpenAI-compatible endpoints [default: OPENAI_API_KEY].
-    #[arg(long, value_name = "VAR")]
-    api_key_env: Option<String>,
-    /// Requests in flight per endpoint [default: 16].
-    #[arg(long, value_name = "N")]
-    max_concurrency: Option<usize>,
-    /// Seconds before one endpoint attempt is abandoned, in (0, 86400] [default: 120].
-    #[arg(long, value_name = "SECS", value_parser = EndpointOptions::TIMEOUT_S.parser())]
-    timeout: Option<f64>,
-    /// Retries per endpoint call after the first attempt [default: 5].
-    #[arg(long, value_name = "N")]
-    max_retries: Option<u32>,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
     /// Price of an endpoint model, repeatable: SPEC=INPUT,OUTPUT in USD per million prompt and
     /// completion tokens (e.g. --price openai:gpt-4o=2.5,10). The manifest's cost_usd prices
     /// each role's tokens; local models cost 0, unpriced endpoints null.
@@ -190,18 +181,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
     if let Some(t) = args.temperature {
         cfg.assistant_sampling.temperature = t as f32;
     }
-    if let Some(v) = args.api_key_env {
-        cfg.endpoint.api_key_env = v;
-    }
-    if let Some(v) = args.max_concurrency {
-        cfg.endpoint.max_concurrency = v;
-    }
-    if let Some(v) = args.timeout {
-        cfg.endpoint.timeout_s = v;
-    }
-    if let Some(v) = args.max_retries {
-        cfg.endpoint.max_retries = v;
-    }
+    args.endpoint.apply(&mut cfg.endpoint);
     if cfg.task == TaskType::TwentyQuestions && !oracle_given {
         cfg.oracle = OracleChoice::default_for(&cfg.models);
     }

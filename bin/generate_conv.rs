@@ -6,10 +6,11 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
+use collabllm::cli::EndpointArgs;
 use collabllm::generate::proactive::ProactiveStyle;
 use collabllm::generate::{self, config, GenerateConfig};
 use collabllm::hub::{self, import};
-use collabllm::llm::{parse_price, EndpointOptions, ModelSpec, Price};
+use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
@@ -144,18 +145,8 @@ struct Args {
     /// at its cap is recorded (finish_reason "length") and counted in the summary.
     #[arg(long = "max-tokens", value_name = "ROLE=N", value_parser = parse_role_max_tokens)]
     max_tokens: Vec<(TokenRole, usize)>,
-    /// Environment variable holding the API key of OpenAI-compatible endpoints [default: OPENAI_API_KEY].
-    #[arg(long, value_name = "VAR")]
-    api_key_env: Option<String>,
-    /// Requests in flight per endpoint [default: 16].
-    #[arg(long, value_name = "N")]
-    max_concurrency: Option<usize>,
-    /// Seconds before one endpoint attempt is abandoned, in (0, 86400] [default: 120].
-    #[arg(long, value_name = "SECS", value_parser = EndpointOptions::TIMEOUT_S.parser())]
-    timeout: Option<f64>,
-    /// Retries per endpoint call after the first attempt [default: 5].
-    #[arg(long, value_name = "N")]
-    max_retries: Option<u32>,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
     /// Price of an endpoint model, repeatable: SPEC=INPUT,OUTPUT in USD per million prompt and
     /// completion tokens (e.g. --price openai:gpt-4o-mini=0.15,0.60). The manifest's cost_usd
     /// prices each role's tokens; local models cost 0, unpriced endpoints null.
@@ -230,18 +221,7 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         cfg.metrics = args.metrics.iter().cloned().collect();
     }
     cfg.prices.extend(args.prices.iter().cloned());
-    if let Some(v) = &args.api_key_env {
-        cfg.endpoint.api_key_env = v.clone();
-    }
-    if let Some(v) = args.max_concurrency {
-        cfg.endpoint.max_concurrency = v;
-    }
-    if let Some(v) = args.timeout {
-        cfg.endpoint.timeout_s = v;
-    }
-    if let Some(v) = args.max_retries {
-        cfg.endpoint.max_retries = v;
-    }
+    args.endpoint.apply(&mut cfg.endpoint);
     cfg.validate()?;
     Ok(cfg)
 }

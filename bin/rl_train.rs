@@ -5,7 +5,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use collabllm::llm::{EndpointOptions, ModelSpec};
+use collabllm::cli::EndpointArgs;
+use collabllm::llm::ModelSpec;
 use collabllm::reward::judge::JudgeMode;
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
@@ -188,18 +189,8 @@ struct Args {
     /// Judge mode: auto, json, logprob [default: auto].
     #[arg(long, value_name = "MODE")]
     judge_mode: Option<JudgeMode>,
-    /// Environment variable holding the endpoints' API key [default: OPENAI_API_KEY].
-    #[arg(long, value_name = "VAR")]
-    api_key_env: Option<String>,
-    /// Requests in flight per endpoint [default: 16].
-    #[arg(long, value_name = "N")]
-    max_concurrency: Option<usize>,
-    /// Seconds before one endpoint attempt is abandoned, in (0, 86400] [default: 120].
-    #[arg(long, value_name = "SECS", value_parser = EndpointOptions::TIMEOUT_S.parser())]
-    timeout: Option<f64>,
-    /// Retries per endpoint call after the first attempt [default: 5].
-    #[arg(long, value_name = "N")]
-    max_retries: Option<u32>,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
     /// Compute threads [default: CANDLE_NUM_THREADS, else all cores].
     #[arg(long, value_name = "N",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
@@ -300,18 +291,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
     if !args.metrics.is_empty() {
         cfg.metrics = args.metrics.iter().cloned().collect();
     }
-    if let Some(v) = &args.api_key_env {
-        cfg.endpoint.api_key_env = v.clone();
-    }
-    if let Some(v) = args.max_concurrency {
-        cfg.endpoint.max_concurrency = v;
-    }
-    if let Some(v) = args.timeout {
-        cfg.endpoint.timeout_s = v;
-    }
-    if let Some(v) = args.max_retries {
-        cfg.endpoint.max_retries = v;
-    }
+    args.endpoint.apply(&mut cfg.endpoint);
     cfg.validate()?;
     Ok(cfg)
 }

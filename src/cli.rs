@@ -5,6 +5,45 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::process::ExitCode;
 
+use crate::llm::EndpointOptions;
+
+/// The OpenAI-compatible endpoint flags of every binary that calls models; each replaces the
+/// config file's `endpoint` value only when given. The `[default: …]` texts are checked
+/// against [`EndpointOptions::default`] by a test.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct EndpointArgs {
+    /// Environment variable holding the API key of OpenAI-compatible endpoints [default: OPENAI_API_KEY].
+    #[arg(long, value_name = "VAR")]
+    pub api_key_env: Option<String>,
+    /// Requests in flight per endpoint [default: 16].
+    #[arg(long, value_name = "N")]
+    pub max_concurrency: Option<usize>,
+    /// Seconds before one endpoint attempt is abandoned, in (0, 86400] [default: 120].
+    #[arg(long, value_name = "SECS", value_parser = EndpointOptions::TIMEOUT_S.parser())]
+    pub timeout: Option<f64>,
+    /// Retries per endpoint call after the first attempt [default: 5].
+    #[arg(long, value_name = "N")]
+    pub max_retries: Option<u32>,
+}
+
+impl EndpointArgs {
+    /// Overrides the settings given on the command line.
+    pub fn apply(&self, endpoint: &mut EndpointOptions) {
+        if let Some(v) = &self.api_key_env {
+            endpoint.api_key_env = v.clone();
+        }
+        if let Some(v) = self.max_concurrency {
+            endpoint.max_concurrency = v;
+        }
+        if let Some(v) = self.timeout {
+            endpoint.timeout_s = v;
+        }
+        if let Some(v) = self.max_retries {
+            endpoint.max_retries = v;
+        }
+    }
+}
+
 /// Sets up `tracing` to stderr; `RUST_LOG` overrides the default level (`info`). Colours only
 /// on a terminal, and never with `NO_COLOR` set (no-color.org).
 pub fn init_logging() {
@@ -132,6 +171,42 @@ pub fn keep_freed_memory() {
 #[cfg(test)]
 mod tests {
     use super::use_color;
+
+    #[test]
+    fn endpoint_flag_defaults_in_help_match_the_library() {
+        use clap::CommandFactory;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            endpoint: super::EndpointArgs,
+        }
+        let d = crate::llm::EndpointOptions::default();
+        let cmd = Cli::command();
+        let help = |id: &str| {
+            cmd.get_arguments()
+                .find(|a| a.get_id() == id)
+                .and_then(|a| a.get_help())
+                .map(|h| h.to_string())
+                .unwrap_or_default()
+        };
+        let expect = [
+            ("api_key_env", d.api_key_env.clone()),
+            ("max_concurrency", d.max_concurrency.to_string()),
+            ("timeout", d.timeout_s.to_string()),
+            ("max_retries", d.max_retries.to_string()),
+        ];
+        for (id, value) in expect {
+            let h = help(id);
+            assert!(h.contains(&format!("[default: {value}]")), "--{id}: {h}");
+        }
+        let mut e = crate::llm::EndpointOptions::default();
+        let args = super::EndpointArgs {
+            timeout: Some(3.0),
+            ..Default::default()
+        };
+        args.apply(&mut e);
+        assert_eq!((e.timeout_s, e.max_retries), (3.0, d.max_retries));
+    }
 
     #[test]
     fn colour_only_on_a_terminal_without_no_color() {
