@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use collabllm::cli::EndpointArgs;
+use collabllm::dataset::verl;
 use collabllm::generate::proactive::ProactiveStyle;
 use collabllm::generate::{self, config, GenerateConfig};
 use collabllm::hub::{self, import};
@@ -66,6 +67,23 @@ struct Args {
     /// With --push-to-hub: create the repository public instead of private.
     #[arg(long, requires = "push_to_hub")]
     hub_public: bool,
+    /// Export a finished run (or, with --import, the imported data) for a cluster trainer
+    /// instead of generating: `verl` writes verl's CollabLLM-recipe parquet files
+    /// (rl_{train,validation}.parquet, sft_{train,validation}.parquet; validation chosen by
+    /// conversation with --test-fraction and --seed) from --output's flat.parquet.
+    #[arg(long, value_name = "FORMAT", value_parser = ["verl"], conflicts_with_all = ["rescore", "dry_run"])]
+    export: Option<String>,
+    /// Directory of the exported files [default: <output>/verl].
+    #[arg(long, value_name = "DIR", requires = "export")]
+    export_dir: Option<PathBuf>,
+    /// With --export: the task description given to verl's simulated user [default: from each
+    /// row's task type, e.g. "solving math problems"].
+    #[arg(long, value_name = "TEXT", requires = "export")]
+    task_desc: Option<String>,
+    /// With --export: a file whose text replaces our collaborative system prompt
+    /// (prompts/verl_system.txt), e.g. the recipe's own.
+    #[arg(long, value_name = "FILE", requires = "export")]
+    system_prompt: Option<PathBuf>,
     /// Run directory [default: outputs/run].
     #[arg(long, value_name = "DIR")]
     output: Option<PathBuf>,
@@ -256,7 +274,13 @@ async fn run(args: Args, cfg: GenerateConfig) -> anyhow::Result<()> {
         let _lock = RunLock::acquire(&cfg.output)?;
         let summary = import::import(source, &cfg.output, &opts).await?;
         println!("{summary}\noutput         {}", cfg.output.display());
+        export(&args, &cfg)?;
         return push_at_end(&args, &cfg).await;
+    }
+    if args.export.is_some() {
+        flat_to_export(&cfg)?;
+        let _lock = RunLock::acquire(&cfg.output)?;
+        return export(&args, &cfg);
     }
     let (summary, shutdown) = if args.rescore {
         (generate::rescore(&cfg)?, Shutdown::never())
@@ -287,6 +311,45 @@ async fn run(args: Args, cfg: GenerateConfig) -> anyhow::Result<()> {
         );
     }
     shutdown.guard(push_at_end(&args, &cfg)).await?
+}
+
+/// The flat rows file of the run directory being exported.
+fn flat_to_export(cfg: &GenerateConfig) -> anyhow::Result<PathBuf> {
+    let flat = cfg.output.join("flat.parquet");
+    if !flat.is_file() {
+        anyhow::bail!(
+            "--export: {} not found; export a finished generate_conv run or an --import",
+            flat.display()
+        );
+    }
+    Ok(flat)
+}
+
+/// `--export verl`: the run's flat rows as verl's CollabLLM-recipe parquet files.
+fn export(args: &Args, cfg: &GenerateConfig) -> anyhow::Result<()> {
+    if args.export.is_none() {
+        return Ok(());
+    }
+    let rows = collabllm::dataset::read_flat_parquet(&flat_to_export(cfg)?)?;
+    let mut opts = verl::VerlOptions {
+        task_desc: args.task_desc.clone(),
+        validation_fraction: cfg.test_fraction,
+        seed: cfg.seed,
+        ..Default::default()
+    };
+    if let Some(path) = &args.system_prompt {
+        opts.system_prompt = std::fs::read_to_string(path)
+            .with_context(|| format!("--system-prompt {}", path.display()))?
+            .trim_end()
+            .to_string();
+    }
+    let dir = args
+        .export_dir
+        .clone()
+        .unwrap_or_else(|| cfg.output.join("verl"));
+    let summary = verl::export_verl(&rows, &dir, &opts)?;
+    println!("{summary}\nexport         {}", dir.display());
+    Ok(())
 }
 
 /// `--push-to-hub`: one push of the finished output directory.

@@ -347,3 +347,76 @@ fn binary_import_from_hf_cache_and_local_file() {
         "{stderr}"
     );
 }
+
+/// `--export verl` of an imported dataset (and later of the same run directory): verl's
+/// CollabLLM-recipe files, read back; a directory without flat.parquet is refused.
+#[test]
+fn binary_exports_verl_recipe_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let local = tmp.path().join("upstream.parquet");
+    write_fixture(&local, None, None);
+    let out = tmp.path().join("imported");
+    let (ok, stdout, stderr) = generate_conv(
+        &[
+            "--import",
+            local.to_str().unwrap(),
+            "--task-type",
+            "math",
+            "--output",
+            out.to_str().unwrap(),
+            "--export",
+            "verl",
+            "--task-desc",
+            "solving hard math problems",
+        ],
+        &[],
+    );
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("rl "), "{stdout}");
+    for f in ["rl_train", "rl_validation", "sft_train", "sft_validation"] {
+        assert!(
+            out.join("verl").join(format!("{f}.parquet")).is_file(),
+            "{f}"
+        );
+    }
+    let file = std::fs::File::open(out.join("verl/rl_train.parquet")).unwrap();
+    let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+        .unwrap()
+        .build()
+        .unwrap();
+    let rows: usize = reader.map(|b| b.unwrap().num_rows()).sum();
+    assert!(rows > 0);
+
+    // Again from the run directory alone, into another directory, with our system prompt
+    // replaced.
+    let prompt = tmp.path().join("system.txt");
+    std::fs::write(&prompt, "Be a careful collaborator.\n").unwrap();
+    let elsewhere = tmp.path().join("verl2");
+    let (ok, stdout, stderr) = generate_conv(
+        &[
+            "--output",
+            out.to_str().unwrap(),
+            "--export",
+            "verl",
+            "--export-dir",
+            elsewhere.to_str().unwrap(),
+            "--system-prompt",
+            prompt.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(elsewhere.join("sft_train.parquet").is_file());
+
+    let (ok, _, stderr) = generate_conv(
+        &[
+            "--output",
+            tmp.path().join("empty").to_str().unwrap(),
+            "--export",
+            "verl",
+        ],
+        &[],
+    );
+    assert!(!ok);
+    assert!(stderr.contains("flat.parquet not found"), "{stderr}");
+}

@@ -22,6 +22,7 @@ use columnar::AtomicFile;
 pub(crate) mod columnar;
 pub mod flat;
 pub mod pairs;
+pub mod verl;
 
 pub use flat::{read_flat_parquet, write_flat_parquet, FlatRow};
 pub use pairs::{read_pairs_parquet, split_by_conversation, write_pairs_parquet, PairRow};

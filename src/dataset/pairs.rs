@@ -184,7 +184,19 @@ pub fn split_by_conversation(
     test_fraction: f64,
     seed: u64,
 ) -> (Vec<PairRow>, Vec<PairRow>) {
-    let ids: BTreeSet<&str> = rows.iter().map(|r| r.conv_id.as_str()).collect();
+    let test_ids = test_conversations(rows.iter().map(|r| r.conv_id.as_str()), test_fraction, seed);
+    rows.into_iter()
+        .partition(|r| !test_ids.contains(r.conv_id.as_str()))
+}
+
+/// The conversation ids [`split_by_conversation`] puts in the test split (same rule, any
+/// rows that carry a conversation id).
+pub fn test_conversations<'a>(
+    ids: impl Iterator<Item = &'a str>,
+    test_fraction: f64,
+    seed: u64,
+) -> HashSet<String> {
+    let ids: BTreeSet<&str> = ids.collect();
     let n = ids.len();
     let n_test = if test_fraction.is_nan() || test_fraction <= 0.0 {
         0
@@ -197,12 +209,10 @@ pub fn split_by_conversation(
     };
     let mut keyed: Vec<(u64, &str)> = ids.into_iter().map(|id| (conv_key(seed, id), id)).collect();
     keyed.sort_unstable();
-    let test_ids: HashSet<String> = keyed[..n_test]
+    keyed[..n_test]
         .iter()
         .map(|(_, id)| id.to_string())
-        .collect();
-    rows.into_iter()
-        .partition(|r| !test_ids.contains(r.conv_id.as_str()))
+        .collect()
 }
 
 #[cfg(test)]

@@ -150,7 +150,7 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
                     score: mrs[ci].unwrap_or(f64::NAN),
                     single_turn_prompt: rec.goal.clone(),
                     single_turn_completion: rec.reference.clone(),
-                    single_turn_metadata: rec.metadata.clone(),
+                    single_turn_metadata: metadata_with_task_type(rec),
                     sessions: sessions_json(cand),
                     rewards: rewards_json(cand, weights, scoring.formula),
                 });
@@ -254,4 +254,20 @@ pub fn write(dir: &Path, built: &Built) -> Result<(), OutputError> {
 /// Writes JSON atomically and durably ([`crate::run::write_json_atomic`]).
 pub fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<(), OutputError> {
     Ok(crate::run::write_json_atomic(path, value)?)
+}
+
+/// The task's metadata with its `task_type` (as upstream's rows carry it), so that an import
+/// or export of `flat.parquet` knows the type without a flag.
+fn metadata_with_task_type(rec: &ConversationRecord) -> serde_json::Value {
+    let ty = serde_json::to_value(rec.task_type).unwrap_or_default();
+    match &rec.metadata {
+        serde_json::Value::Object(m) if m.contains_key("task_type") => rec.metadata.clone(),
+        serde_json::Value::Object(m) => {
+            let mut m = m.clone();
+            m.insert("task_type".into(), ty);
+            serde_json::Value::Object(m)
+        }
+        serde_json::Value::Null => serde_json::json!({ "task_type": ty }),
+        other => serde_json::json!({ "task_type": ty, "value": other }),
+    }
 }
