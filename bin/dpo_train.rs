@@ -68,6 +68,12 @@ struct Args {
     #[arg(long, value_name = "W", default_value_t = 0.0)]
     sft_weight: f64,
 
+    /// With `--loss sft` on conversations (a run's `sft.parquet`, chosen automatically when
+    /// --data is a run directory that has one): keep only conversations whose closing reply
+    /// scored (MR) at least this, upstream's filter of the SFT warm-up data.
+    #[arg(long, value_name = "X", allow_negative_numbers = true)]
+    sft_min_score: Option<f64>,
+
     /// Train LoRA adapters on q,k,v,o,gate,up,down instead of all weights; the reference is
     /// the base model with adapters off. Saved in the PEFT layout.
     #[arg(long)]
@@ -219,6 +225,7 @@ impl Args {
         cfg.beta = self.beta;
         cfg.label_smoothing = self.label_smoothing;
         cfg.sft_weight = self.sft_weight;
+        cfg.sft_min_score = self.sft_min_score;
         cfg.lora = lora;
         cfg.merge = self.merge;
         cfg.epochs = self.epochs;

@@ -467,6 +467,45 @@ fn sft_mode_trains_on_assistant_tokens_only() {
     assert_eq!(text, "Hello!<|im_end|>\nCiao<|im_end|>\n");
 }
 
+/// `--loss sft --data RUN`: the run's `sft.parquet` (whole conversations), not its pairs;
+/// `--sft-min-score` keeps the conversations whose closing reply scored at least that.
+#[test]
+fn sft_from_a_run_directory_trains_on_its_conversations_above_the_bound() {
+    use collabllm::dataset::sft::{write_sft_parquet, SftRow};
+    let f = fixture();
+    let run = f.root.join("run");
+    std::fs::create_dir_all(run.join("pairs")).unwrap();
+    write_pairs_parquet(&run.join("pairs/train.parquet"), &toy_rows()).unwrap();
+    let conv = |i: usize, score: f64| SftRow {
+        messages: vec![
+            ChatMessage::user(format!("Question {i}?")),
+            ChatMessage::assistant("Which part?"),
+            ChatMessage::user("The first."),
+            ChatMessage::assistant(format!("Answer {i}.")),
+        ],
+        conv_id: format!("c{i}"),
+        score,
+    };
+    write_sft_parquet(
+        &run.join("sft.parquet"),
+        &[conv(0, 0.9), conv(1, 0.1), conv(2, f64::NAN)],
+    )
+    .unwrap();
+    let steps = |out: &str, min: Option<f64>| {
+        let mut cfg = config(&f, out);
+        cfg.data = run.clone();
+        cfg.loss = "sft".into();
+        cfg.batch_size = 1;
+        cfg.sft_min_score = min;
+        train(&cfg, false).unwrap();
+        train_lines(&cfg.output).len()
+    };
+    // One optimizer step per conversation (batch 1, one epoch): 3 conversations, not the
+    // 4 pairs; with the bound only the one that scored 0.9.
+    assert_eq!(steps("sft-all", None), 3);
+    assert_eq!(steps("sft-min", Some(0.5)), 1);
+}
+
 #[test]
 fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
     one_thread();

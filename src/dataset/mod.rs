@@ -22,6 +22,7 @@ use columnar::AtomicFile;
 pub(crate) mod columnar;
 pub mod flat;
 pub mod pairs;
+pub mod sft;
 pub mod verl;
 
 pub use flat::{read_flat_parquet, write_flat_parquet, FlatRow};

@@ -14,7 +14,7 @@
 //! Unlike the recipe's script (a random split by row, which puts turns of one conversation on
 //! both sides), validation is chosen by conversation, with the pairs' rule and seed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -24,6 +24,7 @@ use arrow::datatypes::{Field, Fields};
 use super::columnar::messages_array;
 use super::flat::FlatRow;
 use super::pairs::test_conversations;
+use super::sft::best_final_rows;
 use super::{write_batch, DatasetError};
 use crate::llm::ChatMessage;
 
@@ -110,7 +111,7 @@ pub fn export_verl(
     );
     let system = ChatMessage::system(opts.system_prompt.clone());
     let (rl, duplicate_prompts, not_ending_with_user) = rl_rows(rows);
-    let sft = sft_rows(rows);
+    let sft = best_final_rows(rows);
     let (rl_val, rl_train): (Vec<&FlatRow>, Vec<&FlatRow>) = rl
         .into_iter()
         .partition(|r| validation.contains(&r.conv_id));
@@ -156,26 +157,6 @@ fn rl_rows(rows: &[FlatRow]) -> (Vec<&FlatRow>, usize, usize) {
         }
     }
     (out, duplicates, not_user)
-}
-
-/// Per conversation, its last turn's best-scored row (the recipe's SFT choice), in the
-/// order conversations first appear.
-fn sft_rows(rows: &[FlatRow]) -> Vec<&FlatRow> {
-    let mut best: HashMap<&str, &FlatRow> = HashMap::new();
-    let mut order = Vec::new();
-    for r in rows {
-        match best.get(r.conv_id.as_str()) {
-            None => {
-                order.push(r.conv_id.as_str());
-                best.insert(&r.conv_id, r);
-            }
-            Some(b) if (r.turn_id, r.score) > (b.turn_id, b.score) => {
-                best.insert(&r.conv_id, r);
-            }
-            Some(_) => {}
-        }
-    }
-    order.into_iter().map(|c| best[c]).collect()
 }
 
 fn strings<'a>(values: impl Iterator<Item = &'a str>) -> ArrayRef {

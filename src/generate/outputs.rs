@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::dataset::flat::{write_flat_parquet, FlatRow};
 use crate::dataset::pairs::{split_by_conversation, write_pairs_parquet, PairRow};
+use crate::dataset::sft::{sft_from_flat, write_sft_parquet};
 use crate::dataset::DatasetError;
 use crate::llm::{ChatMessage, FinishReason};
 use crate::reward::mr::{multiturn_reward, MrFormula};
@@ -237,7 +238,8 @@ fn rewards_json(
     serde_json::Value::Object(out)
 }
 
-/// Writes `flat.parquet` and `pairs/{train,test}.parquet` under `dir` (each atomically).
+/// Writes `flat.parquet`, `sft.parquet` and `pairs/{train,test}.parquet` under `dir` (each
+/// atomically).
 pub fn write(dir: &Path, built: &Built) -> Result<(), OutputError> {
     let (train, test, flat) = (&built.train, &built.test, &built.flat);
     let pairs_dir = dir.join("pairs");
@@ -248,6 +250,7 @@ pub fn write(dir: &Path, built: &Built) -> Result<(), OutputError> {
     write_pairs_parquet(&pairs_dir.join("train.parquet"), train)?;
     write_pairs_parquet(&pairs_dir.join("test.parquet"), test)?;
     write_flat_parquet(&dir.join("flat.parquet"), flat)?;
+    write_sft_parquet(&dir.join("sft.parquet"), &sft_from_flat(flat))?;
     Ok(())
 }
 

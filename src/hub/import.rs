@@ -521,6 +521,10 @@ pub async fn import(
     write_pairs_parquet(&pairs_dir.join("train.parquet"), &train)?;
     write_pairs_parquet(&pairs_dir.join("test.parquet"), &test)?;
     write_flat_parquet(&output.join("flat.parquet"), &rows)?;
+    crate::dataset::sft::write_sft_parquet(
+        &output.join("sft.parquet"),
+        &crate::dataset::sft::sft_from_flat(&rows),
+    )?;
     let summary = ImportSummary {
         source: source.to_string(),
         files: files.iter().map(|f| f.display().to_string()).collect(),

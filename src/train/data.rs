@@ -91,6 +91,19 @@ pub struct TokenizeStats {
     pub dropped_too_long: usize,
 }
 
+impl TokenizeStats {
+    /// Counts one row: kept (truncated or not) or dropped as too long.
+    fn count(&mut self, kept_truncated: Option<bool>) {
+        match kept_truncated {
+            Some(truncated) => {
+                self.kept += 1;
+                self.truncated += usize::from(truncated);
+            }
+            None => self.dropped_too_long += 1,
+        }
+    }
+}
+
 /// Token ids of `messages` rendered by the template (no special tokens added).
 pub(crate) fn render_ids(
     codec: &ChatCodec,
@@ -268,29 +281,80 @@ pub fn tokenize_sft(
             message,
         };
         check_row(row).map_err(row_err)?;
-        let mut prompt = row.prompt.clone();
-        let mut truncated = false;
-        loop {
-            let mut conv = prompt.clone();
-            conv.extend_from_slice(&row.chosen);
-            let seq = tokenize_conversation(codec, &conv).map_err(row_err)?;
-            if seq.ids.len() <= max_length {
-                out.push(seq);
-                stats.kept += 1;
-                stats.truncated += usize::from(truncated);
-                break;
-            }
-            match drop_oldest_turn(&prompt) {
-                Some(shorter) => {
-                    prompt = shorter;
-                    truncated = true;
-                }
-                None => {
-                    stats.dropped_too_long += 1;
-                    break;
-                }
-            }
-        }
+        let seq = fit_conversation(codec, row.prompt.clone(), &row.chosen, max_length)
+            .map_err(row_err)?;
+        stats.count(seq.map(|(s, truncated)| {
+            out.push(s);
+            truncated
+        }));
     }
     Ok((out, stats))
+}
+
+/// SFT examples from whole conversations (`sft.parquet`): loss on every assistant message,
+/// oldest turns dropped while the conversation is longer than `max_length`.
+pub fn tokenize_sft_conversations(
+    codec: &ChatCodec,
+    convs: &[Vec<ChatMessage>],
+    max_length: usize,
+    path: &Path,
+) -> Result<(Vec<TokenizedSeq>, TokenizeStats), DataError> {
+    let mut stats = TokenizeStats {
+        rows: convs.len(),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    for (i, conv) in convs.iter().enumerate() {
+        let seq = fit_conversation(codec, conv.clone(), &[], max_length).map_err(|message| {
+            DataError::Row {
+                path: path.to_path_buf(),
+                row: i,
+                message,
+            }
+        })?;
+        stats.count(seq.map(|(s, truncated)| {
+            out.push(s);
+            truncated
+        }));
+    }
+    Ok((out, stats))
+}
+
+/// `head + tail` tokenized, dropping `head`'s oldest turns until it fits; `None` when even
+/// the last turn is too long. The flag says whether a turn was dropped.
+fn fit_conversation(
+    codec: &ChatCodec,
+    mut head: Vec<ChatMessage>,
+    tail: &[ChatMessage],
+    max_length: usize,
+) -> Result<Option<(TokenizedSeq, bool)>, String> {
+    let mut truncated = false;
+    loop {
+        let mut conv = head.clone();
+        conv.extend_from_slice(tail);
+        let seq = tokenize_conversation(codec, &conv)?;
+        if seq.ids.len() <= max_length {
+            return Ok(Some((seq, truncated)));
+        }
+        match drop_oldest_turn(&head) {
+            Some(shorter) => {
+                head = shorter;
+                truncated = true;
+            }
+            None => return Ok(None),
+        }
+    }
+}
+
+/// With `--loss sft`, a run directory's `sft.parquet` (its best whole conversations) when it
+/// has one; otherwise the pairs, as for DPO.
+pub fn locate_sft_data(path: &Path) -> Result<DataFiles, DataError> {
+    let sft = path.join("sft.parquet");
+    if path.is_dir() && sft.is_file() {
+        return Ok(DataFiles {
+            train: sft,
+            eval: None,
+        });
+    }
+    locate_data(path)
 }

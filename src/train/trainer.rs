@@ -18,13 +18,16 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::dataset::sft::{is_sft_parquet, read_sft_parquet};
 use crate::llm::engine::{fingerprint, ChatCodec};
 use crate::llm::peft::{AdapterConfig, ADAPTER_WEIGHTS, LORA_TARGETS};
 use crate::llm::spec::{redact_credentials, resolve_local, LocalModelFiles, ModelSpec};
+use crate::llm::ChatMessage;
 
 use super::adamw::{AdamW, AdamWParams};
 use super::data::{
-    locate_data, read_pairs, tokenize_pairs, tokenize_sft, TokenizeStats, TokenizedSeq,
+    locate_data, locate_sft_data, read_pairs, tokenize_pairs, tokenize_sft,
+    tokenize_sft_conversations, TokenizeStats, TokenizedSeq,
 };
 use super::logps::{pair_logps_full, PairBatch, SeqBatch, Targets, TokenizedPair};
 use super::loss::{dpo_loss, DpoConfig, DpoMetrics, LossType};
@@ -99,6 +102,10 @@ pub struct TrainConfig {
     pub label_smoothing: f64,
     /// Weight of an SFT (NLL) term on the chosen completion, TRL's `rpo_alpha`.
     pub sft_weight: f64,
+    /// `--loss sft` on conversations (`sft.parquet`): keep only those whose closing reply
+    /// scored at least this (its MR); `None` keeps all.
+    #[serde(default)]
+    pub sft_min_score: Option<f64>,
     pub lora: Option<LoraOptions>,
     pub lr: f64,
     pub epochs: usize,
@@ -147,6 +154,7 @@ pub const RESUME_SETTINGS: &[&str] = &[
     "beta",
     "label-smoothing",
     "sft-weight",
+    "sft-min-score",
     "lora",
     "lr",
     "epochs",
@@ -184,6 +192,7 @@ impl TrainConfig {
             beta: 0.1,
             label_smoothing: 0.0,
             sft_weight: 0.0,
+            sft_min_score: None,
             lora: None,
             lr: 5e-6,
             epochs: 1,
@@ -239,6 +248,11 @@ impl TrainConfig {
                 Range::closed_open(0.0, 0.5),
             ),
             ("--sft-weight", self.sft_weight, Range::at_least(0.0)),
+            (
+                "--sft-min-score",
+                self.sft_min_score.unwrap_or(0.0),
+                Range::finite(),
+            ),
             ("--lr", self.lr, Range::above(0.0)),
             (
                 "--warmup-ratio",
@@ -420,7 +434,10 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     let device = parse_device(&cfg.device)?;
     let dtype = parse_dtype(&cfg.dtype, &device)?;
 
-    let data = locate_data(&cfg.data)?;
+    let data = match objective {
+        Objective::Sft => locate_sft_data(&cfg.data)?,
+        Objective::Dpo(_) => locate_data(&cfg.data)?,
+    };
     let eval_path = cfg.eval_data.clone().or(data.eval.clone());
     let (train_ex, train_stats) = load_examples(&codec, &data.train, cfg, &objective)?;
     if train_ex.len() == 0 {
@@ -756,6 +773,21 @@ fn load_examples(
     cfg: &TrainConfig,
     objective: &Objective,
 ) -> Result<(Examples, TokenizeStats)> {
+    if matches!(objective, Objective::Sft) && is_sft_parquet(path) {
+        let mut rows = read_sft_parquet(path)?;
+        let all = rows.len();
+        if let Some(min) = cfg.sft_min_score {
+            rows.retain(|r| r.score >= min);
+            tracing::info!(
+                "{}: {} of {all} conversations score at least --sft-min-score {min}",
+                path.display(),
+                rows.len()
+            );
+        }
+        let convs: Vec<Vec<ChatMessage>> = rows.into_iter().map(|r| r.messages).collect();
+        let (seqs, stats) = tokenize_sft_conversations(codec, &convs, cfg.max_length, path)?;
+        return Ok((Examples::Seqs(seqs), stats));
+    }
     let rows = read_pairs(path)?;
     Ok(match objective {
         Objective::Sft => {
