@@ -59,6 +59,17 @@ struct Args {
     /// flat.parquet and manifest.json into --output. No model is loaded.
     #[arg(long, value_name = "SOURCE", conflicts_with_all = ["rescore", "dry_run"])]
     import: Option<String>,
+    /// Generate only shard i of n (0 <= i < n) of the tasks: a task's shard is a hash of its
+    /// id, so shards are disjoint, cover every task, and do not move when tasks are added.
+    /// Run one shard per machine (same settings, own --output), then --merge.
+    #[arg(long, value_name = "I/N")]
+    shard: Option<collabllm::generate::config::Shard>,
+    /// Merge finished shard runs (the directories given) into --output: conversations
+    /// concatenated, pairs / flat / SFT data rebuilt over all of them (pairs re-split by
+    /// conversation), usage summed. Refuses unfinished shards, different settings (named) and
+    /// a task in two shards. No model is loaded.
+    #[arg(long, value_name = "SHARD_DIR", num_args = 2.., conflicts_with_all = ["rescore", "dry_run", "import", "shard"])]
+    merge: Vec<PathBuf>,
     /// After a successful run (or import), publish the output as a private dataset repository
     /// <org>/<name> on the Hub (like `push_hf dataset`). Token: HF_TOKEN or the HF token file;
     /// endpoint: HF_ENDPOINT. Never runs mid-run or after failed tasks.
@@ -226,6 +237,9 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     if args.assistant.is_some() {
         cfg.assistant = args.assistant.clone();
     }
+    if args.shard.is_some() {
+        cfg.shard = args.shard;
+    }
     if args.max_tasks.is_some() {
         cfg.max_tasks = args.max_tasks;
     }
@@ -259,6 +273,11 @@ async fn run(args: Args, cfg: GenerateConfig) -> anyhow::Result<()> {
         let tasks = generate::run::fetch_config_tasks(&cfg).await?;
         println!("{}", generate::plan(&cfg, &tasks));
         return Ok(());
+    }
+    if !args.merge.is_empty() {
+        let summary = generate::merge::merge_runs(&args.merge, &cfg.output)?;
+        println!("{summary}");
+        return push_at_end(&args, &cfg).await;
     }
     if let Some(source) = &args.import {
         let opts = import::ImportOptions {

@@ -1069,3 +1069,82 @@ async fn failed_model_setup_leaves_no_empty_output_dir() {
         assert_eq!(out_dir.exists(), existing, "existing = {existing}");
     }
 }
+
+/// `--shard i/n` runs merged with `--merge` equal one unsharded run: the same tasks, the
+/// same conversations and the same pairs on the same side of the split; overlapping shards
+/// and shards made with other settings are refused by name.
+#[tokio::test]
+async fn two_shards_merged_equal_one_unsharded_run() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |dir: &str, extra: &[&str]| {
+        let mut a = endpoint_args(&server, &tmp.path().join(dir), &data("math.jsonl"));
+        a.extend(["--max-tasks", "8", "--min-gap", "0.0"].map(String::from));
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    for (dir, extra) in [
+        ("all", vec![]),
+        ("s0", vec!["--shard", "0/2"]),
+        ("s1", vec!["--shard", "1/2"]),
+        ("s1-seed", vec!["--shard", "1/2", "--seed", "9"]),
+    ] {
+        let out = run_bin(&run(dir, &extra)).await;
+        assert!(out.status.success(), "{dir}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let (s0, s1) = (task_ids(&tmp.path().join("s0")), task_ids(&tmp.path().join("s1")));
+    assert!(!s0.is_empty() && !s1.is_empty(), "{s0:?} {s1:?}");
+    assert!(s0.iter().all(|t| !s1.contains(t)), "disjoint shards");
+
+    let merge = |shards: &[&str], out: &str| {
+        let mut a: Vec<String> = vec!["--merge".into()];
+        a.extend(shards.iter().map(|s| tmp.path().join(s).display().to_string()));
+        a.extend(["--output".into(), tmp.path().join(out).display().to_string()]);
+        a
+    };
+    let calls = server.requests();
+    let out = run_bin(&merge(&["s0", "s1"], "merged")).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(server.requests(), calls, "a merge calls no model");
+
+    let (all, merged) = (tmp.path().join("all"), tmp.path().join("merged"));
+    let mut want = task_ids(&all);
+    let mut got = task_ids(&merged);
+    want.sort();
+    got.sort();
+    assert_eq!(got, want, "the same task set");
+    let turns = |dir: &Path| -> std::collections::BTreeMap<String, serde_json::Value> {
+        std::fs::read_to_string(dir.join("conversations.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (v["task_id"].as_str().unwrap().to_string(), v["turns"].clone())
+            })
+            .collect()
+    };
+    assert_eq!(turns(&merged), turns(&all), "the same conversations");
+    for split in ["train", "test"] {
+        let sorted = |dir: &Path| {
+            let mut p = read_pairs(&dir.join(format!("pairs/{split}.parquet")));
+            p.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            p
+        };
+        assert_eq!(sorted(&merged), sorted(&all), "{split} pairs");
+    }
+    assert!(merged.join("sft.parquet").is_file());
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(merged.join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(m["merged_from"].as_array().unwrap().len(), 2);
+    assert!(m["config"]["shard"].is_null());
+
+    // A task in two shards; shards made with another seed.
+    let out = run_bin(&merge(&["s0", "all"], "overlap")).await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("shards must not overlap"));
+    let out = run_bin(&merge(&["s0", "s1-seed"], "other-seed")).await;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("different settings (seed)"), "{err}");
+}

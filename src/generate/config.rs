@@ -123,6 +123,50 @@ pub struct GenerateConfig {
     /// Endpoint prices by model spec (USD per million tokens), for the manifest's `cost_usd`.
     /// TOML: `[prices."openai:gpt-4o-mini"]` with `input = 0.15` and `output = 0.6`.
     pub prices: BTreeMap<String, Price>,
+    /// Run only this shard of the tasks (`--shard i/n`); shard runs merge with `--merge`.
+    #[serde(default)]
+    pub shard: Option<Shard>,
+}
+
+/// One of `count` disjoint shards of a task list: a task belongs to shard
+/// `hash(task id) mod count`, so its shard never changes when tasks are added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Shard {
+    /// Whether the task with this id is in the shard.
+    pub fn contains(&self, task_id: &str) -> bool {
+        use sha2::Digest as _;
+        let h = sha2::Sha256::digest(task_id.as_bytes());
+        let v = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
+        (v % self.count as u64) as usize == self.index
+    }
+}
+
+impl std::str::FromStr for Shard {
+    type Err = String;
+    /// `i/n` with `0 <= i < n`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("`{s}`: expected i/n with 0 <= i < n, e.g. 0/4");
+        let (i, n) = s.split_once('/').ok_or_else(bad)?;
+        let (index, count) = (
+            i.trim().parse().map_err(|_| bad())?,
+            n.trim().parse().map_err(|_| bad())?,
+        );
+        if count == 0 || index >= count {
+            return Err(bad());
+        }
+        Ok(Self { index, count })
+    }
+}
+
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
 }
 
 impl Default for GenerateConfig {
@@ -169,6 +213,7 @@ impl Default for GenerateConfig {
             prompts: None,
             sandbox_timeout_s: 10.0,
             prices: BTreeMap::new(),
+            shard: None,
         }
     }
 }
@@ -197,6 +242,11 @@ impl GenerateConfig {
         }
         if self.samples == 0 {
             return Err(invalid("samples", "must be at least 1"));
+        }
+        if let Some(s) = self.shard {
+            if s.count == 0 || s.index >= s.count {
+                return Err(invalid("shard", format!("{s}: expected 0 <= i < n")));
+            }
         }
         if self.window == 0 {
             return Err(invalid("window", "must be at least 1"));
@@ -303,6 +353,7 @@ impl GenerateConfig {
             "judge_max_tokens": self.judge_max_tokens,
             "extractor_max_tokens": self.extractor_max_tokens,
             "interactivity_scale": self.interactivity_scale,
+            "shard": self.shard,
         })
     }
 }

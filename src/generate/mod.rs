@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod conversation;
+pub mod merge;
 pub mod outputs;
 pub mod proactive;
 pub mod run;

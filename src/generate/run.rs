@@ -224,6 +224,14 @@ fn check_config_tasks(cfg: &GenerateConfig, mut tasks: Vec<Task>) -> anyhow::Res
     if tasks.is_empty() {
         bail!("--tasks {}: no tasks", cfg.tasks);
     }
+    if let Some(shard) = cfg.shard {
+        let all = tasks.len();
+        tasks.retain(|t| shard.contains(&t.id));
+        tracing::info!("--shard {shard}: {} of {all} tasks", tasks.len());
+        if tasks.is_empty() {
+            bail!("--shard {shard}: none of the {all} tasks falls in this shard");
+        }
+    }
     for t in &tasks {
         let metrics: Vec<String> = if cfg.metrics.is_empty() {
             default_weights(t.task_type).into_keys().collect()
