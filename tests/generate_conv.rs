@@ -1090,21 +1090,39 @@ async fn two_shards_merged_equal_one_unsharded_run() {
         ("s1-seed", vec!["--shard", "1/2", "--seed", "9"]),
     ] {
         let out = run_bin(&run(dir, &extra)).await;
-        assert!(out.status.success(), "{dir}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{dir}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    let (s0, s1) = (task_ids(&tmp.path().join("s0")), task_ids(&tmp.path().join("s1")));
+    let (s0, s1) = (
+        task_ids(&tmp.path().join("s0")),
+        task_ids(&tmp.path().join("s1")),
+    );
     assert!(!s0.is_empty() && !s1.is_empty(), "{s0:?} {s1:?}");
     assert!(s0.iter().all(|t| !s1.contains(t)), "disjoint shards");
 
     let merge = |shards: &[&str], out: &str| {
         let mut a: Vec<String> = vec!["--merge".into()];
-        a.extend(shards.iter().map(|s| tmp.path().join(s).display().to_string()));
-        a.extend(["--output".into(), tmp.path().join(out).display().to_string()]);
+        a.extend(
+            shards
+                .iter()
+                .map(|s| tmp.path().join(s).display().to_string()),
+        );
+        a.extend([
+            "--output".into(),
+            tmp.path().join(out).display().to_string(),
+        ]);
         a
     };
     let calls = server.requests();
     let out = run_bin(&merge(&["s0", "s1"], "merged")).await;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(server.requests(), calls, "a merge calls no model");
 
     let (all, merged) = (tmp.path().join("all"), tmp.path().join("merged"));
@@ -1119,7 +1137,10 @@ async fn two_shards_merged_equal_one_unsharded_run() {
             .lines()
             .map(|l| {
                 let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                (v["task_id"].as_str().unwrap().to_string(), v["turns"].clone())
+                (
+                    v["task_id"].as_str().unwrap().to_string(),
+                    v["turns"].clone(),
+                )
             })
             .collect()
     };
@@ -1147,4 +1168,26 @@ async fn two_shards_merged_equal_one_unsharded_run() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("different settings (seed)"), "{err}");
+}
+
+/// Every role on an endpoint pool whose first member is dead: the run completes.
+#[tokio::test]
+async fn a_run_on_pools_with_a_dead_endpoint_completes() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}/v1", l.local_addr().unwrap())
+    };
+    let pool = format!("openai:scripted@{dead},{}", server.base_url);
+    let out = tmp.path().join("pool");
+    let mut args = endpoint_args(&server, &out, &data("math.jsonl"));
+    for flag in ["--policy", "--user", "--judge"] {
+        let i = args.iter().position(|a| a == flag).unwrap();
+        args[i + 1] = pool.clone();
+    }
+    args.extend(["--max-tasks", "2"].map(String::from));
+    let o = run_bin(&args).await;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(task_ids(&out).len(), 2);
 }

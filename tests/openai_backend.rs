@@ -413,3 +413,41 @@ async fn random_fault_rate_is_absorbed_by_retries() {
     assert_eq!(retries, server.faults_served());
     assert_eq!(server.requests(), 30 + retries);
 }
+
+/// An endpoint pool with one dead member (nothing listens on its port): every call completes
+/// on the live server, the dead endpoint is backed off after its first failure, and calls
+/// are counted per endpoint; a request rejected as invalid is not retried elsewhere.
+#[tokio::test]
+async fn a_pool_with_a_dead_endpoint_completes_every_call() {
+    use collabllm::llm::pool::{EndpointStats, PoolBackend};
+    let live = FaultServer::start().await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}/v1", l.local_addr().unwrap())
+    };
+    let urls = [dead.as_str(), live.base_url.as_str()];
+    let o = EndpointOptions {
+        backoff_base_s: 30.0,
+        backoff_max_s: 60.0,
+        ..opts(3, 5.0)
+    };
+    let pool = PoolBackend::new("scripted", &urls, &o).unwrap();
+    assert!(pool.id().endpoint.contains(','), "{}", pool.id());
+    let started = Instant::now();
+    for i in 0..12 {
+        let resp = pool.chat(&req(&format!("question {i}"))).await.unwrap();
+        assert_eq!(resp.choices.len(), 1);
+    }
+    let stats = pool.stats();
+    let (d, l) = (&stats[0], &stats[1]);
+    assert_eq!((d.calls, d.failures), (1, 1), "{stats:?}");
+    assert_eq!((l.calls, l.failures), (12, 0), "{stats:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+
+    live.set_always(Some(Fault::Status(400)));
+    let calls = |s: &[EndpointStats]| s.iter().map(|x| x.calls).sum::<u64>();
+    let before = calls(&pool.stats());
+    let e = pool.chat(&req("bad")).await.unwrap_err();
+    assert!(matches!(e, LlmError::Rejected { .. }), "{e}");
+    assert_eq!(calls(&pool.stats()) - before, 1);
+}

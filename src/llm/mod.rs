@@ -12,6 +12,7 @@ pub mod local;
 pub mod openai;
 pub mod parse;
 pub mod peft;
+pub mod pool;
 pub mod q8;
 pub mod roles;
 pub mod sampling;

@@ -8,6 +8,7 @@ use super::cache::{CachedBackend, RequestCache};
 use super::engine::Engine;
 use super::local::{LoadOptions, LocalBackend, LocalLoadError};
 use super::openai::OpenAiBackend;
+use super::pool::PoolBackend;
 use super::usage::{cost_usd, MeteredBackend, Price, PricedRole, UsageMeter, UsageSnapshot};
 use super::{ChatBackend, EndpointOptions, LlmError, ModelSpec, SharedBackend};
 
@@ -86,13 +87,30 @@ impl Role {
     ) -> Result<Role, RoleError> {
         match spec {
             ModelSpec::OpenAi { model, base_url } => {
-                let b = OpenAiBackend::new(model, base_url.as_deref(), endpoint).map_err(|e| {
-                    RoleError::Remote {
-                        role: name.into(),
-                        spec: spec.to_string(),
-                        source: e,
-                    }
-                })?;
+                let remote = |source| RoleError::Remote {
+                    role: name.into(),
+                    spec: spec.to_string(),
+                    source,
+                };
+                let urls: Vec<&str> = base_url
+                    .as_deref()
+                    .map(|b| {
+                        b.split(',')
+                            .map(|u| u.trim().trim_end_matches('/'))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if urls.len() > 1 {
+                    let pool = PoolBackend::new(model, &urls, endpoint).map_err(remote)?;
+                    return Ok(Self::from_backend(
+                        name,
+                        &spec.to_string(),
+                        pool,
+                        cache,
+                        None,
+                    ));
+                }
+                let b = OpenAiBackend::new(model, base_url.as_deref(), endpoint).map_err(remote)?;
                 Ok(Self::from_backend(name, &spec.to_string(), b, cache, None))
             }
             _ => {

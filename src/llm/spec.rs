@@ -99,7 +99,9 @@ pub fn redact_credentials(text: &str) -> String {
         out.push_str(head);
         let end = tail
             .find(|c: char| {
-                matches!(c, '/' | '?' | '#' | '`' | '"' | '\'' | ')' | '>') || c.is_whitespace()
+                // `,` separates the URLs of an endpoint pool.
+                matches!(c, '/' | '?' | '#' | '`' | '"' | '\'' | ')' | '>' | ',')
+                    || c.is_whitespace()
             })
             .unwrap_or(tail.len());
         let authority = &tail[..end];
@@ -201,8 +203,15 @@ impl FromStr for ModelSpec {
                 return Err(invalid("expected openai:<model>[@<base_url>]"));
             }
             if let Some(b) = &base_url {
-                if !(b.starts_with("http://") || b.starts_with("https://")) {
-                    return Err(invalid("the base URL must start with http:// or https://"));
+                // Several comma-separated URLs make an endpoint pool (`llm::pool`).
+                for url in b.split(',') {
+                    let url = url.trim();
+                    if !(url.starts_with("http://") || url.starts_with("https://")) {
+                        return Err(invalid(
+                            "each base URL must start with http:// or https:// (several: \
+                             comma-separated, an endpoint pool)",
+                        ));
+                    }
                 }
             }
             return Ok(ModelSpec::OpenAi {
@@ -531,6 +540,18 @@ impl Default for EndpointOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_specs_parse_and_every_url_is_redacted() {
+        let spec: ModelSpec = "openai:m@http://a:1,http://u:pw@b:2/v1".parse().unwrap();
+        let shown = spec.to_string();
+        assert!(!shown.contains("pw"), "{shown}");
+        assert_eq!(
+            redact_credentials("http://a:1,http://u:pw@b"),
+            "http://a:1,http://***@b"
+        );
+        assert!("openai:m@http://a,ftp://b".parse::<ModelSpec>().is_err());
+    }
 
     #[test]
     fn parses_every_form() {
