@@ -68,6 +68,10 @@ enum Command {
         /// Conversations in flight.
         #[arg(long, default_value_t = 8, value_parser = at_least_one)]
         concurrency: usize,
+        /// Endpoints, each with its own --cap; more than one are used as one endpoint pool
+        /// (`openai:<model>@<url1>,<url2>,…`): the ideal rate is endpoints × cap / latency.
+        #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+        endpoints: usize,
     },
     /// Continuous batching: `c` concurrent clients of the local backend (greedy chat
     /// requests, one after another per client) for each `c` of `--concurrency`: aggregate
@@ -302,6 +306,7 @@ fn main() -> ExitCode {
             samples,
             window,
             concurrency,
+            endpoints,
         } => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
@@ -316,6 +321,7 @@ fn main() -> ExitCode {
                     samples,
                     window,
                     concurrency,
+                    endpoints,
                 }))
             }),
     };

@@ -21,6 +21,8 @@ pub struct Params {
     pub samples: usize,
     pub window: usize,
     pub concurrency: usize,
+    /// Fake endpoints, each with its own service cap, used as one pool when more than one.
+    pub endpoints: usize,
 }
 
 struct Server {
@@ -66,7 +68,8 @@ async fn handle(State(s): State<Arc<Server>>, Json(body): Json<Value>) -> Json<V
     )
 }
 
-pub async fn run(p: Params) -> anyhow::Result<()> {
+/// Starts one fake endpoint; returns its server state and base URL.
+async fn start_endpoint(p: &Params) -> anyhow::Result<(Arc<Server>, String)> {
     let server = Arc::new(Server {
         latency: p.latency,
         service: tokio::sync::Semaphore::new(p.cap),
@@ -80,10 +83,21 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
+    Ok((server, format!("http://{addr}/v1")))
+}
+
+pub async fn run(p: Params) -> anyhow::Result<()> {
+    let mut servers = Vec::new();
+    let mut urls = Vec::new();
+    for _ in 0..p.endpoints {
+        let (s, u) = start_endpoint(&p).await?;
+        servers.push(s);
+        urls.push(u);
+    }
 
     let tmp = std::env::temp_dir().join(format!("collabllm-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    let spec: ModelSpec = format!("openai:bench@http://{addr}/v1").parse()?;
+    let spec: ModelSpec = format!("openai:bench@{}", urls.join(",")).parse()?;
     let mut cfg = GenerateConfig {
         tasks: concat!(env!("CARGO_MANIFEST_DIR"), "/data/math.jsonl").into(),
         output: tmp.join("run"),
@@ -103,8 +117,12 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
     let started = Instant::now();
     let summary = generate::generate(cfg.clone()).await?;
     let wall = started.elapsed().as_secs_f64();
-    let calls = server.requests.load(Ordering::Relaxed);
-    let ideal_rate = p.cap as f64 / p.latency.as_secs_f64();
+    let per_endpoint: Vec<usize> = servers
+        .iter()
+        .map(|s| s.requests.load(Ordering::Relaxed))
+        .collect();
+    let calls: usize = per_endpoint.iter().sum();
+    let ideal_rate = (p.endpoints * p.cap) as f64 / p.latency.as_secs_f64();
     let rate = calls as f64 / wall;
     let path = 1 + p.turns * (p.window + 2);
     let original_path = 1 + p.turns * (1 + p.candidates * (p.window + 1));
@@ -118,15 +136,17 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
     let ideal_conv = path as f64 * p.latency.as_secs_f64();
     let rss = collabllm::cli::peak_rss_bytes().unwrap_or(0) as f64 / 1e6;
     println!(
-        "workload         {} tasks x {} turns, N={}, S={}, W={}, latency {} ms, cap {}",
+        "workload         {} tasks x {} turns, N={}, S={}, W={}, latency {} ms, cap {} x {} endpoint(s)",
         p.tasks,
         p.turns,
         p.candidates,
         p.samples,
         p.window,
         p.latency.as_millis(),
-        p.cap
+        p.cap,
+        p.endpoints
     );
+    println!("calls/endpoint   {per_endpoint:?}");
     println!(
         "wall             {wall:.2} s, {calls} calls, {} pairs",
         summary.stats.pairs_train + summary.stats.pairs_test
@@ -144,7 +164,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
     println!(
         "{}",
         json!({"bench": "orchestration", "calls": calls, "wall_s": wall, "calls_per_s": rate,
-            "ideal_calls_per_s": ideal_rate, "mean_conversation_s": mean_conv,
+            "ideal_calls_per_s": ideal_rate, "endpoints": p.endpoints, "calls_per_endpoint": per_endpoint, "mean_conversation_s": mean_conv,
             "critical_path_s": ideal_conv, "peak_rss_mb": rss})
     );
     let _ = std::fs::remove_dir_all(&tmp);
