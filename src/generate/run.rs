@@ -85,6 +85,14 @@ impl Roles {
         out
     }
 
+    /// Calls and failures per endpoint of the roles served by endpoint pools.
+    fn endpoint_calls(&self) -> BTreeMap<String, Vec<crate::llm::pool::EndpointStats>> {
+        self.distinct()
+            .into_iter()
+            .filter_map(|r| r.pool.as_ref().map(|p| (r.name.clone(), p.stats())))
+            .collect()
+    }
+
     fn usage(&self) -> BTreeMap<String, UsageSnapshot> {
         self.distinct()
             .into_iter()
@@ -526,6 +534,8 @@ impl ManifestWriter<'_> {
             // This invocation, and every invocation on this directory.
             "usage": usage,
             "usage_total": total,
+            // This invocation's calls per endpoint, for roles on an endpoint pool.
+            "endpoint_calls": self.roles.endpoint_calls(),
             "cost_usd": self.roles.cost(&total, &self.cfg.prices),
         });
         outputs::write_json_atomic(&self.cfg.output.join(MANIFEST_FILE), &m)?;

@@ -41,6 +41,8 @@ pub struct Role {
     pub meter: Arc<UsageMeter>,
     /// The local engine behind this role, if any (tokenizer, log-probability judging).
     pub engine: Option<Arc<Engine>>,
+    /// The endpoint pool behind this role, if any (calls per endpoint for manifests).
+    pub pool: Option<Arc<PoolBackend>>,
 }
 
 impl std::fmt::Debug for Role {
@@ -73,6 +75,7 @@ impl Role {
             backend,
             meter,
             engine,
+            pool: None,
         }
     }
 
@@ -102,13 +105,10 @@ impl Role {
                     .unwrap_or_default();
                 if urls.len() > 1 {
                     let pool = PoolBackend::new(model, &urls, endpoint).map_err(remote)?;
-                    return Ok(Self::from_backend(
-                        name,
-                        &spec.to_string(),
-                        pool,
-                        cache,
-                        None,
-                    ));
+                    let mut role =
+                        Self::from_backend(name, &spec.to_string(), pool.clone(), cache, None);
+                    role.pool = Some(pool);
+                    return Ok(role);
                 }
                 let b = OpenAiBackend::new(model, base_url.as_deref(), endpoint).map_err(remote)?;
                 Ok(Self::from_backend(name, &spec.to_string(), b, cache, None))

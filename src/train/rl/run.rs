@@ -160,6 +160,7 @@ fn policy_role(backend: Arc<LocalBackend>, roles: &Roles, spec: &str) -> Role {
         backend: metered,
         meter: roles.policy_meter.clone(),
         engine: Some(engine),
+        pool: None,
     }
 }
 
