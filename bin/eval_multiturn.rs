@@ -116,6 +116,11 @@ struct Args {
     /// rescaled (x − 2.5)·2) or likert5 (1–5 mapped onto [0, 1]) [default: v2].
     #[arg(long, value_name = "SCALE")]
     interactivity_scale: Option<InteractivityScale>,
+    /// What token counts (tokens_read_k, tokens_typed_k, token_amount) count: policy (the model's own tokenizer; cl100k_base for endpoints),
+    /// cl100k (OpenAI's cl100k_base for every model, comparable across models) or words
+    /// (whitespace words, as the verl recipe) [default: cl100k].
+    #[arg(long, value_enum, value_name = "COUNTER")]
+    token_counter: Option<collabllm::llm::tokens::TokenCounterKind>,
     /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
     #[arg(long, value_name = "MODE")]
     judge_mode: Option<JudgeMode>,
@@ -175,7 +180,8 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         objects,
         max_questions,
         judge_mode,
-        interactivity_scale
+        interactivity_scale,
+        token_counter
     );
     cfg.set_max_tokens(&args.max_tokens);
     if let Some(t) = args.temperature {

@@ -168,6 +168,11 @@ struct Args {
     /// (x − 2.5)·2, the paper-era scripts), likert5 (1–5 mapped onto [0, 1]) [default: v2].
     #[arg(long, value_name = "SCALE")]
     interactivity_scale: Option<InteractivityScale>,
+    /// What token_amount count: policy (the model's own tokenizer; cl100k_base for endpoints),
+    /// cl100k (OpenAI's cl100k_base for every model, comparable across models) or words
+    /// (whitespace words, as the verl recipe) [default: policy].
+    #[arg(long, value_enum, value_name = "COUNTER")]
+    token_counter: Option<collabllm::llm::tokens::TokenCounterKind>,
     /// Token cap of one reply, repeatable: ROLE=N with ROLE policy (candidates, and the future
     /// assistant turns unless assistant= is given), assistant, user, judge or extractor
     /// [default: upstream's policy=2048 user=1024 judge=512 extractor=2048]. A candidate cut
@@ -228,6 +233,7 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         concurrency,
         judge_mode,
         interactivity_scale,
+        token_counter,
         proactive_style
     );
     cfg.set_max_tokens(&args.max_tokens);

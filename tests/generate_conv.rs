@@ -1186,20 +1186,27 @@ async fn a_run_on_pools_with_a_dead_endpoint_completes() {
         let i = args.iter().position(|a| a == flag).unwrap();
         args[i + 1] = pool.clone();
     }
-    args.extend(["--max-tasks", "2"].map(String::from));
+    args.extend(["--max-tasks", "2", "--token-counter", "words"].map(String::from));
     let o = run_bin(&args).await;
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(task_ids(&out).len(), 2);
     // The manifest counts calls per endpoint: the dead one only failed, the live one served.
     let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(
+        m["token_amount_tokenizer"], "words",
+        "--token-counter words"
+    );
+    assert_eq!(m["generation_identity"]["token_counter"], "words");
     let roles = m["endpoint_calls"].as_object().unwrap();
     assert!(!roles.is_empty(), "{m}");
     for (role, stats) in roles {
         let (d, l) = (&stats[0], &stats[1]);
         assert_eq!(d["calls"], d["failures"], "{role}: {stats}");
         assert!(l["calls"].as_u64().unwrap() > 0, "{role}: {stats}");
-        assert!(l["endpoint"].as_str().unwrap().starts_with("http://127.0.0.1"));
+        assert!(l["endpoint"]
+            .as_str()
+            .unwrap()
+            .starts_with("http://127.0.0.1"));
     }
 }

@@ -1,5 +1,6 @@
 //! The resolved settings of an `eval_multiturn` run, the models it compares and their labels.
 
+use crate::llm::tokens::TokenCounterKind;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -364,6 +365,9 @@ pub struct EvalConfig {
     pub extractor_max_tokens: usize,
     /// Rubric and rescaling of the interactivity judge.
     pub interactivity_scale: InteractivityScale,
+    /// What token counts count: cl100k_base for every model by default, so numbers compare
+    /// across models; `policy` (each model's own tokenizer) or `words`.
+    pub token_counter: TokenCounterKind,
     pub assistant_sampling: Sampling,
     pub user_sampling: Sampling,
     /// Token cap of one 20 Questions question (model questioners).
@@ -402,6 +406,7 @@ impl Default for EvalConfig {
             judge_max_tokens: JUDGE_MAX_TOKENS,
             extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
             interactivity_scale: InteractivityScale::default(),
+            token_counter: TokenCounterKind::Cl100k,
             assistant_sampling: Sampling::default(),
             user_sampling: Sampling {
                 temperature: 1.0,
@@ -522,7 +527,7 @@ impl EvalConfig {
     /// be reused with the same ones (models, task count, objects and repeats may change).
     pub fn identity(&self) -> serde_json::Value {
         let twenty = self.task == TaskType::TwentyQuestions;
-        serde_json::json!({
+        let mut id = serde_json::json!({
             "task": self.task,
             "tasks": (!twenty).then(|| self.tasks_path().display().to_string()),
             "user": (!twenty).then(|| self.user.to_string()),
@@ -540,7 +545,12 @@ impl EvalConfig {
             "judge_max_tokens": self.judge_max_tokens,
             "extractor_max_tokens": self.extractor_max_tokens,
             "interactivity_scale": self.interactivity_scale,
-        })
+        });
+        // Only when not the default, so runs made before the setting existed still resume.
+        if self.token_counter != TokenCounterKind::Cl100k {
+            id["token_counter"] = serde_json::json!(self.token_counter);
+        }
+        id
     }
 }
 

@@ -583,10 +583,8 @@ fn dialogue_jobs(
         let Some(role) = role else {
             bail!("model {label} has no backend");
         };
-        let tokens = match &role.engine {
-            Some(e) => TokenCounter::Local(e.clone()),
-            None => TokenCounter::cl100k().map_err(anyhow::Error::msg)?,
-        };
+        let tokens = TokenCounter::of_kind(cfg.token_counter, role.engine.as_ref())
+            .map_err(anyhow::Error::msg)?;
         models.push(DialogueModel {
             label: label.clone(),
             role: role.clone(),

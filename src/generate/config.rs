@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::proactive::ProactiveStyle;
 use crate::check::Range;
+use crate::llm::tokens::TokenCounterKind;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::{InteractivityScale, JudgeMode};
 use crate::reward::metrics::check_metric_name;
@@ -123,6 +124,10 @@ pub struct GenerateConfig {
     /// Endpoint prices by model spec (USD per million tokens), for the manifest's `cost_usd`.
     /// TOML: `[prices."openai:gpt-4o-mini"]` with `input = 0.15` and `output = 0.6`.
     pub prices: BTreeMap<String, Price>,
+    /// What `token_amount` counts: the policy's tokenizer (cl100k for endpoints), cl100k for
+    /// all, or words (verl).
+    #[serde(default)]
+    pub token_counter: TokenCounterKind,
     /// Run only this shard of the tasks (`--shard i/n`); shard runs merge with `--merge`.
     #[serde(default)]
     pub shard: Option<Shard>,
@@ -214,6 +219,7 @@ impl Default for GenerateConfig {
             sandbox_timeout_s: 10.0,
             prices: BTreeMap::new(),
             shard: None,
+            token_counter: TokenCounterKind::Policy,
         }
     }
 }
@@ -339,7 +345,7 @@ impl GenerateConfig {
     /// The settings that decide what the model calls are; a run directory can only be resumed
     /// with the same ones (weights, gap, formula and pair mode may change: they are re-scored).
     pub fn generation_identity(&self) -> serde_json::Value {
-        serde_json::json!({
+        let mut id = serde_json::json!({
             "tasks": self.tasks,
             "policy": self.policy, "user": self.user, "judge": self.judge,
             "assistant": self.assistant_spec(),
@@ -354,7 +360,12 @@ impl GenerateConfig {
             "extractor_max_tokens": self.extractor_max_tokens,
             "interactivity_scale": self.interactivity_scale,
             "shard": self.shard,
-        })
+        });
+        // Only when not the default, so runs made before the setting existed still resume.
+        if self.token_counter != TokenCounterKind::Policy {
+            id["token_counter"] = serde_json::json!(self.token_counter);
+        }
+        id
     }
 }
 

@@ -622,10 +622,8 @@ async fn run_prepared(
         .cloned()
         .collect();
 
-    let tokens = match &roles.policy.engine {
-        Some(e) => TokenCounter::Local(e.clone()),
-        None => TokenCounter::cl100k().map_err(anyhow::Error::msg)?,
-    };
+    let tokens = TokenCounter::of_kind(cfg.token_counter, roles.policy.engine.as_ref())
+        .map_err(anyhow::Error::msg)?;
     let token_name = tokens.name();
     let judge = Arc::new(Judge {
         role: roles.judge.clone(),
