@@ -25,7 +25,7 @@ use super::columnar::messages_array;
 use super::flat::FlatRow;
 use super::pairs::test_conversations;
 use super::sft::best_final_rows;
-use super::{write_batch, DatasetError};
+use super::{write_batch, Ctx, DatasetError};
 use crate::llm::ChatMessage;
 
 /// Our collaborative system prompt (`prompts/verl_system.txt`); `--system-prompt FILE`
@@ -177,17 +177,11 @@ fn struct_array(path: &Path, columns: Vec<(&str, ArrayRef)>) -> Result<ArrayRef,
     let arrays = columns.into_iter().map(|(_, a)| a).collect();
     StructArray::try_new(fields, arrays, None)
         .map(|a| Arc::new(a) as ArrayRef)
-        .map_err(|e| DatasetError::Parquet {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })
+        .map_err(|e| Ctx { path }.parquet(e))
 }
 
 fn batch(path: &Path, columns: Vec<(&str, ArrayRef)>) -> Result<RecordBatch, DatasetError> {
-    RecordBatch::try_from_iter(columns).map_err(|e| DatasetError::Parquet {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })
+    RecordBatch::try_from_iter(columns).map_err(|e| Ctx { path }.parquet(e))
 }
 
 fn rl_batch(

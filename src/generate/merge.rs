@@ -13,7 +13,7 @@ use serde_json::Value;
 use super::config::GenerateConfig;
 use super::run::{rescore, RunSummary, MANIFEST_FILE};
 use crate::rollout::records::{read_records, ConversationRecord, CONVERSATIONS_FILE};
-use crate::run::{write_atomic, write_json_atomic, RunLock};
+use crate::run::{changed_keys, write_atomic, write_json_atomic, RunLock};
 
 /// One shard run as read for a merge.
 struct ShardRun {
@@ -102,23 +102,13 @@ pub fn merge_runs(shards: &[PathBuf], output: &Path) -> anyhow::Result<RunSummar
     let want = identity(&first.manifest);
     for r in &runs[1..] {
         let got = identity(&r.manifest);
-        if got != want {
-            let names: Vec<&String> = want
-                .as_object()
-                .into_iter()
-                .flatten()
-                .filter(|(k, v)| got.get(k.as_str()) != Some(*v))
-                .map(|(k, _)| k)
-                .collect();
+        let names = changed_keys(&got, &want);
+        if !names.is_empty() {
             bail!(
                 "--merge: {} and {} were made with different settings ({})",
                 first.dir.display(),
                 r.dir.display(),
-                names
-                    .iter()
-                    .map(|s| s.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                names.join(", ")
             );
         }
     }

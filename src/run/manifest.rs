@@ -27,18 +27,25 @@ pub fn changed_settings(
         source,
     })?;
     let before = &old[field];
-    if before.is_null() || before == now {
+    if before.is_null() {
         return Ok(Vec::new());
     }
-    Ok(now
-        .as_object()
+    Ok(changed_keys(before, now))
+}
+
+/// The keys of the object `now` whose values differ in `before` (absent counts as different).
+pub fn changed_keys(before: &serde_json::Value, now: &serde_json::Value) -> Vec<String> {
+    if before == now {
+        return Vec::new();
+    }
+    now.as_object()
         .map(|o| {
             o.iter()
                 .filter(|(k, v)| before.get(k.as_str()) != Some(v))
                 .map(|(k, _)| k.clone())
                 .collect()
         })
-        .unwrap_or_default())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

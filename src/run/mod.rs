@@ -25,7 +25,7 @@ pub(crate) use atomic::AtomicFile;
 pub use atomic::{sync_dir, write_atomic, write_json_atomic, WriteError};
 pub use lock::{LockError, RunLock, LOCK_FILE};
 pub use log::{read_log, AppendLog, LogError};
-pub use manifest::{changed_settings, ManifestError};
+pub use manifest::{changed_keys, changed_settings, ManifestError};
 pub use signal::{interrupted_exit_code, Interrupted, Shutdown, Signal};
 
 /// Seconds since the Unix epoch (manifest times).

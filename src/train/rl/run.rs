@@ -230,14 +230,6 @@ pub fn step_tasks<T: Clone>(tasks: &[T], seed: u64, step: u64, batch: usize) -> 
         .collect()
 }
 
-fn write_json_atomic(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(value)?)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
-}
-
 /// Keeps the lines of a JSONL file whose `step` is at most `step` (and that parse: a torn
 /// last line is dropped), rewriting it atomically. Missing file: nothing to do.
 pub fn truncate_jsonl(path: &Path, step: u64) -> anyhow::Result<usize> {
@@ -257,9 +249,7 @@ pub fn truncate_jsonl(path: &Path, step: u64) -> anyhow::Result<usize> {
     if !body.is_empty() {
         body.push('\n');
     }
-    let tmp = path.with_extension("jsonl.tmp");
-    std::fs::write(&tmp, body).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    crate::run::write_atomic(path, body.as_bytes())?;
     Ok(kept.len())
 }
 
@@ -481,7 +471,7 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
     }
     truncate_jsonl(&cfg.output.join(LOGS_FILE), start)?;
     truncate_jsonl(&cfg.output.join(ROLLOUTS_FILE), start)?;
-    write_json_atomic(&cfg.output.join(CONFIG_FILE), &cfg)?;
+    crate::run::write_json_atomic(&cfg.output.join(CONFIG_FILE), &cfg)?;
 
     let cache = RequestCache::open(cfg.output.join("cache"))?;
     let load = LoadOptions::default();
@@ -641,7 +631,7 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
     let mut v = serde_json::to_value(&summary)?;
     v["git_revision"] = json!(git_revision());
     v["version"] = json!(env!("CARGO_PKG_VERSION"));
-    write_json_atomic(&cfg.output.join(SUMMARY_FILE), &v)?;
+    crate::run::write_json_atomic(&cfg.output.join(SUMMARY_FILE), &v)?;
     Ok(summary)
 }
 
