@@ -11,6 +11,7 @@ use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice
 use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::rollout::user::{parse_role_max_tokens, Sampling, TokenRole};
+use collabllm::task::twenty_questions::chat::ObjectSplit;
 use collabllm::task::TaskType;
 
 /// Multi-turn evaluation: task success, interactivity and cost of chat models in
@@ -90,10 +91,15 @@ struct Args {
     /// questioner plays, table for reference/random only].
     #[arg(long, value_name = "ORACLE")]
     oracle: Option<OracleChoice>,
-    /// 20 Questions objects: `all` (the 158 in task order, once each) or N (the first N)
-    /// [default: all].
+    /// 20 Questions objects: `all` (every object of --split in task order, once each) or N
+    /// (the first N of them) [default: all].
     #[arg(long, value_name = "all|N")]
     objects: Option<ObjectSelection>,
+    /// 20 Questions objects by generate_conv's fixed object split: `test` (the held-out
+    /// objects, ~20% of each category, that `--tasks 20q:train` never generates data for),
+    /// `train` or `all` [default: all].
+    #[arg(long, value_name = "SPLIT")]
+    split: Option<ObjectSplit>,
     /// 20 Questions question budget per game [default: 20].
     #[arg(long, value_name = "Q")]
     max_questions: Option<usize>,
@@ -177,6 +183,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         max_turns,
         concurrency,
         oracle,
+        split,
         objects,
         max_questions,
         judge_mode,

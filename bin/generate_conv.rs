@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Parser;
 use collabllm::cli::EndpointArgs;
 use collabllm::dataset::verl;
+use collabllm::generate::config::TWENTY_QUESTIONS_SOURCE;
 use collabllm::generate::proactive::ProactiveStyle;
 use collabllm::generate::{self, config, GenerateConfig};
 use collabllm::hub::{self, import};
@@ -18,6 +19,8 @@ use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::run::{RunLock, Shutdown};
+use collabllm::task::twenty_questions::chat::{OracleMode, QUESTION_MAX_TOKENS};
+use collabllm::task::twenty_questions::{metric_preset, METRIC_PRESETS};
 use collabllm::task::TaskType;
 
 /// Multiturn-aware rewards → DPO preference pairs (CollabLLM).
@@ -29,6 +32,10 @@ use collabllm::task::TaskType;
 /// a preference pair. Outputs in --output: conversations.jsonl (append-only, every score kept),
 /// flat.parquet (upstream schema), pairs/{train,test}.parquet (TRL format, split by
 /// conversation), manifest.json, and cache (a file: every model answer, so reruns are free).
+///
+/// 20 Questions (`--task-type twenty_questions`, objects of `--tasks 20q:train`): the user is
+/// the oracle that knows the object (`--oracle`), the candidates are the questioner's next
+/// question, and futures are scored exactly under the attribute table (`--metric-preset`).
 ///
 /// Killed at any moment, a rerun with the same --output resumes: finished tasks are kept,
 /// half-finished ones replay from the cache. Settings are: built-in defaults ← --config TOML ←
@@ -44,9 +51,11 @@ use collabllm::task::TaskType;
 )]
 struct Args {
     /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}; a parquet
-    /// file in the upstream CollabLLM flat schema; or hf:<org>/<name>, a published CollabLLM
+    /// file in the upstream CollabLLM flat schema; hf:<org>/<name>, a published CollabLLM
     /// dataset (e.g. hf:collabllm/collabllm-multiturn-math-hard) whose unique single-turn goals
-    /// become the tasks [default: data/math.jsonl].
+    /// become the tasks; or 20q:train | 20q:test | 20q:all, the bundled 20 Questions objects
+    /// (split by object with a fixed hash, ~20% of each category held out for evaluation)
+    /// [default: data/math.jsonl; 20q:train with --task-type twenty_questions].
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
     /// Task type of imported flat-schema tasks (math, doc_edit, code, twenty_questions) when
@@ -126,6 +135,21 @@ struct Args {
     /// Cap on the real conversation's length in messages [default: 14].
     #[arg(long, value_name = "M")]
     max_messages: Option<usize>,
+    /// 20 Questions: who answers the questions. `table`: the attribute table, exact (a
+    /// question it cannot parse is answered "No.", LMRL-Gym's rule, and counted); `llm`: the
+    /// --user model; `hybrid`: the table when the question parses, the model otherwise
+    /// [default: table].
+    #[arg(long, value_name = "ORACLE")]
+    oracle: Option<OracleMode>,
+    /// 20 Questions: questions per game; a game also ends on a win [default: 20].
+    #[arg(long, value_name = "Q")]
+    max_questions: Option<usize>,
+    /// Named metric weights: `20q-infogain` (success=1, info_gain=1, token_amount=-0.5: exact,
+    /// no judge; the 20 Questions default) or `20q-interactive` (success=1, interactivity=1,
+    /// token_amount=-0.5), the two reward variants of the 20 Questions study. --metric flags
+    /// add to or override its weights.
+    #[arg(long, value_name = "NAME", value_parser = parse_preset)]
+    metric_preset: Option<String>,
     /// Use only the first K tasks.
     #[arg(long, value_name = "K")]
     max_tasks: Option<usize>,
@@ -202,6 +226,20 @@ struct Args {
     dry_run: bool,
 }
 
+fn parse_preset(s: &str) -> Result<String, String> {
+    match metric_preset(s) {
+        Some(_) => Ok(s.to_string()),
+        None => Err(format!(
+            "unknown preset `{s}` (known: {})",
+            METRIC_PRESETS
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
 fn parse_metric(s: &str) -> Result<(String, f64), String> {
     parse_metric_weight(s).map_err(|e| e.to_string())
 }
@@ -255,8 +293,37 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     if args.prompts.is_some() {
         cfg.prompts = args.prompts.clone();
     }
-    if !args.metrics.is_empty() {
+    if let Some(preset) = args.metric_preset.as_deref().and_then(metric_preset) {
+        cfg.metrics = preset.iter().map(|(m, w)| (m.to_string(), *w)).collect();
+        cfg.metrics.extend(args.metrics.iter().cloned());
+    } else if !args.metrics.is_empty() {
         cfg.metrics = args.metrics.iter().cloned().collect();
+    }
+    if let Some(o) = args.oracle {
+        cfg.oracle = o;
+    }
+    if let Some(q) = args.max_questions {
+        cfg.max_questions = q;
+    }
+    if cfg.task_type == Some(TaskType::TwentyQuestions)
+        && args.tasks.is_none()
+        && args.config.is_none()
+    {
+        cfg.tasks = format!("{TWENTY_QUESTIONS_SOURCE}train");
+    }
+    if cfg.plays_twenty_questions() {
+        // A game's own length (the rules, then a question and its answer each), and a
+        // question's length, unless given.
+        if args.max_messages.is_none() && args.config.is_none() {
+            cfg.max_messages = 1 + 2 * cfg.max_questions;
+        }
+        let capped = |r: TokenRole| args.max_tokens.iter().any(|(role, _)| *role == r);
+        if args.config.is_none() && !capped(TokenRole::Policy) {
+            cfg.policy_sampling.max_tokens = QUESTION_MAX_TOKENS;
+            if !capped(TokenRole::Assistant) {
+                cfg.assistant_sampling.max_tokens = QUESTION_MAX_TOKENS;
+            }
+        }
     }
     cfg.prices.extend(args.prices.iter().cloned());
     args.endpoint.apply(&mut cfg.endpoint);

@@ -373,9 +373,9 @@ async fn twenty_questions_five_games_summary_matches_games_and_resumes_free() {
 async fn llm_oracle_answers_are_normalised_and_gains_come_from_the_table() {
     // Questioner: "animal" first, then always "basketball". Oracle: "Yes." to the basketball
     // question whatever the object (a wrong LLM), an unusable reply to anything else.
+    // The chat form: the rules, then each question and its answer as turns.
     let questioner = ScriptedBackend::new("questioner", |req, _| {
-        let prompt = &req.messages[0].content;
-        Ok(if prompt.contains("\n1. ") {
+        Ok(if req.messages.len() > 1 {
             "Is it a basketball?".to_string()
         } else {
             "Sure! Is it an animal?\nThen I will guess.".to_string()
@@ -453,11 +453,16 @@ async fn llm_oracle_answers_are_normalised_and_gains_come_from_the_table() {
 #[tokio::test]
 async fn hybrid_oracle_asks_the_model_only_what_the_table_cannot_parse() {
     // Questioner: an attribute question, then one the table cannot read, then the guess.
-    let questioner = ScriptedBackend::new("questioner", |req, _| {
-        let prompt = &req.messages[0].content;
-        Ok(if prompt.contains("\n2. ") {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen_by_questioner = seen.clone();
+    let questioner = ScriptedBackend::new("questioner", move |req, _| {
+        seen_by_questioner
+            .lock()
+            .unwrap()
+            .push(req.messages.clone());
+        Ok(if req.messages.len() >= 5 {
             "Is it a basketball?".to_string()
-        } else if prompt.contains("\n1. ") {
+        } else if req.messages.len() == 3 {
             "Hmm, could you describe how it feels?".to_string()
         } else {
             "Is it an animal?".to_string()
@@ -502,6 +507,23 @@ async fn hybrid_oracle_asks_the_model_only_what_the_table_cannot_parse() {
     // the model answers the unparsed question, the table confirms the guess.
     let answers: Vec<&str> = game.turns.iter().map(|t| t.answer.as_str()).collect();
     assert_eq!(answers, ["No.", "Yes.", "Yes."]);
+    // The questioner is asked in the chat form generate_conv trains on: the rules, then its
+    // own questions as assistant turns and the answers as user turns.
+    let last = seen.lock().unwrap().last().cloned().unwrap();
+    let turns: Vec<(&str, &str)> = last
+        .iter()
+        .map(|m| (m.role.as_str(), m.content.as_str()))
+        .collect();
+    assert!(turns[0].1.starts_with("You are playing 20 Questions"));
+    assert_eq!(
+        &turns[1..],
+        [
+            ("assistant", "Is it an animal?"),
+            ("user", "No."),
+            ("assistant", "Hmm, could you describe how it feels?"),
+            ("user", "Yes.")
+        ]
+    );
     assert!(game.won && game.turns[1].unparsed && !game.turns[0].unparsed);
     assert_eq!(oracle.calls(), 1);
     assert_eq!(rec["oracle_table_answers"], 2);
@@ -900,4 +922,50 @@ fn binary_rejects_bad_flags_with_clear_errors() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+}
+
+#[test]
+fn split_test_plays_only_objects_no_training_run_saw() {
+    use collabllm::task::twenty_questions::chat::{default_world, split_objects, ObjectSplit};
+    let held_out = split_objects(default_world().unwrap(), ObjectSplit::Test);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval-split");
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "reference",
+        "--split",
+        "test",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let played: Vec<usize> = read_lines(&out.join("conversations/reference.jsonl"))
+        .iter()
+        .map(|r| r["game"]["object_index"].as_u64().unwrap() as usize)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(played, held_out);
+    // The split is part of what a resumed evaluation must share.
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "reference",
+        "--split",
+        "train",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!res.status.success());
+    assert!(String::from_utf8_lossy(&res.stderr).contains("split"));
+    let res = run_bin(&["--task", "twenty_questions", "--split", "holdout"]);
+    assert!(!res.status.success());
+    assert!(String::from_utf8_lossy(&res.stderr).contains("train, test or all"));
 }

@@ -20,6 +20,7 @@ use collabllm::llm::tiny::TinySpec;
 use common::collab_script;
 use common::fault_server::{Fault, FaultServer};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use serde_json::Value;
 
 fn data(name: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -1209,4 +1210,249 @@ async fn a_run_on_pools_with_a_dead_endpoint_completes() {
             .unwrap()
             .starts_with("http://127.0.0.1"));
     }
+}
+
+// ---- 20 Questions: the oracle is the user, the futures are scored exactly ----
+
+/// The bundled test-split object the 20 Questions runs below play, and two questions the
+/// table parses (attributes 0 and 1).
+fn twenty_questions_target() -> (String, String, String) {
+    use collabllm::task::twenty_questions::chat::{default_world, object_tasks, ObjectSplit};
+    let world = default_world().unwrap();
+    let name = object_tasks(world, ObjectSplit::Test)[0].reference.clone();
+    let q = |a: usize| world.attribute_question(a).unwrap().to_string();
+    assert!(
+        world.parse("Zzz qqq?").is_none(),
+        "the unparsed line of the server"
+    );
+    (name, q(0), q(1))
+}
+
+/// A questioner server: a candidate request (n = 3) gets sample 0 = the winning guess, 1 = an
+/// attribute question, 2 = a line the table cannot parse; a future's assistant turn (n = 1) an
+/// attribute question. An oracle prompt (hybrid / llm) is answered "Yes.".
+async fn questioner_server(name: String, q0: String, q1: String) -> FaultServer {
+    let server = FaultServer::start().await;
+    server.set_responder(move |body, sample| {
+        let last = body["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .and_then(|m| m["content"].as_str())
+            .unwrap_or("");
+        if last.contains("The hidden object is") {
+            return "Yes.".into();
+        }
+        match (body["n"].as_u64().unwrap_or(1), sample) {
+            (1, _) => q1.clone(),
+            (_, 0) => format!("Is it a {name}?"),
+            (_, 1) => format!("Great! {q0}"),
+            _ => "Zzz qqq".into(),
+        }
+    });
+    server
+}
+
+fn twenty_questions_args(server: &FaultServer, out: &Path) -> Vec<String> {
+    let spec = format!("openai:scripted@{}", server.base_url);
+    [
+        "--task-type",
+        "twenty_questions",
+        "--tasks",
+        "20q:test",
+        "--max-tasks",
+        "1",
+        "--output",
+        out.to_str().unwrap(),
+        "--policy",
+        &spec,
+        "--user",
+        &spec,
+        "--judge",
+        &spec,
+        "--candidates",
+        "3",
+        "--proact-ratio",
+        "0",
+        "--samples",
+        "2",
+        "--window",
+        "3",
+        "--max-questions",
+        "5",
+        "--timeout",
+        "5",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+#[tokio::test]
+async fn twenty_questions_pairs_rank_questions_by_exact_rewards() {
+    let (name, q0, q1) = twenty_questions_target();
+    let server = questioner_server(name.clone(), q0.clone(), q1.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let output = run_bin(&twenty_questions_args(&server, &out)).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // Table oracle and the exact preset: every request is the questioner's.
+    let bodies: Vec<Value> = server.received().into_iter().map(|r| r.body).collect();
+    assert!(!bodies.is_empty());
+    assert!(bodies.iter().all(|b| {
+        let first = b["messages"][0]["content"].as_str().unwrap_or("");
+        first.starts_with("You are playing 20 Questions")
+    }));
+    assert!(
+        bodies
+            .iter()
+            .all(|b| b["max_tokens"] == 64 || b["max_completion_tokens"] == 64),
+        "a question is capped at 64 tokens by default"
+    );
+
+    let text = std::fs::read_to_string(out.join("conversations.jsonl")).unwrap();
+    let rec: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(rec["task_type"], "twenty_questions");
+    assert_eq!(rec["reference"], name.as_str());
+    let weights: std::collections::BTreeMap<String, f64> =
+        serde_json::from_value(rec["weights"].clone()).unwrap();
+    assert_eq!(
+        weights,
+        [
+            ("info_gain".to_string(), 1.0),
+            ("success".to_string(), 1.0),
+            ("token_amount".to_string(), -0.5)
+        ]
+        .into()
+    );
+    // The first question wins: the game ends on the oracle's "Yes.".
+    let messages = rec["messages"].as_array().unwrap();
+    assert!(messages[0]["content"]
+        .as_str()
+        .unwrap()
+        .starts_with("You are playing 20 Questions"));
+    assert_eq!(messages.len(), 3, "{messages:?}");
+    assert_eq!(messages[1]["content"], format!("Is it a {name}?"));
+    assert_eq!(messages[2]["content"], "Yes.");
+    assert_eq!(rec["ended_by"], "user_terminated");
+
+    let turn = &rec["turns"][0];
+    let cands = turn["candidates"].as_array().unwrap();
+    let score = |c: &Value, m: &str| -> Vec<f64> {
+        c["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["scores"][m]["value"].as_f64().unwrap())
+            .collect()
+    };
+    // The winning guess: every future is the win itself (1 question, all the uncertainty).
+    assert_eq!(score(&cands[0], "success"), [1.0, 1.0]);
+    assert_eq!(score(&cands[0], "info_gain"), [1.0, 1.0]);
+    for s in cands[0]["sessions"].as_array().unwrap() {
+        assert_eq!(
+            s["messages"].as_array().unwrap().len(),
+            1,
+            "ends at the win"
+        );
+        assert_eq!(s["scores"]["success"]["method"], "20q-table");
+    }
+    // The attribute question and the unparsed line: no win within the window; the attribute
+    // question gathers strictly more information than the line the table cannot read.
+    for c in &cands[1..] {
+        assert_eq!(score(c, "success"), [0.0, 0.0]);
+    }
+    let (g1, g2) = (
+        score(&cands[1], "info_gain")[0],
+        score(&cands[2], "info_gain")[0],
+    );
+    assert!(
+        g1 > g2 && g2 > 0.0,
+        "attribute {g1} vs unparsed {g2}: {:#}",
+        turn
+    );
+    assert_eq!(
+        cands[2]["sessions"][0]["scores"]["info_gain"]["detail"]["unparsed"],
+        1
+    );
+    assert_eq!(turn["chosen"], 0);
+    let pairs = read_pairs(&out.join("pairs/train.parquet"))
+        .into_iter()
+        .chain(read_pairs(&out.join("pairs/test.parquet")))
+        .collect::<Vec<_>>();
+    assert_eq!(pairs.len(), 1);
+    assert!(pairs[0].1 > 1.9 && pairs[0].2 < 1.0, "{pairs:?}");
+}
+
+#[tokio::test]
+async fn twenty_questions_hybrid_oracle_asks_the_model_only_what_the_table_cannot_read() {
+    let (name, q0, q1) = twenty_questions_target();
+    let server = questioner_server(name, q0, q1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = twenty_questions_args(&server, &out);
+    args.extend(["--oracle".into(), "hybrid".into()]);
+    let output = run_bin(&args).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let oracle_questions: Vec<String> = server
+        .received()
+        .into_iter()
+        .filter_map(|r| {
+            let c = r.body["messages"][0]["content"].as_str()?.to_string();
+            c.contains("The hidden object is").then(|| {
+                c.lines()
+                    .find_map(|l| l.strip_prefix("Question: "))
+                    .unwrap_or("")
+                    .to_string()
+            })
+        })
+        .collect();
+    // Only the unparsed line goes to the model (asked once: the answer is deterministic).
+    assert_eq!(oracle_questions, ["Zzz qqq?"], "{oracle_questions:?}");
+    let text = std::fs::read_to_string(out.join("conversations.jsonl")).unwrap();
+    let rec: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    // The model said "Yes." to the unparsed line: recorded as the oracle's answer.
+    let s = &rec["turns"][0]["candidates"][2]["sessions"][0];
+    assert_eq!(s["messages"][0]["content"], "Yes.");
+    let raw: Value = serde_json::from_str(s["user_raw"][0].as_str().unwrap()).unwrap();
+    assert_eq!(raw["oracle"], "llm");
+    assert_eq!(raw["parsed"], Value::Null);
+}
+
+#[tokio::test]
+async fn twenty_questions_bad_sources_and_metrics_are_refused_before_any_call() {
+    let server = FaultServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = twenty_questions_args(&server, &out);
+    let i = args.iter().position(|a| a == "20q:test").unwrap();
+    args[i] = "20q:holdout".into();
+    let output = run_bin(&args).await;
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        err.contains("20q:holdout") && err.contains("train, test or all"),
+        "{err}"
+    );
+    // An exact 20 Questions metric on math tasks names the task and what it lacks.
+    let mut args = endpoint_args(&server, &out, &data("math.jsonl"));
+    args.extend(["--metric".into(), "info_gain=1".into()]);
+    let output = run_bin(&args).await;
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        err.contains("info_gain") && err.contains("20 Questions object"),
+        "{err}"
+    );
+    let output = run_bin(&["--metric-preset".to_string(), "20q-everything".to_string()]).await;
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("20q-infogain"));
+    assert_eq!(server.requests(), 0);
 }

@@ -15,6 +15,7 @@ use crate::reward::sandbox::SANDBOX_TIMEOUT_S;
 use crate::rollout::user::{
     Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
 };
+use crate::task::twenty_questions::chat::ObjectSplit;
 use crate::task::TaskType;
 
 const TEMPERATURE: Range = Sampling::TEMPERATURE;
@@ -350,6 +351,10 @@ pub struct EvalConfig {
     /// Conversations (or games) in flight at once.
     pub concurrency: usize,
     pub oracle: OracleChoice,
+    /// 20 Questions: which objects, by generate_conv's fixed object split (`test`: the held-out
+    /// objects no `20q:train` run generated data for).
+    pub split: ObjectSplit,
+    /// 20 Questions: all objects of the split, or the first N of them.
     pub objects: ObjectSelection,
     pub max_questions: usize,
     /// generate_conv run directories whose tasks must not be evaluated.
@@ -395,6 +400,7 @@ impl Default for EvalConfig {
             max_turns: 7,
             concurrency: 8,
             oracle: OracleChoice::Table,
+            split: ObjectSplit::All,
             objects: ObjectSelection::All,
             max_questions: crate::task::twenty_questions::MAX_QUESTIONS,
             exclude_runs: Vec::new(),
@@ -549,6 +555,9 @@ impl EvalConfig {
         // Only when not the default, so runs made before the setting existed still resume.
         if self.token_counter != TokenCounterKind::Cl100k {
             id["token_counter"] = serde_json::json!(self.token_counter);
+        }
+        if twenty && self.split != ObjectSplit::All {
+            id["split"] = serde_json::json!(self.split);
         }
         id
     }

@@ -37,6 +37,7 @@ use crate::run::{
     changed_settings, git_revision, now_secs, write_json_atomic, Interrupted, RunLock, Shutdown,
 };
 use crate::task::prompts::Prompts;
+use crate::task::twenty_questions::chat::split_objects;
 use crate::task::twenty_questions::{lmrl_transcript, GameRecord, World};
 use crate::task::{load_tasks, Task, TaskType};
 
@@ -215,7 +216,8 @@ fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
     });
     let (work, warnings) = if cfg.task == TaskType::TwentyQuestions {
         let world = World::load_default()?;
-        let objects: Vec<usize> = (0..cfg.objects.count(world.objects.len())?).collect();
+        let mut objects = split_objects(&world, cfg.split);
+        objects.truncate(cfg.objects.count(objects.len())?);
         let warnings = overlap::check(&cfg.exclude_runs, cfg.allow_overlap, |run| {
             overlap::shared_objects(&world, &objects, run)
         })?;
@@ -572,6 +574,9 @@ fn dialogue_jobs(
             termination: cfg.termination.clone(),
             json: user.engine.is_none(),
             retries: cfg.user_retries,
+            // Dialogue tasks only: 20 Questions evaluation plays its games through `games`.
+            oracle: Default::default(),
+            max_questions: cfg.max_questions,
         },
         task_metric: metric,
         max_turns: cfg.max_turns,

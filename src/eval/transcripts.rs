@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::players::normalise_yes_no;
 use super::summary::{summarize_games, write_atomic, ModelSummary, Summary, SummaryError};
+use crate::task::twenty_questions::chat::normalise_yes_no;
 use crate::task::twenty_questions::{
     play, GameMetrics, GameRecord, Object, Oracle, OracleAnswer, Questioner, World, MAX_QUESTIONS,
 };

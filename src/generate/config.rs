@@ -17,6 +17,7 @@ use crate::reward::pairs::PairMode;
 use crate::rollout::user::{
     Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
 };
+use crate::task::twenty_questions::chat::{ObjectSplit, OracleMode, DEFAULT_MAX_QUESTIONS};
 use crate::task::TaskType;
 
 pub use crate::reward::sandbox::SANDBOX_TIMEOUT_S;
@@ -131,6 +132,27 @@ pub struct GenerateConfig {
     /// Run only this shard of the tasks (`--shard i/n`); shard runs merge with `--merge`.
     #[serde(default)]
     pub shard: Option<Shard>,
+    /// 20 Questions: who answers the questions (`table`, the user model `llm`, or `hybrid`).
+    #[serde(default)]
+    pub oracle: OracleMode,
+    /// 20 Questions: questions per game.
+    #[serde(default = "default_max_questions")]
+    pub max_questions: usize,
+}
+
+fn default_max_questions() -> usize {
+    DEFAULT_MAX_QUESTIONS
+}
+
+/// The tasks source of the bundled 20 Questions objects: `20q:train`, `20q:test`, `20q:all`.
+pub const TWENTY_QUESTIONS_SOURCE: &str = "20q:";
+
+/// The split named by a `20q:<split>` tasks source; `None` for any other source.
+pub fn twenty_questions_split(tasks: &str) -> Option<Result<ObjectSplit, String>> {
+    tasks.strip_prefix(TWENTY_QUESTIONS_SOURCE).map(|s| {
+        s.parse::<ObjectSplit>()
+            .map_err(|e| format!("--tasks {tasks}: {e}"))
+    })
 }
 
 /// One of `count` disjoint shards of a task list: a task belongs to shard
@@ -220,6 +242,8 @@ impl Default for GenerateConfig {
             prices: BTreeMap::new(),
             shard: None,
             token_counter: TokenCounterKind::Policy,
+            oracle: OracleMode::Table,
+            max_questions: DEFAULT_MAX_QUESTIONS,
         }
     }
 }
@@ -256,6 +280,12 @@ impl GenerateConfig {
         }
         if self.window == 0 {
             return Err(invalid("window", "must be at least 1"));
+        }
+        if self.max_questions == 0 {
+            return Err(invalid("max_questions", "must be at least 1"));
+        }
+        if let Some(Err(e)) = twenty_questions_split(&self.tasks) {
+            return Err(invalid("tasks", e));
         }
         if self.max_messages < 2 {
             return Err(invalid("max_messages", "must be at least 2"));
@@ -311,6 +341,13 @@ impl GenerateConfig {
         Ok(())
     }
 
+    /// Whether the tasks are 20 Questions games (the bundled objects or a task type given
+    /// as twenty_questions).
+    pub fn plays_twenty_questions(&self) -> bool {
+        twenty_questions_split(&self.tasks).is_some()
+            || self.task_type == Some(TaskType::TwentyQuestions)
+    }
+
     pub fn assistant_spec(&self) -> &ModelSpec {
         self.assistant.as_ref().unwrap_or(&self.policy)
     }
@@ -364,6 +401,10 @@ impl GenerateConfig {
         // Only when not the default, so runs made before the setting existed still resume.
         if self.token_counter != TokenCounterKind::Policy {
             id["token_counter"] = serde_json::json!(self.token_counter);
+        }
+        if self.plays_twenty_questions() {
+            id["oracle"] = serde_json::json!(self.oracle);
+            id["max_questions"] = serde_json::json!(self.max_questions);
         }
         id
     }

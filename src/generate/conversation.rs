@@ -20,7 +20,7 @@ use crate::rollout::futures::FutureRunner;
 use crate::rollout::records::{now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant};
 use crate::rollout::user::{derive_seed, SimError, UserSimulator};
 use crate::task::prompts::Prompts;
-use crate::task::Task;
+use crate::task::{Task, TaskType};
 
 /// Everything a conversation needs; shared by all conversations of a run.
 pub struct Pipeline {
@@ -80,6 +80,11 @@ impl Pipeline {
             }
             if next_user.terminated {
                 ended_by = "user_terminated";
+                // The oracle's answer that ends a 20 Questions game (a win, or the last
+                // question) is part of the game.
+                if task.task_type == TaskType::TwentyQuestions {
+                    history.push(ChatMessage::user(next_user.text));
+                }
                 break;
             }
             history.push(ChatMessage::user(next_user.text));

@@ -18,7 +18,7 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use serde::Serialize;
 
-use super::config::GenerateConfig;
+use super::config::{twenty_questions_split, GenerateConfig};
 use super::conversation::Pipeline;
 use super::outputs::{self, DatasetStats, Scoring};
 use crate::hub::import;
@@ -36,6 +36,7 @@ use crate::rollout::records::{now_secs, read_records, ConversationLog, Conversat
 use crate::rollout::user::UserSimulator;
 use crate::run::{changed_settings, Interrupted, RunLock, Shutdown};
 use crate::task::prompts::Prompts;
+use crate::task::twenty_questions::chat;
 use crate::task::{load_tasks, Task};
 
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -199,6 +200,11 @@ pub fn load_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task>> {
             "--tasks {}: a Hub dataset is fetched asynchronously (fetch_config_tasks)",
             cfg.tasks
         );
+    }
+    if let Some(split) = twenty_questions_split(&cfg.tasks) {
+        let split = split.map_err(anyhow::Error::msg)?;
+        let world = chat::default_world().map_err(anyhow::Error::msg)?;
+        return check_config_tasks(cfg, chat::object_tasks(world, split));
     }
     let path = Path::new(&cfg.tasks);
     let tasks = if import::is_flat_parquet(path) {
@@ -645,6 +651,8 @@ async fn run_prepared(
             termination: cfg.termination.clone(),
             json: roles.user.engine.is_none(),
             retries: cfg.user_retries,
+            oracle: cfg.oracle,
+            max_questions: cfg.max_questions,
         },
         scorer: Scorer {
             judge,

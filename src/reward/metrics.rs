@@ -13,6 +13,7 @@ use crate::llm::tokens::TokenCounter;
 use crate::llm::ChatMessage;
 use crate::task::prompts::transcript;
 use crate::task::prompts::Prompt;
+use crate::task::twenty_questions::{self, chat};
 use crate::task::{Task, TaskType};
 
 /// Metric names and their native ranges.
@@ -23,7 +24,14 @@ pub const METRICS: &[(&str, &str)] = &[
     ("bleu", "[0,1]: token-level BLEU-4 (13a, exp smoothing) of the LLM-extracted final document against the reference"),
     ("bleu_char", "[0,1]: character-level BLEU-4 (NLTK sentence_bleu on raw strings, no smoothing: upstream CollabLLM's number) of the same extracted document"),
     ("pass_rate", "{0,1}: the LLM-extracted final code passes the task's unittest tests in the sandbox"),
+    ("info_gain", "[0,1] (20 Questions): bits the candidate question and its future gather under the attribute table, log2(|consistent before|/|consistent after|), divided by log2(|consistent before|): the share of the remaining uncertainty removed"),
+    ("success", "{0,1} (20 Questions): the game is won (LMRL-Gym's win rule) by the candidate or within its future"),
+    ("questions", ">=1 (20 Questions): questions asked by the candidate and its future, the winning one included"),
+    ("lmrl_return", "<=0 (20 Questions): LMRL-Gym's return over the candidate and its future: -1 per question, 0 for the winning one"),
 ];
+
+/// The metrics computed exactly from a 20 Questions game under the attribute table.
+pub const TWENTY_QUESTIONS_METRICS: &[&str] = &["info_gain", "success", "questions", "lmrl_return"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricError {
@@ -70,7 +78,8 @@ pub fn parse_metric_weight(arg: &str) -> Result<(String, f64), MetricError> {
 }
 
 /// DESIGN §2 defaults: math accuracy=1, interactivity=1, token_amount=−0.1; document editing
-/// bleu=1, token_amount=−0.1; code pass_rate=1, token_amount=−0.5.
+/// bleu=1, token_amount=−0.1; code pass_rate=1, token_amount=−0.5; 20 Questions the exact
+/// `20q-infogain` preset (success=1, info_gain=1, token_amount=−0.5: no judge needed).
 pub fn default_weights(task_type: TaskType) -> BTreeMap<String, f64> {
     let w: &[(&str, f64)] = match task_type {
         TaskType::Math => &[
@@ -80,7 +89,7 @@ pub fn default_weights(task_type: TaskType) -> BTreeMap<String, f64> {
         ],
         TaskType::DocEdit => &[("bleu", 1.0), ("token_amount", -0.1)],
         TaskType::Code => &[("pass_rate", 1.0), ("token_amount", -0.5)],
-        TaskType::TwentyQuestions => &[("interactivity", 1.0)],
+        TaskType::TwentyQuestions => twenty_questions::metric_preset("20q-infogain").unwrap_or(&[]),
     };
     w.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
@@ -111,6 +120,16 @@ pub fn check_tasks_for_metrics(tasks: &[Task], metrics: &[String]) -> Result<(),
                 }
                 "pass_rate" if tests_of(t).is_none() => {
                     return Err(lacks("unittest code in `metadata.tests`"))
+                }
+                m if TWENTY_QUESTIONS_METRICS.contains(&m)
+                    && chat::default_world()
+                        .ok()
+                        .and_then(|w| chat::object_of_task(w, t))
+                        .is_none() =>
+                {
+                    return Err(lacks(
+                        "a 20 Questions object (task_type twenty_questions and a reference naming one of the bundled objects)",
+                    ))
                 }
                 _ => {}
             }
@@ -183,6 +202,9 @@ impl Scorer {
             "bleu" => self.bleu(task, &session, seed, false).await,
             "bleu_char" => self.bleu(task, &session, seed, true).await,
             "pass_rate" => self.pass_rate(task, &session, seed).await,
+            m if TWENTY_QUESTIONS_METRICS.contains(&m) => {
+                twenty_questions_score(m, task, history, candidate_and_future)
+            }
             other => MetricScore {
                 value: None,
                 method: format!("unknown metric {other}"),
@@ -318,6 +340,54 @@ impl Scorer {
                 detail: Some(serde_json::json!({"code": code, "error": e.to_string()})),
             },
         }
+    }
+}
+
+/// A 20 Questions metric of `history + candidate_and_future`, exact under the table: the
+/// questions and answers of the history set the objects still consistent, those of the
+/// candidate and its future are scored. A candidate with no answer yet (a reply scored
+/// alone) gets the table's answer.
+fn twenty_questions_score(
+    metric: &str,
+    task: &Task,
+    history: &[ChatMessage],
+    candidate_and_future: &[ChatMessage],
+) -> MetricScore {
+    let missing = |why: String| MetricScore {
+        value: None,
+        method: "20q-table".into(),
+        raw: None,
+        detail: Some(serde_json::json!({"error": why})),
+    };
+    let world = match chat::default_world() {
+        Ok(w) => w,
+        Err(e) => return missing(e),
+    };
+    let Some(object) = chat::object_of_task(world, task) else {
+        return missing(format!("task {} names no 20 Questions object", task.id));
+    };
+    let before = chat::answered_questions(history);
+    let mut future = chat::answered_questions(candidate_and_future);
+    if let Some(q) = chat::unanswered_question(candidate_and_future) {
+        let yes = chat::table_answer(world, object, &q).0;
+        future.push((q, yes));
+    }
+    let unparsed = future
+        .iter()
+        .filter(|(q, _)| world.parse(q).is_none())
+        .count();
+    let r = twenty_questions::future_rewards(world, object, &before, &future);
+    let value = match metric {
+        "info_gain" => r.info_gain,
+        "success" => r.success,
+        "questions" => r.questions,
+        _ => r.lmrl_return,
+    };
+    MetricScore {
+        value: Some(value),
+        method: "20q-table".into(),
+        raw: None,
+        detail: Some(serde_json::json!({"rewards": r, "unparsed": unparsed})),
     }
 }
 

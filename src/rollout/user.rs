@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, LlmError};
 use crate::task::prompts::{transcript, Prompt, PromptError, Prompts};
+use crate::task::twenty_questions::chat::{self, OracleMode};
 use crate::task::{Task, TaskType};
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +23,8 @@ pub enum SimError {
     },
     #[error(transparent)]
     Prompt(#[from] PromptError),
+    #[error("20 Questions: {0}")]
+    TwentyQuestions(String),
     #[error(
         "user simulator gave no usable message after {attempts} attempts (last output: {last:?})"
     )]
@@ -154,6 +157,10 @@ pub struct UserSimulator {
     pub json: bool,
     /// Extra attempts per sample when the output is unusable.
     pub retries: u32,
+    /// 20 Questions tasks: who answers the questions (the table, this simulator's model, or
+    /// both) and the question budget.
+    pub oracle: OracleMode,
+    pub max_questions: usize,
 }
 
 impl UserSimulator {
@@ -182,6 +189,9 @@ impl UserSimulator {
         n: usize,
         seed: u64,
     ) -> Result<Vec<UserTurn>, SimError> {
+        if task.task_type == TaskType::TwentyQuestions {
+            return self.oracle_turns(task, history, n, seed).await;
+        }
         let prompt = self.prompt(task, history)?;
         let req = ChatRequest::new(vec![ChatMessage::user(prompt)])
             .temperature(self.sampling.temperature)
@@ -214,6 +224,72 @@ impl UserSimulator {
             })?);
         }
         Ok(out)
+    }
+
+    /// 20 Questions: the opening (the rules) or the oracle's "Yes."/"No." to the last
+    /// question. The answer is deterministic, so the `n` samples are one answer repeated (one
+    /// model call at most). The game ends (`terminated`) on a win or when the budget is spent;
+    /// `raw` records how the answer was reached (`{"oracle", "parsed", "model"}`).
+    async fn oracle_turns(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        n: usize,
+        seed: u64,
+    ) -> Result<Vec<UserTurn>, SimError> {
+        let world = chat::default_world().map_err(SimError::TwentyQuestions)?;
+        let object = chat::object_of_task(world, task).ok_or_else(|| {
+            SimError::TwentyQuestions(format!(
+                "task {}: its reference `{}` names none of the 20 Questions objects",
+                task.id, task.reference
+            ))
+        })?;
+        let Some(question) = chat::unanswered_question(history) else {
+            let intro = chat::intro_message(&self.prompts, self.max_questions)?;
+            let turn = UserTurn {
+                text: intro.clone(),
+                terminated: false,
+                raw: intro,
+            };
+            return Ok(vec![turn; n]);
+        };
+        let (table_yes, parsed) = chat::table_answer(world, object, &question);
+        let ask_model = match self.oracle {
+            OracleMode::Table => false,
+            OracleMode::Llm => true,
+            OracleMode::Hybrid => parsed.is_none(),
+        };
+        let (yes, model_raw) = if ask_model {
+            let prompt = self.prompts.render(
+                Prompt::TwentyQuestionsOracle,
+                serde_json::json!({
+                    "object": object.name,
+                    "names": object.variants.join(", "),
+                    "question": question,
+                }),
+            )?;
+            let req = ChatRequest::new(vec![ChatMessage::user(prompt)])
+                .temperature(0.0)
+                .max_tokens(8)
+                .seed(seed);
+            let raw = self.call(&req).await?.choices[0].content.clone();
+            (chat::normalise_yes_no(&raw).unwrap_or(false), Some(raw))
+        } else {
+            (table_yes, None)
+        };
+        let won = chat::wins(world, object, &question, yes);
+        let turn = UserTurn {
+            text: chat::answer_text(yes).to_string(),
+            terminated: won || chat::questions_asked(history) >= self.max_questions,
+            raw: serde_json::json!({
+                "oracle": if ask_model { "llm" } else { "table" },
+                "parsed": parsed,
+                "model": model_raw,
+                "win": won,
+            })
+            .to_string(),
+        };
+        Ok(vec![turn; n])
     }
 
     async fn call(&self, req: &ChatRequest) -> Result<crate::llm::ChatResponse, SimError> {

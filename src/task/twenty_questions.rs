@@ -14,6 +14,8 @@ use std::collections::HashSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+pub mod chat;
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use regex::Regex;

@@ -24,6 +24,7 @@ use crate::llm::{EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::JudgeMode;
 use crate::reward::mr::MrFormula;
 use crate::rollout::user::{Sampling, TokenRole};
+use crate::task::twenty_questions::chat::OracleMode;
 use crate::task::TaskType;
 use crate::train::loss::DpoConfig;
 use crate::train::trainer::Schedule;
@@ -222,6 +223,10 @@ pub struct RlRunConfig {
     pub prompts: Option<PathBuf>,
     pub sandbox_timeout_s: f64,
     pub prices: BTreeMap<String, Price>,
+    /// 20 Questions tasks: who answers the questions (table, llm = the user model, hybrid).
+    pub oracle: OracleMode,
+    /// 20 Questions tasks: questions per game.
+    pub max_questions: usize,
 }
 
 impl Default for RlRunConfig {
@@ -287,6 +292,8 @@ impl Default for RlRunConfig {
             prompts: None,
             sandbox_timeout_s: gen.sandbox_timeout_s,
             prices: BTreeMap::new(),
+            oracle: gen.oracle,
+            max_questions: gen.max_questions,
         }
     }
 }
@@ -390,6 +397,8 @@ impl RlRunConfig {
             prompts: self.prompts.clone(),
             sandbox_timeout_s: self.sandbox_timeout_s,
             prices: self.prices.clone(),
+            oracle: self.oracle,
+            max_questions: self.max_questions,
             ..GenerateConfig::default()
         }
     }
@@ -537,6 +546,13 @@ impl RlRunConfig {
         if let Some(o) = v.as_object_mut() {
             for k in RESUMABLE_CHANGES {
                 o.remove(*k);
+            }
+            // Only when not the default, so runs made before the settings existed resume.
+            if self.oracle == OracleMode::default() {
+                o.remove("oracle");
+            }
+            if self.max_questions == crate::task::twenty_questions::MAX_QUESTIONS {
+                o.remove("max_questions");
             }
         }
         v

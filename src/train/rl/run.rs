@@ -512,6 +512,8 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
             sampling: cfg.user_sampling.clone(),
             termination: cfg.termination.clone(),
             retries: cfg.user_retries,
+            oracle: cfg.oracle,
+            max_questions: cfg.max_questions,
         },
         roles,
     };
