@@ -5,9 +5,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use clap::builder::TypedValueParser;
 use clap::Parser;
 use collabllm::cli::EndpointArgs;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
+use collabllm::llm::llama::WeightFormat;
 use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::rollout::user::{parse_role_max_tokens, Sampling, TokenRole};
@@ -100,6 +102,12 @@ struct Args {
     /// `train` or `all` [default: all].
     #[arg(long, value_name = "SPLIT")]
     split: Option<ObjectSplit>,
+    /// How local models hold their weights: `auto` (GGUF Q4_1/Q5_x re-quantized to Q8_0,
+    /// safetensors in f32), `q8` (every linear layer in Q8_0: fastest, and puts a GGUF base and
+    /// a merged dpo_train checkpoint on the same footing), `native`, `f32` [default: auto].
+    #[arg(long, value_name = "FORMAT", value_parser = clap::builder::PossibleValuesParser::new(WeightFormat::NAMES)
+              .try_map(|s| s.parse::<WeightFormat>()))]
+    weights: Option<WeightFormat>,
     /// 20 Questions question budget per game [default: 20].
     #[arg(long, value_name = "Q")]
     max_questions: Option<usize>,
@@ -183,6 +191,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         max_turns,
         concurrency,
         oracle,
+        weights,
         split,
         objects,
         max_questions,

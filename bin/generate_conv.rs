@@ -14,13 +14,12 @@ use collabllm::generate::{self, config, GenerateConfig};
 use collabllm::hub::{self, import};
 use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
-use collabllm::reward::metrics::parse_metric_weight;
+use collabllm::reward::metrics::{parse_metric_preset, parse_metric_weight, weights_from_flags};
 use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::run::{RunLock, Shutdown};
 use collabllm::task::twenty_questions::chat::{OracleMode, QUESTION_MAX_TOKENS};
-use collabllm::task::twenty_questions::{metric_preset, METRIC_PRESETS};
 use collabllm::task::TaskType;
 
 /// Multiturn-aware rewards → DPO preference pairs (CollabLLM).
@@ -148,7 +147,7 @@ struct Args {
     /// no judge; the 20 Questions default) or `20q-interactive` (success=1, interactivity=1,
     /// token_amount=-0.5), the two reward variants of the 20 Questions study. --metric flags
     /// add to or override its weights.
-    #[arg(long, value_name = "NAME", value_parser = parse_preset)]
+    #[arg(long, value_name = "NAME", value_parser = parse_metric_preset)]
     metric_preset: Option<String>,
     /// Use only the first K tasks.
     #[arg(long, value_name = "K")]
@@ -226,20 +225,6 @@ struct Args {
     dry_run: bool,
 }
 
-fn parse_preset(s: &str) -> Result<String, String> {
-    match metric_preset(s) {
-        Some(_) => Ok(s.to_string()),
-        None => Err(format!(
-            "unknown preset `{s}` (known: {})",
-            METRIC_PRESETS
-                .iter()
-                .map(|(n, _)| *n)
-                .collect::<Vec<_>>()
-                .join(", ")
-        )),
-    }
-}
-
 fn parse_metric(s: &str) -> Result<(String, f64), String> {
     parse_metric_weight(s).map_err(|e| e.to_string())
 }
@@ -293,11 +278,8 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     if args.prompts.is_some() {
         cfg.prompts = args.prompts.clone();
     }
-    if let Some(preset) = args.metric_preset.as_deref().and_then(metric_preset) {
-        cfg.metrics = preset.iter().map(|(m, w)| (m.to_string(), *w)).collect();
-        cfg.metrics.extend(args.metrics.iter().cloned());
-    } else if !args.metrics.is_empty() {
-        cfg.metrics = args.metrics.iter().cloned().collect();
+    if let Some(w) = weights_from_flags(args.metric_preset.as_deref(), &args.metrics) {
+        cfg.metrics = w;
     }
     if let Some(o) = args.oracle {
         cfg.oracle = o;

@@ -8,9 +8,10 @@ use clap::Parser;
 use collabllm::cli::EndpointArgs;
 use collabllm::llm::ModelSpec;
 use collabllm::reward::judge::JudgeMode;
-use collabllm::reward::metrics::parse_metric_weight;
+use collabllm::reward::metrics::{parse_metric_preset, parse_metric_weight, weights_from_flags};
 use collabllm::reward::mr::MrFormula;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
+use collabllm::task::twenty_questions::chat::OracleMode;
 use collabllm::task::TaskType;
 use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig};
 use collabllm::train::rl::run::rl_train;
@@ -45,7 +46,9 @@ use collabllm::train::trainer::Schedule;
 )]
 struct Args {
     /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}, an
-    /// upstream CollabLLM flat parquet file, or hf:<org>/<name> [default: data/math.jsonl].
+    /// upstream CollabLLM flat parquet file, hf:<org>/<name>, or 20q:train | 20q:test |
+    /// 20q:all (the bundled 20 Questions objects: the user is the oracle, rewards are exact)
+    /// [default: data/math.jsonl].
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
     /// Task type of imported flat-schema tasks without one in their metadata.
@@ -112,10 +115,23 @@ struct Args {
     /// Steps (rollout batches) to train [default: 50].
     #[arg(long, value_name = "N")]
     max_steps: Option<usize>,
-    /// Metric weight, repeatable: accuracy, interactivity, token_amount, bleu, pass_rate
-    /// (e.g. --metric token_amount=-1) [default: per task type].
+    /// Metric weight, repeatable: accuracy, interactivity, token_amount, bleu, pass_rate, and
+    /// for 20 Questions info_gain, success, questions, lmrl_return (e.g. --metric
+    /// token_amount=-1) [default: per task type].
     #[arg(long = "metric", value_name = "NAME=WEIGHT", value_parser = parse_metric)]
     metrics: Vec<(String, f64)>,
+    /// Named metric weights: `20q-infogain` (success=1, info_gain=1, token_amount=-0.5: exact,
+    /// no judge; the 20 Questions default) or `20q-interactive` (success=1, interactivity=1,
+    /// token_amount=-0.5); --metric flags add to or override its weights.
+    #[arg(long, value_name = "NAME", value_parser = parse_metric_preset)]
+    metric_preset: Option<String>,
+    /// 20 Questions: who answers the questions: `table` (exact; an unparsed question is
+    /// "No."), `llm` (the --user model) or `hybrid` (table when it parses) [default: table].
+    #[arg(long, value_name = "ORACLE")]
+    oracle: Option<OracleMode>,
+    /// 20 Questions: questions per game [default: 20].
+    #[arg(long, value_name = "Q")]
+    max_questions: Option<usize>,
     /// MR formula used as reward: mean or verl_clamp (both are recorded) [default: mean].
     #[arg(long, value_name = "FORMULA")]
     mr_formula: Option<MrFormula>,
@@ -288,8 +304,14 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         // The dedicated flag wins over policy=/assistant= caps.
         cfg.max_new_tokens = v;
     }
-    if !args.metrics.is_empty() {
-        cfg.metrics = args.metrics.iter().cloned().collect();
+    if let Some(w) = weights_from_flags(args.metric_preset.as_deref(), &args.metrics) {
+        cfg.metrics = w;
+    }
+    if let Some(o) = args.oracle {
+        cfg.oracle = o;
+    }
+    if let Some(q) = args.max_questions {
+        cfg.max_questions = q;
     }
     args.endpoint.apply(&mut cfg.endpoint);
     cfg.validate()?;

@@ -733,3 +733,50 @@ async fn generate_conv_push_to_hub_at_the_end() {
         "empty split left out"
     );
 }
+
+#[tokio::test]
+async fn a_twenty_questions_card_states_oracle_rewards_weights_and_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    write_run(&run);
+    let mut manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("manifest.json")).unwrap()).unwrap();
+    manifest["config"]["tasks"] = json!("20q:train");
+    manifest["config"]["task_type"] = json!("twenty_questions");
+    manifest["config"]["oracle"] = json!("hybrid");
+    manifest["config"]["max_questions"] = json!(20);
+    manifest["config"]["metrics"] = json!({"success": 1.0, "info_gain": 1.0, "token_amount": -0.5});
+    std::fs::write(run.join("manifest.json"), manifest.to_string()).unwrap();
+    let out = tmp.path().join("layout");
+    let o = PushOptions {
+        endpoint: "http://127.0.0.1:9".into(),
+        token: None,
+        private: true,
+        message: None,
+        dry_run: Some(out.clone()),
+        retry: RetryPolicy::default(),
+    };
+    hub::push_dataset_dir(&run, "alice/collab-20q", false, &o)
+        .await
+        .unwrap();
+    let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+    for want in [
+        "## 20 Questions",
+        "| oracle (the simulated user) | hybrid: the attribute table when it parses the question, the user model (local model SmolLM2-135M-Instruct (the built-in default)) otherwise |",
+        "| questions per game | 20 |",
+        "split `train`",
+        "~20% of each category held out",
+        "| reward weights | info_gain=1.0, success=1.0, token_amount=-0.5 |",
+        "`20q-infogain` = success 1, info_gain 1, token_amount −0.5",
+        "log2(|objects consistent before| / |after|)",
+    ] {
+        assert!(card.contains(want), "card lacks {want:?}:\n{card}");
+    }
+    // A math run's card says nothing about 20 Questions.
+    write_run(&run);
+    hub::push_dataset_dir(&run, "alice/collab-math", false, &o)
+        .await
+        .unwrap();
+    let card = std::fs::read_to_string(out.join("README.md")).unwrap();
+    assert!(!card.contains("20 Questions"), "{card}");
+}

@@ -206,6 +206,7 @@ fn twenty_questions_figures_from_played_games() {
         "20q_game_lengths",
         "20q_info_gain_by_question",
         "20q_turns_vs_gain",
+        "20q_proxy_correlation",
     ];
     assert_eq!(names(&w), expected);
     check_figures(
@@ -218,6 +219,8 @@ fn twenty_questions_figures_from_played_games() {
             "question budget t (questions)",
             "mean realised information gain (bits)",
             "total realised information gain (bits)",
+            "least squares, R²",
+            "information gained in the game (bits)",
         ],
     );
 }
@@ -236,9 +239,9 @@ fn all_detects_kinds_writes_index_and_is_deterministic() {
     let (out1, out2) = (tmp.path().join("figs1"), tmp.path().join("figs2"));
     let w = plot::plot_all(&dirs, &opts(&out1)).unwrap();
     plot::plot_all(&dirs, &opts(&out2)).unwrap();
-    // 5 train + 4 data + 2 eval + 4 20q (the 20q summary has no task metric: no cost panel
+    // 5 train + 4 data + 2 eval + 5 20q (the 20q summary has no task metric: no cost panel
     // from it, but the math one has).
-    assert_eq!(w.len(), 15, "{:?}", names(&w));
+    assert_eq!(w.len(), 16, "{:?}", names(&w));
     let index = std::fs::read_to_string(out1.join("index.md")).unwrap();
     for x in &w {
         assert!(index.contains(&format!("{}.png", x.name)), "{index}");
@@ -250,7 +253,7 @@ fn all_detects_kinds_writes_index_and_is_deterministic() {
         .map(|e| e.unwrap().file_name())
         .collect();
     files.sort();
-    assert_eq!(files.len(), 31);
+    assert_eq!(files.len(), 2 * 16 + 1, "png + svg per figure, and index.md");
     for f in &files {
         let (x, y) = (
             std::fs::read(out1.join(f)).unwrap(),

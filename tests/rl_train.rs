@@ -603,3 +603,55 @@ async fn a_second_writer_on_one_output_is_refused_naming_the_holder() {
     assert!(!out.path().join("logs.jsonl").exists(), "nothing written");
     assert_eq!(server.requests(), 0, "no model call");
 }
+
+/// 20 Questions online: the oracle (the table) is the user, rewards are exact; no model call
+/// goes to the user endpoint.
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_questions_trains_against_the_table_oracle_with_exact_rewards() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("20q");
+    let extra = [
+        "--tasks",
+        "20q:train",
+        "--max-tasks",
+        "2",
+        "--metric-preset",
+        "20q-infogain",
+        "--samples",
+        "1",
+        "--max-steps",
+        "1",
+        "--ppo-epochs",
+        "1",
+    ];
+    ok(&run_bin(&args(&server, &model, &out, &extra)).await);
+    for r in server.received() {
+        let text = r.body["messages"].to_string();
+        assert!(!text.contains("role-playing a USER"), "a user call: {text}");
+    }
+    let rollouts = jsonl(&out.join("rollouts.jsonl"));
+    assert!(!rollouts.is_empty());
+    for r in &rollouts {
+        assert!(r["task_id"].as_str().unwrap().starts_with("20q-"));
+        let opening = r["prompt"][0]["content"].as_str().unwrap();
+        assert!(
+            opening.starts_with("You are playing 20 Questions"),
+            "{opening}"
+        );
+        for resp in r["responses"].as_array().unwrap() {
+            let s = &resp["sessions"][0];
+            let answer = s["messages"][0]["content"].as_str().unwrap();
+            assert!(answer == "Yes." || answer == "No.", "{answer}");
+            for m in ["info_gain", "success"] {
+                assert_eq!(s["scores"][m]["method"], "20q-table", "{s}");
+                let v = s["scores"][m]["value"].as_f64().unwrap();
+                assert!((0.0..=1.0).contains(&v), "{m} {v}");
+            }
+        }
+    }
+    let logs = jsonl(&out.join("logs.jsonl"));
+    assert_eq!(logs[0]["api/user/calls"].as_u64(), Some(0), "{}", logs[0]);
+    assert!(logs[0]["rewards/info_gain/mean"].is_number(), "{}", logs[0]);
+}

@@ -8,6 +8,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::check::Range;
+use crate::llm::llama::WeightFormat;
 use crate::llm::spec::redact_credentials;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::{InteractivityScale, JudgeMode};
@@ -383,6 +384,9 @@ pub struct EvalConfig {
     pub sandbox_timeout_s: f64,
     /// Endpoint prices by model spec (USD per million tokens), for the manifest's `cost_usd`.
     pub prices: BTreeMap<String, Price>,
+    /// How local models hold their weights (`serve --weights`): `q8` puts a GGUF base and a
+    /// merged safetensors checkpoint on the same footing.
+    pub weights: WeightFormat,
 }
 
 impl Default for EvalConfig {
@@ -425,6 +429,7 @@ impl Default for EvalConfig {
             prompts: None,
             sandbox_timeout_s: 10.0,
             prices: BTreeMap::new(),
+            weights: WeightFormat::Auto,
         }
     }
 }
@@ -555,6 +560,9 @@ impl EvalConfig {
         // Only when not the default, so runs made before the setting existed still resume.
         if self.token_counter != TokenCounterKind::Cl100k {
             id["token_counter"] = serde_json::json!(self.token_counter);
+        }
+        if self.weights != WeightFormat::Auto {
+            id["weights"] = serde_json::json!(self.weights);
         }
         if twenty && self.split != ObjectSplit::All {
             id["split"] = serde_json::json!(self.split);

@@ -61,7 +61,10 @@ impl EvalRoles {
         cfg: &EvalConfig,
         cache: Option<Arc<RequestCache>>,
     ) -> anyhow::Result<EvalRoles> {
-        let load = LoadOptions::default();
+        let load = LoadOptions {
+            weights: cfg.weights,
+            ..LoadOptions::default()
+        };
         let build = |name: String, spec| {
             let cache = cache.clone();
             async move { Role::build(&name, spec, &cfg.endpoint, &load, cache).await }

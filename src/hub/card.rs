@@ -302,6 +302,9 @@ pub fn dataset_card(
     for (k, v) in rows.iter().filter(|(_, v)| v != "-") {
         md.push_str(&format!("| {k} | {} |\n", cell(v)));
     }
+    if let Some(section) = twenty_questions_section(c, run_dir, manifest) {
+        md.push_str(&section);
+    }
     md.push_str("\n## Counts\n\n| count | value |\n|---|---|\n");
     if let Some(counts) = manifest["counts"].as_object() {
         for (k, v) in counts {
@@ -350,6 +353,64 @@ pub fn dataset_card(
         ));
     }
     md
+}
+
+/// What a 20 Questions run's card must say: the oracle, the question budget, the object
+/// split, and the rewards with their weights.
+fn twenty_questions_section(c: &Value, run_dir: &Path, manifest: &Value) -> Option<String> {
+    let tasks = c["tasks"].as_str().unwrap_or("");
+    let split = tasks.strip_prefix("20q:");
+    if split.is_none() && c["task_type"].as_str() != Some("twenty_questions") {
+        return None;
+    }
+    let oracle = match c["oracle"].as_str().unwrap_or("table") {
+        "table" => "the attribute table (exact; a question it cannot parse is answered \"No.\", \
+                    LMRL-Gym's rule)"
+            .to_string(),
+        "llm" => format!(
+            "the user model ({}) answering \"Yes.\"/\"No.\"",
+            public_setting("user", &c["user"])
+        ),
+        other => format!(
+            "{other}: the attribute table when it parses the question, the user model ({}) \
+             otherwise",
+            public_setting("user", &c["user"])
+        ),
+    };
+    let objects = match split {
+        Some(s) => format!(
+            "bundled LMRL-Gym objects, split `{s}`: objects are split by a fixed hash of their \
+             name, ~20% of each category held out as `test`; evaluate on `--split test` (never \
+             generated from)"
+        ),
+        None => "from the task file (`reference` names the object)".to_string(),
+    };
+    let rows = [
+        ("oracle (the simulated user)", oracle),
+        ("questions per game", text(&c["max_questions"])),
+        ("objects", objects),
+        ("reward weights", weights_text(run_dir, manifest)),
+    ];
+    let mut md = String::from(
+        "\n## 20 Questions\n\nThe user is an oracle who knows the hidden object and answers each \
+         question \"Yes.\" or \"No.\"; a game ends on a win (LMRL-Gym's rule: a yes to a \
+         question that ends with the object's name and names no other noun) or when the \
+         questions run out. Candidates are the questioner's next question.\n\n\
+         | setting | value |\n|---|---|\n",
+    );
+    for (k, v) in rows {
+        md.push_str(&format!("| {k} | {} |\n", cell(&v)));
+    }
+    md.push_str(
+        "\nRewards of a candidate and its futures, exact under the attribute table: \
+         `info_gain` = log2(|objects consistent before| / |after|) over the candidate's and its \
+         future's questions, divided by log2(|before|) (in [0, 1]); `success` = 1 when the game is \
+         won within the future; `questions` = questions asked; `lmrl_return` = −1 per question, \
+         0 for the winning one; `token_amount` = thousands of questioner tokens. Presets: \
+         `20q-infogain` = success 1, info_gain 1, token_amount −0.5; `20q-interactive` = \
+         success 1, interactivity 1 (LLM judge), token_amount −0.5.\n",
+    );
+    Some(md)
 }
 
 fn split_of(

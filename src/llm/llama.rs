@@ -22,7 +22,8 @@ type Result<T> = candle_core::Result<T>;
 pub use super::config::{LlamaConfig, RopeScaling};
 
 /// How the linear layers are stored in memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(into = "String", try_from = "String")]
 pub enum WeightFormat {
     /// Keep what the file has, except quantized formats without a fast CPU kernel (Q4_1, Q5_x),
     /// which are re-quantized to Q8_0 (DESIGN §8).
@@ -50,6 +51,19 @@ impl std::fmt::Display for WeightFormat {
             WeightFormat::Q8_0 => "q8",
             WeightFormat::Native => "native",
         })
+    }
+}
+
+impl From<WeightFormat> for String {
+    fn from(w: WeightFormat) -> String {
+        w.to_string()
+    }
+}
+
+impl TryFrom<String> for WeightFormat {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        s.parse()
     }
 }
 

@@ -657,6 +657,82 @@ fn labelled_games<'a>(
     out
 }
 
+/// Least squares `y = a + b·x` and its R²; `None` with fewer than two distinct x.
+pub fn least_squares(points: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
+    let n = points.len() as f64;
+    let (mx, my) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), (x, y)| (a + x / n, b + y / n));
+    let sxx: f64 = points.iter().map(|(x, _)| (x - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    let syy: f64 = points.iter().map(|(_, y)| (y - my).powi(2)).sum();
+    if points.len() < 2 || sxx <= 0.0 {
+        return None;
+    }
+    let b = sxy / sxx;
+    let r2 = if syy > 0.0 {
+        sxy * sxy / (sxx * syy)
+    } else {
+        0.0
+    };
+    Some((my - b * mx, b, r2))
+}
+
+/// The study's proxy check: every game's total information gain (bits) against its outcome
+/// (won 1, lost 0; jittered ±0.04 so equal points stay visible), per model, with one least
+/// squares line over all games and its R² (the point-biserial r²).
+fn proxy_correlation(models: &[(String, &[Game])], palette: &Palette) -> Panel {
+    let bits = |g: &Game| g.turns.iter().map(|t| t.realised_gain).sum::<f64>();
+    let mut all = Vec::new();
+    let mut layers = Vec::new();
+    for (l, g) in models {
+        let pts: Vec<(f64, f64)> = g
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let j = ((i as f64 * 0.618_034) % 1.0 - 0.5) * 0.08;
+                all.push((bits(x), if x.won { 1.0 } else { 0.0 }));
+                (bits(x), if x.won { 1.0 } else { 0.0 } + j)
+            })
+            .collect();
+        layers.push(Layer {
+            label: Some(l.clone()),
+            color: palette.color(l),
+            shape: Shape::Markers {
+                points: pts,
+                marker: Marker::Circle { filled: true },
+            },
+        });
+    }
+    if let Some((a, b, r2)) = least_squares(&all) {
+        let (lo, hi) = all
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), (x, _)| {
+                (lo.min(*x), hi.max(*x))
+            });
+        let mut fit = line(
+            Some(format!("least squares, R² = {r2:.2} ({} games)", all.len())),
+            RGBColor(60, 60, 60),
+            vec![(lo, a + b * lo), (hi, a + b * hi)],
+        );
+        if let Shape::Line {
+            dashed, markers, ..
+        } = &mut fit.shape
+        {
+            *dashed = true;
+            *markers = false;
+        }
+        layers.push(fit);
+    }
+    let mut panel = Panel::xy(
+        "information gained in the game (bits)",
+        "game won (1) or lost (0), jittered ±0.04",
+        layers,
+    );
+    panel.legend_at = LegendAt::MiddleRight;
+    panel
+}
+
 pub fn twenty_questions(
     runs: &[EvalRun],
     games: &[BTreeMap<String, Vec<Game>>],
@@ -780,6 +856,7 @@ pub fn twenty_questions(
     );
     scatter.y_from_zero = true;
     scatter.legend_at = LegendAt::MiddleRight;
+    let proxy = proxy_correlation(&models, palette);
     let fig = |name: &str, title: &str, p: Panel| Figure {
         name: name.into(),
         title: title.into(),
@@ -802,12 +879,31 @@ pub fn twenty_questions(
             "20 Questions: questions asked vs information gained",
             scatter,
         ),
+        fig(
+            "20q_proxy_correlation",
+            "20 Questions: information gain as a proxy for success",
+            proxy,
+        ),
     ]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn least_squares_fits_and_reports_r2() {
+        let (a, b, r2) = least_squares(&[(0.0, 1.0), (1.0, 3.0), (2.0, 5.0)]).unwrap();
+        assert!((a - 1.0).abs() < 1e-12 && (b - 2.0).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
+        // y = 0, 1, 0, 1 at x = 0..3: slope 0.4, r = 0.4472, r² = 0.2.
+        let (_, b, r2) = least_squares(&[(0.0, 0.0), (1.0, 1.0), (2.0, 0.0), (3.0, 1.0)]).unwrap();
+        assert!(
+            (b - 0.4).abs() < 1e-12 && (r2 - 0.2).abs() < 1e-12,
+            "{b} {r2}"
+        );
+        assert!(least_squares(&[(1.0, 0.0), (1.0, 1.0)]).is_none());
+        assert!(least_squares(&[]).is_none());
+    }
 
     #[test]
     fn ema_weight_zero_is_raw_and_smooths_otherwise() {

@@ -77,6 +77,39 @@ pub fn parse_metric_weight(arg: &str) -> Result<(String, f64), MetricError> {
     Ok((name.to_string(), w))
 }
 
+/// Checks a `--metric-preset` name (the 20 Questions study's reward variants).
+pub fn parse_metric_preset(name: &str) -> Result<String, String> {
+    match twenty_questions::metric_preset(name) {
+        Some(_) => Ok(name.to_string()),
+        None => Err(format!(
+            "unknown preset `{name}` (known: {})",
+            twenty_questions::METRIC_PRESETS
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+/// The weights `--metric-preset` and `--metric` flags give: the preset's, with the flags
+/// added or overriding; the flags alone without a preset; `None` when neither was given (the
+/// configured weights stay).
+pub fn weights_from_flags(
+    preset: Option<&str>,
+    flags: &[(String, f64)],
+) -> Option<BTreeMap<String, f64>> {
+    let mut w: BTreeMap<String, f64> = preset
+        .and_then(twenty_questions::metric_preset)
+        .map(|p| p.iter().map(|(m, v)| (m.to_string(), *v)).collect())
+        .unwrap_or_default();
+    if preset.is_none() && flags.is_empty() {
+        return None;
+    }
+    w.extend(flags.iter().cloned());
+    Some(w)
+}
+
 /// DESIGN §2 defaults: math accuracy=1, interactivity=1, token_amount=−0.1; document editing
 /// bleu=1, token_amount=−0.1; code pass_rate=1, token_amount=−0.5; 20 Questions the exact
 /// `20q-infogain` preset (success=1, info_gain=1, token_amount=−0.5: no judge needed).
