@@ -26,10 +26,13 @@ def spread(vals):
 def main(runs):
     all_logs = {r: logs(r) for r in runs}
     print(f"{len(runs)} runs, steps: {[len(v) for v in all_logs.values()]}")
-    for key in ["reward", "completion_length", "kl", "time/step"]:
+    keys = ["reward", "completion_length", "kl", "time/step"]
+    keys += [k for k in ("rewards/info_gain/mean", "rewards/success/mean")
+             if all(k in v[0] for v in all_logs.values())]
+    for key in keys:
         first = [window_mean(v, key, "first") for v in all_logs.values()]
         last = [window_mean(v, key, "last") for v in all_logs.values()]
-        print(f"{key:18} first 5 steps {spread(first):>16}   last 5 steps {spread(last):>16}")
+        print(f"{key:22} first 5 steps {spread(first):>16}   last 5 steps {spread(last):>16}")
     for r in runs:
         with open(f"{r}/rollouts.jsonl") as f:
             last = [json.loads(line) for line in f][-1]

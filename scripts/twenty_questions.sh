@@ -9,7 +9,8 @@
 #      intervals, turns, information gain per question, unparsed rate, McNemar's exact test).
 #
 # Usage: bash scripts/twenty_questions.sh [--quick] [--out DIR] [--policy SPEC]
-#   --quick   a small run (a few objects, short games, few steps): ≤ 15 minutes on 2 cores.
+#   --quick   a small run (12 objects, short games, few steps): ≤ 15 minutes on 2 cores.
+#             Without it: every training object (about 2.5 hours on 2 cores).
 #   --out     output root [default: outputs/20q or outputs/20q-quick].
 #   --policy  the questioner that generates the pairs' candidates and is trained
 #             [default: default]. A stronger local model (an HF directory or .gguf) is what
@@ -39,8 +40,10 @@ if [[ $quick == 1 ]]; then
   eval=(--objects 12 --max-questions 10)
 else
   out="${out:-outputs/20q}"
-  gen=(--candidates 3 --samples 2 --window 4 --max-questions 20)
-  train=(--epochs 2 --lr 5e-5 --batch-size 8)
+  # Every training object; games of 10 questions while generating (a 20-question game
+  # costs twice as much and the window sees two messages ahead either way).
+  gen=(--candidates 3 --samples 1 --window 2 --max-questions 10)
+  train=(--epochs 1 --lr 5e-5 --batch-size 8)
   eval=(--objects all --max-questions 20)
 fi
 threads="${THREADS:-$(nproc)}"
