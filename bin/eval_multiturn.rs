@@ -13,6 +13,7 @@ use collabllm::llm::llama::WeightFormat;
 use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::rollout::user::{parse_role_max_tokens, Sampling, TokenRole};
+use collabllm::task::prompts::SystemPromptSource;
 use collabllm::task::twenty_questions::chat::ObjectSplit;
 use collabllm::task::TaskType;
 
@@ -39,8 +40,10 @@ struct Args {
     #[arg(long, value_name = "TASK", required_unless_present = "compare")]
     task: Option<TaskType>,
     /// Model to evaluate, repeatable: `default`, a .gguf file, an HF directory or id,
-    /// `openai:<model>[@<base_url>]`; for 20 Questions also `reference` (greedy information
-    /// gain) and `random` (random distinct guesses).
+    /// `openai:<model>[@<base_url>]`; `proactive:SPEC` (that model with the collaborative
+    /// system prompt: the paper's prompted baseline, its own row `<label>-proactive`); for 20
+    /// Questions also `reference` (greedy information gain) and `random` (random distinct
+    /// guesses).
     #[arg(
         long = "model",
         value_name = "SPEC",
@@ -102,6 +105,11 @@ struct Args {
     /// `train` or `all` [default: all].
     #[arg(long, value_name = "SPLIT")]
     split: Option<ObjectSplit>,
+    /// Evaluate every model row with this system prompt: `proactive` (the collaborative prompt
+    /// of prompts/assistant_proactive.j2) or a text file. For the paper's prompted baseline as a
+    /// row of its own, add `--model proactive:SPEC` instead.
+    #[arg(long, value_name = "FILE|proactive")]
+    system_prompt: Option<SystemPromptSource>,
     /// How local models hold their weights: `auto` (GGUF Q4_1/Q5_x re-quantized to Q8_0,
     /// safetensors in f32), `q8` (every linear layer in Q8_0: fastest, and puts a GGUF base and
     /// a merged dpo_train checkpoint on the same footing), `native`, `f32` [default: auto].
@@ -199,6 +207,9 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         interactivity_scale,
         token_counter
     );
+    if args.system_prompt.is_some() {
+        cfg.system_prompt = args.system_prompt.clone();
+    }
     cfg.set_max_tokens(&args.max_tokens);
     if let Some(t) = args.temperature {
         cfg.assistant_sampling.temperature = t as f32;

@@ -19,6 +19,7 @@ use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::run::{RunLock, Shutdown};
+use collabllm::task::prompts::SystemPromptSource;
 use collabllm::task::twenty_questions::chat::{OracleMode, QUESTION_MAX_TOKENS};
 use collabllm::task::TaskType;
 
@@ -134,6 +135,11 @@ struct Args {
     /// Cap on the real conversation's length in messages [default: 14].
     #[arg(long, value_name = "M")]
     max_messages: Option<usize>,
+    /// The policy's system prompt: `proactive` (the collaborative prompt of
+    /// prompts/assistant_proactive.j2) or a text file. It opens every conversation, so every
+    /// pair's prompt keeps it (as upstream), and the futures' assistant sees it too.
+    #[arg(long, value_name = "FILE|proactive")]
+    policy_system_prompt: Option<SystemPromptSource>,
     /// 20 Questions: who answers the questions. `table`: the attribute table, exact (a
     /// question it cannot parse is answered "No.", LMRL-Gym's rule, and counted); `llm`: the
     /// --user model; `hybrid`: the table when the question parses, the model otherwise
@@ -283,6 +289,9 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     }
     if let Some(o) = args.oracle {
         cfg.oracle = o;
+    }
+    if args.policy_system_prompt.is_some() {
+        cfg.system_prompt = args.policy_system_prompt.clone();
     }
     if let Some(q) = args.max_questions {
         cfg.max_questions = q;

@@ -969,3 +969,92 @@ fn split_test_plays_only_objects_no_training_run_saw() {
     assert!(!res.status.success());
     assert!(String::from_utf8_lossy(&res.stderr).contains("train, test or all"));
 }
+
+/// A scripted assistant that records the messages of every request it gets.
+fn recording_model(name: &str) -> (Role, Arc<std::sync::Mutex<Vec<Vec<String>>>>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let backend = ScriptedBackend::new(name, move |req, _| {
+        log.lock().unwrap().push(
+            req.messages
+                .iter()
+                .map(|m| format!("{}: {}", m.role, m.content))
+                .collect(),
+        );
+        Ok("Could you tell me more about what you need?".to_string())
+    });
+    (
+        Role::from_backend(name, "scripted", backend, None, None),
+        seen,
+    )
+}
+
+#[tokio::test]
+async fn a_proactive_row_and_a_system_prompt_reach_only_their_models() {
+    let tmp = tempfile::tempdir().unwrap();
+    let system_file = tmp.path().join("system.txt");
+    std::fs::write(&system_file, "You are a careful tutor.\n").unwrap();
+    let out = tmp.path().join("eval-system");
+    let cfg = EvalConfig {
+        task: TaskType::Math,
+        models: vec![
+            EvalModel::Spec(ModelSpec::Default),
+            "proactive:default".parse().unwrap(),
+        ],
+        output: out.clone(),
+        max_tasks: Some(2),
+        max_turns: 2,
+        system_prompt: Some(collabllm::task::prompts::SystemPromptSource::File(
+            system_file.clone(),
+        )),
+        ..EvalConfig::default()
+    };
+    let (plain, plain_seen) = recording_model("plain");
+    let (proactive, proactive_seen) = recording_model("proactive");
+    let roles = EvalRoles {
+        models: vec![Some(plain), Some(proactive)],
+        user: Some(scripted_role("user", None)),
+        judge: Some(scripted_role("judge", None)),
+        oracle: None,
+    };
+    let report = evaluate_with_roles(cfg.clone(), roles).await.unwrap();
+    assert_eq!(report.failed.len(), 0, "{report}");
+    let names: Vec<&str> = report
+        .summary
+        .models
+        .iter()
+        .map(|m| m.name.as_str())
+        .collect();
+    assert_eq!(names, ["default", "default-proactive"]);
+    assert!(out.join("conversations/default-proactive.jsonl").is_file());
+    let plain_seen = plain_seen.lock().unwrap().clone();
+    assert!(!plain_seen.is_empty());
+    for msgs in plain_seen.iter() {
+        assert_eq!(msgs[0], "system: You are a careful tutor.");
+        assert!(msgs[1].starts_with("user: "), "{msgs:?}");
+    }
+    let proactive_seen = proactive_seen.lock().unwrap().clone();
+    assert!(!proactive_seen.is_empty());
+    for msgs in proactive_seen.iter() {
+        assert!(
+            msgs[0].starts_with("system: You are a collaborative AI assistant"),
+            "{msgs:?}"
+        );
+        assert_eq!(msgs.iter().filter(|m| m.starts_with("system: ")).count(), 1);
+    }
+    // The system prompt is part of what a resumed evaluation must share; an empty file is
+    // refused before any model call.
+    std::fs::write(&system_file, "  \n").unwrap();
+    let err = evaluate_with_roles(
+        cfg,
+        EvalRoles {
+            models: vec![None, None],
+            user: None,
+            judge: None,
+            oracle: None,
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(format!("{err:#}").contains("empty"), "{err:#}");
+}

@@ -1456,3 +1456,63 @@ async fn twenty_questions_bad_sources_and_metrics_are_refused_before_any_call() 
     assert!(String::from_utf8_lossy(&output.stderr).contains("20q-infogain"));
     assert_eq!(server.requests(), 0);
 }
+
+#[tokio::test]
+async fn a_policy_system_prompt_opens_every_conversation_and_pair_prompt() {
+    let server = collab_server().await;
+    let dir = tempfile::tempdir().unwrap();
+    let system = dir.path().join("system.txt");
+    std::fs::write(&system, "You are a patient math tutor.\n").unwrap();
+    let out = dir.path().join("run");
+    let mut args = endpoint_args(&server, &out, &data("math.jsonl"));
+    args.extend([
+        "--max-tasks".into(),
+        "2".into(),
+        "--policy-system-prompt".into(),
+        system.display().to_string(),
+    ]);
+    let output = run_bin(&args).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let sys = collabllm::llm::ChatMessage::system("You are a patient math tutor.");
+    let mut pairs =
+        collabllm::dataset::pairs::read_pairs_parquet(&out.join("pairs/train.parquet")).unwrap();
+    pairs.extend(
+        collabllm::dataset::pairs::read_pairs_parquet(&out.join("pairs/test.parquet")).unwrap(),
+    );
+    assert!(!pairs.is_empty());
+    for p in &pairs {
+        assert_eq!(
+            p.prompt[0], sys,
+            "the pair's prompt keeps the system prompt"
+        );
+        assert_eq!(p.prompt[1].role, "user");
+        assert_eq!(p.prompt.iter().filter(|m| m.role == "system").count(), 1);
+    }
+    // Policy requests open with it (proactive system-style ones with it first, the
+    // collaborative prompt after it); simulator and judge prompts never show it.
+    for r in server.received() {
+        let msgs = r.body["messages"].as_array().unwrap();
+        let text = r.body["messages"].to_string();
+        if msgs[0]["role"] == "system" {
+            assert!(msgs[0]["content"]
+                .as_str()
+                .unwrap()
+                .starts_with("You are a patient math tutor."));
+        } else {
+            assert!(!text.contains("patient math tutor"), "{text}");
+        }
+    }
+    // An empty file is refused before any call.
+    let before = server.requests();
+    std::fs::write(&system, " \n").unwrap();
+    let i = args.iter().position(|a| a == "--output").unwrap();
+    args[i + 1] = dir.path().join("run2").display().to_string();
+    let output = run_bin(&args).await;
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("empty"));
+    assert_eq!(server.requests(), before);
+}

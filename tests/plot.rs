@@ -253,7 +253,11 @@ fn all_detects_kinds_writes_index_and_is_deterministic() {
         .map(|e| e.unwrap().file_name())
         .collect();
     files.sort();
-    assert_eq!(files.len(), 2 * 16 + 1, "png + svg per figure, and index.md");
+    assert_eq!(
+        files.len(),
+        2 * 16 + 1,
+        "png + svg per figure, and index.md"
+    );
     for f in &files {
         let (x, y) = (
             std::fs::read(out1.join(f)).unwrap(),

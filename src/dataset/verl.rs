@@ -184,6 +184,19 @@ fn batch(path: &Path, columns: Vec<(&str, ArrayRef)>) -> Result<RecordBatch, Dat
     RecordBatch::try_from_iter(columns).map_err(|e| Ctx { path }.parquet(e))
 }
 
+/// `system` then the prompt; a prompt that opens with its own system message (a run made
+/// with `--policy-system-prompt`) keeps it instead.
+fn with_system<'a>(
+    system: &ChatMessage,
+    prompt: &'a [ChatMessage],
+) -> impl Iterator<Item = ChatMessage> + 'a {
+    let own = prompt.first().is_some_and(|m| m.role == "system");
+    (!own)
+        .then(|| system.clone())
+        .into_iter()
+        .chain(prompt.iter().cloned())
+}
+
 fn rl_batch(
     path: &Path,
     rows: &[&FlatRow],
@@ -192,11 +205,7 @@ fn rl_batch(
 ) -> Result<RecordBatch, DatasetError> {
     let prompts: Vec<Vec<ChatMessage>> = rows
         .iter()
-        .map(|r| {
-            std::iter::once(system.clone())
-                .chain(r.prompt.iter().cloned())
-                .collect()
-        })
+        .map(|r| with_system(system, &r.prompt).collect())
         .collect();
     let messages = || messages_array(prompts.iter().map(Vec::as_slice));
     let truth = || strings(rows.iter().map(|r| r.single_turn_completion.as_str()));
@@ -284,8 +293,7 @@ fn sft_batch(
     let convs: Vec<Vec<ChatMessage>> = rows
         .iter()
         .map(|r| {
-            std::iter::once(system.clone())
-                .chain(r.prompt.iter().cloned())
+            with_system(system, &r.prompt)
                 .chain([ChatMessage::assistant(r.completion.clone())])
                 .collect()
         })

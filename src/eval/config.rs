@@ -16,6 +16,7 @@ use crate::reward::sandbox::SANDBOX_TIMEOUT_S;
 use crate::rollout::user::{
     Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
 };
+use crate::task::prompts::SystemPromptSource;
 use crate::task::twenty_questions::chat::ObjectSplit;
 use crate::task::TaskType;
 
@@ -56,6 +57,9 @@ pub enum EvalModel {
     Random,
     /// An assistant model.
     Spec(ModelSpec),
+    /// `proactive:SPEC`: the model prompted with the collaborative system prompt
+    /// (`prompts/assistant_proactive.j2`): the paper's prompted baseline, as its own row.
+    Proactive(ModelSpec),
 }
 
 impl FromStr for EvalModel {
@@ -64,6 +68,13 @@ impl FromStr for EvalModel {
         match s.trim() {
             "reference" => Ok(EvalModel::Reference),
             "random" => Ok(EvalModel::Random),
+            other if other.starts_with(PROACTIVE_PREFIX) => other[PROACTIVE_PREFIX.len()..]
+                .parse::<ModelSpec>()
+                .map(EvalModel::Proactive)
+                .map_err(|e| EvalConfigError::Model {
+                    spec: redact_credentials(s),
+                    message: e.to_string(),
+                }),
             other => other
                 .parse::<ModelSpec>()
                 .map(EvalModel::Spec)
@@ -81,6 +92,7 @@ impl std::fmt::Display for EvalModel {
             EvalModel::Reference => f.write_str("reference"),
             EvalModel::Random => f.write_str("random"),
             EvalModel::Spec(s) => write!(f, "{s}"),
+            EvalModel::Proactive(s) => write!(f, "{PROACTIVE_PREFIX}{s}"),
         }
     }
 }
@@ -100,29 +112,45 @@ impl TryFrom<String> for EvalModel {
 
 impl EvalModel {
     pub fn is_builtin(&self) -> bool {
-        !matches!(self, EvalModel::Spec(_))
+        matches!(self, EvalModel::Reference | EvalModel::Random)
+    }
+
+    /// The model spec of a model row (`None` for the built-in questioners).
+    pub fn spec(&self) -> Option<&ModelSpec> {
+        match self {
+            EvalModel::Spec(s) | EvalModel::Proactive(s) => Some(s),
+            _ => None,
+        }
     }
 
     /// The legend label before de-duplication: `default`, `reference`, `random`, a checkpoint
     /// directory's last two path components joined by `-`, a GGUF file's stem, an HF id or
-    /// endpoint model with `/` replaced. Always a safe file name.
+    /// endpoint model with `/` replaced; `<label>-proactive` for a prompted baseline. Always a
+    /// safe file name.
     pub fn base_label(&self) -> String {
         let raw = match self {
             EvalModel::Reference => "reference".to_string(),
             EvalModel::Random => "random".to_string(),
-            EvalModel::Spec(ModelSpec::Default) => "default".to_string(),
-            EvalModel::Spec(ModelSpec::Gguf(p)) => p
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| p.display().to_string()),
-            EvalModel::Spec(ModelSpec::HfDir(p)) => last_two_components(p),
-            EvalModel::Spec(ModelSpec::HfId { repo, revision }) => match revision {
-                Some(r) => format!("{repo}@{r}"),
-                None => repo.clone(),
-            },
-            EvalModel::Spec(ModelSpec::OpenAi { model, .. }) => model.clone(),
+            EvalModel::Spec(spec) => spec_label(spec),
+            EvalModel::Proactive(spec) => format!("{}-proactive", spec_label(spec)),
         };
         sanitize_label(&raw)
+    }
+}
+
+fn spec_label(spec: &ModelSpec) -> String {
+    match spec {
+        ModelSpec::Default => "default".to_string(),
+        ModelSpec::Gguf(p) => p
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| p.display().to_string()),
+        ModelSpec::HfDir(p) => last_two_components(p),
+        ModelSpec::HfId { repo, revision } => match revision {
+            Some(r) => format!("{repo}@{r}"),
+            None => repo.clone(),
+        },
+        ModelSpec::OpenAi { model, .. } => model.clone(),
     }
 }
 
@@ -177,6 +205,9 @@ pub fn model_labels(models: &[EvalModel]) -> Vec<String> {
     }
     out
 }
+
+/// `--model proactive:SPEC`: the model with the collaborative system prompt.
+pub const PROACTIVE_PREFIX: &str = "proactive:";
 
 /// Which oracle answers 20 Questions.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -387,6 +418,9 @@ pub struct EvalConfig {
     /// How local models hold their weights (`serve --weights`): `q8` puts a GGUF base and a
     /// merged safetensors checkpoint on the same footing.
     pub weights: WeightFormat,
+    /// A system prompt every model row is evaluated with (`proactive` rows always get the
+    /// proactive one).
+    pub system_prompt: Option<SystemPromptSource>,
 }
 
 impl Default for EvalConfig {
@@ -430,6 +464,7 @@ impl Default for EvalConfig {
             sandbox_timeout_s: 10.0,
             prices: BTreeMap::new(),
             weights: WeightFormat::Auto,
+            system_prompt: None,
         }
     }
 }
@@ -560,6 +595,9 @@ impl EvalConfig {
         // Only when not the default, so runs made before the setting existed still resume.
         if self.token_counter != TokenCounterKind::Cl100k {
             id["token_counter"] = serde_json::json!(self.token_counter);
+        }
+        if let Some(sp) = &self.system_prompt {
+            id["system_prompt"] = serde_json::json!(sp);
         }
         if self.weights != WeightFormat::Auto {
             id["weights"] = serde_json::json!(self.weights);

@@ -36,7 +36,7 @@ use crate::rollout::user::{Sampling, UserSimulator};
 use crate::run::{
     changed_settings, git_revision, now_secs, write_json_atomic, Interrupted, RunLock, Shutdown,
 };
-use crate::task::prompts::Prompts;
+use crate::task::prompts::{Prompts, SystemPromptSource};
 use crate::task::twenty_questions::chat::split_objects;
 use crate::task::twenty_questions::{lmrl_transcript, GameRecord, World};
 use crate::task::{load_tasks, Task, TaskType};
@@ -72,9 +72,9 @@ impl EvalRoles {
         let mut models = Vec::new();
         // Named as the manifest's usage names them, so the cache log's usage records are too.
         for (m, label) in cfg.models.iter().zip(model_labels(&cfg.models)) {
-            models.push(match m {
-                EvalModel::Spec(s) => Some(build(format!("model:{label}"), s).await?),
-                _ => None,
+            models.push(match m.spec() {
+                Some(s) => Some(build(format!("model:{label}"), s).await?),
+                None => None,
             });
         }
         let dialogue = cfg.task != TaskType::TwentyQuestions;
@@ -217,6 +217,10 @@ fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
         Some(dir) => Prompts::from_dir(dir)?,
         None => Prompts::builtin()?,
     });
+    // A missing or empty system prompt file fails here, before any model loads.
+    if let Some(source) = &cfg.system_prompt {
+        source.text(&prompts, cfg.task)?;
+    }
     let (work, warnings) = if cfg.task == TaskType::TwentyQuestions {
         let world = World::load_default()?;
         let mut objects = split_objects(&world, cfg.split);
@@ -325,6 +329,27 @@ pub async fn evaluate_with_roles(cfg: EvalConfig, roles: EvalRoles) -> anyhow::R
     run_prepared(cfg, prepared, roles, None, &Shutdown::never()).await
 }
 
+/// Puts the system prompt on each model row that has one: `proactive:` rows the proactive
+/// prompt, the others `--system-prompt` when given. Here, so hand-built roles get them too.
+fn with_system_prompts(
+    cfg: &EvalConfig,
+    mut roles: EvalRoles,
+    prompts: &Prompts,
+) -> anyhow::Result<EvalRoles> {
+    for (m, role) in cfg.models.iter().zip(roles.models.iter_mut()) {
+        let source = match m {
+            EvalModel::Proactive(_) => Some(SystemPromptSource::Proactive),
+            EvalModel::Spec(_) => cfg.system_prompt.clone(),
+            _ => None,
+        };
+        if let (Some(source), Some(r)) = (source, role.as_mut()) {
+            let text = source.text(prompts, cfg.task)?;
+            *r = r.with_system_prompt(&text);
+        }
+    }
+    Ok(roles)
+}
+
 fn conversations_path(dir: &Path, label: &str) -> PathBuf {
     dir.join(CONVERSATIONS_DIR).join(format!("{label}.jsonl"))
 }
@@ -380,6 +405,7 @@ async fn run_prepared(
         );
     }
     let labels = model_labels(&cfg.models);
+    let roles = with_system_prompts(&cfg, roles, &prepared.prompts)?;
     let Prepared {
         _lock,
         prompts,

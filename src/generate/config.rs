@@ -17,6 +17,7 @@ use crate::reward::pairs::PairMode;
 use crate::rollout::user::{
     Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
 };
+use crate::task::prompts::SystemPromptSource;
 use crate::task::twenty_questions::chat::{ObjectSplit, OracleMode, DEFAULT_MAX_QUESTIONS};
 use crate::task::TaskType;
 
@@ -138,6 +139,10 @@ pub struct GenerateConfig {
     /// 20 Questions: questions per game.
     #[serde(default = "default_max_questions")]
     pub max_questions: usize,
+    /// The policy's system prompt (`proactive` or a text file): the first message of every
+    /// conversation, kept in every pair's prompt.
+    #[serde(default)]
+    pub system_prompt: Option<SystemPromptSource>,
 }
 
 fn default_max_questions() -> usize {
@@ -244,6 +249,7 @@ impl Default for GenerateConfig {
             token_counter: TokenCounterKind::Policy,
             oracle: OracleMode::Table,
             max_questions: DEFAULT_MAX_QUESTIONS,
+            system_prompt: None,
         }
     }
 }
@@ -401,6 +407,9 @@ impl GenerateConfig {
         // Only when not the default, so runs made before the setting existed still resume.
         if self.token_counter != TokenCounterKind::Policy {
             id["token_counter"] = serde_json::json!(self.token_counter);
+        }
+        if let Some(sp) = &self.system_prompt {
+            id["system_prompt"] = serde_json::json!(sp);
         }
         if self.plays_twenty_questions() {
             id["oracle"] = serde_json::json!(self.oracle);

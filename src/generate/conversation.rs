@@ -19,7 +19,7 @@ use crate::reward::metrics::Scorer;
 use crate::rollout::futures::FutureRunner;
 use crate::rollout::records::{now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant};
 use crate::rollout::user::{derive_seed, SimError, UserSimulator};
-use crate::task::prompts::Prompts;
+use crate::task::prompts::{Prompts, SystemPromptSource};
 use crate::task::{Task, TaskType};
 
 /// Everything a conversation needs; shared by all conversations of a run.
@@ -30,6 +30,9 @@ pub struct Pipeline {
     pub assistant: Role,
     pub user: UserSimulator,
     pub scorer: Scorer,
+    /// `--system-prompt`: the policy's system prompt, the first message of every
+    /// conversation (and so of every pair's prompt).
+    pub system_prompt: Option<SystemPromptSource>,
 }
 
 struct Candidate {
@@ -62,20 +65,31 @@ impl Pipeline {
             .next_messages(task, &[], 1, self.seed(task, &["first-user"]))
             .await?
             .remove(0);
-        let mut history = vec![ChatMessage::user(first_user.text.clone())];
+        // The run's system prompt opens the conversation, so pairs keep it in their prompt.
+        let system = match &self.system_prompt {
+            Some(s) => Some(s.text(&self.prompts, task.task_type)?),
+            None => None,
+        };
+        let mut history: Vec<ChatMessage> = system
+            .map(ChatMessage::system)
+            .into_iter()
+            .chain([ChatMessage::user(first_user.text.clone())])
+            .collect();
         let mut turns = Vec::new();
         let mut ended_by = if first_user.terminated {
             "user_terminated"
         } else {
             "max_messages"
         };
-        while !first_user.terminated && history.len() < self.cfg.max_messages {
+        // max_messages counts the conversation, not the system prompt.
+        let offset = usize::from(self.system_prompt.is_some());
+        while !first_user.terminated && history.len() - offset < self.cfg.max_messages {
             let turn_id = turns.len() as u32;
             let (turn, next_user) = self.turn(task, &history, turn_id, &weights).await?;
             let chosen = &turn.candidates[turn.chosen];
             history.push(ChatMessage::assistant(chosen.text.clone()));
             turns.push(turn);
-            if history.len() >= self.cfg.max_messages {
+            if history.len() - offset >= self.cfg.max_messages {
                 break;
             }
             if next_user.terminated {

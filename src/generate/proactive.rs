@@ -89,9 +89,17 @@ impl ProactiveDraw<'_> {
             Prompt::Proactive,
             serde_json::json!({"task_type": task.task_type.to_string()}),
         )?;
+        // A run's own system prompt (`--system-prompt`) stays first; the proactive one
+        // follows it in the same system message.
+        let (system, rest) = match history.split_first() {
+            Some((first, rest)) if first.role == "system" => {
+                (format!("{}\n\n{system}", first.content), rest)
+            }
+            _ => (system, history),
+        };
         let system_req = make(
             std::iter::once(ChatMessage::system(system))
-                .chain(history.iter().cloned())
+                .chain(rest.iter().cloned())
                 .collect(),
         );
         if !self.style.uses_json(self.policy.engine.is_none()) {

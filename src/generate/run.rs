@@ -604,6 +604,13 @@ struct Prepared {
 fn prepare(cfg: &GenerateConfig) -> anyhow::Result<(RunLock, Arc<Prompts>)> {
     cfg.validate()?;
     let prompts = Arc::new(load_prompts(cfg)?);
+    // A missing or empty system prompt file fails here, before any model loads.
+    if let Some(source) = &cfg.system_prompt {
+        source.text(
+            &prompts,
+            cfg.task_type.unwrap_or(crate::task::TaskType::Math),
+        )?;
+    }
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating {}", cfg.output.display()))?;
     let lock = RunLock::acquire(&cfg.output)?;
@@ -654,6 +661,7 @@ async fn run_prepared(
             oracle: cfg.oracle,
             max_questions: cfg.max_questions,
         },
+        system_prompt: cfg.system_prompt.clone(),
         scorer: Scorer {
             judge,
             tokens,

@@ -154,3 +154,58 @@ pub fn roles_cost_usd<'a>(
         .collect();
     cost_usd(&priced, prices)
 }
+
+/// A backend that puts a system message before every request's messages (a request that
+/// already opens with a system message is left as it is): how a model is evaluated "with its
+/// system prompt". Outside the cache, so cached answers are keyed with the system message.
+struct SystemPromptBackend {
+    inner: SharedBackend,
+    system: String,
+}
+
+#[async_trait::async_trait]
+impl ChatBackend for SystemPromptBackend {
+    fn id(&self) -> &super::BackendId {
+        self.inner.id()
+    }
+
+    async fn chat(&self, req: &super::ChatRequest) -> Result<super::ChatResponse, LlmError> {
+        self.inner.chat(&self.with_system(req)).await
+    }
+
+    fn context_limits(&self) -> Option<super::ContextLimits> {
+        self.inner.context_limits()
+    }
+
+    async fn chat_stream(
+        &self,
+        req: &super::ChatRequest,
+        sink: &super::DeltaSink,
+    ) -> Result<super::ChatResponse, LlmError> {
+        self.inner.chat_stream(&self.with_system(req), sink).await
+    }
+}
+
+impl SystemPromptBackend {
+    fn with_system(&self, req: &super::ChatRequest) -> super::ChatRequest {
+        let mut req = req.clone();
+        if req.messages.first().is_none_or(|m| m.role != "system") {
+            req.messages
+                .insert(0, super::ChatMessage::system(self.system.clone()));
+        }
+        req
+    }
+}
+
+impl Role {
+    /// This role with `system` before every request (same meter and engine).
+    pub fn with_system_prompt(&self, system: &str) -> Role {
+        Role {
+            backend: Arc::new(SystemPromptBackend {
+                inner: self.backend.clone(),
+                system: system.to_string(),
+            }),
+            ..self.clone()
+        }
+    }
+}

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use minijinja::Environment;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::TaskType;
 use crate::llm::ChatMessage;
@@ -232,6 +232,67 @@ impl Prompts {
 }
 
 /// Plain-text transcript of a conversation for judges and the simulator ("User: …").
+/// A system prompt given on the command line: `proactive` (the collaborative prompt of
+/// `prompts/assistant_proactive.j2` for the task type) or a text file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub enum SystemPromptSource {
+    Proactive,
+    File(std::path::PathBuf),
+}
+
+impl From<String> for SystemPromptSource {
+    fn from(s: String) -> Self {
+        if s.trim() == "proactive" {
+            SystemPromptSource::Proactive
+        } else {
+            SystemPromptSource::File(s.into())
+        }
+    }
+}
+
+impl From<SystemPromptSource> for String {
+    fn from(s: SystemPromptSource) -> String {
+        match s {
+            SystemPromptSource::Proactive => "proactive".into(),
+            SystemPromptSource::File(p) => p.display().to_string(),
+        }
+    }
+}
+
+impl std::str::FromStr for SystemPromptSource {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(s.to_string().into())
+    }
+}
+
+impl SystemPromptSource {
+    /// The text: the proactive template rendered for `task_type`, or the file's contents
+    /// (which must not be empty).
+    pub fn text(&self, prompts: &Prompts, task_type: TaskType) -> Result<String, PromptError> {
+        match self {
+            SystemPromptSource::Proactive => prompts.render(
+                Prompt::Proactive,
+                serde_json::json!({"task_type": task_type.to_string()}),
+            ),
+            SystemPromptSource::File(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| PromptError::Invalid {
+                    file: path.display().to_string(),
+                    message: format!("cannot read the system prompt: {e}"),
+                })?;
+                if text.trim().is_empty() {
+                    return Err(PromptError::Invalid {
+                        file: path.display().to_string(),
+                        message: "the system prompt file is empty".into(),
+                    });
+                }
+                Ok(text.trim_end().to_string())
+            }
+        }
+    }
+}
+
 pub fn transcript(messages: &[ChatMessage]) -> String {
     messages
         .iter()
