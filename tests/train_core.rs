@@ -799,3 +799,38 @@ fn fused_gradients_equal_composed_gradients_with_grouped_attention() {
         );
     }
 }
+
+/// What a GPU runs (candle's composed ops, `COLLABLLM_COMPOSED_OPS=1` or
+/// `force_composed_ops`), in f32 on the CPU: the same DPO loss and gradients as the fused CPU
+/// kernels, for a whole model with grouped-query attention and an untied head.
+#[test]
+fn forced_composed_ops_give_the_fused_loss_and_gradients() {
+    one_thread();
+    let spec = TinySpec {
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        tie_word_embeddings: false,
+        seed: 5,
+        ..TinySpec::default()
+    };
+    let (_g, dir) = tiny_model_dir(&spec);
+    let model = TrainLlama::from_hf_dir(&dir, DType::F32, &cpu()).unwrap();
+    let batch = PairBatch::new(&toy_pairs(), 258, &cpu()).unwrap();
+    let run = || {
+        let rc = Tensor::new(&[-60.0f32, -58.0, -59.0, -62.0], &cpu()).unwrap();
+        let rr = Tensor::new(&[-57.0f32, -61.0, -60.0, -59.5], &cpu()).unwrap();
+        let (pc, pr) = pair_logps(&model, &batch, false).unwrap();
+        let out = dpo_loss(&pc, &pr, &rc, &rr, &DpoConfig::default()).unwrap();
+        let grads = out.loss.backward().unwrap();
+        (out.metrics.loss, grads)
+    };
+    let (fused_loss, fused) = run();
+    collabllm::train::ops::force_composed_ops(true);
+    let (composed_loss, composed) = run();
+    collabllm::train::ops::force_composed_ops(false);
+    assert!(
+        (fused_loss - composed_loss).abs() < 1e-5,
+        "{fused_loss} vs {composed_loss}"
+    );
+    assert_same_gradients(&model, &composed, &fused, "fused vs composed (f32)");
+}

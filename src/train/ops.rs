@@ -68,10 +68,32 @@ fn par_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync)
     });
 }
 
+static FORCE_COMPOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The environment variable that makes every op take the composed path on the CPU too: what a
+/// GPU runs, checkable without one.
+pub const COMPOSED_OPS_ENV: &str = "COLLABLLM_COMPOSED_OPS";
+
+/// Makes every op of this process take candle's composed differentiable ops (what runs on
+/// CUDA) instead of the fused f32 CPU kernels (`true`), or go back to them (`false`).
+pub fn force_composed_ops(on: bool) {
+    FORCE_COMPOSED.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn composed_forced() -> bool {
+    static FROM_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    FORCE_COMPOSED.load(std::sync::atomic::Ordering::Relaxed)
+        || *FROM_ENV.get_or_init(|| {
+            std::env::var(COMPOSED_OPS_ENV).is_ok_and(|v| !v.is_empty() && v != "0")
+        })
+}
+
 /// Whether the fused CPU kernels apply to these tensors.
 fn fused(ts: &[&Tensor]) -> bool {
-    ts.iter()
-        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+    !composed_forced()
+        && ts
+            .iter()
+            .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
 }
 
 fn cpu_out(data: Vec<f32>, shape: &Shape) -> (CpuStorage, Shape) {
