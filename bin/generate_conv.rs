@@ -135,6 +135,14 @@ struct Args {
     /// Cap on the real conversation's length in messages [default: 14].
     #[arg(long, value_name = "M")]
     max_messages: Option<usize>,
+    /// Follow upstream's defaults where ours differ (docs/fidelity.md): `upstream-v2`
+    /// (CollabLLM v2's build_dataset.py: 2 candidates, temperature 0.8, any MR gap pairs,
+    /// cl100k token counts, judges uncapped) or `verl` (the verl recipe: MR formula
+    /// verl_clamp, its interactivity rubric, a word count for token_amount, S = 3, W = 4).
+    /// Applied after --config and before the other flags (a flag still wins); the manifest
+    /// records the preset and every value it set.
+    #[arg(long, value_name = "PRESET")]
+    compat: Option<collabllm::generate::compat::Compat>,
     /// The policy's system prompt: `proactive` (the collaborative prompt of
     /// prompts/assistant_proactive.j2) or a text file. It opens every conversation, so every
     /// pair's prompt keeps it (as upstream), and the futures' assistant sees it too.
@@ -240,6 +248,10 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         Some(p) => GenerateConfig::from_toml_file(p)?,
         None => GenerateConfig::default(),
     };
+    // defaults ← --config ← --compat ← the other flags.
+    if let Some(c) = args.compat {
+        cfg.compat = Some(c.apply(&mut cfg));
+    }
     macro_rules! set {
         ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )* };
     }

@@ -143,6 +143,9 @@ pub struct GenerateConfig {
     /// conversation, kept in every pair's prompt.
     #[serde(default)]
     pub system_prompt: Option<SystemPromptSource>,
+    /// The `--compat` preset applied, and every value it set (recorded in the manifest).
+    #[serde(default)]
+    pub compat: Option<super::compat::CompatRecord>,
 }
 
 fn default_max_questions() -> usize {
@@ -250,6 +253,7 @@ impl Default for GenerateConfig {
             oracle: OracleMode::Table,
             max_questions: DEFAULT_MAX_QUESTIONS,
             system_prompt: None,
+            compat: None,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! `generate_conv`: multiturn-aware rewards → preference pairs (DESIGN §2–§3).
 
+pub mod compat;
 pub mod config;
 pub mod conversation;
 pub mod merge;

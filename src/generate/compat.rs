@@ -1,0 +1,130 @@
+//! `--compat upstream-v2 | verl` (issue 16 item 11): one flag that sets every generation
+//! default where ours differs from upstream CollabLLM v2 or from verl's CollabLLM recipe
+//! (docs/fidelity.md). Applied after the config file and before the other flags, so a flag
+//! still wins; the manifest records the preset and every value it set.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::config::GenerateConfig;
+use crate::llm::tokens::TokenCounterKind;
+use crate::reward::judge::InteractivityScale;
+use crate::reward::mr::MrFormula;
+
+/// Which defaults to follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Compat {
+    /// Upstream CollabLLM v2 (`examples/build_dataset.py` and the library's defaults).
+    UpstreamV2,
+    /// The verl CollabLLM recipe (`recipe/collabllm/`).
+    Verl,
+}
+
+impl std::str::FromStr for Compat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "upstream-v2" => Ok(Compat::UpstreamV2),
+            "verl" => Ok(Compat::Verl),
+            other => Err(format!("`{other}`: expected upstream-v2 or verl")),
+        }
+    }
+}
+
+impl std::fmt::Display for Compat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Compat::UpstreamV2 => "upstream-v2",
+            Compat::Verl => "verl",
+        })
+    }
+}
+
+/// What a preset did: its name and every setting it set, with the value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CompatRecord {
+    pub preset: Compat,
+    pub set: BTreeMap<String, Value>,
+}
+
+/// A judge answer cap large enough to stand for upstream's "no cap".
+const UNCAPPED_JUDGE_TOKENS: usize = 4096;
+
+impl Compat {
+    /// Sets the preset's values on `cfg` and returns the record of what it set.
+    pub fn apply(self, cfg: &mut GenerateConfig) -> CompatRecord {
+        let mut set = BTreeMap::new();
+        let mut put = |k: &str, v: Value| {
+            set.insert(k.to_string(), v);
+        };
+        match self {
+            Compat::UpstreamV2 => {
+                // build_dataset.py: 2 candidates, temperature 0.8 for the assistant, pairs at
+                // any gap, cl100k token counts, judges without a token cap.
+                cfg.candidates = 2;
+                put("candidates", json!(2));
+                cfg.policy_sampling.temperature = 0.8;
+                cfg.assistant_sampling.temperature = 0.8;
+                put("policy_sampling.temperature", json!(0.8));
+                put("assistant_sampling.temperature", json!(0.8));
+                cfg.min_gap = 0.0;
+                put("min_gap", json!(0.0));
+                cfg.token_counter = TokenCounterKind::Cl100k;
+                put("token_counter", json!(cfg.token_counter));
+                cfg.judge_max_tokens = UNCAPPED_JUDGE_TOKENS;
+                put("judge_max_tokens", json!(UNCAPPED_JUDGE_TOKENS));
+                cfg.interactivity_scale = InteractivityScale::V2;
+                put("interactivity_scale", json!(cfg.interactivity_scale));
+                cfg.mr_formula = MrFormula::Mean;
+                put("mr_formula", json!(cfg.mr_formula));
+            }
+            Compat::Verl => {
+                // The recipe's reward: per-metric means clamped to [−1, 1], its interactivity
+                // rubric, a word count (−1e-4 per word = the math default −0.1 per thousand).
+                cfg.mr_formula = MrFormula::VerlClamp;
+                put("mr_formula", json!(cfg.mr_formula));
+                cfg.interactivity_scale = InteractivityScale::Verl;
+                put("interactivity_scale", json!(cfg.interactivity_scale));
+                cfg.token_counter = TokenCounterKind::Words;
+                put("token_counter", json!(cfg.token_counter));
+                cfg.samples = 3;
+                put("samples", json!(3));
+                cfg.window = 4;
+                put("window", json!(4));
+                cfg.policy_sampling.temperature = 1.0;
+                put("policy_sampling.temperature", json!(1.0));
+            }
+        }
+        CompatRecord { preset: self, set }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_set_upstream_values_and_say_which() {
+        let mut cfg = GenerateConfig::default();
+        let r = Compat::UpstreamV2.apply(&mut cfg);
+        assert_eq!(cfg.candidates, 2);
+        assert_eq!(cfg.policy_sampling.temperature, 0.8);
+        assert_eq!(cfg.min_gap, 0.0);
+        assert_eq!(cfg.token_counter, TokenCounterKind::Cl100k);
+        assert_eq!(r.set["candidates"], json!(2));
+        assert_eq!(r.set["token_counter"], json!("cl100k"));
+        cfg.validate().unwrap();
+
+        let mut cfg = GenerateConfig::default();
+        let r = Compat::Verl.apply(&mut cfg);
+        assert_eq!(cfg.mr_formula, MrFormula::VerlClamp);
+        assert_eq!(cfg.interactivity_scale, InteractivityScale::Verl);
+        assert_eq!(cfg.token_counter, TokenCounterKind::Words);
+        assert_eq!(r.set["mr_formula"], json!("verl_clamp"));
+        cfg.validate().unwrap();
+        assert!("upstream-v1".parse::<Compat>().is_err());
+    }
+}
