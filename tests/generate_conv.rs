@@ -1524,7 +1524,12 @@ async fn compat_upstream_v2_sets_its_values_records_them_and_a_flag_still_wins()
     let out = dir.path().join("run");
     let mut args = endpoint_args(&server, &out, &data("math.jsonl"));
     // endpoint_args gives --candidates 3: the flag wins over the preset's 2.
-    args.extend(["--max-tasks".into(), "2".into(), "--compat".into(), "upstream-v2".into()]);
+    args.extend([
+        "--max-tasks".into(),
+        "2".into(),
+        "--compat".into(),
+        "upstream-v2".into(),
+    ]);
     let output = run_bin(&args).await;
     assert!(
         output.status.success(),
@@ -1532,8 +1537,7 @@ async fn compat_upstream_v2_sets_its_values_records_them_and_a_flag_still_wins()
         String::from_utf8_lossy(&output.stderr)
     );
     let manifest: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
     let c = &manifest["config"];
     assert_eq!(c["compat"]["preset"], "upstream-v2");
     assert_eq!(c["compat"]["set"]["policy_sampling.temperature"], 0.8);
@@ -1541,14 +1545,19 @@ async fn compat_upstream_v2_sets_its_values_records_them_and_a_flag_still_wins()
     let t = c["policy_sampling"]["temperature"].as_f64().unwrap();
     assert!((t - 0.8).abs() < 1e-6, "{t}");
     assert_eq!(c["min_gap"], 0.0);
-    assert_eq!(c["candidates"], 3, "--candidates 3 given after the preset wins");
+    assert_eq!(
+        c["candidates"], 3,
+        "--candidates 3 given after the preset wins"
+    );
     assert!(out.join("sft.parquet").is_file());
     // The policy's requests were sampled at upstream's temperature.
     let temps: Vec<f64> = server
         .received()
         .iter()
         .filter(|r| {
-            !r.body["messages"].to_string().contains("role-playing a USER")
+            !r.body["messages"]
+                .to_string()
+                .contains("role-playing a USER")
                 && r.body["temperature"].as_f64() != Some(0.0)
         })
         .filter_map(|r| r.body["temperature"].as_f64())
