@@ -420,3 +420,35 @@ fn binary_exports_verl_recipe_files() {
     assert!(!ok);
     assert!(stderr.contains("flat.parquet not found"), "{stderr}");
 }
+
+/// Rows of `collabllm-multiturn-bigcodebench` become code tasks that keep BigCodeBench's
+/// `test`, `entry_point` and `libs`, so `pass_rate` can run them.
+#[test]
+fn bigcodebench_rows_keep_their_tests_and_entry_point() {
+    use collabllm::dataset::flat::FlatRow;
+    let test = "import unittest\nclass TestCases(unittest.TestCase):\n    def test_a(self):\n        self.assertEqual(task_func(), 1)\n";
+    let row = FlatRow {
+        prompt: vec![collabllm::llm::ChatMessage::user("Write task_func")],
+        completion: "def task_func(): return 1".into(),
+        conv_id: "0".into(),
+        turn_id: 0,
+        score: 1.0,
+        single_turn_prompt: "Write task_func returning 1.".into(),
+        single_turn_completion: "def task_func():\n    return 1".into(),
+        single_turn_metadata: serde_json::json!({
+            "test": test, "entry_point": "task_func", "libs": "['random']"
+        }),
+        sessions: serde_json::json!([]),
+        rewards: serde_json::json!({}),
+    };
+    let name = "collabllm-multiturn-bigcodebench";
+    let fallback = collabllm::hub::import::task_type_from_name(name);
+    let tasks = collabllm::hub::import::tasks_from_flat(&[row], fallback, name).unwrap();
+    assert_eq!(tasks[0].task_type, collabllm::task::TaskType::Code);
+    assert_eq!(tasks[0].metadata["test"], test);
+    assert_eq!(tasks[0].metadata["entry_point"], "task_func");
+    collabllm::reward::metrics::check_tasks_for_metrics(&tasks, &["pass_rate".to_string()])
+        .unwrap();
+    assert!(collabllm::reward::metrics::runnable_tests(&tasks[0], test)
+        .starts_with("from solution import *"));
+}

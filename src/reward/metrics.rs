@@ -152,7 +152,9 @@ pub fn check_tasks_for_metrics(tasks: &[Task], metrics: &[String]) -> Result<(),
                     return Err(lacks("a `reference`"))
                 }
                 "pass_rate" if tests_of(t).is_none() => {
-                    return Err(lacks("unittest code in `metadata.tests`"))
+                    return Err(lacks(
+                        "unittest code in `metadata.tests` (or BigCodeBench's `metadata.test`)",
+                    ))
                 }
                 m if TWENTY_QUESTIONS_METRICS.contains(&m)
                     && chat::default_world()
@@ -171,11 +173,60 @@ pub fn check_tasks_for_metrics(tasks: &[Task], metrics: &[String]) -> Result<(),
     Ok(())
 }
 
+/// The task's unittest code: `metadata.tests`, or BigCodeBench's `metadata.test` (imported
+/// flat rows of `collabllm-multiturn-bigcodebench` keep it with `entry_point`).
 fn tests_of(task: &Task) -> Option<&str> {
-    task.metadata
-        .get("tests")
-        .and_then(|v| v.as_str())
+    ["tests", "test"]
+        .iter()
+        .find_map(|k| task.metadata.get(*k).and_then(|v| v.as_str()))
         .filter(|s| !s.trim().is_empty())
+}
+
+/// The tests as the sandbox runs them. BigCodeBench's TestCase strings call the function
+/// (`entry_point`, e.g. `task_func`) as if written in the same file: the solution's names
+/// are bound first, as `from solution import *` (a test that imports the solution itself is
+/// left alone).
+pub fn runnable_tests(task: &Task, tests: &str) -> String {
+    let entry_point = task.metadata.get("entry_point").and_then(|v| v.as_str());
+    if entry_point.is_some()
+        && !tests.contains("import solution")
+        && !tests.contains("from solution")
+    {
+        format!("from solution import *\n{tests}")
+    } else {
+        tests.to_string()
+    }
+}
+
+/// "Environment missing": the run failed on a module the *task* needs (its tests import it,
+/// or BigCodeBench's `metadata.libs` lists it) and the sandbox's Python does not have — the
+/// answer was never judged, so it is no failure. A module only the answer imports is the
+/// answer's fault. Returns the module's name.
+pub fn environment_missing(task: &Task, tests: &str, stderr: &str) -> Option<String> {
+    let module = stderr
+        .lines()
+        .filter_map(|l| l.split("No module named ").nth(1))
+        .map(|m| m.trim().trim_matches(['\'', '"']).to_string())
+        .next_back()?;
+    let top = module.split('.').next().unwrap_or(&module).to_string();
+    let libs = task
+        .metadata
+        .get("libs")
+        .map(|v| match v {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        })
+        .unwrap_or_default();
+    let imported_by_tests = tests.lines().any(|l| {
+        let l = l.trim();
+        l.starts_with(&format!("import {top}"))
+            || l.starts_with(&format!("from {top}"))
+            || (l.starts_with("import ") && l.split([',', ' ']).any(|w| w == top))
+    });
+    let listed = libs
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .any(|w| w == top);
+    (imported_by_tests || listed).then_some(top)
 }
 
 /// One metric's score of one session, with what produced it.
@@ -334,7 +385,9 @@ impl Scorer {
                 value: None,
                 method: "sandbox".into(),
                 raw: None,
-                detail: Some(serde_json::json!({"error": "task has no metadata.tests"})),
+                detail: Some(
+                    serde_json::json!({"error": "task has no metadata.tests (or BigCodeBench metadata.test)"}),
+                ),
             };
         };
         let extracted = self
@@ -359,7 +412,28 @@ impl Scorer {
                 detail: Some(serde_json::json!({"error": "no code in the conversation"})),
             };
         };
-        match run_python_tests(&code, tests, &self.sandbox).await {
+        let tests = runnable_tests(task, tests);
+        match run_python_tests(&code, &tests, &self.sandbox).await {
+            Ok(outcome) if !outcome.passed => {
+                match environment_missing(task, &tests, &outcome.stderr_tail) {
+                    Some(module) => MetricScore {
+                        value: None,
+                        method: "sandbox".into(),
+                        raw,
+                        detail: Some(serde_json::json!({
+                            "code": code,
+                            "environment_missing": module,
+                            "outcome": outcome,
+                        })),
+                    },
+                    None => MetricScore {
+                        value: Some(0.0),
+                        method: "sandbox".into(),
+                        raw,
+                        detail: Some(serde_json::json!({"code": code, "outcome": outcome})),
+                    },
+                }
+            }
             Ok(outcome) => MetricScore {
                 value: Some(if outcome.passed { 1.0 } else { 0.0 }),
                 method: "sandbox".into(),
@@ -548,5 +622,96 @@ mod accuracy_tests {
         let d = s.detail.unwrap();
         assert_eq!(d["bleu"], 0.0);
         check_metric_name("bleu_char").unwrap();
+    }
+
+    fn bigcodebench_task(test: &str, libs: &str) -> Task {
+        serde_json::from_value(
+            serde_json::json!({"id": "BigCodeBench/1", "task_type": "code",
+            "prompt": "Write task_func.", "metadata": {"test": test, "entry_point": "task_func",
+            "libs": libs}}),
+        )
+        .unwrap()
+    }
+
+    const BCB_TEST: &str = "import unittest\nclass TestCases(unittest.TestCase):\n    def test_sum(self):\n        self.assertEqual(task_func(2, 3), 5)\n";
+
+    #[test]
+    fn only_a_module_the_task_needs_is_an_environment_gap() {
+        let t = bigcodebench_task(
+            "import unittest\nimport pandas as pd\n",
+            "['pandas', 'numpy']",
+        );
+        let err = "Traceback...\nModuleNotFoundError: No module named 'pandas'\n";
+        assert_eq!(
+            environment_missing(&t, "import unittest\nimport pandas as pd\n", err).as_deref(),
+            Some("pandas")
+        );
+        // Listed in libs only (the solution imports it): still the task's environment.
+        let err = "ModuleNotFoundError: No module named 'numpy.linalg'";
+        assert_eq!(environment_missing(&t, "", err).as_deref(), Some("numpy"));
+        // A module only the answer imports (hallucinated or not the task's): a failed answer.
+        let err = "ModuleNotFoundError: No module named 'magic_solver'";
+        assert_eq!(environment_missing(&t, "import unittest\n", err), None);
+        assert_eq!(environment_missing(&t, "", "AssertionError: 4 != 5"), None);
+    }
+
+    #[test]
+    fn bigcodebench_tests_see_the_solutions_names() {
+        let t = bigcodebench_task(BCB_TEST, "[]");
+        assert_eq!(tests_of(&t), Some(BCB_TEST));
+        assert!(runnable_tests(&t, BCB_TEST).starts_with("from solution import *\n"));
+        let own = "from solution import task_func\n";
+        assert_eq!(runnable_tests(&t, own), own);
+        check_tasks_for_metrics(std::slice::from_ref(&t), &["pass_rate".into()]).unwrap();
+    }
+
+    /// Real sandbox runs: a right answer passes, a wrong one fails, and an answer to a task
+    /// whose tests need a module the sandbox lacks is missing, not failed.
+    #[tokio::test]
+    async fn bigcodebench_answers_run_in_the_sandbox() {
+        let scorer = scorer("no code here");
+        let session = |code: &str| {
+            vec![
+                ChatMessage::user("Write task_func."),
+                ChatMessage::assistant(format!("```python\n{code}\n```")),
+            ]
+        };
+        let t = bigcodebench_task(BCB_TEST, "[]");
+        let right = scorer
+            .score(
+                "pass_rate",
+                &t,
+                &[],
+                &session("def task_func(a, b):\n    return a + b"),
+                1,
+            )
+            .await;
+        assert_eq!(right.value, Some(1.0), "{right:?}");
+        let wrong = scorer
+            .score(
+                "pass_rate",
+                &t,
+                &[],
+                &session("def task_func(a, b):\n    return a - b"),
+                1,
+            )
+            .await;
+        assert_eq!(wrong.value, Some(0.0), "{wrong:?}");
+        let needs = format!("import no_such_lib_for_tests\n{BCB_TEST}");
+        let t = bigcodebench_task(&needs, "['no_such_lib_for_tests']");
+        let gap = scorer
+            .score(
+                "pass_rate",
+                &t,
+                &[],
+                &session("def task_func(a, b):\n    return a + b"),
+                1,
+            )
+            .await;
+        assert_eq!(gap.value, None, "{gap:?}");
+        assert_eq!(
+            gap.detail.as_ref().unwrap()["environment_missing"],
+            "no_such_lib_for_tests"
+        );
     }
 }
