@@ -670,44 +670,27 @@ mod accuracy_tests {
     #[tokio::test]
     async fn bigcodebench_answers_run_in_the_sandbox() {
         let scorer = scorer("no code here");
-        let session = |code: &str| {
-            vec![
-                ChatMessage::user("Write task_func."),
-                ChatMessage::assistant(format!("```python\n{code}\n```")),
-            ]
+        let answer = |t: Task, body: &'static str| {
+            let scorer = &scorer;
+            async move {
+                let code = format!("```python\ndef task_func(a, b):\n    return {body}\n```");
+                let session = [
+                    ChatMessage::user("Write task_func."),
+                    ChatMessage::assistant(code),
+                ];
+                scorer.score("pass_rate", &t, &[], &session, 1).await
+            }
         };
-        let t = bigcodebench_task(BCB_TEST, "[]");
-        let right = scorer
-            .score(
-                "pass_rate",
-                &t,
-                &[],
-                &session("def task_func(a, b):\n    return a + b"),
-                1,
-            )
-            .await;
+        let right = answer(bigcodebench_task(BCB_TEST, "[]"), "a + b").await;
         assert_eq!(right.value, Some(1.0), "{right:?}");
-        let wrong = scorer
-            .score(
-                "pass_rate",
-                &t,
-                &[],
-                &session("def task_func(a, b):\n    return a - b"),
-                1,
-            )
-            .await;
+        let wrong = answer(bigcodebench_task(BCB_TEST, "[]"), "a - b").await;
         assert_eq!(wrong.value, Some(0.0), "{wrong:?}");
         let needs = format!("import no_such_lib_for_tests\n{BCB_TEST}");
-        let t = bigcodebench_task(&needs, "['no_such_lib_for_tests']");
-        let gap = scorer
-            .score(
-                "pass_rate",
-                &t,
-                &[],
-                &session("def task_func(a, b):\n    return a + b"),
-                1,
-            )
-            .await;
+        let gap = answer(
+            bigcodebench_task(&needs, "['no_such_lib_for_tests']"),
+            "a + b",
+        )
+        .await;
         assert_eq!(gap.value, None, "{gap:?}");
         assert_eq!(
             gap.detail.as_ref().unwrap()["environment_missing"],
