@@ -491,6 +491,12 @@ fn guesses_parse_to_objects() {
     );
     assert_eq!(key("Would a dog chase it?").as_deref(), Some("guess:Dog"));
     assert_eq!(key("Qwerty zxcv?"), None);
+    // A lone keyword is no question (a policy trained against the table learned to emit
+    // them); two words already are.
+    for lone in ["animal", "animal?", "dog", "\"plant\"", "Dog."] {
+        assert_eq!(key(lone), None, "{lone}");
+    }
+    assert_eq!(key("A dog?").as_deref(), Some("guess:Dog"));
     for o in &w.objects {
         assert_eq!(
             key(&w.guess_question(o.index)),

@@ -604,9 +604,15 @@ impl World {
     }
 
     /// Parses a question: an explicit guess ("Is it a dog or a cat?"), else the first lexicon
-    /// row that matches, else any objects it names (as a guess); `None` when nothing fits.
+    /// row that matches, else any objects it names (as a guess); `None` when nothing fits or
+    /// the text is a single word.
     pub fn parse(&self, question: &str) -> Option<Query> {
         let tokens = tokenize(question);
+        // A lone word ("animal", "dog") is no question: read as one, it let a policy trained
+        // against the table collect information gain with bare keywords (BENCHMARKS.md).
+        if tokens.len() < 2 {
+            return None;
+        }
         let mut rest: &[String] = &tokens;
         while rest.first().is_some_and(|w| FILLERS.contains(&w.as_str())) {
             rest = &rest[1..];
