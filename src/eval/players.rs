@@ -10,11 +10,11 @@ use std::sync::Arc;
 use tokio::runtime::Handle;
 
 use crate::llm::roles::Role;
-use crate::llm::{ChatMessage, ChatRequest};
+use crate::llm::ChatRequest;
 use crate::rollout::user::{derive_seed, Sampling};
-use crate::task::prompts::{Prompt, Prompts};
+use crate::task::prompts::Prompts;
 use crate::task::twenty_questions::chat::{
-    clean_question, intro_message, normalise_yes_no, questioner_messages,
+    clean_question, intro_message, normalise_yes_no, oracle_request, questioner_messages,
 };
 use crate::task::twenty_questions::{Object, Oracle, OracleAnswer, Questioner, World};
 
@@ -101,25 +101,15 @@ impl Oracle for LlmOracle<'_> {
         if self.error.is_some() {
             return OracleAnswer { yes: false, parsed };
         }
-        let prompt = match self.prompts.render(
-            Prompt::TwentyQuestionsOracle,
-            serde_json::json!({
-                "object": object.name,
-                "names": object.variants.join(", "),
-                "question": question,
-            }),
-        ) {
-            Ok(p) => p,
+        let k = self.raw.len().to_string();
+        let seed = derive_seed(self.seed, &["oracle", &k]);
+        let req = match oracle_request(&self.prompts, object, question, seed) {
+            Ok(r) => r,
             Err(e) => {
                 self.error = Some(e.to_string());
                 return OracleAnswer { yes: false, parsed };
             }
         };
-        let k = self.raw.len().to_string();
-        let req = ChatRequest::new(vec![ChatMessage::user(prompt)])
-            .temperature(0.0)
-            .max_tokens(8)
-            .seed(derive_seed(self.seed, &["oracle", &k]));
         match self.handle.block_on(self.role.backend.chat(&req)) {
             Ok(resp) => {
                 let raw = resp.choices[0].content.clone();

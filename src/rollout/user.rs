@@ -260,18 +260,7 @@ impl UserSimulator {
             OracleMode::Hybrid => parsed.is_none(),
         };
         let (yes, model_raw) = if ask_model {
-            let prompt = self.prompts.render(
-                Prompt::TwentyQuestionsOracle,
-                serde_json::json!({
-                    "object": object.name,
-                    "names": object.variants.join(", "),
-                    "question": question,
-                }),
-            )?;
-            let req = ChatRequest::new(vec![ChatMessage::user(prompt)])
-                .temperature(0.0)
-                .max_tokens(8)
-                .seed(seed);
+            let req = chat::oracle_request(&self.prompts, object, &question, seed)?;
             let raw = self.call(&req).await?.choices[0].content.clone();
             (chat::normalise_yes_no(&raw).unwrap_or(false), Some(raw))
         } else {

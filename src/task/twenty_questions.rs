@@ -832,19 +832,11 @@ impl<'a> TableOracle<'a> {
 
 impl Oracle for TableOracle<'_> {
     fn answer(&mut self, object: &Object, question: &str) -> OracleAnswer {
-        match self.world.parse(question) {
-            Some(q) => OracleAnswer {
-                yes: self.world.eval(&q, object.index),
-                parsed: Some(self.world.query_key(&q)),
-            },
-            None => {
-                self.unparsed += 1;
-                OracleAnswer {
-                    yes: false,
-                    parsed: None,
-                }
-            }
+        let (yes, parsed) = chat::table_answer(self.world, object, question);
+        if parsed.is_none() {
+            self.unparsed += 1;
         }
+        OracleAnswer { yes, parsed }
     }
 }
 

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::{is_win, DataError, Object, World, MAX_QUESTIONS};
-use crate::llm::ChatMessage;
+use crate::llm::{ChatMessage, ChatRequest};
 use crate::task::prompts::{Prompt, PromptError, Prompts};
 use crate::task::{Task, TaskType};
 
@@ -213,6 +213,29 @@ pub fn intro_message(prompts: &Prompts, max_questions: usize) -> Result<String, 
             "max_questions": max_questions,
         }),
     )
+}
+
+/// The request that asks an LLM oracle about `question` (the oracle prompt, greedy, a few
+/// tokens: its answer is read with [`normalise_yes_no`]). One definition for the user
+/// simulator of generation and RL and for evaluation's oracle.
+pub fn oracle_request(
+    prompts: &Prompts,
+    object: &Object,
+    question: &str,
+    seed: u64,
+) -> Result<ChatRequest, PromptError> {
+    let prompt = prompts.render(
+        Prompt::TwentyQuestionsOracle,
+        serde_json::json!({
+            "object": object.name,
+            "names": object.variants.join(", "),
+            "question": question,
+        }),
+    )?;
+    Ok(ChatRequest::new(vec![ChatMessage::user(prompt)])
+        .temperature(0.0)
+        .max_tokens(8)
+        .seed(seed))
 }
 
 /// The conversation a chat questioner sees: the intro, then each question as an assistant
