@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use collabllm::cli::EndpointArgs;
+use collabllm::cli::{EndpointArgs, TwentyQuestionsArgs};
 use collabllm::dataset::verl;
 use collabllm::generate::config::TWENTY_QUESTIONS_SOURCE;
 use collabllm::generate::proactive::ProactiveStyle;
@@ -14,13 +14,13 @@ use collabllm::generate::{self, config, GenerateConfig};
 use collabllm::hub::{self, import};
 use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
-use collabllm::reward::metrics::{parse_metric_preset, parse_metric_weight, weights_from_flags};
+use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::run::{RunLock, Shutdown};
 use collabllm::task::prompts::SystemPromptSource;
-use collabllm::task::twenty_questions::chat::{OracleMode, QUESTION_MAX_TOKENS};
+use collabllm::task::twenty_questions::chat::QUESTION_MAX_TOKENS;
 use collabllm::task::TaskType;
 
 /// Multiturn-aware rewards → DPO preference pairs (CollabLLM).
@@ -148,21 +148,8 @@ struct Args {
     /// pair's prompt keeps it (as upstream), and the futures' assistant sees it too.
     #[arg(long, value_name = "FILE|proactive")]
     policy_system_prompt: Option<SystemPromptSource>,
-    /// 20 Questions: who answers the questions. `table`: the attribute table, exact (a
-    /// question it cannot parse is answered "No.", LMRL-Gym's rule, and counted); `llm`: the
-    /// --user model; `hybrid`: the table when the question parses, the model otherwise
-    /// [default: table].
-    #[arg(long, value_name = "ORACLE")]
-    oracle: Option<OracleMode>,
-    /// 20 Questions: questions per game; a game also ends on a win [default: 20].
-    #[arg(long, value_name = "Q")]
-    max_questions: Option<usize>,
-    /// Named metric weights: `20q-infogain` (success=1, info_gain=1, token_amount=-0.5: exact,
-    /// no judge; the 20 Questions default) or `20q-interactive` (success=1, interactivity=1,
-    /// token_amount=-0.5), the two reward variants of the 20 Questions study. --metric flags
-    /// add to or override its weights.
-    #[arg(long, value_name = "NAME", value_parser = parse_metric_preset)]
-    metric_preset: Option<String>,
+    #[command(flatten)]
+    twenty_questions: TwentyQuestionsArgs,
     /// Use only the first K tasks.
     #[arg(long, value_name = "K")]
     max_tasks: Option<usize>,
@@ -296,17 +283,14 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     if args.prompts.is_some() {
         cfg.prompts = args.prompts.clone();
     }
-    if let Some(w) = weights_from_flags(args.metric_preset.as_deref(), &args.metrics) {
-        cfg.metrics = w;
-    }
-    if let Some(o) = args.oracle {
-        cfg.oracle = o;
-    }
+    args.twenty_questions.apply(
+        &args.metrics,
+        &mut cfg.metrics,
+        &mut cfg.oracle,
+        &mut cfg.max_questions,
+    );
     if args.policy_system_prompt.is_some() {
         cfg.system_prompt = args.policy_system_prompt.clone();
-    }
-    if let Some(q) = args.max_questions {
-        cfg.max_questions = q;
     }
     if cfg.task_type == Some(TaskType::TwentyQuestions)
         && args.tasks.is_none()

@@ -5,13 +5,12 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use collabllm::cli::EndpointArgs;
+use collabllm::cli::{EndpointArgs, TwentyQuestionsArgs};
 use collabllm::llm::ModelSpec;
 use collabllm::reward::judge::JudgeMode;
-use collabllm::reward::metrics::{parse_metric_preset, parse_metric_weight, weights_from_flags};
+use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
-use collabllm::task::twenty_questions::chat::OracleMode;
 use collabllm::task::TaskType;
 use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig};
 use collabllm::train::rl::run::rl_train;
@@ -120,18 +119,8 @@ struct Args {
     /// token_amount=-1) [default: per task type].
     #[arg(long = "metric", value_name = "NAME=WEIGHT", value_parser = parse_metric)]
     metrics: Vec<(String, f64)>,
-    /// Named metric weights: `20q-infogain` (success=1, info_gain=1, token_amount=-0.5: exact,
-    /// no judge; the 20 Questions default) or `20q-interactive` (success=1, interactivity=1,
-    /// token_amount=-0.5); --metric flags add to or override its weights.
-    #[arg(long, value_name = "NAME", value_parser = parse_metric_preset)]
-    metric_preset: Option<String>,
-    /// 20 Questions: who answers the questions: `table` (exact; an unparsed question is
-    /// "No."), `llm` (the --user model) or `hybrid` (table when it parses) [default: table].
-    #[arg(long, value_name = "ORACLE")]
-    oracle: Option<OracleMode>,
-    /// 20 Questions: questions per game [default: 20].
-    #[arg(long, value_name = "Q")]
-    max_questions: Option<usize>,
+    #[command(flatten)]
+    twenty_questions: TwentyQuestionsArgs,
     /// MR formula used as reward: mean or verl_clamp (both are recorded) [default: mean].
     #[arg(long, value_name = "FORMULA")]
     mr_formula: Option<MrFormula>,
@@ -304,15 +293,12 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         // The dedicated flag wins over policy=/assistant= caps.
         cfg.max_new_tokens = v;
     }
-    if let Some(w) = weights_from_flags(args.metric_preset.as_deref(), &args.metrics) {
-        cfg.metrics = w;
-    }
-    if let Some(o) = args.oracle {
-        cfg.oracle = o;
-    }
-    if let Some(q) = args.max_questions {
-        cfg.max_questions = q;
-    }
+    args.twenty_questions.apply(
+        &args.metrics,
+        &mut cfg.metrics,
+        &mut cfg.oracle,
+        &mut cfg.max_questions,
+    );
     args.endpoint.apply(&mut cfg.endpoint);
     cfg.validate()?;
     Ok(cfg)

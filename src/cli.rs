@@ -6,10 +6,56 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use crate::llm::EndpointOptions;
+use crate::task::twenty_questions::chat::OracleMode;
 
 /// The OpenAI-compatible endpoint flags of every binary that calls models; each replaces the
 /// config file's `endpoint` value only when given. The `[default: …]` texts are checked
 /// against [`EndpointOptions::default`] by a test.
+/// The 20 Questions and reward-preset flags of `generate_conv` and `rl_train`, defined once
+/// (flattened into each binary's arguments).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct TwentyQuestionsArgs {
+    /// Named metric weights: `20q-infogain` (success=1, info_gain=1, token_amount=-0.5: exact,
+    /// no judge; the 20 Questions default) or `20q-interactive` (success=1, interactivity=1,
+    /// token_amount=-0.5), the two reward variants of the 20 Questions study. --metric flags
+    /// add to or override its weights.
+    #[arg(long, value_name = "NAME", value_parser = crate::reward::metrics::parse_metric_preset)]
+    pub metric_preset: Option<String>,
+    /// 20 Questions: who answers the questions. `table`: the attribute table, exact (a
+    /// question it cannot parse is answered "No.", LMRL-Gym's rule, and counted); `llm`: the
+    /// --user model; `hybrid`: the table when the question parses, the model otherwise
+    /// [default: table].
+    #[arg(long, value_name = "ORACLE")]
+    pub oracle: Option<OracleMode>,
+    /// 20 Questions: questions per game; a game also ends on a win [default: 20].
+    #[arg(long, value_name = "Q")]
+    pub max_questions: Option<usize>,
+}
+
+impl TwentyQuestionsArgs {
+    /// Sets what was given: the weights (preset, then `--metric` flags) when either was
+    /// given, the oracle, the question budget.
+    pub fn apply(
+        &self,
+        metric_flags: &[(String, f64)],
+        metrics: &mut std::collections::BTreeMap<String, f64>,
+        oracle: &mut OracleMode,
+        max_questions: &mut usize,
+    ) {
+        if let Some(w) =
+            crate::reward::metrics::weights_from_flags(self.metric_preset.as_deref(), metric_flags)
+        {
+            *metrics = w;
+        }
+        if let Some(o) = self.oracle {
+            *oracle = o;
+        }
+        if let Some(q) = self.max_questions {
+            *max_questions = q;
+        }
+    }
+}
+
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct EndpointArgs {
     /// Environment variable holding the API key of OpenAI-compatible endpoints [default: OPENAI_API_KEY].

@@ -40,7 +40,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("plot", &["check", "dataset", "reward", "rollout", "run"]),
-    ("cli", &["check", "llm", "run"]),
+    ("cli", &["check", "llm", "reward", "run", "task"]),
 ];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
