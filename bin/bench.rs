@@ -101,9 +101,19 @@ enum Command {
         /// `max_tokens` of every request.
         #[arg(long, default_value_t = 128, value_parser = at_least_one)]
         new_tokens: usize,
-        /// Requests each client sends, one after another.
+        /// Requests each client sends, one after another (later rounds repeat the client's
+        /// prompt: exact prefix-cache hits unless `--prefix-cache-mb 0`).
         #[arg(long, default_value_t = 2, value_parser = at_least_one)]
         rounds: usize,
+        /// How the clients' prompts relate: `distinct` (each opens with its own line, so
+        /// only the chat template's start is shared) or `shared` (a common text first and
+        /// each client's own line last, as a turn's candidates, futures and judges share the
+        /// conversation so far).
+        #[arg(long, value_enum, default_value_t = serve_throughput::Layout::Distinct)]
+        prompts: serve_throughput::Layout,
+        /// The local backend's prompt-cache memory (MiB; 0 turns prefix reuse off).
+        #[arg(long, value_name = "MIB", default_value_t = 256)]
+        prefix_cache_mb: usize,
     },
     /// One DPO optimizer step in f32 (batch 1 pair): seconds per step (forward, backward,
     /// optimizer), tokens/s and peak RSS; full fine-tuning, or LoRA r=32 with `--lora`. Run
@@ -185,7 +195,12 @@ fn decode(
         .build()?;
     let files = rt.block_on(resolve_local(&model))?;
     let t0 = std::time::Instant::now();
-    let engine = Engine::load(&files, &LoadOptions::default())?;
+    // Every repeat prefills the whole prompt: prefix reuse would skip it.
+    let opts = LoadOptions {
+        prefix_cache_mb: Some(0),
+        ..LoadOptions::default()
+    };
+    let engine = Engine::load(&files, &opts)?;
     let load_secs = t0.elapsed().as_secs_f64();
     let prompt = prompt_of(&engine, prompt_tokens)?;
     let params = |n| GenParams {
@@ -279,6 +294,8 @@ fn main() -> ExitCode {
             prompt_tokens,
             new_tokens,
             rounds,
+            prompts,
+            prefix_cache_mb,
         } => {
             collabllm::cli::set_compute_threads(Some(threads));
             tokio::runtime::Builder::new_multi_thread()
@@ -294,6 +311,8 @@ fn main() -> ExitCode {
                         prompt_tokens,
                         new_tokens,
                         rounds,
+                        layout: prompts,
+                        prefix_cache_mb,
                     }))
                 })
         }

@@ -75,6 +75,13 @@ struct Args {
     #[arg(long, value_name = "ROWS", default_value_t = collabllm::llm::local::DEFAULT_MAX_BATCH,
           value_parser = clap::value_parser!(u64).range(1..=256).map(|v| v as usize))]
     max_batch: usize,
+
+    /// Memory (MiB) for the key/value caches of recent prompts: a request whose prompt
+    /// starts like an earlier one (the same system prompt, a conversation one turn longer)
+    /// prefills only the rest. Reuse changes no output token. 0 turns it off.
+    #[arg(long, value_name = "MIB", default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(0..=65536).map(|v| v as usize))]
+    prefix_cache_mb: usize,
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
@@ -96,17 +103,14 @@ fn parse_local_spec(s: &str) -> Result<ModelSpec, String> {
 }
 
 /// Loads the local engine for `spec` and returns it with its model name.
-async fn load_backend(
-    spec: &ModelSpec,
-    weights: WeightFormat,
-    max_batch: usize,
-) -> anyhow::Result<(SharedBackend, String)> {
+async fn load_backend(args: &Args) -> anyhow::Result<(SharedBackend, String)> {
     let opts = LoadOptions {
-        weights,
+        weights: args.weights,
+        prefix_cache_mb: Some(args.prefix_cache_mb),
         ..LoadOptions::default()
     };
-    let backend = LocalBackend::load(spec, &opts).await?;
-    backend.set_max_batch(max_batch);
+    let backend = LocalBackend::load(&args.model, &opts).await?;
+    backend.set_max_batch(args.max_batch);
     let name = backend.model_name();
     Ok((backend, name))
 }
@@ -125,7 +129,7 @@ fn model_names(args: &Args, loaded_name: String) -> ModelNames {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(model = %args.model, weights = %args.weights, "loading model");
-    let (backend, name) = load_backend(&args.model, args.weights, args.max_batch)
+    let (backend, name) = load_backend(&args)
         .await
         .with_context(|| format!("loading model {}", args.model))?;
     let names = model_names(&args, name);

@@ -26,7 +26,7 @@ fn main() -> anyhow::Result<()> {
     };
     let opts = LoadOptions {
         weights: WeightFormat::F32,
-        context_length: None,
+        ..LoadOptions::default()
     };
     let engine = Engine::load(&files, &opts)?;
     let m = engine.model();

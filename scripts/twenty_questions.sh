@@ -16,6 +16,8 @@
 #             [default: default]. A stronger local model (an HF directory or .gguf) is what
 #             makes the numbers move; the base row of the table is this model.
 # Every stage resumes: rerun the same command after an interruption.
+# BIN_DIR=DIR uses the binaries in DIR instead of building target/release (a long run that
+# must not pick up binaries rebuilt beside it); THREADS=N sets the compute threads.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -27,7 +29,7 @@ while [[ $# -gt 0 ]]; do
     --quick) quick=1 ;;
     --out) out="$2"; shift ;;
     --policy) policy="$2"; shift ;;
-    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -49,9 +51,10 @@ fi
 threads="${THREADS:-$(nproc)}"
 
 bash scripts/fetch_default_model.sh
-cargo build --release --bin generate_conv --bin dpo_train --bin eval_multiturn --bin plot
-
-bin=target/release
+bin="${BIN_DIR:-target/release}"
+if [[ -z "${BIN_DIR:-}" ]]; then
+  cargo build --release --bin generate_conv --bin dpo_train --bin eval_multiturn --bin plot
+fi
 started=$(date +%s)
 models=(--model "$policy")
 for preset in infogain interactive; do

@@ -134,3 +134,71 @@ fn gguf_tokenizer_exported_for_checkpoints_round_trips() {
 fn requests_joining_mid_decode_equal_alone() {
     assert_joining_mid_decode_equals_alone(&engine());
 }
+
+/// Prompt KV reuse: prompts that start like an earlier one (the next turn of a conversation,
+/// the same system prompt, an exact repeat) prefill only the rest, and every token is what
+/// a cold run gives.
+#[test]
+fn prefix_reuse_gives_the_tokens_of_a_cold_run() {
+    use collabllm::llm::engine::GenParams;
+    one_thread();
+    let load = |mb| {
+        Engine::load(
+            &LocalModelFiles::Gguf(default_model_path()),
+            &LoadOptions {
+                prefix_cache_mb: Some(mb),
+                ..LoadOptions::default()
+            },
+        )
+        .expect("loading the default model")
+    };
+    let (cold, warm) = (load(0), load(64));
+    let system = ChatMessage::system(
+        "You are a patient tutor. Ask one clarifying question when a request is ambiguous, \
+         then answer briefly and check that the student followed.",
+    );
+    let first = vec![system.clone(), ChatMessage::user("How do I add fractions?")];
+    let mut second = first.clone();
+    second.push(ChatMessage::assistant("Do they have the same denominator?"));
+    second.push(ChatMessage::user("No, one is 1/3 and the other 1/4."));
+    let other = vec![system, ChatMessage::user("What is a prime number?")];
+    let prompts = [&first, &second, &second, &other];
+    let params = |temperature| GenParams {
+        temperature,
+        top_p: 0.95,
+        max_new_tokens: 24,
+        stop: Vec::new(),
+        seed: Some(11),
+        n: 2,
+        ignore_eos: false,
+    };
+    let mut cached = Vec::new();
+    for (i, messages) in prompts.iter().enumerate() {
+        let ids = cold.encode_chat(messages).unwrap();
+        for temperature in [0.0, 1.0] {
+            let a = cold.generate(&ids, &params(temperature)).unwrap();
+            let b = warm.generate(&ids, &params(temperature)).unwrap();
+            assert_eq!(a.cached_tokens, 0, "reuse off");
+            assert_eq!(
+                a.samples, b.samples,
+                "prompt {i} at temperature {temperature}"
+            );
+            cached.push((ids.len(), b.cached_tokens));
+        }
+    }
+    let first_len = cold.encode_chat(&first).unwrap().len();
+    // Cold, then the exact repeat at the second temperature.
+    assert_eq!(cached[0], (first_len, 0));
+    assert_eq!(cached[1], (first_len, first_len));
+    // The next turn starts from the whole first prompt; its repeats are exact.
+    let second_len = cached[2].0;
+    assert!(cached[2].1 >= first_len - 1, "{cached:?}");
+    assert_eq!(cached[4], (second_len, second_len));
+    // Another question under the same system prompt reuses the system turn.
+    assert!(
+        cached[6].1 > 20 && cached[6].1 < cached[6].0 - 3,
+        "{cached:?}"
+    );
+    assert!(warm.prefix_cache_bytes() > 0);
+    assert_eq!(cold.prefix_cache_bytes(), 0);
+}

@@ -72,7 +72,7 @@ fn q8_batched_samples_equal_single_stream_samples() {
         &LocalModelFiles::HfDir(dir),
         &LoadOptions {
             weights: WeightFormat::Q8_0,
-            context_length: None,
+            ..LoadOptions::default()
         },
     )
     .unwrap();
@@ -142,7 +142,7 @@ fn kv_cache_decoding_matches_full_forward() {
     let (_g, dir) = tiny_model_dir(&TinySpec::default());
     let opts = LoadOptions {
         weights: WeightFormat::F32,
-        context_length: None,
+        ..LoadOptions::default()
     };
     let engine = Engine::load(&LocalModelFiles::HfDir(dir), &opts).unwrap();
     let model = engine.model();
@@ -221,7 +221,7 @@ async fn untied_head_and_q8_weights_load() {
         &LocalModelFiles::HfDir(dir.clone()),
         &LoadOptions {
             weights: WeightFormat::F32,
-            context_length: None,
+            ..LoadOptions::default()
         },
     )
     .unwrap();
@@ -229,7 +229,7 @@ async fn untied_head_and_q8_weights_load() {
         &LocalModelFiles::HfDir(dir),
         &LoadOptions {
             weights: WeightFormat::Q8_0,
-            context_length: None,
+            ..LoadOptions::default()
         },
     )
     .unwrap();
@@ -350,7 +350,7 @@ fn requests_joining_mid_decode_equal_alone() {
             &LocalModelFiles::HfDir(dir),
             &LoadOptions {
                 weights,
-                context_length: None,
+                ..LoadOptions::default()
             },
         )
         .unwrap();

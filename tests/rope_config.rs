@@ -63,7 +63,7 @@ fn v5(params: Value) -> impl FnOnce(&mut Value) {
 fn engine(dir: &Path) -> Result<Engine, String> {
     let opts = LoadOptions {
         weights: WeightFormat::F32,
-        context_length: None,
+        ..LoadOptions::default()
     };
     Engine::load(&LocalModelFiles::HfDir(dir.to_path_buf()), &opts).map_err(|e| e.to_string())
 }

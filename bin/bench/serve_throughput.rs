@@ -21,6 +21,15 @@ pub struct Params {
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     pub rounds: usize,
+    pub layout: Layout,
+    pub prefix_cache_mb: usize,
+}
+
+/// How the clients' prompts relate (see `bench serve-throughput --help`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Layout {
+    Distinct,
+    Shared,
 }
 
 /// Where the requests go.
@@ -64,15 +73,20 @@ impl Target {
     }
 }
 
-/// The user message of client `i`: its own opening, then filler up to about `target` prompt
-/// tokens, then a request for a long answer (so replies rarely end before `max_tokens`).
-fn message(codec: &ChatCodec, i: usize, target: usize) -> anyhow::Result<String> {
+/// The user message of client `i`: filler up to about `target` prompt tokens with the
+/// client's own line first (`Distinct`) or last (`Shared`), then a request for a long answer
+/// (so replies rarely end before `max_tokens`).
+fn message(codec: &ChatCodec, i: usize, target: usize, layout: Layout) -> anyhow::Result<String> {
     let sentence = "The committee reviewed the quarterly report on river water quality, \
                     noting that nitrate levels fell while turbidity rose after the spring floods. ";
     let ask = "Write a long, detailed essay about what the report means for the town.";
-    let mut text = format!("Report number {i}. ");
+    let own = format!("Report number {i}. ");
+    let mut text = String::new();
     loop {
-        let full = format!("{text}{ask}");
+        let full = match layout {
+            Layout::Distinct => format!("{own}{text}{ask}"),
+            Layout::Shared => format!("{text}{own}{ask}"),
+        };
         let ids = codec
             .encode(&codec.render(&[ChatMessage::user(full.clone())], true)?)
             .map_err(anyhow::Error::msg)?;
@@ -87,7 +101,11 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
     let codec = ChatCodec::load(&resolve_local(&p.model).await?)?;
     let (target, name) = match &p.endpoint {
         None => {
-            let backend = LocalBackend::load(&p.model, &LoadOptions::default()).await?;
+            let opts = LoadOptions {
+                prefix_cache_mb: Some(p.prefix_cache_mb),
+                ..LoadOptions::default()
+            };
+            let backend = LocalBackend::load(&p.model, &opts).await?;
             backend.set_max_batch(p.max_batch);
             let name = backend.model_name();
             (Target::Local(backend), name)
@@ -97,13 +115,16 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
             (Target::Http(reqwest::Client::new(), base), url.clone())
         }
     };
-    let most = p.concurrency.iter().copied().max().unwrap_or(1);
-    let messages = (0..most)
-        .map(|i| message(&codec, i, p.prompt_tokens))
+    // Every client of every run has its own prompt (index 0 is the warm-up's): no run starts
+    // from the prompts the one before it left in the prefix cache.
+    let total: usize = p.concurrency.iter().sum();
+    let messages = (0..=total)
+        .map(|i| message(&codec, i, p.prompt_tokens, p.layout))
         .collect::<anyhow::Result<Vec<_>>>()?;
     target.ask(&messages[0], p.new_tokens).await?; // warm-up
     println!(
-        "{name} · threads {} · max batch {} · ~{} prompt tokens · max_tokens {} · {} rounds",
+        "{name} · threads {} · max batch {} · ~{} prompt tokens ({:?}) · prefix cache {} MiB \
+         · max_tokens {} · {} rounds",
         std::env::var("CANDLE_NUM_THREADS").unwrap_or_default(),
         if p.endpoint.is_some() {
             "(server's)".to_string()
@@ -111,13 +132,16 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
             p.max_batch.to_string()
         },
         p.prompt_tokens,
+        p.layout,
+        p.prefix_cache_mb,
         p.new_tokens,
         p.rounds
     );
     let mut base = None;
+    let mut first = 1;
     for &c in &p.concurrency {
         let started = Instant::now();
-        let clients = messages[..c].iter().map(|m| {
+        let clients = messages[first..first + c].iter().map(|m| {
             let target = target.clone();
             async move {
                 let (mut tokens, mut latency) = (0u64, 0.0);
@@ -130,6 +154,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
             }
         });
         let done = futures::future::try_join_all(clients).await?;
+        first += c;
         let wall = started.elapsed().as_secs_f64();
         let tokens: u64 = done.iter().map(|d| d.0).sum();
         let latency = done.iter().map(|d| d.1).sum::<f64>() / (c * p.rounds) as f64;
@@ -143,6 +168,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
             "{}",
             serde_json::json!({"bench": "serve-throughput", "concurrency": c,
                 "max_batch": p.max_batch, "endpoint": p.endpoint, "tokens": tokens,
+                "prompts": format!("{:?}", p.layout), "prefix_cache_mb": p.prefix_cache_mb,
                 "wall_s": wall, "tps": tps, "speedup": speedup, "mean_latency_s": latency})
         );
     }

@@ -4,7 +4,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
@@ -15,6 +15,7 @@ use super::chat_template::ChatTemplate;
 use super::config::ConfigError;
 use super::gguf_tokenizer::{meta_str, meta_u32, tokenizer_from_gguf};
 use super::llama::{KvCache, LlamaConfig, LlamaModel, WeightFormat};
+use super::prefix_cache::{self, Hit, PrefixCache};
 use super::sampling::{restricted_probs, Sampler};
 use super::spec::LocalModelFiles;
 use super::{ChatMessage, FinishReason};
@@ -89,6 +90,9 @@ pub struct LoadOptions {
     pub weights: WeightFormat,
     /// Cap on prompt + completion tokens (default: the model's own context length).
     pub context_length: Option<usize>,
+    /// Memory for the KV caches of recent prompts, reused by prompts that start the same
+    /// way (default 256 MiB; 0 turns reuse off).
+    pub prefix_cache_mb: Option<usize>,
 }
 
 /// Sampling parameters of one generation call.
@@ -116,8 +120,10 @@ pub struct Generation {
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenOutput {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from an earlier prompt's cache.
+    pub cached_tokens: usize,
     pub samples: Vec<Generation>,
-    /// Seconds spent on the prompt (one forward pass over it).
+    /// Seconds spent on the prompt (one forward pass over what was not cached).
     pub prefill_secs: f64,
     /// Seconds spent decoding all samples.
     pub decode_secs: f64,
@@ -130,6 +136,7 @@ pub struct Engine {
     codec: ChatCodec,
     context_length: usize,
     max_token_bytes: usize,
+    prefix_cache: Mutex<PrefixCache>,
 }
 
 /// The text side of a model: tokenizer, chat template and end-of-turn ids, loadable without
@@ -378,6 +385,10 @@ impl Engine {
             engine.context_length = engine.context_length.min(c);
         }
         engine.max_token_bytes = max_token_bytes(&engine.codec.tokenizer);
+        let budget = opts
+            .prefix_cache_mb
+            .map_or(prefix_cache::DEFAULT_BUDGET_BYTES, |mb| mb << 20);
+        engine.prefix_cache = Mutex::new(new_prefix_cache(&engine.model, budget));
         Ok(engine)
     }
 
@@ -395,6 +406,7 @@ impl Engine {
             codec,
             context_length,
             max_token_bytes: 0,
+            prefix_cache: Mutex::new(PrefixCache::new(0, 1)),
         })
     }
 
@@ -412,6 +424,7 @@ impl Engine {
             codec,
             context_length,
             max_token_bytes: 0,
+            prefix_cache: Mutex::new(PrefixCache::new(0, 1)),
         })
     }
 
@@ -444,6 +457,7 @@ impl Engine {
             codec,
             context_length,
             max_token_bytes: 0,
+            prefix_cache: Mutex::new(PrefixCache::new(0, 1)),
         })
     }
 
@@ -457,6 +471,7 @@ impl Engine {
     ) -> Engine {
         let context_length = model.config().max_position_embeddings;
         let max_token_bytes = max_token_bytes(&codec.tokenizer);
+        let prefix_cache = Mutex::new(new_prefix_cache(&model, prefix_cache::DEFAULT_BUDGET_BYTES));
         Engine {
             name,
             fingerprint,
@@ -464,6 +479,7 @@ impl Engine {
             codec,
             context_length,
             max_token_bytes,
+            prefix_cache,
         }
     }
 
@@ -553,9 +569,14 @@ impl Engine {
             .map_err(|e| self.gen_err(format!("decoding: {e}")))
     }
 
-    /// Logits of the token that follows `ids`.
+    /// Logits of the token that follows `ids` (through the prompt cache, like a generation).
     pub fn next_token_logits(&self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
-        self.model.last_logits(ids).map_err(|e| self.gen_err(e))
+        if ids.is_empty() {
+            return Err(self.gen_err("no tokens to continue"));
+        }
+        self.prefill(ids)
+            .map(|(_, logits, _)| logits)
+            .map_err(|e| self.gen_err(e))
     }
 
     /// Probabilities of each option's first token after `prefix` opens the assistant's reply
@@ -632,20 +653,10 @@ impl Engine {
             });
         }
         let max_new = params.max_new_tokens.min(context - prompt.len());
-        let device = self.model.device();
         let err = |e: candle_core::Error| self.gen_err(e);
 
         let started = std::time::Instant::now();
-        let mut prefill = self.model.new_cache(prompt.len());
-        let input = Tensor::new(prompt, device)
-            .and_then(|t| t.unsqueeze(0))
-            .map_err(err)?;
-        let first_logits = self
-            .model
-            .forward_last(&input, &mut prefill)
-            .and_then(|l| l.squeeze(0))
-            .and_then(|l| l.to_vec1::<f32>())
-            .map_err(err)?;
+        let (prefill, first_logits, cached_tokens) = self.prefill(prompt).map_err(err)?;
         let prefill_secs = started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
         // Room for the first KV_GROWTH new tokens; the cache grows as needed, so many
@@ -672,6 +683,7 @@ impl Engine {
             .collect();
         Ok(GenState {
             prompt_tokens: prompt.len(),
+            cached_tokens,
             stop: params.stop.clone(),
             ignore_eos: params.ignore_eos,
             max_new,
@@ -685,6 +697,39 @@ impl Engine {
             started,
             stream: None,
         })
+    }
+
+    /// The prompt's one-row cache and last logits, starting from the longest stored prompt
+    /// that begins the same way; returns how many positions were reused. The result is
+    /// stored for later prompts.
+    fn prefill(&self, prompt: &[u32]) -> candle_core::Result<(KvCache, Vec<f32>, usize)> {
+        let hit = self.prefix_cache().lookup(prompt)?;
+        let (mut cache, reused) = match hit {
+            Some(Hit::Exact { cache, logits }) => return Ok((cache, logits, prompt.len())),
+            Some(Hit::Prefix { cache, len }) => (cache, len),
+            None => (self.model.new_cache(prompt.len()), 0),
+        };
+        let input = Tensor::new(&prompt[reused..], self.model.device())?.unsqueeze(0)?;
+        let logits = self
+            .model
+            .forward_last(&input, &mut cache)?
+            .squeeze(0)?
+            .to_vec1::<f32>()?;
+        self.prefix_cache()
+            .insert(prompt, cache.clone(), logits.clone());
+        Ok((cache, logits, reused))
+    }
+
+    fn prefix_cache(&self) -> std::sync::MutexGuard<'_, PrefixCache> {
+        // The cache holds no invariant a panicking holder could break halfway.
+        self.prefix_cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Bytes the stored prompt caches hold.
+    pub fn prefix_cache_bytes(&self) -> usize {
+        self.prefix_cache().used_bytes()
     }
 
     /// One token for every unfinished row of `states`: each row samples from its logits
@@ -796,11 +841,19 @@ impl Engine {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(GenOutput {
             prompt_tokens: state.prompt_tokens,
+            cached_tokens: state.cached_tokens,
             samples,
             prefill_secs: state.prefill_secs,
             decode_secs: state.started.elapsed().as_secs_f64(),
         })
     }
+}
+
+/// A budget of `budget` bytes for `model`'s prompt caches.
+fn new_prefix_cache(model: &LlamaModel, budget: usize) -> PrefixCache {
+    let cfg = model.config();
+    let per_token = cfg.num_hidden_layers * 2 * cfg.num_kv_heads() * cfg.head_dim() * 4;
+    PrefixCache::new(budget, per_token)
 }
 
 /// Positions a generation's cache reserves beyond the prompt before it has to grow.
@@ -813,6 +866,7 @@ pub type TokenSink = Box<dyn FnMut(usize, &str) + Send>;
 /// One generation in flight (see [`Engine::start`] and [`Engine::step`]).
 pub struct GenState {
     prompt_tokens: usize,
+    cached_tokens: usize,
     stop: Vec<String>,
     ignore_eos: bool,
     max_new: usize,
@@ -839,6 +893,10 @@ impl GenState {
     /// Rows still decoding (the samples not yet ended).
     pub fn rows(&self) -> usize {
         self.rows.len()
+    }
+    /// Prompt tokens reused from an earlier prompt's cache.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens
     }
     pub fn prompt_tokens(&self) -> usize {
         self.prompt_tokens

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor};
 use rayon::prelude::*;
 
+use super::decode_attention;
 use super::gguf_tokenizer::meta_u32;
 use super::q8::{self, Q8Linear};
 
@@ -140,7 +141,9 @@ struct Layer {
     w_down: Linear,
 }
 
-/// Per-layer key/value cache for a batch of rows that all sit at the same position.
+/// Per-layer key/value cache for a batch of rows that all sit at the same position. A clone
+/// shares the tensors: only fork or copy a clone (see [`KvCache::fork`]), never append to it.
+#[derive(Clone)]
 pub struct KvCache {
     /// (k, v) per layer, each (batch, kv_heads, capacity, head_dim).
     layers: Vec<Option<(Tensor, Tensor)>>,
@@ -187,6 +190,47 @@ impl KvCache {
             len: self.len,
             capacity,
         })
+    }
+
+    /// A one-row copy of row 0's first `len` positions with room for `capacity` positions:
+    /// the start of a longer prompt (see `llm::prefix_cache`).
+    pub fn prefix(&self, len: usize, capacity: usize) -> Result<KvCache> {
+        if len > self.len || capacity < len {
+            candle_core::bail!(
+                "a prefix of {len} positions (room for {capacity}) from a cache of {}",
+                self.len
+            );
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let Some((k, v)) = l else {
+                layers.push(None);
+                continue;
+            };
+            let copy = |t: &Tensor| -> Result<Tensor> {
+                let cur = t.narrow(0, 0, 1)?.narrow(2, 0, len)?;
+                let (_, h, _, d) = cur.dims4()?;
+                let full = Tensor::zeros((1, h, capacity, d), cur.dtype(), cur.device())?;
+                full.slice_set(&cur.contiguous()?, 2, 0)?;
+                Ok(full)
+            };
+            layers.push(Some((copy(k)?, copy(v)?)));
+        }
+        Ok(KvCache {
+            layers,
+            len,
+            capacity,
+        })
+    }
+
+    /// A cache of `len` positions and no layers: bookkeeping tests.
+    #[cfg(test)]
+    pub(crate) fn placeholder(len: usize) -> KvCache {
+        KvCache {
+            layers: Vec::new(),
+            len,
+            capacity: len,
+        }
     }
 
     /// Keeps only the given batch rows, in that order.
@@ -528,7 +572,8 @@ impl LlamaModel {
         let mut x = self.embed.embedding(tokens)?.to_dtype(DType::F32)?;
         let cos = self.cos.narrow(0, pos, seq)?;
         let sin = self.sin.narrow(0, pos, seq)?;
-        let mask = if seq > 1 {
+        // The CPU attention is causal by construction (see `attend`).
+        let mask = if seq > 1 && !self.device.is_cpu() {
             Some(self.causal_mask(seq, pos)?)
         } else {
             None
@@ -607,6 +652,21 @@ impl LlamaModel {
             self.cfg.head_dim(),
         );
         let groups = nh / kvh;
+        if self.device.is_cpu() && q.dtype() == DType::F32 {
+            // Row- and chunk-independent arithmetic (see `llm::decode_attention`).
+            let shape = decode_attention::Heads {
+                head_dim: hd,
+                interleaved_rope: self.interleaved_rope,
+            };
+            let (cos, sin) = (cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?);
+            let rope = Some((&cos[..], &sin[..]));
+            let q = decode_attention::to_heads(q, nh, &shape, rope)?;
+            let k = decode_attention::to_heads(k, kvh, &shape, rope)?;
+            let v = decode_attention::to_heads(v, kvh, &shape, None)?;
+            let pos = cache.len;
+            let (k_all, v_all) = cache.append(layer_idx, &k, &v)?;
+            return decode_attention::attend_causal(&q, &k_all, &v_all, pos);
+        }
         // (b, seq, heads·hd) -> (b, heads, seq, hd)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()

@@ -227,6 +227,11 @@ fn start(job: &mut GenJob) -> Result<GenState, EngineError> {
     }
     Counters::add(&job.counters.started, 1);
     let mut state = engine.start(&prompt, &job.params)?;
+    Counters::add(&job.counters.prompt_tokens, prompt.len() as u64);
+    Counters::add(
+        &job.counters.cached_prompt_tokens,
+        state.cached_tokens() as u64,
+    );
     if let Some(sink) = job.stream.take() {
         state.set_stream(sink);
     }
@@ -291,6 +296,10 @@ pub struct LocalStats {
     pub cancelled_tokens: u64,
     /// Queued requests never started because their caller had left.
     pub skipped: u64,
+    /// Prompt tokens of the started generations.
+    pub prompt_tokens: u64,
+    /// Of those, tokens whose keys and values came from an earlier prompt (prefix reuse).
+    pub cached_prompt_tokens: u64,
 }
 
 #[derive(Debug, Default)]
@@ -300,6 +309,8 @@ struct Counters {
     cancelled: AtomicU64,
     cancelled_tokens: AtomicU64,
     skipped: AtomicU64,
+    prompt_tokens: AtomicU64,
+    cached_prompt_tokens: AtomicU64,
 }
 
 impl Counters {
@@ -314,6 +325,8 @@ impl Counters {
             cancelled: get(&self.cancelled),
             cancelled_tokens: get(&self.cancelled_tokens),
             skipped: get(&self.skipped),
+            prompt_tokens: get(&self.prompt_tokens),
+            cached_prompt_tokens: get(&self.cached_prompt_tokens),
         }
     }
 }

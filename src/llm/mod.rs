@@ -5,6 +5,7 @@
 pub mod cache;
 pub mod chat_template;
 pub mod config;
+pub(crate) mod decode_attention;
 pub mod engine;
 pub mod gguf_tokenizer;
 pub mod llama;
@@ -13,6 +14,7 @@ pub mod openai;
 pub mod parse;
 pub mod peft;
 pub mod pool;
+pub(crate) mod prefix_cache;
 pub mod q8;
 pub mod roles;
 pub mod sampling;

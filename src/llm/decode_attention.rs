@@ -1,0 +1,404 @@
+//! Causal attention on the CPU over plain slices, the same arithmetic for every query
+//! whatever else is in its forward pass. With candle's matmuls the sums of a query depend on
+//! the shape of the whole product (how many queries and keys came with it), and the int8
+//! activations of the next layer turn those last-bit differences into different tokens: a
+//! prompt prefilled in two pieces (a reused prefix, then the rest) would not give the tokens
+//! of one cold prefill. Here query `i` at position `p` sums over keys `0..=p` in position
+//! order, so prefill in any chunks, decode, and prefix reuse agree bit for bit. It is also
+//! cheaper than the dozen small candle ops (reshapes, copies, rotary, two matmuls, softmax)
+//! a decode step of one request took per layer.
+
+use std::sync::OnceLock;
+
+use candle_core::{DType, Result, Tensor};
+use rayon::prelude::*;
+
+/// The head size and rotary layout of one layer's attention.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    pub head_dim: usize,
+    /// Rotary pairs are adjacent (GPT-J style) rather than half a head apart (NeoX style).
+    pub interleaved_rope: bool,
+}
+
+/// Rotary embedding of `x` (one head, `head_dim` values) with the tables of its position
+/// (`head_dim / 2` each), written to `out`: the arithmetic of candle's `rope` / `rope_i`.
+fn rotate(x: &[f32], cos: &[f32], sin: &[f32], interleaved: bool, out: &mut [f32]) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (a, b) = if interleaved {
+            (2 * i, 2 * i + 1)
+        } else {
+            (i, i + half)
+        };
+        out[a] = x[a] * cos[i] - x[b] * sin[i];
+        out[b] = x[a] * sin[i] + x[b] * cos[i];
+    }
+}
+
+/// `x` (rows, seq, n·head_dim) with unit stride in the last dimension, as (rows, n, seq,
+/// head_dim), contiguous; rotated when `rope` gives the tables of the `seq` positions
+/// (`seq · head_dim / 2` values each).
+pub fn to_heads(
+    x: &Tensor,
+    n: usize,
+    hd: &Heads,
+    rope: Option<(&[f32], &[f32])>,
+) -> Result<Tensor> {
+    let (rows, seq, width) = x.dims3()?;
+    let d = hd.head_dim;
+    if width != n * d {
+        candle_core::bail!("attention input {:?} is not {n} heads of {d}", x.dims());
+    }
+    let half = d / 2;
+    let mut out = vec![0f32; rows * seq * width];
+    with_f32(x, |data, stride| {
+        for r in 0..rows {
+            for t in 0..seq {
+                let src = &data[r * stride[0] + t * stride[1]..][..width];
+                for h in 0..n {
+                    let dst = &mut out[((r * n + h) * seq + t) * d..][..d];
+                    let head = &src[h * d..(h + 1) * d];
+                    match rope {
+                        Some((cos, sin)) => rotate(
+                            head,
+                            &cos[t * half..(t + 1) * half],
+                            &sin[t * half..(t + 1) * half],
+                            hd.interleaved_rope,
+                            dst,
+                        ),
+                        None => dst.copy_from_slice(head),
+                    }
+                }
+            }
+        }
+    })?;
+    Tensor::from_vec(out, (rows, n, seq, d), x.device())
+}
+
+/// softmax(q·kᵀ / √head_dim)·v, causal: `q` (rows, heads, seq, hd) holds positions
+/// `pos..pos + seq`, `k`, `v` (rows, kv_heads, pos + seq, hd) every position up to the last
+/// query's. Query head `h` reads KV head `h / (heads / kv_heads)`. Returns (rows, seq,
+/// heads·hd).
+pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
+    let (rows, heads, seq, d) = q.dims4()?;
+    let (_, kv_heads, len, _) = k.dims4()?;
+    if len != pos + seq || kv_heads == 0 || heads % kv_heads != 0 {
+        candle_core::bail!(
+            "attention of {heads} heads at positions {pos}..{} over {kv_heads} KV heads of {len}",
+            pos + seq
+        );
+    }
+    let groups = heads / kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut out = vec![0f32; rows * seq * heads * d];
+    let simd = simd();
+    with_f32(q, |qd, qs| {
+        with_f32(k, |kd, ks| {
+            with_f32(v, |vd, vs| {
+                // One task per (row, position, head): its output span and its query.
+                let query = |i: usize, o: &mut [f32], scores: &mut Vec<f32>| {
+                    let h = i % heads;
+                    let t = (i / heads) % seq;
+                    let r = i / (heads * seq);
+                    let kv = h / groups;
+                    let qh = &qd[r * qs[0] + h * qs[1] + t * qs[2]..][..d];
+                    let keys = pos + t + 1;
+                    scores.clear();
+                    let mut max = f32::NEG_INFINITY;
+                    for p in 0..keys {
+                        let kp = &kd[r * ks[0] + kv * ks[1] + p * ks[2]..][..d];
+                        let s = dot(simd, qh, kp) * scale;
+                        max = max.max(s);
+                        scores.push(s);
+                    }
+                    let mut sum = 0f32;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s;
+                    }
+                    o.fill(0.0);
+                    for (p, s) in scores.iter().enumerate() {
+                        let vp = &vd[r * vs[0] + kv * vs[1] + p * vs[2]..][..d];
+                        axpy(simd, s / sum, vp, o);
+                    }
+                };
+                // A decode step's few queries run inline (its caller spreads requests over the
+                // threads); a prefill's spread over the threads.
+                if rows * seq * heads * len * d < 1 << 16 {
+                    let mut scores = Vec::with_capacity(len);
+                    for (i, o) in out.chunks_mut(d).enumerate() {
+                        query(i, o, &mut scores);
+                    }
+                } else {
+                    out.par_chunks_mut(d)
+                        .enumerate()
+                        .with_min_len(16)
+                        .for_each_init(
+                            || Vec::with_capacity(len),
+                            |scores, (i, o)| query(i, o, scores),
+                        );
+                }
+            })
+        })
+    })???;
+    Tensor::from_vec(out, (rows, seq, heads * d), q.device())
+}
+
+/// Whether the AVX2/FMA versions of [`dot`] and [`axpy`] run here (decided once, so every
+/// query of a process takes the same arithmetic).
+fn simd() -> bool {
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if simd && a.len() % 8 == 0 {
+        // SAFETY: `simd()` checked the CPU features; the slices have equal lengths.
+        return unsafe { avx2::dot(a, b) };
+    }
+    let _ = simd;
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// `out += w · x`.
+fn axpy(simd: bool, w: f32, x: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd && x.len() % 8 == 0 {
+        // SAFETY: as in `dot`.
+        return unsafe { avx2::axpy(w, x, out) };
+    }
+    let _ = simd;
+    for (o, x) in out.iter_mut().zip(x) {
+        *o += w * x;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX2 and FMA; `a.len() == b.len()`, a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for i in (0..a.len()).step_by(8) {
+            acc = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc,
+            );
+        }
+        let s4 = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA; `x.len() == out.len()`, a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy(w: f32, x: &[f32], out: &mut [f32]) {
+        let wv = _mm256_set1_ps(w);
+        for i in (0..x.len()).step_by(8) {
+            let o = out.as_mut_ptr().add(i);
+            _mm256_storeu_ps(
+                o,
+                _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(o)),
+            );
+        }
+    }
+}
+
+/// Runs `f` on the f32 values of a CPU tensor (from its first element) and its strides; the
+/// last stride must be 1.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32], &[usize]) -> R) -> Result<R> {
+    if t.dtype() != DType::F32 {
+        candle_core::bail!("CPU attention: f32 expected, got {:?}", t.dtype());
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("CPU attention runs on the CPU");
+    };
+    let stride = layout.stride();
+    if stride.last() != Some(&1) {
+        candle_core::bail!("CPU attention: the last dimension must be contiguous");
+    }
+    let data = cpu.as_slice::<f32>()?;
+    Ok(f(&data[layout.start_offset()..], stride))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    const HEADS: usize = 6;
+    const KV: usize = 2;
+
+    fn randn(shape: &[usize]) -> Tensor {
+        Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// The candle ops this replaces: (rows, seq, n·hd) inputs at positions 0..seq.
+    fn reference(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        s: &Heads,
+    ) -> Tensor {
+        let (rows, seq, _) = q.dims3().unwrap();
+        let d = s.head_dim;
+        let heads = |t: &Tensor, n: usize| {
+            t.reshape((rows, seq, n, d))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        };
+        let rope = |t: &Tensor| {
+            if s.interleaved_rope {
+                candle_nn::rotary_emb::rope_i(t, cos, sin).unwrap()
+            } else {
+                candle_nn::rotary_emb::rope(t, cos, sin).unwrap()
+            }
+        };
+        let (q, k, v) = (rope(&heads(q, HEADS)), rope(&heads(k, KV)), heads(v, KV));
+        let k = k.repeat_interleave_heads();
+        let v = v.repeat_interleave_heads();
+        let mask: Vec<f32> = (0..seq)
+            .flat_map(|i| (0..seq).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (seq, seq), &Device::Cpu).unwrap();
+        let att = (q.matmul(&k.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
+        let att = att.broadcast_add(&mask).unwrap();
+        let att = candle_nn::ops::softmax_last_dim(&att).unwrap();
+        att.matmul(&v)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((rows, seq, HEADS * d))
+            .unwrap()
+    }
+
+    trait RepeatHeads {
+        fn repeat_interleave_heads(&self) -> Tensor;
+    }
+    impl RepeatHeads for Tensor {
+        /// (rows, KV, seq, d) -> (rows, HEADS, seq, d), each KV head for its group of heads.
+        fn repeat_interleave_heads(&self) -> Tensor {
+            let (rows, kv, seq, d) = self.dims4().unwrap();
+            self.unsqueeze(2)
+                .unwrap()
+                .broadcast_as((rows, kv, HEADS / KV, seq, d))
+                .unwrap()
+                .reshape((rows, HEADS, seq, d))
+                .unwrap()
+        }
+    }
+
+    /// Rotates and attends `seq` positions in chunks, keeping K/V as a cache would.
+    fn chunked(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cos: &[f32],
+        sin: &[f32],
+        s: &Heads,
+        cuts: &[usize],
+    ) -> Tensor {
+        let seq = q.dim(1).unwrap();
+        let half = s.head_dim / 2;
+        let mut bounds = vec![0];
+        bounds.extend_from_slice(cuts);
+        bounds.push(seq);
+        let (mut k_all, mut v_all, mut outs): (Option<Tensor>, Option<Tensor>, Vec<Tensor>) =
+            (None, None, vec![]);
+        for w in bounds.windows(2) {
+            let (a, n) = (w[0], w[1] - w[0]);
+            let tables = (
+                &cos[a * half..(a + n) * half],
+                &sin[a * half..(a + n) * half],
+            );
+            let qh = to_heads(&q.narrow(1, a, n).unwrap(), HEADS, s, Some(tables)).unwrap();
+            let kh = to_heads(&k.narrow(1, a, n).unwrap(), KV, s, Some(tables)).unwrap();
+            let vh = to_heads(&v.narrow(1, a, n).unwrap(), KV, s, None).unwrap();
+            let grow = |all: Option<Tensor>, new: Tensor| match all {
+                None => new,
+                Some(t) => Tensor::cat(&[&t, &new], 2).unwrap(),
+            };
+            k_all = Some(grow(k_all, kh));
+            v_all = Some(grow(v_all, vh));
+            // As in a KV cache: the filled positions of a larger allocation.
+            let pad = randn(&[q.dim(0).unwrap(), KV, 3, s.head_dim]);
+            let filled = |t: &Tensor| {
+                Tensor::cat(&[t, &pad], 2)
+                    .unwrap()
+                    .narrow(2, 0, a + n)
+                    .unwrap()
+            };
+            let (ka, va) = (
+                filled(k_all.as_ref().unwrap()),
+                filled(v_all.as_ref().unwrap()),
+            );
+            outs.push(attend_causal(&qh, &ka, &va, a).unwrap());
+        }
+        Tensor::cat(&outs, 1).unwrap()
+    }
+
+    #[test]
+    fn equals_candle_ops_and_chunks_agree_bit_for_bit() {
+        for interleaved_rope in [false, true] {
+            let s = Heads {
+                head_dim: 16,
+                interleaved_rope,
+            };
+            let (rows, seq) = (2, 11);
+            let q = randn(&[rows, seq, HEADS * s.head_dim]);
+            let k = randn(&[rows, seq, KV * s.head_dim]);
+            let v = randn(&[rows, seq, KV * s.head_dim]);
+            let (cos, sin) = (randn(&[seq, s.head_dim / 2]), randn(&[seq, s.head_dim / 2]));
+            let want = reference(&q, &k, &v, &cos, &sin, &s);
+            let (c, sn) = (
+                cos.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                sin.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            let whole = chunked(&q, &k, &v, &c, &sn, &s, &[]);
+            assert!(
+                max_diff(&whole, &want) < 1e-5,
+                "interleaved {interleaved_rope}"
+            );
+            // A prefix then the rest, and one position at a time (decode): the same bits.
+            for cuts in [vec![4], (1..seq).collect::<Vec<_>>()] {
+                let pieces = chunked(&q, &k, &v, &c, &sn, &s, &cuts);
+                assert_eq!(max_diff(&pieces, &whole), 0.0, "cuts {cuts:?}");
+            }
+        }
+    }
+}
