@@ -377,6 +377,10 @@ fn packed_pairs_equal_separate_rows_in_values_and_gradients() {
         let logits = model.forward(&ids, Some(&attn)).unwrap();
         let (separate, _) = sequence_logps(&logits, &ids, &loss).unwrap();
         let batch = PairBatch::new(&pairs, 0, &cpu()).unwrap();
+        assert!(
+            batch.layout.blocks.is_some(),
+            "packed pairs attend block by block"
+        );
         let (pc, pr) = pair_logps(&model, &batch, false).unwrap();
         let packed = Tensor::cat(&[&pc, &pr], 0).unwrap();
         let d = max_abs(&(&packed - &separate).unwrap());

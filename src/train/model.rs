@@ -57,6 +57,51 @@ pub struct BatchLayout {
     pub bias: Tensor,
     /// Each token's rotary position (batch, seq) u32; `None`: 0, 1, … in every row.
     pub positions: Option<Tensor>,
+    /// Rows packed as a shared prompt and segments that each read only the prompt and
+    /// themselves: attention then runs per segment (see [`RowBlocks`]) instead of over the
+    /// whole row with most of it masked.
+    pub blocks: Option<Vec<RowBlocks>>,
+}
+
+/// One packed row: the prompt `0..prompt`, then segments `(start, len)` back to back, then
+/// padding. A segment's queries read the prompt and the segment's own earlier tokens.
+///
+/// Why: n responses packed after their prompt make a row of P + n·R tokens whose dense
+/// attention scores (kept for the backward pass) grow with (P + n·R)², though each
+/// response reads only P + R keys; per segment they grow with n·R·(P + R). For 8 responses
+/// of 64 tokens after a 40-token prompt that is 5.5× less attention memory and arithmetic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowBlocks {
+    pub prompt: usize,
+    pub segments: Vec<(usize, usize)>,
+}
+
+impl RowBlocks {
+    /// The blocks of a row of segment ids, when it has the packed shape: segment 0 first,
+    /// each later segment contiguous and seen once, padding (`None`) only at the end.
+    fn of(segs: &[Option<u8>]) -> Option<RowBlocks> {
+        let prompt = segs.iter().take_while(|s| **s == Some(0)).count();
+        if prompt == 0 {
+            return None;
+        }
+        let mut segments: Vec<(usize, usize)> = Vec::new();
+        let mut seen = Vec::new();
+        let mut i = prompt;
+        while i < segs.len() {
+            let Some(id) = segs[i] else { break };
+            if id == 0 || seen.contains(&id) {
+                return None;
+            }
+            seen.push(id);
+            let len = segs[i..].iter().take_while(|s| **s == Some(id)).count();
+            segments.push((i, len));
+            i += len;
+        }
+        if segs[i..].iter().any(Option::is_some) {
+            return None;
+        }
+        Some(RowBlocks { prompt, segments })
+    }
 }
 
 impl BatchLayout {
@@ -80,6 +125,7 @@ impl BatchLayout {
         Ok(Self {
             bias,
             positions: None,
+            blocks: None,
         })
     }
 
@@ -105,9 +151,14 @@ impl BatchLayout {
                 }
             }
         }
+        let blocks = segments
+            .iter()
+            .map(|s| RowBlocks::of(s))
+            .collect::<Option<Vec<_>>>();
         Ok(Self {
             bias: Tensor::from_vec(bias, (b, 1, seq, seq), device)?,
             positions: Some(Tensor::from_vec(positions, (b, seq), device)?),
+            blocks,
         })
     }
 }
@@ -117,6 +168,48 @@ struct LayerContext {
     bias: Tensor,
     cos: Tensor,
     sin: Tensor,
+    /// Per row, per block: (first query, queries, the block's keys as ranges of the row,
+    /// its bias (1, 1, queries, keys)); `None`: dense attention over `bias`.
+    blocks: Option<Vec<Vec<Block>>>,
+}
+
+/// One attention block of a packed row.
+struct Block {
+    start: usize,
+    len: usize,
+    keys: Vec<(usize, usize)>,
+    bias: Tensor,
+}
+
+impl Block {
+    /// Queries `start..start + len` reading the keys in `shared` (all visible) and their own
+    /// range (causally).
+    fn new(
+        start: usize,
+        len: usize,
+        shared: Option<usize>,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Self> {
+        let p = shared.unwrap_or(0);
+        let width = p + len;
+        let mut bias = vec![MASKED as f32; len * width];
+        for i in 0..len {
+            let row = &mut bias[i * width..(i + 1) * width];
+            row[..p + i + 1].fill(0.0);
+        }
+        let mut keys = Vec::with_capacity(2);
+        if p > 0 {
+            keys.push((0, p));
+        }
+        keys.push((start, len));
+        Ok(Block {
+            start,
+            len,
+            keys,
+            bias: Tensor::from_vec(bias, (1, 1, len, width), dev)?.to_dtype(dtype)?,
+        })
+    }
 }
 
 /// A projection weight (out, in) and, once LoRA is enabled on it, its adapter.
@@ -568,10 +661,26 @@ impl TrainLlama {
                 (table(&self.cos)?, table(&self.sin)?)
             }
         };
+        let blocks = match &layout.blocks {
+            Some(rows) if rows.len() == b => Some(
+                rows.iter()
+                    .map(|r| {
+                        let dev = tokens.device();
+                        let mut blocks = vec![Block::new(0, r.prompt, None, self.dtype, dev)?];
+                        for &(start, len) in &r.segments {
+                            blocks.push(Block::new(start, len, Some(r.prompt), self.dtype, dev)?);
+                        }
+                        Ok(blocks)
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+            _ => None,
+        };
         Ok(LayerContext {
             bias: layout.bias.to_dtype(self.dtype)?,
             cos,
             sin,
+            blocks,
         })
     }
 
@@ -585,7 +694,7 @@ impl TrainLlama {
     fn layer_forward(&self, layer: &TrainLayer, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
         let eps = self.cfg.rms_norm_eps as f32;
         let hs = super::ops::rms_norm(x, &layer.input_norm, eps)?;
-        let x = (x + self.attention(layer, &hs, &ctx.cos, &ctx.sin, &ctx.bias)?)?;
+        let x = (x + self.attention(layer, &hs, ctx)?)?;
         let hs = super::ops::rms_norm(&x, &layer.post_norm, eps)?;
         let act = super::ops::swiglu(&self.proj(&hs, &layer.gate)?, &self.proj(&hs, &layer.up)?)?;
         x + self.proj(&act, &layer.down)?
@@ -666,14 +775,8 @@ impl TrainLlama {
         Ok((grads, extra))
     }
 
-    fn attention(
-        &self,
-        layer: &TrainLayer,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        bias: &Tensor,
-    ) -> Result<Tensor> {
+    fn attention(&self, layer: &TrainLayer, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
+        let (cos, sin, bias) = (&ctx.cos, &ctx.sin, &ctx.bias);
         let (b, seq, _) = x.dims3()?;
         let (nh, kvh, hd) = (
             self.cfg.num_attention_heads,
@@ -689,6 +792,10 @@ impl TrainLlama {
         let v = heads(self.proj(x, &layer.v)?, kvh)?;
         let q = super::ops::rope(&q, cos, sin)?;
         let k = super::ops::rope(&k, cos, sin)?;
+        if let Some(blocks) = &ctx.blocks {
+            let y = self.blocked_attention(&q, &k, &v, blocks)?;
+            return self.proj(&y, &layer.o);
+        }
         // Query head `j` reads key/value head `j / groups` (HF `repeat_kv`): the `groups`
         // query heads of a key/value head are stacked along the query axis, so K and V are
         // never copied `groups` times.
@@ -705,6 +812,67 @@ impl TrainLlama {
             .contiguous()?
             .reshape((b, seq, nh * hd))?;
         self.proj(&y, &layer.o)
+    }
+
+    /// Attention of packed rows block by block (see [`RowBlocks`]): `q` (b, heads, seq, hd)
+    /// and `k`, `v` (b, kv_heads, seq, hd) rotated; returns (b, seq, heads·hd), zeros at
+    /// padding.
+    fn blocked_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        blocks: &[Vec<Block>],
+    ) -> Result<Tensor> {
+        let (_, nh, seq, hd) = q.dims4()?;
+        let kvh = k.dim(1)?;
+        let groups = nh / kvh;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut rows = Vec::with_capacity(blocks.len());
+        for (r, row) in blocks.iter().enumerate() {
+            let (qr, kr, vr) = (q.narrow(0, r, 1)?, k.narrow(0, r, 1)?, v.narrow(0, r, 1)?);
+            let mut parts = Vec::with_capacity(row.len() + 1);
+            let mut used = 0;
+            for b in row {
+                let gather = |t: &Tensor| -> Result<Tensor> {
+                    let pieces = b
+                        .keys
+                        .iter()
+                        .map(|&(s, n)| t.narrow(2, s, n))
+                        .collect::<Result<Vec<_>>>()?;
+                    Tensor::cat(&pieces, 2)?.contiguous()
+                };
+                let (kb, vb) = (gather(&kr)?, gather(&vr)?);
+                let width = kb.dim(2)?;
+                let qb = qr.narrow(2, b.start, b.len)?.contiguous()?.reshape((
+                    1,
+                    kvh,
+                    groups * b.len,
+                    hd,
+                ))?;
+                let scores = qb
+                    .matmul(&kb.t()?.contiguous()?)?
+                    .reshape((1, nh, b.len, width))?;
+                let att = super::ops::masked_softmax(&scores, &b.bias, scale)?;
+                let y = att.reshape((1, kvh, groups * b.len, width))?.matmul(&vb)?;
+                parts.push(
+                    y.reshape((1, nh, b.len, hd))?
+                        .transpose(1, 2)?
+                        .contiguous()?
+                        .reshape((1, b.len, nh * hd))?,
+                );
+                used = used.max(b.start + b.len);
+            }
+            if used < seq {
+                parts.push(Tensor::zeros(
+                    (1, seq - used, nh * hd),
+                    q.dtype(),
+                    q.device(),
+                )?);
+            }
+            rows.push(Tensor::cat(&parts, 1)?);
+        }
+        Tensor::cat(&rows, 0)
     }
 
     /// `x · Wᵀ`, plus `scale · dropout(x) · Aᵀ · Bᵀ` when the projection has an enabled
@@ -893,4 +1061,30 @@ fn safetensors_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         anyhow::bail!("no *.safetensors file in {}", dir.display());
     }
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_blocks_only_for_a_prompt_then_contiguous_segments() {
+        let row =
+            |ids: &[i8]| -> Vec<Option<u8>> { ids.iter().map(|&i| u8::try_from(i).ok()).collect() };
+        assert_eq!(
+            RowBlocks::of(&row(&[0, 0, 1, 1, 1, 2, 2, -1])),
+            Some(RowBlocks {
+                prompt: 2,
+                segments: vec![(2, 3), (5, 2)]
+            })
+        );
+        assert_eq!(RowBlocks::of(&row(&[1, 1])), None, "no prompt");
+        assert_eq!(
+            RowBlocks::of(&row(&[0, 1, 2, 1])),
+            None,
+            "a segment in two pieces"
+        );
+        assert_eq!(RowBlocks::of(&row(&[0, 1, -1, 2])), None, "padding inside");
+        assert_eq!(RowBlocks::of(&row(&[0, 1, 0])), None, "the prompt again");
+    }
 }

@@ -725,6 +725,34 @@ pub fn token_logps(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     logits.contiguous()?.apply_op2(&labels, TokenLogp)
 }
 
+/// Per-row entropy −Σ p·log p of logits (K, V), detached (a logged metric, no gradient):
+/// one pass per row instead of the (K, V) log-softmax, exp and product tensors of the
+/// composed ops, which at a 49k vocabulary and a few hundred response tokens are hundreds
+/// of MB each, alive at the same time as the forward pass's activations.
+pub fn token_entropy(logits: &Tensor) -> Result<Tensor> {
+    let logits = logits.detach();
+    if !fused(&[&logits]) {
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        return (logp.exp()? * &logp)?.sum(D::Minus1)?.neg();
+    }
+    let (k, v) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let (storage, layout) = logits.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("token entropy: CPU storage expected");
+    };
+    let data = f32s(cpu, layout, "token entropy")?;
+    let mut out = vec![0f32; k];
+    par_rows(&mut out, 1, |r, o| {
+        let row = &data[r * v..(r + 1) * v];
+        // H = log Z − Σ p·x with p = exp(x − log Z).
+        let log_z = log_sum_exp(row);
+        let mean: f32 = row.iter().map(|x| (x - log_z).exp() * x).sum();
+        o[0] = log_z - mean;
+    });
+    Tensor::from_vec(out, k, logits.device())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -910,5 +938,23 @@ mod tests {
         );
         let bad = Tensor::new(&[3u32, 0, 10, 4], &Device::Cpu).unwrap();
         assert!(token_logps(&rand(&[4, 10], 8), &bad).is_err());
+    }
+
+    #[test]
+    fn token_entropy_matches_the_composed_ops() {
+        let logits = (rand(&[5, 300], 9) * 6.0).unwrap();
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
+        let want = (logp.exp().unwrap() * &logp)
+            .unwrap()
+            .sum(D::Minus1)
+            .unwrap()
+            .neg()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let got = token_entropy(&logits).unwrap().to_vec1::<f32>().unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-4, "{got:?} vs {want:?}");
+        }
     }
 }

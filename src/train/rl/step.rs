@@ -537,7 +537,7 @@ impl RlTrainer {
                 let entropy = if with_entropy {
                     entropy_of_logits(&logits.to_dtype(DType::F32)?)?
                 } else {
-                    entropy_of_logits(&logits.detach().to_dtype(DType::F32)?)?
+                    crate::train::ops::token_entropy(&logits.to_dtype(DType::F32)?)?
                 };
                 let entropy = Some(entropy);
                 let out = ppo_loss(
