@@ -66,8 +66,10 @@ for preset in infogain interactive; do
   model="$out/dpo-$preset"
   if [[ ! -d "$model/merged" ]]; then
     echo "== dpo_train ($preset) → $model"
+    resume=()
+    [[ -d "$model" ]] && resume=(--resume) # an interrupted run continues from its checkpoint
     "$bin/dpo_train" --data "$run" --model "$policy" --lora --merge \
-      "${train[@]}" --threads "$threads" --output "$model"
+      "${train[@]}" --threads "$threads" --output "$model" "${resume[@]}"
   fi
   models+=(--model "$model/merged")
 done
