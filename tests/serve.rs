@@ -536,21 +536,41 @@ async fn streaming_raw_sse() {
     api_error(&text);
 }
 
-#[tokio::test]
-async fn graceful_shutdown_finishes() {
+/// Shutdown while a request is being answered: the server stops taking connections but
+/// finishes the request in flight, then returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_finishes_the_request_in_flight() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let started = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = started.clone();
+    let slow = ScriptedBackend::new("slow", move |_, _| {
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        Ok("finished after shutdown".into())
+    });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(collabllm::serve::serve_with_shutdown(
         listener,
-        ScriptedBackend::echo("e"),
+        slow,
         MODEL,
         async {
             let _ = rx.await;
         },
     ));
-    assert_eq!(get_raw(addr, "/health").await.0, 200);
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    let request = tokio::spawn(post_raw(addr, body.to_string()));
+    while !started.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     tx.send(()).unwrap();
+    let (status, text) = request.await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        "finished after shutdown"
+    );
     tokio::time::timeout(std::time::Duration::from_secs(10), server)
         .await
         .expect("server stops")

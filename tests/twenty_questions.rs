@@ -43,10 +43,10 @@ fn objects_file_matches_shared_reference() {
         env!("CARGO_MANIFEST_DIR"),
         "/../shared/reference/twenty_questions_objects.tsv"
     );
-    if let Ok(s) = std::fs::read_to_string(shared) {
-        let ours = std::fs::read_to_string(format!("{DEFAULT_DATA_DIR}/{OBJECTS_FILE}")).unwrap();
-        assert_eq!(s, ours, "data/ copy differs from the shared reference");
-    }
+    let s = std::fs::read_to_string(shared)
+        .unwrap_or_else(|e| panic!("{shared}: {e} (the shared/ folder must sit beside the repo)"));
+    let ours = std::fs::read_to_string(format!("{DEFAULT_DATA_DIR}/{OBJECTS_FILE}")).unwrap();
+    assert_eq!(s, ours, "data/ copy differs from the shared reference");
 }
 
 #[test]
