@@ -478,22 +478,24 @@ impl LlamaModel {
             cfg.num_kv_heads() * cfg.head_dim(),
         );
         let embed_w = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
-        let lm_head = if cfg.tie_word_embeddings {
-            tensor_to_linear(embed_w.clone(), format)?
-        } else if !vb.contains_tensor("lm_head.weight") {
+        if !cfg.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
             // transformers would start such a head from random values: never guess.
             candle_core::bail!("{UNTIED_WITHOUT_HEAD}")
-        } else {
-            tensor_to_linear(vb.get((cfg.vocab_size, h), "lm_head.weight")?, format)?
+        }
+        let head = || -> Result<Linear> {
+            if cfg.tie_word_embeddings {
+                tensor_to_linear(embed_w.clone(), format)
+            } else {
+                tensor_to_linear(vb.get((cfg.vocab_size, h), "lm_head.weight")?, format)
+            }
         };
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
+        let layer = |i: usize| -> Result<Layer> {
             let p = format!("model.layers.{i}");
             let lin = |n: &str, shape: (usize, usize)| {
                 tensor_to_linear(vb.get(shape, &format!("{p}.{n}.weight"))?, format)
             };
             let im = cfg.intermediate_size;
-            layers.push(Layer {
+            Ok(Layer {
                 attn_norm: vb.get(h, &format!("{p}.input_layernorm.weight"))?,
                 ffn_norm: vb.get(h, &format!("{p}.post_attention_layernorm.weight"))?,
                 qkv: Group::new(vec![
@@ -507,8 +509,19 @@ impl LlamaModel {
                     lin("mlp.up_proj", (im, h))?,
                 ])?,
                 w_down: lin("mlp.down_proj", (h, im))?,
-            });
-        }
+            })
+        };
+        // Re-quantizing every linear layer is most of the load (and of an RL run's weight
+        // sync after each update): layers and the head convert in parallel.
+        let (lm_head, layers) = q8::on_pool(|| {
+            rayon::join(head, || {
+                (0..cfg.num_hidden_layers)
+                    .into_par_iter()
+                    .map(layer)
+                    .collect::<Result<Vec<_>>>()
+            })
+        });
+        let (lm_head, layers) = (lm_head?, layers?);
         let norm = vb.get(h, "model.norm.weight")?;
         let (cos, sin) = rope_tables(&cfg, factors, device)?;
         Ok(Self {
