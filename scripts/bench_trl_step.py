@@ -80,6 +80,7 @@ def main() -> int:
             times.append(time.perf_counter() - self.t)
 
     with tempfile.TemporaryDirectory() as out:
+        # TRL 1.x dropped `max_prompt_length`; the prompts here are shorter than any cap.
         cfg = DPOConfig(
             output_dir=out,
             per_device_train_batch_size=1,
@@ -92,7 +93,6 @@ def main() -> int:
             save_strategy="no",
             use_cpu=True,
             max_length=a.prompt_tokens + a.completion_tokens + 8,
-            max_prompt_length=a.prompt_tokens + 4,
             precompute_ref_log_probs=a.precompute_ref,
             dataloader_num_workers=0,
             disable_tqdm=True,
