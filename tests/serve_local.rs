@@ -45,6 +45,20 @@ async fn openai_client_against_the_tiny_model() {
         usage.total_tokens,
         usage.prompt_tokens + usage.completion_tokens
     );
+    // The same prompt again: its keys and values come from the prompt cache, and the
+    // usage says so in OpenAI's field.
+    let again = CreateChatCompletionRequestArgs::default()
+        .model("tiny")
+        .messages(user())
+        .max_tokens(4u32)
+        .build()
+        .unwrap();
+    let repeat = client.chat().create(again).await.unwrap().usage.unwrap();
+    assert_eq!(repeat.prompt_tokens, usage.prompt_tokens);
+    assert_eq!(
+        repeat.prompt_tokens_details.and_then(|d| d.cached_tokens),
+        Some(usage.prompt_tokens)
+    );
     for c in &resp.choices {
         assert!(!c.message.content.as_deref().unwrap_or("").trim().is_empty());
     }
@@ -425,7 +439,17 @@ async fn streaming_sends_tokens_as_they_are_generated() {
             .all(|c| c["object"] == "chat.completion.chunk"));
         let (last, pieces) = chunks.split_last().unwrap();
         assert_eq!(last["choices"], json!([]));
-        assert_eq!(last["usage"], usage);
+        // The stream repeats a prompt already answered: it comes whole from the prompt
+        // cache; every other count equals the non-streamed reply's.
+        let mut streamed_usage = last["usage"].clone();
+        let mut usage = usage;
+        assert_eq!(
+            streamed_usage["prompt_tokens_details"]["cached_tokens"],
+            usage["prompt_tokens"]
+        );
+        streamed_usage["prompt_tokens_details"] = json!(null);
+        usage["prompt_tokens_details"] = json!(null);
+        assert_eq!(streamed_usage, usage);
         let (finish, pieces) = pieces.split_last().unwrap();
         assert_eq!(finish["choices"][0]["finish_reason"], "length");
         assert_eq!(pieces[0]["choices"][0]["delta"]["role"], "assistant");

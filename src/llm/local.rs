@@ -491,6 +491,7 @@ impl LocalBackend {
             usage: TokenUsage {
                 prompt_tokens: out.prompt_tokens as u64,
                 completion_tokens,
+                cached_prompt_tokens: out.cached_tokens as u64,
             },
             model: self.engine.name().to_string(),
             retries: 0,

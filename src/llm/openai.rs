@@ -341,6 +341,10 @@ impl OpenAiBackend {
             .map(|u| TokenUsage {
                 prompt_tokens: u64::from(u.prompt_tokens),
                 completion_tokens: u64::from(u.completion_tokens),
+                cached_prompt_tokens: u
+                    .prompt_tokens_details
+                    .and_then(|d| d.cached_tokens)
+                    .map_or(0, u64::from),
             })
             .unwrap_or_default();
         let model = if resp.model.is_empty() {

@@ -106,6 +106,7 @@ impl ChatBackend for ScriptedBackend {
             usage: TokenUsage {
                 prompt_tokens: req.messages.iter().map(|m| count_words(&m.content)).sum(),
                 completion_tokens,
+                cached_prompt_tokens: 0,
             },
             model: self.id.model.clone(),
             retries: 0,

@@ -727,6 +727,13 @@ struct Usage {
     prompt_tokens: u64,
     completion_tokens: u64,
     total_tokens: u64,
+    prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt: how much of it came from the prompt cache.
+#[derive(Serialize)]
+struct PromptTokensDetails {
+    cached_tokens: u64,
 }
 
 impl Usage {
@@ -735,6 +742,9 @@ impl Usage {
             prompt_tokens: resp.usage.prompt_tokens,
             completion_tokens: resp.usage.completion_tokens,
             total_tokens: resp.usage.prompt_tokens + resp.usage.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: resp.usage.cached_prompt_tokens,
+            },
         }
     }
 }
