@@ -385,10 +385,6 @@ impl Engine {
             engine.context_length = engine.context_length.min(c);
         }
         engine.max_token_bytes = max_token_bytes(&engine.codec.tokenizer);
-        let budget = opts
-            .prefix_cache_mb
-            .map_or(prefix_cache::DEFAULT_BUDGET_BYTES, |mb| mb << 20);
-        engine.prefix_cache = Mutex::new(new_prefix_cache(&engine.model, budget));
         Ok(engine)
     }
 
@@ -399,6 +395,7 @@ impl Engine {
         let context_length = cfg.max_position_embeddings;
         let model = LlamaModel::from_gguf(&content, &mut file, cfg, opts.weights, device)
             .map_err(|e| load_err(path, format!("reading weights: {e}")))?;
+        let prefix_cache = new_prefix_cache(&model, opts);
         Ok(Engine {
             name: model_name(path),
             fingerprint: fingerprint(&[path.to_path_buf()])?,
@@ -406,7 +403,7 @@ impl Engine {
             codec,
             context_length,
             max_token_bytes: 0,
-            prefix_cache: Mutex::new(PrefixCache::new(0, 1)),
+            prefix_cache,
         })
     }
 
@@ -417,6 +414,7 @@ impl Engine {
         let context_length = cfg.max_position_embeddings;
         let model = LlamaModel::from_safetensors(&weights, cfg, opts.weights, device)
             .map_err(|e| load_err(dir, format!("reading weights: {e}")))?;
+        let prefix_cache = new_prefix_cache(&model, opts);
         Ok(Engine {
             name: model_name(dir),
             fingerprint: fingerprint(&weights)?,
@@ -424,7 +422,7 @@ impl Engine {
             codec,
             context_length,
             max_token_bytes: 0,
-            prefix_cache: Mutex::new(PrefixCache::new(0, 1)),
+            prefix_cache,
         })
     }
 
@@ -450,6 +448,7 @@ impl Engine {
         let mut files = base_files;
         files.push(dir.join(super::peft::ADAPTER_WEIGHTS));
         files.push(dir.join(super::peft::ADAPTER_CONFIG));
+        let prefix_cache = new_prefix_cache(&model, opts);
         Ok(Engine {
             name: model_name(dir),
             fingerprint: fingerprint(&files)?,
@@ -457,7 +456,7 @@ impl Engine {
             codec,
             context_length,
             max_token_bytes: 0,
-            prefix_cache: Mutex::new(PrefixCache::new(0, 1)),
+            prefix_cache,
         })
     }
 
@@ -471,7 +470,7 @@ impl Engine {
     ) -> Engine {
         let context_length = model.config().max_position_embeddings;
         let max_token_bytes = max_token_bytes(&codec.tokenizer);
-        let prefix_cache = Mutex::new(new_prefix_cache(&model, prefix_cache::DEFAULT_BUDGET_BYTES));
+        let prefix_cache = new_prefix_cache(&model, &LoadOptions::default());
         Engine {
             name,
             fingerprint,
@@ -849,11 +848,14 @@ impl Engine {
     }
 }
 
-/// A budget of `budget` bytes for `model`'s prompt caches.
-fn new_prefix_cache(model: &LlamaModel, budget: usize) -> PrefixCache {
+/// `model`'s prompt caches under the budget `opts` give.
+fn new_prefix_cache(model: &LlamaModel, opts: &LoadOptions) -> Mutex<PrefixCache> {
+    let budget = opts
+        .prefix_cache_mb
+        .map_or(prefix_cache::DEFAULT_BUDGET_BYTES, |mb| mb << 20);
     let cfg = model.config();
     let per_token = cfg.num_hidden_layers * 2 * cfg.num_kv_heads() * cfg.head_dim() * 4;
-    PrefixCache::new(budget, per_token)
+    Mutex::new(PrefixCache::new(budget, per_token))
 }
 
 /// Positions a generation's cache reserves beyond the prompt before it has to grow.
@@ -893,10 +895,6 @@ impl GenState {
     /// Rows still decoding (the samples not yet ended).
     pub fn rows(&self) -> usize {
         self.rows.len()
-    }
-    /// Prompt tokens reused from an earlier prompt's cache.
-    pub fn cached_tokens(&self) -> usize {
-        self.cached_tokens
     }
     pub fn prompt_tokens(&self) -> usize {
         self.prompt_tokens

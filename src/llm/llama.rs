@@ -169,27 +169,7 @@ impl KvCache {
     /// Copies row 0 into `n` rows with room for `extra` more positions: one prefill, `n`
     /// samples.
     pub fn fork(&self, n: usize, extra: usize) -> Result<KvCache> {
-        let capacity = self.len + extra;
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            let Some((k, v)) = l else {
-                layers.push(None);
-                continue;
-            };
-            let grow = |t: &Tensor| -> Result<Tensor> {
-                let cur = t.narrow(0, 0, 1)?.narrow(2, 0, self.len)?;
-                let (_, h, _, d) = cur.dims4()?;
-                let full = Tensor::zeros((n, h, capacity, d), cur.dtype(), cur.device())?;
-                full.slice_set(&cur.repeat((n, 1, 1, 1))?.contiguous()?, 2, 0)?;
-                Ok(full)
-            };
-            layers.push(Some((grow(k)?, grow(v)?)));
-        }
-        Ok(KvCache {
-            layers,
-            len: self.len,
-            capacity,
-        })
+        self.copy_row0(self.len, n, self.len + extra)
     }
 
     /// A one-row copy of row 0's first `len` positions with room for `capacity` positions:
@@ -201,6 +181,11 @@ impl KvCache {
                 self.len
             );
         }
+        self.copy_row0(len, 1, capacity)
+    }
+
+    /// Row 0's first `len` positions copied into `rows` fresh rows of `capacity` positions.
+    fn copy_row0(&self, len: usize, rows: usize, capacity: usize) -> Result<KvCache> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let Some((k, v)) = l else {
@@ -210,8 +195,8 @@ impl KvCache {
             let copy = |t: &Tensor| -> Result<Tensor> {
                 let cur = t.narrow(0, 0, 1)?.narrow(2, 0, len)?;
                 let (_, h, _, d) = cur.dims4()?;
-                let full = Tensor::zeros((1, h, capacity, d), cur.dtype(), cur.device())?;
-                full.slice_set(&cur.contiguous()?, 2, 0)?;
+                let full = Tensor::zeros((rows, h, capacity, d), cur.dtype(), cur.device())?;
+                full.slice_set(&cur.repeat((rows, 1, 1, 1))?.contiguous()?, 2, 0)?;
                 Ok(full)
             };
             layers.push(Some((copy(k)?, copy(v)?)));

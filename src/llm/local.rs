@@ -227,11 +227,6 @@ fn start(job: &mut GenJob) -> Result<GenState, EngineError> {
     }
     Counters::add(&job.counters.started, 1);
     let mut state = engine.start(&prompt, &job.params)?;
-    Counters::add(&job.counters.prompt_tokens, prompt.len() as u64);
-    Counters::add(
-        &job.counters.cached_prompt_tokens,
-        state.cached_tokens() as u64,
-    );
     if let Some(sink) = job.stream.take() {
         state.set_stream(sink);
     }
@@ -296,10 +291,6 @@ pub struct LocalStats {
     pub cancelled_tokens: u64,
     /// Queued requests never started because their caller had left.
     pub skipped: u64,
-    /// Prompt tokens of the started generations.
-    pub prompt_tokens: u64,
-    /// Of those, tokens whose keys and values came from an earlier prompt (prefix reuse).
-    pub cached_prompt_tokens: u64,
 }
 
 #[derive(Debug, Default)]
@@ -309,8 +300,6 @@ struct Counters {
     cancelled: AtomicU64,
     cancelled_tokens: AtomicU64,
     skipped: AtomicU64,
-    prompt_tokens: AtomicU64,
-    cached_prompt_tokens: AtomicU64,
 }
 
 impl Counters {
@@ -325,8 +314,6 @@ impl Counters {
             cancelled: get(&self.cancelled),
             cancelled_tokens: get(&self.cancelled_tokens),
             skipped: get(&self.skipped),
-            prompt_tokens: get(&self.prompt_tokens),
-            cached_prompt_tokens: get(&self.cached_prompt_tokens),
         }
     }
 }
