@@ -8,9 +8,6 @@ use std::process::ExitCode;
 use crate::llm::EndpointOptions;
 use crate::task::twenty_questions::chat::OracleMode;
 
-/// The OpenAI-compatible endpoint flags of every binary that calls models; each replaces the
-/// config file's `endpoint` value only when given. The `[default: …]` texts are checked
-/// against [`EndpointOptions::default`] by a test.
 /// The 20 Questions and reward-preset flags of `generate_conv` and `rl_train`, defined once
 /// (flattened into each binary's arguments).
 #[derive(clap::Args, Clone, Debug, Default)]
@@ -56,6 +53,9 @@ impl TwentyQuestionsArgs {
     }
 }
 
+/// The OpenAI-compatible endpoint flags of every binary that calls models; each replaces the
+/// config file's `endpoint` value only when given. The `[default: …]` texts are checked
+/// against [`EndpointOptions::default`] by a test.
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct EndpointArgs {
     /// Environment variable holding the API key of OpenAI-compatible endpoints [default: OPENAI_API_KEY].
@@ -162,9 +162,8 @@ pub fn exit_on_error(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
-            for cause in e.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+            for line in error_lines(&e) {
+                eprintln!("{line}");
             }
             match crate::run::interrupted_exit_code(&e) {
                 Some(code) => ExitCode::from(code),
@@ -172,6 +171,20 @@ pub fn exit_on_error(result: anyhow::Result<()>) -> ExitCode {
             }
         }
     }
+}
+
+/// How a binary reports `e`: the error, then each cause the messages before it do not
+/// already name (many errors state their cause in their own message).
+fn error_lines(e: &anyhow::Error) -> Vec<String> {
+    let mut shown = e.to_string();
+    let mut lines = vec![format!("error: {shown}")];
+    for cause in e.chain().skip(1).map(|c| c.to_string()) {
+        if !shown.contains(&cause) {
+            lines.push(format!("  caused by: {cause}"));
+            shown = cause;
+        }
+    }
+    lines
 }
 
 /// Runs a binary's async body on a multi-threaded runtime, then shuts the runtime down
@@ -217,6 +230,25 @@ pub fn keep_freed_memory() {
 #[cfg(test)]
 mod tests {
     use super::use_color;
+
+    #[test]
+    fn a_cause_the_message_already_names_is_said_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file");
+        let read = crate::task::TaskError::Read {
+            path: "data/x.jsonl".into(),
+            source: io,
+        };
+        let e = anyhow::Error::new(read).context("--tasks");
+        assert_eq!(
+            super::error_lines(&e),
+            [
+                "error: --tasks",
+                "  caused by: data/x.jsonl: cannot read: No such file",
+            ]
+        );
+        let plain = anyhow::anyhow!("disk full").context("writing out/manifest.json");
+        assert_eq!(super::error_lines(&plain).len(), 2);
+    }
 
     #[test]
     fn endpoint_flag_defaults_in_help_match_the_library() {

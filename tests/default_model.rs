@@ -2,8 +2,8 @@
 //! `scripts/fetch_default_model.sh`) against llama.cpp's reference token ids and logits in
 //! `../shared/reference/smollm2_llamacpp_reference.json`.
 
-#[path = "common/model_util.rs"]
-mod model_util;
+mod common;
+use common::model_util;
 
 use collabllm::llm::engine::{Engine, LoadOptions};
 use collabllm::llm::local::LocalBackend;

@@ -2,10 +2,9 @@
 //! adapters out; learning, LoRA save/reload/merge, resume, serve a checkpoint, tokenization
 //! rules and bad input.
 
-#[path = "common/model_util.rs"]
-mod model_util;
-#[path = "common/serve_util.rs"]
-mod serve_util;
+mod common;
+use common::model_util;
+use common::serve_util;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -3,8 +3,7 @@
 //! transcripts, resume without model calls, overlap refusal, and the binary.
 
 mod common;
-#[path = "common/model_util.rs"]
-mod model_util;
+use common::model_util;
 
 use std::path::Path;
 use std::sync::Arc;

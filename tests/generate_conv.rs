@@ -3,8 +3,7 @@
 //! re-scoring without model calls, bad input).
 
 mod common;
-#[path = "common/model_util.rs"]
-mod model_util;
+use common::model_util;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

@@ -2,8 +2,8 @@
 //! scripts/fetch_default_model.sh): a 2-task, 1-turn, N=2, S=1 run completes and either
 //! writes pairs or says in its summary why no turn passed the gap.
 
-#[path = "common/model_util.rs"]
-mod model_util;
+mod common;
+use common::model_util;
 
 use std::path::Path;
 

@@ -3,8 +3,8 @@
 //! 5xx are reported clearly (5xx retried); the token never appears in an error; the dataset
 //! card's YAML parses and lists what was written; `--dry-run` writes the same layout.
 
-#[path = "common/fake_hub.rs"]
-mod fake_hub;
+mod common;
+use common::fake_hub;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! The local engine on the tiny random llama, loaded through the normal HF-directory path.
 
-#[path = "common/model_util.rs"]
-mod model_util;
+mod common;
+use common::model_util;
 
 use candle_core::Tensor;
 use collabllm::llm::engine::{Engine, GenParams, LoadOptions};
@@ -60,6 +60,47 @@ async fn batched_samples_equal_single_stream_samples() {
     );
     let total: u64 = (0..4).map(|i| batch.choices[i].content.len() as u64).sum();
     assert!(total > 0 && batch.usage.completion_tokens >= 4);
+}
+
+/// A long prompt that arrives while another request decodes is prefilled a chunk per round
+/// between its decode steps; both replies equal the ones each request gets alone, cold.
+#[tokio::test]
+async fn a_long_prompt_prefilled_in_chunks_beside_a_decode_gives_its_alone_reply() {
+    let (_g, backend) = load_tiny(&TinySpec::default()).await;
+    let long = "the sea and the hills ".repeat(25);
+    let short = ChatRequest::new(question()).temperature(0.0).max_tokens(64);
+    let long = ChatRequest::new(vec![ChatMessage::user(long)])
+        .temperature(0.0)
+        .max_tokens(8);
+    let mut alone = Vec::new();
+    for req in [&short, &long] {
+        backend.engine().clear_prefix_cache();
+        alone.push(backend.chat(req).await.unwrap());
+    }
+    assert!(
+        alone[1].usage.prompt_tokens > 3 * collabllm::llm::local::PREFILL_CHUNK as u64,
+        "{:?}",
+        alone[1].usage
+    );
+    backend.engine().clear_prefix_cache();
+    let started = backend.stats();
+    let (a, b) = tokio::join!(backend.chat(&short), async {
+        // Joins once the short request is decoding.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        backend.chat(&long).await
+    });
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.choices[0].content, alone[0].choices[0].content);
+    assert_eq!(b.choices[0].content, alone[1].choices[0].content);
+    // Only the chat template's start is shared with the short prompt: the rest of the long
+    // prompt was prefilled here, over several chunks.
+    let cold = b.usage.prompt_tokens - b.usage.cached_prompt_tokens;
+    assert!(
+        cold > 3 * collabllm::llm::local::PREFILL_CHUNK as u64,
+        "{:?}",
+        b.usage
+    );
+    assert_eq!(backend.stats().started - started.started, 2);
 }
 
 /// The same with Q8_0 weights, which run in our int8 kernel: a row's logits never depend on

@@ -2,8 +2,8 @@
 //! right size, SVGs parse as XML and name the series and axes, output is byte-identical on a
 //! second render, bad inputs give errors naming file and field, one point still plots.
 
-#[path = "common/plot_fixtures.rs"]
-mod plot_fixtures;
+mod common;
+use common::plot_fixtures;
 
 use std::path::{Path, PathBuf};
 

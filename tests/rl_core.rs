@@ -2,8 +2,8 @@
 //! from rewards (full and LoRA), exact gradient accumulation, the loss mask, the non-finite
 //! stop, resume after a checkpoint, and weight sync into an inference engine.
 
-#[path = "common/model_util.rs"]
-mod model_util;
+mod common;
+use common::model_util;
 
 use std::path::Path;
 

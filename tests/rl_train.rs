@@ -5,8 +5,7 @@
 //! uninterrupted one; bad input is refused before any model call.
 
 mod common;
-#[path = "common/model_util.rs"]
-mod model_util;
+use common::model_util;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

@@ -5,8 +5,8 @@
 //! frequencies (fixture by `scripts/rope_inv_freq_reference.py`); a `dpo_train` checkpoint
 //! keeps the rope base; what we do not implement is refused, naming the field.
 
-#[path = "common/model_util.rs"]
-mod model_util;
+mod common;
+use common::model_util;
 
 use std::path::{Path, PathBuf};
 

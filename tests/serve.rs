@@ -1,8 +1,8 @@
 //! The `serve` HTTP front over a scripted backend, driven by the real `async-openai` client
 //! and by raw HTTP for the error paths.
 
-#[path = "common/serve_util.rs"]
-mod serve_util;
+mod common;
+use common::serve_util;
 
 use std::collections::BTreeMap;
 

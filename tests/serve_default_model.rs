@@ -3,8 +3,8 @@
 //! `native` Q4_1 kernels do not; the binary serves the f32 weights and answers to the names
 //! it was given.
 
-#[path = "common/model_util.rs"]
-mod model_util;
+mod common;
+use common::model_util;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

@@ -2,10 +2,9 @@
 //! `async-openai` client and raw connections on 127.0.0.1: answers, cancellation when a
 //! client leaves, and the context limits.
 
-#[path = "common/model_util.rs"]
-mod model_util;
-#[path = "common/serve_util.rs"]
-mod serve_util;
+mod common;
+use common::model_util;
+use common::serve_util;
 
 use async_openai::types::chat::{
     ChatCompletionRequestUserMessage, CreateChatCompletionRequestArgs, StopConfiguration,

@@ -2,8 +2,8 @@
 //! path, HF export, gradients (every tensor, finite differences), TRL's losses, and a short
 //! AdamW run that learns a toy preference.
 
-#[path = "common/model_util.rs"]
-mod model_util;
+mod common;
+use common::model_util;
 
 use std::path::Path;
 

@@ -2,10 +2,9 @@
 //! dequantized, Q/K rows converted to the HF layout) against the inference model's exact f32
 //! path on the same file, and every one of its tensors receiving a DPO gradient.
 
-#[path = "common/model_util.rs"]
-mod model_util;
-#[path = "common/weights_digest.rs"]
-mod weights_digest;
+mod common;
+use common::model_util;
+use common::weights_digest;
 
 use candle_core::backprop::GradStore;
 use candle_core::quantized::gguf_file;

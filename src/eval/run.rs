@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use futures::StreamExt;
 
 use super::config::{model_labels, EvalConfig, EvalModel, OracleChoice};
 use super::dialogue::{DialogueModel, DialogueRunner};
@@ -34,7 +33,8 @@ use crate::reward::metrics::{check_tasks_for_metrics, task_metric, Scorer};
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::user::{Sampling, UserSimulator};
 use crate::run::{
-    changed_settings, git_revision, now_secs, write_json_atomic, Interrupted, RunLock, Shutdown,
+    changed_settings, drive_jobs, now_secs, write_json_atomic, Interrupted, ManifestHeader,
+    RunLock, RunStatus, Shutdown,
 };
 use crate::task::prompts::{Prompts, SystemPromptSource};
 use crate::task::twenty_questions::chat::split_objects;
@@ -419,8 +419,7 @@ async fn run_prepared(
         Some(c) if c.had_usage_records() => BTreeMap::new(),
         _ => recorded_usage(&cfg.output.join(MANIFEST_FILE)),
     };
-    let mut signal = None;
-    let write_manifest = |status: &str,
+    let write_manifest = |status: RunStatus,
                           counts: serde_json::Value,
                           failed: &[(String, String, String)],
                           signal: Option<crate::run::Signal>| {
@@ -429,16 +428,8 @@ async fn run_prepared(
             Some(c) => add_usage(&earlier, &c.usage_totals()),
             None => add_usage(&earlier, &now),
         };
-        write_json_atomic(
-            &cfg.output.join(MANIFEST_FILE),
-            &serde_json::json!({
-                "tool": "collabllm-rs eval_multiturn",
-                "version": env!("CARGO_PKG_VERSION"),
-                "git_revision": git_revision(),
-                "status": status,
-                "started_at": started_at,
-                "updated_at": now_secs(),
-                "finished_at": (status != "running").then(now_secs),
+        let header = ManifestHeader::now("collabllm-rs eval_multiturn", started_at, status, signal);
+        let manifest = header.with_fields(serde_json::json!({
                 "config": cfg,
                 "identity": cfg.identity(),
                 "seed": cfg.seed,
@@ -448,16 +439,16 @@ async fn run_prepared(
                     .collect::<Vec<_>>(),
                 "counts": counts,
                 "failed": failed,
-                "signal": signal.map(|s: crate::run::Signal| s.name()),
                 "warnings": warnings,
                 // This invocation, and every invocation on this directory.
                 "usage": now,
                 "cost_usd": cost(&roles, &labels, &total, &cfg.prices),
                 "usage_total": total,
-            }),
-        )
+        }));
+        write_json_atomic(&cfg.output.join(MANIFEST_FILE), &manifest)?;
+        anyhow::Ok(())
     };
-    write_manifest("running", serde_json::Value::Null, &[], None)?;
+    write_manifest(RunStatus::Running, serde_json::Value::Null, &[], None)?;
     let mut written_usage = usage(&roles, &labels);
 
     // Open every model's log; what is already there is skipped.
@@ -498,21 +489,7 @@ async fn run_prepared(
     });
     let mut failed = Vec::new();
     let mut done_now = 0;
-    let mut stream = futures::stream::iter(jobs).buffer_unordered(cfg.concurrency);
-    loop {
-        // A signal stops the run between conversations; the ones in flight are dropped
-        // (their calls are cached: a rerun replays them for free).
-        let next = tokio::select! {
-            biased;
-            s = shutdown.wait() => {
-                signal = Some(s);
-                break;
-            }
-            next = stream.next() => next,
-        };
-        let Some((mi, key, result)) = next else {
-            break;
-        };
+    let signal = drive_jobs(jobs, cfg.concurrency, shutdown, |(mi, key, result)| {
         match result {
             Ok(rec) => {
                 logs[mi].append(&rec)?;
@@ -521,7 +498,7 @@ async fn run_prepared(
                 // without a model make none: no rewrite for them).
                 let now = usage(&roles, &labels);
                 if now != written_usage {
-                    write_manifest("running", serde_json::Value::Null, &failed, None)?;
+                    write_manifest(RunStatus::Running, serde_json::Value::Null, &failed, None)?;
                     written_usage = now;
                 }
             }
@@ -532,8 +509,9 @@ async fn run_prepared(
         }
         progress.inc(1);
         progress.set_message(format!("{} failed", failed.len()));
-    }
-    drop(stream);
+        anyhow::Ok(())
+    })
+    .await?;
     progress.finish_and_clear();
 
     let summary = summarize(&cfg, &labels, &items, &work)?;
@@ -544,12 +522,12 @@ async fn run_prepared(
         "done_now": done_now,
         "failed": failed.len(),
     });
-    let status = match signal {
-        Some(_) => "interrupted",
-        None if failed.is_empty() => "complete",
-        None => "incomplete",
-    };
-    write_manifest(status, counts, &failed, signal)?;
+    write_manifest(
+        RunStatus::at_end(signal, failed.len()),
+        counts,
+        &failed,
+        signal,
+    )?;
     if let Some(signal) = signal {
         return Err(Interrupted { signal }.into());
     }

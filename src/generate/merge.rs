@@ -8,83 +8,82 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::config::GenerateConfig;
 use super::run::{rescore, RunSummary, MANIFEST_FILE};
+use crate::llm::{add_usage, UsageSnapshot};
 use crate::rollout::records::{read_records, ConversationRecord, CONVERSATIONS_FILE};
-use crate::run::{changed_keys, write_atomic, write_json_atomic, RunLock};
+use crate::run::{
+    changed_keys, now_secs, write_atomic, write_json_atomic, Manifest, ManifestHeader, RunLock,
+    RunStatus,
+};
 
 /// One shard run as read for a merge.
 struct ShardRun {
     dir: PathBuf,
-    manifest: Value,
+    manifest: Manifest,
+    config: GenerateConfig,
     records: Vec<ConversationRecord>,
+}
+
+impl ShardRun {
+    /// Every invocation's usage on this shard.
+    fn usage_total(&self) -> BTreeMap<String, UsageSnapshot> {
+        serde_json::from_value(self.manifest.field("usage_total").clone()).unwrap_or_default()
+    }
 }
 
 fn read_shard(dir: &Path) -> anyhow::Result<ShardRun> {
     let _lock = RunLock::acquire(dir).with_context(|| format!("--merge {}", dir.display()))?;
     let path = dir.join(MANIFEST_FILE);
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("--merge {}: not a generate_conv run", dir.display()))?;
-    let manifest: Value =
-        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
-    let status = manifest["status"].as_str().unwrap_or("unknown");
-    if status != "complete" {
+    let Some(manifest) = Manifest::read(&path)? else {
         bail!(
-            "--merge {}: the run is {status}; finish it (rerun its command) before merging",
+            "--merge {}: not a generate_conv run (no {MANIFEST_FILE})",
             dir.display()
         );
+    };
+    let status = manifest.header.status;
+    if status != RunStatus::Complete {
+        bail!(
+            "--merge {}: the run is {}; finish it (rerun its command) before merging",
+            dir.display(),
+            status.name()
+        );
     }
-    let failed = manifest["failed_tasks"].as_array().map_or(0, Vec::len);
+    let failed = manifest
+        .field("failed_tasks")
+        .as_array()
+        .map_or(0, Vec::len);
     if failed > 0 {
         bail!(
             "--merge {}: {failed} task(s) failed; rerun its command to retry them first",
             dir.display()
         );
     }
+    let config: GenerateConfig = serde_json::from_value(manifest.config.clone())
+        .with_context(|| format!("{}: config", path.display()))?;
     let records = read_records(dir)?;
     Ok(ShardRun {
         dir: dir.to_path_buf(),
         manifest,
+        config,
         records,
     })
 }
 
 /// The settings that must agree between shards: the generation identity without the shard.
-fn identity(m: &Value) -> Value {
-    let mut id = m["generation_identity"].clone();
+fn identity(m: &Manifest) -> Value {
+    let mut id = m.field("generation_identity").clone();
     if let Some(o) = id.as_object_mut() {
         o.remove("shard");
     }
     id
 }
 
-/// Sums two JSON usage tables (numbers added, objects merged key by key).
-fn add_usage(a: &mut Value, b: &Value) {
-    match (a, b) {
-        (Value::Object(a), Value::Object(b)) => {
-            for (k, v) in b {
-                add_usage(a.entry(k.clone()).or_insert(Value::Null), v);
-            }
-        }
-        (a @ Value::Null, b) => *a = b.clone(),
-        (Value::Number(x), Value::Number(y)) => {
-            let sum = match (x.as_u64(), y.as_u64()) {
-                (Some(x), Some(y)) => Value::from(x + y),
-                _ => Value::from(x.as_f64().unwrap_or(0.0) + y.as_f64().unwrap_or(0.0)),
-            };
-            *x = match sum {
-                Value::Number(n) => n,
-                _ => unreachable!("a sum is a number"),
-            };
-        }
-        _ => {}
-    }
-}
-
 /// Merges the shard runs in `shards` into `output` (which must not hold a run yet).
 pub fn merge_runs(shards: &[PathBuf], output: &Path) -> anyhow::Result<RunSummary> {
+    let started_at = now_secs();
     if shards.len() < 2 {
         bail!("--merge needs at least two shard run directories");
     }
@@ -125,10 +124,10 @@ pub fn merge_runs(shards: &[PathBuf], output: &Path) -> anyhow::Result<RunSummar
             }
         }
     }
-    let shard_specs: Vec<Value> = runs
-        .iter()
-        .map(|r| r.manifest["config"]["shard"].clone())
-        .collect();
+    // Pairs, flat and SFT data from the merged conversations, with the shards' own scoring.
+    let mut cfg = first.config.clone();
+    cfg.output = output.to_path_buf();
+    cfg.shard = None;
 
     std::fs::create_dir_all(output).with_context(|| format!("creating {}", output.display()))?;
     let mut lines = String::new();
@@ -141,53 +140,43 @@ pub fn merge_runs(shards: &[PathBuf], output: &Path) -> anyhow::Result<RunSummar
     {
         let _lock = RunLock::acquire(output)?;
         write_atomic(&output.join(CONVERSATIONS_FILE), lines.as_bytes())?;
-        let mut usage_total = Value::Null;
-        for r in &runs {
-            add_usage(&mut usage_total, &r.manifest["usage_total"]);
+        let usage_total = runs
+            .iter()
+            .fold(BTreeMap::new(), |sum, r| add_usage(&sum, &r.usage_total()));
+        // The first shard's stage fields, made the merged run's.
+        let mut stage = first.manifest.rest.clone();
+        stage.insert("config".into(), serde_json::to_value(&cfg)?);
+        stage.insert("seed".into(), json!(first.manifest.seed));
+        if let Some(id) = stage
+            .get_mut("generation_identity")
+            .and_then(Value::as_object_mut)
+        {
+            id.insert("shard".into(), Value::Null);
         }
-        let mut m = first.manifest.clone();
-        m["config"]["output"] = Value::from(output.display().to_string());
-        m["config"]["shard"] = Value::Null;
-        m["generation_identity"]["shard"] = Value::Null;
-        m["usage_total"] = usage_total;
-        m["usage"] = Value::Null;
-        m["merged_from"] = Value::from(
+        stage.insert("usage_total".into(), serde_json::to_value(&usage_total)?);
+        stage.insert("usage".into(), Value::Null);
+        stage.insert(
+            "merged_from".into(),
             runs.iter()
-                .zip(&shard_specs)
-                .map(|(r, s)| {
-                    let mut o = BTreeMap::new();
-                    o.insert("dir", Value::from(r.dir.display().to_string()));
-                    o.insert("shard", s.clone());
-                    o.insert("tasks", Value::from(r.records.len()));
-                    serde_json::to_value(o).unwrap_or_default()
+                .map(|r| {
+                    json!({
+                        "dir": r.dir.display().to_string(),
+                        "shard": r.config.shard,
+                        "tasks": r.records.len(),
+                    })
                 })
-                .collect::<Vec<_>>(),
+                .collect(),
         );
-        write_json_atomic(&output.join(MANIFEST_FILE), &m)?;
+        let header = ManifestHeader::now(
+            &first.manifest.header.tool,
+            started_at,
+            RunStatus::Complete,
+            None,
+        );
+        write_json_atomic(
+            &output.join(MANIFEST_FILE),
+            &header.with_fields(Value::Object(stage)),
+        )?;
     }
-    // Pairs, flat and SFT data from the merged conversations, with the shards' own scoring.
-    let mut cfg: GenerateConfig = serde_json::from_value(first.manifest["config"].clone())
-        .with_context(|| format!("{}: config in manifest.json", first.dir.display()))?;
-    cfg.output = output.to_path_buf();
-    cfg.shard = None;
     rescore(&cfg)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn usage_tables_add_key_by_key() {
-        let mut a = json!({"user": {"calls": 2, "cost": 0.5}, "judge": {"calls": 1}});
-        add_usage(
-            &mut a,
-            &json!({"user": {"calls": 3, "cost": 0.25}, "policy": {"calls": 4}}),
-        );
-        assert_eq!(
-            a,
-            json!({"user": {"calls": 5, "cost": 0.75}, "judge": {"calls": 1}, "policy": {"calls": 4}})
-        );
-    }
 }

@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use futures::StreamExt;
 use serde::Serialize;
 
 use super::config::{twenty_questions_split, GenerateConfig};
@@ -34,7 +33,9 @@ use crate::reward::pairs::select_pairs;
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::records::{now_secs, read_records, ConversationLog, ConversationRecord};
 use crate::rollout::user::UserSimulator;
-use crate::run::{changed_settings, Interrupted, RunLock, Shutdown};
+use crate::run::{
+    changed_settings, drive_jobs, Interrupted, ManifestHeader, RunLock, RunStatus, Shutdown,
+};
 use crate::task::prompts::Prompts;
 use crate::task::twenty_questions::chat;
 use crate::task::{load_tasks, Task};
@@ -447,8 +448,6 @@ fn scoring(cfg: &GenerateConfig) -> Scoring {
     }
 }
 
-pub use crate::run::git_revision;
-
 /// Usage recorded by earlier invocations in a run directory's manifest (see
 /// [`recorded_usage`]); empty for a new run.
 pub fn earlier_usage(manifest: &Path) -> BTreeMap<String, UsageSnapshot> {
@@ -504,7 +503,7 @@ impl ManifestWriter<'_> {
 
     fn write(
         &self,
-        status: &str,
+        status: RunStatus,
         stats: Option<&DatasetStats>,
         failed: &[(String, String)],
     ) -> anyhow::Result<()> {
@@ -513,22 +512,20 @@ impl ManifestWriter<'_> {
 
     fn write_with(
         &self,
-        status: &str,
+        status: RunStatus,
         stats: Option<&DatasetStats>,
         failed: &[(String, String)],
         signal: Option<crate::run::Signal>,
     ) -> anyhow::Result<()> {
         let usage = self.roles.usage();
         let total = self.total(&usage);
-        let finished_at = (status != "running").then(now_secs);
-        let m = serde_json::json!({
-            "tool": "collabllm-rs generate_conv",
-            "version": env!("CARGO_PKG_VERSION"),
-            "git_revision": git_revision(),
-            "status": status,
-            "started_at": self.started_at,
-            "updated_at": now_secs(),
-            "finished_at": finished_at,
+        let header = ManifestHeader::now(
+            "collabllm-rs generate_conv",
+            self.started_at,
+            status,
+            signal,
+        );
+        let m = header.with_fields(serde_json::json!({
             "config": self.cfg,
             "generation_identity": self.cfg.generation_identity(),
             "seed": self.cfg.seed,
@@ -536,14 +533,13 @@ impl ManifestWriter<'_> {
             "token_amount_tokenizer": self.token_counter,
             "counts": stats,
             "failed_tasks": failed,
-            "signal": signal.map(|s| s.name()),
             // This invocation, and every invocation on this directory.
             "usage": usage,
             "usage_total": total,
             // This invocation's calls per endpoint, for roles on an endpoint pool.
             "endpoint_calls": self.roles.endpoint_calls(),
             "cost_usd": self.roles.cost(&total, &self.cfg.prices),
-        });
+        }));
         outputs::write_json_atomic(&self.cfg.output.join(MANIFEST_FILE), &m)?;
         Ok(())
     }
@@ -679,7 +675,7 @@ async fn run_prepared(
         token_name,
         prompts.source.clone(),
     );
-    manifest.write("running", None, &[])?;
+    manifest.write(RunStatus::Running, None, &[])?;
     if cfg.judge_mode == JudgeMode::Logprob && roles.judge.engine.is_none() {
         bail!(
             "--judge-mode logprob needs a local judge model; {} is an endpoint",
@@ -691,7 +687,7 @@ async fn run_prepared(
     let ticker = progress.spawn_ticker(roles.clone());
     let mut failed = Vec::new();
     let mut finished_now = 0;
-    let mut stream = futures::stream::iter(pending.into_iter().map(|task| {
+    let jobs = pending.into_iter().map(|task| {
         let p = pipeline.clone();
         async move {
             let (r, usage) = with_usage_scope(p.run(&task)).await;
@@ -701,29 +697,14 @@ async fn run_prepared(
             });
             (task, r)
         }
-    }))
-    .buffer_unordered(cfg.concurrency);
-    let mut interrupted = None;
-    loop {
-        // A signal stops the run between conversations; the ones in flight are dropped
-        // (their calls are in the cache: a rerun replays them for free).
-        let next = tokio::select! {
-            biased;
-            signal = shutdown.wait() => {
-                interrupted = Some(signal);
-                break;
-            }
-            next = stream.next() => next,
-        };
-        let Some((task, result)) = next else {
-            break;
-        };
+    });
+    let interrupted = drive_jobs(jobs, cfg.concurrency, shutdown, |(task, result)| {
         match result {
             Ok(record) => {
                 log.append(&record)?;
                 finished_now += 1;
                 progress.finished(&record, &pipeline);
-                manifest.write("running", None, &failed)?;
+                manifest.write(RunStatus::Running, None, &failed)?;
             }
             Err(e) => {
                 tracing::warn!(task = %task.id, error = %e, "conversation failed; a rerun retries it");
@@ -731,8 +712,9 @@ async fn run_prepared(
                 failed.push((task.id.clone(), e.to_string()));
             }
         }
-    }
-    drop(stream);
+        anyhow::Ok(())
+    })
+    .await?;
     ticker.abort();
     progress.finish();
 
@@ -741,11 +723,7 @@ async fn run_prepared(
     outputs::write(&cfg.output, &built)?;
     let stats = built.stats;
     let usage = roles.usage();
-    let status = match interrupted {
-        Some(_) => "interrupted",
-        None if failed.is_empty() => "complete",
-        None => "incomplete",
-    };
+    let status = RunStatus::at_end(interrupted, failed.len());
     manifest.write_with(status, Some(&stats), &failed, interrupted)?;
     if let Some(signal) = interrupted {
         return Err(Interrupted { signal }.into());

@@ -16,6 +16,7 @@ use serde_json::Value;
 
 use super::{io_err, HubError, RepoFile};
 use crate::llm::spec::public_model_name;
+use crate::run::Manifest;
 
 /// One split of a config as written to the repository.
 #[derive(Clone, Debug)]
@@ -196,14 +197,14 @@ fn cell(s: &str) -> String {
 
 /// The weights a run used: the configured ones, else those recorded on its conversations
 /// (task-type defaults), read from the first record of `conversations.jsonl`.
-fn weights_text(run_dir: &Path, manifest: &Value) -> String {
+fn weights_text(run_dir: &Path, manifest: &Manifest) -> String {
     let fmt = |m: &serde_json::Map<String, Value>| {
         m.iter()
             .map(|(k, v)| format!("{k}={}", text(v)))
             .collect::<Vec<_>>()
             .join(", ")
     };
-    if let Some(m) = manifest["config"]["metrics"]
+    if let Some(m) = manifest.config["metrics"]
         .as_object()
         .filter(|m| !m.is_empty())
     {
@@ -224,16 +225,17 @@ pub fn dataset_card(
     repo: &str,
     configs: &[ConfigInfo],
     run_dir: &Path,
-    manifest: &Value,
+    manifest: &Manifest,
 ) -> String {
-    let c = &manifest["config"];
+    let c = &manifest.config;
+    let import = manifest.field("import");
     let name = repo.rsplit('/').next().unwrap_or(repo);
     let mut md = format!("---\n{}---\n\n# {name}\n\n", dataset_yaml(configs));
-    if let Some(src) = manifest["import"]["source"].as_str() {
+    if let Some(src) = import["source"].as_str() {
         let src = if src.starts_with("hf:") {
             src.to_string()
         } else {
-            public_setting("source", &manifest["import"]["source"])
+            public_setting("source", &import["source"])
         };
         md.push_str(&format!(
             "Preference pairs imported from `{src}` (upstream CollabLLM flat rows) by collabllm-rs \
@@ -268,7 +270,7 @@ pub fn dataset_card(
         ("assistant inside futures", assistant),
         (
             "metrics and weights",
-            if manifest["import"].is_object() {
+            if import.is_object() {
                 "as scored upstream (the `score` column)".to_string()
             } else {
                 weights_text(run_dir, manifest)
@@ -285,15 +287,20 @@ pub fn dataset_card(
             "test fraction (split by conversation)",
             text(&c["test_fraction"]),
         ),
-        ("seed", text(&manifest["seed"])),
+        (
+            "seed",
+            manifest.seed.map_or_else(|| "-".into(), |s| s.to_string()),
+        ),
         (
             "tool",
             format!(
                 "{} {}{}",
-                text(&manifest["tool"]),
-                text(&manifest["version"]),
-                manifest["git_revision"]
-                    .as_str()
+                manifest.header.tool,
+                manifest.header.version.as_deref().unwrap_or("-"),
+                manifest
+                    .header
+                    .git_revision
+                    .as_deref()
                     .map(|r| format!(" (git {r})"))
                     .unwrap_or_default()
             ),
@@ -306,7 +313,7 @@ pub fn dataset_card(
         md.push_str(&section);
     }
     md.push_str("\n## Counts\n\n| count | value |\n|---|---|\n");
-    if let Some(counts) = manifest["counts"].as_object() {
+    if let Some(counts) = manifest.field("counts").as_object() {
         for (k, v) in counts {
             if !v.is_object() && !v.is_array() {
                 md.push_str(&format!("| {k} | {} |\n", cell(&text(v))));
@@ -357,7 +364,7 @@ pub fn dataset_card(
 
 /// What a 20 Questions run's card must say: the oracle, the question budget, the object
 /// split, and the rewards with their weights.
-fn twenty_questions_section(c: &Value, run_dir: &Path, manifest: &Value) -> Option<String> {
+fn twenty_questions_section(c: &Value, run_dir: &Path, manifest: &Manifest) -> Option<String> {
     let tasks = c["tasks"].as_str().unwrap_or("");
     let split = tasks.strip_prefix("20q:");
     if split.is_none() && c["task_type"].as_str() != Some("twenty_questions") {
@@ -440,14 +447,15 @@ fn split_of(
 /// Empty splits are left out (`datasets` cannot load an empty split file by pattern).
 pub fn dataset_files(run_dir: &Path, repo: &str, flat: bool) -> Result<Vec<RepoFile>, HubError> {
     let manifest_path = run_dir.join("manifest.json");
-    let manifest: Value = match std::fs::read_to_string(&manifest_path) {
-        Ok(t) => serde_json::from_str(&t).map_err(|e| io_err(&manifest_path, e))?,
-        Err(e) => {
+    let manifest = match Manifest::read(&manifest_path) {
+        Ok(Some(m)) => m,
+        Ok(None) => {
             return Err(HubError::Layout {
                 path: manifest_path,
-                message: format!("{e}: not a generate_conv run directory"),
+                message: "missing: not a generate_conv run directory".into(),
             })
         }
+        Err(e) => return Err(e.into()),
     };
     let mut files = Vec::new();
     let mut configs = Vec::new();

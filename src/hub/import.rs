@@ -17,6 +17,7 @@ use crate::dataset::{
 };
 use crate::llm::ChatMessage;
 use crate::reward::pairs::{select_pairs, PairMode};
+use crate::run::{now_secs, ManifestHeader, RunStatus};
 use crate::task::{write_tasks_jsonl, Task, TaskError, TaskType};
 
 /// The upstream flat schema's columns; the first eight are required for an import.
@@ -500,6 +501,7 @@ pub async fn import(
     output: &Path,
     opts: &ImportOptions,
 ) -> Result<ImportSummary, ImportError> {
+    let started_at = now_secs();
     let (files, rows) = read_source(source, opts.endpoint.as_deref()).await?;
     let name = source_name(source);
     let tasks = tasks_from_flat(
@@ -536,10 +538,13 @@ pub async fn import(
         pairs_train: train.len(),
         pairs_test: test.len(),
     };
-    let manifest = json!({
-        "tool": "collabllm-rs generate_conv --import",
-        "version": env!("CARGO_PKG_VERSION"),
-        "status": "complete",
+    let header = ManifestHeader::now(
+        "collabllm-rs generate_conv --import",
+        started_at,
+        RunStatus::Complete,
+        None,
+    );
+    let manifest = header.with_fields(json!({
         "import": {"source": source, "files": summary.files, "rows": rows.len()},
         "seed": opts.seed,
         "config": {
@@ -551,7 +556,7 @@ pub async fn import(
             "pairs_train": summary.pairs_train, "pairs_test": summary.pairs_test,
             "turns_without_pair": without,
         },
-    });
+    }));
     write_json(&output.join("manifest.json"), &manifest)?;
     Ok(summary)
 }

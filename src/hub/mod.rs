@@ -60,16 +60,26 @@ pub enum HubError {
     },
     #[error("{url}: unexpected answer: {message}")]
     Protocol { url: String, message: String },
-    #[error("{}: {message}", path.display())]
-    Io { path: PathBuf, message: String },
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        /// The io (or parquet, JSON) error itself, kept as the cause.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("{}: {message}", path.display())]
     Layout { path: PathBuf, message: String },
+    #[error(transparent)]
+    Manifest(#[from] crate::run::ManifestError),
 }
 
-pub(crate) fn io_err(path: &Path, e: impl std::fmt::Display) -> HubError {
+pub(crate) fn io_err(
+    path: &Path,
+    e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> HubError {
     HubError::Io {
         path: path.to_path_buf(),
-        message: e.to_string(),
+        source: e.into(),
     }
 }
 

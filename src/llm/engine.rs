@@ -573,9 +573,11 @@ impl Engine {
         if ids.is_empty() {
             return Err(self.gen_err("no tokens to continue"));
         }
-        self.prefill(ids)
-            .map(|(_, logits, _)| logits)
-            .map_err(|e| self.gen_err(e))
+        let mut prefill = self.begin_prefill(ids)?;
+        while !self.prefill_chunk(&mut prefill, usize::MAX)? {}
+        prefill
+            .logits
+            .ok_or_else(|| self.gen_err("internal: a finished prefill without logits"))
     }
 
     /// Probabilities of each option's first token after `prefix` opens the assistant's reply
@@ -643,6 +645,15 @@ impl Engine {
     /// Starts a generation: checks the prompt, prefills it once and copies its cache into
     /// `params.n` rows. [`Engine::step`] then decodes it, alone or beside others.
     pub fn start(&self, prompt: &[u32], params: &GenParams) -> Result<GenState, EngineError> {
+        let mut prefill = self.begin_prefill(prompt)?;
+        while !self.prefill_chunk(&mut prefill, usize::MAX)? {}
+        self.start_prefilled(prefill, params)
+    }
+
+    /// Checks a prompt and starts its prefill from the longest stored prompt that begins
+    /// the same way ([`Engine::prefill_chunk`] runs the rest, in pieces of any size: the
+    /// cache and logits come out the same bits as one whole prefill).
+    pub fn begin_prefill(&self, prompt: &[u32]) -> Result<Prefill, EngineError> {
         let context = self.context_length;
         if prompt.is_empty() || prompt.len() >= context {
             return Err(EngineError::PromptTooLong {
@@ -651,19 +662,93 @@ impl Engine {
                 context,
             });
         }
+        let started = std::time::Instant::now();
+        let hit = self
+            .prefix_cache()
+            .lookup(prompt)
+            .map_err(|e| self.gen_err(e))?;
+        let (cache, done, logits) = match hit {
+            Some(Hit::Exact { cache, logits }) => (cache, prompt.len(), Some(logits)),
+            Some(Hit::Prefix { cache, len }) => (cache, len, None),
+            None => (self.model.new_cache(prompt.len()), 0, None),
+        };
+        Ok(Prefill {
+            prompt: prompt.to_vec(),
+            cached_tokens: done,
+            done,
+            cache,
+            logits,
+            secs: started.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Runs up to `max_tokens` more prompt positions of `prefill`; true once the whole
+    /// prompt is in its cache (the finished prompt is then stored for later ones).
+    pub fn prefill_chunk(
+        &self,
+        prefill: &mut Prefill,
+        max_tokens: usize,
+    ) -> Result<bool, EngineError> {
+        if prefill.logits.is_some() {
+            return Ok(true);
+        }
+        let started = std::time::Instant::now();
+        let err = |e: candle_core::Error| self.gen_err(e);
+        let end = prefill
+            .prompt
+            .len()
+            .min(prefill.done.saturating_add(max_tokens.max(1)));
+        let input = Tensor::new(&prefill.prompt[prefill.done..end], self.model.device())
+            .and_then(|t| t.unsqueeze(0))
+            .map_err(err)?;
+        let last = self
+            .model
+            .forward_last(&input, &mut prefill.cache)
+            .map_err(err)?;
+        prefill.done = end;
+        if end == prefill.prompt.len() {
+            let logits = last
+                .squeeze(0)
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(err)?;
+            self.prefix_cache()
+                .insert(&prefill.prompt, prefill.cache.clone(), logits.clone());
+            prefill.logits = Some(logits);
+        }
+        prefill.secs += started.elapsed().as_secs_f64();
+        Ok(prefill.logits.is_some())
+    }
+
+    /// A generation from a finished prefill: its cache copied into `params.n` rows.
+    pub fn start_prefilled(
+        &self,
+        prefill: Prefill,
+        params: &GenParams,
+    ) -> Result<GenState, EngineError> {
+        let Prefill {
+            prompt,
+            cached_tokens,
+            cache: prefill_cache,
+            logits,
+            secs: prefill_secs,
+            ..
+        } = prefill;
+        let Some(first_logits) = logits else {
+            return Err(EngineError::Generate {
+                model: self.name.clone(),
+                message: "internal: a generation started before its prompt was prefilled".into(),
+            });
+        };
+        let context = self.context_length;
         let max_new = params.max_new_tokens.min(context - prompt.len());
         let err = |e: candle_core::Error| self.gen_err(e);
-
-        let started = std::time::Instant::now();
-        let (prefill, first_logits, cached_tokens) = self.prefill(prompt).map_err(err)?;
-        let prefill_secs = started.elapsed().as_secs_f64();
         let started = std::time::Instant::now();
         // Room for the first KV_GROWTH new tokens; the cache grows as needed, so many
         // requests with a large `max_tokens` in one batch do not reserve it all up front.
-        let cache = prefill
+        let cache = prefill_cache
             .fork(params.n, max_new.min(KV_GROWTH))
             .map_err(err)?;
-        drop(prefill);
+        drop(prefill_cache);
 
         let base_seed = params.seed.unwrap_or_else(rand::random);
         let rows: Vec<Row> = (0..params.n)
@@ -698,32 +783,16 @@ impl Engine {
         })
     }
 
-    /// The prompt's one-row cache and last logits, starting from the longest stored prompt
-    /// that begins the same way; returns how many positions were reused. The result is
-    /// stored for later prompts.
-    fn prefill(&self, prompt: &[u32]) -> candle_core::Result<(KvCache, Vec<f32>, usize)> {
-        let hit = self.prefix_cache().lookup(prompt)?;
-        let (mut cache, reused) = match hit {
-            Some(Hit::Exact { cache, logits }) => return Ok((cache, logits, prompt.len())),
-            Some(Hit::Prefix { cache, len }) => (cache, len),
-            None => (self.model.new_cache(prompt.len()), 0),
-        };
-        let input = Tensor::new(&prompt[reused..], self.model.device())?.unsqueeze(0)?;
-        let logits = self
-            .model
-            .forward_last(&input, &mut cache)?
-            .squeeze(0)?
-            .to_vec1::<f32>()?;
-        self.prefix_cache()
-            .insert(prompt, cache.clone(), logits.clone());
-        Ok((cache, logits, reused))
-    }
-
     fn prefix_cache(&self) -> std::sync::MutexGuard<'_, PrefixCache> {
         // The cache holds no invariant a panicking holder could break halfway.
         self.prefix_cache
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Forgets the stored prompts (the next prompt is prefilled cold).
+    pub fn clear_prefix_cache(&self) {
+        self.prefix_cache().clear();
     }
 
     /// Bytes the stored prompt caches hold.
@@ -866,6 +935,25 @@ const KV_GROWTH: usize = 256;
 pub type TokenSink = Box<dyn FnMut(usize, &str) + Send>;
 
 /// One generation in flight (see [`Engine::start`] and [`Engine::step`]).
+pub struct Prefill {
+    prompt: Vec<u32>,
+    /// Positions taken from a stored prompt's cache.
+    cached_tokens: usize,
+    /// Positions in `cache` so far.
+    done: usize,
+    cache: KvCache,
+    /// The last position's logits, once the whole prompt is in.
+    logits: Option<Vec<f32>>,
+    secs: f64,
+}
+
+impl Prefill {
+    /// Prompt positions still to run.
+    pub fn remaining(&self) -> usize {
+        self.prompt.len() - self.done
+    }
+}
+
 pub struct GenState {
     prompt_tokens: usize,
     cached_tokens: usize,

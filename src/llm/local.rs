@@ -14,7 +14,9 @@ use std::sync::{Arc, OnceLock, Weak};
 use async_trait::async_trait;
 
 pub use super::engine::LoadOptions;
-use super::engine::{CancelFlag, Engine, EngineError, GenOutput, GenParams, GenState, TokenSink};
+use super::engine::{
+    CancelFlag, Engine, EngineError, GenOutput, GenParams, GenState, Prefill, TokenSink,
+};
 use super::spec::{resolve_local, ModelSpec, SpecError};
 use super::{
     BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, ContextLimits,
@@ -55,6 +57,12 @@ struct GenJob {
 /// while a step of the default model stays a small fraction of a second.
 pub const DEFAULT_MAX_BATCH: usize = 16;
 
+/// Prompt positions a request's prefill runs per scheduler round while other generations
+/// are decoding: a long prompt then delays their next token by one chunk's time instead of
+/// its whole prefill (with nothing decoding, a prompt is prefilled at once). The cache and
+/// logits are the same bits whatever the chunk size (`decode_attention`).
+pub const PREFILL_CHUNK: usize = 128;
+
 fn worker() -> &'static mpsc::Sender<Job> {
     static WORKER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
     WORKER.get_or_init(|| {
@@ -73,19 +81,28 @@ struct Active {
     state: GenState,
 }
 
-/// Continuous batching on the model thread: requests join the running batch at token
-/// boundaries (prefilled on arrival, in order, while the batch has room) and leave when
-/// done or when their caller leaves; one decode step per loaded model and round.
+/// A request admitted to the batch whose prompt is being prefilled.
+struct Prefilling {
+    job: Box<GenJob>,
+    prefill: Prefill,
+}
+
+/// Continuous batching on the model thread: requests are admitted in order while the batch
+/// has room, their prompts prefilled one chunk per round ([`PREFILL_CHUNK`], oldest first)
+/// between decode steps, and they join the running batch at the next token boundary and
+/// leave when done or when their caller leaves; one decode step per loaded model and round.
 #[derive(Default)]
 struct Scheduler {
     pending: std::collections::VecDeque<Box<GenJob>>,
+    prefilling: std::collections::VecDeque<Prefilling>,
     active: Vec<Active>,
 }
 
 impl Scheduler {
     fn run(mut self, rx: &mpsc::Receiver<Job>) {
         loop {
-            let idle = self.active.is_empty() && self.pending.is_empty();
+            let idle =
+                self.active.is_empty() && self.pending.is_empty() && self.prefilling.is_empty();
             let first = if idle {
                 match rx.recv() {
                     Ok(job) => Some(job),
@@ -105,12 +122,15 @@ impl Scheduler {
                 }
             }
             self.admit();
+            self.prefill_round();
             self.step();
         }
     }
 
     fn rows_in_use(&self) -> usize {
-        self.active.iter().map(|a| a.state.rows()).sum()
+        let decoding: usize = self.active.iter().map(|a| a.state.rows()).sum();
+        let prefilling: usize = self.prefilling.iter().map(|p| p.job.params.n).sum();
+        decoding + prefilling
     }
 
     /// Starts queued requests, oldest first, while their rows fit the batch (a request
@@ -128,15 +148,64 @@ impl Scheduler {
             if used > 0 && used + job.params.n > job.max_batch {
                 return;
             }
-            let mut job = self.pending.pop_front().expect("front exists");
-            let started =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start(&mut job)));
-            match started {
-                Ok(Ok(state)) => self.active.push(Active { job, state }),
+            let job = self.pending.pop_front().expect("front exists");
+            let began = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| begin(&job)));
+            match began {
+                Ok(Ok(prefill)) => self.prefilling.push_back(Prefilling { job, prefill }),
                 Ok(Err(e)) => {
                     let _ = job.reply.send(Err(e));
                 }
                 Err(_) => {} // the reply channel drops: "the model worker panicked"
+            }
+        }
+    }
+
+    /// One chunk of the oldest prefill (all of it when nothing is decoding); a finished
+    /// prefill joins the decode batch.
+    fn prefill_round(&mut self) {
+        let Some(front) = self.prefilling.front_mut() else {
+            return;
+        };
+        if front.job.cancel.is_cancelled() {
+            let p = self.prefilling.pop_front().expect("front exists");
+            retire_unstarted(*p.job);
+            return;
+        }
+        let chunk = if self.active.is_empty() {
+            usize::MAX
+        } else {
+            PREFILL_CHUNK
+        };
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            front.job.engine.prefill_chunk(&mut front.prefill, chunk)
+        }));
+        match ran {
+            Ok(Ok(false)) => {}
+            Ok(Ok(true)) => {
+                let Prefilling { mut job, prefill } =
+                    self.prefilling.pop_front().expect("front exists");
+                let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    job.engine.start_prefilled(prefill, &job.params)
+                }));
+                match started {
+                    Ok(Ok(mut state)) => {
+                        if let Some(sink) = job.stream.take() {
+                            state.set_stream(sink);
+                        }
+                        self.active.push(Active { job, state });
+                    }
+                    Ok(Err(e)) => {
+                        let _ = job.reply.send(Err(e));
+                    }
+                    Err(_) => {}
+                }
+            }
+            Ok(Err(e)) => {
+                let p = self.prefilling.pop_front().expect("front exists");
+                let _ = p.job.reply.send(Err(e));
+            }
+            Err(_) => {
+                self.prefilling.pop_front();
             }
         }
     }
@@ -211,9 +280,9 @@ fn skip(job: &GenJob) -> EngineError {
     job.engine.cancelled(0)
 }
 
-/// Encodes and prefills a request (refused when a strict `max_tokens` does not fit beside
-/// the prompt).
-fn start(job: &mut GenJob) -> Result<GenState, EngineError> {
+/// Encodes a request and begins its prefill (refused when a strict `max_tokens` does not fit
+/// beside the prompt).
+fn begin(job: &GenJob) -> Result<Prefill, EngineError> {
     let engine = &job.engine;
     let prompt = engine.encode_chat(&job.messages)?;
     let context = engine.context_length();
@@ -226,11 +295,17 @@ fn start(job: &mut GenJob) -> Result<GenState, EngineError> {
         });
     }
     Counters::add(&job.counters.started, 1);
-    let mut state = engine.start(&prompt, &job.params)?;
-    if let Some(sink) = job.stream.take() {
-        state.set_stream(sink);
-    }
-    Ok(state)
+    engine.begin_prefill(&prompt)
+}
+
+/// Answers a request whose caller left while its prompt was being prefilled.
+fn retire_unstarted(job: GenJob) {
+    Counters::add(&job.counters.cancelled, 1);
+    tracing::info!(
+        model = job.engine.name(),
+        "generation stopped during its prefill: its client left"
+    );
+    let _ = job.reply.send(Err(job.engine.cancelled(0)));
 }
 
 /// Answers a generation that left the batch: finished, or stopped because its caller left.

@@ -63,6 +63,11 @@ impl PrefixCache {
     }
 
     /// Bytes held by the stored caches.
+    /// Forgets every stored prompt.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+
     pub fn used_bytes(&self) -> usize {
         self.used_tokens * self.bytes_per_token
     }

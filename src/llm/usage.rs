@@ -175,18 +175,14 @@ pub(crate) fn in_reask() -> bool {
 /// Usage recorded in a run's manifest (`usage_total`, or `usage` for manifests written
 /// before totals existed); empty when there is none.
 pub fn recorded_usage(manifest: &std::path::Path) -> BTreeMap<String, UsageSnapshot> {
-    let Some(m) = std::fs::read_to_string(manifest)
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-    else {
+    let Ok(Some(m)) = crate::run::Manifest::read(manifest) else {
         return BTreeMap::new();
     };
-    let field = if m.get("usage_total").is_some() {
-        "usage_total"
-    } else {
-        "usage"
+    let recorded = match m.field("usage_total") {
+        serde_json::Value::Null => m.field("usage"),
+        total => total,
     };
-    serde_json::from_value(m[field].clone()).unwrap_or_default()
+    serde_json::from_value(recorded.clone()).unwrap_or_default()
 }
 
 /// Attempts an endpoint made before it returned `err`.

@@ -17,7 +17,7 @@ pub struct WriteError {
 }
 
 impl WriteError {
-    fn new(path: &Path, source: io::Error) -> Self {
+    pub(crate) fn new(path: &Path, source: io::Error) -> Self {
         Self {
             path: path.display().to_string(),
             source,

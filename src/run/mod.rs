@@ -8,7 +8,12 @@
 //!   new one, never a half-written one.
 //! - `log`: [`AppendLog`], an append-only JSON-lines log of finished work, synced per record,
 //!   its torn last line cut on reopen.
-//! - `manifest`: [`changed_settings`], the resume check of a manifest's recorded settings.
+//! - `manifest`: [`ManifestHeader`] (tool, revision at build time, [`RunStatus`], times,
+//!   signal) that every stage's `manifest.json` starts with, [`Manifest`] (any stage's
+//!   manifest read back, typed), and [`changed_settings`], the resume check of a manifest's
+//!   recorded settings.
+//! - `jobs`: [`drive_jobs`], the job-stream driver (up to C items at a time, each result
+//!   handed over as it finishes, a signal stops it between results).
 //! - `signal`: [`Shutdown`] (SIGINT/SIGTERM as a future a run can race its work against) and
 //!   [`Interrupted`], the error a run returns after recording status `interrupted`; binaries
 //!   exit with 128 + the signal's number.
@@ -16,6 +21,7 @@
 //! Depends on nothing else in the crate.
 
 mod atomic;
+mod jobs;
 mod lock;
 mod log;
 mod manifest;
@@ -23,9 +29,13 @@ mod signal;
 
 pub(crate) use atomic::AtomicFile;
 pub use atomic::{sync_dir, write_atomic, write_json_atomic, WriteError};
+pub use jobs::drive_jobs;
 pub use lock::{LockError, RunLock, LOCK_FILE};
 pub use log::{read_log, AppendLog, LogError};
-pub use manifest::{changed_keys, changed_settings, ManifestError};
+pub use manifest::{
+    changed_keys, changed_settings, write_finished_summary, Manifest, ManifestError,
+    ManifestHeader, RunStatus,
+};
 pub use signal::{interrupted_exit_code, Interrupted, Shutdown, Signal};
 
 /// Seconds since the Unix epoch (manifest times).

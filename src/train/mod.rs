@@ -29,6 +29,7 @@
 
 pub mod adamw;
 pub mod data;
+pub mod error;
 pub mod logps;
 pub mod loss;
 pub mod model;
@@ -36,3 +37,5 @@ pub mod ops;
 pub mod optim;
 pub mod rl;
 pub mod trainer;
+
+pub use error::TrainError;

@@ -16,6 +16,7 @@ use candle_nn::VarMap;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::error::TrainError;
 use crate::llm::llama::{rope_tables, LlamaConfig, RopeScaling};
 use crate::llm::peft::{peft_tensor_name, AdapterConfig};
 
@@ -395,21 +396,32 @@ impl TrainLlama {
 
     /// Loads an HF checkpoint directory: `config.json` and `model.safetensors` (or every
     /// `*.safetensors` shard in it).
-    pub fn from_hf_dir(dir: &Path, dtype: DType, device: &Device) -> anyhow::Result<Self> {
+    pub fn from_hf_dir(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+    ) -> std::result::Result<Self, TrainError> {
         let cfg = LlamaConfig::from_hf_json(&dir.join("config.json"))?;
         let files = safetensors_files(dir)?;
         let mut tensors = HashMap::new();
         for f in &files {
-            tensors.extend(candle_core::safetensors::load(f, device)?);
+            tensors.extend(
+                candle_core::safetensors::load(f, device)
+                    .map_err(|e| TrainError::input(f, e.to_string()))?,
+            );
         }
         Ok(Self::from_tensors(cfg, tensors, None, dtype, device)?)
     }
 
     /// Loads a llama GGUF file, dequantizing every tensor and converting the Q/K rows to the
     /// HF layout.
-    pub fn from_gguf(path: &Path, dtype: DType, device: &Device) -> anyhow::Result<Self> {
-        let (cfg, tensors, factors) =
-            crate::llm::llama::hf_tensors_from_gguf(path, device).map_err(anyhow::Error::msg)?;
+    pub fn from_gguf(
+        path: &Path,
+        dtype: DType,
+        device: &Device,
+    ) -> std::result::Result<Self, TrainError> {
+        let (cfg, tensors, factors) = crate::llm::llama::hf_tensors_from_gguf(path, device)
+            .map_err(|e| TrainError::input(path, e))?;
         Ok(Self::from_tensors(cfg, tensors, factors, dtype, device)?)
     }
 
@@ -582,11 +594,13 @@ impl TrainLlama {
 
     /// Writes the adapters in the PEFT layout (`adapter_model.safetensors` +
     /// `adapter_config.json`) into `dir`.
-    pub fn save_adapter(&self, dir: &Path) -> anyhow::Result<()> {
+    pub fn save_adapter(&self, dir: &Path) -> std::result::Result<(), TrainError> {
         let Some(l) = &self.lora else {
-            anyhow::bail!("LoRA is not enabled: there is no adapter to save");
+            return Err(TrainError::Setting(
+                "LoRA is not enabled: there is no adapter to save".into(),
+            ));
         };
-        std::fs::create_dir_all(dir)?;
+        std::fs::create_dir_all(dir).map_err(TrainError::io("creating", dir))?;
         let tensors: HashMap<String, Tensor> = self
             .adapter_tensors()?
             .into_iter()
@@ -596,7 +610,9 @@ impl TrainLlama {
             &tensors,
             &dir.join(crate::llm::peft::ADAPTER_WEIGHTS),
         )?;
-        l.config.write(dir)?;
+        l.config
+            .write(dir)
+            .map_err(TrainError::io("writing the adapter config in", dir))?;
         Ok(())
     }
     /// Number of trainable scalars.
@@ -931,7 +947,7 @@ impl TrainLlama {
     pub fn hf_config_json(
         &self,
         source: Option<&serde_json::Value>,
-    ) -> anyhow::Result<serde_json::Value> {
+    ) -> std::result::Result<serde_json::Value, TrainError> {
         let c = &self.exported_config()?;
         let mut obj = source
             .and_then(|v| v.as_object().cloned())
@@ -971,7 +987,7 @@ impl TrainLlama {
 
     /// The config a checkpoint of this model states: GGUF `rope_freqs` factors, which an HF
     /// config cannot hold, become the `llama3` scaling that produces them.
-    fn exported_config(&self) -> anyhow::Result<LlamaConfig> {
+    fn exported_config(&self) -> std::result::Result<LlamaConfig, TrainError> {
         let Some(factors) = &self.rope_factors else {
             return Ok(self.cfg.clone());
         };
@@ -981,11 +997,12 @@ impl TrainLlama {
             Some(_) => None,
         };
         let Some(scaling) = scaling else {
-            anyhow::bail!(
+            return Err(TrainError::Setting(
                 "the model's GGUF `rope_freqs` factors match no llama3 rope scaling, so an HF \
                  config.json cannot state them; not saving a checkpoint that would load as a \
                  different model"
-            );
+                    .into(),
+            ));
         };
         Ok(LlamaConfig {
             rope_scaling: Some(scaling),
@@ -997,18 +1014,21 @@ impl TrainLlama {
     /// `config.json`; when `source_dir` is an HF directory, its `config.json` fields are kept
     /// and its tokenizer files (`tokenizer.json`, `tokenizer_config.json`,
     /// `special_tokens_map.json`, `generation_config.json`) are copied.
-    pub fn save_hf(&self, dir: &Path, source_dir: Option<&Path>) -> anyhow::Result<()> {
-        std::fs::create_dir_all(dir)?;
+    pub fn save_hf(
+        &self,
+        dir: &Path,
+        source_dir: Option<&Path>,
+    ) -> std::result::Result<(), TrainError> {
+        std::fs::create_dir_all(dir).map_err(TrainError::io("creating", dir))?;
         crate::llm::weights::save_safetensors(&self.hf_tensors()?, &dir.join("model.safetensors"))?;
         let source_cfg = source_dir
             .map(|s| s.join("config.json"))
             .filter(|p| p.is_file())
-            .map(|p| -> anyhow::Result<serde_json::Value> {
-                Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
-            })
+            .map(|p| crate::train::error::read_json::<serde_json::Value>(&p))
             .transpose()?;
         let cfg = self.hf_config_json(source_cfg.as_ref())?;
-        std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
+        let text = serde_json::to_string_pretty(&cfg).map_err(TrainError::json(dir))?;
+        crate::run::write_atomic(&dir.join("config.json"), text.as_bytes())?;
         if let Some(src) = source_dir {
             for f in [
                 "tokenizer.json",
@@ -1018,7 +1038,7 @@ impl TrainLlama {
             ] {
                 let from = src.join(f);
                 if from.is_file() && src != dir {
-                    std::fs::copy(&from, dir.join(f))?;
+                    std::fs::copy(&from, dir.join(f)).map_err(TrainError::io("copying", &from))?;
                 }
             }
         }
@@ -1047,18 +1067,19 @@ fn write_rope(obj: &mut serde_json::Map<String, serde_json::Value>, c: &LlamaCon
 }
 
 /// `model.safetensors`, else every `*.safetensors` in `dir`, sorted.
-fn safetensors_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+fn safetensors_files(dir: &Path) -> std::result::Result<Vec<PathBuf>, TrainError> {
     let single = dir.join("model.safetensors");
     if single.is_file() {
         return Ok(vec![single]);
     }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(TrainError::io("listing", dir))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
     files.sort();
     if files.is_empty() {
-        anyhow::bail!("no *.safetensors file in {}", dir.display());
+        return Err(TrainError::input(dir, "no *.safetensors file"));
     }
     Ok(files)
 }

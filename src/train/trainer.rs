@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context, Result};
+use super::error::{read_json, Result, TrainError};
 use candle_core::{DType, Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -224,16 +224,15 @@ impl TrainConfig {
         if self.loss == "sft" {
             return Ok(Objective::Sft);
         }
-        let loss_type: LossType = self
-            .loss
-            .parse()
-            .map_err(|e: String| anyhow!("{e}; or `sft` for supervised fine-tuning"))?;
+        let loss_type: LossType = self.loss.parse().map_err(|e: String| {
+            TrainError::Setting(format!("{e}; or `sft` for supervised fine-tuning"))
+        })?;
         let cfg = DpoConfig {
             loss_type,
             beta: self.beta,
             label_smoothing: self.label_smoothing,
         };
-        cfg.validate().map_err(|e| anyhow!(e))?;
+        cfg.validate().map_err(TrainError::Setting)?;
         Ok(Objective::Dpo(cfg))
     }
 
@@ -264,7 +263,7 @@ impl TrainConfig {
             ("--weight-decay", self.weight_decay, Range::at_least(0.0)),
         ];
         for (flag, v, range) in floats {
-            range.check(flag, v).map_err(|e| anyhow!(e))?;
+            range.check(flag, v).map_err(TrainError::Setting)?;
         }
         let counts = [
             ("--batch-size", Some(self.batch_size)),
@@ -278,25 +277,25 @@ impl TrainConfig {
         ];
         for (flag, v) in counts {
             if let Some(v) = v {
-                at_least(flag, v, 1).map_err(|e| anyhow!(e))?;
+                at_least(flag, v, 1).map_err(TrainError::Setting)?;
             }
         }
         if let Some(l) = &self.lora {
-            at_least("--lora-r", l.r, 1).map_err(|e| anyhow!(e))?;
+            at_least("--lora-r", l.r, 1).map_err(TrainError::Setting)?;
             Range::above(0.0)
                 .check("--lora-alpha", l.alpha)
-                .map_err(|e| anyhow!(e))?;
+                .map_err(TrainError::Setting)?;
             Range::closed_open(0.0, 1.0)
                 .check("--lora-dropout", l.dropout)
-                .map_err(|e| anyhow!(e))?;
+                .map_err(TrainError::Setting)?;
         }
         self.objective()?;
         for name in &self.resume_override {
             if !RESUME_SETTINGS.contains(&name.as_str()) {
-                bail!(
+                return Err(TrainError::Setting(format!(
                     "--resume-override {name}: not a setting of the run's math (one of {})",
                     RESUME_SETTINGS.join(", ")
-                );
+                )));
             }
         }
         Ok(())
@@ -307,14 +306,20 @@ impl TrainConfig {
 pub fn parse_device(s: &str) -> Result<Device> {
     match s {
         "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::new_cuda(0)?),
+        "cuda" => Device::new_cuda(0).map_err(|source| TrainError::Device {
+            device: s.to_string(),
+            source,
+        }),
         _ => {
             let n = s
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse::<usize>().ok())
-                .ok_or_else(|| anyhow!("unknown device `{s}` (cpu, cuda or cuda:N)"))?;
-            Device::new_cuda(n).with_context(|| {
-                format!("device `{s}` (is this build compiled with `--features cuda`?)")
+                .ok_or_else(|| {
+                    TrainError::Setting(format!("unknown device `{s}` (cpu, cuda or cuda:N)"))
+                })?;
+            Device::new_cuda(n).map_err(|source| TrainError::Device {
+                device: s.to_string(),
+                source,
             })
         }
     }
@@ -326,7 +331,9 @@ fn parse_dtype(s: &str, device: &Device) -> Result<DType> {
         "bf16" => Ok(DType::BF16),
         "auto" if device.is_cuda() => Ok(DType::BF16),
         "auto" => Ok(DType::F32),
-        _ => bail!("unknown dtype `{s}` (f32, bf16 or auto)"),
+        _ => Err(TrainError::Setting(format!(
+            "unknown dtype `{s}` (f32, bf16 or auto)"
+        ))),
     }
 }
 
@@ -412,93 +419,23 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     let recorded = resume_args(cfg)?;
     let cfg = &recorded;
 
-    let spec: ModelSpec = cfg
-        .model
-        .parse()
-        .with_context(|| format!("--model `{}`", redact_credentials(&cfg.model)))?;
-    if !spec.is_local() {
-        bail!("--model `{spec}`: training needs local weights, not an API endpoint");
-    }
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let files = rt.block_on(resolve_local(&spec))?;
-    if matches!(files, LocalModelFiles::Adapter { .. }) {
-        bail!(
-            "--model `{}` is a LoRA adapter; train from its merged model (dpo_train --merge \
-             writes one) or from its base model",
-            cfg.model
-        );
-    }
+    let files = local_model_files(cfg)?;
     let codec = ChatCodec::load(&files)?;
     let device = parse_device(&cfg.device)?;
     let dtype = parse_dtype(&cfg.dtype, &device)?;
-
-    let data = match objective {
-        Objective::Sft => locate_sft_data(&cfg.data)?,
-        Objective::Dpo(_) => locate_data(&cfg.data)?,
-    };
-    let eval_path = cfg.eval_data.clone().or(data.eval.clone());
-    let (train_ex, train_stats) = load_examples(&codec, &data.train, cfg, &objective)?;
-    if train_ex.len() == 0 {
-        bail!(
-            "{}: no example fits --max-length {} ({} rows, all too long)",
-            data.train.display(),
-            cfg.max_length,
-            train_stats.rows
-        );
-    }
-    let eval_ex = match &eval_path {
-        Some(p) => Some(load_examples(&codec, p, cfg, &objective)?.0),
-        None => None,
-    };
-    tracing::info!(
-        "{} training examples ({} truncated, {} dropped as too long){}",
-        train_stats.kept,
-        train_stats.truncated,
-        train_stats.dropped_too_long,
-        eval_ex
-            .as_ref()
-            .map(|e| format!(", {} evaluation examples", e.len()))
-            .unwrap_or_default()
-    );
-
-    let mut model = match &files {
-        LocalModelFiles::Gguf(p) => TrainLlama::from_gguf(p, dtype, &device)?,
-        LocalModelFiles::HfDir(d) => TrainLlama::from_hf_dir(d, dtype, &device)?,
-        LocalModelFiles::Adapter { .. } => unreachable!("rejected above"),
-    };
-    if let Some(l) = &cfg.lora {
-        let base = adapter_base_name(&cfg.model, &files);
-        let targets: Vec<&str> = l.targets.iter().map(String::as_str).collect();
-        let acfg = AdapterConfig::lora(l.r, l.alpha, l.dropout, &targets, &base);
-        model.enable_lora(acfg, cfg.seed)?;
-    }
+    let mut data = load_data(cfg, &codec, &objective)?;
+    let model = load_model(cfg, &files, dtype, &device)?;
     let pad_id = codec.eos_ids.first().copied().unwrap_or(0);
 
     // Reference log-probs, before any weight changes (also before resuming weights).
-    let mut ref_cache_path = None;
-    let (mut train_ex, mut eval_ex) = (train_ex, eval_ex);
-    if let Objective::Dpo(_) = objective {
-        let key = ref_cache_key(cfg, &files, &codec, &data.train, eval_path.as_deref())?;
-        let (train_ref, eval_ref, path) = reference_logps(
-            &model,
-            cfg,
-            &key,
-            &data.train,
-            &train_ex,
-            eval_ex.as_ref(),
-            pad_id,
-            progress,
-        )?;
-        ref_cache_path = path;
-        set_reference(&mut train_ex, train_ref);
-        if let (Some(e), Some(r)) = (eval_ex.as_mut(), eval_ref) {
-            set_reference(e, r);
+    let ref_cache = match objective {
+        Objective::Dpo(_) => {
+            attach_reference(cfg, &files, &codec, &model, &mut data, pad_id, progress)?
         }
-    }
+        Objective::Sft => None,
+    };
 
-    let per_epoch = train_ex.len().div_ceil(cfg.batch_size * cfg.grad_accum);
+    let per_epoch = data.train.len().div_ceil(cfg.batch_size * cfg.grad_accum);
     let total_steps = cfg.max_steps.unwrap_or(per_epoch * cfg.epochs);
     let mut opt = AdamW::new(
         model.named_vars(),
@@ -507,29 +444,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
             ..AdamWParams::default()
         },
     )?;
-    let mut start_step = 0;
-    let mut resumed_from = None;
-    let mut tokens_before = 0;
-    if cfg.resume {
-        if let Some((dir, state)) = latest_checkpoint(&cfg.output)? {
-            restore_checkpoint(&model, &mut opt, &dir, &state)?;
-            if state.total_steps != total_steps {
-                tracing::warn!(
-                    "the checkpoint planned {} steps; this run plans {total_steps}",
-                    state.total_steps
-                );
-            }
-            start_step = state.global_step;
-            resumed_from = Some(start_step);
-            tokens_before = truncate_logs(&cfg.output.join("logs.jsonl"), start_step)?;
-            tracing::info!("resuming from {} (step {start_step})", dir.display());
-        } else {
-            tracing::info!(
-                "--resume: no checkpoint in {}; starting fresh",
-                cfg.output.display()
-            );
-        }
-    }
+    let resumed = restore_latest(cfg, &model, &mut opt, total_steps)?;
     write_json_atomic(&cfg.output.join("training_args.json"), cfg)?;
 
     let mut run = Run {
@@ -540,14 +455,242 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
         pad_id,
         total_steps,
         per_epoch,
-        examples: &train_ex,
-        eval: eval_ex.as_ref(),
+        examples: &data.train,
+        eval: data.eval.as_ref(),
         log: open_log(&cfg.output.join("logs.jsonl"))?,
         tokens: 0,
-        tokens_before,
+        tokens_before: resumed.tokens_before,
         last_log: Default::default(),
         last_eval: None,
     };
+    let loop_started = Instant::now();
+    train_steps(&mut run, &mut opt, resumed.step, progress)?;
+    if run.eval.is_some() && total_steps > resumed.step {
+        run.evaluate(total_steps)?;
+    }
+    let final_dir = cfg.output.join("final");
+    save_checkpoint(&run, &opt, &final_dir, total_steps)?;
+    let merged_dir = if cfg.merge && cfg.lora.is_some() {
+        let dir = cfg.output.join("merged");
+        save_full_model(&run, &dir)?;
+        Some(dir)
+    } else {
+        None
+    };
+    let loop_secs = loop_started.elapsed().as_secs_f64();
+    let summary = TrainSummary {
+        steps: total_steps,
+        total_steps,
+        resumed_from: resumed.from,
+        train_pairs: data.train.len(),
+        eval_pairs: data.eval.as_ref().map_or(0, Examples::len),
+        train_tokenization: Some(data.train_stats),
+        trainable_params: model.num_params(),
+        seconds: started.elapsed().as_secs_f64(),
+        tokens_per_second: run.tokens as f64 / loop_secs.max(1e-9),
+        last_log: run.last_log.clone(),
+        last_eval: run.last_eval.clone(),
+        final_dir,
+        merged_dir,
+        ref_cache,
+        peak_rss_bytes: crate::run::peak_rss_bytes(),
+    };
+    crate::run::write_finished_summary(
+        &cfg.output.join("train_summary.json"),
+        "collabllm-rs dpo_train",
+        summary.seconds,
+        &summary,
+    )?;
+    Ok(summary)
+}
+
+/// The local weights `--model` names (an endpoint or a bare LoRA adapter is refused).
+fn local_model_files(cfg: &TrainConfig) -> Result<LocalModelFiles> {
+    let spec: ModelSpec = cfg.model.parse().map_err(|e| TrainError::Model {
+        spec: redact_credentials(&cfg.model),
+        message: format!("{e}"),
+    })?;
+    if !spec.is_local() {
+        return Err(TrainError::Model {
+            spec: spec.to_string(),
+            message: "training needs local weights, not an API endpoint".into(),
+        });
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| TrainError::Setting(format!("starting the runtime: {e}")))?;
+    let files = rt.block_on(resolve_local(&spec))?;
+    if matches!(files, LocalModelFiles::Adapter { .. }) {
+        return Err(TrainError::Model {
+            spec: spec.to_string(),
+            message: "a LoRA adapter; train from its merged model (dpo_train --merge writes \
+                      one) or from its base model"
+                .into(),
+        });
+    }
+    Ok(files)
+}
+
+/// The tokenized training and evaluation examples of a run.
+struct TrainData {
+    train_path: PathBuf,
+    eval_path: Option<PathBuf>,
+    train: Examples,
+    train_stats: TokenizeStats,
+    eval: Option<Examples>,
+}
+
+fn load_data(cfg: &TrainConfig, codec: &ChatCodec, objective: &Objective) -> Result<TrainData> {
+    let files = match objective {
+        Objective::Sft => locate_sft_data(&cfg.data)?,
+        Objective::Dpo(_) => locate_data(&cfg.data)?,
+    };
+    let eval_path = cfg.eval_data.clone().or(files.eval.clone());
+    let (train, train_stats) = load_examples(codec, &files.train, cfg, objective)?;
+    if train.len() == 0 {
+        return Err(TrainError::input(
+            &files.train,
+            format!(
+                "no example fits --max-length {} ({} rows, all too long)",
+                cfg.max_length, train_stats.rows
+            ),
+        ));
+    }
+    let eval = match &eval_path {
+        Some(p) => Some(load_examples(codec, p, cfg, objective)?.0),
+        None => None,
+    };
+    tracing::info!(
+        "{} training examples ({} truncated, {} dropped as too long){}",
+        train_stats.kept,
+        train_stats.truncated,
+        train_stats.dropped_too_long,
+        eval.as_ref()
+            .map(|e| format!(", {} evaluation examples", e.len()))
+            .unwrap_or_default()
+    );
+    Ok(TrainData {
+        train_path: files.train,
+        eval_path,
+        train,
+        train_stats,
+        eval,
+    })
+}
+
+/// The policy to train: the weights of `files`, with LoRA adapters when configured.
+fn load_model(
+    cfg: &TrainConfig,
+    files: &LocalModelFiles,
+    dtype: DType,
+    device: &Device,
+) -> Result<TrainLlama> {
+    let mut model = match files {
+        LocalModelFiles::Gguf(p) => TrainLlama::from_gguf(p, dtype, device)?,
+        LocalModelFiles::HfDir(d) => TrainLlama::from_hf_dir(d, dtype, device)?,
+        LocalModelFiles::Adapter { dir, .. } => {
+            return Err(TrainError::input(
+                dir,
+                "a LoRA adapter is not a model to train",
+            ))
+        }
+    };
+    if let Some(l) = &cfg.lora {
+        let base = adapter_base_name(&cfg.model, files);
+        let targets: Vec<&str> = l.targets.iter().map(String::as_str).collect();
+        let acfg = AdapterConfig::lora(l.r, l.alpha, l.dropout, &targets, &base);
+        model.enable_lora(acfg, cfg.seed)?;
+    }
+    Ok(model)
+}
+
+/// Sets the DPO reference log-probs of every example (from the cache when its key
+/// matches); returns the cache file.
+fn attach_reference(
+    cfg: &TrainConfig,
+    files: &LocalModelFiles,
+    codec: &ChatCodec,
+    model: &TrainLlama,
+    data: &mut TrainData,
+    pad_id: u32,
+    progress: bool,
+) -> Result<Option<PathBuf>> {
+    let key = ref_cache_key(
+        cfg,
+        files,
+        codec,
+        &data.train_path,
+        data.eval_path.as_deref(),
+    )?;
+    let (train_ref, eval_ref, path) = reference_logps(
+        model,
+        cfg,
+        &key,
+        &data.train_path,
+        &data.train,
+        data.eval.as_ref(),
+        pad_id,
+        progress,
+    )?;
+    set_reference(&mut data.train, train_ref);
+    if let (Some(e), Some(r)) = (data.eval.as_mut(), eval_ref) {
+        set_reference(e, r);
+    }
+    Ok(path)
+}
+
+/// Where a run starts: step 0, or (with `--resume`) its latest checkpoint's step, weights
+/// and optimizer state restored.
+struct Resumed {
+    step: usize,
+    from: Option<usize>,
+    tokens_before: usize,
+}
+
+fn restore_latest(
+    cfg: &TrainConfig,
+    model: &TrainLlama,
+    opt: &mut AdamW,
+    total_steps: usize,
+) -> Result<Resumed> {
+    let fresh = Resumed {
+        step: 0,
+        from: None,
+        tokens_before: 0,
+    };
+    if !cfg.resume {
+        return Ok(fresh);
+    }
+    let Some((dir, state)) = latest_checkpoint(&cfg.output)? else {
+        tracing::info!(
+            "--resume: no checkpoint in {}; starting fresh",
+            cfg.output.display()
+        );
+        return Ok(fresh);
+    };
+    restore_checkpoint(model, opt, &dir, &state)?;
+    if state.total_steps != total_steps {
+        tracing::warn!(
+            "the checkpoint planned {} steps; this run plans {total_steps}",
+            state.total_steps
+        );
+    }
+    let step = state.global_step;
+    let tokens_before = truncate_logs(&cfg.output.join("logs.jsonl"), step)?;
+    tracing::info!("resuming from {} (step {step})", dir.display());
+    Ok(Resumed {
+        step,
+        from: Some(step),
+        tokens_before,
+    })
+}
+
+/// The optimizer steps from `start_step` to the end: log, evaluate and checkpoint on their
+/// schedules; a non-finite loss, gradient or weight stops before anything is saved from it.
+fn train_steps(run: &mut Run, opt: &mut AdamW, start_step: usize, progress: bool) -> Result<()> {
+    let cfg = run.cfg;
+    let total_steps = run.total_steps;
     let warmup = warmup_steps(total_steps, cfg.warmup_ratio);
     let bar = progress_bar(progress, total_steps, start_step);
     let loop_started = Instant::now();
@@ -555,12 +698,12 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     for step in start_step..total_steps {
         let lr = cfg.lr * cfg.schedule.factor(step, total_steps, warmup);
         let (mut grads, metrics) = run.accumulate(step)?;
-        let vars = model.vars();
+        let vars = run.model.vars();
         let norm = clip_grad_norm(&mut grads, &vars, cfg.max_grad_norm)?;
         let loss = metrics.first().map(|m| m.1).unwrap_or(f64::NAN);
         if !loss.is_finite() || !norm.is_finite() {
             bar.abandon();
-            bail!(
+            return Err(TrainError::Diverged(format!(
                 "step {}: non-finite {} ({}); stopped without applying it; the last good \
                  checkpoint in {} is intact (lower --lr or check the data)",
                 step + 1,
@@ -571,19 +714,19 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
                 },
                 if loss.is_finite() { norm } else { loss },
                 cfg.output.display()
-            );
+            )));
         }
         opt.step(&grads, lr)?;
         drop(grads);
         let done = step + 1;
-        if let Some(name) = non_finite_weight(&model)? {
+        if let Some(name) = non_finite_weight(run.model)? {
             bar.abandon();
-            bail!(
+            return Err(TrainError::Diverged(format!(
                 "step {done}: the update made weight `{name}` non-finite; stopped before saving \
                  anything from it; the last good checkpoint in {} is intact (lower --lr or \
                  check the data)",
                 cfg.output.display()
-            );
+            )));
         }
         let mut m = metrics;
         m.push(("learning_rate".into(), lr));
@@ -602,51 +745,20 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
         }
         if cfg.save_steps.is_some_and(|k| done % k == 0) && done != total_steps {
             save_checkpoint(
-                &run,
-                &opt,
+                run,
+                opt,
                 &cfg.output.join(format!("checkpoint-{done}")),
                 done,
             )?;
         }
         if cfg.stop_after == Some(done) {
             bar.abandon();
-            bail!("stopped after step {done} (stop_after)");
+            return Err(TrainError::Stopped(done));
         }
         bar.set_position(done as u64);
     }
     bar.finish();
-    if run.eval.is_some() && total_steps > start_step {
-        run.evaluate(total_steps)?;
-    }
-    let final_dir = cfg.output.join("final");
-    save_checkpoint(&run, &opt, &final_dir, total_steps)?;
-    let merged_dir = if cfg.merge && cfg.lora.is_some() {
-        let dir = cfg.output.join("merged");
-        save_full_model(&run, &dir)?;
-        Some(dir)
-    } else {
-        None
-    };
-    let loop_secs = loop_started.elapsed().as_secs_f64();
-    let summary = TrainSummary {
-        steps: total_steps,
-        total_steps,
-        resumed_from,
-        train_pairs: train_ex.len(),
-        eval_pairs: eval_ex.as_ref().map_or(0, Examples::len),
-        train_tokenization: Some(train_stats),
-        trainable_params: model.num_params(),
-        seconds: started.elapsed().as_secs_f64(),
-        tokens_per_second: run.tokens as f64 / loop_secs.max(1e-9),
-        last_log: run.last_log.clone(),
-        last_eval: run.last_eval.clone(),
-        final_dir,
-        merged_dir,
-        ref_cache: ref_cache_path,
-        peak_rss_bytes: crate::run::peak_rss_bytes(),
-    };
-    write_json_atomic(&cfg.output.join("train_summary.json"), &summary)?;
-    Ok(summary)
+    Ok(())
 }
 
 /// `base_model_name_or_path` for the adapter, so that PEFT's auto classes load it from its
@@ -685,13 +797,10 @@ fn resume_args(cfg: &TrainConfig) -> Result<TrainConfig> {
     let Some(path) = candidates.into_iter().flatten().find(|p| p.is_file()) else {
         return Ok(cfg.clone());
     };
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let previous: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    let previous: serde_json::Value = read_json(&path)?;
     let step = checkpoint.map_or(0, |(_, state)| state.global_step);
     compare_resume_settings(cfg, &previous, step)
-        .with_context(|| format!("--resume of {}", cfg.output.display()))
+        .map_err(|message| TrainError::run(&cfg.output, format!("--resume: {message}")))
 }
 
 /// See [`resume_args`]; `previous` is the recorded `training_args.json`.
@@ -699,10 +808,11 @@ fn compare_resume_settings(
     cfg: &TrainConfig,
     previous: &serde_json::Value,
     step: usize,
-) -> Result<TrainConfig> {
-    let now = serde_json::to_value(cfg)?;
+) -> Result<TrainConfig, String> {
+    let now = serde_json::to_value(cfg).map_err(|e| e.to_string())?;
     let mut history: Vec<ResumeOverride> = match previous.get("resume_overrides") {
-        Some(v) => serde_json::from_value(v.clone()).context("resume_overrides")?,
+        Some(v) => serde_json::from_value(v.clone())
+            .map_err(|e| format!("training_args.json: resume_overrides: {e}"))?,
         None => Vec::new(),
     };
     let (mut refused, mut names) = (Vec::new(), Vec::new());
@@ -729,13 +839,13 @@ fn compare_resume_settings(
         }
     }
     if !refused.is_empty() {
-        bail!(
+        return Err(format!(
             "the run was trained with other settings ({}); resume with the same ones, pass \
              --resume-override {} to change them (recorded in training_args.json), or start \
              a new --output",
             refused.join("; "),
             names.join(",")
-        );
+        ));
     }
     let mut out = cfg.clone();
     out.resume_overrides = history;
@@ -746,23 +856,23 @@ fn compare_resume_settings(
 /// finished or interrupted one.
 fn prepare_output(cfg: &TrainConfig) -> Result<crate::run::RunLock> {
     std::fs::create_dir_all(&cfg.output)
-        .with_context(|| format!("creating --output {}", cfg.output.display()))?;
+        .map_err(TrainError::io("creating --output", &cfg.output))?;
     let lock = crate::run::RunLock::acquire(&cfg.output)?;
     let has_run = ["logs.jsonl", "training_args.json", "final"]
         .iter()
         .any(|f| cfg.output.join(f).exists());
     if has_run && !cfg.resume {
-        bail!(
-            "{} already holds a training run (training_args.json, logs.jsonl or final/); pass --resume to \
-             continue it or choose another --output",
-            cfg.output.display()
-        );
+        return Err(TrainError::run(
+            &cfg.output,
+            "already holds a training run (training_args.json, logs.jsonl or final/); pass \
+             --resume to continue it or choose another --output",
+        ));
     }
     if cfg.resume && cfg.output.join("final").is_dir() {
-        bail!(
-            "{}: this run already finished (final/ exists); nothing to resume",
-            cfg.output.display()
-        );
+        return Err(TrainError::run(
+            &cfg.output,
+            "this run already finished (final/ exists); nothing to resume",
+        ));
     }
     Ok(lock)
 }
@@ -814,7 +924,7 @@ fn set_reference(ex: &mut Examples, values: Vec<(f64, f64)>) {
 }
 
 fn file_digest(path: &Path) -> Result<String> {
-    fingerprint(&[path.to_path_buf()]).map_err(|e| anyhow!(e))
+    Ok(fingerprint(&[path.to_path_buf()])?)
 }
 
 /// Key of the reference cache: data, model weights, template and tokenization settings.
@@ -834,7 +944,8 @@ fn ref_cache_key(
     let model_files = match files {
         LocalModelFiles::Gguf(p) => vec![p.clone()],
         LocalModelFiles::HfDir(d) => {
-            let mut v: Vec<PathBuf> = std::fs::read_dir(d)?
+            let mut v: Vec<PathBuf> = std::fs::read_dir(d)
+                .map_err(TrainError::io("listing", d))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
                 .collect();
@@ -843,7 +954,7 @@ fn ref_cache_key(
         }
         LocalModelFiles::Adapter { dir, .. } => vec![dir.join(ADAPTER_WEIGHTS)],
     };
-    h.update(fingerprint(&model_files).map_err(|e| anyhow!(e))?);
+    h.update(fingerprint(&model_files)?);
     h.update(codec.template.source());
     h.update(format!("{}|{}", cfg.max_length, cfg.dtype));
     Ok(hex::encode(h.finalize())[..16].to_string())
@@ -1021,7 +1132,7 @@ impl Run<'_> {
             all.push(metrics);
         }
         self.model.set_training(false);
-        let grads = acc.ok_or_else(|| anyhow!("no micro-batch"))?;
+        let grads = acc.ok_or_else(|| TrainError::Setting("no micro-batch".into()))?;
         Ok((grads, mean_metrics(&all)))
     }
 
@@ -1031,7 +1142,8 @@ impl Run<'_> {
         let examples = if train {
             self.examples
         } else {
-            self.eval.ok_or_else(|| anyhow!("no evaluation set"))?
+            self.eval
+                .ok_or_else(|| TrainError::Setting("no evaluation set".into()))?
         };
         let device = self.model.device();
         match examples {
@@ -1229,9 +1341,11 @@ impl Run<'_> {
     fn append_log(&mut self, line: &serde_json::Map<String, serde_json::Value>) -> Result<()> {
         let mut text = serde_json::to_string(line)?;
         text.push('\n');
-        self.log.write_all(text.as_bytes())?;
-        self.log.flush()?;
-        Ok(())
+        let path = self.cfg.output.join("logs.jsonl");
+        self.log
+            .write_all(text.as_bytes())
+            .and_then(|()| self.log.flush())
+            .map_err(TrainError::io("appending to", &path))
     }
 }
 
@@ -1240,7 +1354,7 @@ fn open_log(path: &Path) -> Result<std::fs::File> {
         .create(true)
         .append(true)
         .open(path)
-        .with_context(|| format!("opening {}", path.display()))
+        .map_err(TrainError::io("opening", path))
 }
 
 /// Keeps the log lines of steps ≤ `step` (a resumed run rewrites what came after its
@@ -1294,7 +1408,7 @@ fn save_full_model(run: &Run, dir: &Path) -> Result<()> {
     run.model.save_hf(&tmp, None)?;
     run.codec.save_hf(&tmp)?;
     let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&tmp, dir)?;
+    std::fs::rename(&tmp, dir).map_err(TrainError::io("saving", dir))?;
     Ok(())
 }
 
@@ -1311,10 +1425,10 @@ fn non_finite_weight(model: &TrainLlama) -> Result<Option<String>> {
 /// Refuses to save a model with a non-finite weight (whatever produced it).
 fn ensure_finite(model: &TrainLlama, dir: &Path) -> Result<()> {
     match non_finite_weight(model)? {
-        Some(name) => bail!(
+        Some(name) => Err(TrainError::Diverged(format!(
             "not saving {}: weight `{name}` is non-finite",
             dir.display()
-        ),
+        ))),
         None => Ok(()),
     }
 }
@@ -1325,7 +1439,7 @@ fn save_checkpoint(run: &Run, opt: &AdamW, dir: &Path, step: usize) -> Result<()
     ensure_finite(run.model, dir)?;
     let tmp = dir.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp)?;
+    std::fs::create_dir_all(&tmp).map_err(TrainError::io("creating", &tmp))?;
     save_model_files(run, &tmp)?;
     opt.save(&tmp.join("optimizer.safetensors"))?;
     let state = TrainerState {
@@ -1337,7 +1451,7 @@ fn save_checkpoint(run: &Run, opt: &AdamW, dir: &Path, step: usize) -> Result<()
     write_json_atomic(&tmp.join("trainer_state.json"), &state)?;
     write_json_atomic(&tmp.join("training_args.json"), run.cfg)?;
     let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&tmp, dir).with_context(|| format!("saving {}", dir.display()))?;
+    std::fs::rename(&tmp, dir).map_err(TrainError::io("saving", dir))?;
     Ok(())
 }
 
@@ -1363,8 +1477,7 @@ fn latest_checkpoint(output: &Path) -> Result<Option<(PathBuf, TrainerState)>> {
         return Ok(None);
     };
     let p = dir.join("trainer_state.json");
-    let state: TrainerState = serde_json::from_str(&std::fs::read_to_string(&p)?)
-        .with_context(|| format!("reading {}", p.display()))?;
+    let state: TrainerState = read_json(&p)?;
     Ok(Some((dir, state)))
 }
 
@@ -1380,11 +1493,11 @@ fn restore_checkpoint(
         dir.join("model.safetensors")
     };
     let tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&weights, model.device())
-        .with_context(|| format!("reading {}", weights.display()))?;
-    model.load_trainable(&tensors).with_context(|| {
-        format!(
-            "{}: does not match this model / LoRA setting",
-            weights.display()
+        .map_err(|e| TrainError::input(&weights, e.to_string()))?;
+    model.load_trainable(&tensors).map_err(|e| {
+        TrainError::input(
+            &weights,
+            format!("does not match this model / LoRA setting: {e}"),
         )
     })?;
     opt.load(&dir.join("optimizer.safetensors"), state.optimizer_steps)?;

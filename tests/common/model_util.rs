@@ -1,5 +1,5 @@
 //! Shared by the test suites that load a model: thread settings, the tiny model, the default
-//! model. Include with `#[path = "common/model_util.rs"] mod model_util;`.
+//! model. Suites reach it as `common::model_util` (`mod common;`).
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -76,7 +76,13 @@ pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::llm::engine::E
         .iter()
         .map(|(_, p, g)| engine.generate(p, g).unwrap().samples)
         .collect();
+    // Cold prompts below, so the last request's prompt really is prefilled in pieces.
+    engine.clear_prefix_cache();
     let mut states: Vec<Option<GenState>> = cases.iter().map(|_| None).collect();
+    // The last request is prefilled a few positions per round between decode steps of the
+    // others, as the scheduler does with long prompts.
+    let mut prefilling = None;
+    let mut prefill_rounds = 0;
     let mut step = 0;
     loop {
         for (i, (at, p, g)) in cases.iter().enumerate() {
@@ -88,7 +94,19 @@ pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::llm::engine::E
                         "the first request ended before {i} joined"
                     );
                 }
-                states[i] = Some(engine.start(p, g).unwrap());
+                if i == cases.len() - 1 {
+                    prefilling = Some(engine.begin_prefill(p).unwrap());
+                } else {
+                    states[i] = Some(engine.start(p, g).unwrap());
+                }
+            }
+        }
+        if let Some(prefill) = prefilling.as_mut() {
+            prefill_rounds += 1;
+            if engine.prefill_chunk(prefill, 5).unwrap() {
+                let (_, _, g) = &cases[cases.len() - 1];
+                let state = engine.start_prefilled(prefilling.take().unwrap(), g);
+                states[cases.len() - 1] = Some(state.unwrap());
             }
         }
         let mut live: Vec<&mut GenState> = states
@@ -96,12 +114,16 @@ pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::llm::engine::E
             .flatten()
             .filter(|s| !s.is_finished())
             .collect();
-        if live.is_empty() && step > cases[2].0 {
+        if live.is_empty() && step > cases[2].0 && prefilling.is_none() {
             break;
         }
         engine.step(&mut live).unwrap();
         step += 1;
     }
+    assert!(
+        prefill_rounds > 3,
+        "the last prompt took {prefill_rounds} prefill rounds"
+    );
     for (i, (state, alone)) in states.into_iter().zip(alone).enumerate() {
         let batched = engine.finish(state.unwrap()).unwrap().samples;
         assert_eq!(batched, alone, "request {i}");

@@ -35,7 +35,7 @@ use super::rollout::{GroupRecord, RlPrompt, Rollout, StepRollout};
 use super::state::{self, RlState, RL_STATE};
 use super::step::{RlTrainer, UpdateReport};
 use super::sync;
-use crate::generate::run::{fetch_config_tasks, git_revision};
+use crate::generate::run::fetch_config_tasks;
 use crate::hub::import;
 use crate::llm::cache::{CachedBackend, RequestCache};
 use crate::llm::engine::ChatCodec;
@@ -55,6 +55,7 @@ use crate::task::prompts::Prompts;
 use crate::task::Task;
 use crate::train::model::TrainLlama;
 use crate::train::trainer::{adapter_base_name, parse_device};
+use crate::train::TrainError;
 
 pub const CONFIG_FILE: &str = "rl_config.json";
 pub const LOGS_FILE: &str = "logs.jsonl";
@@ -232,7 +233,7 @@ pub fn step_tasks<T: Clone>(tasks: &[T], seed: u64, step: u64, batch: usize) -> 
 
 /// Keeps the lines of a JSONL file whose `step` is at most `step` (and that parse: a torn
 /// last line is dropped), rewriting it atomically. Missing file: nothing to do.
-pub fn truncate_jsonl(path: &Path, step: u64) -> anyhow::Result<usize> {
+pub fn truncate_jsonl(path: &Path, step: u64) -> Result<usize, TrainError> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(0);
     };
@@ -253,12 +254,12 @@ pub fn truncate_jsonl(path: &Path, step: u64) -> anyhow::Result<usize> {
     Ok(kept.len())
 }
 
-fn append_lines(path: &Path, lines: &[String]) -> anyhow::Result<()> {
+fn append_lines(path: &Path, lines: &[String]) -> Result<(), TrainError> {
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
-        .with_context(|| format!("opening {}", path.display()))?;
+        .map_err(TrainError::io("opening", path))?;
     let mut buf = String::new();
     for l in lines {
         buf.push_str(l);
@@ -267,11 +268,11 @@ fn append_lines(path: &Path, lines: &[String]) -> anyhow::Result<()> {
     // One write per step: a kill leaves at most a torn last line, cut on resume.
     f.write_all(buf.as_bytes())
         .and_then(|_| f.flush())
-        .with_context(|| format!("appending to {}", path.display()))
+        .map_err(TrainError::io("appending to", path))
 }
 
 /// The saved state with the most updates among `checkpoint-*/` and `final/`.
-pub fn latest_state(output: &Path) -> anyhow::Result<Option<(PathBuf, RlState)>> {
+pub fn latest_state(output: &Path) -> Result<Option<(PathBuf, RlState)>, TrainError> {
     let Ok(entries) = std::fs::read_dir(output) else {
         return Ok(None);
     };
@@ -290,7 +291,7 @@ pub fn latest_state(output: &Path) -> anyhow::Result<Option<(PathBuf, RlState)>>
             continue;
         };
         let st: RlState = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not an RL state", path.display()))?;
+            .map_err(|e| TrainError::input(&path, format!("not an RL state: {e}")))?;
         if best.as_ref().is_none_or(|b| st.updates > b.1.updates) {
             best = Some((e.path(), st));
         }
@@ -299,54 +300,53 @@ pub fn latest_state(output: &Path) -> anyhow::Result<Option<(PathBuf, RlState)>>
 }
 
 /// Refuses to reuse a run directory without `--resume`, or to resume with other math.
-fn check_output(cfg: &RlRunConfig, resume: bool) -> anyhow::Result<()> {
+fn check_output(cfg: &RlRunConfig, resume: bool) -> Result<(), TrainError> {
     let path = cfg.output.join(CONFIG_FILE);
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(());
     };
     if !resume {
-        bail!(
-            "{} already holds an rl_train run ({}); pass --resume to continue it, or choose \
-             another --output",
-            cfg.output.display(),
-            CONFIG_FILE
-        );
+        return Err(TrainError::run(
+            &cfg.output,
+            format!(
+                "already holds an rl_train run ({CONFIG_FILE}); pass --resume to continue \
+                 it, or choose another --output"
+            ),
+        ));
     }
     let old: RlRunConfig = serde_json::from_str(&text)
-        .with_context(|| format!("{}: not an rl_train configuration", path.display()))?;
-    let (before, now) = (old.identity(), cfg.identity());
-    if before != now {
-        let changed: Vec<String> = now
-            .as_object()
-            .map(|o| {
-                o.iter()
-                    .filter(|(k, v)| before.get(k.as_str()) != Some(v))
-                    .map(|(k, _)| k.replace('_', "-"))
-                    .collect()
-            })
-            .unwrap_or_default();
-        bail!(
-            "--resume: {} was trained with other settings (changed: {}); resume with the \
-             same ones (only --max-steps, --save-steps, --eval-every, --threads, \
-             --concurrency and endpoint settings may change), or choose another --output",
-            cfg.output.display(),
-            changed.join(", ")
-        );
+        .map_err(|e| TrainError::input(&path, format!("not an rl_train configuration: {e}")))?;
+    let changed: Vec<String> = crate::run::changed_keys(&old.identity(), &cfg.identity())
+        .iter()
+        .map(|k| k.replace('_', "-"))
+        .collect();
+    if !changed.is_empty() {
+        return Err(TrainError::run(
+            &cfg.output,
+            format!(
+                "--resume: trained with other settings (changed: {}); resume with the same \
+                 ones (only --max-steps, --save-steps, --eval-every, --threads, \
+                 --concurrency and endpoint settings may change), or choose another --output",
+                changed.join(", ")
+            ),
+        ));
     }
     Ok(())
 }
 
 /// The trained model and its files (for the tokenizer and the sampler's codec).
-fn load_policy(cfg: &RlRunConfig, files: &LocalModelFiles) -> anyhow::Result<TrainLlama> {
+fn load_policy(cfg: &RlRunConfig, files: &LocalModelFiles) -> Result<TrainLlama, TrainError> {
     let device = parse_device(&cfg.device)?;
     // f32 on every device: old and reference log-probs must be f32 (DESIGN §10).
     let mut model = match files {
         LocalModelFiles::Gguf(p) => TrainLlama::from_gguf(p, DType::F32, &device)?,
         LocalModelFiles::HfDir(d) => TrainLlama::from_hf_dir(d, DType::F32, &device)?,
-        LocalModelFiles::Adapter { .. } => bail!(
-            "--model {}: a LoRA adapter; train from its merged model or its base model",
-            cfg.model
-        ),
+        LocalModelFiles::Adapter { .. } => {
+            return Err(TrainError::Model {
+                spec: cfg.model.clone(),
+                message: "a LoRA adapter; train from its merged model or its base model".into(),
+            })
+        }
     };
     if let Some(r) = cfg.lora_r {
         let base = adapter_base_name(&cfg.model, files);
@@ -630,10 +630,12 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
         wall_s: started.elapsed().as_secs_f64(),
         peak_rss_bytes: crate::run::peak_rss_bytes(),
     };
-    let mut v = serde_json::to_value(&summary)?;
-    v["git_revision"] = json!(git_revision());
-    v["version"] = json!(env!("CARGO_PKG_VERSION"));
-    crate::run::write_json_atomic(&cfg.output.join(SUMMARY_FILE), &v)?;
+    crate::run::write_finished_summary(
+        &cfg.output.join(SUMMARY_FILE),
+        "collabllm-rs rl_train",
+        summary.wall_s,
+        &summary,
+    )?;
     Ok(summary)
 }
 
