@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use futures::future::join_all;
 
 use crate::llm::roles::Role;
-use crate::llm::{ChatMessage, ChatRequest};
+use crate::llm::ChatMessage;
 use crate::reward::metrics::{count_tokens, MetricScore, Scorer};
 use crate::rollout::user::{derive_seed, Sampling, SimError, UserSimulator};
 use crate::task::Task;
@@ -68,10 +68,9 @@ impl DialogueRunner {
         if !first.terminated {
             loop {
                 let t = turns.to_string();
-                let req = ChatRequest::new(history.clone())
-                    .temperature(self.sampling.temperature)
-                    .top_p(self.sampling.top_p)
-                    .max_tokens(self.sampling.max_tokens)
+                let req = self
+                    .sampling
+                    .request(history.clone())
                     .seed(seed(&["assistant", &t]));
                 let resp = model
                     .role

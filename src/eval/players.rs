@@ -10,7 +10,6 @@ use std::sync::Arc;
 use tokio::runtime::Handle;
 
 use crate::llm::roles::Role;
-use crate::llm::ChatRequest;
 use crate::rollout::user::{derive_seed, Sampling};
 use crate::task::prompts::Prompts;
 use crate::task::twenty_questions::chat::{
@@ -49,10 +48,9 @@ impl Questioner for ModelQuestioner {
         };
         let messages = questioner_messages(&intro, history, &self.raw);
         let k = history.len().to_string();
-        let req = ChatRequest::new(messages)
-            .temperature(self.sampling.temperature)
-            .top_p(self.sampling.top_p)
-            .max_tokens(self.sampling.max_tokens)
+        let req = self
+            .sampling
+            .request(messages)
             .seed(derive_seed(self.seed, &["question", &k]));
         match self.handle.block_on(self.role.backend.chat(&req)) {
             Ok(resp) => {

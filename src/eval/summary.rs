@@ -69,8 +69,13 @@ pub enum SummaryError {
         index: usize,
         message: String,
     },
-    #[error("{path}: {message}")]
-    Io { path: String, message: String },
+    /// Encoding our own summary (cannot happen with finite numbers).
+    #[error("{what}: encoding JSON")]
+    Encode {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error(transparent)]
     Write(#[from] crate::run::WriteError),
 }
@@ -199,9 +204,11 @@ pub fn summarize_games(
             })
         })
         .collect::<Result<_, _>>()?;
-    let agg = serde_json::to_value(AggregateMetrics::of(&games)).map_err(|e| SummaryError::Io {
-        path: "summary".into(),
-        message: e.to_string(),
+    let agg = serde_json::to_value(AggregateMetrics::of(&games)).map_err(|source| {
+        SummaryError::Encode {
+            what: "summary".into(),
+            source,
+        }
     })?;
     let metrics = TWENTY_QUESTIONS_METRICS
         .iter()
@@ -294,9 +301,9 @@ impl Summary {
 
     /// Writes `summary.json` and `summary.csv` into `dir`, each atomically.
     pub fn write(&self, dir: &Path) -> Result<(), SummaryError> {
-        let json = serde_json::to_string_pretty(self).map_err(|e| SummaryError::Io {
-            path: dir.join("summary.json").display().to_string(),
-            message: e.to_string(),
+        let json = serde_json::to_string_pretty(self).map_err(|source| SummaryError::Encode {
+            what: dir.join("summary.json").display().to_string(),
+            source,
         })?;
         write_atomic(&dir.join("summary.json"), json.as_bytes())?;
         write_atomic(&dir.join("summary.csv"), self.csv().as_bytes())

@@ -36,7 +36,7 @@ pub enum TranscriptError {
     #[error(transparent)]
     Summary(#[from] SummaryError),
     #[error(transparent)]
-    Data(#[from] crate::task::twenty_questions::DataError),
+    Data(#[from] crate::task::twenty_questions::WorldDataError),
 }
 
 /// One line of an LMRL-Gym offline file.

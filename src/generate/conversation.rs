@@ -191,10 +191,7 @@ impl Pipeline {
         let n_plain = self.cfg.candidates - n_pro;
         let s = &self.cfg.policy_sampling;
         let request = |messages: Vec<ChatMessage>, n: usize, tag: &str| {
-            ChatRequest::new(messages)
-                .temperature(s.temperature)
-                .top_p(s.top_p)
-                .max_tokens(s.max_tokens)
+            s.request(messages)
                 .n(n)
                 .seed(self.seed(task, &["candidates", turn, tag]))
         };

@@ -38,8 +38,12 @@ pub enum OutputError {
         task: String,
         computed: String,
     },
-    #[error("{path}: {message}")]
-    Io { path: String, message: String },
+    #[error("creating {}", path.display())]
+    CreateDir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Write(#[from] crate::run::WriteError),
 }
@@ -243,9 +247,9 @@ fn rewards_json(
 pub fn write(dir: &Path, built: &Built) -> Result<(), OutputError> {
     let (train, test, flat) = (&built.train, &built.test, &built.flat);
     let pairs_dir = dir.join("pairs");
-    std::fs::create_dir_all(&pairs_dir).map_err(|e| OutputError::Io {
-        path: pairs_dir.display().to_string(),
-        message: e.to_string(),
+    std::fs::create_dir_all(&pairs_dir).map_err(|source| OutputError::CreateDir {
+        path: pairs_dir.clone(),
+        source,
     })?;
     write_pairs_parquet(&pairs_dir.join("train.parquet"), train)?;
     write_pairs_parquet(&pairs_dir.join("test.parquet"), test)?;

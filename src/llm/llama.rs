@@ -14,7 +14,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Module, Tensor};
 use rayon::prelude::*;
 
-use super::decode_attention;
+use super::cpu_attention;
 use super::gguf_tokenizer::meta_u32;
 use super::q8::{self, Q8Linear};
 
@@ -651,19 +651,19 @@ impl LlamaModel {
         );
         let groups = nh / kvh;
         if self.device.is_cpu() && q.dtype() == DType::F32 {
-            // Row- and chunk-independent arithmetic (see `llm::decode_attention`).
-            let shape = decode_attention::Heads {
+            // Row- and chunk-independent arithmetic (see `llm::cpu_attention`).
+            let shape = cpu_attention::Heads {
                 head_dim: hd,
                 interleaved_rope: self.interleaved_rope,
             };
             let (cos, sin) = (cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?);
             let rope = Some((&cos[..], &sin[..]));
-            let q = decode_attention::to_heads(q, nh, &shape, rope)?;
-            let k = decode_attention::to_heads(k, kvh, &shape, rope)?;
-            let v = decode_attention::to_heads(v, kvh, &shape, None)?;
+            let q = cpu_attention::to_heads(q, nh, &shape, rope)?;
+            let k = cpu_attention::to_heads(k, kvh, &shape, rope)?;
+            let v = cpu_attention::to_heads(v, kvh, &shape, None)?;
             let pos = cache.len;
             let (k_all, v_all) = cache.append(layer_idx, &k, &v)?;
-            return decode_attention::attend_causal(&q, &k_all, &v_all, pos);
+            return cpu_attention::attend_causal(&q, &k_all, &v_all, pos);
         }
         // (b, seq, heads·hd) -> (b, heads, seq, hd)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {

@@ -60,7 +60,7 @@ pub const DEFAULT_MAX_BATCH: usize = 16;
 /// Prompt positions a request's prefill runs per scheduler round while other generations
 /// are decoding: a long prompt then delays their next token by one chunk's time instead of
 /// its whole prefill (with nothing decoding, a prompt is prefilled at once). The cache and
-/// logits are the same bits whatever the chunk size (`decode_attention`).
+/// logits are the same bits whatever the chunk size (`cpu_attention`).
 pub const PREFILL_CHUNK: usize = 128;
 
 fn worker() -> &'static mpsc::Sender<Job> {

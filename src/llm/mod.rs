@@ -5,7 +5,7 @@
 pub mod cache;
 pub mod chat_template;
 pub mod config;
-pub(crate) mod decode_attention;
+pub(crate) mod cpu_attention;
 pub mod engine;
 pub mod gguf_tokenizer;
 pub mod llama;
@@ -20,6 +20,8 @@ pub mod roles;
 pub mod sampling;
 pub mod scripted;
 pub mod spec;
+#[cfg(test)]
+pub(crate) mod test_util;
 pub mod tiny;
 pub mod tokens;
 pub mod usage;

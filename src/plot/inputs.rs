@@ -21,9 +21,9 @@ pub fn dir_name(dir: &Path) -> String {
 }
 
 fn read_text(path: &Path) -> Result<String, PlotError> {
-    std::fs::read_to_string(path).map_err(|e| PlotError::Read {
+    std::fs::read_to_string(path).map_err(|source| PlotError::Read {
         path: path.to_path_buf(),
-        message: e.to_string(),
+        source,
     })
 }
 
@@ -295,9 +295,9 @@ struct GameLine {
 /// model → games, from every `conversations/*.jsonl` of an eval directory.
 pub fn read_games(dir: &Path) -> Result<BTreeMap<String, Vec<Game>>, PlotError> {
     let conv = dir.join("conversations");
-    let entries = std::fs::read_dir(&conv).map_err(|e| PlotError::Read {
+    let entries = std::fs::read_dir(&conv).map_err(|source| PlotError::Read {
         path: conv.clone(),
-        message: e.to_string(),
+        source,
     })?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))

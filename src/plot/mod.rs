@@ -26,8 +26,11 @@ pub use chart::{render_png, render_svg, Figure};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlotError {
-    #[error("{}: cannot read: {message}", path.display())]
-    Read { path: PathBuf, message: String },
+    #[error("{}: cannot read: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{}: invalid JSON: {message}", at(path, *line))]
     Json {
         path: PathBuf,
@@ -55,8 +58,11 @@ pub enum PlotError {
     UnknownDir { path: PathBuf },
     #[error("figure `{figure}`: cannot draw: {message}")]
     Draw { figure: String, message: String },
-    #[error("{}: cannot write: {message}", path.display())]
-    Write { path: PathBuf, message: String },
+    #[error("{}: cannot write: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Option(String),
 }
@@ -168,15 +174,15 @@ pub struct Written {
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), PlotError> {
     crate::run::write_atomic(path, bytes).map_err(|e| PlotError::Write {
         path: path.to_path_buf(),
-        message: e.source.to_string(),
+        source: e.source,
     })
 }
 
 /// Renders and writes figures in every requested format.
 pub fn write_figures(figs: &[Figure], opts: &Options) -> Result<Vec<Written>, PlotError> {
-    std::fs::create_dir_all(&opts.output).map_err(|e| PlotError::Write {
+    std::fs::create_dir_all(&opts.output).map_err(|source| PlotError::Write {
         path: opts.output.clone(),
-        message: e.to_string(),
+        source,
     })?;
     let mut out = Vec::new();
     for fig in figs {

@@ -45,6 +45,15 @@ impl Sampling {
     pub const TEMPERATURE: crate::check::Range = crate::check::Range::at_least(0.0);
     /// Accepted nucleus masses.
     pub const TOP_P: crate::check::Range = crate::check::Range::open_closed(0.0, 1.0);
+
+    /// A request for `messages` with these settings (the one place a role's sampling
+    /// becomes request fields).
+    pub fn request(&self, messages: Vec<ChatMessage>) -> ChatRequest {
+        ChatRequest::new(messages)
+            .temperature(self.temperature)
+            .top_p(self.top_p)
+            .max_tokens(self.max_tokens)
+    }
 }
 
 impl Default for Sampling {
@@ -193,10 +202,9 @@ impl UserSimulator {
             return self.oracle_turns(task, history, n, seed).await;
         }
         let prompt = self.prompt(task, history)?;
-        let req = ChatRequest::new(vec![ChatMessage::user(prompt)])
-            .temperature(self.sampling.temperature)
-            .top_p(self.sampling.top_p)
-            .max_tokens(self.sampling.max_tokens)
+        let req = self
+            .sampling
+            .request(vec![ChatMessage::user(prompt)])
             .json_mode(self.json)
             .n(n)
             .seed(seed);
@@ -390,10 +398,8 @@ pub async fn rollout_future(
             break;
         }
         let history = [base, &future.messages[..]].concat();
-        let req = ChatRequest::new(history)
-            .temperature(assistant_sampling.temperature)
-            .top_p(assistant_sampling.top_p)
-            .max_tokens(assistant_sampling.max_tokens)
+        let req = assistant_sampling
+            .request(history)
             .seed(seed.wrapping_add(1000 + step));
         let resp = assistant
             .backend

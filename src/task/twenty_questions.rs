@@ -34,7 +34,7 @@ pub const MAX_QUESTIONS: usize = 20;
 
 /// A data-loading error naming the file and (1-based) line.
 #[derive(Debug, thiserror::Error)]
-pub enum DataError {
+pub enum WorldDataError {
     #[error("{}: {source}", file.display())]
     Io {
         file: PathBuf,
@@ -60,8 +60,8 @@ pub struct Object {
     pub variants: Vec<String>,
 }
 
-fn read_lines(file: &Path) -> Result<Vec<(usize, String)>, DataError> {
-    let text = std::fs::read_to_string(file).map_err(|source| DataError::Io {
+fn read_lines(file: &Path) -> Result<Vec<(usize, String)>, WorldDataError> {
+    let text = std::fs::read_to_string(file).map_err(|source| WorldDataError::Io {
         file: file.to_path_buf(),
         source,
     })?;
@@ -73,8 +73,8 @@ fn read_lines(file: &Path) -> Result<Vec<(usize, String)>, DataError> {
         .collect())
 }
 
-fn parse_err(file: &Path, line: usize, msg: impl Into<String>) -> DataError {
-    DataError::Parse {
+fn parse_err(file: &Path, line: usize, msg: impl Into<String>) -> WorldDataError {
+    WorldDataError::Parse {
         file: file.to_path_buf(),
         line,
         msg: msg.into(),
@@ -83,7 +83,10 @@ fn parse_err(file: &Path, line: usize, msg: impl Into<String>) -> DataError {
 
 /// The data rows of a TSV file whose first line must be exactly `header`, each split into
 /// `header.len()` columns: (line number, columns).
-fn read_tsv_rows(file: &Path, header: &[&str]) -> Result<Vec<(usize, Vec<String>)>, DataError> {
+fn read_tsv_rows(
+    file: &Path,
+    header: &[&str],
+) -> Result<Vec<(usize, Vec<String>)>, WorldDataError> {
     let mut it = read_lines(file)?.into_iter();
     match it.next() {
         Some((_, h)) if h.split('\t').collect::<Vec<_>>() == header => {}
@@ -106,7 +109,7 @@ fn read_tsv_rows(file: &Path, header: &[&str]) -> Result<Vec<(usize, Vec<String>
 }
 
 /// Loads `twenty_questions_objects.tsv` (header `category\tname\tvariants`).
-pub fn load_objects(dir: impl AsRef<Path>) -> Result<Vec<Object>, DataError> {
+pub fn load_objects(dir: impl AsRef<Path>) -> Result<Vec<Object>, WorldDataError> {
     let file = dir.as_ref().join(OBJECTS_FILE);
     let mut objects = Vec::new();
     for (n, cols) in read_tsv_rows(&file, &["category", "name", "variants"])? {
@@ -156,7 +159,10 @@ impl AttributeTable {
 
 /// Loads `twenty_questions_attributes.tsv` (header `name\t<attr>...`, one row per object in the
 /// objects' order, values `0`/`1`).
-pub fn load_table(dir: impl AsRef<Path>, objects: &[Object]) -> Result<AttributeTable, DataError> {
+pub fn load_table(
+    dir: impl AsRef<Path>,
+    objects: &[Object],
+) -> Result<AttributeTable, WorldDataError> {
     let file = dir.as_ref().join(ATTRIBUTES_FILE);
     let lines = read_lines(&file)?;
     let mut it = lines.into_iter();
@@ -240,7 +246,10 @@ pub struct Lexicon {
 }
 
 /// Loads `twenty_questions_lexicon.tsv` (header `attribute\tquestion\tpattern`).
-pub fn load_lexicon(dir: impl AsRef<Path>, table: &AttributeTable) -> Result<Lexicon, DataError> {
+pub fn load_lexicon(
+    dir: impl AsRef<Path>,
+    table: &AttributeTable,
+) -> Result<Lexicon, WorldDataError> {
     let file = dir.as_ref().join(LEXICON_FILE);
     let mut entries = Vec::new();
     for (n, cols) in read_tsv_rows(&file, &["attribute", "question", "pattern"])? {
@@ -566,7 +575,7 @@ const ARTICLES: &[&str] = &["a", "an", "the", "some", "one"];
 
 impl World {
     /// Loads the three files from `dir` and checks that they agree.
-    pub fn load(dir: impl AsRef<Path>) -> Result<World, DataError> {
+    pub fn load(dir: impl AsRef<Path>) -> Result<World, WorldDataError> {
         let objects = load_objects(&dir)?;
         let table = load_table(&dir, &objects)?;
         let lexicon = load_lexicon(&dir, &table)?;
@@ -578,7 +587,7 @@ impl World {
     }
 
     /// [`World::load`] of [`DEFAULT_DATA_DIR`].
-    pub fn load_default() -> Result<World, DataError> {
+    pub fn load_default() -> Result<World, WorldDataError> {
         World::load(DEFAULT_DATA_DIR)
     }
 

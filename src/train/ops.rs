@@ -756,6 +756,7 @@ pub fn token_entropy(logits: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::llm::test_util::max_diff;
     use candle_core::{Device, Var};
 
     fn rand(shape: &[usize], seed: u64) -> Tensor {
@@ -772,19 +773,6 @@ mod tests {
             })
             .collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
     }
 
     /// Values and gradients of `fast` and `slow` (same inputs, same random upstream

@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{is_win, DataError, Object, World, MAX_QUESTIONS};
+use super::{is_win, Object, World, WorldDataError, MAX_QUESTIONS};
 use crate::llm::{ChatMessage, ChatRequest};
 use crate::task::prompts::{Prompt, PromptError, Prompts};
 use crate::task::{Task, TaskType};
@@ -107,7 +107,7 @@ impl FromStr for OracleMode {
 pub fn default_world() -> Result<&'static World, String> {
     static WORLD: OnceLock<Result<World, String>> = OnceLock::new();
     WORLD
-        .get_or_init(|| World::load_default().map_err(|e: DataError| e.to_string()))
+        .get_or_init(|| World::load_default().map_err(|e: WorldDataError| e.to_string()))
         .as_ref()
         .map_err(Clone::clone)
 }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use super::config::{Opening, RlRunConfig};
 use super::{Group, ScoredResponse};
 use crate::llm::roles::Role;
-use crate::llm::{ChatMessage, ChatRequest, FinishReason};
+use crate::llm::{ChatMessage, FinishReason};
 use crate::reward::metrics::{default_weights, Scorer};
 use crate::reward::mr::MrFormula;
 use crate::rollout::futures::{FutureRunner, ScoredReply, SessionRecord};
@@ -246,10 +246,8 @@ impl Rollout<'_> {
             },
         };
         let s = self.cfg.policy_sampling();
-        let req = ChatRequest::new(prompt.clone())
-            .temperature(s.temperature)
-            .top_p(s.top_p)
-            .max_tokens(s.max_tokens)
+        let req = s
+            .request(prompt.clone())
             .n(n)
             .seed(self.seed(task, &["rl-policy", split, step, i]));
         let resp = policy

@@ -82,6 +82,30 @@ pub struct RlSummary {
     pub peak_rss_bytes: Option<u64>,
 }
 
+impl RlSummary {
+    /// `--resume` of a run whose `final/` holds all `updates`: nothing to do.
+    fn already_finished(
+        cfg: &RlRunConfig,
+        final_dir: &Path,
+        updates: u64,
+        started: Instant,
+    ) -> Self {
+        RlSummary {
+            output: cfg.output.clone(),
+            steps: updates as usize,
+            max_steps: cfg.max_steps,
+            resumed_from: Some(updates),
+            already_finished: true,
+            final_dir: final_dir.to_path_buf(),
+            last_log: Map::new(),
+            usage: BTreeMap::new(),
+            cost_usd: Value::Null,
+            wall_s: started.elapsed().as_secs_f64(),
+            peak_rss_bytes: crate::run::peak_rss_bytes(),
+        }
+    }
+}
+
 impl std::fmt::Display for RlSummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.already_finished {
@@ -368,7 +392,142 @@ struct Run<'a> {
     format: WeightFormat,
 }
 
-impl Run<'_> {
+impl<'a> Run<'a> {
+    /// The run's roles (user and judge share one request cache in the run directory), its
+    /// judge and its simulated user.
+    async fn build(
+        cfg: &'a RlRunConfig,
+        files: LocalModelFiles,
+        codec: ChatCodec,
+        prompts: Arc<Prompts>,
+    ) -> anyhow::Result<Run<'a>> {
+        let cache = RequestCache::open(cfg.output.join("cache"))?;
+        let load = LoadOptions::default();
+        let user =
+            Role::build("user", &cfg.user, &cfg.endpoint, &load, Some(cache.clone())).await?;
+        let judge = Role::build(
+            "judge",
+            &cfg.judge,
+            &cfg.endpoint,
+            &load,
+            Some(cache.clone()),
+        )
+        .await?;
+        let roles = Roles {
+            user: user.clone(),
+            judge: judge.clone(),
+            policy_meter: UsageMeter::new(),
+            cache,
+        };
+        Ok(Run {
+            cfg,
+            format: cfg.weight_format()?,
+            files,
+            codec,
+            judge: Arc::new(Judge {
+                role: judge,
+                prompts: prompts.clone(),
+                mode: cfg.judge_mode,
+                retries: cfg.judge_retries,
+                max_tokens: cfg.judge_max_tokens,
+                extract_max_tokens: cfg.extractor_max_tokens,
+                // The generate_conv default (upstream v2 scale): rl_train has no flag for it yet.
+                interactivity_scale: crate::reward::judge::InteractivityScale::default(),
+            }),
+            user: UserSimulator {
+                json: user.engine.is_none(),
+                role: user,
+                prompts,
+                sampling: cfg.user_sampling.clone(),
+                termination: cfg.termination.clone(),
+                retries: cfg.user_retries,
+                oracle: cfg.oracle,
+                max_questions: cfg.max_questions,
+            },
+            roles,
+        })
+    }
+
+    /// Step `step`: rollouts of its prompts by `policy`, the update, a sampler of the new
+    /// weights (returned), validation when due; its rollouts and log line are appended.
+    async fn train_step(
+        &self,
+        trainer: &mut RlTrainer,
+        policy: Role,
+        tasks: &[RlPrompt],
+        eval_tasks: Option<&[RlPrompt]>,
+        step: u64,
+    ) -> anyhow::Result<(Role, Map<String, Value>)> {
+        let cfg = self.cfg;
+        let step_started = Instant::now();
+        let usage_before = self.roles.usage();
+        let batch = step_tasks(tasks, cfg.seed, step, cfg.batch_prompts);
+        let scorer = self.scorer(&policy);
+        let rollout = self
+            .rollout()
+            .step(&policy, &scorer, "train", step, &batch, cfg.group_size)
+            .await?;
+        if rollout.groups.is_empty() {
+            bail!(
+                "step {step}: the simulated user could not open any prompt ({}); nothing \
+                 to train on",
+                rollout
+                    .failed_prompts
+                    .iter()
+                    .map(|(t, e)| format!("{t}: {e}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+        }
+        self.append_rollouts(&rollout)?;
+
+        let groups: Vec<super::Group> = rollout.groups.iter().map(GroupRecord::to_group).collect();
+        let update_started = Instant::now();
+        let report = match cfg.algo {
+            Algo::OnlineDpo => trainer.dpo_update(&self.codec, &groups, cfg.min_gap)?,
+            _ => trainer.update(&self.codec, &groups)?,
+        };
+        let update_s = update_started.elapsed().as_secs_f64();
+        drop(scorer);
+        // The previous sampler's weights are freed before the new copy is made.
+        drop(policy);
+        let (policy, sync_s) = self.sampler(trainer, step)?;
+
+        let mut log = step_log(step, cfg, tasks.len(), &rollout, &report);
+        log.insert("time/rollout".into(), json!(rollout.time_rollout));
+        log.insert("time/futures".into(), json!(rollout.time_futures));
+        log.insert("time/update".into(), json!(update_s));
+        log.insert("time/sync".into(), json!(sync_s));
+        if let (Some(k), Some(eval)) = (cfg.eval_every, eval_tasks) {
+            if step % k as u64 == 0 || step == cfg.max_steps as u64 {
+                let scorer = self.scorer(&policy);
+                let r = self
+                    .rollout()
+                    .step(&policy, &scorer, "eval", step, eval, 1)
+                    .await?;
+                self.append_rollouts(&r)?;
+                eval_log(&mut log, &r);
+            }
+        }
+        usage_log(&mut log, &usage_before, &self.roles.usage());
+        log.insert(
+            "time/step".into(),
+            json!(step_started.elapsed().as_secs_f64()),
+        );
+        append_lines(&cfg.output.join(LOGS_FILE), &[serde_json::to_string(&log)?])?;
+        Ok((policy, log))
+    }
+
+    /// Every group of a step, one `rollouts.jsonl` line each.
+    fn append_rollouts(&self, rollout: &StepRollout) -> anyhow::Result<()> {
+        let lines = rollout
+            .groups
+            .iter()
+            .map(serde_json::to_string)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(append_lines(&self.cfg.output.join(ROLLOUTS_FILE), &lines)?)
+    }
+
     /// The sampler of the trainer's current weights (update `update`).
     fn sampler(&self, trainer: &RlTrainer, update: u64) -> anyhow::Result<(Role, f64)> {
         let started = Instant::now();
@@ -434,19 +593,7 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
     };
     if let Some((dir, st)) = &saved {
         if dir.ends_with("final") && st.updates as usize >= cfg.max_steps {
-            return Ok(RlSummary {
-                output: cfg.output.clone(),
-                steps: st.updates as usize,
-                max_steps: cfg.max_steps,
-                resumed_from: Some(st.updates),
-                already_finished: true,
-                final_dir: dir.clone(),
-                last_log: Map::new(),
-                usage: BTreeMap::new(),
-                cost_usd: Value::Null,
-                wall_s: started.elapsed().as_secs_f64(),
-                peak_rss_bytes: crate::run::peak_rss_bytes(),
-            });
+            return Ok(RlSummary::already_finished(&cfg, dir, st.updates, started));
         }
     }
 
@@ -473,51 +620,8 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
     truncate_jsonl(&cfg.output.join(ROLLOUTS_FILE), start)?;
     crate::run::write_json_atomic(&cfg.output.join(CONFIG_FILE), &cfg)?;
 
-    let cache = RequestCache::open(cfg.output.join("cache"))?;
-    let load = LoadOptions::default();
-    let user = Role::build("user", &cfg.user, &cfg.endpoint, &load, Some(cache.clone())).await?;
-    let judge = Role::build(
-        "judge",
-        &cfg.judge,
-        &cfg.endpoint,
-        &load,
-        Some(cache.clone()),
-    )
-    .await?;
-    let roles = Roles {
-        user: user.clone(),
-        judge: judge.clone(),
-        policy_meter: UsageMeter::new(),
-        cache,
-    };
-    let run = Run {
-        cfg: &cfg,
-        format: cfg.weight_format()?,
-        files,
-        codec,
-        judge: Arc::new(Judge {
-            role: judge,
-            prompts: prompts.clone(),
-            mode: cfg.judge_mode,
-            retries: cfg.judge_retries,
-            max_tokens: cfg.judge_max_tokens,
-            extract_max_tokens: cfg.extractor_max_tokens,
-            // The generate_conv default (upstream v2 scale): rl_train has no flag for it yet.
-            interactivity_scale: crate::reward::judge::InteractivityScale::default(),
-        }),
-        user: UserSimulator {
-            json: user.engine.is_none(),
-            role: user,
-            prompts,
-            sampling: cfg.user_sampling.clone(),
-            termination: cfg.termination.clone(),
-            retries: cfg.user_retries,
-            oracle: cfg.oracle,
-            max_questions: cfg.max_questions,
-        },
-        roles,
-    };
-    let (mut policy, mut sync_s) = run.sampler(&trainer, start)?;
+    let run = Run::build(&cfg, files, codec, prompts).await?;
+    let (mut policy, sync_s) = run.sampler(&trainer, start)?;
     tracing::info!(
         "sampler ready ({} weights, {sync_s:.2} s)",
         cfg.sampler_weights
@@ -526,72 +630,10 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
     let bar = progress_bar(progress, cfg.max_steps, start);
     let mut last_log = Map::new();
     for step in start + 1..=cfg.max_steps as u64 {
-        let step_started = Instant::now();
-        let usage_before = run.roles.usage();
-        let batch = step_tasks(&tasks, cfg.seed, step, cfg.batch_prompts);
-        let scorer = run.scorer(&policy);
-        let rollout = run
-            .rollout()
-            .step(&policy, &scorer, "train", step, &batch, cfg.group_size)
+        let log;
+        (policy, log) = run
+            .train_step(&mut trainer, policy, &tasks, eval_tasks.as_deref(), step)
             .await?;
-        if rollout.groups.is_empty() {
-            bail!(
-                "step {step}: the simulated user could not open any prompt ({}); nothing \
-                 to train on",
-                rollout
-                    .failed_prompts
-                    .iter()
-                    .map(|(t, e)| format!("{t}: {e}"))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            );
-        }
-        let lines = rollout
-            .groups
-            .iter()
-            .map(serde_json::to_string)
-            .collect::<Result<Vec<_>, _>>()?;
-        append_lines(&cfg.output.join(ROLLOUTS_FILE), &lines)?;
-
-        let groups: Vec<super::Group> = rollout.groups.iter().map(GroupRecord::to_group).collect();
-        let update_started = Instant::now();
-        let report = match cfg.algo {
-            Algo::OnlineDpo => trainer.dpo_update(&run.codec, &groups, cfg.min_gap)?,
-            _ => trainer.update(&run.codec, &groups)?,
-        };
-        let update_s = update_started.elapsed().as_secs_f64();
-        drop(scorer);
-        // The previous sampler's weights are freed before the new copy is made.
-        drop(policy);
-        (policy, sync_s) = run.sampler(&trainer, step)?;
-
-        let mut log = step_log(step, &cfg, tasks.len(), &rollout, &report);
-        log.insert("time/rollout".into(), json!(rollout.time_rollout));
-        log.insert("time/futures".into(), json!(rollout.time_futures));
-        log.insert("time/update".into(), json!(update_s));
-        log.insert("time/sync".into(), json!(sync_s));
-        if let (Some(k), Some(eval)) = (cfg.eval_every, &eval_tasks) {
-            if step % k as u64 == 0 || step == cfg.max_steps as u64 {
-                let scorer = run.scorer(&policy);
-                let r = run
-                    .rollout()
-                    .step(&policy, &scorer, "eval", step, eval, 1)
-                    .await?;
-                let lines = r
-                    .groups
-                    .iter()
-                    .map(serde_json::to_string)
-                    .collect::<Result<Vec<_>, _>>()?;
-                append_lines(&cfg.output.join(ROLLOUTS_FILE), &lines)?;
-                eval_log(&mut log, &r);
-            }
-        }
-        usage_log(&mut log, &usage_before, &run.roles.usage());
-        log.insert(
-            "time/step".into(),
-            json!(step_started.elapsed().as_secs_f64()),
-        );
-        append_lines(&cfg.output.join(LOGS_FILE), &[serde_json::to_string(&log)?])?;
         bar.set_message(bar_message(&log));
         bar.set_position(step);
         last_log = log;

@@ -241,6 +241,7 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32], &[usize]) -> R) -> Result<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::llm::test_util::max_diff;
     use candle_core::Device;
 
     const HEADS: usize = 6;
@@ -248,19 +249,6 @@ mod tests {
 
     fn randn(shape: &[usize]) -> Tensor {
         Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
     }
 
     /// The candle ops this replaces: (rows, seq, n·hd) inputs at positions 0..seq.
