@@ -95,6 +95,9 @@ enum Command {
         /// Rows of the decode batch (1: one request at a time).
         #[arg(long, default_value_t = collabllm::llm::local::DEFAULT_MAX_BATCH, value_parser = at_least_one)]
         max_batch: usize,
+        /// Prompt positions prefilled per round while others decode (0: each prompt whole).
+        #[arg(long, default_value_t = collabllm::llm::local::PREFILL_CHUNK)]
+        prefill_chunk: usize,
         /// Approximate prompt length in tokens.
         #[arg(long, default_value_t = 200, value_parser = at_least_one)]
         prompt_tokens: usize,
@@ -291,6 +294,7 @@ fn main() -> ExitCode {
             endpoint,
             concurrency,
             max_batch,
+            prefill_chunk,
             prompt_tokens,
             new_tokens,
             rounds,
@@ -308,6 +312,7 @@ fn main() -> ExitCode {
                         endpoint,
                         concurrency,
                         max_batch,
+                        prefill_chunk,
                         prompt_tokens,
                         new_tokens,
                         rounds,

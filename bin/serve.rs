@@ -76,6 +76,13 @@ struct Args {
           value_parser = clap::value_parser!(u64).range(1..=256).map(|v| v as usize))]
     max_batch: usize,
 
+    /// Prompt positions a new request prefills per round while other requests decode: a long
+    /// prompt then delays their next token by one chunk instead of its whole prefill. 0
+    /// prefills each prompt whole on arrival. The tokens are the same either way.
+    #[arg(long, value_name = "TOKENS", default_value_t = collabllm::llm::local::PREFILL_CHUNK,
+          value_parser = clap::value_parser!(u64).range(0..=1_000_000).map(|v| v as usize))]
+    prefill_chunk: usize,
+
     /// Memory (MiB) for the key/value caches of recent prompts: a request whose prompt
     /// starts like an earlier one (the same system prompt, a conversation one turn longer)
     /// prefills only the rest. Reuse changes no output token. 0 turns it off.
@@ -111,6 +118,7 @@ async fn load_backend(args: &Args) -> anyhow::Result<(SharedBackend, String)> {
     };
     let backend = LocalBackend::load(&args.model, &opts).await?;
     backend.set_max_batch(args.max_batch);
+    backend.set_prefill_chunk(args.prefill_chunk);
     let name = backend.model_name();
     Ok((backend, name))
 }

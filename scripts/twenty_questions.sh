@@ -45,7 +45,9 @@ else
   # Every training object; games of 10 questions while generating (a 20-question game
   # costs twice as much and the window sees two messages ahead either way).
   gen=(--candidates 3 --samples 1 --window 2 --max-questions 10)
-  train=(--epochs 1 --lr 5e-5 --batch-size 8)
+  # 8 pairs a step as 4 micro-batches of 2: the interactivity arm's pairs are long, and a
+  # micro-batch of 8 holds 8 packed rows of full-vocabulary f32 logits (23 GB; OOM at 24).
+  train=(--epochs 1 --lr 5e-5 --batch-size 2 --grad-accum 4)
   eval=(--objects all --max-questions 20)
 fi
 threads="${THREADS:-$(nproc)}"

@@ -78,11 +78,13 @@ async fn a_long_prompt_prefilled_in_chunks_beside_a_decode_gives_its_alone_reply
         alone.push(backend.chat(req).await.unwrap());
     }
     assert!(
-        alone[1].usage.prompt_tokens > 3 * collabllm::llm::local::PREFILL_CHUNK as u64,
+        alone[1].usage.prompt_tokens > 20 * 16,
         "{:?}",
         alone[1].usage
     );
     backend.engine().clear_prefix_cache();
+    // Small chunks: the long prompt takes dozens of rounds beside the decode.
+    backend.set_prefill_chunk(16);
     let started = backend.stats();
     let (a, b) = tokio::join!(backend.chat(&short), async {
         // Joins once the short request is decoding.
@@ -95,11 +97,7 @@ async fn a_long_prompt_prefilled_in_chunks_beside_a_decode_gives_its_alone_reply
     // Only the chat template's start is shared with the short prompt: the rest of the long
     // prompt was prefilled here, over several chunks.
     let cold = b.usage.prompt_tokens - b.usage.cached_prompt_tokens;
-    assert!(
-        cold > 3 * collabllm::llm::local::PREFILL_CHUNK as u64,
-        "{:?}",
-        b.usage
-    );
+    assert!(cold > 20 * 16, "{:?}", b.usage);
     assert_eq!(backend.stats().started - started.started, 2);
 }
 

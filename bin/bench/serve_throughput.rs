@@ -18,6 +18,7 @@ pub struct Params {
     pub endpoint: Option<String>,
     pub concurrency: Vec<usize>,
     pub max_batch: usize,
+    pub prefill_chunk: usize,
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     pub rounds: usize,
@@ -107,6 +108,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
             };
             let backend = LocalBackend::load(&p.model, &opts).await?;
             backend.set_max_batch(p.max_batch);
+            backend.set_prefill_chunk(p.prefill_chunk);
             let name = backend.model_name();
             (Target::Local(backend), name)
         }
@@ -123,13 +125,18 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     target.ask(&messages[0], p.new_tokens).await?; // warm-up
     println!(
-        "{name} · threads {} · max batch {} · ~{} prompt tokens ({:?}) · prefix cache {} MiB \
-         · max_tokens {} · {} rounds",
+        "{name} · threads {} · max batch {} · prefill chunk {} · ~{} prompt tokens ({:?}) · \
+         prefix cache {} MiB · max_tokens {} · {} rounds",
         std::env::var("CANDLE_NUM_THREADS").unwrap_or_default(),
         if p.endpoint.is_some() {
             "(server's)".to_string()
         } else {
             p.max_batch.to_string()
+        },
+        if p.endpoint.is_some() {
+            "(server's)".to_string()
+        } else {
+            p.prefill_chunk.to_string()
         },
         p.prompt_tokens,
         p.layout,
@@ -167,7 +174,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
         println!(
             "{}",
             serde_json::json!({"bench": "serve-throughput", "concurrency": c,
-                "max_batch": p.max_batch, "endpoint": p.endpoint, "tokens": tokens,
+                "max_batch": p.max_batch, "prefill_chunk": p.prefill_chunk, "endpoint": p.endpoint, "tokens": tokens,
                 "prompts": format!("{:?}", p.layout), "prefix_cache_mb": p.prefix_cache_mb,
                 "wall_s": wall, "tps": tps, "speedup": speedup, "mean_latency_s": latency})
         );

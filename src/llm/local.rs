@@ -48,6 +48,8 @@ struct GenJob {
     counters: Arc<Counters>,
     /// Rows this request's backend lets the batch hold (see [`LocalBackend::set_max_batch`]).
     max_batch: usize,
+    /// Prompt positions prefilled per round while others decode (0: the whole prompt).
+    prefill_chunk: usize,
     stream: Option<TokenSink>,
     reply: tokio::sync::oneshot::Sender<Result<GenOutput, EngineError>>,
 }
@@ -58,10 +60,11 @@ struct GenJob {
 pub const DEFAULT_MAX_BATCH: usize = 16;
 
 /// Prompt positions a request's prefill runs per scheduler round while other generations
-/// are decoding: a long prompt then delays their next token by one chunk's time instead of
-/// its whole prefill (with nothing decoding, a prompt is prefilled at once). The cache and
-/// logits are the same bits whatever the chunk size (`cpu_attention`).
-pub const PREFILL_CHUNK: usize = 128;
+/// are decoding, unless a backend says otherwise ([`LocalBackend::set_prefill_chunk`]): a
+/// long prompt then delays their next token by one chunk's time instead of its whole
+/// prefill (with nothing decoding, a prompt is prefilled at once). The cache and logits are
+/// the same bits whatever the chunk size (`cpu_attention`).
+pub const PREFILL_CHUNK: usize = 256;
 
 fn worker() -> &'static mpsc::Sender<Job> {
     static WORKER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
@@ -171,10 +174,10 @@ impl Scheduler {
             retire_unstarted(*p.job);
             return;
         }
-        let chunk = if self.active.is_empty() {
-            usize::MAX
-        } else {
-            PREFILL_CHUNK
+        let chunk = match front.job.prefill_chunk {
+            0 => usize::MAX,
+            _ if self.active.is_empty() => usize::MAX,
+            n => n,
         };
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             front.job.engine.prefill_chunk(&mut front.prefill, chunk)
@@ -406,6 +409,7 @@ pub struct LocalBackend {
     engine: Arc<Engine>,
     counters: Arc<Counters>,
     max_batch: AtomicUsize,
+    prefill_chunk: AtomicUsize,
 }
 
 impl LocalBackend {
@@ -452,6 +456,7 @@ impl LocalBackend {
             engine,
             counters: Arc::default(),
             max_batch: AtomicUsize::new(DEFAULT_MAX_BATCH),
+            prefill_chunk: AtomicUsize::new(PREFILL_CHUNK),
         }))
     }
 
@@ -464,6 +469,17 @@ impl LocalBackend {
 
     pub fn max_batch(&self) -> usize {
         self.max_batch.load(Ordering::Relaxed)
+    }
+
+    /// Prompt positions this backend's requests prefill per scheduler round while others
+    /// decode (default [`PREFILL_CHUNK`]); 0 prefills each prompt whole on admission, which
+    /// stalls the running batch for the whole prompt.
+    pub fn set_prefill_chunk(&self, tokens: usize) {
+        self.prefill_chunk.store(tokens, Ordering::Relaxed);
+    }
+
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk.load(Ordering::Relaxed)
     }
 
     /// What this backend's generation jobs came to so far.
@@ -483,6 +499,7 @@ impl LocalBackend {
             engine,
             counters: Arc::default(),
             max_batch: AtomicUsize::new(DEFAULT_MAX_BATCH),
+            prefill_chunk: AtomicUsize::new(PREFILL_CHUNK),
         })
     }
 
@@ -520,6 +537,7 @@ impl LocalBackend {
             cancel: cancel.clone(),
             counters: self.counters.clone(),
             max_batch: self.max_batch(),
+            prefill_chunk: self.prefill_chunk(),
             stream,
             reply,
         };
