@@ -10,7 +10,7 @@
 //! `llm`; `parse`, `check` (range checks of user-given numbers), `run` (run directories: lock, atomic
 //! writes, signals) and `cli` are leaf utilities.
 
-pub mod check;
+pub(crate) mod check;
 pub mod cli;
 pub mod dataset;
 pub mod eval;

@@ -15,14 +15,14 @@
 //!   `compare`: paired comparison of 20 Questions runs (Wilson intervals, McNemar's exact test).
 
 pub mod compare;
-pub mod config;
-pub mod dialogue;
-pub mod games;
-pub mod overlap;
-pub mod players;
-pub mod records;
+pub(crate) mod config;
+pub(crate) mod dialogue;
+pub(crate) mod games;
+pub(crate) mod overlap;
+pub(crate) mod players;
+pub(crate) mod records;
 pub mod run;
-pub mod summary;
+pub(crate) mod summary;
 pub mod transcripts;
 
 pub use config::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};

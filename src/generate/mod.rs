@@ -2,9 +2,9 @@
 
 pub mod compat;
 pub mod config;
-pub mod conversation;
+pub(crate) mod conversation;
 pub mod merge;
-pub mod outputs;
+pub(crate) mod outputs;
 pub mod proactive;
 pub mod run;
 

@@ -15,8 +15,8 @@
 //! The token is a [`Token`]: its `Debug` prints `***`, it is sent only to the endpoint's own
 //! origin, and every error text is passed through a redaction of the token's value.
 
-pub mod card;
-pub mod client;
+pub(crate) mod card;
+pub(crate) mod client;
 pub mod import;
 
 use std::io::Read as _;

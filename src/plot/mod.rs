@@ -10,8 +10,8 @@
 //! its sorted position, so a model has the same colour in every figure of that invocation.
 //! Output is deterministic: the same inputs give byte-identical files.
 
-pub mod chart;
-pub mod figures;
+pub(crate) mod chart;
+pub(crate) mod figures;
 pub mod inputs;
 
 use std::collections::BTreeMap;

@@ -2,6 +2,6 @@
 //! conversation records (`conversations.jsonl`) that generation writes and evaluation and
 //! plots read.
 
-pub mod futures;
+pub(crate) mod futures;
 pub mod records;
 pub mod user;

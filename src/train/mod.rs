@@ -29,7 +29,7 @@
 
 pub mod adamw;
 pub mod data;
-pub mod error;
+pub(crate) mod error;
 pub mod logps;
 pub mod loss;
 pub mod model;

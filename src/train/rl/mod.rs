@@ -4,11 +4,11 @@
 //! ([`batch`]), PPO/GRPO updates ([`loss`], [`step`]), weights for the sampler ([`sync`]) and
 //! resumable state ([`state`]).
 
-pub mod advantage;
+pub(crate) mod advantage;
 pub mod batch;
 pub mod config;
 pub mod loss;
-pub mod rollout;
+pub(crate) mod rollout;
 pub mod run;
 pub mod state;
 pub mod step;
