@@ -73,6 +73,30 @@ enum Command {
         #[arg(long, default_value_t = 1, value_parser = at_least_one)]
         endpoints: usize,
     },
+    /// The decode stall long prompts cause: one client streams a long greedy reply while
+    /// `--arrivals` requests with ~`--prompt-tokens`-token prompts arrive at once; prints
+    /// the median, 95th-percentile and largest gap between streamed pieces (what
+    /// `--prefill-chunk` bounds). The prompt cache is off.
+    PrefillStall {
+        /// Model spec (`default`, a .gguf file, an HF directory or id).
+        #[arg(long, default_value = "default")]
+        model: ModelSpec,
+        /// Compute threads.
+        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+        threads: usize,
+        /// Prompt positions prefilled per round while others decode (0: each prompt whole).
+        #[arg(long, default_value_t = collabllm::llm::local::PREFILL_CHUNK)]
+        prefill_chunk: usize,
+        /// Requests with long prompts that arrive while the stream decodes.
+        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+        arrivals: usize,
+        /// Approximate prompt length of each arriving request, in tokens.
+        #[arg(long, default_value_t = 1500, value_parser = at_least_one)]
+        prompt_tokens: usize,
+        /// Tokens the streamed reply generates.
+        #[arg(long, default_value_t = 160, value_parser = at_least_one)]
+        new_tokens: usize,
+    },
     /// Continuous batching: `c` concurrent clients of the local backend (greedy chat
     /// requests, one after another per client) for each `c` of `--concurrency`: aggregate
     /// generated tokens/s, mean latency, peak RSS. `--max-batch 1` is the one-request-at-a-time
@@ -162,10 +186,25 @@ fn at_least_one(s: &str) -> Result<usize, String> {
 
 #[path = "bench/orchestration.rs"]
 mod orchestration;
+#[path = "bench/prefill_stall.rs"]
+mod prefill_stall;
 #[path = "bench/serve_throughput.rs"]
 mod serve_throughput;
 #[path = "bench/train_step.rs"]
 mod train_step;
+
+/// Sets the compute threads (before the model loads), then runs `body` on a multi-threaded
+/// runtime.
+fn on_runtime(
+    threads: usize,
+    body: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    collabllm::cli::set_compute_threads(Some(threads));
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(body)
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -288,6 +327,23 @@ fn main() -> ExitCode {
                 checkpointing: gradient_checkpointing,
             })
         }
+        Command::PrefillStall {
+            model,
+            threads,
+            prefill_chunk,
+            arrivals,
+            prompt_tokens,
+            new_tokens,
+        } => on_runtime(
+            threads,
+            prefill_stall::run(prefill_stall::Params {
+                model,
+                prefill_chunk,
+                arrivals,
+                prompt_tokens,
+                new_tokens,
+            }),
+        ),
         Command::ServeThroughput {
             model,
             threads,
@@ -300,27 +356,21 @@ fn main() -> ExitCode {
             rounds,
             prompts,
             prefix_cache_mb,
-        } => {
-            collabllm::cli::set_compute_threads(Some(threads));
-            tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .map_err(anyhow::Error::from)
-                .and_then(|rt| {
-                    rt.block_on(serve_throughput::run(serve_throughput::Params {
-                        model,
-                        endpoint,
-                        concurrency,
-                        max_batch,
-                        prefill_chunk,
-                        prompt_tokens,
-                        new_tokens,
-                        rounds,
-                        layout: prompts,
-                        prefix_cache_mb,
-                    }))
-                })
-        }
+        } => on_runtime(
+            threads,
+            serve_throughput::run(serve_throughput::Params {
+                model,
+                endpoint,
+                concurrency,
+                max_batch,
+                prefill_chunk,
+                prompt_tokens,
+                new_tokens,
+                rounds,
+                layout: prompts,
+                prefix_cache_mb,
+            }),
+        ),
         Command::Orchestration {
             latency_ms,
             cap,

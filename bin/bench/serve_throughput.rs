@@ -77,7 +77,12 @@ impl Target {
 /// The user message of client `i`: filler up to about `target` prompt tokens with the
 /// client's own line first (`Distinct`) or last (`Shared`), then a request for a long answer
 /// (so replies rarely end before `max_tokens`).
-fn message(codec: &ChatCodec, i: usize, target: usize, layout: Layout) -> anyhow::Result<String> {
+pub fn message(
+    codec: &ChatCodec,
+    i: usize,
+    target: usize,
+    layout: Layout,
+) -> anyhow::Result<String> {
     let sentence = "The committee reviewed the quarterly report on river water quality, \
                     noting that nitrate levels fell while turbidity rose after the spring floods. ";
     let ask = "Write a long, detailed essay about what the report means for the town.";
