@@ -77,26 +77,7 @@ enum Command {
     /// `--arrivals` requests with ~`--prompt-tokens`-token prompts arrive at once; prints
     /// the median, 95th-percentile and largest gap between streamed pieces (what
     /// `--prefill-chunk` bounds). The prompt cache is off.
-    PrefillStall {
-        /// Model spec (`default`, a .gguf file, an HF directory or id).
-        #[arg(long, default_value = "default")]
-        model: ModelSpec,
-        /// Compute threads.
-        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
-        threads: usize,
-        /// Prompt positions prefilled per round while others decode (0: each prompt whole).
-        #[arg(long, default_value_t = collabllm::llm::local::PREFILL_CHUNK)]
-        prefill_chunk: usize,
-        /// Requests with long prompts that arrive while the stream decodes.
-        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
-        arrivals: usize,
-        /// Approximate prompt length of each arriving request, in tokens.
-        #[arg(long, default_value_t = 1500, value_parser = at_least_one)]
-        prompt_tokens: usize,
-        /// Tokens the streamed reply generates.
-        #[arg(long, default_value_t = 160, value_parser = at_least_one)]
-        new_tokens: usize,
-    },
+    PrefillStall(prefill_stall::Params),
     /// Continuous batching: `c` concurrent clients of the local backend (greedy chat
     /// requests, one after another per client) for each `c` of `--concurrency`: aggregate
     /// generated tokens/s, mean latency, peak RSS. `--max-batch 1` is the one-request-at-a-time
@@ -327,23 +308,7 @@ fn main() -> ExitCode {
                 checkpointing: gradient_checkpointing,
             })
         }
-        Command::PrefillStall {
-            model,
-            threads,
-            prefill_chunk,
-            arrivals,
-            prompt_tokens,
-            new_tokens,
-        } => on_runtime(
-            threads,
-            prefill_stall::run(prefill_stall::Params {
-                model,
-                prefill_chunk,
-                arrivals,
-                prompt_tokens,
-                new_tokens,
-            }),
-        ),
+        Command::PrefillStall(p) => on_runtime(p.threads, prefill_stall::run(p)),
         Command::ServeThroughput {
             model,
             threads,

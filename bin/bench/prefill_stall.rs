@@ -9,13 +9,28 @@ use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::spec::resolve_local;
 use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, DeltaSink, ModelSpec};
 
+use crate::at_least_one;
 use crate::serve_throughput::{message, Layout};
 
+#[derive(clap::Args, Debug)]
 pub struct Params {
+    /// Model spec (`default`, a .gguf file, an HF directory or id).
+    #[arg(long, default_value = "default")]
     pub model: ModelSpec,
+    /// Compute threads.
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+    pub threads: usize,
+    /// Prompt positions prefilled per round while others decode (0: each prompt whole).
+    #[arg(long, default_value_t = collabllm::llm::local::PREFILL_CHUNK)]
     pub prefill_chunk: usize,
+    /// Requests with long prompts that arrive while the stream decodes.
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
     pub arrivals: usize,
+    /// Approximate prompt length of each arriving request, in tokens.
+    #[arg(long, default_value_t = 1500, value_parser = at_least_one)]
     pub prompt_tokens: usize,
+    /// Tokens the streamed reply generates.
+    #[arg(long, default_value_t = 160, value_parser = at_least_one)]
     pub new_tokens: usize,
 }
 

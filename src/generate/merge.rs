@@ -12,7 +12,8 @@ use serde_json::{json, Value};
 
 use super::config::GenerateConfig;
 use super::run::{rescore, RunSummary, MANIFEST_FILE};
-use crate::llm::{add_usage, UsageSnapshot};
+use crate::llm::add_usage;
+use crate::llm::usage::manifest_usage;
 use crate::rollout::records::{read_records, ConversationRecord, CONVERSATIONS_FILE};
 use crate::run::{
     changed_keys, now_secs, write_atomic, write_json_atomic, Manifest, ManifestHeader, RunLock,
@@ -25,13 +26,6 @@ struct ShardRun {
     manifest: Manifest,
     config: GenerateConfig,
     records: Vec<ConversationRecord>,
-}
-
-impl ShardRun {
-    /// Every invocation's usage on this shard.
-    fn usage_total(&self) -> BTreeMap<String, UsageSnapshot> {
-        serde_json::from_value(self.manifest.field("usage_total").clone()).unwrap_or_default()
-    }
 }
 
 fn read_shard(dir: &Path) -> anyhow::Result<ShardRun> {
@@ -140,9 +134,9 @@ pub fn merge_runs(shards: &[PathBuf], output: &Path) -> anyhow::Result<RunSummar
     {
         let _lock = RunLock::acquire(output)?;
         write_atomic(&output.join(CONVERSATIONS_FILE), lines.as_bytes())?;
-        let usage_total = runs
-            .iter()
-            .fold(BTreeMap::new(), |sum, r| add_usage(&sum, &r.usage_total()));
+        let usage_total = runs.iter().fold(BTreeMap::new(), |sum, r| {
+            add_usage(&sum, &manifest_usage(&r.manifest))
+        });
         // The first shard's stage fields, made the merged run's.
         let mut stage = first.manifest.rest.clone();
         stage.insert("config".into(), serde_json::to_value(&cfg)?);

@@ -573,9 +573,7 @@ impl Engine {
         if ids.is_empty() {
             return Err(self.gen_err("no tokens to continue"));
         }
-        let mut prefill = self.begin_prefill(ids)?;
-        while !self.prefill_chunk(&mut prefill, usize::MAX)? {}
-        prefill
+        self.prefill_whole(ids)?
             .logits
             .ok_or_else(|| self.gen_err("internal: a finished prefill without logits"))
     }
@@ -645,9 +643,16 @@ impl Engine {
     /// Starts a generation: checks the prompt, prefills it once and copies its cache into
     /// `params.n` rows. [`Engine::step`] then decodes it, alone or beside others.
     pub fn start(&self, prompt: &[u32], params: &GenParams) -> Result<GenState, EngineError> {
-        let mut prefill = self.begin_prefill(prompt)?;
-        while !self.prefill_chunk(&mut prefill, usize::MAX)? {}
+        let prefill = self.prefill_whole(prompt)?;
         self.start_prefilled(prefill, params)
+    }
+
+    /// The whole prompt prefilled at once (from the longest stored prompt that begins the
+    /// same way).
+    fn prefill_whole(&self, prompt: &[u32]) -> Result<Prefill, EngineError> {
+        let mut prefill = self.begin_prefill(prompt)?;
+        self.prefill_chunk(&mut prefill, usize::MAX)?;
+        Ok(prefill)
     }
 
     /// Checks a prompt and starts its prefill from the longest stored prompt that begins
@@ -934,7 +939,7 @@ const KV_GROWTH: usize = 256;
 /// concatenate to its final text).
 pub type TokenSink = Box<dyn FnMut(usize, &str) + Send>;
 
-/// One generation in flight (see [`Engine::start`] and [`Engine::step`]).
+/// A prompt being prefilled (see [`Engine::begin_prefill`] and [`Engine::prefill_chunk`]).
 pub struct Prefill {
     prompt: Vec<u32>,
     /// Positions taken from a stored prompt's cache.
@@ -947,13 +952,7 @@ pub struct Prefill {
     secs: f64,
 }
 
-impl Prefill {
-    /// Prompt positions still to run.
-    pub fn remaining(&self) -> usize {
-        self.prompt.len() - self.done
-    }
-}
-
+/// One generation in flight (see [`Engine::start`] and [`Engine::step`]).
 pub struct GenState {
     prompt_tokens: usize,
     cached_tokens: usize,

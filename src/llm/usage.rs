@@ -175,9 +175,14 @@ pub(crate) fn in_reask() -> bool {
 /// Usage recorded in a run's manifest (`usage_total`, or `usage` for manifests written
 /// before totals existed); empty when there is none.
 pub fn recorded_usage(manifest: &std::path::Path) -> BTreeMap<String, UsageSnapshot> {
-    let Ok(Some(m)) = crate::run::Manifest::read(manifest) else {
-        return BTreeMap::new();
-    };
+    match crate::run::Manifest::read(manifest) {
+        Ok(Some(m)) => manifest_usage(&m),
+        _ => BTreeMap::new(),
+    }
+}
+
+/// The usage a read manifest records (see [`recorded_usage`]).
+pub fn manifest_usage(m: &crate::run::Manifest) -> BTreeMap<String, UsageSnapshot> {
     let recorded = match m.field("usage_total") {
         serde_json::Value::Null => m.field("usage"),
         total => total,
@@ -400,6 +405,31 @@ pub fn cost_usd(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_tables_add_role_by_role() {
+        let snap = |calls, prompt_tokens| UsageSnapshot {
+            calls,
+            prompt_tokens,
+            ..UsageSnapshot::default()
+        };
+        let a = BTreeMap::from([
+            ("user".to_string(), snap(2, 10)),
+            ("judge".into(), snap(1, 5)),
+        ]);
+        let b = BTreeMap::from([
+            ("user".to_string(), snap(3, 7)),
+            ("policy".into(), snap(4, 1)),
+        ]);
+        assert_eq!(
+            add_usage(&a, &b),
+            BTreeMap::from([
+                ("judge".to_string(), snap(1, 5)),
+                ("policy".into(), snap(4, 1)),
+                ("user".into(), snap(5, 17)),
+            ])
+        );
+    }
 
     #[test]
     fn price_keys_and_errors_hide_url_credentials() {

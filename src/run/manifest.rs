@@ -81,9 +81,7 @@ impl ManifestHeader {
             signal: signal.map(|s| s.name().to_string()),
         }
     }
-}
 
-impl ManifestHeader {
     /// The whole manifest: this header, then the stage's own fields (`stage`, an object; a
     /// stage field never replaces a header field).
     pub fn with_fields(self, stage: Value) -> Value {
@@ -91,20 +89,9 @@ impl ManifestHeader {
         if let Value::Object(stage) = stage {
             m.extend(stage);
         }
-        let header = serde_json::json!({
-            "tool": self.tool,
-            "version": self.version,
-            "git_revision": self.git_revision,
-            "status": self.status.name(),
-            "started_at": self.started_at,
-            "updated_at": self.updated_at,
-            "finished_at": self.finished_at,
-            "signal": self.signal,
-        });
-        if let Value::Object(header) = header {
-            m.extend(header.into_iter().filter(|(k, v)| {
-                !v.is_null() || !matches!(k.as_str(), "started_at" | "updated_at")
-            }));
+        // Strings, options and numbers: serializing the header cannot fail.
+        if let Ok(Value::Object(header)) = serde_json::to_value(&self) {
+            m.extend(header);
         }
         Value::Object(m)
     }

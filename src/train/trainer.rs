@@ -23,6 +23,7 @@ use crate::llm::engine::{fingerprint, ChatCodec};
 use crate::llm::peft::{AdapterConfig, ADAPTER_WEIGHTS, LORA_TARGETS};
 use crate::llm::spec::{redact_credentials, resolve_local, LocalModelFiles, ModelSpec};
 use crate::llm::ChatMessage;
+use crate::run::{write_atomic, write_json_atomic};
 
 use super::adamw::{AdamW, AdamWParams};
 use super::data::{
@@ -1379,14 +1380,6 @@ fn truncate_logs(path: &Path, step: usize) -> Result<usize> {
     }
     write_atomic(path, kept.as_bytes())?;
     Ok(tokens)
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    Ok(crate::run::write_atomic(path, bytes)?)
-}
-
-fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<()> {
-    write_atomic(path, serde_json::to_string_pretty(value)?.as_bytes())
 }
 
 /// The model files of a checkpoint: PEFT adapter (LoRA) or full HF model, plus the tokenizer
