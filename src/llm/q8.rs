@@ -12,6 +12,11 @@
 //! Every output element is computed by the same instructions in the same order whatever the
 //! number of rows in the call and whichever thread computes it, so a row's result never depends
 //! on the other rows of the batch (batched sampling equals single-stream sampling).
+//!
+//! Where the CPU has AVX-512 VNNI, one `vpdpbusd` replaces the sign/`maddubs`/`madd`/add chain:
+//! it multiplies unsigned by signed bytes, so the activations are offset by 128 and each block's
+//! `128 · Σw` (kept per column at load) is subtracted. Integer sums are exact either way, so both
+//! kernels give the same bits.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,6 +35,9 @@ const TILE_BLOCK: usize = QK * NC;
 const MR: usize = 4;
 /// Bytes of one ggml `block_q8_0`: an f16 scale then 32 int8 values.
 const Q8_0_BLOCK_BYTES: usize = 2 + QK;
+/// Rows from which the VNNI kernel is used.
+#[cfg(target_arch = "x86_64")]
+const VNNI_MIN_ROWS: usize = 4;
 /// Multiply-adds below which a call stays on one thread.
 const PAR_MIN_MACS: usize = 1 << 17;
 
@@ -49,6 +57,9 @@ pub struct Q8Linear {
     qs: Vec<Line>,
     /// f16 bits, `tiles · (k/32) · 8`.
     scales: Vec<u16>,
+    /// Sum of each column's 32 weights in each block, laid out as `scales`: the VNNI kernel's
+    /// correction for its offset activations.
+    sums: Vec<i16>,
 }
 
 impl std::fmt::Debug for Q8Linear {
@@ -95,6 +106,7 @@ impl Q8Linear {
         let tiles = n.div_ceil(NC);
         let mut qs = vec![Line([0; 64]); tiles * nb * TILE_BLOCK / 64];
         let mut scales = vec![0u16; tiles * nb * NC];
+        let mut sums = vec![0i16; tiles * nb * NC];
         {
             let q = line_bytes_mut(&mut qs);
             for c in 0..n {
@@ -103,6 +115,7 @@ impl Q8Linear {
                     let blk = &data[(c * nb + b) * Q8_0_BLOCK_BYTES..][..Q8_0_BLOCK_BYTES];
                     let tb = t * nb + b;
                     scales[tb * NC + cc] = u16::from_le_bytes([blk[0], blk[1]]);
+                    sums[tb * NC + cc] = blk[2..].iter().map(|&v| i16::from(v as i8)).sum();
                     let dst = &mut q[tb * TILE_BLOCK..][..TILE_BLOCK];
                     for g in 0..QK / 4 {
                         for j in 0..4 {
@@ -118,6 +131,7 @@ impl Q8Linear {
             part_tiles: vec![0, tiles],
             qs,
             scales,
+            sums,
         })
     }
 
@@ -136,6 +150,7 @@ impl Q8Linear {
             part_tiles: vec![0],
             qs: Vec::with_capacity(layers.iter().map(|l| l.qs.len()).sum()),
             scales: Vec::with_capacity(layers.iter().map(|l| l.scales.len()).sum()),
+            sums: Vec::with_capacity(layers.iter().map(|l| l.sums.len()).sum()),
         };
         for l in layers {
             let base = out.tiles();
@@ -144,6 +159,7 @@ impl Q8Linear {
                 .extend(l.part_tiles[1..].iter().map(|t| base + t));
             out.qs.extend_from_slice(&l.qs);
             out.scales.extend_from_slice(&l.scales);
+            out.sums.extend_from_slice(&l.sums);
         }
         Ok(out)
     }
@@ -248,10 +264,24 @@ impl Q8Linear {
     }
 
     fn matmul(&self, kern: Kernel, xs: &[f32], m: usize) -> Vec<Vec<f32>> {
+        #[cfg(target_arch = "x86_64")]
+        let kern = match kern {
+            // Up to three rows are bound by reading the weights: there the AVX2 kernel measured
+            // as fast (three rows) or faster (one: 1.13x); the bits are the same.
+            Kernel::Vnni if m < VNNI_MIN_ROWS => Kernel::Avx2,
+            k => k,
+        };
         let nb = self.k / QK;
         let mut xq = vec![0i8; m * self.k];
         let mut xd = vec![0f32; m * nb];
         quantize_rows(kern, xs, &mut xq, &mut xd);
+        #[cfg(target_arch = "x86_64")]
+        if kern == Kernel::Vnni {
+            // x + 128 as unsigned bytes, which `vpdpbusd` multiplies.
+            for v in &mut xq {
+                *v ^= i8::MIN;
+            }
+        }
         let mut outs: Vec<Vec<f32>> = self.parts.iter().map(|&n| vec![0f32; m * n]).collect();
         let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
         let parallel = m * self.out_dim() * self.k >= PAR_MIN_MACS;
@@ -289,6 +319,7 @@ impl Q8Linear {
             let tile = Tile {
                 wq: &q[t * nb * TILE_BLOCK..][..nb * TILE_BLOCK],
                 ws: &self.scales[t * nb * NC..][..nb * NC],
+                sums: &self.sums[t * nb * NC..][..nb * NC],
                 nb,
                 ncols: NC.min(n - col),
             };
@@ -297,6 +328,8 @@ impl Q8Linear {
                 Kernel::Scalar => tile_scalar(&tile, xq, xd, m, self.k, out, n),
                 #[cfg(target_arch = "x86_64")]
                 Kernel::Avx2 => avx2::tile(&tile, xq, xd, m, self.k, out, n),
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Vnni => vnni::tile(&tile, xq, xd, m, self.k, out, n),
             }
         }
     }
@@ -323,6 +356,7 @@ fn line_bytes_mut(v: &mut [Line]) -> &mut [i8] {
 struct Tile<'a> {
     wq: &'a [i8],
     ws: &'a [u16],
+    sums: &'a [i16],
     nb: usize,
     /// Real (unpadded) columns of the tile.
     ncols: usize,
@@ -339,21 +373,31 @@ enum Kernel {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// AVX2 plus AVX-512 VNNI on 256-bit registers; activations offset to unsigned bytes.
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
 }
 
 /// The fastest kernel this CPU runs.
 fn kernel() -> Kernel {
     #[cfg(target_arch = "x86_64")]
     {
-        static HAS_AVX2: OnceLock<bool> = OnceLock::new();
-        if *HAS_AVX2.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
+        static BEST: OnceLock<Kernel> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let avx2 = is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        }) {
-            return Kernel::Avx2;
-        }
+                && is_x86_feature_detected!("f16c");
+            let vnni = is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vl")
+                && std::env::var_os("COLLABLLM_NO_VNNI").is_none();
+            match (avx2, vnni) {
+                (true, true) => Kernel::Vnni,
+                (true, false) => Kernel::Avx2,
+                _ => Kernel::Scalar,
+            }
+        })
     }
+    #[cfg(not(target_arch = "x86_64"))]
     Kernel::Scalar
 }
 
@@ -381,7 +425,7 @@ fn quantize_rows(kern: Kernel, xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
         Kernel::Scalar => quantize_scalar(xs, xq, xd),
         // SAFETY: `kernel()` checked the CPU features.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => unsafe { avx2::quantize(xs, xq, xd) },
+        Kernel::Avx2 | Kernel::Vnni => unsafe { avx2::quantize(xs, xq, xd) },
     }
 }
 
@@ -556,6 +600,109 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use super::{Tile, NC, QK, TILE_BLOCK};
+    use std::arch::x86_64::*;
+
+    /// Activation rows that share one pass over a weight tile (AVX-512 has 32 vector registers).
+    const MR: usize = 8;
+
+    /// As `avx2::tile`, with `xu` the activations offset by 128 (`x ^ 0x80`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2/FMA/F16C and AVX-512 VNNI/VL; `out` as in `tile_scalar`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(super) unsafe fn tile(
+        tile: &Tile,
+        xu: &[i8],
+        xd: &[f32],
+        m: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        debug_assert!(xu.len() >= m * k && xd.len() >= m * (k / QK));
+        let (xu, xd) = (xu.as_ptr(), xd.as_ptr());
+        let nb = k / QK;
+        let mut r = 0;
+        while r + MR <= m {
+            rows::<MR, 1>(tile, xu.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld);
+            r += MR;
+        }
+        // Few rows: more independent accumulator chains per row, so that `vpdpbusd`'s latency
+        // does not serialize the block.
+        let (xu, xd, out) = (xu.add(r * k), xd.add(r * nb), out.add(r * ld));
+        match m - r {
+            7 => rows::<7, 1>(tile, xu, xd, k, out, ld),
+            6 => rows::<6, 1>(tile, xu, xd, k, out, ld),
+            5 => rows::<5, 1>(tile, xu, xd, k, out, ld),
+            4 => rows::<4, 2>(tile, xu, xd, k, out, ld),
+            3 => rows::<3, 2>(tile, xu, xd, k, out, ld),
+            2 => rows::<2, 4>(tile, xu, xd, k, out, ld),
+            1 => rows::<1, 4>(tile, xu, xd, k, out, ld),
+            _ => {}
+        }
+    }
+
+    /// `R` activation rows against one tile, `C` integer accumulators per row (a divisor of
+    /// 8). Integer sums are exact, so a row's result depends on neither `R` nor `C`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    #[inline]
+    unsafe fn rows<const R: usize, const C: usize>(
+        tile: &Tile,
+        xu: *const i8,
+        xd: *const f32,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = tile.nb;
+        let wq = tile.wq.as_ptr();
+        let ws = tile.ws.as_ptr();
+        let sums = tile.sums.as_ptr();
+        let mut accf = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let wb = wq.add(b * TILE_BLOCK);
+            let yb = xu.add(b * QK);
+            // Σ (x + 128)·w = Σ x·w + 128·Σw: start every row's sum at −128·Σw.
+            let sum = _mm256_cvtepi16_epi32(_mm_loadu_si128(sums.add(b * NC).cast()));
+            let start = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(sum));
+            let mut acci = [[_mm256_setzero_si256(); R]; C];
+            acci[0] = [start; R];
+            for g0 in (0..QK / 4).step_by(C) {
+                for (c, chain) in acci.iter_mut().enumerate() {
+                    let g = g0 + c;
+                    let w = _mm256_load_si256(wb.add(g * 32).cast());
+                    for (r, acc) in chain.iter_mut().enumerate() {
+                        let y = yb.add(r * k + g * 4).cast::<i32>().read_unaligned();
+                        *acc = _mm256_dpbusd_epi32(*acc, _mm256_set1_epi32(y), w);
+                    }
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(ws.add(b * NC).cast()));
+            for (r, acc) in accf.iter_mut().enumerate() {
+                let mut s = acci[0][r];
+                for chain in &acci[1..] {
+                    s = _mm256_add_epi32(s, chain[r]);
+                }
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xd.add(r * nb + b)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
+            }
+        }
+        for (r, acc) in accf.iter().enumerate() {
+            let o = out.add(r * ld);
+            if tile.ncols == NC {
+                _mm256_storeu_ps(o, *acc);
+            } else {
+                let mut tmp = [0f32; NC];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, tile.ncols);
+            }
+        }
+    }
+}
+
 /// Compute threads: `CANDLE_NUM_THREADS`, else the available cores. The first call also sizes
 /// rayon's global pool to it (when nothing built that pool before).
 pub fn compute_threads() -> usize {
@@ -625,10 +772,17 @@ mod tests {
             .collect()
     }
 
+    /// Every kernel this CPU runs, the scalar reference first.
     fn kernels() -> Vec<Kernel> {
         let mut k = vec![Kernel::Scalar];
-        if kernel() != Kernel::Scalar {
-            k.push(kernel());
+        #[cfg(target_arch = "x86_64")]
+        {
+            if kernel() != Kernel::Scalar {
+                k.push(Kernel::Avx2);
+            }
+            if kernel() == Kernel::Vnni {
+                k.push(Kernel::Vnni);
+            }
         }
         k
     }
@@ -662,7 +816,7 @@ mod tests {
                 let l = Q8Linear::from_tensor(&wt).unwrap();
                 let wd = l.dequantize().unwrap();
                 let wdv = wd.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                for &m in &[1usize, 3, 5, 17] {
+                for &m in &[1usize, 3, 5, 7, 12, 17] {
                     let xs = randn(&mut rng, m * k, 1.0);
                     let x = Tensor::from_vec(xs.clone(), (m, k), &Device::Cpu).unwrap();
                     // candle's f32 matmul on the dequantized weights.
@@ -705,11 +859,13 @@ mod tests {
                                     reference[i]
                                 );
                             }
-                            assert_eq!(
-                                results[0][i].to_bits(),
-                                results[results.len() - 1][i].to_bits(),
-                                "SIMD and scalar differ at k={k} n={n} m={m} ({r},{c})"
-                            );
+                            for (res, kern) in results.iter().zip(kernels()) {
+                                assert_eq!(
+                                    results[0][i].to_bits(),
+                                    res[i].to_bits(),
+                                    "{kern:?} and scalar differ at k={k} n={n} m={m} ({r},{c})"
+                                );
+                            }
                         }
                     }
                 }
@@ -800,6 +956,29 @@ mod tests {
             Q8Linear::from_tensor(&Tensor::zeros((4, 48), DType::F32, &Device::Cpu).unwrap())
                 .is_err()
         );
+    }
+
+    #[test]
+    fn extreme_bytes_give_the_same_bits_in_every_kernel() {
+        // Q8_0 data may hold −128 (ggml never writes it, other tools may); activations reach ±127.
+        let (n, k) = (11, 96);
+        let mut data = Vec::new();
+        for c in 0..n {
+            for b in 0..k / QK {
+                data.extend_from_slice(&(0x2c00u16 + (c * 7 + b) as u16).to_le_bytes());
+                data.extend((0..QK).map(|j| [-128i8, 127, -127, 0, 1][(c + b + j) % 5] as u8));
+            }
+        }
+        let l = Q8Linear::from_q8_0_bytes(n, k, &data).unwrap();
+        let m = 9;
+        let xs: Vec<f32> = (0..m * k)
+            .map(|i| [1.0f32, -1.0, 0.5, -3.0e4, 3.0e4, 0.0][i % 6])
+            .collect();
+        let results: Vec<Vec<f32>> = kernels().iter().map(|&kn| run(&l, kn, &xs, m)).collect();
+        for (res, kern) in results.iter().zip(kernels()) {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(res), bits(&results[0]), "{kern:?}");
+        }
     }
 
     #[test]
