@@ -50,7 +50,7 @@ fn reply(body: &Value, sample: usize) -> String {
     }
     if prompt.contains("rating how well") {
         let h = hash(prompt);
-        if h % 2 == 0 {
+        if h.is_multiple_of(2) {
             return "I would rather not say.".into();
         }
         // On the default (upstream v2) scale: 0, 0.5 or 1.

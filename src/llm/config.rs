@@ -546,7 +546,7 @@ impl LlamaConfig {
             ));
         }
         let hd = self.head_dim();
-        if hd == 0 || hd % 2 != 0 {
+        if hd == 0 || !hd.is_multiple_of(2) {
             return Err((
                 "head_dim",
                 format!("{hd}: the rotary embedding needs an even head dimension"),

@@ -163,7 +163,7 @@ fn simd() -> bool {
 
 fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if simd && a.len() % 8 == 0 {
+    if simd && a.len().is_multiple_of(8) {
         // SAFETY: `simd()` checked the CPU features; the slices have equal lengths.
         return unsafe { avx2::dot(a, b) };
     }
@@ -174,7 +174,7 @@ fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
 /// `out += w · x`.
 fn axpy(simd: bool, w: f32, x: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if simd && x.len() % 8 == 0 {
+    if simd && x.len().is_multiple_of(8) {
         // SAFETY: as in `dot`.
         return unsafe { avx2::axpy(w, x, out) };
     }

@@ -336,7 +336,7 @@ impl Q8Linear {
 }
 
 fn check_k(k: usize) -> Result<()> {
-    if k == 0 || k % QK != 0 {
+    if k == 0 || !k.is_multiple_of(QK) {
         candle_core::bail!("Q8Linear needs an input size that is a multiple of {QK}, not {k}");
     }
     Ok(())

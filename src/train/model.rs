@@ -324,7 +324,7 @@ impl TrainLlama {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        if cfg.num_attention_heads % cfg.num_kv_heads() != 0 {
+        if !cfg.num_attention_heads.is_multiple_of(cfg.num_kv_heads()) {
             candle_core::bail!("attention heads must be a multiple of the key/value heads");
         }
         if !cfg.tie_word_embeddings && !tensors.contains_key("lm_head.weight") {

@@ -16,7 +16,7 @@ pub fn reply(prompt: &str, seed: u64, sample: usize) -> String {
     let k = seed.wrapping_add(sample as u64);
     if prompt.contains("role-playing a USER") {
         let turns = prompt.matches("Assistant:").count();
-        let response = if turns >= 2 && k % 3 == 0 {
+        let response = if turns >= 2 && k.is_multiple_of(3) {
             "[[TERMINATE CHAT]]".to_string()
         } else {
             format!("Could you help with part {}?", k % 5)

@@ -499,7 +499,7 @@ impl<'a> Run<'a> {
         log.insert("time/update".into(), json!(update_s));
         log.insert("time/sync".into(), json!(sync_s));
         if let (Some(k), Some(eval)) = (cfg.eval_every, eval_tasks) {
-            if step % k as u64 == 0 || step == cfg.max_steps as u64 {
+            if step.is_multiple_of(k as u64) || step == cfg.max_steps as u64 {
                 let scorer = self.scorer(&policy);
                 let r = self
                     .rollout()
