@@ -28,6 +28,7 @@ pub enum TemplateError {
 }
 
 /// A compiled chat template plus the special tokens it may refer to.
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,

@@ -141,6 +141,7 @@ pub struct Engine {
 
 /// The text side of a model: tokenizer, chat template and end-of-turn ids, loadable without
 /// the weights (training tokenizes with it; the engine owns one).
+#[derive(Clone)]
 pub struct ChatCodec {
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,

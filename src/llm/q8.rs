@@ -81,18 +81,69 @@ impl Q8Linear {
         if t.dtype() == GgmlDType::Q8_0 {
             return Self::from_q8_0_bytes(n, k, &t.data()?);
         }
-        // The f32 copy is dropped before ours is made: a smaller peak while loading.
-        let q = QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?;
-        Self::from_q8_0_bytes(n, k, &q.data()?)
+        Self::from_tensor(&t.dequantize(&Device::Cpu)?)
     }
 
-    /// From an (n_out, k) float tensor, quantized to Q8_0 by candle.
+    /// From an (n_out, k) float tensor, quantized to Q8_0 with candle's arithmetic (the same
+    /// blocks `QTensor::quantize` makes, tested), straight into our layout and in parallel:
+    /// rl_train re-quantizes the policy after every update.
     pub fn from_tensor(w: &Tensor) -> Result<Self> {
         let (n, k) = w.dims2()?;
         check_k(k)?;
-        let w = w.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-        let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
-        Self::from_q8_0_bytes(n, k, &q.data()?)
+        let w = w
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .contiguous()?;
+        let (storage, layout) = w.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            candle_core::bail!("Q8Linear quantizes on the CPU only");
+        };
+        let xs = &cpu.as_slice::<f32>()?[layout.start_offset()..][..n * k];
+        Ok(Self::quantized(n, k, xs))
+    }
+
+    fn quantized(n: usize, k: usize, xs: &[f32]) -> Self {
+        use rayon::prelude::*;
+        let nb = k / QK;
+        let tiles = n.div_ceil(NC);
+        let mut qs = vec![Line([0; 64]); tiles * nb * TILE_BLOCK / 64];
+        let mut scales = vec![0u16; tiles * nb * NC];
+        let mut sums = vec![0i16; tiles * nb * NC];
+        let quantize_tile = |t: usize, q: &mut [i8], scales: &mut [u16], sums: &mut [i16]| {
+            for cc in 0..NC.min(n - t * NC) {
+                let row = &xs[(t * NC + cc) * k..][..k];
+                for (b, x) in row.chunks_exact(QK).enumerate() {
+                    // As ggml's and candle's reference Q8_0: d = max|x| / 127, round half away.
+                    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    let d = amax / 127.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    scales[b * NC + cc] = half::f16::from_f32(d).to_bits();
+                    let dst = &mut q[b * TILE_BLOCK..][..TILE_BLOCK];
+                    let mut sum = 0i16;
+                    for (i, v) in x.iter().enumerate() {
+                        let v = (v * id).round() as i8;
+                        dst[(i / 4) * 32 + cc * 4 + i % 4] = v;
+                        sum += i16::from(v);
+                    }
+                    sums[b * NC + cc] = sum;
+                }
+            }
+        };
+        compute_threads();
+        line_bytes_mut(&mut qs)
+            .par_chunks_mut(nb * TILE_BLOCK)
+            .zip(scales.par_chunks_mut(nb * NC))
+            .zip(sums.par_chunks_mut(nb * NC))
+            .enumerate()
+            .for_each(|(t, ((q, sc), su))| quantize_tile(t, q, sc, su));
+        Self {
+            k,
+            parts: vec![n],
+            part_tiles: vec![0, tiles],
+            qs,
+            scales,
+            sums,
+        }
     }
 
     fn from_q8_0_bytes(n: usize, k: usize, data: &[u8]) -> Result<Self> {
@@ -956,6 +1007,24 @@ mod tests {
             Q8Linear::from_tensor(&Tensor::zeros((4, 48), DType::F32, &Device::Cpu).unwrap())
                 .is_err()
         );
+    }
+
+    #[test]
+    fn direct_quantization_makes_candles_q8_0_blocks() {
+        let mut rng = StdRng::seed_from_u64(13);
+        let (n, k) = (21, 96);
+        let mut w = randn(&mut rng, n * k, 0.1);
+        w[..QK].fill(0.0); // an all-zero block
+        w[5 * k + 7] = 3.0; // a block with one outlier
+        w[6 * k..6 * k + QK].fill(1e-44); // subnormal: 1 / d overflows to infinity
+        w[7 * k + 3] = f32::NAN;
+        let wt = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
+        let ours = Q8Linear::from_tensor(&wt).unwrap();
+        let q = QTensor::quantize(&wt, GgmlDType::Q8_0).unwrap();
+        let candles = Q8Linear::from_q8_0_bytes(n, k, &q.data().unwrap()).unwrap();
+        assert_eq!(line_bytes(&ours.qs), line_bytes(&candles.qs));
+        assert_eq!(ours.scales, candles.scales);
+        assert_eq!(ours.sums, candles.sums);
     }
 
     #[test]
