@@ -638,14 +638,25 @@ mod avx2 {
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r]), d, *acc);
             }
         }
+        store_rows(&accf, tile.ncols, out, ld);
+    }
+
+    /// Writes each row's 8 sums to its `ncols` real columns.
+    ///
+    /// # Safety
+    /// The CPU must support AVX; `out` must hold `accf.len()` rows of `ld` floats with the
+    /// tile's columns writable.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) unsafe fn store_rows(accf: &[__m256], ncols: usize, out: *mut f32, ld: usize) {
         for (r, acc) in accf.iter().enumerate() {
             let o = out.add(r * ld);
-            if tile.ncols == NC {
+            if ncols == NC {
                 _mm256_storeu_ps(o, *acc);
             } else {
                 let mut tmp = [0f32; NC];
                 _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
-                std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, tile.ncols);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, ncols);
             }
         }
     }
@@ -653,6 +664,7 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod vnni {
+    use super::avx2::store_rows;
     use super::{Tile, NC, QK, TILE_BLOCK};
     use std::arch::x86_64::*;
 
@@ -741,16 +753,7 @@ mod vnni {
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
             }
         }
-        for (r, acc) in accf.iter().enumerate() {
-            let o = out.add(r * ld);
-            if tile.ncols == NC {
-                _mm256_storeu_ps(o, *acc);
-            } else {
-                let mut tmp = [0f32; NC];
-                _mm256_storeu_ps(tmp.as_mut_ptr(), *acc);
-                std::ptr::copy_nonoverlapping(tmp.as_ptr(), o, tile.ncols);
-            }
-        }
+        store_rows(&accf, tile.ncols, out, ld);
     }
 }
 
