@@ -82,47 +82,7 @@ enum Command {
     /// requests, one after another per client) for each `c` of `--concurrency`: aggregate
     /// generated tokens/s, mean latency, peak RSS. `--max-batch 1` is the one-request-at-a-time
     /// baseline.
-    ServeThroughput {
-        /// Model spec (`default`, a .gguf file, an HF directory or id).
-        #[arg(long, default_value = "default")]
-        model: ModelSpec,
-        /// Compute threads.
-        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
-        threads: usize,
-        /// Send the requests to this OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1,
-        /// an older `serve` or llama.cpp's server) instead of a backend in this process;
-        /// `--model` then only supplies the tokenizer that sizes the prompts.
-        #[arg(long, value_name = "URL")]
-        endpoint: Option<String>,
-        /// Concurrent clients, one run each (comma-separated).
-        #[arg(long, value_delimiter = ',', default_value = "1,4,8,16", value_parser = at_least_one)]
-        concurrency: Vec<usize>,
-        /// Rows of the decode batch (1: one request at a time).
-        #[arg(long, default_value_t = collabllm::llm::local::DEFAULT_MAX_BATCH, value_parser = at_least_one)]
-        max_batch: usize,
-        /// Prompt positions prefilled per round while others decode (0: each prompt whole).
-        #[arg(long, default_value_t = collabllm::llm::local::PREFILL_CHUNK)]
-        prefill_chunk: usize,
-        /// Approximate prompt length in tokens.
-        #[arg(long, default_value_t = 200, value_parser = at_least_one)]
-        prompt_tokens: usize,
-        /// `max_tokens` of every request.
-        #[arg(long, default_value_t = 128, value_parser = at_least_one)]
-        new_tokens: usize,
-        /// Requests each client sends, one after another (later rounds repeat the client's
-        /// prompt: exact prefix-cache hits unless `--prefix-cache-mb 0`).
-        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
-        rounds: usize,
-        /// How the clients' prompts relate: `distinct` (each opens with its own line, so
-        /// only the chat template's start is shared) or `shared` (a common text first and
-        /// each client's own line last, as a turn's candidates, futures and judges share the
-        /// conversation so far).
-        #[arg(long, value_enum, default_value_t = serve_throughput::Layout::Distinct)]
-        prompts: serve_throughput::Layout,
-        /// The local backend's prompt-cache memory (MiB; 0 turns prefix reuse off).
-        #[arg(long, value_name = "MIB", default_value_t = 256)]
-        prefix_cache_mb: usize,
-    },
+    ServeThroughput(serve_throughput::Params),
     /// One DPO optimizer step in f32 (batch 1 pair): seconds per step (forward, backward,
     /// optimizer), tokens/s and peak RSS; full fine-tuning, or LoRA r=32 with `--lora`. Run
     /// each mode in its own process: peak RSS is per process.
@@ -185,6 +145,17 @@ fn on_runtime(
         .enable_all()
         .build()?
         .block_on(body)
+}
+
+/// The local model and compute threads of the benches that load one.
+#[derive(clap::Args, Debug)]
+pub struct LocalModelArgs {
+    /// Model spec (`default`, a .gguf file, an HF directory or id).
+    #[arg(long, default_value = "default")]
+    pub model: ModelSpec,
+    /// Compute threads.
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+    pub threads: usize,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -308,34 +279,8 @@ fn main() -> ExitCode {
                 checkpointing: gradient_checkpointing,
             })
         }
-        Command::PrefillStall(p) => on_runtime(p.threads, prefill_stall::run(p)),
-        Command::ServeThroughput {
-            model,
-            threads,
-            endpoint,
-            concurrency,
-            max_batch,
-            prefill_chunk,
-            prompt_tokens,
-            new_tokens,
-            rounds,
-            prompts,
-            prefix_cache_mb,
-        } => on_runtime(
-            threads,
-            serve_throughput::run(serve_throughput::Params {
-                model,
-                endpoint,
-                concurrency,
-                max_batch,
-                prefill_chunk,
-                prompt_tokens,
-                new_tokens,
-                rounds,
-                layout: prompts,
-                prefix_cache_mb,
-            }),
-        ),
+        Command::PrefillStall(p) => on_runtime(p.local.threads, prefill_stall::run(p)),
+        Command::ServeThroughput(p) => on_runtime(p.local.threads, serve_throughput::run(p)),
         Command::Orchestration {
             latency_ms,
             cap,

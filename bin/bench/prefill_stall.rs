@@ -7,19 +7,15 @@ use std::time::{Duration, Instant};
 use collabllm::llm::engine::ChatCodec;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::spec::resolve_local;
-use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, DeltaSink, ModelSpec};
+use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, DeltaSink};
 
 use crate::at_least_one;
 use crate::serve_throughput::{message, Layout};
 
 #[derive(clap::Args, Debug)]
 pub struct Params {
-    /// Model spec (`default`, a .gguf file, an HF directory or id).
-    #[arg(long, default_value = "default")]
-    pub model: ModelSpec,
-    /// Compute threads.
-    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub local: crate::LocalModelArgs,
     /// Prompt positions prefilled per round while others decode (0: each prompt whole).
     #[arg(long, default_value_t = collabllm::llm::local::PREFILL_CHUNK)]
     pub prefill_chunk: usize,
@@ -35,13 +31,13 @@ pub struct Params {
 }
 
 pub async fn run(p: Params) -> anyhow::Result<()> {
-    let codec = ChatCodec::load(&resolve_local(&p.model).await?)?;
+    let codec = ChatCodec::load(&resolve_local(&p.local.model).await?)?;
     // No prompt reuse: every long prompt is prefilled in full.
     let opts = LoadOptions {
         prefix_cache_mb: Some(0),
         ..LoadOptions::default()
     };
-    let backend = LocalBackend::load(&p.model, &opts).await?;
+    let backend = LocalBackend::load(&p.local.model, &opts).await?;
     backend.set_prefill_chunk(p.prefill_chunk);
     let streamed = ChatRequest::new(vec![ChatMessage::user(
         "Write a long, detailed essay about rivers.",

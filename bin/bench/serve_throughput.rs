@@ -11,18 +11,46 @@ use anyhow::Context;
 use collabllm::llm::engine::ChatCodec;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::spec::resolve_local;
-use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, ModelSpec};
+use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest};
 
+use crate::at_least_one;
+
+#[derive(clap::Args, Debug)]
 pub struct Params {
-    pub model: ModelSpec,
+    #[command(flatten)]
+    pub local: crate::LocalModelArgs,
+    /// Send the requests to this OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1,
+    /// an older `serve` or llama.cpp's server) instead of a backend in this process;
+    /// `--model` then only supplies the tokenizer that sizes the prompts.
+    #[arg(long, value_name = "URL")]
     pub endpoint: Option<String>,
+    /// Concurrent clients, one run each (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16", value_parser = at_least_one)]
     pub concurrency: Vec<usize>,
+    /// Rows of the decode batch (1: one request at a time).
+    #[arg(long, default_value_t = collabllm::llm::local::DEFAULT_MAX_BATCH, value_parser = at_least_one)]
     pub max_batch: usize,
+    /// Prompt positions prefilled per round while others decode (0: each prompt whole).
+    #[arg(long, default_value_t = collabllm::llm::local::PREFILL_CHUNK)]
     pub prefill_chunk: usize,
+    /// Approximate prompt length in tokens.
+    #[arg(long, default_value_t = 200, value_parser = at_least_one)]
     pub prompt_tokens: usize,
+    /// `max_tokens` of every request.
+    #[arg(long, default_value_t = 128, value_parser = at_least_one)]
     pub new_tokens: usize,
+    /// Requests each client sends, one after another (later rounds repeat the client's
+    /// prompt: exact prefix-cache hits unless `--prefix-cache-mb 0`).
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
     pub rounds: usize,
+    /// How the clients' prompts relate: `distinct` (each opens with its own line, so
+    /// only the chat template's start is shared) or `shared` (a common text first and
+    /// each client's own line last, as a turn's candidates, futures and judges share the
+    /// conversation so far).
+    #[arg(long = "prompts", value_name = "PROMPTS", value_enum, default_value_t = Layout::Distinct)]
     pub layout: Layout,
+    /// The local backend's prompt-cache memory (MiB; 0 turns prefix reuse off).
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
     pub prefix_cache_mb: usize,
 }
 
@@ -104,14 +132,14 @@ pub fn message(
 }
 
 pub async fn run(p: Params) -> anyhow::Result<()> {
-    let codec = ChatCodec::load(&resolve_local(&p.model).await?)?;
+    let codec = ChatCodec::load(&resolve_local(&p.local.model).await?)?;
     let (target, name) = match &p.endpoint {
         None => {
             let opts = LoadOptions {
                 prefix_cache_mb: Some(p.prefix_cache_mb),
                 ..LoadOptions::default()
             };
-            let backend = LocalBackend::load(&p.model, &opts).await?;
+            let backend = LocalBackend::load(&p.local.model, &opts).await?;
             backend.set_max_batch(p.max_batch);
             backend.set_prefill_chunk(p.prefill_chunk);
             let name = backend.model_name();
