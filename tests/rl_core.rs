@@ -149,6 +149,60 @@ fn repeated_updates_raise_the_rewarded_response_lora() {
     learns_the_rewarded_response(true, 3e-3);
 }
 
+/// The fused output head (f32 CPU) and candle's composed ops (what CUDA runs, forced here)
+/// give the same update: losses and gradient norms of every optimizer step, and weights —
+/// with a tied head (its gradient joins the embedding's), an untied one, and LoRA (the head
+/// frozen), with the entropy bonus and KL term on and two PPO epochs (old log-probs used).
+#[test]
+fn the_fused_head_gives_the_composed_update() {
+    one_thread();
+    for (tie, lora) in [(true, false), (false, false), (true, true)] {
+        let spec = TinySpec {
+            tie_word_embeddings: tie,
+            ..TinySpec::default()
+        };
+        let (_g, dir) = tiny_model_dir(&spec);
+        let codec = ChatCodec::load(&LocalModelFiles::HfDir(dir.clone())).unwrap();
+        let run = |composed: bool| {
+            collabllm::train::ops::force_composed_ops(composed);
+            let cfg = RlConfig {
+                lr: 1e-3,
+                ppo: PpoConfig {
+                    entropy_coef: 0.01,
+                    ..Default::default()
+                },
+                ..config(1e-3)
+            };
+            let mut t = RlTrainer::new(policy(&dir, lora), cfg, codec.eos_ids[0]).unwrap();
+            let rep = t.update(&codec, &yes_groups()).unwrap();
+            collabllm::train::ops::force_composed_ops(false);
+            (rep.losses, rep.grad_norms, t.policy().hf_tensors().unwrap())
+        };
+        let (fused, composed) = (run(false), run(true));
+        let what = format!("tie {tie}, lora {lora}");
+        assert!(fused.0.len() >= 2, "{what}: {} steps", fused.0.len());
+        for (a, b) in fused.0.iter().zip(&composed.0) {
+            assert!(
+                (a - b).abs() < 1e-5 * b.abs().max(1.0),
+                "{what}: loss {a} vs {b}"
+            );
+        }
+        for (a, b) in fused.1.iter().zip(&composed.1) {
+            assert!((a - b).abs() < 1e-4 * b, "{what}: grad norm {a} vs {b}");
+        }
+        for (k, v) in &fused.2 {
+            let d = (v - &composed.2[k])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .mean_all()
+                .unwrap();
+            let d = d.to_scalar::<f32>().unwrap();
+            assert!(d < 1e-6, "{what} {k}: mean |Δ| {d}");
+        }
+    }
+}
+
 #[test]
 fn micro_batches_accumulate_to_the_mini_batch_step() {
     for agg in [LossAgg::TokenMean, LossAgg::SeqMeanTokenMean] {

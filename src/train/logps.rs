@@ -293,13 +293,36 @@ fn token_stats(logits: &Tensor, labels: &[u32]) -> Result<Vec<[f64; 3]>> {
         .collect())
 }
 
+/// The final hidden states (K, H) at the positions that predict `targets`.
+pub fn target_states(hidden: &Tensor, targets: &Targets) -> Result<Tensor> {
+    let (n, t, h) = hidden.dims3()?;
+    hidden
+        .reshape((n * t, h))?
+        .index_select(&targets.positions, 0)
+}
+
 /// Logits (K, V) at the positions that predict `targets` (the output head runs only there).
 pub fn target_logits(model: &TrainLlama, hidden: &Tensor, targets: &Targets) -> Result<Tensor> {
-    let (n, t, h) = hidden.dims3()?;
-    let selected = hidden
-        .reshape((n * t, h))?
-        .index_select(&targets.positions, 0)?;
-    model.logits_of(&selected)
+    model.logits_of(&target_states(hidden, targets)?)
+}
+
+/// Per-token log-probs of `targets` as f32 on the host, without gradient (the RL trainer's
+/// old and reference log-probs): through the fused head ([`super::head`]) where it applies,
+/// which never holds the (K, V) logits.
+pub fn target_token_logps_host(
+    model: &TrainLlama,
+    hidden: &Tensor,
+    targets: &Targets,
+) -> Result<Vec<f32>> {
+    let states = target_states(&hidden.detach(), targets)?;
+    let weight = model.head_weight();
+    if super::head::applies(&states, weight) {
+        let labels = targets.labels.to_vec1::<u32>()?;
+        return Ok(super::head::token_logps_entropies(&states, weight, &labels)?.0);
+    }
+    super::ops::token_logps(&model.logits_of(&states)?, &targets.labels)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()
 }
 
 /// Per-token log-probs (K,) of `targets`, in their order (what on-policy RL needs: ratios

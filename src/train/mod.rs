@@ -30,6 +30,7 @@
 pub mod adamw;
 pub mod data;
 pub(crate) mod error;
+pub mod head;
 pub mod logps;
 pub mod loss;
 pub mod model;

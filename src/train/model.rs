@@ -722,19 +722,20 @@ impl TrainLlama {
 
     /// Logits of final-normed hidden states (…, hidden) → (…, vocab).
     pub fn logits_of(&self, hidden: &Tensor) -> Result<Tensor> {
-        linear(hidden, self.lm_head.as_ref().unwrap_or(&self.embed))
+        linear(hidden, self.head_weight())
+    }
+
+    /// The output head's (vocab, hidden) weight: `lm_head`, or the embedding when tied. A
+    /// variable (`is_variable`) exactly when it is trained.
+    pub fn head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
     /// Gradients of `loss_fn(hidden)` (`hidden`: the final-normed hidden states, see
-    /// [`Self::logits_of`]) with activation recomputation (HF's gradient
-    /// checkpointing): the forward pass keeps only each layer's input; the backward pass
-    /// re-runs one layer at a time and back-propagates through it with the gradient of its
-    /// output (as the surrogate `sum(output · grad)`), so activation memory is one layer's
-    /// instead of all of them, for about one extra forward pass of compute. Returns the
+    /// [`Self::logits_of`]), back-propagated one layer at a time (see
+    /// [`Self::layered_grads`]); with `checkpoint`, HF's gradient checkpointing: each
+    /// layer's activations are recomputed in the backward pass instead of kept. Returns the
     /// gradients of the trainable variables and whatever `loss_fn` returns besides the loss.
-    /// Gradients of `loss_fn` over the final hidden states: with per-layer activation
-    /// checkpointing (`checkpoint`: less memory, one more forward pass) or by one plain
-    /// backward pass.
     pub fn grads<T>(
         &self,
         tokens: &Tensor,
@@ -742,26 +743,53 @@ impl TrainLlama {
         checkpoint: bool,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(candle_core::backprop::GradStore, T)> {
-        if checkpoint {
-            return self.checkpointed_grads(tokens, layout, loss_fn);
-        }
-        let hidden = self.hidden_states_in(tokens, layout)?;
-        let (loss, extra) = loss_fn(&hidden)?;
-        Ok((loss.backward()?, extra))
+        self.layered_grads(tokens, layout, checkpoint, loss_fn)
     }
 
+    /// [`Self::grads`] with activation recomputation: the forward pass keeps only each
+    /// layer's input, so activation memory is one layer's instead of all of them, for about
+    /// one extra forward pass of compute.
     pub fn checkpointed_grads<T>(
         &self,
         tokens: &Tensor,
         layout: &BatchLayout,
         loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
     ) -> Result<(candle_core::backprop::GradStore, T)> {
+        self.layered_grads(tokens, layout, true, loss_fn)
+    }
+
+    /// Back-propagation one layer at a time. Each layer's input is a variable of its own,
+    /// so each layer's graph ends there; the backward pass goes from the top down with the
+    /// gradient of a layer's output (the surrogate `sum(output · grad)`) and drops the layer
+    /// once its gradients are taken. candle's `backward` keeps the whole forward graph alive
+    /// until it returns, so one backward over the model held every layer's activations
+    /// together with every weight gradient; here the activations of the layers done are
+    /// freed while the gradients of the next ones are made. With `recompute` the forward
+    /// pass keeps only the layer inputs and re-runs each layer before its backward.
+    fn layered_grads<T>(
+        &self,
+        tokens: &Tensor,
+        layout: &BatchLayout,
+        recompute: bool,
+        loss_fn: impl FnOnce(&Tensor) -> Result<(Tensor, T)>,
+    ) -> Result<(candle_core::backprop::GradStore, T)> {
         let ctx = self.context(tokens, layout)?;
-        let mut inputs = vec![self.embed_tokens(tokens)?.detach()];
+        // Per layer: its input, and (without `recompute`) its input variable and output,
+        // which holds the layer's graph.
+        let mut inputs = Vec::with_capacity(self.layers.len() + 1);
+        let mut kept = Vec::with_capacity(if recompute { 0 } else { self.layers.len() });
+        inputs.push(self.embed_tokens(tokens)?.detach());
         for layer in &self.layers {
             let last = inputs.last().expect("at least the embedding");
-            let out = self.layer_forward(layer, last, &ctx)?.detach();
-            inputs.push(out);
+            let out = if recompute {
+                self.layer_forward(layer, last, &ctx)?
+            } else {
+                let input = Var::from_tensor(last)?;
+                let out = self.layer_forward(layer, input.as_tensor(), &ctx)?;
+                kept.push((input, out.clone()));
+                out
+            };
+            inputs.push(out.detach());
         }
         let top = Var::from_tensor(inputs.last().expect("layer outputs"))?;
         let hidden = self.final_norm(top.as_tensor())?;
@@ -774,13 +802,21 @@ impl TrainLlama {
             .ok_or_else(|| candle_core::Error::Msg("no gradient reached the last layer".into()))?;
         let vars = self.vars();
         for (i, layer) in self.layers.iter().enumerate().rev() {
-            let input = Var::from_tensor(&inputs[i])?;
-            let out = self.layer_forward(layer, input.as_tensor(), &ctx)?;
+            let (input, out) = match kept.pop() {
+                Some(saved) => saved,
+                None => {
+                    let input = Var::from_tensor(&inputs[i])?;
+                    let out = self.layer_forward(layer, input.as_tensor(), &ctx)?;
+                    (input, out)
+                }
+            };
             let surrogate = (out * &upstream)?.sum_all()?;
             let mut layer_grads = surrogate.backward()?;
+            drop(surrogate);
             upstream = layer_grads.remove(input.as_tensor()).ok_or_else(|| {
                 candle_core::Error::Msg(format!("no gradient reached layer {i}'s input"))
             })?;
+            inputs.truncate(i + 1);
             super::optim::accumulate_grads(&mut grads, layer_grads, &vars)?;
         }
         if !self.embed.is_variable() {

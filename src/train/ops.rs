@@ -51,7 +51,7 @@ pub fn cpu_f32_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> Result<
 
 /// Runs `f(row, out_row)` for every row of `out` (rows of `width`) on candle's CPU worker
 /// pool, the one its own element-wise kernels use (a second pool would compete for cores).
-fn par_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+pub(crate) fn par_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
     struct Rows(*mut f32);
     // SAFETY: the pointer is only used to hand out disjoint rows, see below.
     unsafe impl Sync for Rows {}
@@ -89,7 +89,7 @@ fn composed_forced() -> bool {
 }
 
 /// Whether the fused CPU kernels apply to these tensors.
-fn fused(ts: &[&Tensor]) -> bool {
+pub(crate) fn fused(ts: &[&Tensor]) -> bool {
     !composed_forced()
         && ts
             .iter()

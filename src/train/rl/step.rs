@@ -26,8 +26,9 @@ use super::loss::{entropy_of_logits, ppo_loss, PpoConfig, PpoMetrics, TokenTerms
 use super::Group;
 use crate::llm::engine::ChatCodec;
 use crate::train::adamw::{AdamW, AdamWParams};
+use crate::train::head;
 use crate::train::logps::{
-    completion_logps, target_logits, target_token_logps, PairBatch, TokenizedPair,
+    completion_logps, target_states, target_token_logps_host, PairBatch, Targets, TokenizedPair,
 };
 use crate::train::loss::{dpo_loss, DpoConfig, DpoMetrics};
 use crate::train::model::TrainLlama;
@@ -414,10 +415,7 @@ impl RlTrainer {
                 let refs: Vec<&RlSample> = chunk.iter().map(|&i| &samples[i]).collect();
                 let batch = RlBatch::new(&refs, self.pad_id, model.device())?;
                 let hidden = model.hidden_states_in(&batch.input_ids, &batch.layout)?;
-                let lp = target_token_logps(model, &hidden, &batch.targets)?
-                    .detach()
-                    .to_dtype(DType::F32)?
-                    .to_vec1::<f32>()?;
+                let lp = target_token_logps_host(model, &hidden, &batch.targets)?;
                 for (v, &local) in lp.into_iter().zip(&batch.token_sample) {
                     out[chunk[local]].push(v);
                 }
@@ -521,41 +519,129 @@ impl RlTrainer {
         let ref_t = reference.map(|_| Tensor::new(ref_t, &dev)).transpose()?;
         let weights = Tensor::new(weights, &dev)?;
         let cfg = self.cfg.ppo;
-        let with_entropy = cfg.entropy_coef > 0.0;
         let policy = &self.policy;
+        let weight = policy.head_weight();
         let checkpoint = self.cfg.gradient_checkpointing;
-        let (grads, extra) =
+        let terms = PerToken {
+            old: old_t.as_ref(),
+            reference: ref_t.as_ref(),
+            advantages: &batch.advantages,
+            weights: &weights,
+        };
+        let (mut grads, (metrics, value, weight_grad)) =
             policy.grads(&batch.input_ids, &batch.layout, checkpoint, |hidden| {
-                let logits = target_logits(policy, hidden, &batch.targets)?;
-                let logp = token_logps(&logits, &batch.targets.labels)?.to_dtype(DType::F32)?;
-                let old_logp = match &old_t {
-                    Some(t) => t.clone(),
-                    None => logp.detach(),
-                };
-                // The entropy is logged on every step (TRL and verl do); without the bonus
-                // it is computed from detached logits and adds nothing to the backward pass.
-                let entropy = if with_entropy {
-                    entropy_of_logits(&logits.to_dtype(DType::F32)?)?
+                let states = target_states(hidden, &batch.targets)?;
+                if head::applies(&states, weight) {
+                    fused_head_loss(&states, weight, &batch.targets, &terms, &cfg)
                 } else {
-                    crate::train::ops::token_entropy(&logits.to_dtype(DType::F32)?)?
-                };
-                let entropy = Some(entropy);
-                let out = ppo_loss(
-                    &TokenTerms {
-                        logp: &logp,
-                        old_logp: &old_logp,
-                        ref_logp: ref_t.as_ref(),
-                        advantages: &batch.advantages,
-                        weights: &weights,
-                        entropy: entropy.as_ref(),
-                    },
-                    &cfg,
-                )?;
-                let value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                Ok((out.loss, (out.metrics, value)))
+                    let logits = policy.logits_of(&states)?;
+                    let (loss, metrics, value) =
+                        composed_head_loss(&logits, &batch.targets, &terms, &cfg)?;
+                    Ok((loss, (metrics, value, None)))
+                }
             })?;
-        Ok((grads, extra))
+        if let Some(g) = weight_grad {
+            let sum = match grads.remove(weight) {
+                Some(acc) => (acc + g)?,
+                None => g,
+            };
+            grads.insert(weight, sum);
+        }
+        Ok((grads, (metrics, value)))
     }
+}
+
+/// The per-token constants of a micro-batch's PPO loss, (K,) each.
+struct PerToken<'a> {
+    old: Option<&'a Tensor>,
+    reference: Option<&'a Tensor>,
+    advantages: &'a Tensor,
+    weights: &'a Tensor,
+}
+
+impl PerToken<'_> {
+    /// The PPO loss of the tokens in `range` (the loss is a weighted sum over tokens, so
+    /// the losses of a partition add up to the whole); without old log-probs the ratio is
+    /// taken against the current ones, detached (one PPO epoch: ratio 1, gradient A).
+    fn ppo(
+        &self,
+        range: std::ops::Range<usize>,
+        logp: &Tensor,
+        entropy: &Tensor,
+        cfg: &PpoConfig,
+    ) -> candle_core::Result<(Tensor, PpoMetrics, f64)> {
+        let part = |t: &Tensor| t.narrow(0, range.start, range.len());
+        let old_logp = match self.old {
+            Some(t) => part(t)?,
+            None => logp.detach(),
+        };
+        let reference = self.reference.map(part).transpose()?;
+        let out = ppo_loss(
+            &TokenTerms {
+                logp,
+                old_logp: &old_logp,
+                ref_logp: reference.as_ref(),
+                advantages: &part(self.advantages)?,
+                weights: &part(self.weights)?,
+                entropy: Some(entropy),
+            },
+            cfg,
+        )?;
+        let value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        Ok((out.loss, out.metrics, value))
+    }
+}
+
+type HeadLoss = (Tensor, (PpoMetrics, f64, Option<Tensor>));
+
+/// The PPO loss through the fused head: a surrogate whose gradient with respect to the
+/// hidden states is the loss's, plus the head weight's gradient (when it is trained), which
+/// the caller adds to the model's.
+fn fused_head_loss(
+    states: &Tensor,
+    weight: &Tensor,
+    targets: &Targets,
+    terms: &PerToken,
+    cfg: &PpoConfig,
+) -> candle_core::Result<HeadLoss> {
+    let labels = targets.labels.to_vec1::<u32>()?;
+    let (grads, parts) = head::token_loss_grads(
+        &states.detach(),
+        weight,
+        &labels,
+        weight.is_variable(),
+        |range, logp, entropy| {
+            let (loss, metrics, value) = terms.ppo(range, logp, entropy, cfg)?;
+            Ok((loss, (metrics, value)))
+        },
+    )?;
+    let mut metrics = PpoMetrics::default();
+    let mut value = 0.0;
+    for (m, v) in &parts {
+        metrics.merge(m);
+        value += v;
+    }
+    let surrogate = (states * grads.hidden)?.sum_all()?;
+    Ok((surrogate, (metrics, value, grads.weight)))
+}
+
+/// The PPO loss through candle's composed ops (other devices and dtypes): the entropy is
+/// logged on every step (TRL and verl do); without the bonus it is computed from detached
+/// logits and adds nothing to the backward pass.
+fn composed_head_loss(
+    logits: &Tensor,
+    targets: &Targets,
+    terms: &PerToken,
+    cfg: &PpoConfig,
+) -> candle_core::Result<(Tensor, PpoMetrics, f64)> {
+    let logp = token_logps(logits, &targets.labels)?.to_dtype(DType::F32)?;
+    let logits = logits.to_dtype(DType::F32)?;
+    let entropy = if cfg.entropy_coef > 0.0 {
+        entropy_of_logits(&logits)?
+    } else {
+        crate::train::ops::token_entropy(&logits)?
+    };
+    terms.ppo(0..targets.labels.dim(0)?, &logp, &entropy, cfg)
 }
 
 /// One preference pair of an online DPO step.
