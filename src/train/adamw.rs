@@ -107,6 +107,16 @@ impl InplaceOp1 for HostUpdate<'_> {
     }
 }
 
+/// `n` zeros, written rather than `calloc`ed: the first update reads each moment before
+/// writing it, and a page that is read first maps the shared zero page, so the write then
+/// faults again and flushes the TLBs of every core (measured: the first step's optimizer
+/// pass 3.2 s instead of 0.3 s on SmolLM2-135M).
+fn written_zeros(n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n);
+    out.resize(n, 0.0);
+    out
+}
+
 impl AdamW {
     pub fn new(vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
         let moments = vars
@@ -115,8 +125,8 @@ impl AdamW {
                 if v.device().is_cpu() {
                     let n = v.elem_count();
                     Ok(Moments::Host {
-                        m: vec![0.0; n],
-                        v: vec![0.0; n],
+                        m: written_zeros(n),
+                        v: written_zeros(n),
                     })
                 } else {
                     let z = || Tensor::zeros(v.shape(), DType::F32, v.device());

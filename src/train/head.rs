@@ -341,34 +341,13 @@ fn matmul(dst: &mut [f32], (m, n, k): (usize, usize, usize), accumulate: bool, l
     }
 }
 
-/// Row kernels over the vocabulary, compiled for AVX-512 and AVX2 besides the baseline and
-/// chosen at run time: the exponential is the cost of the softmax, and the standard
-/// library's (a call per element) would take longer than the head's matmul.
+/// Row kernels over the vocabulary ([`crate::train::simd`]): the exponential is the cost of
+/// the softmax, and the standard library's (a call per element) would take longer than the
+/// head's matmul.
 mod kernels {
-    const LANES: usize = 16;
+    use crate::train::simd::{dispatch, exp};
 
-    /// e^x for x ≤ ~0 (softmax arguments): Cephes' `expf` range reduction and polynomial
-    /// (relative error ~1e-7), branch-free so that loops over it vectorize. Inputs below
-    /// −87.3 give ~1e-38 instead of 0, harmless in a sum of probabilities.
-    #[inline(always)]
-    fn exp(x: f32) -> f32 {
-        const LOG2E: f32 = std::f32::consts::LOG2_E;
-        // 1.5·2²³: adding it rounds to an integer held in the low mantissa bits.
-        const ROUND: f32 = 12_582_912.0;
-        let x = x.clamp(-87.3, 88.0);
-        let t = x * LOG2E + ROUND;
-        let n = t - ROUND;
-        let n_int = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-        let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
-        let p = 1.987_569_2e-4;
-        let p = p * r + 1.398_2e-3;
-        let p = p * r + 8.333_452e-3;
-        let p = p * r + 4.166_579_6e-2;
-        let p = p * r + 1.666_666_5e-1;
-        let p = p * r + 0.5;
-        let y = p * r * r + r + 1.0;
-        y * f32::from_bits(((n_int + 127) as u32) << 23)
-    }
+    const LANES: usize = 16;
 
     /// (max z, Σ e^(z − max), Σ e^(z − max)·z) of a row.
     #[inline(always)]
@@ -410,71 +389,8 @@ mod kernels {
         }
     }
 
-    #[derive(Clone, Copy, PartialEq, Eq)]
-    enum Isa {
-        Avx512,
-        Avx2,
-        Baseline,
-    }
-
-    fn isa() -> Isa {
-        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-        *ISA.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            {
-                if is_x86_feature_detected!("avx512f") {
-                    return Isa::Avx512;
-                }
-                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                    return Isa::Avx2;
-                }
-            }
-            Isa::Baseline
-        })
-    }
-
-    /// Defines `$name` dispatching to `$any` compiled for each instruction set.
-    macro_rules! dispatch {
-        ($name:ident, $any:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
-            pub(super) fn $name($($arg: $ty),*) -> $ret {
-                #[cfg(target_arch = "x86_64")]
-                {
-                    #[target_feature(enable = "avx512f")]
-                    unsafe fn avx512($($arg: $ty),*) -> $ret {
-                        $any($($arg),*)
-                    }
-                    #[target_feature(enable = "avx2,fma")]
-                    unsafe fn avx2($($arg: $ty),*) -> $ret {
-                        $any($($arg),*)
-                    }
-                    match isa() {
-                        // SAFETY: `isa` detected the instruction set at run time.
-                        Isa::Avx512 => return unsafe { avx512($($arg),*) },
-                        Isa::Avx2 => return unsafe { avx2($($arg),*) },
-                        Isa::Baseline => {}
-                    }
-                }
-                $any($($arg),*)
-            }
-        };
-    }
-
-    dispatch!(softmax_sums, softmax_sums_any, (row: &[f32]) -> (f32, f32, f32));
-    dispatch!(softmax_grad, softmax_grad_any, (row: &mut [f32], lse: f32, c: f32, e: f32) -> ());
-
-    #[cfg(test)]
-    #[test]
-    fn exp_is_close_to_the_standard_librarys() {
-        let mut worst = 0f64;
-        for i in 0..=200_000 {
-            let x = -90.0 + 91.0 * i as f32 / 200_000.0;
-            let (got, want) = (exp(x) as f64, (x as f64).exp());
-            if want > 1e-37 {
-                worst = worst.max((got - want).abs() / want);
-            }
-        }
-        assert!(worst < 3e-7, "relative error {worst}");
-    }
+    dispatch!(pub(super) softmax_sums, softmax_sums_any, (row: &[f32]) -> (f32, f32, f32));
+    dispatch!(pub(super) softmax_grad, softmax_grad_any, (row: &mut [f32], lse: f32, c: f32, e: f32) -> ());
 }
 
 #[cfg(test)]

@@ -313,18 +313,7 @@ impl CustomOp2 for MaskedSoftmax {
                 &s[r * k..(r + 1) * k],
                 &bias[bias_row * k..(bias_row + 1) * k],
             );
-            let mut max = f32::NEG_INFINITY;
-            for ((p, s), b) in p.iter_mut().zip(sr).zip(br) {
-                *p = self.scale * s + b;
-                max = max.max(*p);
-            }
-            let mut sum = 0f32;
-            for p in p.iter_mut() {
-                *p = (*p - max).exp();
-                sum += *p;
-            }
-            let inv = 1.0 / sum;
-            p.iter_mut().for_each(|p| *p *= inv);
+            rows::masked_softmax(p, sr, br, self.scale);
         });
         Ok(cpu_out(out, l1.shape()))
     }
@@ -502,9 +491,81 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `silu(gate) ⊙ up`.
 struct SwiGlu;
 
-fn silu_parts(x: f32) -> (f32, f32) {
-    let s = 1.0 / (1.0 + (-x).exp());
-    (x * s, s * (1.0 + x * (1.0 - s))) // silu(x), silu'(x)
+/// Row kernels of the fused ops, vectorized ([`super::simd`]).
+mod rows {
+    use crate::train::simd::{dispatch, exp, sigmoid};
+
+    const LANES: usize = 16;
+
+    /// silu(x), silu'(x).
+    #[inline(always)]
+    fn silu_parts(x: f32) -> (f32, f32) {
+        let s = sigmoid(x);
+        (x * s, s * (1.0 + x * (1.0 - s)))
+    }
+
+    #[inline(always)]
+    fn swiglu_any(out: &mut [f32], gate: &[f32], up: &[f32]) {
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            *o = silu_parts(*g).0 * u;
+        }
+    }
+
+    /// `g ⊙ up ⊙ silu'(gate)` (the gate's gradient), or `g ⊙ silu(gate)` with `wrt_up`.
+    #[inline(always)]
+    fn swiglu_grad_any(out: &mut [f32], gate: &[f32], up: &[f32], g: &[f32], wrt_up: bool) {
+        let rows = out.iter_mut().zip(gate).zip(up).zip(g);
+        if wrt_up {
+            for (((o, x), _), g) in rows {
+                *o = g * silu_parts(*x).0;
+            }
+        } else {
+            for (((o, x), u), g) in rows {
+                *o = g * u * silu_parts(*x).1;
+            }
+        }
+    }
+
+    /// `p = softmax(scale · s + bias)` of one row.
+    #[inline(always)]
+    fn masked_softmax_any(p: &mut [f32], s: &[f32], bias: &[f32], scale: f32) {
+        for ((p, s), b) in p.iter_mut().zip(s).zip(bias) {
+            *p = scale * s + b;
+        }
+        let mut lanes = [f32::NEG_INFINITY; LANES];
+        let chunks = p.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (m, &z) in lanes.iter_mut().zip(c) {
+                *m = m.max(z);
+            }
+        }
+        let max = lanes
+            .iter()
+            .chain(tail)
+            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let mut sums = [0f32; LANES];
+        let mut chunks = p.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (s, z) in sums.iter_mut().zip(c) {
+                *z = exp(*z - max);
+                *s += *z;
+            }
+        }
+        let mut sum: f32 = sums.iter().sum();
+        for z in chunks.into_remainder() {
+            *z = exp(*z - max);
+            sum += *z;
+        }
+        let inv = 1.0 / sum;
+        p.iter_mut().for_each(|p| *p *= inv);
+    }
+
+    dispatch!(pub(super) swiglu, swiglu_any, (out: &mut [f32], gate: &[f32], up: &[f32]) -> ());
+    dispatch!(pub(super) swiglu_grad, swiglu_grad_any,
+        (out: &mut [f32], gate: &[f32], up: &[f32], g: &[f32], wrt_up: bool) -> ());
+    dispatch!(pub(super) masked_softmax, masked_softmax_any,
+        (p: &mut [f32], s: &[f32], bias: &[f32], scale: f32) -> ());
 }
 
 impl CustomOp2 for SwiGlu {
@@ -524,9 +585,7 @@ impl CustomOp2 for SwiGlu {
         let mut out = vec![0f32; gate.len()];
         par_rows(&mut out, w, |r, o| {
             let span = r * w..(r + 1) * w;
-            for ((o, g), u) in o.iter_mut().zip(&gate[span.clone()]).zip(&up[span]) {
-                *o = silu_parts(*g).0 * u;
-            }
+            rows::swiglu(o, &gate[span.clone()], &up[span]);
         });
         Ok(cpu_out(out, l1.shape()))
     }
@@ -581,18 +640,13 @@ impl CustomOp3 for SwiGluGrad {
         let mut out = vec![0f32; gate.len()];
         par_rows(&mut out, w, |r, o| {
             let span = r * w..(r + 1) * w;
-            let rows = gate[span.clone()]
-                .iter()
-                .zip(&up[span.clone()])
-                .zip(&g[span]);
-            for (o, ((gate, up), g)) in o.iter_mut().zip(rows) {
-                let (silu, dsilu) = silu_parts(*gate);
-                *o = if self.wrt_up {
-                    g * silu
-                } else {
-                    g * up * dsilu
-                };
-            }
+            rows::swiglu_grad(
+                o,
+                &gate[span.clone()],
+                &up[span.clone()],
+                &g[span],
+                self.wrt_up,
+            );
         });
         Ok(cpu_out(out, l1.shape()))
     }
