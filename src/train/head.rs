@@ -240,8 +240,13 @@ fn row_stats(logits: &[f32], labels: &[u32], v: usize) -> Vec<RowStats> {
         let row = &logits[r * v..(r + 1) * v];
         let (max, sum, weighted) = kernels::softmax_sums(row);
         let lse = max + sum.ln();
-        // H = log Z − Σ p·z.
-        o.copy_from_slice(&[lse, row[labels[r] as usize] - lse, lse - weighted / sum]);
+        // H = log Z − Σ p·z = ln s − Σ p·(z − max), with the maximum shifted out so that
+        // two numbers the size of the logits never cancel.
+        o.copy_from_slice(&[
+            lse,
+            row[labels[r] as usize] - lse,
+            sum.ln() - weighted / sum,
+        ]);
     });
     out.chunks_exact(3)
         .map(|s| RowStats {
@@ -253,13 +258,13 @@ fn row_stats(logits: &[f32], labels: &[u32], v: usize) -> Vec<RowStats> {
 }
 
 /// Overwrites each row of logits z with dL/dz for dL/dlogp = g and dL/dH = e:
-/// dz_j = g·(δ_j,label − p_j) − e·p_j·(log p_j + H) = −p_j·(c + e·z_j) + g·δ_j,label
-/// with c = g + e·(H − lse).
+/// dz_j = g·(δ_j,label − p_j) − e·p_j·(log p_j + H) = −p_j·(c + e·d_j) + g·δ_j,label
+/// with d_j = z_j − lse = log p_j and c = g + e·H.
 fn logits_to_grads(logits: &mut [f32], stats: &[RowStats], labels: &[u32], g: &[f32], e: &[f32]) {
     let v = logits.len() / stats.len().max(1);
     par_rows(logits, v, |r, row| {
         let s = stats[r];
-        let c = g[r] + e[r] * (s.entropy - s.lse);
+        let c = g[r] + e[r] * s.entropy;
         kernels::softmax_grad(row, s.lse, c, e[r]);
         row[labels[r] as usize] += g[r];
     });
@@ -349,7 +354,7 @@ mod kernels {
 
     const LANES: usize = 16;
 
-    /// (max z, Σ e^(z − max), Σ e^(z − max)·z) of a row.
+    /// (max z, Σ e^(z − max), Σ e^(z − max)·(z − max)) of a row.
     #[inline(always)]
     fn softmax_sums_any(row: &[f32]) -> (f32, f32, f32) {
         let chunks = row.chunks_exact(LANES);
@@ -367,25 +372,28 @@ mod kernels {
         let (mut sum, mut weighted) = ([0f32; LANES], [0f32; LANES]);
         for c in chunks {
             for ((s, w), &z) in sum.iter_mut().zip(weighted.iter_mut()).zip(c) {
-                let e = exp(z - max);
+                let d = z - max;
+                let e = exp(d);
                 *s += e;
-                *w += e * z;
+                *w += e * d;
             }
         }
         let (mut s, mut w) = (sum.iter().sum::<f32>(), weighted.iter().sum::<f32>());
         for &z in tail {
-            let e = exp(z - max);
+            let d = z - max;
+            let e = exp(d);
             s += e;
-            w += e * z;
+            w += e * d;
         }
         (max, s, w)
     }
 
-    /// z_j ← −e^(z_j − lse)·(c + e·z_j).
+    /// z_j ← −e^d·(c + e·d) with d = z_j − lse.
     #[inline(always)]
     fn softmax_grad_any(row: &mut [f32], lse: f32, c: f32, e: f32) {
         for z in row.iter_mut() {
-            *z = -exp(*z - lse) * (c + e * *z);
+            let d = *z - lse;
+            *z = -exp(d) * (c + e * d);
         }
     }
 
@@ -494,6 +502,35 @@ mod tests {
         .unwrap();
         assert!(frozen.weight.is_none());
         assert!(max_rel_diff(&frozen.hidden, dx) < 1e-4);
+    }
+
+    /// Large, sharply peaked logits: the entropy is computed with the maximum shifted out,
+    /// so it stays non-negative and close to the f64 value instead of losing ~1e-5 to the
+    /// cancellation of two numbers the size of the logits.
+    #[test]
+    fn entropies_of_peaked_rows_keep_their_precision() {
+        let (k, h, v) = (4, 8, 500);
+        let x = (rand((k, h), 7, 1.0) * 40.0).unwrap();
+        let w = rand((v, h), 8, 1.0);
+        let labels = labels(k, v);
+        let (_, entropy) = token_logps_entropies(&x, &w, &labels).unwrap();
+        let logits = x.matmul(&w.t().unwrap()).unwrap().to_vec2::<f32>().unwrap();
+        for (row, &got) in logits.iter().zip(&entropy) {
+            let max = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+            let z: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+            let want: f64 = row
+                .iter()
+                .map(|&x| {
+                    let lp = x as f64 - max - z.ln();
+                    -lp.exp() * lp
+                })
+                .sum();
+            assert!(got >= 0.0, "{got}");
+            assert!(
+                (got as f64 - want).abs() < 1e-6 + 1e-5 * want,
+                "{got} vs {want}"
+            );
+        }
     }
 
     #[test]
