@@ -435,12 +435,7 @@ mod tests {
     fn composed(x: &Tensor, w: &Tensor, labels: &[u32]) -> (Tensor, Tensor) {
         let logits = x.matmul(&w.t().unwrap()).unwrap();
         let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
-        let entropy = (logp.exp().unwrap() * &logp)
-            .unwrap()
-            .sum(D::Minus1)
-            .unwrap()
-            .neg()
-            .unwrap();
+        let entropy = crate::train::rl::loss::entropy_of_logits(&logits).unwrap();
         let idx = Tensor::new(labels, &Device::Cpu)
             .unwrap()
             .unsqueeze(1)
