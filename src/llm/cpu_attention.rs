@@ -104,11 +104,21 @@ pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<T
                     let kv = h / groups;
                     let qh = &qd[r * qs[0] + h * qs[1] + t * qs[2]..][..d];
                     let keys = pos + t + 1;
+                    let kbase = &kd[r * ks[0] + kv * ks[1]..];
                     scores.clear();
                     let mut max = f32::NEG_INFINITY;
-                    for p in 0..keys {
-                        let kp = &kd[r * ks[0] + kv * ks[1] + p * ks[2]..][..d];
-                        let s = dot(simd, qh, kp) * scale;
+                    let mut p = 0;
+                    while p + 4 <= keys {
+                        let kp = |j: usize| &kbase[(p + j) * ks[2]..][..d];
+                        for s in dot4(simd, qh, [kp(0), kp(1), kp(2), kp(3)]) {
+                            let s = s * scale;
+                            max = max.max(s);
+                            scores.push(s);
+                        }
+                        p += 4;
+                    }
+                    for p in p..keys {
+                        let s = dot(simd, qh, &kbase[p * ks[2]..][..d]) * scale;
                         max = max.max(s);
                         scores.push(s);
                     }
@@ -117,23 +127,25 @@ pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<T
                         *s = (*s - max).exp();
                         sum += *s;
                     }
-                    o.fill(0.0);
-                    for (p, s) in scores.iter().enumerate() {
-                        let vp = &vd[r * vs[0] + kv * vs[1] + p * vs[2]..][..d];
-                        axpy(simd, s / sum, vp, o);
+                    for s in scores.iter_mut() {
+                        *s /= sum;
                     }
+                    weighted_sum(simd, scores, &vd[r * vs[0] + kv * vs[1]..], vs[2], o);
                 };
-                // A decode step's few queries run inline (its caller spreads requests over the
-                // threads); a prefill's spread over the threads.
-                if rows * seq * heads * len * d < 1 << 16 {
+                // A decode step's few queries run inline when they are little work (its caller
+                // spreads requests over the threads); otherwise they are spread over the
+                // threads, a single request's heads included.
+                let queries = rows * seq * heads;
+                if queries * len * d < 1 << 16 {
                     let mut scores = Vec::with_capacity(len);
                     for (i, o) in out.chunks_mut(d).enumerate() {
                         query(i, o, &mut scores);
                     }
                 } else {
+                    let per_task = (queries / crate::llm::q8::compute_threads()).clamp(1, 16);
                     out.par_chunks_mut(d)
                         .enumerate()
-                        .with_min_len(16)
+                        .with_min_len(per_task)
                         .for_each_init(
                             || Vec::with_capacity(len),
                             |scores, (i, o)| query(i, o, scores),
@@ -171,16 +183,33 @@ fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// `out += w · x`.
-fn axpy(simd: bool, w: f32, x: &[f32], out: &mut [f32]) {
+/// Four dot products of `a` with `bs`, each exactly [`dot`]'s.
+fn dot4(simd: bool, a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
-    if simd && x.len().is_multiple_of(8) {
-        // SAFETY: as in `dot`.
-        return unsafe { avx2::axpy(w, x, out) };
+    if simd && a.len().is_multiple_of(8) {
+        // SAFETY: `simd()` checked the CPU features; the slices have equal lengths.
+        return unsafe { avx2::dot4(a, bs) };
+    }
+    bs.map(|b| dot(simd, a, b))
+}
+
+/// `out = Σ_p w[p] · v[p·stride..][..out.len()]`, summed in position order from zero (one
+/// multiply-add per term with AVX2/FMA, a multiply then an add otherwise).
+fn weighted_sum(simd: bool, w: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
+    let d = out.len();
+    assert!(w.is_empty() || v.len() >= (w.len() - 1) * stride + d);
+    #[cfg(target_arch = "x86_64")]
+    if simd && d.is_multiple_of(8) {
+        // SAFETY: `simd()` checked the CPU features; `v` holds every row read (asserted).
+        unsafe { avx2::weighted_sum(w, v, stride, out) };
+        return;
     }
     let _ = simd;
-    for (o, x) in out.iter_mut().zip(x) {
-        *o += w * x;
+    out.fill(0.0);
+    for (p, &wp) in w.iter().enumerate() {
+        for (o, x) in out.iter_mut().zip(&v[p * stride..][..d]) {
+            *o += wp * x;
+        }
     }
 }
 
@@ -206,16 +235,54 @@ mod avx2 {
     }
 
     /// # Safety
-    /// AVX2 and FMA; `x.len() == out.len()`, a multiple of 8.
+    /// AVX2 and FMA; every `bs[j].len() == a.len()`, a multiple of 8.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn axpy(w: f32, x: &[f32], out: &mut [f32]) {
-        let wv = _mm256_set1_ps(w);
-        for i in (0..x.len()).step_by(8) {
-            let o = out.as_mut_ptr().add(i);
-            _mm256_storeu_ps(
-                o,
-                _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(o)),
-            );
+    pub(super) unsafe fn dot4(a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for i in (0..a.len()).step_by(8) {
+            let x = _mm256_loadu_ps(a.as_ptr().add(i));
+            for (acc, b) in acc.iter_mut().zip(&bs) {
+                *acc = _mm256_fmadd_ps(x, _mm256_loadu_ps(b.as_ptr().add(i)), *acc);
+            }
+        }
+        acc.map(|acc| {
+            let s4 = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+        })
+    }
+
+    /// # Safety
+    /// AVX2 and FMA; `out.len()` a multiple of 8; `v` holds `(w.len() - 1) · stride +
+    /// out.len()` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum(w: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
+        let d = out.len();
+        let mut c = 0;
+        while c + 64 <= d {
+            columns::<8>(w, v.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
+            c += 64;
+        }
+        while c < d {
+            columns::<1>(w, v.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
+            c += 8;
+        }
+    }
+
+    /// `8·N` output columns, kept in registers across all positions.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn columns<const N: usize>(w: &[f32], v: *const f32, stride: usize, out: *mut f32) {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (p, &wp) in w.iter().enumerate() {
+            let wv = _mm256_set1_ps(wp);
+            let row = v.add(p * stride);
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * j)), *acc);
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(8 * j), *acc);
         }
     }
 }
@@ -387,6 +454,44 @@ mod tests {
                 let pieces = chunked(&q, &k, &v, &c, &sn, &s, &cuts);
                 assert_eq!(max_diff(&pieces, &whole), 0.0, "cuts {cuts:?}");
             }
+        }
+    }
+
+    #[test]
+    fn blocked_kernels_give_the_per_position_bits() {
+        let simd = simd();
+        for d in [64usize, 128, 40, 12] {
+            let (q, keys) = (randn(&[d]), randn(&[7, d]));
+            let q = q.to_vec1::<f32>().unwrap();
+            let keys = keys.to_vec2::<f32>().unwrap();
+            let four = dot4(simd, &q, [&keys[0], &keys[1], &keys[2], &keys[3]]);
+            for (j, s) in four.iter().enumerate() {
+                assert_eq!(
+                    s.to_bits(),
+                    dot(simd, &q, &keys[j]).to_bits(),
+                    "d={d} key {j}"
+                );
+            }
+            // Rows 5 apart in one buffer, as cache rows with a stride.
+            let stride = d + 5;
+            let v: Vec<f32> = (0..6 * stride)
+                .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+                .collect();
+            let w = [0.1f32, 0.25, 0.05, 0.3, 0.2, 0.1];
+            let mut out = vec![f32::NAN; d];
+            weighted_sum(simd, &w, &v, stride, &mut out);
+            // Position order from zero, one multiply-add (or multiply, add) per term.
+            let mut expect = vec![0f32; d];
+            for (p, &wp) in w.iter().enumerate() {
+                for (e, x) in expect.iter_mut().zip(&v[p * stride..][..d]) {
+                    *e = if simd && d % 8 == 0 {
+                        wp.mul_add(*x, *e)
+                    } else {
+                        *e + wp * x
+                    };
+                }
+            }
+            assert_eq!(out, expect, "d={d}");
         }
     }
 }
