@@ -3,8 +3,10 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
+use clap::builder::TypedValueParser;
 use clap::{Parser, Subcommand};
 use collabllm::llm::engine::{Engine, GenParams, LoadOptions};
+use collabllm::llm::llama::WeightFormat;
 use collabllm::llm::spec::resolve_local;
 use collabllm::llm::{ChatMessage, ModelSpec};
 
@@ -39,6 +41,12 @@ enum Command {
         /// Timed repetitions; the median is reported.
         #[arg(long, default_value_t = 3, value_parser = at_least_one)]
         repeats: usize,
+        /// How the linear layers are held (as `serve --weights`): `auto`, `q8`, `native` or
+        /// `f32`.
+        #[arg(long, value_name = "FORMAT", default_value = "auto",
+              value_parser = clap::builder::PossibleValuesParser::new(WeightFormat::NAMES)
+                  .try_map(|s| s.parse::<WeightFormat>()))]
+        weights: WeightFormat,
     },
     /// generate_conv's orchestration against a local OpenAI-compatible endpoint that answers
     /// after a fixed latency with at most `--cap` requests in service: achieved calls/s against
@@ -183,6 +191,7 @@ fn decode(
     new_tokens: usize,
     n: usize,
     repeats: usize,
+    weights: WeightFormat,
 ) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -192,6 +201,7 @@ fn decode(
     // Every repeat prefills the whole prompt: prefix reuse would skip it.
     let opts = LoadOptions {
         prefix_cache_mb: Some(0),
+        weights,
         ..LoadOptions::default()
     };
     let engine = Engine::load(&files, &opts)?;
@@ -227,6 +237,7 @@ fn decode(
         "threads          {}",
         std::env::var("CANDLE_NUM_THREADS").unwrap_or_default()
     );
+    println!("weights          {weights}");
     println!("load             {load_secs:.2} s");
     println!("prompt           {} tokens: {pf:.1} tokens/s", prompt.len());
     println!("generate n=1     {new_tokens} tokens: {single:.1} tokens/s");
@@ -255,9 +266,10 @@ fn main() -> ExitCode {
             new_tokens,
             n,
             repeats,
+            weights,
         } => {
             collabllm::cli::set_compute_threads(Some(threads));
-            decode(model, prompt_tokens, new_tokens, n, repeats)
+            decode(model, prompt_tokens, new_tokens, n, repeats, weights)
         }
         Command::TrainStep {
             model,

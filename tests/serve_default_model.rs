@@ -1,7 +1,7 @@
 //! `serve --weights` on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF): `f32` gives the
 //! logits of the f32 training model on the same file, re-quantized `q8` and the file's own
-//! `native` Q4_1 kernels do not; the binary serves the f32 weights and answers to the names
-//! it was given.
+//! Q4_1 blocks (`native`: candle's kernels, `auto`: ours) do not; the binary serves the f32
+//! weights and answers to the names it was given.
 
 mod common;
 use common::model_util;
@@ -66,17 +66,14 @@ fn f32_weights_give_the_training_models_logits() {
         &load(WeightFormat::Q8_0).next_token_logits(&ids).unwrap(),
         reference,
     );
-    let native_diff = max_abs_diff(
-        &load(WeightFormat::Native).next_token_logits(&ids).unwrap(),
-        reference,
-    );
-    let auto_diff = max_abs_diff(
-        &load(WeightFormat::Auto).next_token_logits(&ids).unwrap(),
-        reference,
-    );
+    let native = load(WeightFormat::Native).next_token_logits(&ids).unwrap();
+    let native_diff = max_abs_diff(&native, reference);
+    let auto = load(WeightFormat::Auto).next_token_logits(&ids).unwrap();
+    let auto_diff = max_abs_diff(&auto, reference);
+    let auto_vs_native = max_abs_diff(&auto, &native);
     eprintln!(
         "max |Δlogit| vs the f32 training model: f32 {f32_diff:e}, q8 {q8_diff:e}, \
-         native (Q4_1) {native_diff:e}, auto {auto_diff:e}"
+         native (Q4_1) {native_diff:e}, auto {auto_diff:e}; auto vs native {auto_vs_native:e}"
     );
     assert!(f32_diff < 1e-3, "f32 differs by {f32_diff}");
     assert!(q8_diff > 10.0 * f32_diff, "q8 {q8_diff} vs f32 {f32_diff}");
@@ -84,7 +81,12 @@ fn f32_weights_give_the_training_models_logits() {
         native_diff > 10.0 * f32_diff,
         "native {native_diff} vs f32 {f32_diff}"
     );
-    assert_eq!(auto_diff, q8_diff, "auto re-quantizes Q4_1 to Q8_0");
+    // `auto` reads the file's Q4_1 blocks in our kernel: candle's Q4_1 arithmetic (int8
+    // activations, ggml's q4_1·q8_1 dot) up to the order of float sums, not Q8_0 copies.
+    assert!(
+        auto_vs_native < 0.1 * q8_diff,
+        "auto vs native {auto_vs_native}, q8 {q8_diff}"
+    );
 }
 
 const POEM: &str = "Write a short poem about the sea.";

@@ -26,8 +26,9 @@ pub use super::config::{LlamaConfig, RopeScaling};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(into = "String", try_from = "String")]
 pub enum WeightFormat {
-    /// Keep what the file has, except quantized formats without a fast CPU kernel (Q4_1, Q5_x),
-    /// which are re-quantized to Q8_0 (DESIGN §8).
+    /// Keep what the file has (Q8_0 and, on the CPU, Q4_1 in our int8 kernel), except
+    /// quantized formats without a fast CPU kernel (Q5_x; Q4_1 on other devices), which are
+    /// re-quantized to Q8_0 (DESIGN §8).
     #[default]
     Auto,
     /// Re-quantize every linear layer to Q8_0 (~4× less memory traffic than f32).
@@ -84,8 +85,8 @@ impl std::str::FromStr for WeightFormat {
     }
 }
 
-/// A linear layer: our int8 kernel ([`Q8Linear`]) for Q8_0 weights on the CPU, candle's
-/// `QMatMul` otherwise (f32, other quantized types, other devices).
+/// A linear layer: our int8 kernel ([`Q8Linear`]) for Q8_0 and Q4_1 weights on the CPU,
+/// candle's `QMatMul` otherwise (f32, other quantized types, other devices).
 enum Linear {
     Q8(Q8Linear),
     Candle(QMatMul),
@@ -109,7 +110,12 @@ enum Group {
 
 impl Group {
     fn new(layers: Vec<Linear>) -> Result<Self> {
-        if layers.iter().all(|l| matches!(l, Linear::Q8(_))) {
+        let format = |l: &Linear| match l {
+            Linear::Q8(q) => Some(q.format()),
+            Linear::Candle(_) => None,
+        };
+        let first = layers.first().and_then(format);
+        if first.is_some() && layers.iter().all(|l| format(l) == first) {
             let q8 = layers
                 .into_iter()
                 .filter_map(|l| match l {
@@ -278,6 +284,9 @@ pub struct LlamaModel {
     device: Device,
 }
 
+/// Values per block of the int8 kernel's formats (Q8_0 and Q4_1).
+const QK_INT8: usize = 32;
+
 fn to_linear(t: QTensor, format: WeightFormat) -> Result<Linear> {
     to_linear_shared(Arc::new(t), format)
 }
@@ -286,10 +295,15 @@ fn to_linear(t: QTensor, format: WeightFormat) -> Result<Linear> {
 /// and the embedding then use one copy).
 fn to_linear_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<Linear> {
     let cols = t.shape().dims().last().copied().unwrap_or(0);
+    let ours = t.device().is_cpu() && cols % QK_INT8 == 0;
     let target = match (format, t.dtype()) {
         (WeightFormat::F32, _) => None,
         (_, GgmlDType::Q8_0) => Some(GgmlDType::Q8_0),
         (WeightFormat::Q8_0, _) => Some(GgmlDType::Q8_0),
+        // Our kernel reads Q4_1 blocks as they are, on the CPU.
+        (WeightFormat::Auto | WeightFormat::Native, GgmlDType::Q4_1) if ours => {
+            return Ok(Linear::Q8(Q8Linear::from_qtensor(&t)?));
+        }
         (WeightFormat::Auto, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) => {
             Some(GgmlDType::Q8_0)
         }
@@ -299,11 +313,7 @@ fn to_linear_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<Linear> {
     match target {
         None => candle(Ok(QMatMul::Tensor(t.dequantize(&t.device())?))),
         // Q8_0 blocks (as they are, or re-quantized exactly as candle would) in our kernel.
-        Some(GgmlDType::Q8_0)
-            if cols % GgmlDType::Q8_0.block_size() == 0 && t.device().is_cpu() =>
-        {
-            Ok(Linear::Q8(Q8Linear::from_qtensor(&t)?))
-        }
+        Some(GgmlDType::Q8_0) if ours => Ok(Linear::Q8(Q8Linear::q8_0_from_qtensor(&t)?)),
         Some(d) if d == t.dtype() => candle(QMatMul::from_arc(t)),
         Some(d) if cols % d.block_size() == 0 => {
             let f = t.dequantize(&t.device())?;

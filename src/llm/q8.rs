@@ -1,5 +1,10 @@
 //! Int8 linear layers with our own CPU kernel (DESIGN §8), replacing candle's quantized matmul
-//! for the llama linears when the weights are Q8_0.
+//! for the llama linears when the weights are Q8_0 or Q4_1.
+//!
+//! Q4_1 blocks (`w = d·q + m`, 4-bit unsigned `q`) are read as they are, which is what bounds
+//! decoding one row: 0.6× the bytes of Q8_0. The nibbles are the unsigned operand of
+//! `maddubs`/`vpdpbusd` against the signed int8 activations, and a block's dot product is
+//! `(d_w·d_x)·Σq_w·q_x + m_w·(d_x·Σq_x)` (ggml's q4_1·q8_1). The Q8_0 layout follows.
 //!
 //! Weights: blocks of 32 int8 values with an f16 scale (exactly the values of ggml's Q8_0),
 //! stored in tiles of 8 output columns: for each tile and block, 256 bytes in which every 32-byte
@@ -35,9 +40,16 @@ const TILE_BLOCK: usize = QK * NC;
 const MR: usize = 4;
 /// Bytes of one ggml `block_q8_0`: an f16 scale then 32 int8 values.
 const Q8_0_BLOCK_BYTES: usize = 2 + QK;
+/// Bytes of one ggml `block_q4_1`: f16 scale, f16 minimum, then 32 nibbles.
+const Q4_1_BLOCK_BYTES: usize = 4 + QK / 2;
+/// Bytes of Q4_1 nibbles per (tile, block).
+const TILE_BLOCK4: usize = QK / 2 * NC;
 /// Rows from which the VNNI kernel is used.
 #[cfg(target_arch = "x86_64")]
 const VNNI_MIN_ROWS: usize = 4;
+/// Rows from which the VNNI kernel is used on Q4_1 weights.
+#[cfg(target_arch = "x86_64")]
+const VNNI_Q4_MIN_ROWS: usize = 1;
 /// Multiply-adds below which a call stays on one thread.
 const PAR_MIN_MACS: usize = 1 << 17;
 
@@ -53,13 +65,36 @@ pub struct Q8Linear {
     parts: Vec<usize>,
     /// First tile of each part, plus the total number of tiles at the end.
     part_tiles: Vec<usize>,
-    /// `tiles · (k/32) · 256` bytes, 64-byte aligned.
-    qs: Vec<Line>,
-    /// f16 bits, `tiles · (k/32) · 8`.
-    scales: Vec<u16>,
-    /// Sum of each column's 32 weights in each block, laid out as `scales`: the VNNI kernel's
-    /// correction for its offset activations.
-    sums: Vec<i16>,
+    blocks: Blocks,
+}
+
+/// The tiles' weights in one of two block formats (all parts of a layer share one).
+#[derive(Clone)]
+enum Blocks {
+    /// ggml's Q8_0 values: `tiles · (k/32) · 256` bytes; `scales` f16 bits, 8 per (tile,
+    /// block); `sums` the sum of each column's 32 weights in each block, laid out as `scales`:
+    /// the VNNI kernel's correction for its offset activations.
+    Q8_0 {
+        qs: Vec<Line>,
+        scales: Vec<u16>,
+        sums: Vec<i16>,
+    },
+    /// ggml's Q4_1 values (`w = d·q + m`, `q` in 0..16), read as they are: no re-quantization
+    /// and 0.6× the bytes of Q8_0, what bounds decoding a row. `qs`: `tiles · (k/32) · 128`
+    /// bytes, in which every 32-byte register holds 4 consecutive k-values of each of the 8
+    /// columns in its low nibbles and the 4 values 16 further on in its high nibbles (ggml's
+    /// own pairing); `dm`: per (tile, block) the 8 columns' f16 scales `d`, then their 8 f16
+    /// minimums `m`.
+    Q4_1 { qs: Vec<Line>, dm: Vec<u16> },
+}
+
+impl Blocks {
+    fn format(&self) -> GgmlDType {
+        match self {
+            Blocks::Q8_0 { .. } => GgmlDType::Q8_0,
+            Blocks::Q4_1 { .. } => GgmlDType::Q4_1,
+        }
+    }
 }
 
 impl std::fmt::Debug for Q8Linear {
@@ -67,21 +102,38 @@ impl std::fmt::Debug for Q8Linear {
         f.debug_struct("Q8Linear")
             .field("k", &self.k)
             .field("parts", &self.parts)
+            .field("format", &self.blocks.format())
             .finish()
     }
 }
 
 impl Q8Linear {
-    /// From an (n_out, k) quantized tensor: Q8_0 blocks are taken as they are, other types are
-    /// dequantized and re-quantized to Q8_0 by candle (the same values candle's own Q8_0 matmul
-    /// would use).
+    /// From an (n_out, k) quantized tensor: Q8_0 and Q4_1 blocks are taken as they are, other
+    /// types are dequantized and re-quantized to Q8_0 (see [`Q8Linear::q8_0_from_qtensor`]).
     pub fn from_qtensor(t: &QTensor) -> Result<Self> {
+        if t.dtype() == GgmlDType::Q4_1 {
+            let (n, k) = t.shape().dims2()?;
+            check_k(k)?;
+            return Self::from_q4_1_bytes(n, k, &t.data()?);
+        }
+        Self::q8_0_from_qtensor(t)
+    }
+
+    /// From an (n_out, k) quantized tensor, always in Q8_0: its blocks as they are, other types
+    /// dequantized and re-quantized by candle's arithmetic (the same values candle's own Q8_0
+    /// matmul would use).
+    pub fn q8_0_from_qtensor(t: &QTensor) -> Result<Self> {
         let (n, k) = t.shape().dims2()?;
         check_k(k)?;
         if t.dtype() == GgmlDType::Q8_0 {
             return Self::from_q8_0_bytes(n, k, &t.data()?);
         }
         Self::from_tensor(&t.dequantize(&Device::Cpu)?)
+    }
+
+    /// The weights' block format: `Q8_0` or `Q4_1`.
+    pub fn format(&self) -> GgmlDType {
+        self.blocks.format()
     }
 
     /// From an (n_out, k) float tensor, quantized to Q8_0 with candle's arithmetic (the same
@@ -140,9 +192,7 @@ impl Q8Linear {
             k,
             parts: vec![n],
             part_tiles: vec![0, tiles],
-            qs,
-            scales,
-            sums,
+            blocks: Blocks::Q8_0 { qs, scales, sums },
         }
     }
 
@@ -180,37 +230,83 @@ impl Q8Linear {
             k,
             parts: vec![n],
             part_tiles: vec![0, tiles],
-            qs,
-            scales,
-            sums,
+            blocks: Blocks::Q8_0 { qs, scales, sums },
+        })
+    }
+
+    fn from_q4_1_bytes(n: usize, k: usize, data: &[u8]) -> Result<Self> {
+        let nb = k / QK;
+        if data.len() != n * nb * Q4_1_BLOCK_BYTES {
+            candle_core::bail!(
+                "Q4_1 data of {} bytes does not hold a ({n}, {k}) matrix",
+                data.len()
+            );
+        }
+        let tiles = n.div_ceil(NC);
+        let mut qs = vec![Line([0; 64]); tiles * nb * TILE_BLOCK4 / 64];
+        let mut dm = vec![0u16; tiles * nb * 2 * NC];
+        {
+            let q = line_bytes_mut(&mut qs);
+            for c in 0..n {
+                let (t, cc) = (c / NC, c % NC);
+                for b in 0..nb {
+                    let blk = &data[(c * nb + b) * Q4_1_BLOCK_BYTES..][..Q4_1_BLOCK_BYTES];
+                    let tb = t * nb + b;
+                    dm[tb * 2 * NC + cc] = u16::from_le_bytes([blk[0], blk[1]]);
+                    dm[tb * 2 * NC + NC + cc] = u16::from_le_bytes([blk[2], blk[3]]);
+                    // ggml's byte i holds value i (low nibble) and value i + 16 (high).
+                    let dst = &mut q[tb * TILE_BLOCK4..][..TILE_BLOCK4];
+                    for g in 0..QK / 8 {
+                        for j in 0..4 {
+                            dst[g * 32 + cc * 4 + j] = blk[4 + g * 4 + j] as i8;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            k,
+            parts: vec![n],
+            part_tiles: vec![0, tiles],
+            blocks: Blocks::Q4_1 { qs, dm },
         })
     }
 
     /// Fuses layers that read the same input into one: [`Q8Linear::forward_parts`] then returns
-    /// their outputs, each exactly what the layer alone would give.
+    /// their outputs, each exactly what the layer alone would give. The layers must share the
+    /// input size and the block format.
     pub fn concat(layers: Vec<Q8Linear>) -> Result<Self> {
-        let Some(k) = layers.first().map(|l| l.k) else {
+        let mut layers = layers.into_iter();
+        let Some(mut out) = layers.next() else {
             candle_core::bail!("no layers to concatenate");
         };
-        if layers.iter().any(|l| l.k != k) {
-            candle_core::bail!("concatenated layers must share the input size");
-        }
-        let mut out = Self {
-            k,
-            parts: Vec::new(),
-            part_tiles: vec![0],
-            qs: Vec::with_capacity(layers.iter().map(|l| l.qs.len()).sum()),
-            scales: Vec::with_capacity(layers.iter().map(|l| l.scales.len()).sum()),
-            sums: Vec::with_capacity(layers.iter().map(|l| l.sums.len()).sum()),
-        };
         for l in layers {
+            if l.k != out.k {
+                candle_core::bail!("concatenated layers must share the input size");
+            }
             let base = out.tiles();
+            match (&mut out.blocks, l.blocks) {
+                (
+                    Blocks::Q8_0 { qs, scales, sums },
+                    Blocks::Q8_0 {
+                        qs: q,
+                        scales: s,
+                        sums: u,
+                    },
+                ) => {
+                    qs.extend_from_slice(&q);
+                    scales.extend_from_slice(&s);
+                    sums.extend_from_slice(&u);
+                }
+                (Blocks::Q4_1 { qs, dm }, Blocks::Q4_1 { qs: q, dm: d }) => {
+                    qs.extend_from_slice(&q);
+                    dm.extend_from_slice(&d);
+                }
+                _ => candle_core::bail!("concatenated layers must share the block format"),
+            }
             out.parts.extend_from_slice(&l.parts);
             out.part_tiles
                 .extend(l.part_tiles[1..].iter().map(|t| base + t));
-            out.qs.extend_from_slice(&l.qs);
-            out.scales.extend_from_slice(&l.scales);
-            out.sums.extend_from_slice(&l.sums);
         }
         Ok(out)
     }
@@ -234,20 +330,34 @@ impl Q8Linear {
         *self.part_tiles.last().expect("part_tiles is never empty")
     }
 
-    /// The weights as f32, (out_dim, k), every part stacked.
+    /// The weights as f32, (out_dim, k), every part stacked (the values ggml's dequantization
+    /// gives).
     pub fn dequantize(&self) -> Result<Tensor> {
         let nb = self.k / QK;
-        let q = line_bytes(&self.qs);
         let mut w = Vec::with_capacity(self.out_dim() * self.k);
         for (p, &n) in self.parts.iter().enumerate() {
             for c in 0..n {
                 let (t, cc) = (self.part_tiles[p] + c / NC, c % NC);
                 for b in 0..nb {
                     let tb = t * nb + b;
-                    let d = f16_to_f32(self.scales[tb * NC + cc]);
-                    for g in 0..QK / 4 {
-                        for j in 0..4 {
-                            w.push(f32::from(q[tb * TILE_BLOCK + g * 32 + cc * 4 + j]) * d);
+                    match &self.blocks {
+                        Blocks::Q8_0 { qs, scales, .. } => {
+                            let q = &line_bytes(qs)[tb * TILE_BLOCK..][..TILE_BLOCK];
+                            let d = f16_to_f32(scales[tb * NC + cc]);
+                            for i in 0..QK {
+                                w.push(f32::from(q[(i / 4) * 32 + cc * 4 + i % 4]) * d);
+                            }
+                        }
+                        Blocks::Q4_1 { qs, dm } => {
+                            let q = &line_bytes(qs)[tb * TILE_BLOCK4..][..TILE_BLOCK4];
+                            let d = f16_to_f32(dm[tb * 2 * NC + cc]);
+                            let m = f16_to_f32(dm[tb * 2 * NC + NC + cc]);
+                            for i in 0..QK {
+                                let j = i % (QK / 2);
+                                let byte = q[(j / 4) * 32 + cc * 4 + j % 4] as u8;
+                                let v = if i < QK / 2 { byte & 0xf } else { byte >> 4 };
+                                w.push(f32::from(v) * d + m);
+                            }
                         }
                     }
                 }
@@ -316,30 +426,43 @@ impl Q8Linear {
 
     fn matmul(&self, kern: Kernel, xs: &[f32], m: usize) -> Vec<Vec<f32>> {
         #[cfg(target_arch = "x86_64")]
-        let kern = match kern {
+        let kern = match (kern, &self.blocks) {
             // Up to three rows are bound by reading the weights: there the AVX2 kernel measured
             // as fast (three rows) or faster (one: 1.13x); the bits are the same.
-            Kernel::Vnni if m < VNNI_MIN_ROWS => Kernel::Avx2,
-            k => k,
+            (Kernel::Vnni, Blocks::Q8_0 { .. }) if m < VNNI_MIN_ROWS => Kernel::Avx2,
+            (Kernel::Vnni, Blocks::Q4_1 { .. }) if m < VNNI_Q4_MIN_ROWS => Kernel::Avx2,
+            (k, _) => k,
         };
         let nb = self.k / QK;
         let mut xq = vec![0i8; m * self.k];
         let mut xd = vec![0f32; m * nb];
         quantize_rows(kern, xs, &mut xq, &mut xd);
-        #[cfg(target_arch = "x86_64")]
-        if kern == Kernel::Vnni {
-            // x + 128 as unsigned bytes, which `vpdpbusd` multiplies.
-            for v in &mut xq {
-                *v ^= i8::MIN;
+        let xsum = match &self.blocks {
+            Blocks::Q4_1 { .. } => block_sums(&xq, &xd),
+            Blocks::Q8_0 { .. } => {
+                #[cfg(target_arch = "x86_64")]
+                if kern == Kernel::Vnni {
+                    // x + 128 as unsigned bytes, which `vpdpbusd` multiplies.
+                    for v in &mut xq {
+                        *v ^= i8::MIN;
+                    }
+                }
+                Vec::new()
             }
-        }
+        };
+        let acts = Acts {
+            q: &xq,
+            d: &xd,
+            sum: &xsum,
+        };
         let mut outs: Vec<Vec<f32>> = self.parts.iter().map(|&n| vec![0f32; m * n]).collect();
         let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
         let parallel = m * self.out_dim() * self.k >= PAR_MIN_MACS;
         par_ranges(self.tiles(), parallel, |tiles| {
             // SAFETY: the tile ranges handed out are disjoint, and a tile writes only its own
-            // columns of each row; `xq`/`xd` hold `m` rows of `k` values / `k/32` scales.
-            unsafe { self.run_tiles(kern, &xq, &xd, m, tiles, &ptrs) }
+            // columns of each row; `acts` holds `m` rows of `k` values / `k/32` scales (and,
+            // for Q4_1, `k/32` block sums).
+            unsafe { self.run_tiles(kern, &acts, m, tiles, &ptrs) }
         });
         outs
     }
@@ -352,14 +475,12 @@ impl Q8Linear {
     unsafe fn run_tiles(
         &self,
         kern: Kernel,
-        xq: &[i8],
-        xd: &[f32],
+        acts: &Acts,
         m: usize,
         tiles: Range<usize>,
         outs: &[OutPtr],
     ) {
         let nb = self.k / QK;
-        let q = line_bytes(&self.qs);
         let mut p = 0;
         for t in tiles {
             while t >= self.part_tiles[p + 1] {
@@ -367,23 +488,60 @@ impl Q8Linear {
             }
             let n = self.parts[p];
             let col = (t - self.part_tiles[p]) * NC;
-            let tile = Tile {
-                wq: &q[t * nb * TILE_BLOCK..][..nb * TILE_BLOCK],
-                ws: &self.scales[t * nb * NC..][..nb * NC],
-                sums: &self.sums[t * nb * NC..][..nb * NC],
-                nb,
-                ncols: NC.min(n - col),
-            };
+            let ncols = NC.min(n - col);
             let out = outs[p].0.add(col);
-            match kern {
-                Kernel::Scalar => tile_scalar(&tile, xq, xd, m, self.k, out, n),
-                #[cfg(target_arch = "x86_64")]
-                Kernel::Avx2 => avx2::tile(&tile, xq, xd, m, self.k, out, n),
-                #[cfg(target_arch = "x86_64")]
-                Kernel::Vnni => vnni::tile(&tile, xq, xd, m, self.k, out, n),
+            let (xq, xd, k) = (acts.q, acts.d, self.k);
+            match &self.blocks {
+                Blocks::Q8_0 { qs, scales, sums } => {
+                    let tile = Tile {
+                        wq: &line_bytes(qs)[t * nb * TILE_BLOCK..][..nb * TILE_BLOCK],
+                        ws: &scales[t * nb * NC..][..nb * NC],
+                        sums: &sums[t * nb * NC..][..nb * NC],
+                        nb,
+                        ncols,
+                    };
+                    match kern {
+                        Kernel::Scalar => tile_scalar(&tile, xq, xd, m, k, out, n),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx2 => avx2::tile(&tile, xq, xd, m, k, out, n),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Vnni => vnni::tile(&tile, xq, xd, m, k, out, n),
+                    }
+                }
+                Blocks::Q4_1 { qs, dm } => {
+                    let tile = Tile4 {
+                        wq: &line_bytes(qs)[t * nb * TILE_BLOCK4..][..nb * TILE_BLOCK4],
+                        dm: &dm[t * nb * 2 * NC..][..nb * 2 * NC],
+                        nb,
+                        ncols,
+                    };
+                    match kern {
+                        Kernel::Scalar => tile4_scalar(&tile, acts, m, k, out, n),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx2 => avx2::tile4(&tile, acts, m, k, out, n),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Vnni => vnni::tile4(&tile, acts, m, k, out, n),
+                    }
+                }
             }
         }
     }
+}
+
+/// Quantized activations: `m` rows of `k` int8 values, one scale per row and block, and for
+/// Q4_1 weights each block's `d · Σq` (the minimums' factor).
+struct Acts<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    sum: &'a [f32],
+}
+
+/// `d · Σq` of every block of 32 quantized activations (integer sum, one rounding).
+fn block_sums(xq: &[i8], xd: &[f32]) -> Vec<f32> {
+    xq.chunks_exact(QK)
+        .zip(xd)
+        .map(|(q, &d)| q.iter().map(|&v| i32::from(v)).sum::<i32>() as f32 * d)
+        .collect()
 }
 
 fn check_k(k: usize) -> Result<()> {
@@ -408,6 +566,16 @@ struct Tile<'a> {
     wq: &'a [i8],
     ws: &'a [u16],
     sums: &'a [i16],
+    nb: usize,
+    /// Real (unpadded) columns of the tile.
+    ncols: usize,
+}
+
+/// One Q4_1 tile: 8 output columns over the whole input.
+struct Tile4<'a> {
+    wq: &'a [i8],
+    /// Per block: 8 f16 scales, then 8 f16 minimums.
+    dm: &'a [u16],
     nb: usize,
     /// Real (unpadded) columns of the tile.
     ncols: usize,
@@ -529,9 +697,41 @@ unsafe fn tile_scalar(
     }
 }
 
+/// Portable reference kernel for Q4_1 tiles: per block `(Σq_w·q_x)·(d_w·d_x) + m_w·(d_x·Σq_x)`,
+/// two fused multiply-adds in this order, as the SIMD kernels do.
+///
+/// # Safety
+/// `out` must point to `m` rows of `ld` floats, with the tile's columns writable.
+unsafe fn tile4_scalar(tile: &Tile4, acts: &Acts, m: usize, k: usize, out: *mut f32, ld: usize) {
+    let nb = tile.nb;
+    for r in 0..m {
+        let y = &acts.q[r * k..(r + 1) * k];
+        for c in 0..tile.ncols {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let w = &tile.wq[b * TILE_BLOCK4..][..TILE_BLOCK4];
+                let mut s = 0i32;
+                for g in 0..QK / 8 {
+                    for j in 0..4 {
+                        let byte = w[g * 32 + c * 4 + j] as u8;
+                        let lo = i32::from(y[b * QK + g * 4 + j]);
+                        let hi = i32::from(y[b * QK + QK / 2 + g * 4 + j]);
+                        s += i32::from(byte & 0xf) * lo + i32::from(byte >> 4) * hi;
+                    }
+                }
+                let dm = &tile.dm[b * 2 * NC..][..2 * NC];
+                let d = f16_to_f32(dm[c]) * acts.d[r * nb + b];
+                acc = (s as f32).mul_add(d, acc);
+                acc = f16_to_f32(dm[NC + c]).mul_add(acts.sum[r * nb + b], acc);
+            }
+            *out.add(r * ld + c) = acc;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Tile, MR, NC, QK, TILE_BLOCK};
+    use super::{Acts, Tile, Tile4, MR, NC, QK, TILE_BLOCK, TILE_BLOCK4};
     use std::arch::x86_64::*;
 
     /// # Safety
@@ -641,6 +841,85 @@ mod avx2 {
         store_rows(&accf, tile.ncols, out, ld);
     }
 
+    /// As `tile` for a Q4_1 tile.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2/FMA/F16C; `out` as in `tile_scalar`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile4(
+        tile: &Tile4,
+        acts: &Acts,
+        m: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = k / QK;
+        debug_assert!(acts.q.len() >= m * k && acts.d.len() >= m * nb && acts.sum.len() >= m * nb);
+        let mut r = 0;
+        while r + MR <= m {
+            rows4::<MR>(tile, acts, r, k, out.add(r * ld), ld);
+            r += MR;
+        }
+        match m - r {
+            3 => rows4::<3>(tile, acts, r, k, out.add(r * ld), ld),
+            2 => rows4::<2>(tile, acts, r, k, out.add(r * ld), ld),
+            1 => rows4::<1>(tile, acts, r, k, out.add(r * ld), ld),
+            _ => {}
+        }
+    }
+
+    /// Rows `r0..r0 + R` against one Q4_1 tile. The nibbles are unsigned, the activations
+    /// signed: `maddubs` takes them as they are (|Σ| ≤ 2·15·128 per pair, no saturation even
+    /// after adding the high nibbles' pair).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn rows4<const R: usize>(
+        tile: &Tile4,
+        acts: &Acts,
+        r0: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = tile.nb;
+        let wq = tile.wq.as_ptr();
+        let dm = tile.dm.as_ptr();
+        let xq = acts.q.as_ptr().add(r0 * k);
+        let (xd, xs) = (acts.d.as_ptr().add(r0 * nb), acts.sum.as_ptr().add(r0 * nb));
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0xf);
+        let mut accf = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let wb = wq.add(b * TILE_BLOCK4);
+            let yb = xq.add(b * QK);
+            let mut acci = [_mm256_setzero_si256(); R];
+            for g in 0..QK / 8 {
+                let w = _mm256_load_si256(wb.add(g * 32).cast());
+                let lo = _mm256_and_si256(w, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                for (r, acc) in acci.iter_mut().enumerate() {
+                    let y = yb.add(r * k + g * 4);
+                    let ylo = _mm256_set1_epi32(y.cast::<i32>().read_unaligned());
+                    let yhi = _mm256_set1_epi32(y.add(QK / 2).cast::<i32>().read_unaligned());
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, ylo),
+                        _mm256_maddubs_epi16(hi, yhi),
+                    );
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dm.add(b * 2 * NC).cast()));
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(dm.add(b * 2 * NC + NC).cast()));
+            for (r, acc) in accf.iter_mut().enumerate() {
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xd.add(r * nb + b)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[r]), d, *acc);
+                *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*xs.add(r * nb + b)), *acc);
+            }
+        }
+        store_rows(&accf, tile.ncols, out, ld);
+    }
+
     /// Writes each row's 8 sums to its `ncols` real columns.
     ///
     /// # Safety
@@ -665,7 +944,7 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use super::avx2::store_rows;
-    use super::{Tile, NC, QK, TILE_BLOCK};
+    use super::{Acts, Tile, Tile4, NC, QK, TILE_BLOCK, TILE_BLOCK4};
     use std::arch::x86_64::*;
 
     /// Activation rows that share one pass over a weight tile (AVX-512 has 32 vector registers).
@@ -751,6 +1030,92 @@ mod vnni {
                 }
                 let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xd.add(r * nb + b)));
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
+            }
+        }
+        store_rows(&accf, tile.ncols, out, ld);
+    }
+
+    /// As `avx2::tile4`, with `vpdpbusd` (unsigned nibbles times signed activations).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2/FMA/F16C and AVX-512 VNNI/VL; `out` as in `tile_scalar`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(super) unsafe fn tile4(
+        tile: &Tile4,
+        acts: &Acts,
+        m: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = k / QK;
+        debug_assert!(acts.q.len() >= m * k && acts.d.len() >= m * nb && acts.sum.len() >= m * nb);
+        let mut r = 0;
+        while r + MR <= m {
+            rows4::<MR, 1>(tile, acts, r, k, out.add(r * ld), ld);
+            r += MR;
+        }
+        let out = out.add(r * ld);
+        match m - r {
+            7 => rows4::<7, 1>(tile, acts, r, k, out, ld),
+            6 => rows4::<6, 1>(tile, acts, r, k, out, ld),
+            5 => rows4::<5, 1>(tile, acts, r, k, out, ld),
+            4 => rows4::<4, 2>(tile, acts, r, k, out, ld),
+            3 => rows4::<3, 2>(tile, acts, r, k, out, ld),
+            2 => rows4::<2, 4>(tile, acts, r, k, out, ld),
+            1 => rows4::<1, 4>(tile, acts, r, k, out, ld),
+            _ => {}
+        }
+    }
+
+    /// Rows `r0..r0 + R` against one Q4_1 tile, `C` integer accumulators per row (a divisor
+    /// of 8: the block's 4 registers × low and high nibbles).
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    #[inline]
+    unsafe fn rows4<const R: usize, const C: usize>(
+        tile: &Tile4,
+        acts: &Acts,
+        r0: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = tile.nb;
+        let wq = tile.wq.as_ptr();
+        let dm = tile.dm.as_ptr();
+        let xq = acts.q.as_ptr().add(r0 * k);
+        let (xd, xs) = (acts.d.as_ptr().add(r0 * nb), acts.sum.as_ptr().add(r0 * nb));
+        let low = _mm256_set1_epi8(0xf);
+        let mut accf = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let wb = wq.add(b * TILE_BLOCK4);
+            let yb = xq.add(b * QK);
+            let mut acci = [[_mm256_setzero_si256(); R]; C];
+            for g in 0..QK / 8 {
+                let w = _mm256_load_si256(wb.add(g * 32).cast());
+                let halves = [
+                    _mm256_and_si256(w, low),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                ];
+                for (h, nibbles) in halves.into_iter().enumerate() {
+                    let chain = &mut acci[(2 * g + h) % C];
+                    for (r, acc) in chain.iter_mut().enumerate() {
+                        let y = yb.add(r * k + h * (QK / 2) + g * 4);
+                        let y = _mm256_set1_epi32(y.cast::<i32>().read_unaligned());
+                        *acc = _mm256_dpbusd_epi32(*acc, nibbles, y);
+                    }
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(dm.add(b * 2 * NC).cast()));
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(dm.add(b * 2 * NC + NC).cast()));
+            for (r, acc) in accf.iter_mut().enumerate() {
+                let mut s = acci[0][r];
+                for chain in &acci[1..] {
+                    s = _mm256_add_epi32(s, chain[r]);
+                }
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*xd.add(r * nb + b)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
+                *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*xs.add(r * nb + b)), *acc);
             }
         }
         store_rows(&accf, tile.ncols, out, ld);
@@ -867,58 +1232,59 @@ mod tests {
             for &n in &[1usize, 13, 100, 192] {
                 let w = randn(&mut rng, n * k, 0.1);
                 let wt = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
-                let l = Q8Linear::from_tensor(&wt).unwrap();
-                let wd = l.dequantize().unwrap();
-                let wdv = wd.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                for &m in &[1usize, 3, 5, 7, 12, 17] {
-                    let xs = randn(&mut rng, m * k, 1.0);
-                    let x = Tensor::from_vec(xs.clone(), (m, k), &Device::Cpu).unwrap();
-                    // candle's f32 matmul on the dequantized weights.
-                    let reference = x
-                        .matmul(&wd.t().unwrap())
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap();
-                    let xdq = dequantized_rows(&xs, k);
-                    let results: Vec<Vec<f32>> = kernels()
-                        .iter()
-                        .map(|&kern| run(&l, kern, &xs, m))
-                        .collect();
-                    for r in 0..m {
-                        for c in 0..n {
-                            let (wr, xr) = (&wdv[c * k..(c + 1) * k], &xs[r * k..(r + 1) * k]);
-                            let mag: f64 = wr
-                                .iter()
-                                .zip(xr)
-                                .map(|(a, b)| f64::from(*a * *b).abs())
-                                .sum();
-                            // Exact dot product of the quantized operands.
-                            let exact: f64 = wr
-                                .iter()
-                                .zip(&xdq[r * k..(r + 1) * k])
-                                .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                                .sum();
-                            let i = r * n + c;
-                            for (res, kern) in results.iter().zip(kernels()) {
-                                let got = f64::from(res[i]);
-                                assert!(
+                for l in both_formats(&wt) {
+                    let wd = l.dequantize().unwrap();
+                    let wdv = wd.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    for &m in &[1usize, 3, 5, 7, 12, 17] {
+                        let xs = randn(&mut rng, m * k, 1.0);
+                        let x = Tensor::from_vec(xs.clone(), (m, k), &Device::Cpu).unwrap();
+                        // candle's f32 matmul on the dequantized weights.
+                        let reference = x
+                            .matmul(&wd.t().unwrap())
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap();
+                        let xdq = dequantized_rows(&xs, k);
+                        let results: Vec<Vec<f32>> = kernels()
+                            .iter()
+                            .map(|&kern| run(&l, kern, &xs, m))
+                            .collect();
+                        for r in 0..m {
+                            for c in 0..n {
+                                let (wr, xr) = (&wdv[c * k..(c + 1) * k], &xs[r * k..(r + 1) * k]);
+                                let mag: f64 = wr
+                                    .iter()
+                                    .zip(xr)
+                                    .map(|(a, b)| f64::from(*a * *b).abs())
+                                    .sum();
+                                // Exact dot product of the quantized operands.
+                                let exact: f64 = wr
+                                    .iter()
+                                    .zip(&xdq[r * k..(r + 1) * k])
+                                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                                    .sum();
+                                let i = r * n + c;
+                                for (res, kern) in results.iter().zip(kernels()) {
+                                    let got = f64::from(res[i]);
+                                    assert!(
                                     (got - exact).abs() <= 1e-5 * mag + 1e-6,
                                     "{kern:?} k={k} n={n} m={m} ({r},{c}): {got} vs exact {exact}"
                                 );
-                                assert!(
-                                    (got - f64::from(reference[i])).abs() <= 5e-3 * mag + 1e-5,
-                                    "{kern:?} k={k} n={n} m={m} ({r},{c}): {got} vs f32 {}",
-                                    reference[i]
-                                );
-                            }
-                            for (res, kern) in results.iter().zip(kernels()) {
-                                assert_eq!(
-                                    results[0][i].to_bits(),
-                                    res[i].to_bits(),
-                                    "{kern:?} and scalar differ at k={k} n={n} m={m} ({r},{c})"
-                                );
+                                    assert!(
+                                        (got - f64::from(reference[i])).abs() <= 5e-3 * mag + 1e-5,
+                                        "{kern:?} k={k} n={n} m={m} ({r},{c}): {got} vs f32 {}",
+                                        reference[i]
+                                    );
+                                }
+                                for (res, kern) in results.iter().zip(kernels()) {
+                                    assert_eq!(
+                                        results[0][i].to_bits(),
+                                        res[i].to_bits(),
+                                        "{kern:?} and scalar differ at k={k} n={n} m={m} ({r},{c})"
+                                    );
+                                }
                             }
                         }
                     }
@@ -927,21 +1293,31 @@ mod tests {
         }
     }
 
+    /// The layer in both block formats: Q8_0 quantized directly, Q4_1 as ggml's blocks.
+    fn both_formats(w: &Tensor) -> [Q8Linear; 2] {
+        let q4 = QTensor::quantize(w, GgmlDType::Q4_1).unwrap();
+        let l4 = Q8Linear::from_qtensor(&q4).unwrap();
+        assert_eq!(l4.format(), GgmlDType::Q4_1);
+        [Q8Linear::from_tensor(w).unwrap(), l4]
+    }
+
     #[test]
     fn rows_do_not_depend_on_the_batch() {
         let mut rng = StdRng::seed_from_u64(11);
         let (n, k) = (37, 576);
         let wt = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu).unwrap();
-        let l = Q8Linear::from_tensor(&wt).unwrap();
         let m = 17;
         let xs = randn(&mut rng, m * k, 1.0);
-        for kern in kernels() {
-            let all = run(&l, kern, &xs, m);
+        for (l, kern) in both_formats(&wt)
+            .iter()
+            .flat_map(|l| kernels().into_iter().map(move |kn| (l, kn)))
+        {
+            let all = run(l, kern, &xs, m);
             for r in 0..m {
-                let one = run(&l, kern, &xs[r * k..(r + 1) * k], 1);
+                let one = run(l, kern, &xs[r * k..(r + 1) * k], 1);
                 assert_eq!(one, all[r * n..(r + 1) * n], "{kern:?} row {r}");
             }
-            let five = run(&l, kern, &xs[..5 * k], 5);
+            let five = run(l, kern, &xs[..5 * k], 5);
             assert_eq!(five, all[..5 * n], "{kern:?}");
         }
     }
@@ -951,35 +1327,94 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(3);
         let k = 96;
         let sizes = [20usize, 8, 5];
-        let layers: Vec<Q8Linear> = sizes
-            .iter()
-            .map(|&n| {
-                let w = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu);
-                Q8Linear::from_tensor(&w.unwrap()).unwrap()
-            })
-            .collect();
-        let x = Tensor::from_vec(randn(&mut rng, 2 * 3 * k, 1.0), (2, 3, k), &Device::Cpu).unwrap();
-        let separate: Vec<Vec<f32>> = layers
-            .iter()
-            .map(|l| {
-                let y = l.forward(&x).unwrap();
-                assert_eq!(y.dims(), &[2, 3, l.out_dim()]);
-                y.flatten_all().unwrap().to_vec1().unwrap()
-            })
-            .collect();
-        let fused = Q8Linear::concat(layers).unwrap();
-        assert_eq!(fused.parts(), &sizes);
-        let parts = fused.forward_parts(&x).unwrap();
-        for (p, s) in parts.iter().zip(&separate) {
-            assert_eq!(&p.flatten_all().unwrap().to_vec1::<f32>().unwrap(), s);
+        for q4 in [false, true] {
+            let layers: Vec<Q8Linear> = sizes
+                .iter()
+                .map(|&n| {
+                    let w = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu);
+                    let [q8, q4_1] = both_formats(&w.unwrap());
+                    if q4 {
+                        q4_1
+                    } else {
+                        q8
+                    }
+                })
+                .collect();
+            let x =
+                Tensor::from_vec(randn(&mut rng, 2 * 3 * k, 1.0), (2, 3, k), &Device::Cpu).unwrap();
+            let separate: Vec<Vec<f32>> = layers
+                .iter()
+                .map(|l| {
+                    let y = l.forward(&x).unwrap();
+                    assert_eq!(y.dims(), &[2, 3, l.out_dim()]);
+                    y.flatten_all().unwrap().to_vec1().unwrap()
+                })
+                .collect();
+            let fused = Q8Linear::concat(layers).unwrap();
+            assert_eq!(fused.parts(), &sizes);
+            let parts = fused.forward_parts(&x).unwrap();
+            for (p, s) in parts.iter().zip(&separate) {
+                assert_eq!(&p.flatten_all().unwrap().to_vec1::<f32>().unwrap(), s);
+            }
+            let whole = fused.forward(&x).unwrap();
+            assert_eq!(whole.dims(), &[2, 3, 33]);
+            let cat = Tensor::cat(&parts, 2).unwrap();
+            assert_eq!(
+                whole.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                cat.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            );
         }
-        let whole = fused.forward(&x).unwrap();
-        assert_eq!(whole.dims(), &[2, 3, 33]);
-        let cat = Tensor::cat(&parts, 2).unwrap();
+        let w = Tensor::from_vec(randn(&mut rng, 8 * k, 0.1), (8, k), &Device::Cpu).unwrap();
+        let err = Q8Linear::concat(both_formats(&w).into()).unwrap_err();
+        assert!(err.to_string().contains("block format"), "{err}");
+    }
+
+    #[test]
+    fn q4_1_blocks_are_taken_as_they_are() {
+        let mut rng = StdRng::seed_from_u64(17);
+        let (n, k) = (19, 96);
+        let mut w = randn(&mut rng, n * k, 0.1);
+        w[..QK].fill(0.0); // an all-zero block
+        w[2 * k..2 * k + QK].fill(0.25); // a constant block: d = 0, all weight in m
+        w[5 * k + 7] = 3.0; // an outlier
+        let wt = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&wt, GgmlDType::Q4_1).unwrap();
+        let l = Q8Linear::from_qtensor(&q).unwrap();
+        assert_eq!(l.format(), GgmlDType::Q4_1);
+        let ours = l.dequantize().unwrap().flatten_all().unwrap();
+        let theirs = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
         assert_eq!(
-            whole.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            cat.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            ours.to_vec1::<f32>().unwrap(),
+            theirs.to_vec1::<f32>().unwrap()
         );
+        // Asked for Q8_0, the same blocks are re-quantized.
+        let q8 = Q8Linear::q8_0_from_qtensor(&q).unwrap();
+        assert_eq!(q8.format(), GgmlDType::Q8_0);
+        assert!(Q8Linear::from_q4_1_bytes(n, k, &q.data().unwrap()[1..]).is_err());
+    }
+
+    #[test]
+    fn extreme_nibbles_give_the_same_bits_in_every_kernel() {
+        // Every nibble value with the largest activations of both signs.
+        let (n, k) = (11, 96);
+        let mut data = Vec::new();
+        for c in 0..n {
+            for b in 0..k / QK {
+                data.extend_from_slice(&(0x2c00u16 + (c * 7 + b) as u16).to_le_bytes());
+                data.extend_from_slice(&(0xac00u16 + (c * 3 + b) as u16).to_le_bytes());
+                data.extend((0..QK / 2).map(|j| [0x0fu8, 0xf0, 0xff, 0x00, 0x7e][(c + b + j) % 5]));
+            }
+        }
+        let l = Q8Linear::from_q4_1_bytes(n, k, &data).unwrap();
+        let m = 9;
+        let xs: Vec<f32> = (0..m * k)
+            .map(|i| [1.0f32, -1.0, 0.5, -3.0e4, 3.0e4, 0.0][i % 6])
+            .collect();
+        let results: Vec<Vec<f32>> = kernels().iter().map(|&kn| run(&l, kn, &xs, m)).collect();
+        for (res, kern) in results.iter().zip(kernels()) {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(res), bits(&results[0]), "{kern:?}");
+        }
     }
 
     #[test]
@@ -997,7 +1432,10 @@ mod tests {
         );
         // A non-Q8_0 source goes through the same re-quantization as `from_tensor`.
         let q4 = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
-        let a = Q8Linear::from_qtensor(&q4).unwrap().dequantize().unwrap();
+        let a = Q8Linear::q8_0_from_qtensor(&q4)
+            .unwrap()
+            .dequantize()
+            .unwrap();
         let b = Q8Linear::from_tensor(&q4.dequantize(&Device::Cpu).unwrap())
             .unwrap()
             .dequantize()
@@ -1025,9 +1463,20 @@ mod tests {
         let ours = Q8Linear::from_tensor(&wt).unwrap();
         let q = QTensor::quantize(&wt, GgmlDType::Q8_0).unwrap();
         let candles = Q8Linear::from_q8_0_bytes(n, k, &q.data().unwrap()).unwrap();
-        assert_eq!(line_bytes(&ours.qs), line_bytes(&candles.qs));
-        assert_eq!(ours.scales, candles.scales);
-        assert_eq!(ours.sums, candles.sums);
+        let (
+            Blocks::Q8_0 { qs, scales, sums },
+            Blocks::Q8_0 {
+                qs: cq,
+                scales: cs,
+                sums: cu,
+            },
+        ) = (&ours.blocks, &candles.blocks)
+        else {
+            panic!("both are Q8_0");
+        };
+        assert_eq!(line_bytes(qs), line_bytes(cq));
+        assert_eq!(scales, cs);
+        assert_eq!(sums, cu);
     }
 
     #[test]
