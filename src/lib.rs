@@ -22,5 +22,6 @@ pub mod reward;
 pub mod rollout;
 pub mod run;
 pub mod serve;
+pub(crate) mod simd;
 pub mod task;
 pub mod train;

@@ -10,10 +10,12 @@ use std::path::{Path, PathBuf};
 const ALLOWED: &[(&str, &[&str])] = &[
     ("check", &[]),
     ("run", &[]),
+    // Vectorized element-wise kernels (exp, the ISA dispatch) of training ops and attention.
+    ("simd", &[]),
     // Task types, task files (read with the parquet helpers of `dataset`, which never
     // imports task) and the prompt templates of each task type.
     ("task", &["check", "dataset", "llm", "run"]),
-    ("llm", &["check", "run"]),
+    ("llm", &["check", "run", "simd"]),
     ("serve", &["check", "llm", "run", "task"]),
     ("reward", &["check", "llm", "run", "task"]),
     ("rollout", &["check", "llm", "reward", "run", "task"]),
@@ -30,7 +32,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "train",
         &[
-            "check", "dataset", "generate", "hub", "llm", "reward", "rollout", "run", "task",
+            "check", "dataset", "generate", "hub", "llm", "reward", "rollout", "run", "simd",
+            "task",
         ],
     ),
     (

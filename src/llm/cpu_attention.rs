@@ -106,30 +106,17 @@ pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<T
                     let keys = pos + t + 1;
                     let kbase = &kd[r * ks[0] + kv * ks[1]..];
                     scores.clear();
-                    let mut max = f32::NEG_INFINITY;
                     let mut p = 0;
                     while p + 4 <= keys {
                         let kp = |j: usize| &kbase[(p + j) * ks[2]..][..d];
-                        for s in dot4(simd, qh, [kp(0), kp(1), kp(2), kp(3)]) {
-                            let s = s * scale;
-                            max = max.max(s);
-                            scores.push(s);
-                        }
+                        let s4 = dot4(simd, qh, [kp(0), kp(1), kp(2), kp(3)]);
+                        scores.extend(s4.map(|s| s * scale));
                         p += 4;
                     }
                     for p in p..keys {
-                        let s = dot(simd, qh, &kbase[p * ks[2]..][..d]) * scale;
-                        max = max.max(s);
-                        scores.push(s);
+                        scores.push(dot(simd, qh, &kbase[p * ks[2]..][..d]) * scale);
                     }
-                    let mut sum = 0f32;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
-                    }
-                    for s in scores.iter_mut() {
-                        *s /= sum;
-                    }
+                    kernels::softmax(scores);
                     weighted_sum(simd, scores, &vd[r * vs[0] + kv * vs[1]..], vs[2], o);
                 };
                 // A decode step's few queries run inline when they are little work (its caller
@@ -181,6 +168,47 @@ fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
     }
     let _ = simd;
     a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The softmax of a query's scores, vectorized ([`crate::simd`]).
+mod kernels {
+    use crate::simd::{dispatch, exp};
+
+    const LANES: usize = 16;
+
+    /// `s ← e^(s − max) / Σ e^(s − max)`, in place.
+    #[inline(always)]
+    fn softmax_any(scores: &mut [f32]) {
+        let mut lanes = [f32::NEG_INFINITY; LANES];
+        let mut chunks = scores.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (m, &s) in lanes.iter_mut().zip(c) {
+                *m = m.max(s);
+            }
+        }
+        let max = lanes
+            .iter()
+            .chain(chunks.remainder())
+            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let mut sums = [0f32; LANES];
+        let mut chunks = scores.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (sum, s) in sums.iter_mut().zip(c) {
+                *s = exp(*s - max);
+                *sum += *s;
+            }
+        }
+        let mut sum = sums.iter().sum::<f32>();
+        for s in chunks.into_remainder() {
+            *s = exp(*s - max);
+            sum += *s;
+        }
+        for s in scores.iter_mut() {
+            *s /= sum;
+        }
+    }
+
+    dispatch!(pub(super) softmax, softmax_any, (scores: &mut [f32]) -> ());
 }
 
 /// Four dot products of `a` with `bs`, each exactly [`dot`]'s.

@@ -346,11 +346,11 @@ fn matmul(dst: &mut [f32], (m, n, k): (usize, usize, usize), accumulate: bool, l
     }
 }
 
-/// Row kernels over the vocabulary ([`crate::train::simd`]): the exponential is the cost of
+/// Row kernels over the vocabulary ([`crate::simd`]): the exponential is the cost of
 /// the softmax, and the standard library's (a call per element) would take longer than the
 /// head's matmul.
 mod kernels {
-    use crate::train::simd::{dispatch, exp};
+    use crate::simd::{dispatch, exp};
 
     const LANES: usize = 16;
 

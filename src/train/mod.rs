@@ -37,7 +37,6 @@ pub mod model;
 pub mod ops;
 pub mod optim;
 pub mod rl;
-pub(crate) mod simd;
 pub mod trainer;
 
 pub use error::TrainError;

@@ -491,9 +491,9 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `silu(gate) ⊙ up`.
 struct SwiGlu;
 
-/// Row kernels of the fused ops, vectorized ([`super::simd`]).
+/// Row kernels of the fused ops, vectorized ([`crate::simd`]).
 mod rows {
-    use crate::train::simd::{dispatch, exp, sigmoid};
+    use crate::simd::{dispatch, exp, sigmoid};
 
     const LANES: usize = 16;
 

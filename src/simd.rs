@@ -1,9 +1,10 @@
-//! Element-wise kernels of the training ops, vectorized: each row kernel is written once as
-//! plain loops over lanes and compiled for AVX-512 and AVX2 + FMA besides the baseline
-//! ([`dispatch`]), the instruction set chosen at run time (the crate targets baseline
-//! x86-64, where loops do not vectorize past SSE2). The exponential is a branch-free
-//! polynomial ([`exp`]): the standard library's is a call per element, which was the cost
-//! of softmaxes and SwiGLU.
+//! Vectorized element-wise kernels shared by the training ops and the CPU attention: each row
+//! kernel is written once as plain loops over lanes and compiled for AVX-512 and AVX2 + FMA
+//! besides the baseline ([`dispatch`]), the instruction set chosen at run time (the crate
+//! targets baseline x86-64, where loops do not vectorize past SSE2). Plain multiplies and adds
+//! are never contracted into FMAs, so every compilation gives the same bits. The exponential
+//! is a branch-free polynomial ([`exp`]): the standard library's is a call per element, which
+//! was the cost of softmaxes and SwiGLU.
 
 /// e^x: Cephes' `expf` range reduction and polynomial (relative error ~1e-7), branch-free so
 /// that loops over it vectorize. 0 below −87.3 (so a masked −∞ stays an exact 0), ~1.6e38
@@ -77,11 +78,11 @@ macro_rules! dispatch {
                 unsafe fn avx2($($arg: $ty),*) -> $ret {
                     $any($($arg),*)
                 }
-                match $crate::train::simd::isa() {
+                match $crate::simd::isa() {
                     // SAFETY: `isa` detected the instruction set at run time.
-                    $crate::train::simd::Isa::Avx512 => return unsafe { avx512($($arg),*) },
-                    $crate::train::simd::Isa::Avx2 => return unsafe { avx2($($arg),*) },
-                    $crate::train::simd::Isa::Baseline => {}
+                    $crate::simd::Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    $crate::simd::Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::simd::Isa::Baseline => {}
                 }
             }
             $any($($arg),*)
