@@ -396,3 +396,68 @@ fn requests_joining_mid_decode_equal_alone() {
         assert_joining_mid_decode_equals_alone(&engine);
     }
 }
+
+/// `fork` keeps the prompt once, shared by the rows: decoding the forked rows (one dropped on
+/// the way) gives the bits of decoding private copies of the prompt's cache one at a time, and
+/// a prefix taken from a forked cache is the prompt's.
+#[test]
+fn forked_rows_share_the_prompt_and_equal_private_copies() {
+    one_thread();
+    let (_g, dir) = tiny_model_dir(&TinySpec::default());
+    let opts = LoadOptions {
+        weights: WeightFormat::Q8_0,
+        ..LoadOptions::default()
+    };
+    let engine = Engine::load(&LocalModelFiles::HfDir(dir), &opts).unwrap();
+    let model = engine.model();
+    let ids: Vec<u32> = engine
+        .encode("<|im_start|>user\nhello there, how are you<|im_end|>\n")
+        .unwrap();
+    let dev = model.device();
+    let mut prompt = model.new_cache(ids.len());
+    let input = Tensor::new(ids.as_slice(), dev)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    model.forward_last(&input, &mut prompt).unwrap();
+    let len = ids.len();
+
+    let mut forked = prompt.fork(3, 2).unwrap();
+    assert_eq!((forked.batch(), forked.len()), (3, len));
+    let mut alone: Vec<_> = (0..3)
+        .map(|_| prompt.prefix(len, len + 2).unwrap())
+        .collect();
+    let mut rows: Vec<usize> = vec![0, 1, 2];
+    for step in 0..4u32 {
+        if step == 2 {
+            // Row 1 finishes: the batch keeps rows 0 and 2 (and the shared prefix).
+            forked.retain_rows(&[0, 2]).unwrap();
+            rows = vec![0, 2];
+        }
+        let tokens: Vec<u32> = rows.iter().map(|&r| 5 + 7 * r as u32 + step).collect();
+        let batched = model
+            .forward_decode(&[&tokens], &mut [&mut forked])
+            .unwrap();
+        let batched = batched[0].to_vec2::<f32>().unwrap();
+        for (i, &r) in rows.iter().enumerate() {
+            let one = model
+                .forward_decode(&[&tokens[i..i + 1]], &mut [&mut alone[r]])
+                .unwrap();
+            let one = one[0].to_vec2::<f32>().unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&batched[i]), bits(&one[0]), "step {step}, row {r}");
+        }
+    }
+    // A prefix of the forked cache is the prompt's (shared) positions, then row 0's own.
+    let from_fork = forked.prefix(len, len).unwrap();
+    let from_prompt = prompt.prefix(len, len).unwrap();
+    let next = |mut c: collabllm::llm::llama::KvCache| {
+        let l = model.forward_decode(&[&[9u32]], &mut [&mut c]).unwrap();
+        l[0].to_vec2::<f32>().unwrap()
+    };
+    assert_eq!(next(from_fork), next(from_prompt));
+    // Past the prompt: row 0's own positions follow the shared ones.
+    let from_fork = forked.prefix(len + 3, len + 3).unwrap();
+    let from_alone = alone[0].prefix(len + 3, len + 3).unwrap();
+    assert_eq!(next(from_fork), next(from_alone));
+}

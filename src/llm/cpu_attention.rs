@@ -79,10 +79,42 @@ pub fn to_heads(
 /// softmax(q·kᵀ / √head_dim)·v, causal: `q` (rows, heads, seq, hd) holds positions
 /// `pos..pos + seq`, `k`, `v` (rows, kv_heads, pos + seq, hd) every position up to the last
 /// query's. Query head `h` reads KV head `h / (heads / kv_heads)`. Returns (rows, seq,
-/// heads·hd).
+/// heads·hd). (The reference [`attend_causal_after`] is tested against.)
+#[cfg(test)]
 pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
+    attend_causal_after(q, None, k, v, pos)
+}
+
+/// As [`attend_causal`], with the first `P` positions in a `prefix` (k, v) that every row
+/// shares, each (1, kv_heads, P, hd); `k`, `v` (rows, kv_heads, pos + seq − P, hd) then hold
+/// positions `P..pos + seq`. The bits are those of [`attend_causal`] over the whole
+/// positions (each key's dot product and the value sum in position order are the same
+/// arithmetic), and a prefix read by many rows is read from the caches, not from memory.
+pub fn attend_causal_after(
+    q: &Tensor,
+    prefix: Option<(&Tensor, &Tensor)>,
+    k: &Tensor,
+    v: &Tensor,
+    pos: usize,
+) -> Result<Tensor> {
     let (rows, heads, seq, d) = q.dims4()?;
-    let (_, kv_heads, len, _) = k.dims4()?;
+    let (_, kv_heads, own, _) = k.dims4()?;
+    let shared = match prefix {
+        Some((pk, pv)) => {
+            let (one, pkh, plen, pd) = pk.dims4()?;
+            if one != 1 || pkh != kv_heads || pd != d || pv.dims() != pk.dims() {
+                candle_core::bail!(
+                    "a shared prefix {:?} / {:?} for keys {:?}",
+                    pk.dims(),
+                    pv.dims(),
+                    k.dims()
+                );
+            }
+            plen
+        }
+        None => 0,
+    };
+    let len = shared + own;
     if len != pos + seq || kv_heads == 0 || heads % kv_heads != 0 {
         candle_core::bail!(
             "attention of {heads} heads at positions {pos}..{} over {kv_heads} KV heads of {len}",
@@ -93,55 +125,84 @@ pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<T
     let scale = 1.0 / (d as f32).sqrt();
     let mut out = vec![0f32; rows * seq * heads * d];
     let simd = simd();
+    let empty = Tensor::zeros((1, kv_heads, 0, d), DType::F32, q.device())?;
+    let (pk, pv) = prefix.unwrap_or((&empty, &empty));
     with_f32(q, |qd, qs| {
         with_f32(k, |kd, ks| {
             with_f32(v, |vd, vs| {
-                // One task per (row, position, head): its output span and its query.
-                let query = |i: usize, o: &mut [f32], scores: &mut Vec<f32>| {
-                    let h = i % heads;
-                    let t = (i / heads) % seq;
-                    let r = i / (heads * seq);
-                    let kv = h / groups;
-                    let qh = &qd[r * qs[0] + h * qs[1] + t * qs[2]..][..d];
-                    let keys = pos + t + 1;
-                    let kbase = &kd[r * ks[0] + kv * ks[1]..];
-                    scores.clear();
-                    let mut p = 0;
-                    while p + 4 <= keys {
-                        let kp = |j: usize| &kbase[(p + j) * ks[2]..][..d];
-                        let s4 = dot4(simd, qh, [kp(0), kp(1), kp(2), kp(3)]);
-                        scores.extend(s4.map(|s| s * scale));
-                        p += 4;
-                    }
-                    for p in p..keys {
-                        scores.push(dot(simd, qh, &kbase[p * ks[2]..][..d]) * scale);
-                    }
-                    kernels::softmax(scores);
-                    weighted_sum(simd, scores, &vd[r * vs[0] + kv * vs[1]..], vs[2], o);
-                };
-                // A decode step's few queries run inline when they are little work (its caller
-                // spreads requests over the threads); otherwise they are spread over the
-                // threads, a single request's heads included.
-                let queries = rows * seq * heads;
-                if queries * len * d < 1 << 16 {
-                    let mut scores = Vec::with_capacity(len);
-                    for (i, o) in out.chunks_mut(d).enumerate() {
-                        query(i, o, &mut scores);
-                    }
-                } else {
-                    let per_task = (queries / crate::llm::q8::compute_threads()).clamp(1, 16);
-                    out.par_chunks_mut(d)
-                        .enumerate()
-                        .with_min_len(per_task)
-                        .for_each_init(
-                            || Vec::with_capacity(len),
-                            |scores, (i, o)| query(i, o, scores),
-                        );
-                }
+                with_f32(pk, |pkd, pks| {
+                    with_f32(pv, |pvd, pvs| {
+                        // One task per (row, position, head): its output span and its query.
+                        let query = |i: usize, o: &mut [f32], scores: &mut Vec<f32>| {
+                            let h = i % heads;
+                            let t = (i / heads) % seq;
+                            let r = i / (heads * seq);
+                            let kv = h / groups;
+                            let qh = &qd[r * qs[0] + h * qs[1] + t * qs[2]..][..d];
+                            let keys = pos + t + 1;
+                            let (from_prefix, from_own) =
+                                (keys.min(shared), keys - keys.min(shared));
+                            scores.clear();
+                            let prefix_keys = &pkd[kv * pks[1]..];
+                            push_scores(simd, qh, prefix_keys, pks[2], from_prefix, scale, scores);
+                            let own_keys = &kd[r * ks[0] + kv * ks[1]..];
+                            push_scores(simd, qh, own_keys, ks[2], from_own, scale, scores);
+                            kernels::softmax(scores);
+                            let (wp, wo) = scores.split_at(from_prefix);
+                            let prefix_values = &pvd[kv * pvs[1]..];
+                            weighted_sum(simd, wp, prefix_values, pvs[2], o, false);
+                            let own_values = &vd[r * vs[0] + kv * vs[1]..];
+                            weighted_sum(simd, wo, own_values, vs[2], o, true);
+                        };
+                        // A decode step's few queries run inline when they are little work (its
+                        // caller spreads requests over the threads); otherwise they are spread
+                        // over the threads, a single request's heads included.
+                        let queries = rows * seq * heads;
+                        if queries * len * d < 1 << 16 {
+                            let mut scores = Vec::with_capacity(len);
+                            for (i, o) in out.chunks_mut(d).enumerate() {
+                                query(i, o, &mut scores);
+                            }
+                        } else {
+                            let per_task =
+                                (queries / crate::llm::q8::compute_threads()).clamp(1, 16);
+                            out.par_chunks_mut(d)
+                                .enumerate()
+                                .with_min_len(per_task)
+                                .for_each_init(
+                                    || Vec::with_capacity(len),
+                                    |scores, (i, o)| query(i, o, scores),
+                                );
+                        }
+                    })
+                })
             })
         })
-    })???;
+    })?????;
     Tensor::from_vec(out, (rows, seq, heads * d), q.device())
+}
+
+/// Pushes `q · key_p · scale` for the `n` keys `keys[p·stride..][..d]`, four per pass.
+fn push_scores(
+    simd: bool,
+    q: &[f32],
+    keys: &[f32],
+    stride: usize,
+    n: usize,
+    scale: f32,
+    out: &mut Vec<f32>,
+) {
+    let d = q.len();
+    let mut p = 0;
+    while p + 4 <= n {
+        let kp = |j: usize| &keys[(p + j) * stride..][..d];
+        let s4 = dot4(simd, q, [kp(0), kp(1), kp(2), kp(3)]);
+        out.extend(s4.map(|s| s * scale));
+        p += 4;
+    }
+    for p in p..n {
+        out.push(dot(simd, q, &keys[p * stride..][..d]) * scale);
+    }
 }
 
 /// Whether the AVX2/FMA versions of [`dot`] and [`axpy`] run here (decided once, so every
@@ -221,19 +282,29 @@ fn dot4(simd: bool, a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
     bs.map(|b| dot(simd, a, b))
 }
 
-/// `out = Σ_p w[p] · v[p·stride..][..out.len()]`, summed in position order from zero (one
-/// multiply-add per term with AVX2/FMA, a multiply then an add otherwise).
-fn weighted_sum(simd: bool, w: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
+/// `out = Σ_p w[p] · v[p·stride..][..out.len()]`, summed in position order from zero, or
+/// from `out` as it is when `accumulate` (one multiply-add per term with AVX2/FMA, a multiply
+/// then an add otherwise): a sum in two pieces is the sum in one.
+fn weighted_sum(
+    simd: bool,
+    w: &[f32],
+    v: &[f32],
+    stride: usize,
+    out: &mut [f32],
+    accumulate: bool,
+) {
     let d = out.len();
     assert!(w.is_empty() || v.len() >= (w.len() - 1) * stride + d);
     #[cfg(target_arch = "x86_64")]
     if simd && d.is_multiple_of(8) {
         // SAFETY: `simd()` checked the CPU features; `v` holds every row read (asserted).
-        unsafe { avx2::weighted_sum(w, v, stride, out) };
+        unsafe { avx2::weighted_sum(w, v, stride, out, accumulate) };
         return;
     }
     let _ = simd;
-    out.fill(0.0);
+    if !accumulate {
+        out.fill(0.0);
+    }
     for (p, &wp) in w.iter().enumerate() {
         for (o, x) in out.iter_mut().zip(&v[p * stride..][..d]) {
             *o += wp * x;
@@ -284,15 +355,23 @@ mod avx2 {
     /// AVX2 and FMA; `out.len()` a multiple of 8; `v` holds `(w.len() - 1) · stride +
     /// out.len()` values.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn weighted_sum(w: &[f32], v: &[f32], stride: usize, out: &mut [f32]) {
+    pub(super) unsafe fn weighted_sum(
+        w: &[f32],
+        v: &[f32],
+        stride: usize,
+        out: &mut [f32],
+        accumulate: bool,
+    ) {
         let d = out.len();
         let mut c = 0;
         while c + 64 <= d {
-            columns::<8>(w, v.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
+            let o = out.as_mut_ptr().add(c);
+            columns::<8>(w, v.as_ptr().add(c), stride, o, accumulate);
             c += 64;
         }
         while c < d {
-            columns::<1>(w, v.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
+            let o = out.as_mut_ptr().add(c);
+            columns::<1>(w, v.as_ptr().add(c), stride, o, accumulate);
             c += 8;
         }
     }
@@ -300,8 +379,19 @@ mod avx2 {
     /// `8·N` output columns, kept in registers across all positions.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn columns<const N: usize>(w: &[f32], v: *const f32, stride: usize, out: *mut f32) {
+    unsafe fn columns<const N: usize>(
+        w: &[f32],
+        v: *const f32,
+        stride: usize,
+        out: *mut f32,
+        accumulate: bool,
+    ) {
         let mut acc = [_mm256_setzero_ps(); N];
+        if accumulate {
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_loadu_ps(out.add(8 * j));
+            }
+        }
         for (p, &wp) in w.iter().enumerate() {
             let wv = _mm256_set1_ps(wp);
             let row = v.add(p * stride);
@@ -507,7 +597,12 @@ mod tests {
                 .collect();
             let w = [0.1f32, 0.25, 0.05, 0.3, 0.2, 0.1];
             let mut out = vec![f32::NAN; d];
-            weighted_sum(simd, &w, &v, stride, &mut out);
+            weighted_sum(simd, &w, &v, stride, &mut out, false);
+            // In two pieces, the second accumulating: the same bits.
+            let mut halves = vec![f32::NAN; d];
+            weighted_sum(simd, &w[..2], &v, stride, &mut halves, false);
+            weighted_sum(simd, &w[2..], &v[2 * stride..], stride, &mut halves, true);
+            assert_eq!(halves, out, "d={d} in two pieces");
             // Position order from zero, one multiply-add (or multiply, add) per term.
             let mut expect = vec![0f32; d];
             for (p, &wp) in w.iter().enumerate() {
@@ -521,5 +616,26 @@ mod tests {
             }
             assert_eq!(out, expect, "d={d}");
         }
+    }
+
+    #[test]
+    fn a_shared_prefix_gives_the_bits_of_copied_rows() {
+        let (rows, d) = (3, 64);
+        for (shared, before, seq) in [(7usize, 2usize, 1usize), (5, 0, 3), (0, 4, 2), (9, 3, 1)] {
+            let pos = shared + before;
+            let q = randn(&[rows, HEADS, seq, d]);
+            let (pk, pv) = (randn(&[1, KV, shared, d]), randn(&[1, KV, shared, d]));
+            let own = before + seq;
+            let (k, v) = (randn(&[rows, KV, own, d]), randn(&[rows, KV, own, d]));
+            let whole = |p: &Tensor, t: &Tensor| {
+                Tensor::cat(&[&p.repeat((rows, 1, 1, 1)).unwrap(), t], 2).unwrap()
+            };
+            let copied = attend_causal(&q, &whole(&pk, &k), &whole(&pv, &v), pos).unwrap();
+            let after = attend_causal_after(&q, Some((&pk, &pv)), &k, &v, pos).unwrap();
+            assert_eq!(max_diff(&after, &copied), 0.0, "shared {shared}, seq {seq}");
+        }
+        let (pk, k) = (randn(&[2, KV, 3, 64]), randn(&[1, KV, 2, 64]));
+        let q = randn(&[1, HEADS, 1, 64]);
+        assert!(attend_causal_after(&q, Some((&pk, &pk)), &k, &k, 4).is_err());
     }
 }

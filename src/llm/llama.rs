@@ -149,12 +149,26 @@ struct Layer {
 
 /// Per-layer key/value cache for a batch of rows that all sit at the same position. A clone
 /// shares the tensors: only fork or copy a clone (see [`KvCache::fork`]), never append to it.
+///
+/// A fork of `n` samples from one prefill keeps the prompt's positions once, in a prefix
+/// every row shares (CPU f32 caches, which `cpu_attention` reads): `n` copies would cost `n`
+/// times the memory and, as every row's attention reads its keys at each step, `n` times
+/// the memory traffic.
 #[derive(Clone)]
 pub struct KvCache {
-    /// (k, v) per layer, each (batch, kv_heads, capacity, head_dim).
+    /// (k, v) per layer, each (batch, kv_heads, capacity − shared, head_dim): the rows' own
+    /// positions from `shared.len` on.
     layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Positions `0..shared.len`, the same for every row.
+    shared: Option<Arc<SharedPrefix>>,
     len: usize,
     capacity: usize,
+}
+
+/// (k, v) per layer, each (1, kv_heads, len, head_dim), contiguous.
+struct SharedPrefix {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
 }
 
 impl KvCache {
@@ -172,10 +186,42 @@ impl KvCache {
             .map_or(0, |(k, _)| k.dims()[0])
     }
 
-    /// Copies row 0 into `n` rows with room for `extra` more positions: one prefill, `n`
-    /// samples.
+    /// Positions held in the prefix all rows share.
+    fn shared_len(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.len)
+    }
+
+    /// `n` rows of row 0 with room for `extra` more positions: one prefill, `n` samples. On
+    /// the CPU in f32 the positions so far become a prefix the rows share (one copy); other
+    /// caches are copied into each row.
     pub fn fork(&self, n: usize, extra: usize) -> Result<KvCache> {
-        self.copy_row0(self.len, n, self.len + extra)
+        let first = self.layers.iter().flatten().next();
+        let shareable = first.is_some_and(|(k, _)| k.device().is_cpu() && k.dtype() == DType::F32);
+        if !shareable || n == 0 {
+            return self.copy_row0(self.len, n, self.len + extra);
+        }
+        let mut prefix = Vec::with_capacity(self.layers.len());
+        let mut own = Vec::with_capacity(self.layers.len());
+        for i in 0..self.layers.len() {
+            let Some((k, v)) = self.row0_positions(i, self.len)? else {
+                prefix.push(None);
+                own.push(None);
+                continue;
+            };
+            let (_, h, _, d) = k.dims4()?;
+            let room = Tensor::zeros((n, h, extra.max(1), d), k.dtype(), k.device())?;
+            own.push(Some((room.clone(), room.zeros_like()?)));
+            prefix.push(Some((k, v)));
+        }
+        Ok(KvCache {
+            layers: own,
+            shared: Some(Arc::new(SharedPrefix {
+                layers: prefix,
+                len: self.len,
+            })),
+            len: self.len,
+            capacity: self.len + extra,
+        })
     }
 
     /// A one-row copy of row 0's first `len` positions with room for `capacity` positions:
@@ -190,25 +236,48 @@ impl KvCache {
         self.copy_row0(len, 1, capacity)
     }
 
+    /// Row 0's first `len` positions of layer `layer`, the shared prefix's and its own, as
+    /// contiguous (1, kv_heads, len, head_dim) tensors.
+    fn row0_positions(&self, layer: usize, len: usize) -> Result<Option<(Tensor, Tensor)>> {
+        let Some((k, v)) = &self.layers[layer] else {
+            return Ok(None);
+        };
+        let shared = self.shared.as_ref().and_then(|s| s.layers[layer].as_ref());
+        let from_shared = self.shared_len().min(len);
+        let part = |prefix: Option<&Tensor>, own: &Tensor| -> Result<Tensor> {
+            let own = own.narrow(0, 0, 1)?.narrow(2, 0, len - from_shared)?;
+            match prefix {
+                Some(p) if from_shared > 0 => {
+                    Tensor::cat(&[&p.narrow(2, 0, from_shared)?, &own], 2)?.contiguous()
+                }
+                _ => own.contiguous(),
+            }
+        };
+        Ok(Some((
+            part(shared.map(|s| &s.0), k)?,
+            part(shared.map(|s| &s.1), v)?,
+        )))
+    }
+
     /// Row 0's first `len` positions copied into `rows` fresh rows of `capacity` positions.
     fn copy_row0(&self, len: usize, rows: usize, capacity: usize) -> Result<KvCache> {
         let mut layers = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            let Some((k, v)) = l else {
+        for i in 0..self.layers.len() {
+            let Some((k, v)) = self.row0_positions(i, len)? else {
                 layers.push(None);
                 continue;
             };
-            let copy = |t: &Tensor| -> Result<Tensor> {
-                let cur = t.narrow(0, 0, 1)?.narrow(2, 0, len)?;
+            let copy = |cur: &Tensor| -> Result<Tensor> {
                 let (_, h, _, d) = cur.dims4()?;
                 let full = Tensor::zeros((rows, h, capacity, d), cur.dtype(), cur.device())?;
                 full.slice_set(&cur.repeat((rows, 1, 1, 1))?.contiguous()?, 2, 0)?;
                 Ok(full)
             };
-            layers.push(Some((copy(k)?, copy(v)?)));
+            layers.push(Some((copy(&k)?, copy(&v)?)));
         }
         Ok(KvCache {
             layers,
+            shared: None,
             len,
             capacity,
         })
@@ -219,6 +288,7 @@ impl KvCache {
     pub(crate) fn placeholder(len: usize) -> KvCache {
         KvCache {
             layers: Vec::new(),
+            shared: None,
             len,
             capacity: len,
         }
@@ -241,18 +311,27 @@ impl KvCache {
         Ok(())
     }
 
-    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Appends `k`, `v` (batch, kv_heads, seq, head_dim) at the cache's position; returns the
+    /// rows' own positions so far (from the shared prefix's end) and the shared prefix.
+    #[allow(clippy::type_complexity)]
+    fn append(
+        &mut self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
         let seq = k.dim(2)?;
-        let need = self.len + seq;
+        let base = self.shared_len();
+        let (at, need) = (self.len - base, self.len + seq - base);
         let slot = &mut self.layers[layer];
         match slot {
             None => {
                 let (b, h, _, d) = k.dims4()?;
-                let cap = need.max(self.capacity);
+                let cap = need.max(self.capacity - base);
                 let kk = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
                 let vv = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
-                kk.slice_set(k, 2, self.len)?;
-                vv.slice_set(v, 2, self.len)?;
+                kk.slice_set(k, 2, at)?;
+                vv.slice_set(v, 2, at)?;
                 *slot = Some((kk, vv));
             }
             Some((kk, vv)) => {
@@ -263,12 +342,13 @@ impl KvCache {
                     *kk = Tensor::cat(&[&*kk, &pad], 2)?;
                     *vv = Tensor::cat(&[&*vv, &pad], 2)?;
                 }
-                kk.slice_set(k, 2, self.len)?;
-                vv.slice_set(v, 2, self.len)?;
+                kk.slice_set(k, 2, at)?;
+                vv.slice_set(v, 2, at)?;
             }
         }
         let (kk, vv) = slot.as_ref().expect("slot was just filled");
-        Ok((kk.narrow(2, 0, need)?, vv.narrow(2, 0, need)?))
+        let shared = self.shared.as_ref().and_then(|s| s.layers[layer].clone());
+        Ok(((kk.narrow(2, 0, need)?, vv.narrow(2, 0, need)?), shared))
     }
 }
 
@@ -543,6 +623,7 @@ impl LlamaModel {
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         KvCache {
             layers: (0..self.layers.len()).map(|_| None).collect(),
+            shared: None,
             len: 0,
             capacity,
         }
@@ -672,8 +753,9 @@ impl LlamaModel {
             let k = cpu_attention::to_heads(k, kvh, &shape, rope)?;
             let v = cpu_attention::to_heads(v, kvh, &shape, None)?;
             let pos = cache.len;
-            let (k_all, v_all) = cache.append(layer_idx, &k, &v)?;
-            return cpu_attention::attend_causal(&q, &k_all, &v_all, pos);
+            let ((k_own, v_own), shared) = cache.append(layer_idx, &k, &v)?;
+            let prefix = shared.as_ref().map(|(k, v)| (k, v));
+            return cpu_attention::attend_causal_after(&q, prefix, &k_own, &v_own, pos);
         }
         // (b, seq, heads·hd) -> (b, heads, seq, hd)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
@@ -693,7 +775,11 @@ impl LlamaModel {
                 candle_nn::rotary_emb::rope(&k, cos, sin)?,
             )
         };
-        let (k_all, v_all) = cache.append(layer_idx, &k, &v)?;
+        let ((k_all, v_all), shared) = cache.append(layer_idx, &k, &v)?;
+        if shared.is_some() {
+            // `fork` shares a prefix only in CPU f32 caches, which take the branch above.
+            candle_core::bail!("internal: a shared KV prefix outside the CPU attention");
+        }
         // Grouped-query attention without copying K/V per head: the `groups` query heads that
         // share a KV head are stacked along the sequence axis, (b, kvh, groups·seq, hd).
         let q = q.reshape((b, kvh, groups * seq, hd))?;
