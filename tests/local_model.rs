@@ -419,8 +419,28 @@ fn forked_rows_share_the_prompt_and_equal_private_copies() {
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    model.forward_last(&input, &mut prompt).unwrap();
+    let last = model.forward_last(&input, &mut prompt).unwrap();
     let len = ids.len();
+
+    // A prefix hit reads the stored prompt's positions in place; prefilling the rest after it
+    // gives the whole prompt's logits, and a fork of it shares that prefix on.
+    let mut hit = prompt.prefix(len - 3, len).unwrap();
+    let rest = Tensor::new(&ids[len - 3..], dev)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let after_hit = model.forward_last(&rest, &mut hit).unwrap();
+    assert_eq!(
+        after_hit.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        last.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    );
+    let mut hit_rows = hit.fork(2, 1).unwrap();
+    let mut copy_rows = prompt.fork(2, 1).unwrap();
+    let step = |c: &mut collabllm::llm::llama::KvCache| {
+        let l = model.forward_decode(&[&[11u32, 12]], &mut [c]).unwrap();
+        l[0].to_vec2::<f32>().unwrap()
+    };
+    assert_eq!(step(&mut hit_rows), step(&mut copy_rows));
 
     let mut forked = prompt.fork(3, 2).unwrap();
     assert_eq!((forked.batch(), forked.len()), (3, len));

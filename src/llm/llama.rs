@@ -165,7 +165,8 @@ pub struct KvCache {
     capacity: usize,
 }
 
-/// (k, v) per layer, each (1, kv_heads, len, head_dim), contiguous.
+/// (k, v) per layer, each (1, kv_heads, len, head_dim) (views into another cache's tensors:
+/// the last dimension contiguous).
 struct SharedPrefix {
     layers: Vec<Option<(Tensor, Tensor)>>,
     len: usize,
@@ -192,40 +193,74 @@ impl KvCache {
     }
 
     /// `n` rows of row 0 with room for `extra` more positions: one prefill, `n` samples. On
-    /// the CPU in f32 the positions so far become a prefix the rows share (one copy); other
-    /// caches are copied into each row.
+    /// the CPU in f32 the positions so far become a prefix the rows share, read from this
+    /// cache's tensors (never written again: appends go past `len`) or, where the cache
+    /// already starts with a shared prefix, that prefix, with only row 0's own positions
+    /// copied into each row; other caches are copied into each row.
     pub fn fork(&self, n: usize, extra: usize) -> Result<KvCache> {
-        let first = self.layers.iter().flatten().next();
-        let shareable = first.is_some_and(|(k, _)| k.device().is_cpu() && k.dtype() == DType::F32);
-        if !shareable || n == 0 {
+        if !self.shareable() || n == 0 {
             return self.copy_row0(self.len, n, self.len + extra);
         }
+        let base = self.shared_len();
         let mut prefix = Vec::with_capacity(self.layers.len());
         let mut own = Vec::with_capacity(self.layers.len());
         for i in 0..self.layers.len() {
-            let Some((k, v)) = self.row0_positions(i, self.len)? else {
+            let Some((k, v)) = self.row0_positions(i, base, self.len)? else {
                 prefix.push(None);
                 own.push(None);
                 continue;
             };
+            if self.shared.is_some() {
+                // Row 0's own positions into `n` rows, after the prefix they keep sharing.
+                let rows = |t: &Tensor| -> Result<Tensor> {
+                    let (_, h, held, d) = t.dims4()?;
+                    let full =
+                        Tensor::zeros((n, h, held + extra.max(1), d), t.dtype(), t.device())?;
+                    full.slice_set(&t.repeat((n, 1, 1, 1))?.contiguous()?, 2, 0)?;
+                    Ok(full)
+                };
+                own.push(Some((rows(&k)?, rows(&v)?)));
+                continue;
+            }
             let (_, h, _, d) = k.dims4()?;
             let room = Tensor::zeros((n, h, extra.max(1), d), k.dtype(), k.device())?;
             own.push(Some((room.clone(), room.zeros_like()?)));
-            prefix.push(Some((k, v)));
+            // Row 0's positions are read where they are, not copied: requests forked from one
+            // stored prompt (a prefix-cache hit) then all read the same memory.
+            let (k, v) = self.layers[i]
+                .as_ref()
+                .expect("row0_positions found the layer");
+            let view = |t: &Tensor| t.narrow(0, 0, 1)?.narrow(2, 0, self.len);
+            prefix.push(Some((view(k)?, view(v)?)));
         }
-        Ok(KvCache {
-            layers: own,
-            shared: Some(Arc::new(SharedPrefix {
+        let shared = match &self.shared {
+            Some(s) => Arc::clone(s),
+            None => Arc::new(SharedPrefix {
                 layers: prefix,
                 len: self.len,
-            })),
+            }),
+        };
+        Ok(KvCache {
+            layers: own,
+            shared: Some(shared),
             len: self.len,
             capacity: self.len + extra,
         })
     }
 
-    /// A one-row copy of row 0's first `len` positions with room for `capacity` positions:
-    /// the start of a longer prompt (see `llm::prefix_cache`).
+    /// Whether the cache is read by `cpu_attention` (CPU, f32), which takes a shared prefix.
+    fn shareable(&self) -> bool {
+        let own = self.layers.iter().flatten();
+        let shared = self.shared.iter().flat_map(|s| s.layers.iter().flatten());
+        own.chain(shared)
+            .next()
+            .is_some_and(|(k, _)| k.device().is_cpu() && k.dtype() == DType::F32)
+    }
+
+    /// A one-row cache of row 0's first `len` positions with room for `capacity` positions:
+    /// the start of a longer prompt (see `llm::prefix_cache`). In a cache the CPU attention
+    /// reads, the positions are not copied: the new cache reads them from this one's tensors
+    /// as its shared prefix (they are never written again: appends go past `len`).
     pub fn prefix(&self, len: usize, capacity: usize) -> Result<KvCache> {
         if len > self.len || capacity < len {
             candle_core::bail!(
@@ -233,29 +268,78 @@ impl KvCache {
                 self.len
             );
         }
-        self.copy_row0(len, 1, capacity)
+        if !self.shareable() || len < self.shared_len() {
+            return self.copy_row0(len, 1, capacity);
+        }
+        let base = self.shared_len();
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for i in 0..self.layers.len() {
+            let shared = self.shared.as_ref().and_then(|s| s.layers[i].as_ref());
+            let own = self.layers[i]
+                .as_ref()
+                .map(|(k, v)| -> Result<_> {
+                    let view = |t: &Tensor| t.narrow(0, 0, 1)?.narrow(2, 0, len - base);
+                    Ok((view(k)?, view(v)?))
+                })
+                .transpose()?;
+            layers.push(match (shared, own) {
+                (Some((sk, sv)), Some((k, v))) if base > 0 => Some((
+                    Tensor::cat(&[sk, &k], 2)?.contiguous()?,
+                    Tensor::cat(&[sv, &v], 2)?.contiguous()?,
+                )),
+                (_, own) => own,
+            });
+        }
+        // A prefix that was itself shared (`len == base`) keeps that prefix's tensors.
+        let shared = if len == base && base > 0 {
+            self.shared.clone()
+        } else {
+            Some(Arc::new(SharedPrefix { layers, len }))
+        };
+        Ok(KvCache {
+            layers: (0..self.layers.len()).map(|_| None).collect(),
+            shared,
+            len,
+            capacity,
+        })
     }
 
-    /// Row 0's first `len` positions of layer `layer`, the shared prefix's and its own, as
-    /// contiguous (1, kv_heads, len, head_dim) tensors.
-    fn row0_positions(&self, layer: usize, len: usize) -> Result<Option<(Tensor, Tensor)>> {
-        let Some((k, v)) = &self.layers[layer] else {
-            return Ok(None);
-        };
+    /// Row 0's positions `from..to` of layer `layer`, the shared prefix's and its own, as
+    /// contiguous (1, kv_heads, to − from, head_dim) tensors.
+    fn row0_positions(
+        &self,
+        layer: usize,
+        from: usize,
+        to: usize,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let base = self.shared_len();
         let shared = self.shared.as_ref().and_then(|s| s.layers[layer].as_ref());
-        let from_shared = self.shared_len().min(len);
-        let part = |prefix: Option<&Tensor>, own: &Tensor| -> Result<Tensor> {
-            let own = own.narrow(0, 0, 1)?.narrow(2, 0, len - from_shared)?;
-            match prefix {
-                Some(p) if from_shared > 0 => {
-                    Tensor::cat(&[&p.narrow(2, 0, from_shared)?, &own], 2)?.contiguous()
-                }
-                _ => own.contiguous(),
+        let own = self.layers[layer].as_ref();
+        if shared.is_none() && own.is_none() {
+            return Ok(None);
+        }
+        let part = |prefix: Option<&Tensor>, own: Option<&Tensor>| -> Result<Tensor> {
+            let mut pieces = Vec::with_capacity(2);
+            if let Some(p) = prefix.filter(|_| from < base) {
+                pieces.push(p.narrow(2, from, to.min(base) - from)?);
             }
+            if to > base {
+                let Some(own) = own else {
+                    candle_core::bail!("internal: KV positions {base}..{to} were never written");
+                };
+                let start = from.max(base) - base;
+                pieces.push(own.narrow(0, 0, 1)?.narrow(2, start, to - base - start)?);
+            }
+            if pieces.is_empty() {
+                // No positions: an empty (1, kv_heads, 0, head_dim) piece of either tensor.
+                let any = prefix.or(own).expect("one of them exists");
+                pieces.push(any.narrow(0, 0, 1)?.narrow(2, 0, 0)?);
+            }
+            Tensor::cat(&pieces, 2)?.contiguous()
         };
         Ok(Some((
-            part(shared.map(|s| &s.0), k)?,
-            part(shared.map(|s| &s.1), v)?,
+            part(shared.map(|s| &s.0), own.map(|o| &o.0))?,
+            part(shared.map(|s| &s.1), own.map(|o| &o.1))?,
         )))
     }
 
@@ -263,7 +347,7 @@ impl KvCache {
     fn copy_row0(&self, len: usize, rows: usize, capacity: usize) -> Result<KvCache> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for i in 0..self.layers.len() {
-            let Some((k, v)) = self.row0_positions(i, len)? else {
+            let Some((k, v)) = self.row0_positions(i, 0, len)? else {
                 layers.push(None);
                 continue;
             };
