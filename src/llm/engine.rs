@@ -953,6 +953,13 @@ pub struct Prefill {
     secs: f64,
 }
 
+impl Prefill {
+    /// Prompt positions still to run.
+    pub fn remaining(&self) -> usize {
+        self.prompt.len() - self.done
+    }
+}
+
 /// One generation in flight (see [`Engine::start`] and [`Engine::step`]).
 pub struct GenState {
     prompt_tokens: usize,

@@ -163,27 +163,50 @@ impl Scheduler {
         }
     }
 
-    /// One chunk of the oldest prefill (all of it when nothing is decoding); a finished
-    /// prefill joins the decode batch.
+    /// Up to one chunk of prefill work (all of it when nothing is decoding), oldest request
+    /// first; finished prefills join the decode batch. Requests whose prompt is already
+    /// cached cost nothing here, so as many of them join in one round as are waiting.
     fn prefill_round(&mut self) {
-        let Some(front) = self.prefilling.front_mut() else {
-            return;
-        };
+        let mut budget: Option<usize> = None;
+        while let Some(front) = self.prefilling.front() {
+            let allowed = if self.active.is_empty() {
+                usize::MAX
+            } else {
+                *budget.get_or_insert(match front.job.prefill_chunk {
+                    0 => usize::MAX,
+                    n => n,
+                })
+            };
+            if allowed == 0 && front.prefill.remaining() > 0 {
+                return;
+            }
+            match self.prefill_front(allowed) {
+                Some(ran) => {
+                    if let Some(left) = budget.as_mut() {
+                        *left = left.saturating_sub(ran);
+                    }
+                }
+                None => return,
+            }
+        }
+    }
+
+    /// Runs up to `budget` positions of the oldest prefill; a finished one joins the decode
+    /// batch. Returns the positions run, or `None` when the prefill is not finished.
+    fn prefill_front(&mut self, budget: usize) -> Option<usize> {
+        let front = self.prefilling.front_mut()?;
         if front.job.cancel.is_cancelled() {
             let p = self.prefilling.pop_front().expect("front exists");
             retire_unstarted(*p.job);
-            return;
+            return Some(0);
         }
-        let chunk = match front.job.prefill_chunk {
-            0 => usize::MAX,
-            _ if self.active.is_empty() => usize::MAX,
-            n => n,
-        };
+        let before = front.prefill.remaining();
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            front.job.engine.prefill_chunk(&mut front.prefill, chunk)
+            front.job.engine.prefill_chunk(&mut front.prefill, budget)
         }));
+        let positions = before - front.prefill.remaining();
         match ran {
-            Ok(Ok(false)) => {}
+            Ok(Ok(false)) => None,
             Ok(Ok(true)) => {
                 let Prefilling { mut job, prefill } =
                     self.prefilling.pop_front().expect("front exists");
@@ -202,13 +225,16 @@ impl Scheduler {
                     }
                     Err(_) => {}
                 }
+                Some(positions)
             }
             Ok(Err(e)) => {
                 let p = self.prefilling.pop_front().expect("front exists");
                 let _ = p.job.reply.send(Err(e));
+                Some(positions)
             }
             Err(_) => {
                 self.prefilling.pop_front();
+                Some(positions)
             }
         }
     }
@@ -228,6 +254,17 @@ impl Scheduler {
             }
         }
         for engine in engines {
+            let mut counted: Vec<&Arc<Counters>> = Vec::new();
+            for a in self
+                .active
+                .iter()
+                .filter(|a| Arc::ptr_eq(&a.job.engine, &engine))
+            {
+                if !counted.iter().any(|c| Arc::ptr_eq(c, &a.job.counters)) {
+                    Counters::add(&a.job.counters.decode_steps, 1);
+                    counted.push(&a.job.counters);
+                }
+            }
             let mut states: Vec<&mut GenState> = self
                 .active
                 .iter_mut()
@@ -369,6 +406,8 @@ pub struct LocalStats {
     pub cancelled_tokens: u64,
     /// Queued requests never started because their caller had left.
     pub skipped: u64,
+    /// Decode steps (batched forward passes) that advanced this backend's generations.
+    pub decode_steps: u64,
 }
 
 #[derive(Debug, Default)]
@@ -378,6 +417,7 @@ struct Counters {
     cancelled: AtomicU64,
     cancelled_tokens: AtomicU64,
     skipped: AtomicU64,
+    decode_steps: AtomicU64,
 }
 
 impl Counters {
@@ -392,6 +432,7 @@ impl Counters {
             cancelled: get(&self.cancelled),
             cancelled_tokens: get(&self.cancelled_tokens),
             skipped: get(&self.skipped),
+            decode_steps: get(&self.decode_steps),
         }
     }
 }
@@ -652,5 +693,49 @@ impl ChatBackend for LocalBackend {
         .await
         .map_err(|e| self.local_err(e))?
         .map_err(|e| to_llm_error(self.engine.name(), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::tiny::{write_tiny_llama, TinySpec};
+    use crate::llm::{ChatBackend, ChatMessage, ChatRequest};
+
+    /// Requests whose prompt is cached need no prefill: queued together, they join the decode
+    /// batch in one round (not one per round behind each other) and step together.
+    #[tokio::test]
+    async fn cached_prompts_join_the_batch_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny-llama");
+        write_tiny_llama(&path, &TinySpec::default()).unwrap();
+        let backend = LocalBackend::load(&ModelSpec::HfDir(path), &LoadOptions::default())
+            .await
+            .unwrap();
+        let max_tokens = 12;
+        let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
+            .temperature(0.0)
+            .max_tokens(max_tokens);
+        // Warms the prefix cache with the prompt.
+        let first = backend.chat(&req).await.unwrap();
+        let before = backend.stats();
+        // The worker is held while the requests queue, so it finds them all at once.
+        let hold = tokio::spawn(on_worker("hold", || {
+            std::thread::sleep(std::time::Duration::from_millis(300))
+        }));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let replies = futures::future::join_all((0..6).map(|_| backend.chat(&req))).await;
+        hold.await.unwrap().unwrap();
+        for r in replies {
+            let r = r.unwrap();
+            assert_eq!(r.choices[0].content, first.choices[0].content);
+            assert_eq!(r.usage.cached_prompt_tokens, r.usage.prompt_tokens);
+        }
+        let steps = backend.stats().decode_steps - before.decode_steps;
+        assert!(
+            steps <= max_tokens as u64,
+            "6 cached requests of {} tokens took {steps} decode steps",
+            first.usage.completion_tokens
+        );
     }
 }
