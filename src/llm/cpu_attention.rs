@@ -125,8 +125,10 @@ pub fn attend_causal_after(
     let scale = 1.0 / (d as f32).sqrt();
     let mut out = vec![0f32; rows * seq * heads * d];
     let simd = simd();
-    let empty = Tensor::zeros((1, kv_heads, 0, d), DType::F32, q.device())?;
-    let (pk, pv) = prefix.unwrap_or((&empty, &empty));
+    // Without a prefix, two empty ones (distinct tensors: each is read-locked below).
+    let empty = || Tensor::zeros((1, kv_heads, 0, d), DType::F32, q.device());
+    let (ek, ev) = (empty()?, empty()?);
+    let (pk, pv) = prefix.unwrap_or((&ek, &ev));
     with_f32(q, |qd, qs| {
         with_f32(k, |kd, ks| {
             with_f32(v, |vd, vs| {

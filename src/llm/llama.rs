@@ -205,13 +205,12 @@ impl KvCache {
         let mut prefix = Vec::with_capacity(self.layers.len());
         let mut own = Vec::with_capacity(self.layers.len());
         for i in 0..self.layers.len() {
-            let Some((k, v)) = self.row0_positions(i, base, self.len)? else {
-                prefix.push(None);
-                own.push(None);
-                continue;
-            };
             if self.shared.is_some() {
                 // Row 0's own positions into `n` rows, after the prefix they keep sharing.
+                let Some((k, v)) = self.row0_positions(i, base, self.len)? else {
+                    own.push(None);
+                    continue;
+                };
                 let rows = |t: &Tensor| -> Result<Tensor> {
                     let (_, h, held, d) = t.dims4()?;
                     let full =
@@ -222,14 +221,16 @@ impl KvCache {
                 own.push(Some((rows(&k)?, rows(&v)?)));
                 continue;
             }
+            let Some((k, v)) = &self.layers[i] else {
+                prefix.push(None);
+                own.push(None);
+                continue;
+            };
             let (_, h, _, d) = k.dims4()?;
             let room = Tensor::zeros((n, h, extra.max(1), d), k.dtype(), k.device())?;
             own.push(Some((room.clone(), room.zeros_like()?)));
             // Row 0's positions are read where they are, not copied: requests forked from one
             // stored prompt (a prefix-cache hit) then all read the same memory.
-            let (k, v) = self.layers[i]
-                .as_ref()
-                .expect("row0_positions found the layer");
             let view = |t: &Tensor| t.narrow(0, 0, 1)?.narrow(2, 0, self.len);
             prefix.push(Some((view(k)?, view(v)?)));
         }
@@ -259,8 +260,11 @@ impl KvCache {
 
     /// A one-row cache of row 0's first `len` positions with room for `capacity` positions:
     /// the start of a longer prompt (see `llm::prefix_cache`). In a cache the CPU attention
-    /// reads, the positions are not copied: the new cache reads them from this one's tensors
-    /// as its shared prefix (they are never written again: appends go past `len`).
+    /// reads, the positions are read where they are, as the new cache's shared prefix (they
+    /// are never written again: appends go past `len`), when they are this cache's shared
+    /// prefix, or when it has none and they are at least half of its positions (a view keeps
+    /// all of them alive: the prefix cache's budget then still bounds the memory); otherwise
+    /// they are copied.
     pub fn prefix(&self, len: usize, capacity: usize) -> Result<KvCache> {
         if len > self.len || capacity < len {
             candle_core::bail!(
@@ -268,37 +272,35 @@ impl KvCache {
                 self.len
             );
         }
-        if !self.shareable() || len < self.shared_len() {
+        let base = self.shared_len();
+        let no_own = || (0..self.layers.len()).map(|_| None).collect();
+        if !self.shareable() {
             return self.copy_row0(len, 1, capacity);
         }
-        let base = self.shared_len();
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for i in 0..self.layers.len() {
-            let shared = self.shared.as_ref().and_then(|s| s.layers[i].as_ref());
-            let own = self.layers[i]
-                .as_ref()
-                .map(|(k, v)| -> Result<_> {
-                    let view = |t: &Tensor| t.narrow(0, 0, 1)?.narrow(2, 0, len - base);
-                    Ok((view(k)?, view(v)?))
-                })
-                .transpose()?;
-            layers.push(match (shared, own) {
-                (Some((sk, sv)), Some((k, v))) if base > 0 => Some((
-                    Tensor::cat(&[sk, &k], 2)?.contiguous()?,
-                    Tensor::cat(&[sv, &v], 2)?.contiguous()?,
-                )),
-                (_, own) => own,
+        if len == base && base > 0 {
+            return Ok(KvCache {
+                layers: no_own(),
+                shared: self.shared.clone(),
+                len,
+                capacity,
             });
         }
-        // A prefix that was itself shared (`len == base`) keeps that prefix's tensors.
-        let shared = if len == base && base > 0 {
-            self.shared.clone()
-        } else {
-            Some(Arc::new(SharedPrefix { layers, len }))
-        };
+        if base > 0 || 2 * len < self.len {
+            return self.copy_row0(len, 1, capacity);
+        }
+        let view = |t: &Tensor| t.narrow(0, 0, 1)?.narrow(2, 0, len);
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.as_ref()
+                    .map(|(k, v)| -> Result<_> { Ok((view(k)?, view(v)?)) })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(KvCache {
-            layers: (0..self.layers.len()).map(|_| None).collect(),
-            shared,
+            layers: no_own(),
+            shared: Some(Arc::new(SharedPrefix { layers, len })),
             len,
             capacity,
         })

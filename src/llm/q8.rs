@@ -648,6 +648,18 @@ fn quantize_rows(kern: Kernel, xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
     }
 }
 
+/// `1 / d`, or 0 where that is not finite (an all-zero block, or one so small that `1 / d`
+/// overflows): every kernel then quantizes the block to zeros (a float-to-int conversion of
+/// infinity differs between the scalar and SIMD paths).
+fn activation_inverse_scale(d: f32) -> f32 {
+    let id = 1.0 / d;
+    if id.is_finite() {
+        id
+    } else {
+        0.0
+    }
+}
+
 fn quantize_scalar(xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
     for ((x, q), d) in xs
         .chunks_exact(QK)
@@ -656,7 +668,7 @@ fn quantize_scalar(xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
     {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         *d = amax / 127.0;
-        let id = if *d != 0.0 { 1.0 / *d } else { 0.0 };
+        let id = activation_inverse_scale(*d);
         for (q, v) in q.iter_mut().zip(x) {
             *q = (v * id).round_ties_even() as i8;
         }
@@ -761,7 +773,7 @@ mod avx2 {
             let m1 = _mm_max_ss(m2, _mm_movehdup_ps(m2));
             let amax = _mm_cvtss_f32(m1);
             *d = amax / 127.0;
-            let id = _mm256_set1_ps(if *d != 0.0 { 1.0 / *d } else { 0.0 });
+            let id = _mm256_set1_ps(super::activation_inverse_scale(*d));
             let r = |v: __m256| {
                 _mm256_cvtps_epi32(_mm256_round_ps(
                     _mm256_mul_ps(v, id),
@@ -1516,5 +1528,24 @@ mod tests {
         }
         assert_eq!(f16_to_f32(0x7c00), f32::INFINITY);
         assert!(f16_to_f32(0x7e00).is_nan());
+    }
+
+    #[test]
+    fn tiny_activation_blocks_quantize_to_zeros_in_every_kernel() {
+        // max|x| / 127 is subnormal, so 1 / d overflows: the block must be zeros everywhere.
+        let mut rng = StdRng::seed_from_u64(23);
+        let (n, k, m) = (9, 64, 5);
+        let w = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu).unwrap();
+        let mut xs = randn(&mut rng, m * k, 1.0);
+        for (i, x) in xs[..2 * QK].iter_mut().enumerate() {
+            *x = if i % 3 == 0 { 1e-38 } else { -2e-39 };
+        }
+        for l in both_formats(&w) {
+            let results: Vec<Vec<f32>> = kernels().iter().map(|&kn| run(&l, kn, &xs, m)).collect();
+            for (res, kern) in results.iter().zip(kernels()) {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(res), bits(&results[0]), "{kern:?} {:?}", l.format());
+            }
+        }
     }
 }
