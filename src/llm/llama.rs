@@ -450,6 +450,112 @@ pub struct LlamaModel {
     device: Device,
 }
 
+/// A layer's element-wise ops (residual adds, silu(gate)·up) for CPU f32 tensors, on the
+/// compute threads: candle's hand prefill-sized tensors to its own thread pool, whose worker
+/// then spins on the core the next matmul needs (10 % of a prefill's samples). Other
+/// tensors take candle's ops.
+mod elementwise {
+    use candle_core::{DType, Result, Tensor};
+    use rayon::prelude::*;
+
+    use crate::simd::{dispatch, sigmoid};
+
+    /// Elements below which an op stays on the calling thread; chunk size above it.
+    const PAR_MIN: usize = 1 << 16;
+    const CHUNK: usize = 1 << 14;
+
+    #[inline(always)]
+    fn add_any(out: &mut [f32], a: &[f32], b: &[f32]) {
+        for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
+            *o = a + b;
+        }
+    }
+
+    #[inline(always)]
+    fn swiglu_any(out: &mut [f32], gate: &[f32], up: &[f32]) {
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g * sigmoid(*g) * u;
+        }
+    }
+
+    dispatch!(add_rows, add_any, (out: &mut [f32], a: &[f32], b: &[f32]) -> ());
+    dispatch!(swiglu_rows, swiglu_any, (out: &mut [f32], gate: &[f32], up: &[f32]) -> ());
+
+    /// `f(out, a, b)` over two CPU f32 contiguous tensors of one shape, or `None`.
+    fn binary(a: &Tensor, b: &Tensor, f: fn(&mut [f32], &[f32], &[f32])) -> Result<Option<Tensor>> {
+        let cpu_f32 =
+            |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
+        if !cpu_f32(a) || !cpu_f32(b) || a.shape() != b.shape() {
+            return Ok(None);
+        }
+        let n = a.elem_count();
+        let mut out = vec![0f32; n];
+        {
+            let (sa, la) = a.storage_and_layout();
+            let (sb, lb) = b.storage_and_layout();
+            let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb)
+            else {
+                return Ok(None);
+            };
+            let xa = &ca.as_slice::<f32>()?[la.start_offset()..][..n];
+            let xb = &cb.as_slice::<f32>()?[lb.start_offset()..][..n];
+            if n < PAR_MIN {
+                f(&mut out, xa, xb);
+            } else {
+                out.par_chunks_mut(CHUNK)
+                    .zip(xa.par_chunks(CHUNK).zip(xb.par_chunks(CHUNK)))
+                    .for_each(|(o, (a, b))| f(o, a, b));
+            }
+        }
+        Tensor::from_vec(out, a.shape(), a.device()).map(Some)
+    }
+
+    /// `a + b`.
+    pub(super) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        match binary(a, b, add_rows)? {
+            Some(t) => Ok(t),
+            None => a + b,
+        }
+    }
+
+    /// `silu(gate) · up`.
+    pub(super) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        match binary(gate, up, swiglu_rows)? {
+            Some(t) => Ok(t),
+            None => gate.silu()? * up,
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use candle_core::Device;
+
+        #[test]
+        fn match_candles_ops_inline_parallel_and_strided() {
+            for n in [7usize, 3 * PAR_MIN + 5] {
+                let a = Tensor::randn(0f32, 3.0, (n,), &Device::Cpu).unwrap();
+                let b = Tensor::randn(0f32, 1.0, (n,), &Device::Cpu).unwrap();
+                let v = |t: Tensor| t.to_vec1::<f32>().unwrap();
+                assert_eq!(v(add(&a, &b).unwrap()), v((&a + &b).unwrap()), "n={n}");
+                let ours = v(swiglu(&a, &b).unwrap());
+                let theirs = v((a.silu().unwrap() * &b).unwrap());
+                for (o, t) in ours.iter().zip(&theirs) {
+                    assert!((o - t).abs() <= 1e-6 * (1.0 + t.abs()), "{o} vs {t}");
+                }
+            }
+            // A transposed (non-contiguous) input takes candle's op.
+            let m = Tensor::randn(0f32, 1.0, (4, 6), &Device::Cpu).unwrap();
+            let t = m.t().unwrap();
+            let c = t.contiguous().unwrap();
+            assert_eq!(
+                add(&t, &c).unwrap().to_vec2::<f32>().unwrap(),
+                (&c + &c).unwrap().to_vec2::<f32>().unwrap()
+            );
+        }
+    }
+}
+
 /// Values per block of the int8 kernel's formats (Q8_0 and Q4_1).
 const QK_INT8: usize = 32;
 
@@ -757,12 +863,12 @@ impl LlamaModel {
         for (i, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let attn = self.attention(i, layer, &h, &cos, &sin, mask.as_ref(), cache)?;
-            x = (x + attn)?;
+            x = elementwise::add(&x, &attn)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
                 candle_core::bail!("the gate/up projections gave no two outputs");
             };
-            x = (x + layer.w_down.forward(&(gate.silu()? * up)?)?)?;
+            x = elementwise::add(&x, &layer.w_down.forward(&elementwise::swiglu(gate, up)?)?)?;
         }
         cache.len = pos + seq;
         candle_nn::ops::rms_norm(&x, &self.norm, eps)
@@ -969,12 +1075,12 @@ impl LlamaModel {
             } else {
                 Tensor::cat(&ys, 0)?
             };
-            x = (x + layer.wo.forward(&y)?)?;
+            x = elementwise::add(&x, &layer.wo.forward(&y)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
                 candle_core::bail!("the gate/up projections gave no two outputs");
             };
-            x = (x + layer.w_down.forward(&(gate.silu()? * up)?)?)?;
+            x = elementwise::add(&x, &layer.w_down.forward(&elementwise::swiglu(gate, up)?)?)?;
         }
         for c in caches.iter_mut() {
             c.len += 1;
