@@ -92,6 +92,17 @@ macro_rules! dispatch {
 
 pub(crate) use dispatch;
 
+#[inline(always)]
+fn swiglu_any(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g * sigmoid(*g) * u;
+    }
+}
+
+// `out = silu(gate) ⊙ up`: the feed-forward gate of training (`train::ops`) and inference
+// (`llm::llama`), one arithmetic.
+dispatch!(pub(crate) swiglu, swiglu_any, (out: &mut [f32], gate: &[f32], up: &[f32]) -> ());
+
 #[cfg(test)]
 mod tests {
     use super::*;

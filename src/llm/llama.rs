@@ -458,7 +458,7 @@ mod elementwise {
     use candle_core::{DType, Result, Tensor};
     use rayon::prelude::*;
 
-    use crate::simd::{dispatch, sigmoid};
+    use crate::simd::{dispatch, swiglu as swiglu_rows};
 
     /// Elements below which an op stays on the calling thread; chunk size above it.
     const PAR_MIN: usize = 1 << 16;
@@ -471,15 +471,7 @@ mod elementwise {
         }
     }
 
-    #[inline(always)]
-    fn swiglu_any(out: &mut [f32], gate: &[f32], up: &[f32]) {
-        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g * sigmoid(*g) * u;
-        }
-    }
-
     dispatch!(add_rows, add_any, (out: &mut [f32], a: &[f32], b: &[f32]) -> ());
-    dispatch!(swiglu_rows, swiglu_any, (out: &mut [f32], gate: &[f32], up: &[f32]) -> ());
 
     /// `f(out, a, b)` over two CPU f32 contiguous tensors of one shape, or `None`.
     fn binary(a: &Tensor, b: &Tensor, f: fn(&mut [f32], &[f32], &[f32])) -> Result<Option<Tensor>> {

@@ -741,6 +741,45 @@ unsafe fn tile4_scalar(tile: &Tile4, acts: &Acts, m: usize, k: usize, out: *mut 
     }
 }
 
+/// Runs a row kernel over all `m` rows in blocks of the largest row count it is compiled for,
+/// then the leftover rows in one call (`MR`: the calling module's block). `$f` is generic over the rows per call (`avx2`: `R`;
+/// `vnni`: `R` and the integer accumulators per row `C`, more chains for few rows so that
+/// `vpdpbusd`'s latency does not serialize a block); `|r| (args)` gives its arguments for the
+/// block starting at row `r`. A row's result depends on neither `R` nor `C`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_row_blocks {
+    (avx2, $m:expr, $f:ident, |$r:ident| ($($arg:expr),* $(,)?)) => {{
+        let mut $r = 0;
+        while $r + MR <= $m {
+            $f::<MR>($($arg),*);
+            $r += MR;
+        }
+        match $m - $r {
+            3 => $f::<3>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            1 => $f::<1>($($arg),*),
+            _ => {}
+        }
+    }};
+    (vnni, $m:expr, $f:ident, |$r:ident| ($($arg:expr),* $(,)?)) => {{
+        let mut $r = 0;
+        while $r + MR <= $m {
+            $f::<MR, 1>($($arg),*);
+            $r += MR;
+        }
+        match $m - $r {
+            7 => $f::<7, 1>($($arg),*),
+            6 => $f::<6, 1>($($arg),*),
+            5 => $f::<5, 1>($($arg),*),
+            4 => $f::<4, 2>($($arg),*),
+            3 => $f::<3, 2>($($arg),*),
+            2 => $f::<2, 4>($($arg),*),
+            1 => $f::<1, 4>($($arg),*),
+            _ => {}
+        }
+    }};
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Acts, Tile, Tile4, MR, NC, QK, TILE_BLOCK, TILE_BLOCK4};
@@ -802,17 +841,14 @@ mod avx2 {
         debug_assert!(xq.len() >= m * k && xd.len() >= m * (k / QK));
         let (xq, xd) = (xq.as_ptr(), xd.as_ptr());
         let nb = k / QK;
-        let mut r = 0;
-        while r + MR <= m {
-            rows::<MR>(tile, xq.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld);
-            r += MR;
-        }
-        match m - r {
-            3 => rows::<3>(tile, xq.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld),
-            2 => rows::<2>(tile, xq.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld),
-            1 => rows::<1>(tile, xq.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld),
-            _ => {}
-        }
+        for_row_blocks!(avx2, m, rows, |r| (
+            tile,
+            xq.add(r * k),
+            xd.add(r * nb),
+            k,
+            out.add(r * ld),
+            ld
+        ));
     }
 
     /// `R` activation rows against one tile; each row's arithmetic is independent of `R`.
@@ -868,17 +904,7 @@ mod avx2 {
     ) {
         let nb = k / QK;
         debug_assert!(acts.q.len() >= m * k && acts.d.len() >= m * nb && acts.sum.len() >= m * nb);
-        let mut r = 0;
-        while r + MR <= m {
-            rows4::<MR>(tile, acts, r, k, out.add(r * ld), ld);
-            r += MR;
-        }
-        match m - r {
-            3 => rows4::<3>(tile, acts, r, k, out.add(r * ld), ld),
-            2 => rows4::<2>(tile, acts, r, k, out.add(r * ld), ld),
-            1 => rows4::<1>(tile, acts, r, k, out.add(r * ld), ld),
-            _ => {}
-        }
+        for_row_blocks!(avx2, m, rows4, |r| (tile, acts, r, k, out.add(r * ld), ld));
     }
 
     /// Rows `r0..r0 + R` against one Q4_1 tile. The nibbles are unsigned, the activations
@@ -979,24 +1005,14 @@ mod vnni {
         debug_assert!(xu.len() >= m * k && xd.len() >= m * (k / QK));
         let (xu, xd) = (xu.as_ptr(), xd.as_ptr());
         let nb = k / QK;
-        let mut r = 0;
-        while r + MR <= m {
-            rows::<MR, 1>(tile, xu.add(r * k), xd.add(r * nb), k, out.add(r * ld), ld);
-            r += MR;
-        }
-        // Few rows: more independent accumulator chains per row, so that `vpdpbusd`'s latency
-        // does not serialize the block.
-        let (xu, xd, out) = (xu.add(r * k), xd.add(r * nb), out.add(r * ld));
-        match m - r {
-            7 => rows::<7, 1>(tile, xu, xd, k, out, ld),
-            6 => rows::<6, 1>(tile, xu, xd, k, out, ld),
-            5 => rows::<5, 1>(tile, xu, xd, k, out, ld),
-            4 => rows::<4, 2>(tile, xu, xd, k, out, ld),
-            3 => rows::<3, 2>(tile, xu, xd, k, out, ld),
-            2 => rows::<2, 4>(tile, xu, xd, k, out, ld),
-            1 => rows::<1, 4>(tile, xu, xd, k, out, ld),
-            _ => {}
-        }
+        for_row_blocks!(vnni, m, rows, |r| (
+            tile,
+            xu.add(r * k),
+            xd.add(r * nb),
+            k,
+            out.add(r * ld),
+            ld
+        ));
     }
 
     /// `R` activation rows against one tile, `C` integer accumulators per row (a divisor of
@@ -1062,22 +1078,7 @@ mod vnni {
     ) {
         let nb = k / QK;
         debug_assert!(acts.q.len() >= m * k && acts.d.len() >= m * nb && acts.sum.len() >= m * nb);
-        let mut r = 0;
-        while r + MR <= m {
-            rows4::<MR, 1>(tile, acts, r, k, out.add(r * ld), ld);
-            r += MR;
-        }
-        let out = out.add(r * ld);
-        match m - r {
-            7 => rows4::<7, 1>(tile, acts, r, k, out, ld),
-            6 => rows4::<6, 1>(tile, acts, r, k, out, ld),
-            5 => rows4::<5, 1>(tile, acts, r, k, out, ld),
-            4 => rows4::<4, 2>(tile, acts, r, k, out, ld),
-            3 => rows4::<3, 2>(tile, acts, r, k, out, ld),
-            2 => rows4::<2, 4>(tile, acts, r, k, out, ld),
-            1 => rows4::<1, 4>(tile, acts, r, k, out, ld),
-            _ => {}
-        }
+        for_row_blocks!(vnni, m, rows4, |r| (tile, acts, r, k, out.add(r * ld), ld));
     }
 
     /// Rows `r0..r0 + R` against one Q4_1 tile, `C` integer accumulators per row (a divisor

@@ -504,13 +504,6 @@ mod rows {
         (x * s, s * (1.0 + x * (1.0 - s)))
     }
 
-    #[inline(always)]
-    fn swiglu_any(out: &mut [f32], gate: &[f32], up: &[f32]) {
-        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-            *o = silu_parts(*g).0 * u;
-        }
-    }
-
     /// `g ⊙ up ⊙ silu'(gate)` (the gate's gradient), or `g ⊙ silu(gate)` with `wrt_up`.
     #[inline(always)]
     fn swiglu_grad_any(out: &mut [f32], gate: &[f32], up: &[f32], g: &[f32], wrt_up: bool) {
@@ -561,7 +554,7 @@ mod rows {
         p.iter_mut().for_each(|p| *p *= inv);
     }
 
-    dispatch!(pub(super) swiglu, swiglu_any, (out: &mut [f32], gate: &[f32], up: &[f32]) -> ());
+    pub(super) use crate::simd::swiglu;
     dispatch!(pub(super) swiglu_grad, swiglu_grad_any,
         (out: &mut [f32], gate: &[f32], up: &[f32], g: &[f32], wrt_up: bool) -> ());
     dispatch!(pub(super) masked_softmax, masked_softmax_any,
