@@ -127,8 +127,14 @@ pub fn attend_causal_after(
     let simd = simd();
     // Without a prefix, two empty ones (distinct tensors: each is read-locked below).
     let empty = || Tensor::zeros((1, kv_heads, 0, d), DType::F32, q.device());
-    let (ek, ev) = (empty()?, empty()?);
-    let (pk, pv) = prefix.unwrap_or((&ek, &ev));
+    let empties;
+    let (pk, pv) = match prefix {
+        Some(p) => p,
+        None => {
+            empties = (empty()?, empty()?);
+            (&empties.0, &empties.1)
+        }
+    };
     with_f32(q, |qd, qs| {
         with_f32(k, |kd, ks| {
             with_f32(v, |vd, vs| {
