@@ -135,52 +135,68 @@ pub fn attend_causal_after(
             (&empties.0, &empties.1)
         }
     };
+    // A task is some of the query heads of one KV head at one (row, position): they read
+    // the same keys and values, which then come from L1 for all but the first. A decode
+    // step of one request has too few KV heads to keep the threads busy, so its tasks are
+    // single heads (the same arithmetic per query either way).
+    let threads = crate::llm::q8::compute_threads();
+    let per = if rows * seq * kv_heads >= 4 * threads {
+        groups
+    } else {
+        1
+    };
     with_f32(q, |qd, qs| {
         with_f32(k, |kd, ks| {
             with_f32(v, |vd, vs| {
                 with_f32(pk, |pkd, pks| {
                     with_f32(pv, |pvd, pvs| {
-                        // One task per (row, position, head): its output span and its query.
-                        let query = |i: usize, o: &mut [f32], scores: &mut Vec<f32>| {
-                            let h = i % heads;
-                            let t = (i / heads) % seq;
-                            let r = i / (heads * seq);
-                            let kv = h / groups;
-                            let qh = &qd[r * qs[0] + h * qs[1] + t * qs[2]..][..d];
+                        let task = |i: usize, o: &mut [f32], scratch: &mut Scratch| {
+                            let h0 = (i * per) % heads;
+                            let t = (i * per / heads) % seq;
+                            let r = i * per / (heads * seq);
+                            let kv = h0 / groups;
                             let keys = pos + t + 1;
-                            let (from_prefix, from_own) =
-                                (keys.min(shared), keys - keys.min(shared));
-                            scores.clear();
-                            let prefix_keys = &pkd[kv * pks[1]..];
-                            push_scores(simd, qh, prefix_keys, pks[2], from_prefix, scale, scores);
-                            let own_keys = &kd[r * ks[0] + kv * ks[1]..];
-                            push_scores(simd, qh, own_keys, ks[2], from_own, scale, scores);
-                            kernels::softmax(scores);
-                            let (wp, wo) = scores.split_at(from_prefix);
-                            let prefix_values = &pvd[kv * pvs[1]..];
-                            weighted_sum(simd, wp, prefix_values, pvs[2], o, false);
-                            let own_values = &vd[r * vs[0] + kv * vs[1]..];
-                            weighted_sum(simd, wo, own_values, vs[2], o, true);
+                            let from_prefix = keys.min(shared);
+                            let segments = [
+                                Segment {
+                                    keys: &pkd[kv * pks[1]..],
+                                    values: &pvd[kv * pvs[1]..],
+                                    kstride: pks[2],
+                                    vstride: pvs[2],
+                                    n: from_prefix,
+                                },
+                                Segment {
+                                    keys: &kd[r * ks[0] + kv * ks[1]..],
+                                    values: &vd[r * vs[0] + kv * vs[1]..],
+                                    kstride: ks[2],
+                                    vstride: vs[2],
+                                    n: keys - from_prefix,
+                                },
+                            ];
+                            scratch.queries.clear();
+                            for h in h0..h0 + per {
+                                let qh = &qd[r * qs[0] + h * qs[1] + t * qs[2]..][..d];
+                                scratch.queries.extend_from_slice(qh);
+                            }
+                            attend_group(simd, &segments, d, scale, scratch, o);
                         };
                         // A decode step's few queries run inline when they are little work (its
                         // caller spreads requests over the threads); otherwise they are spread
                         // over the threads, a single request's heads included.
-                        let queries = rows * seq * heads;
-                        if queries * len * d < 1 << 16 {
-                            let mut scores = Vec::with_capacity(len);
-                            for (i, o) in out.chunks_mut(d).enumerate() {
-                                query(i, o, &mut scores);
+                        let tasks = rows * seq * heads / per;
+                        let init = || Scratch::new(per, len, d);
+                        if tasks * per * len * d < 1 << 16 {
+                            let mut scratch = init();
+                            for (i, o) in out.chunks_mut(per * d).enumerate() {
+                                task(i, o, &mut scratch);
                             }
                         } else {
-                            let per_task =
-                                (queries / crate::llm::q8::compute_threads()).clamp(1, 16);
-                            out.par_chunks_mut(d)
+                            // Several pieces per thread, so one that starts late takes fewer.
+                            let per_task = (tasks / (4 * threads)).clamp(1, 16);
+                            out.par_chunks_mut(per * d)
                                 .enumerate()
                                 .with_min_len(per_task)
-                                .for_each_init(
-                                    || Vec::with_capacity(len),
-                                    |scores, (i, o)| query(i, o, scores),
-                                );
+                                .for_each_init(init, |scratch, (i, o)| task(i, o, scratch));
                         }
                     })
                 })
@@ -190,26 +206,114 @@ pub fn attend_causal_after(
     Tensor::from_vec(out, (rows, seq, heads * d), q.device())
 }
 
-/// Pushes `q · key_p · scale` for the `n` keys `keys[p·stride..][..d]`, four per pass.
-fn push_scores(
-    simd: bool,
-    q: &[f32],
-    keys: &[f32],
-    stride: usize,
+/// Keys and values of consecutive positions (rows `stride` values apart), `n` of them.
+struct Segment<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    kstride: usize,
+    vstride: usize,
     n: usize,
-    scale: f32,
-    out: &mut Vec<f32>,
-) {
-    let d = q.len();
-    let mut p = 0;
-    while p + 4 <= n {
-        let kp = |j: usize| &keys[(p + j) * stride..][..d];
-        let s4 = dot4(simd, q, [kp(0), kp(1), kp(2), kp(3)]);
-        out.extend(s4.map(|s| s * scale));
-        p += 4;
+}
+
+/// A task's buffers: its queries one after another, and their scores (a row of `len` each).
+struct Scratch {
+    queries: Vec<f32>,
+    scores: Vec<f32>,
+    len: usize,
+}
+
+impl Scratch {
+    fn new(queries: usize, len: usize, d: usize) -> Self {
+        Scratch {
+            queries: Vec::with_capacity(queries * d),
+            scores: vec![0.0; queries * len],
+            len,
+        }
     }
-    for p in p..n {
-        out.push(dot(simd, q, &keys[p * stride..][..d]) * scale);
+}
+
+/// Positions whose values one pass of a group's weighted sums reads (16 KiB at head size 64:
+/// they stay in L1 for every query of the group).
+const VALUE_BLOCK: usize = 64;
+
+/// softmax(q·kᵀ·scale)·v for the queries in `scratch` (one KV head's, same position) over
+/// the keys of `segments` in order, into `out` (a head after another, zeroed). Each query's
+/// arithmetic is that of one query alone: [`dot`]'s per key, the softmax, then
+/// [`weighted_sum`] in position order.
+fn attend_group(
+    simd: bool,
+    segments: &[Segment],
+    d: usize,
+    scale: f32,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+) {
+    let g = out.len() / d;
+    let total: usize = segments.iter().map(|s| s.n).sum();
+    let len = scratch.len;
+    let mut from = 0;
+    for seg in segments {
+        group_scores(
+            simd,
+            &scratch.queries,
+            d,
+            seg,
+            scale,
+            &mut scratch.scores,
+            len,
+            from,
+        );
+        from += seg.n;
+    }
+    for row in scratch.scores.chunks_mut(len).take(g) {
+        kernels::softmax(&mut row[..total]);
+    }
+    let mut from = 0;
+    for seg in segments {
+        for start in (0..seg.n).step_by(VALUE_BLOCK) {
+            let n = VALUE_BLOCK.min(seg.n - start);
+            let values = &seg.values[start * seg.vstride..];
+            for (j, o) in out.chunks_mut(d).enumerate() {
+                let w = &scratch.scores[j * len + from + start..][..n];
+                weighted_sum(simd, w, values, seg.vstride, o, true);
+            }
+        }
+        from += seg.n;
+    }
+}
+
+/// `scores[j·len + from + p] = q_j · key_p · scale` for every query `j` of `queries` (`d`
+/// values each) and the segment's keys, eight keys at a time (all queries read them from L1).
+#[allow(clippy::too_many_arguments)]
+fn group_scores(
+    simd: bool,
+    queries: &[f32],
+    d: usize,
+    seg: &Segment,
+    scale: f32,
+    scores: &mut [f32],
+    len: usize,
+    from: usize,
+) {
+    let key = |p: usize| &seg.keys[p * seg.kstride..][..d];
+    let mut p = 0;
+    #[cfg(target_arch = "x86_64")]
+    if simd && d.is_multiple_of(8) {
+        while p + 8 <= seg.n {
+            let block: [&[f32]; 8] = std::array::from_fn(|j| key(p + j));
+            for (j, q) in queries.chunks(d).enumerate() {
+                let out = &mut scores[j * len + from + p..][..8];
+                // SAFETY: `simd()` checked the CPU features; every slice has `d` values.
+                unsafe { avx2::dot8(q, &block, scale, out) };
+            }
+            p += 8;
+        }
+    }
+    for p in p..seg.n {
+        let k = key(p);
+        for (j, q) in queries.chunks(d).enumerate() {
+            scores[j * len + from + p] = dot(simd, q, k) * scale;
+        }
     }
 }
 
@@ -280,16 +384,6 @@ mod kernels {
     dispatch!(pub(super) softmax, softmax_any, (scores: &mut [f32]) -> ());
 }
 
-/// Four dot products of `a` with `bs`, each exactly [`dot`]'s.
-fn dot4(simd: bool, a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
-    #[cfg(target_arch = "x86_64")]
-    if simd && a.len().is_multiple_of(8) {
-        // SAFETY: `simd()` checked the CPU features; the slices have equal lengths.
-        return unsafe { avx2::dot4(a, bs) };
-    }
-    bs.map(|b| dot(simd, a, b))
-}
-
 /// `out = Σ_p w[p] · v[p·stride..][..out.len()]`, summed in position order from zero, or
 /// from `out` as it is when `accumulate` (one multiply-add per term with AVX2/FMA, a multiply
 /// then an add otherwise): a sum in two pieces is the sum in one.
@@ -341,22 +435,41 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
     }
 
+    /// `out[j] = (a · bs[j]) · scale`, each dot product exactly [`dot`]'s: the same
+    /// multiply-adds per lane, then its pairwise sum of the lanes ((0+4)+(2+6))+((1+5)+(3+7)),
+    /// here done for the eight keys at once by transposing shuffles.
+    ///
     /// # Safety
-    /// AVX2 and FMA; every `bs[j].len() == a.len()`, a multiple of 8.
+    /// AVX2 and FMA; every `bs[j].len() == a.len()`, a multiple of 8; `out.len() == 8`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot4(a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
-        let mut acc = [_mm256_setzero_ps(); 4];
+    pub(super) unsafe fn dot8(a: &[f32], bs: &[&[f32]; 8], scale: f32, out: &mut [f32]) {
+        debug_assert!(out.len() == 8 && bs.iter().all(|b| b.len() == a.len()));
+        let mut acc = [_mm256_setzero_ps(); 8];
         for i in (0..a.len()).step_by(8) {
             let x = _mm256_loadu_ps(a.as_ptr().add(i));
-            for (acc, b) in acc.iter_mut().zip(&bs) {
+            for (acc, b) in acc.iter_mut().zip(bs) {
                 *acc = _mm256_fmadd_ps(x, _mm256_loadu_ps(b.as_ptr().add(i)), *acc);
             }
         }
-        acc.map(|acc| {
-            let s4 = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
-        })
+        // Halves: [t_j | t_{j+4}] with t_j = lo(acc_j) + hi(acc_j).
+        let halves = |j: usize| {
+            let lo = _mm256_permute2f128_ps::<0x20>(acc[j], acc[j + 4]);
+            let hi = _mm256_permute2f128_ps::<0x31>(acc[j], acc[j + 4]);
+            _mm256_add_ps(lo, hi)
+        };
+        let t = [halves(0), halves(1), halves(2), halves(3)];
+        // Pairs: u_j = (t_j0 + t_j2, t_j1 + t_j3), as [u_j, u_{j+1} | u_{j+4}, u_{j+5}].
+        let pairs = |a: __m256, b: __m256| {
+            let (a, b) = (_mm256_castps_pd(a), _mm256_castps_pd(b));
+            let lo = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
+            let hi = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
+            _mm256_add_ps(lo, hi)
+        };
+        let (u01, u23) = (pairs(t[0], t[1]), pairs(t[2], t[3]));
+        let first = _mm256_shuffle_ps::<0b10_00_10_00>(u01, u23);
+        let second = _mm256_shuffle_ps::<0b11_01_11_01>(u01, u23);
+        let dots = _mm256_add_ps(first, second);
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
     }
 
     /// # Safety
@@ -587,16 +700,29 @@ mod tests {
     fn blocked_kernels_give_the_per_position_bits() {
         let simd = simd();
         for d in [64usize, 128, 40, 12] {
-            let (q, keys) = (randn(&[d]), randn(&[7, d]));
+            let (q, keys) = (randn(&[d]), randn(&[19, d]));
             let q = q.to_vec1::<f32>().unwrap();
             let keys = keys.to_vec2::<f32>().unwrap();
-            let four = dot4(simd, &q, [&keys[0], &keys[1], &keys[2], &keys[3]]);
-            for (j, s) in four.iter().enumerate() {
-                assert_eq!(
-                    s.to_bits(),
-                    dot(simd, &q, &keys[j]).to_bits(),
-                    "d={d} key {j}"
-                );
+            // Eight keys at once (with SIMD) and the remainder: each score is `dot`'s.
+            let seg = Segment {
+                keys: &keys.concat(),
+                values: &[],
+                kstride: d,
+                vstride: d,
+                n: keys.len(),
+            };
+            let (len, from) = (keys.len() + 3, 2);
+            let mut scores = vec![f32::NAN; 2 * len];
+            let queries = [q.clone(), q.iter().map(|x| -x).collect()].concat();
+            group_scores(simd, &queries, d, &seg, 0.5, &mut scores, len, from);
+            for (j, key) in keys.iter().enumerate() {
+                for (g, q) in queries.chunks(d).enumerate() {
+                    assert_eq!(
+                        scores[g * len + from + j].to_bits(),
+                        (dot(simd, q, key) * 0.5).to_bits(),
+                        "d={d} query {g} key {j}"
+                    );
+                }
             }
             // Rows 5 apart in one buffer, as cache rows with a stride.
             let stride = d + 5;
