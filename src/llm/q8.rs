@@ -764,7 +764,7 @@ macro_rules! for_row_blocks {
     (vnni, $m:expr, $f:ident, |$r:ident| ($($arg:expr),* $(,)?)) => {{
         let mut $r = 0;
         while $r + MR <= $m {
-            $f::<MR, 1>($($arg),*);
+            $f::<MR, 2>($($arg),*);
             $r += MR;
         }
         match $m - $r {
@@ -1034,6 +1034,15 @@ mod vnni {
         let mut accf = [_mm256_setzero_ps(); R];
         for b in 0..nb {
             let wb = wq.add(b * TILE_BLOCK);
+            // The hardware prefetcher alone left the first row block of each tile waiting on
+            // its weights (measured: 16 rows 1.1-1.2x faster with this); one row is bound by
+            // bandwidth whatever it does, so it is left alone.
+            if R > 1 {
+                let ahead = wb.wrapping_add(4 * TILE_BLOCK);
+                for line in 0..TILE_BLOCK / 64 {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
+                }
+            }
             let yb = xu.add(b * QK);
             // Σ (x + 128)·w = Σ x·w + 128·Σw: start every row's sum at −128·Σw.
             let sum = _mm256_cvtepi16_epi32(_mm_loadu_si128(sums.add(b * NC).cast()));
@@ -1102,6 +1111,12 @@ mod vnni {
         let mut accf = [_mm256_setzero_ps(); R];
         for b in 0..nb {
             let wb = wq.add(b * TILE_BLOCK4);
+            // As in `rows`: eight blocks (1 KiB) ahead, past the tile's end into the next.
+            if R > 1 {
+                let ahead = wb.wrapping_add(8 * TILE_BLOCK4);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+            }
             let yb = xq.add(b * QK);
             let mut acci = [[_mm256_setzero_si256(); R]; C];
             for g in 0..QK / 8 {
