@@ -82,7 +82,7 @@ pub fn to_heads(
 /// heads·hd). (The reference [`attend_causal_after`] is tested against.)
 #[cfg(test)]
 pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
-    attend_causal_after(q, None, k, v, pos)
+    attend_causal_after(q, None, k, v, pos, true)
 }
 
 /// As [`attend_causal`], with the first `P` positions in a `prefix` (k, v) that every row
@@ -90,12 +90,17 @@ pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<T
 /// positions `P..pos + seq`. The bits are those of [`attend_causal`] over the whole
 /// positions (each key's dot product and the value sum in position order are the same
 /// arithmetic), and a prefix read by many rows is read from the caches, not from memory.
+///
+/// `alone`: no other attention runs beside this call, so a few queries' heads are spread over
+/// the threads one by one; otherwise (one of several requests' in a decode step) each task
+/// keeps a KV head's whole group of heads. The bits are the same either way.
 pub fn attend_causal_after(
     q: &Tensor,
     prefix: Option<(&Tensor, &Tensor)>,
     k: &Tensor,
     v: &Tensor,
     pos: usize,
+    alone: bool,
 ) -> Result<Tensor> {
     let (rows, heads, seq, d) = q.dims4()?;
     let (_, kv_heads, own, _) = k.dims4()?;
@@ -137,10 +142,10 @@ pub fn attend_causal_after(
     };
     // A task is some of the query heads of one KV head at one (row, position): they read
     // the same keys and values, which then come from L1 for all but the first. A decode
-    // step of one request has too few KV heads to keep the threads busy, so its tasks are
-    // single heads (the same arithmetic per query either way).
+    // step of one request alone has too few KV heads to keep the threads busy, so its tasks
+    // are single heads (the same arithmetic per query either way).
     let threads = crate::llm::q8::compute_threads();
-    let per = if rows * seq * kv_heads >= 4 * threads {
+    let per = if !alone || rows * seq * kv_heads >= 4 * threads {
         groups
     } else {
         1
@@ -765,11 +770,14 @@ mod tests {
                 Tensor::cat(&[&p.repeat((rows, 1, 1, 1)).unwrap(), t], 2).unwrap()
             };
             let copied = attend_causal(&q, &whole(&pk, &k), &whole(&pv, &v), pos).unwrap();
-            let after = attend_causal_after(&q, Some((&pk, &pv)), &k, &v, pos).unwrap();
+            let after = attend_causal_after(&q, Some((&pk, &pv)), &k, &v, pos, true).unwrap();
+            // Grouped heads (as beside other requests' attention): the same bits.
+            let grouped = attend_causal_after(&q, Some((&pk, &pv)), &k, &v, pos, false).unwrap();
+            assert_eq!(max_diff(&grouped, &after), 0.0, "grouped, shared {shared}");
             assert_eq!(max_diff(&after, &copied), 0.0, "shared {shared}, seq {seq}");
         }
         let (pk, k) = (randn(&[2, KV, 3, 64]), randn(&[1, KV, 2, 64]));
         let q = randn(&[1, HEADS, 1, 64]);
-        assert!(attend_causal_after(&q, Some((&pk, &pk)), &k, &k, 4).is_err());
+        assert!(attend_causal_after(&q, Some((&pk, &pk)), &k, &k, 4, true).is_err());
     }
 }

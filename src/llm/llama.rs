@@ -899,13 +899,14 @@ impl LlamaModel {
         let [q, k, v] = &layer.qkv.forward(x)?[..] else {
             candle_core::bail!("the q/k/v projections gave no three outputs");
         };
-        let y = self.attend(layer_idx, q, k, v, cos, sin, mask, cache)?;
+        let y = self.attend(layer_idx, q, k, v, cos, sin, mask, cache, true)?;
         layer.wo.forward(&y)
     }
 
     /// Attention of projected `q`, `k`, `v` (b, seq, heads·hd) for rows that share `cache`'s
     /// position: rotary embedding, cache append, softmax(q·kᵀ)·v; (b, seq, heads·hd) before
-    /// the output projection.
+    /// the output projection. `alone`: no other request attends beside it (see
+    /// [`cpu_attention::attend_causal_after`]).
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
@@ -917,6 +918,7 @@ impl LlamaModel {
         sin: &Tensor,
         mask: Option<&Tensor>,
         cache: &mut KvCache,
+        alone: bool,
     ) -> Result<Tensor> {
         let (b, seq, _) = q.dims3()?;
         let (nh, kvh, hd) = (
@@ -939,7 +941,7 @@ impl LlamaModel {
             let pos = cache.len;
             let ((k_own, v_own), shared) = cache.append(layer_idx, &k, &v)?;
             let prefix = shared.as_ref().map(|(k, v)| (k, v));
-            return cpu_attention::attend_causal_after(&q, prefix, &k_own, &v_own, pos);
+            return cpu_attention::attend_causal_after(&q, prefix, &k_own, &v_own, pos, alone);
         }
         // (b, seq, heads·hd) -> (b, heads, seq, hd)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
@@ -1054,12 +1056,13 @@ impl LlamaModel {
                 r0 += rows;
             }
             // Groups attend independently: spread them over the compute threads.
+            let alone = caches.len() == 1;
             let ys = caches
                 .par_iter_mut()
                 .zip(parts.par_iter())
                 .zip(trig.par_iter())
                 .map(|((cache, (q, k, v)), (cos, sin))| {
-                    self.attend(i, q, k, v, cos, sin, None, cache)
+                    self.attend(i, q, k, v, cos, sin, None, cache, alone)
                 })
                 .collect::<Result<Vec<_>>>()?;
             let y = if ys.len() == 1 {
