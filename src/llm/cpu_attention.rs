@@ -196,8 +196,7 @@ pub fn attend_causal_after(
                                 task(i, o, &mut scratch);
                             }
                         } else {
-                            // Several pieces per thread, so one that starts late takes fewer.
-                            let per_task = (tasks / (4 * threads)).clamp(1, 16);
+                            let per_task = (tasks / threads).clamp(1, 16);
                             out.par_chunks_mut(per * d)
                                 .enumerate()
                                 .with_min_len(per_task)
