@@ -81,6 +81,10 @@ enum Command {
         #[arg(long, default_value_t = 1, value_parser = at_least_one)]
         endpoints: usize,
     },
+    /// The kernels of a decode step alone, on synthetic data shaped like the default model:
+    /// the int8 linear layers, the output head and the CPU attention, per row count (best of
+    /// `--repeats`).
+    Kernels(kernels::Params),
     /// The decode stall long prompts cause: one client streams a long greedy reply while
     /// `--arrivals` requests with ~`--prompt-tokens`-token prompts arrive at once; prints
     /// the median, 95th-percentile and largest gap between streamed pieces (what
@@ -133,6 +137,8 @@ fn at_least_one(s: &str) -> Result<usize, String> {
     usize::try_from(at_least_one_u64(s)?).map_err(|e| e.to_string())
 }
 
+#[path = "bench/kernels.rs"]
+mod kernels;
 #[path = "bench/orchestration.rs"]
 mod orchestration;
 #[path = "bench/prefill_stall.rs"]
@@ -290,6 +296,10 @@ fn main() -> ExitCode {
                 lora,
                 checkpointing: gradient_checkpointing,
             })
+        }
+        Command::Kernels(p) => {
+            collabllm::cli::set_compute_threads(Some(p.threads));
+            kernels::run(p)
         }
         Command::PrefillStall(p) => on_runtime(p.local.threads, prefill_stall::run(p)),
         Command::ServeThroughput(p) => on_runtime(p.local.threads, serve_throughput::run(p)),

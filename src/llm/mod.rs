@@ -5,7 +5,7 @@
 pub mod cache;
 pub mod chat_template;
 pub mod config;
-pub(crate) mod cpu_attention;
+pub mod cpu_attention;
 pub mod engine;
 pub(crate) mod gguf_tokenizer;
 pub mod llama;
