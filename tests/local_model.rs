@@ -12,6 +12,15 @@ use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, FinishReason, ModelSpec};
 use model_util::*;
 
+/// The tiny model in `dir` loaded with `weights` through the HF-directory path.
+fn load(dir: &std::path::Path, weights: WeightFormat) -> Engine {
+    let opts = LoadOptions {
+        weights,
+        ..LoadOptions::default()
+    };
+    Engine::load(&LocalModelFiles::HfDir(dir.to_path_buf()), &opts).unwrap()
+}
+
 fn question() -> Vec<ChatMessage> {
     vec![ChatMessage::user("Tell me about the sea.")]
 }
@@ -107,14 +116,7 @@ async fn a_long_prompt_prefilled_in_chunks_beside_a_decode_gives_its_alone_reply
 fn q8_batched_samples_equal_single_stream_samples() {
     one_thread();
     let (_g, dir) = tiny_model_dir(&TinySpec::default());
-    let engine = Engine::load(
-        &LocalModelFiles::HfDir(dir),
-        &LoadOptions {
-            weights: WeightFormat::Q8_0,
-            ..LoadOptions::default()
-        },
-    )
-    .unwrap();
+    let engine = load(&dir, WeightFormat::Q8_0);
     let prompt = engine.encode(&engine.render(&question()).unwrap()).unwrap();
     let params = |n, seed| GenParams {
         temperature: 1.0,
@@ -179,11 +181,7 @@ async fn stop_strings_cut_the_reply() {
 fn kv_cache_decoding_matches_full_forward() {
     one_thread();
     let (_g, dir) = tiny_model_dir(&TinySpec::default());
-    let opts = LoadOptions {
-        weights: WeightFormat::F32,
-        ..LoadOptions::default()
-    };
-    let engine = Engine::load(&LocalModelFiles::HfDir(dir), &opts).unwrap();
+    let engine = load(&dir, WeightFormat::F32);
     let model = engine.model();
     let ids: Vec<u32> = engine
         .encode("<|im_start|>user\nhello there<|im_end|>\n")
@@ -256,22 +254,8 @@ async fn untied_head_and_q8_weights_load() {
         ..TinySpec::default()
     };
     let (_g, dir) = tiny_model_dir(&spec);
-    let f32_engine = Engine::load(
-        &LocalModelFiles::HfDir(dir.clone()),
-        &LoadOptions {
-            weights: WeightFormat::F32,
-            ..LoadOptions::default()
-        },
-    )
-    .unwrap();
-    let q8_engine = Engine::load(
-        &LocalModelFiles::HfDir(dir),
-        &LoadOptions {
-            weights: WeightFormat::Q8_0,
-            ..LoadOptions::default()
-        },
-    )
-    .unwrap();
+    let f32_engine = load(&dir, WeightFormat::F32);
+    let q8_engine = load(&dir, WeightFormat::Q8_0);
     let ids = f32_engine
         .encode("<|im_start|>user\nhi<|im_end|>\n")
         .unwrap();
@@ -385,14 +369,7 @@ fn requests_joining_mid_decode_equal_alone() {
     one_thread();
     for weights in [WeightFormat::Auto, WeightFormat::Q8_0] {
         let (_g, dir) = tiny_model_dir(&TinySpec::default());
-        let engine = Engine::load(
-            &LocalModelFiles::HfDir(dir),
-            &LoadOptions {
-                weights,
-                ..LoadOptions::default()
-            },
-        )
-        .unwrap();
+        let engine = load(&dir, weights);
         assert_joining_mid_decode_equals_alone(&engine);
     }
 }
@@ -404,11 +381,7 @@ fn requests_joining_mid_decode_equal_alone() {
 fn forked_rows_share_the_prompt_and_equal_private_copies() {
     one_thread();
     let (_g, dir) = tiny_model_dir(&TinySpec::default());
-    let opts = LoadOptions {
-        weights: WeightFormat::Q8_0,
-        ..LoadOptions::default()
-    };
-    let engine = Engine::load(&LocalModelFiles::HfDir(dir), &opts).unwrap();
+    let engine = load(&dir, WeightFormat::Q8_0);
     let model = engine.model();
     let ids: Vec<u32> = engine
         .encode("<|im_start|>user\nhello there, how are you<|im_end|>\n")

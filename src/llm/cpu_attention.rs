@@ -321,8 +321,8 @@ fn group_scores(
     }
 }
 
-/// Whether the AVX2/FMA versions of [`dot`] and [`axpy`] run here (decided once, so every
-/// query of a process takes the same arithmetic).
+/// Whether the AVX2/FMA versions of [`dot`] (and `dot8`) and [`weighted_sum`] run here
+/// (decided once, so every query of a process takes the same arithmetic).
 fn simd() -> bool {
     static AVX2: OnceLock<bool> = OnceLock::new();
     *AVX2.get_or_init(|| {

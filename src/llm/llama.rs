@@ -1037,6 +1037,8 @@ impl LlamaModel {
             trig.push((self.cos.narrow(0, c.len, 1)?, self.sin.narrow(0, c.len, 1)?));
         }
         let total: usize = sizes.iter().sum();
+        // A group alone spreads its own heads over the threads; several share them out.
+        let alone = caches.len() == 1;
         let ids = Tensor::from_vec(tokens.concat(), (total, 1), &self.device)?;
         let mut x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
         let eps = self.cfg.rms_norm_eps as f32;
@@ -1056,7 +1058,6 @@ impl LlamaModel {
                 r0 += rows;
             }
             // Groups attend independently: spread them over the compute threads.
-            let alone = caches.len() == 1;
             let ys = caches
                 .par_iter_mut()
                 .zip(parts.par_iter())
