@@ -7,9 +7,8 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use collabllm::llm::cpu_attention::attend_causal_after;
+use collabllm::llm::cpu_attention::{attend_decode, DecodeGroup};
 use collabllm::llm::q8::{on_pool, Q8Linear};
-use rayon::prelude::*;
 
 const LAYERS: usize = 30;
 const HIDDEN: usize = 576;
@@ -112,7 +111,13 @@ pub fn run(p: Params) -> anyhow::Result<()> {
         let samples = best(p.repeats, || {
             on_pool(|| {
                 for ((pk, pv), (k, v)) in prefix.iter().zip(&mine) {
-                    attend_causal_after(&q, Some((pk, pv)), k, v, pos, true)?;
+                    attend_decode(&[DecodeGroup {
+                        q: &q,
+                        prefix: Some((pk, pv)),
+                        k,
+                        v,
+                        pos,
+                    }])?;
                 }
                 Ok(())
             })
@@ -137,12 +142,18 @@ pub fn run(p: Params) -> anyhow::Result<()> {
         let requests = best(p.repeats, || {
             on_pool(|| {
                 for ((pk, pv), own) in prefix.iter().zip(&theirs) {
-                    qs.par_iter()
+                    let groups: Vec<DecodeGroup> = qs
+                        .iter()
                         .zip(own)
-                        .map(|(q, (k, v))| {
-                            attend_causal_after(q, Some((pk, pv)), k, v, pos, rows == 1)
+                        .map(|(q, (k, v))| DecodeGroup {
+                            q,
+                            prefix: Some((pk, pv)),
+                            k,
+                            v,
+                            pos,
                         })
-                        .collect::<candle_core::Result<Vec<_>>>()?;
+                        .collect();
+                    attend_decode(&groups)?;
                 }
                 Ok(())
             })

@@ -82,7 +82,7 @@ pub fn to_heads(
 /// heads·hd). (The reference [`attend_causal_after`] is tested against.)
 #[cfg(test)]
 pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
-    attend_causal_after(q, None, k, v, pos, true)
+    attend_causal_after(q, None, k, v, pos)
 }
 
 /// As [`attend_causal`], with the first `P` positions in a `prefix` (k, v) that every row
@@ -91,16 +91,14 @@ pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<T
 /// positions (each key's dot product and the value sum in position order are the same
 /// arithmetic), and a prefix read by many rows is read from the caches, not from memory.
 ///
-/// `alone`: no other attention runs beside this call, so a few queries' heads are spread over
-/// the threads one by one; otherwise (one of several requests' in a decode step) each task
-/// keeps a KV head's whole group of heads. The bits are the same either way.
+/// A few queries' heads are spread over the threads one by one; otherwise each task keeps
+/// a KV head's whole group of heads (the bits are the same either way).
 pub fn attend_causal_after(
     q: &Tensor,
     prefix: Option<(&Tensor, &Tensor)>,
     k: &Tensor,
     v: &Tensor,
     pos: usize,
-    alone: bool,
 ) -> Result<Tensor> {
     let (rows, heads, seq, d) = q.dims4()?;
     let (_, kv_heads, own, _) = k.dims4()?;
@@ -145,7 +143,7 @@ pub fn attend_causal_after(
     // step of one request alone has too few KV heads to keep the threads busy, so its tasks
     // are single heads (the same arithmetic per query either way).
     let threads = crate::llm::q8::compute_threads();
-    let per = if !alone || rows * seq * kv_heads >= 4 * threads {
+    let per = if rows * seq * kv_heads >= 4 * threads {
         groups
     } else {
         1
@@ -210,6 +208,356 @@ pub fn attend_causal_after(
     Tensor::from_vec(out, (rows, seq, heads * d), q.device())
 }
 
+/// One group of a decode step: rows that sit at the same position `pos` and share a cache
+/// (a request's samples), one query position each. `q` (rows, heads, 1, hd); `prefix` (k, v),
+/// each (1, kv_heads, P, hd), the positions every row of the group shares; `k`, `v` (rows,
+/// kv_heads, pos + 1 − P, hd) the rows' own positions after it.
+pub struct DecodeGroup<'a> {
+    pub q: &'a Tensor,
+    pub prefix: Option<(&'a Tensor, &'a Tensor)>,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub pos: usize,
+}
+
+/// A group's dimensions, checked.
+#[derive(Clone, Copy)]
+struct GroupDims {
+    rows: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    shared: usize,
+    own: usize,
+}
+
+impl GroupDims {
+    fn of(g: &DecodeGroup) -> Result<Self> {
+        let (rows, heads, seq, d) = g.q.dims4()?;
+        let (krows, kv_heads, own, kd) = g.k.dims4()?;
+        let shared = match g.prefix {
+            Some((pk, pv)) => {
+                let (one, pkh, plen, pd) = pk.dims4()?;
+                if one != 1 || pkh != kv_heads || pd != d || pv.dims() != pk.dims() {
+                    candle_core::bail!(
+                        "a shared prefix {:?} / {:?} for keys {:?}",
+                        pk.dims(),
+                        pv.dims(),
+                        g.k.dims()
+                    );
+                }
+                plen
+            }
+            None => 0,
+        };
+        if seq != 1
+            || krows != rows
+            || kd != d
+            || g.v.dims() != g.k.dims()
+            || kv_heads == 0
+            || heads % kv_heads != 0
+            || shared + own != g.pos + 1
+        {
+            candle_core::bail!(
+                "decode attention of queries {:?} at position {} over keys {:?} after {shared} shared",
+                g.q.dims(),
+                g.pos,
+                g.k.dims()
+            );
+        }
+        Ok(GroupDims {
+            rows,
+            heads,
+            kv_heads,
+            d,
+            shared,
+            own,
+        })
+    }
+}
+
+/// A tensor's values from its first element, and its strides.
+type View<'a> = (&'a [f32], &'a [usize]);
+
+/// A group's tensors as slices.
+struct GroupData<'a> {
+    q: View<'a>,
+    k: View<'a>,
+    v: View<'a>,
+    prefix: Option<(View<'a>, View<'a>)>,
+}
+
+/// Query heads `heads` (within each KV head's group) of KV head `kv` for `members` (group,
+/// row) of one cluster (rows reading the same prefix).
+struct DecodeTask {
+    cluster: usize,
+    kv: usize,
+    members: std::ops::Range<usize>,
+    heads: std::ops::Range<usize>,
+}
+
+/// Rows of a task at most: its scores stay small, and the threads get tasks to share.
+const ROWS_PER_TASK: usize = 16;
+
+/// One decode step's attention for several groups at once (continuous batching), each query
+/// with exactly the arithmetic of [`attend_causal_after`] on its group alone. Rows whose
+/// groups read the same shared prefix (samples of one prompt, requests forked from one stored
+/// conversation) attend to it together: a task takes one KV head for many such rows, so each
+/// block of the prefix's keys and values is read from memory once and from L1 for every
+/// other query, instead of once per request. Returns (rows of all groups in order, 1,
+/// heads·hd).
+pub fn attend_decode(groups: &[DecodeGroup]) -> Result<Tensor> {
+    let dims: Vec<GroupDims> = groups.iter().map(GroupDims::of).collect::<Result<_>>()?;
+    let Some(first) = dims.first().copied() else {
+        candle_core::bail!("decode attention of no groups");
+    };
+    if dims
+        .iter()
+        .any(|g| (g.heads, g.kv_heads, g.d) != (first.heads, first.kv_heads, first.d))
+    {
+        candle_core::bail!("decode attention of groups with different head shapes");
+    }
+    let (heads, kv_heads, d) = (first.heads, first.kv_heads, first.d);
+    let per = heads / kv_heads;
+    let held_q: Vec<_> = groups.iter().map(|g| g.q.storage_and_layout()).collect();
+    let held_k: Vec<_> = groups.iter().map(|g| g.k.storage_and_layout()).collect();
+    let held_v: Vec<_> = groups.iter().map(|g| g.v.storage_and_layout()).collect();
+    let held_p: Vec<_> = groups
+        .iter()
+        .map(|g| {
+            g.prefix
+                .map(|(pk, pv)| (pk.storage_and_layout(), pv.storage_and_layout()))
+        })
+        .collect();
+    let mut data = Vec::with_capacity(groups.len());
+    for (i, g) in groups.iter().enumerate() {
+        let prefix = match (&held_p[i], g.prefix) {
+            (Some((hk, hv)), Some((pk, pv))) => Some((f32_view(pk, hk)?, f32_view(pv, hv)?)),
+            _ => None,
+        };
+        data.push(GroupData {
+            q: f32_view(g.q, &held_q[i])?,
+            k: f32_view(g.k, &held_k[i])?,
+            v: f32_view(g.v, &held_v[i])?,
+            prefix,
+        });
+    }
+    // Clusters: groups whose prefix is the same memory (the same positions of one cache).
+    let prefix_key = |i: usize| {
+        data[i].prefix.map(|((k, ks), (v, vs))| {
+            (
+                k.as_ptr() as usize,
+                v.as_ptr() as usize,
+                dims[i].shared,
+                ks[1],
+                ks[2],
+                vs[1],
+                vs[2],
+            )
+        })
+    };
+    let mut keys: Vec<_> = Vec::new();
+    let mut clusters: Vec<Vec<(usize, usize)>> = Vec::new();
+    for (i, g) in dims.iter().enumerate() {
+        let key = prefix_key(i);
+        let c = match keys.iter().position(|k| key.is_some() && *k == key) {
+            Some(c) => c,
+            None => {
+                keys.push(key);
+                clusters.push(Vec::new());
+                keys.len() - 1
+            }
+        };
+        clusters[c].extend((0..g.rows).map(|r| (i, r)));
+    }
+    let tasks = decode_tasks(&clusters, kv_heads, per);
+    let scale = 1.0 / (d as f32).sqrt();
+    let simd = simd();
+    let run = |t: &DecodeTask, scratch: &mut Scratch| {
+        let members = &clusters[t.cluster][t.members.clone()];
+        decode_task(simd, t, members, &dims, &data, d, scale, scratch)
+    };
+    let work: usize = dims
+        .iter()
+        .map(|g| g.rows * heads * (g.shared + g.own) * d)
+        .sum();
+    let init = || Scratch::new(0, 0, d);
+    let outs: Vec<Vec<f32>> = if work < 1 << 16 {
+        let mut scratch = init();
+        tasks.iter().map(|t| run(t, &mut scratch)).collect()
+    } else {
+        tasks
+            .par_iter()
+            .map_init(init, |scratch, t| run(t, scratch))
+            .collect()
+    };
+    // Scatter: a task's outputs are its members' heads, member after member.
+    let offsets: Vec<usize> = dims
+        .iter()
+        .scan(0, |rows, g| {
+            let at = *rows;
+            *rows += g.rows;
+            Some(at)
+        })
+        .collect();
+    let total: usize = dims.iter().map(|g| g.rows).sum();
+    let mut out = vec![0f32; total * heads * d];
+    for (t, o) in tasks.iter().zip(&outs) {
+        let members = &clusters[t.cluster][t.members.clone()];
+        let mut src = o.chunks(d);
+        for &(g, r) in members {
+            for h in t.heads.clone() {
+                let head = t.kv * per + h;
+                let at = ((offsets[g] + r) * heads + head) * d;
+                out[at..at + d].copy_from_slice(src.next().expect("one output per query"));
+            }
+        }
+    }
+    drop(data);
+    Tensor::from_vec(out, (total, 1, heads * d), groups[0].q.device())
+}
+
+/// The tasks of a decode step: per cluster and KV head, its rows in chunks (enough of them
+/// to give every thread work, at most [`ROWS_PER_TASK`] rows each), and single query heads
+/// when that is still too few tasks (one request alone).
+fn decode_tasks(clusters: &[Vec<(usize, usize)>], kv_heads: usize, per: usize) -> Vec<DecodeTask> {
+    let target = 2 * crate::llm::q8::compute_threads();
+    let wanted = target.div_ceil(kv_heads * clusters.len());
+    let mut tasks = Vec::new();
+    let chunks: Vec<usize> = clusters
+        .iter()
+        .map(|rows| {
+            wanted
+                .max(rows.len().div_ceil(ROWS_PER_TASK))
+                .min(rows.len())
+        })
+        .collect();
+    let split_heads = chunks.iter().sum::<usize>() * kv_heads < target;
+    for (c, rows) in clusters.iter().enumerate() {
+        let n = rows.len();
+        for kv in 0..kv_heads {
+            for i in 0..chunks[c] {
+                let members = i * n / chunks[c]..(i + 1) * n / chunks[c];
+                if split_heads {
+                    for h in 0..per {
+                        tasks.push(DecodeTask {
+                            cluster: c,
+                            kv,
+                            members: members.clone(),
+                            heads: h..h + 1,
+                        });
+                    }
+                } else {
+                    tasks.push(DecodeTask {
+                        cluster: c,
+                        kv,
+                        members,
+                        heads: 0..per,
+                    });
+                }
+            }
+        }
+    }
+    tasks
+}
+
+/// A task's queries: scores over the shared prefix for all of them at once (each block of
+/// keys then serves every query from L1), each member's own keys, the softmax, and the
+/// weighted values in position order; (members · heads) outputs of `d` values, in order.
+#[allow(clippy::too_many_arguments)]
+fn decode_task(
+    simd: bool,
+    t: &DecodeTask,
+    members: &[(usize, usize)],
+    dims: &[GroupDims],
+    data: &[GroupData],
+    d: usize,
+    scale: f32,
+    scratch: &mut Scratch,
+) -> Vec<f32> {
+    let per = t.heads.len();
+    let nq = members.len() * per;
+    let len = members
+        .iter()
+        .map(|&(g, _)| dims[g].shared + dims[g].own)
+        .max()
+        .unwrap_or(0);
+    scratch.len = len;
+    scratch.scores.clear();
+    scratch.scores.resize(nq * len, 0.0);
+    scratch.queries.clear();
+    let groups = dims[members[0].0].heads / dims[members[0].0].kv_heads;
+    for &(g, r) in members {
+        let (qd, qs) = data[g].q;
+        for h in t.heads.clone() {
+            let head = t.kv * groups + h;
+            scratch
+                .queries
+                .extend_from_slice(&qd[r * qs[0] + head * qs[1]..][..d]);
+        }
+    }
+    // Every member of a cluster reads the same prefix (see `attend_decode`).
+    let (g0, _) = members[0];
+    let prefix = data[g0]
+        .prefix
+        .map(|(pk, pv)| Segment::of(pk, pv, 0, t.kv, dims[g0].shared));
+    if let Some(seg) = &prefix {
+        group_scores(
+            simd,
+            &scratch.queries,
+            d,
+            seg,
+            scale,
+            &mut scratch.scores,
+            len,
+            0,
+        );
+    }
+    let own = |g: usize, r: usize| Segment::of(data[g].k, data[g].v, r, t.kv, dims[g].own);
+    for (m, &(g, r)) in members.iter().enumerate() {
+        let queries = &scratch.queries[m * per * d..(m + 1) * per * d];
+        let scores = &mut scratch.scores[m * per * len..(m + 1) * per * len];
+        group_scores(
+            simd,
+            queries,
+            d,
+            &own(g, r),
+            scale,
+            scores,
+            len,
+            dims[g].shared,
+        );
+    }
+    for (j, row) in scratch.scores.chunks_mut(len).enumerate() {
+        let (g, _) = members[j / per];
+        kernels::softmax(&mut row[..dims[g].shared + dims[g].own]);
+    }
+    let mut out = vec![0f32; nq * d];
+    if let Some(seg) = &prefix {
+        for start in (0..seg.n).step_by(VALUE_BLOCK) {
+            let n = VALUE_BLOCK.min(seg.n - start);
+            let values = &seg.values[start * seg.vstride..];
+            for (j, o) in out.chunks_mut(d).enumerate() {
+                let w = &scratch.scores[j * len + start..][..n];
+                weighted_sum(simd, w, values, seg.vstride, o, true);
+            }
+        }
+    }
+    for (m, &(g, r)) in members.iter().enumerate() {
+        let seg = own(g, r);
+        let from = dims[g].shared;
+        for start in (0..seg.n).step_by(VALUE_BLOCK) {
+            let n = VALUE_BLOCK.min(seg.n - start);
+            let values = &seg.values[start * seg.vstride..];
+            for j in m * per..(m + 1) * per {
+                let w = &scratch.scores[j * len + from + start..][..n];
+                weighted_sum(simd, w, values, seg.vstride, &mut out[j * d..][..d], true);
+            }
+        }
+    }
+    out
+}
+
 /// Keys and values of consecutive positions (rows `stride` values apart), `n` of them.
 struct Segment<'a> {
     keys: &'a [f32],
@@ -217,6 +565,20 @@ struct Segment<'a> {
     kstride: usize,
     vstride: usize,
     n: usize,
+}
+
+impl<'a> Segment<'a> {
+    /// The first `n` positions of KV head `kv` of row `row` in (rows, kv_heads, positions,
+    /// hd) keys and values (values from the first element, strides).
+    fn of((k, ks): View<'a>, (v, vs): View<'a>, row: usize, kv: usize, n: usize) -> Self {
+        Segment {
+            keys: &k[row * ks[0] + kv * ks[1]..],
+            values: &v[row * vs[0] + kv * vs[1]..],
+            kstride: ks[2],
+            vstride: vs[2],
+            n,
+        }
+    }
 }
 
 /// A task's buffers: its queries one after another, and their scores (a row of `len` each).
@@ -533,11 +895,22 @@ mod avx2 {
 /// Runs `f` on the f32 values of a CPU tensor (from its first element) and its strides; the
 /// last stride must be 1.
 fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32], &[usize]) -> R) -> Result<R> {
+    let held = t.storage_and_layout();
+    let (data, stride) = f32_view(t, &held)?;
+    Ok(f(data, stride))
+}
+
+/// The f32 values (from the first element) and strides of `t`, whose storage `held` is
+/// read-locked; the last stride must be 1.
+fn f32_view<'a>(
+    t: &Tensor,
+    held: &'a (candle_core::StorageRef<'_>, &candle_core::Layout),
+) -> Result<View<'a>> {
     if t.dtype() != DType::F32 {
         candle_core::bail!("CPU attention: f32 expected, got {:?}", t.dtype());
     }
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
+    let (storage, layout) = held;
+    let candle_core::Storage::Cpu(cpu) = &**storage else {
         candle_core::bail!("CPU attention runs on the CPU");
     };
     let stride = layout.stride();
@@ -545,7 +918,7 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32], &[usize]) -> R) -> Result<R> {
         candle_core::bail!("CPU attention: the last dimension must be contiguous");
     }
     let data = cpu.as_slice::<f32>()?;
-    Ok(f(&data[layout.start_offset()..], stride))
+    Ok((&data[layout.start_offset()..], stride))
 }
 
 #[cfg(test)]
@@ -769,14 +1142,70 @@ mod tests {
                 Tensor::cat(&[&p.repeat((rows, 1, 1, 1)).unwrap(), t], 2).unwrap()
             };
             let copied = attend_causal(&q, &whole(&pk, &k), &whole(&pv, &v), pos).unwrap();
-            let after = attend_causal_after(&q, Some((&pk, &pv)), &k, &v, pos, true).unwrap();
-            // Grouped heads (as beside other requests' attention): the same bits.
-            let grouped = attend_causal_after(&q, Some((&pk, &pv)), &k, &v, pos, false).unwrap();
-            assert_eq!(max_diff(&grouped, &after), 0.0, "grouped, shared {shared}");
+            let after = attend_causal_after(&q, Some((&pk, &pv)), &k, &v, pos).unwrap();
             assert_eq!(max_diff(&after, &copied), 0.0, "shared {shared}, seq {seq}");
         }
         let (pk, k) = (randn(&[2, KV, 3, 64]), randn(&[1, KV, 2, 64]));
         let q = randn(&[1, HEADS, 1, 64]);
-        assert!(attend_causal_after(&q, Some((&pk, &pk)), &k, &k, 4, true).is_err());
+        assert!(attend_causal_after(&q, Some((&pk, &pk)), &k, &k, 4).is_err());
+    }
+    #[test]
+    fn decode_groups_attended_together_give_each_groups_bits_alone() {
+        let d = 64;
+        let (pk, pv) = (randn(&[1, KV, 9, d]), randn(&[1, KV, 9, d]));
+        let (pk2, pv2) = (randn(&[1, KV, 5, d]), randn(&[1, KV, 5, d]));
+        // (rows, shared prefix, own positions): three groups read one prefix (17 rows: more
+        // than a task takes), one another, one none.
+        let specs = [
+            (3, Some((&pk, &pv)), 4),
+            (1, Some((&pk, &pv)), 1),
+            (2, None, 6),
+            (1, Some((&pk2, &pv2)), 3),
+            (17, Some((&pk, &pv)), 2),
+        ];
+        let inputs: Vec<_> = specs
+            .iter()
+            .map(|&(rows, prefix, own)| {
+                let shared = prefix.map_or(0, |(k, _): (&Tensor, &Tensor)| k.dim(2).unwrap());
+                let kv = || randn(&[rows, KV, own, d]);
+                (
+                    randn(&[rows, HEADS, 1, d]),
+                    kv(),
+                    kv(),
+                    prefix,
+                    shared + own - 1,
+                )
+            })
+            .collect();
+        let groups: Vec<DecodeGroup> = inputs
+            .iter()
+            .map(|(q, k, v, prefix, pos)| DecodeGroup {
+                q,
+                prefix: *prefix,
+                k,
+                v,
+                pos: *pos,
+            })
+            .collect();
+        let together = attend_decode(&groups).unwrap();
+        let mut r0 = 0;
+        for (i, g) in groups.iter().enumerate() {
+            let rows = g.q.dim(0).unwrap();
+            let alone = attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos).unwrap();
+            let mine = together.narrow(0, r0, rows).unwrap();
+            assert_eq!(max_diff(&mine, &alone), 0.0, "group {i} among the others");
+            // By itself (one row alone: single heads spread over the threads).
+            let by_itself = attend_decode(&groups[i..i + 1]).unwrap();
+            assert_eq!(max_diff(&by_itself, &alone), 0.0, "group {i} by itself");
+            r0 += rows;
+        }
+        assert_eq!(r0, together.dim(0).unwrap());
+        // A query position past the keys it is given is refused.
+        let wrong = DecodeGroup {
+            pos: groups[0].pos + 1,
+            ..groups[0]
+        };
+        assert!(attend_decode(&[wrong]).is_err());
+        assert!(attend_decode(&[]).is_err());
     }
 }

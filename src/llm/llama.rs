@@ -261,10 +261,12 @@ impl KvCache {
     /// A one-row cache of row 0's first `len` positions with room for `capacity` positions:
     /// the start of a longer prompt (see `llm::prefix_cache`). In a cache the CPU attention
     /// reads, the positions are read where they are, as the new cache's shared prefix (they
-    /// are never written again: appends go past `len`), when they are this cache's shared
-    /// prefix, or when it has none and they are at least half of its positions (a view keeps
-    /// all of them alive: the prefix cache's budget then still bounds the memory); otherwise
-    /// they are copied.
+    /// are never written again: appends go past `len`): this cache's shared prefix or its
+    /// start, that prefix followed by a copy of the own positions up to `len`, or, in a cache
+    /// without one, its positions when they are at least half of them (a view keeps all of
+    /// them alive: the prefix cache's budget then still bounds the memory); otherwise they
+    /// are copied. Requests that start from one stored conversation then read one copy of it,
+    /// which their decode steps attend to together (`cpu_attention::attend_decode`).
     pub fn prefix(&self, len: usize, capacity: usize) -> Result<KvCache> {
         if len > self.len || capacity < len {
             candle_core::bail!(
@@ -285,12 +287,40 @@ impl KvCache {
                 capacity,
             });
         }
-        if base > 0 || 2 * len < self.len {
+        if base > 0 && len > base {
+            // The prefix kept, row 0's own positions up to `len` copied after it.
+            let mut layers = Vec::with_capacity(self.layers.len());
+            for i in 0..self.layers.len() {
+                let Some((k, v)) = self.row0_positions(i, base, len)? else {
+                    layers.push(None);
+                    continue;
+                };
+                let room = |t: &Tensor| -> Result<Tensor> {
+                    let (_, h, held, d) = t.dims4()?;
+                    let full = Tensor::zeros((1, h, capacity - base, d), t.dtype(), t.device())?;
+                    full.slice_set(t, 2, 0)?;
+                    debug_assert_eq!(held, len - base);
+                    Ok(full)
+                };
+                layers.push(Some((room(&k)?, room(&v)?)));
+            }
+            return Ok(KvCache {
+                layers,
+                shared: self.shared.clone(),
+                len,
+                capacity,
+            });
+        }
+        if base == 0 && 2 * len < self.len {
             return self.copy_row0(len, 1, capacity);
         }
         let view = |t: &Tensor| t.narrow(0, 0, 1)?.narrow(2, 0, len);
-        let layers = self
-            .layers
+        let source: &[Option<(Tensor, Tensor)>] = match &self.shared {
+            // A start of the shared prefix.
+            Some(s) => &s.layers,
+            None => &self.layers,
+        };
+        let layers = source
             .iter()
             .map(|l| {
                 l.as_ref()
@@ -436,6 +466,17 @@ impl KvCache {
         let shared = self.shared.as_ref().and_then(|s| s.layers[layer].clone());
         Ok(((kk.narrow(2, 0, need)?, vv.narrow(2, 0, need)?), shared))
     }
+}
+
+/// A layer's queries, and the keys and values they attend to, as [`cpu_attention`] reads
+/// them: (b, heads, seq, hd) queries at positions `pos..`, the cache's shared prefix and the
+/// rows' own positions after it.
+struct CpuAttention {
+    q: Tensor,
+    prefix: Option<(Tensor, Tensor)>,
+    k: Tensor,
+    v: Tensor,
+    pos: usize,
 }
 
 pub struct LlamaModel {
@@ -899,14 +940,53 @@ impl LlamaModel {
         let [q, k, v] = &layer.qkv.forward(x)?[..] else {
             candle_core::bail!("the q/k/v projections gave no three outputs");
         };
-        let y = self.attend(layer_idx, q, k, v, cos, sin, mask, cache, true)?;
+        let y = self.attend(layer_idx, q, k, v, cos, sin, mask, cache)?;
         layer.wo.forward(&y)
+    }
+
+    /// Whether attention over `q` runs in [`cpu_attention`] (row- and chunk-independent
+    /// arithmetic) rather than candle's ops.
+    fn cpu_attention(&self, q: &Tensor) -> bool {
+        self.device.is_cpu() && q.dtype() == DType::F32
+    }
+
+    /// For [`cpu_attention`]: `q`, `k`, `v` (b, seq, heads·hd) as heads, rotated, and the
+    /// keys and values appended to `cache`.
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_cpu_attention(
+        &self,
+        layer_idx: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<CpuAttention> {
+        let (nh, kvh) = (self.cfg.num_attention_heads, self.cfg.num_kv_heads());
+        let shape = cpu_attention::Heads {
+            head_dim: self.cfg.head_dim(),
+            interleaved_rope: self.interleaved_rope,
+        };
+        let (cos, sin) = (cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?);
+        let rope = Some((&cos[..], &sin[..]));
+        let q = cpu_attention::to_heads(q, nh, &shape, rope)?;
+        let k = cpu_attention::to_heads(k, kvh, &shape, rope)?;
+        let v = cpu_attention::to_heads(v, kvh, &shape, None)?;
+        let pos = cache.len;
+        let ((k, v), prefix) = cache.append(layer_idx, &k, &v)?;
+        Ok(CpuAttention {
+            q,
+            prefix,
+            k,
+            v,
+            pos,
+        })
     }
 
     /// Attention of projected `q`, `k`, `v` (b, seq, heads·hd) for rows that share `cache`'s
     /// position: rotary embedding, cache append, softmax(q·kᵀ)·v; (b, seq, heads·hd) before
-    /// the output projection. `alone`: no other request attends beside it (see
-    /// [`cpu_attention::attend_causal_after`]).
+    /// the output projection.
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
@@ -918,7 +998,6 @@ impl LlamaModel {
         sin: &Tensor,
         mask: Option<&Tensor>,
         cache: &mut KvCache,
-        alone: bool,
     ) -> Result<Tensor> {
         let (b, seq, _) = q.dims3()?;
         let (nh, kvh, hd) = (
@@ -927,21 +1006,10 @@ impl LlamaModel {
             self.cfg.head_dim(),
         );
         let groups = nh / kvh;
-        if self.device.is_cpu() && q.dtype() == DType::F32 {
-            // Row- and chunk-independent arithmetic (see `llm::cpu_attention`).
-            let shape = cpu_attention::Heads {
-                head_dim: hd,
-                interleaved_rope: self.interleaved_rope,
-            };
-            let (cos, sin) = (cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?);
-            let rope = Some((&cos[..], &sin[..]));
-            let q = cpu_attention::to_heads(q, nh, &shape, rope)?;
-            let k = cpu_attention::to_heads(k, kvh, &shape, rope)?;
-            let v = cpu_attention::to_heads(v, kvh, &shape, None)?;
-            let pos = cache.len;
-            let ((k_own, v_own), shared) = cache.append(layer_idx, &k, &v)?;
-            let prefix = shared.as_ref().map(|(k, v)| (k, v));
-            return cpu_attention::attend_causal_after(&q, prefix, &k_own, &v_own, pos, alone);
+        if self.cpu_attention(q) {
+            let p = self.prepare_cpu_attention(layer_idx, q, k, v, cos, sin, cache)?;
+            let prefix = p.prefix.as_ref().map(|(k, v)| (k, v));
+            return cpu_attention::attend_causal_after(&p.q, prefix, &p.k, &p.v, p.pos);
         }
         // (b, seq, heads·hd) -> (b, heads, seq, hd)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
@@ -1037,8 +1105,6 @@ impl LlamaModel {
             trig.push((self.cos.narrow(0, c.len, 1)?, self.sin.narrow(0, c.len, 1)?));
         }
         let total: usize = sizes.iter().sum();
-        // A group alone spreads its own heads over the threads; several share them out.
-        let alone = caches.len() == 1;
         let ids = Tensor::from_vec(tokens.concat(), (total, 1), &self.device)?;
         let mut x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
         let eps = self.cfg.rms_norm_eps as f32;
@@ -1057,19 +1123,43 @@ impl LlamaModel {
                 ));
                 r0 += rows;
             }
-            // Groups attend independently: spread them over the compute threads.
-            let ys = caches
-                .par_iter_mut()
-                .zip(parts.par_iter())
-                .zip(trig.par_iter())
-                .map(|((cache, (q, k, v)), (cos, sin))| {
-                    self.attend(i, q, k, v, cos, sin, None, cache, alone)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let y = if ys.len() == 1 {
-                ys.into_iter().next().expect("one group")
+            let y = if self.cpu_attention(q) {
+                // Each group's keys and values into its cache, then one attention over all
+                // groups (rows reading one shared prefix read it together).
+                let prepared = caches
+                    .par_iter_mut()
+                    .zip(parts.par_iter())
+                    .zip(trig.par_iter())
+                    .map(|((cache, (q, k, v)), (cos, sin))| {
+                        self.prepare_cpu_attention(i, q, k, v, cos, sin, cache)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let groups: Vec<cpu_attention::DecodeGroup> = prepared
+                    .iter()
+                    .map(|p| cpu_attention::DecodeGroup {
+                        q: &p.q,
+                        prefix: p.prefix.as_ref().map(|(k, v)| (k, v)),
+                        k: &p.k,
+                        v: &p.v,
+                        pos: p.pos,
+                    })
+                    .collect();
+                cpu_attention::attend_decode(&groups)?
             } else {
-                Tensor::cat(&ys, 0)?
+                // Groups attend independently: spread them over the compute threads.
+                let ys = caches
+                    .par_iter_mut()
+                    .zip(parts.par_iter())
+                    .zip(trig.par_iter())
+                    .map(|((cache, (q, k, v)), (cos, sin))| {
+                        self.attend(i, q, k, v, cos, sin, None, cache)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                if ys.len() == 1 {
+                    ys.into_iter().next().expect("one group")
+                } else {
+                    Tensor::cat(&ys, 0)?
+                }
             };
             x = elementwise::add(&x, &layer.wo.forward(&y)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
@@ -1206,4 +1296,67 @@ pub fn permute_hf_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
         .transpose(1, 2)?
         .contiguous()?
         .reshape((rows, cols))
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::*;
+
+    const LAYERS: usize = 2;
+
+    fn randn(positions: usize) -> Tensor {
+        Tensor::randn(0f32, 1.0, (1, 2, positions, 4), &Device::Cpu).unwrap()
+    }
+
+    /// Whether two tensors' values live in one allocation.
+    fn same_memory(a: &Tensor, b: &Tensor) -> bool {
+        std::ptr::eq(&*a.storage_and_layout().0, &*b.storage_and_layout().0)
+    }
+
+    fn values(c: &KvCache, layer: usize, len: usize) -> Vec<f32> {
+        let (k, v) = c.row0_positions(layer, 0, len).unwrap().unwrap();
+        let all = Tensor::cat(&[&k, &v], 2).unwrap();
+        all.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn prefixes_of_a_shared_prompt_keep_reading_it_in_place() {
+        let prompt = KvCache {
+            layers: (0..LAYERS).map(|_| Some((randn(10), randn(10)))).collect(),
+            shared: None,
+            len: 10,
+            capacity: 10,
+        };
+        // A request forked from the prompt, with three positions of its own after it.
+        let mut request = prompt.fork(1, 4).unwrap();
+        for layer in 0..LAYERS {
+            request.append(layer, &randn(3), &randn(3)).unwrap();
+        }
+        request.len += 3;
+        let prompt_k =
+            |c: &KvCache, l: usize| c.shared.as_ref().unwrap().layers[l].clone().unwrap().0;
+        for (len, capacity) in [(12, 16), (10, 10), (7, 9)] {
+            let hit = request.prefix(len, capacity).unwrap();
+            assert_eq!(hit.len(), len);
+            for layer in 0..LAYERS {
+                assert_eq!(
+                    values(&hit, layer, len),
+                    values(&request, layer, len),
+                    "{len}"
+                );
+                // The prompt's positions are read where they are (only positions past them
+                // are copied), so requests that start from one stored conversation read one
+                // copy of it.
+                let original = prompt.layers[layer].as_ref().unwrap();
+                assert!(same_memory(&prompt_k(&hit, layer), &original.0), "{len}");
+            }
+        }
+        // Appending after a hit leaves the stored cache as it was.
+        let before = values(&request, 0, 13);
+        let mut hit = request.prefix(11, 14).unwrap();
+        for layer in 0..LAYERS {
+            hit.append(layer, &randn(2), &randn(2)).unwrap();
+        }
+        assert_eq!(values(&request, 0, 13), before);
+    }
 }
