@@ -534,26 +534,12 @@ fn decode_task(
     }
     let mut out = vec![0f32; nq * d];
     if let Some(seg) = &prefix {
-        for start in (0..seg.n).step_by(VALUE_BLOCK) {
-            let n = VALUE_BLOCK.min(seg.n - start);
-            let values = &seg.values[start * seg.vstride..];
-            for (j, o) in out.chunks_mut(d).enumerate() {
-                let w = &scratch.scores[j * len + start..][..n];
-                weighted_sum(simd, w, values, seg.vstride, o, true);
-            }
-        }
+        group_values(simd, seg, &scratch.scores, len, 0, 0..nq, &mut out, d);
     }
     for (m, &(g, r)) in members.iter().enumerate() {
-        let seg = own(g, r);
-        let from = dims[g].shared;
-        for start in (0..seg.n).step_by(VALUE_BLOCK) {
-            let n = VALUE_BLOCK.min(seg.n - start);
-            let values = &seg.values[start * seg.vstride..];
-            for j in m * per..(m + 1) * per {
-                let w = &scratch.scores[j * len + from + start..][..n];
-                weighted_sum(simd, w, values, seg.vstride, &mut out[j * d..][..d], true);
-            }
-        }
+        let (seg, from) = (own(g, r), dims[g].shared);
+        let queries = m * per..(m + 1) * per;
+        group_values(simd, &seg, &scratch.scores, len, from, queries, &mut out, d);
     }
     out
 }
@@ -636,15 +622,52 @@ fn attend_group(
     }
     let mut from = 0;
     for seg in segments {
-        for start in (0..seg.n).step_by(VALUE_BLOCK) {
-            let n = VALUE_BLOCK.min(seg.n - start);
-            let values = &seg.values[start * seg.vstride..];
-            for (j, o) in out.chunks_mut(d).enumerate() {
-                let w = &scratch.scores[j * len + from + start..][..n];
-                weighted_sum(simd, w, values, seg.vstride, o, true);
-            }
-        }
+        group_values(simd, seg, &scratch.scores, len, from, 0..g, out, d);
         from += seg.n;
+    }
+}
+
+/// `out_j += Σ_p scores[j·len + from + p] · value_p` over the segment's positions in order
+/// ([`weighted_sum`]'s arithmetic) for the queries `js` (`d` outputs each in `out`), a block
+/// of [`VALUE_BLOCK`] positions at a time (it stays in L1 for every query), two queries per
+/// pass where the CPU allows.
+#[allow(clippy::too_many_arguments)]
+fn group_values(
+    simd: bool,
+    seg: &Segment,
+    scores: &[f32],
+    len: usize,
+    from: usize,
+    js: std::ops::Range<usize>,
+    out: &mut [f32],
+    d: usize,
+) {
+    for start in (0..seg.n).step_by(VALUE_BLOCK) {
+        let n = VALUE_BLOCK.min(seg.n - start);
+        let values = &seg.values[start * seg.vstride..];
+        let w = |j: usize| &scores[j * len + from + start..][..n];
+        let mut j = js.start;
+        while j < js.end {
+            #[cfg(target_arch = "x86_64")]
+            if simd && d.is_multiple_of(8) && j + 1 < js.end {
+                assert!(values.len() >= (n - 1) * seg.vstride + d);
+                let (o0, o1) = out[j * d..(j + 2) * d].split_at_mut(d);
+                // SAFETY: `simd()` checked the CPU features; `values` holds every row read
+                // (asserted); the weights and outputs have equal lengths.
+                unsafe { avx2::weighted_sum2(w(j), w(j + 1), values, seg.vstride, o0, o1) };
+                j += 2;
+                continue;
+            }
+            weighted_sum(
+                simd,
+                w(j),
+                values,
+                seg.vstride,
+                &mut out[j * d..][..d],
+                true,
+            );
+            j += 1;
+        }
     }
 }
 
@@ -665,12 +688,34 @@ fn group_scores(
     let mut p = 0;
     #[cfg(target_arch = "x86_64")]
     if simd && d.is_multiple_of(8) {
+        let nq = queries.len() / d;
+        let q = |j: usize| &queries[j * d..][..d];
         while p + 8 <= seg.n {
             let block: [&[f32]; 8] = std::array::from_fn(|j| key(p + j));
-            for (j, q) in queries.chunks(d).enumerate() {
+            // Two queries at a time: each load of a key serves both.
+            for j in (0..nq - nq % 2).step_by(2) {
+                for half in [0, 4] {
+                    let keys: &[&[f32]; 4] = block[half..half + 4].try_into().expect("4 keys");
+                    let at = from + p + half;
+                    let (first, second) = scores[j * len..].split_at_mut(len);
+                    // SAFETY: `simd()` checked the CPU features; every slice has `d` values.
+                    unsafe {
+                        avx2::dot2x4(
+                            q(j),
+                            q(j + 1),
+                            keys,
+                            scale,
+                            &mut first[at..at + 4],
+                            &mut second[at..at + 4],
+                        )
+                    };
+                }
+            }
+            if nq % 2 == 1 {
+                let j = nq - 1;
                 let out = &mut scores[j * len + from + p..][..8];
-                // SAFETY: `simd()` checked the CPU features; every slice has `d` values.
-                unsafe { avx2::dot8(q, &block, scale, out) };
+                // SAFETY: as above.
+                unsafe { avx2::dot8(q(j), &block, scale, out) };
             }
             p += 8;
         }
@@ -817,6 +862,47 @@ mod avx2 {
                 *acc = _mm256_fmadd_ps(x, _mm256_loadu_ps(b.as_ptr().add(i)), *acc);
             }
         }
+        let dots = _mm256_mul_ps(lane_sums(&acc), _mm256_set1_ps(scale));
+        _mm256_storeu_ps(out.as_mut_ptr(), dots);
+    }
+
+    /// `out0[j] = (a0 · bs[j]) · scale`, `out1[j] = (a1 · bs[j]) · scale`, each dot product
+    /// exactly [`dot`]'s (as in [`dot8`]); a load of a key serves both queries.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `a1` and every `bs[j]` as long as `a0`, a multiple of 8; the outputs
+    /// hold 4 values each.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot2x4(
+        a0: &[f32],
+        a1: &[f32],
+        bs: &[&[f32]; 4],
+        scale: f32,
+        out0: &mut [f32],
+        out1: &mut [f32],
+    ) {
+        debug_assert!(a1.len() == a0.len() && bs.iter().all(|b| b.len() == a0.len()));
+        debug_assert!(out0.len() == 4 && out1.len() == 4);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for i in (0..a0.len()).step_by(8) {
+            let x0 = _mm256_loadu_ps(a0.as_ptr().add(i));
+            let x1 = _mm256_loadu_ps(a1.as_ptr().add(i));
+            for (j, b) in bs.iter().enumerate() {
+                let y = _mm256_loadu_ps(b.as_ptr().add(i));
+                acc[j] = _mm256_fmadd_ps(x0, y, acc[j]);
+                acc[4 + j] = _mm256_fmadd_ps(x1, y, acc[4 + j]);
+            }
+        }
+        let dots = _mm256_mul_ps(lane_sums(&acc), _mm256_set1_ps(scale));
+        _mm_storeu_ps(out0.as_mut_ptr(), _mm256_castps256_ps128(dots));
+        _mm_storeu_ps(out1.as_mut_ptr(), _mm256_extractf128_ps::<1>(dots));
+    }
+
+    /// The lane sums of eight accumulators, `[Σ acc_0, …, Σ acc_7]`, each in [`dot`]'s
+    /// order ((0+4)+(2+6))+((1+5)+(3+7)), by transposing shuffles.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn lane_sums(acc: &[__m256; 8]) -> __m256 {
         // Halves: [t_j | t_{j+4}] with t_j = lo(acc_j) + hi(acc_j).
         let halves = |j: usize| {
             let lo = _mm256_permute2f128_ps::<0x20>(acc[j], acc[j + 4]);
@@ -834,8 +920,7 @@ mod avx2 {
         let (u01, u23) = (pairs(t[0], t[1]), pairs(t[2], t[3]));
         let first = _mm256_shuffle_ps::<0b10_00_10_00>(u01, u23);
         let second = _mm256_shuffle_ps::<0b11_01_11_01>(u01, u23);
-        let dots = _mm256_add_ps(first, second);
-        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
+        _mm256_add_ps(first, second)
     }
 
     /// # Safety
@@ -860,6 +945,62 @@ mod avx2 {
             let o = out.as_mut_ptr().add(c);
             columns::<1>(w, v.as_ptr().add(c), stride, o, accumulate);
             c += 8;
+        }
+    }
+
+    /// [`weighted_sum`] for two queries' weights over the same values, accumulating into
+    /// `out0` and `out1`: each load of a value serves both.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `w1.len() == w0.len()`; `out1.len() == out0.len()`, a multiple of 8;
+    /// `v` holds `(w0.len() - 1) · stride + out0.len()` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum2(
+        w0: &[f32],
+        w1: &[f32],
+        v: &[f32],
+        stride: usize,
+        out0: &mut [f32],
+        out1: &mut [f32],
+    ) {
+        let d = out0.len();
+        let mut c = 0;
+        while c + 32 <= d {
+            let outs = (out0.as_mut_ptr().add(c), out1.as_mut_ptr().add(c));
+            columns2::<4>(w0, w1, v.as_ptr().add(c), stride, outs);
+            c += 32;
+        }
+        while c < d {
+            let outs = (out0.as_mut_ptr().add(c), out1.as_mut_ptr().add(c));
+            columns2::<1>(w0, w1, v.as_ptr().add(c), stride, outs);
+            c += 8;
+        }
+    }
+
+    /// `8·N` columns of two queries' sums, kept in registers across all positions.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn columns2<const N: usize>(
+        w0: &[f32],
+        w1: &[f32],
+        v: *const f32,
+        stride: usize,
+        (out0, out1): (*mut f32, *mut f32),
+    ) {
+        let mut acc0: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(out0.add(8 * j)));
+        let mut acc1: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(out1.add(8 * j)));
+        for (p, (&a, &b)) in w0.iter().zip(w1).enumerate() {
+            let (wa, wb) = (_mm256_set1_ps(a), _mm256_set1_ps(b));
+            let row = v.add(p * stride);
+            for j in 0..N {
+                let x = _mm256_loadu_ps(row.add(8 * j));
+                acc0[j] = _mm256_fmadd_ps(wa, x, acc0[j]);
+                acc1[j] = _mm256_fmadd_ps(wb, x, acc1[j]);
+            }
+        }
+        for j in 0..N {
+            _mm256_storeu_ps(out0.add(8 * j), acc0[j]);
+            _mm256_storeu_ps(out1.add(8 * j), acc1[j]);
         }
     }
 
@@ -1089,8 +1230,10 @@ mod tests {
                 n: keys.len(),
             };
             let (len, from) = (keys.len() + 3, 2);
-            let mut scores = vec![f32::NAN; 2 * len];
-            let queries = [q.clone(), q.iter().map(|x| -x).collect()].concat();
+            // Three queries: a pair (one pass over the keys for both) and one alone.
+            let mut scores = vec![f32::NAN; 3 * len];
+            let twice: Vec<f32> = q.iter().map(|x| 2.0 * x).collect();
+            let queries = [q.clone(), q.iter().map(|x| -x).collect(), twice].concat();
             group_scores(simd, &queries, d, &seg, 0.5, &mut scores, len, from);
             for (j, key) in keys.iter().enumerate() {
                 for (g, q) in queries.chunks(d).enumerate() {
@@ -1126,6 +1269,24 @@ mod tests {
                 }
             }
             assert_eq!(out, expect, "d={d}");
+            // Three queries' weights over one segment (a pair, then one), from two offsets.
+            let seg = Segment {
+                keys: &[],
+                values: &v,
+                kstride: stride,
+                vstride: stride,
+                n: w.len(),
+            };
+            let len = w.len() + 1;
+            let weights: Vec<f32> = (0..3 * len).map(|i| ((i * 13) % 7) as f32 / 7.0).collect();
+            let mut together = vec![0.5f32; 3 * d];
+            group_values(simd, &seg, &weights, len, 1, 0..3, &mut together, d);
+            for j in 0..3 {
+                let mut one = vec![0.5f32; d];
+                let wj = &weights[j * len + 1..][..w.len()];
+                weighted_sum(simd, wj, &v, stride, &mut one, true);
+                assert_eq!(&together[j * d..][..d], &one[..], "d={d} query {j}");
+            }
         }
     }
 
