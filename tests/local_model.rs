@@ -454,3 +454,64 @@ fn forked_rows_share_the_prompt_and_equal_private_copies() {
     let from_alone = alone[0].prefix(len + 3, len + 3).unwrap();
     assert_eq!(next(from_fork), next(from_alone));
 }
+
+/// Several requests' prompt pieces prefilled in one forward pass (a cold prompt, the rest of
+/// a prompt after a prefix hit, one token) give each the logits and cache of prefilling it
+/// alone, bit for bit.
+#[test]
+fn prompts_prefilled_together_equal_each_alone() {
+    let (_g, dir) = tiny_model_dir(&TinySpec::default());
+    let engine = load(&dir, WeightFormat::Q8_0);
+    let model = engine.model();
+    let dev = model.device();
+    let ids = engine
+        .encode("<|im_start|>user\nhello there, how are you today<|im_end|>\n")
+        .unwrap();
+    let len = ids.len();
+    let mut stored = model.new_cache(len);
+    let whole = Tensor::new(ids.as_slice(), dev)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    model.forward_last(&whole, &mut stored).unwrap();
+    let pieces: Vec<(Vec<u32>, usize)> = vec![
+        (ids[..len - 2].to_vec(), 0),       // cold
+        (ids[len - 5..].to_vec(), len - 5), // after a prefix hit
+        (vec![7], len),                     // one token after the whole prompt
+    ];
+    let cache_for = |start: usize| match start {
+        0 => model.new_cache(len),
+        n => stored.prefix(n, len + 1).unwrap(),
+    };
+    let mut alone_caches: Vec<_> = pieces.iter().map(|p| cache_for(p.1)).collect();
+    let alone: Vec<Vec<f32>> = pieces
+        .iter()
+        .zip(alone_caches.iter_mut())
+        .map(|((t, _), c)| {
+            let t = Tensor::new(t.as_slice(), dev)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let l = model.forward_last(&t, c).unwrap();
+            l.flatten_all().unwrap().to_vec1().unwrap()
+        })
+        .collect();
+    let mut caches: Vec<_> = pieces.iter().map(|p| cache_for(p.1)).collect();
+    let tokens: Vec<&[u32]> = pieces.iter().map(|p| p.0.as_slice()).collect();
+    let mut refs: Vec<&mut _> = caches.iter_mut().collect();
+    let together = model.forward_prefill(&tokens, &mut refs).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, l) in together.iter().enumerate() {
+        let l: Vec<f32> = l.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(bits(&l), bits(&alone[i]), "piece {i}");
+        assert_eq!(caches[i].len(), alone_caches[i].len());
+    }
+    // The caches continue alike: one decode step of each.
+    for (i, (a, b)) in caches.iter_mut().zip(alone_caches.iter_mut()).enumerate() {
+        let step = |c: &mut _| {
+            let l = model.forward_decode(&[&[9u32]], &mut [c]).unwrap();
+            bits(&l[0].flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        };
+        assert_eq!(step(a), step(b), "piece {i} after its prefill");
+    }
+}

@@ -373,24 +373,31 @@ pub fn attend_decode(groups: &[DecodeGroup]) -> Result<Tensor> {
     let tasks = decode_tasks(&clusters, kv_heads, per);
     let scale = 1.0 / (d as f32).sqrt();
     let simd = simd();
-    let run = |t: &DecodeTask, scratch: &mut Scratch| {
+    let run = |t: &DecodeTask, scratch: &mut Scratch, out: &mut Vec<f32>| {
         let members = &clusters[t.cluster][t.members.clone()];
-        decode_task(simd, t, members, &dims, &data, d, scale, scratch)
+        decode_task(simd, t, members, &dims, &data, d, scale, scratch, out)
     };
     let work: usize = dims
         .iter()
         .map(|g| g.rows * heads * (g.shared + g.own) * d)
         .sum();
-    let init = || Scratch::new(0, 0, d);
-    let outs: Vec<Vec<f32>> = if work < 1 << 16 {
-        let mut scratch = init();
-        tasks.iter().map(|t| run(t, &mut scratch)).collect()
+    // Few, similar tasks: one run of them per thread (or all inline when little work).
+    let threads = if work < 1 << 16 {
+        1
     } else {
-        tasks
-            .par_iter()
-            .map_init(init, |scratch, t| run(t, scratch))
-            .collect()
+        crate::llm::q8::compute_threads()
     };
+    let outs: Vec<f32> = tasks
+        .par_chunks(tasks.len().div_ceil(threads))
+        .map(|chunk| {
+            let (mut scratch, mut out) = (Scratch::new(0, 0, d), Vec::new());
+            for t in chunk {
+                run(t, &mut scratch, &mut out);
+            }
+            out
+        })
+        .collect::<Vec<_>>()
+        .concat();
     // Scatter: a task's outputs are its members' heads, member after member.
     let offsets: Vec<usize> = dims
         .iter()
@@ -402,9 +409,9 @@ pub fn attend_decode(groups: &[DecodeGroup]) -> Result<Tensor> {
         .collect();
     let total: usize = dims.iter().map(|g| g.rows).sum();
     let mut out = vec![0f32; total * heads * d];
-    for (t, o) in tasks.iter().zip(&outs) {
+    let mut src = outs.chunks(d);
+    for t in &tasks {
         let members = &clusters[t.cluster][t.members.clone()];
-        let mut src = o.chunks(d);
         for &(g, r) in members {
             for h in t.heads.clone() {
                 let head = t.kv * per + h;
@@ -463,7 +470,8 @@ fn decode_tasks(clusters: &[Vec<(usize, usize)>], kv_heads: usize, per: usize) -
 
 /// A task's queries: scores over the shared prefix for all of them at once (each block of
 /// keys then serves every query from L1), each member's own keys, the softmax, and the
-/// weighted values in position order; (members · heads) outputs of `d` values, in order.
+/// weighted values in position order; appends (members · heads) outputs of `d` values, in
+/// order, to `outputs`.
 #[allow(clippy::too_many_arguments)]
 fn decode_task(
     simd: bool,
@@ -474,7 +482,8 @@ fn decode_task(
     d: usize,
     scale: f32,
     scratch: &mut Scratch,
-) -> Vec<f32> {
+    outputs: &mut Vec<f32>,
+) {
     let per = t.heads.len();
     let nq = members.len() * per;
     let len = members
@@ -532,16 +541,17 @@ fn decode_task(
         let (g, _) = members[j / per];
         kernels::softmax(&mut row[..dims[g].shared + dims[g].own]);
     }
-    let mut out = vec![0f32; nq * d];
+    let at = outputs.len();
+    outputs.resize(at + nq * d, 0.0);
+    let out = &mut outputs[at..];
     if let Some(seg) = &prefix {
-        group_values(simd, seg, &scratch.scores, len, 0, 0..nq, &mut out, d);
+        group_values(simd, seg, &scratch.scores, len, 0, 0..nq, out, d);
     }
     for (m, &(g, r)) in members.iter().enumerate() {
         let (seg, from) = (own(g, r), dims[g].shared);
         let queries = m * per..(m + 1) * per;
-        group_values(simd, &seg, &scratch.scores, len, from, queries, &mut out, d);
+        group_values(simd, &seg, &scratch.scores, len, from, queries, out, d);
     }
-    out
 }
 
 /// Keys and values of consecutive positions (rows `stride` values apart), `n` of them.

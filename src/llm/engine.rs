@@ -725,6 +725,73 @@ impl Engine {
         Ok(prefill.logits.is_some())
     }
 
+    /// Runs up to `max_tokens[i]` more prompt positions of each of `prefills` (at least one
+    /// each while any remain) in one forward pass on the CPU, whose linear layers then read
+    /// their weights once for all of them (one prefill after another on other devices).
+    /// Each cache and its logits come out the bits of [`Engine::prefill_chunk`] on that prefill
+    /// alone. Returns which prefills are finished.
+    pub fn prefill_chunks(
+        &self,
+        prefills: &mut [&mut Prefill],
+        max_tokens: &[usize],
+    ) -> Result<Vec<bool>, EngineError> {
+        if prefills.len() != max_tokens.len() {
+            return Err(self.gen_err(format!(
+                "internal: {} prefills with {} chunk sizes",
+                prefills.len(),
+                max_tokens.len()
+            )));
+        }
+        let pending = prefills.iter().filter(|p| p.logits.is_none()).count();
+        if pending <= 1 || !self.model.device().is_cpu() {
+            return prefills
+                .iter_mut()
+                .zip(max_tokens)
+                .map(|(p, &n)| self.prefill_chunk(p, n))
+                .collect();
+        }
+        let started = std::time::Instant::now();
+        let mut tokens: Vec<&[u32]> = Vec::with_capacity(pending);
+        let mut caches: Vec<&mut KvCache> = Vec::with_capacity(pending);
+        let mut ends = Vec::with_capacity(pending);
+        for (p, &n) in prefills.iter_mut().zip(max_tokens) {
+            let Prefill {
+                prompt,
+                done,
+                cache,
+                logits,
+                ..
+            } = &mut **p;
+            if logits.is_none() {
+                let end = prompt.len().min(done.saturating_add(n.max(1)));
+                tokens.push(&prompt[*done..end]);
+                caches.push(cache);
+                ends.push(end);
+            }
+        }
+        let last = self
+            .model
+            .forward_prefill(&tokens, &mut caches)
+            .map_err(|e| self.gen_err(e))?;
+        drop((tokens, caches));
+        let mut last = last.into_iter().zip(ends);
+        for p in prefills.iter_mut().filter(|p| p.logits.is_none()) {
+            let (logits, end) = last.next().expect("one result per pending prefill");
+            p.done = end;
+            if end == p.prompt.len() {
+                let logits = logits
+                    .squeeze(0)
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(|e| self.gen_err(e))?;
+                self.prefix_cache()
+                    .insert(&p.prompt, p.cache.clone(), logits.clone());
+                p.logits = Some(logits);
+            }
+            p.secs += started.elapsed().as_secs_f64();
+        }
+        Ok(prefills.iter().map(|p| p.logits.is_some()).collect())
+    }
+
     /// A generation from a finished prefill: its cache copied into `params.n` rows.
     pub fn start_prefilled(
         &self,

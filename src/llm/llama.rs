@@ -1082,29 +1082,66 @@ impl LlamaModel {
         tokens: &[&[u32]],
         caches: &mut [&mut KvCache],
     ) -> Result<Vec<Tensor>> {
-        q8::on_pool(|| self.decode_groups(tokens, caches))
+        let seqs = vec![1; tokens.len()];
+        q8::on_pool(|| self.forward_groups(tokens, &seqs, caches))
     }
 
-    fn decode_groups(&self, tokens: &[&[u32]], caches: &mut [&mut KvCache]) -> Result<Vec<Tensor>> {
-        if tokens.len() != caches.len() {
+    /// Prompt pieces of several one-row caches in one forward pass: `tokens[g]` continues
+    /// `caches[g]` from its position. Returns each cache's next-token logits, (1, vocab),
+    /// the bits [`LlamaModel::forward_last`] gives for each alone (several requests' prompts
+    /// prefilled together read the weights once, as a larger batch).
+    pub fn forward_prefill(
+        &self,
+        tokens: &[&[u32]],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<Tensor>> {
+        let seqs: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        q8::on_pool(|| self.forward_groups(tokens, &seqs, caches))
+    }
+
+    /// Groups of rows, each at its own cache's position: group `g` holds `tokens[g].len() /
+    /// seqs[g]` rows of `seqs[g]` tokens (row after row). Returns the logits of each row's
+    /// last position, (rows, vocab) per group.
+    fn forward_groups(
+        &self,
+        tokens: &[&[u32]],
+        seqs: &[usize],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<Tensor>> {
+        if tokens.len() != caches.len() || seqs.len() != caches.len() {
             candle_core::bail!("{} token groups for {} caches", tokens.len(), caches.len());
         }
-        let sizes: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        let cpu = self.device.is_cpu();
+        let mut shapes = Vec::with_capacity(caches.len());
         let mut trig = Vec::with_capacity(caches.len());
-        for (c, &rows) in caches.iter().zip(&sizes) {
-            if c.len + 1 > self.cfg.max_position_embeddings {
+        for ((c, t), &seq) in caches.iter().zip(tokens).zip(seqs) {
+            if seq == 0 || t.is_empty() || !t.len().is_multiple_of(seq) {
+                candle_core::bail!("{} tokens are no rows of {seq}", t.len());
+            }
+            let rows = t.len() / seq;
+            if c.len + seq > self.cfg.max_position_embeddings {
                 candle_core::bail!(
                     "sequence of {} tokens exceeds the context length {}",
-                    c.len + 1,
+                    c.len + seq,
                     self.cfg.max_position_embeddings
                 );
             }
-            if rows == 0 || (c.batch() != rows && c.batch() != 0) {
-                candle_core::bail!("{rows} tokens for a cache of {} rows", c.batch());
+            if c.batch() != rows && c.batch() != 0 {
+                candle_core::bail!("{rows} rows of tokens for a cache of {} rows", c.batch());
             }
-            trig.push((self.cos.narrow(0, c.len, 1)?, self.sin.narrow(0, c.len, 1)?));
+            let mask = if seq > 1 && !cpu {
+                Some(self.causal_mask(seq, c.len)?)
+            } else {
+                None
+            };
+            let (cos, sin) = (
+                self.cos.narrow(0, c.len, seq)?,
+                self.sin.narrow(0, c.len, seq)?,
+            );
+            shapes.push((rows, seq));
+            trig.push((cos, sin, mask));
         }
-        let total: usize = sizes.iter().sum();
+        let total: usize = tokens.iter().map(|t| t.len()).sum();
         let ids = Tensor::from_vec(tokens.concat(), (total, 1), &self.device)?;
         let mut x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
         let eps = self.cfg.rms_norm_eps as f32;
@@ -1113,53 +1150,27 @@ impl LlamaModel {
             let [q, k, v] = &layer.qkv.forward(&h)?[..] else {
                 candle_core::bail!("the q/k/v projections gave no three outputs");
             };
-            let mut parts = Vec::with_capacity(sizes.len());
+            let mut parts = Vec::with_capacity(shapes.len());
             let mut r0 = 0;
-            for &rows in &sizes {
-                parts.push((
-                    q.narrow(0, r0, rows)?,
-                    k.narrow(0, r0, rows)?,
-                    v.narrow(0, r0, rows)?,
-                ));
-                r0 += rows;
+            for &(rows, seq) in &shapes {
+                let part = |t: &Tensor| t.narrow(0, r0, rows * seq)?.reshape((rows, seq, ()));
+                parts.push((part(q)?, part(k)?, part(v)?));
+                r0 += rows * seq;
             }
             let y = if self.cpu_attention(q) {
-                // Each group's keys and values into its cache, then one attention over all
-                // groups (rows reading one shared prefix read it together).
-                let prepared = caches
-                    .par_iter_mut()
-                    .zip(parts.par_iter())
-                    .zip(trig.par_iter())
-                    .map(|((cache, (q, k, v)), (cos, sin))| {
-                        self.prepare_cpu_attention(i, q, k, v, cos, sin, cache)
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let groups: Vec<cpu_attention::DecodeGroup> = prepared
-                    .iter()
-                    .map(|p| cpu_attention::DecodeGroup {
-                        q: &p.q,
-                        prefix: p.prefix.as_ref().map(|(k, v)| (k, v)),
-                        k: &p.k,
-                        v: &p.v,
-                        pos: p.pos,
-                    })
-                    .collect();
-                cpu_attention::attend_decode(&groups)?
+                self.groups_cpu_attention(i, &parts, &trig, caches)?
             } else {
                 // Groups attend independently: spread them over the compute threads.
                 let ys = caches
                     .par_iter_mut()
                     .zip(parts.par_iter())
                     .zip(trig.par_iter())
-                    .map(|((cache, (q, k, v)), (cos, sin))| {
-                        self.attend(i, q, k, v, cos, sin, None, cache)
+                    .map(|((cache, (q, k, v)), (cos, sin, mask))| {
+                        let y = self.attend(i, q, k, v, cos, sin, mask.as_ref(), cache)?;
+                        y.reshape(((), 1, y.dim(2)?))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                if ys.len() == 1 {
-                    ys.into_iter().next().expect("one group")
-                } else {
-                    Tensor::cat(&ys, 0)?
-                }
+                Tensor::cat(&ys, 0)?
             };
             x = elementwise::add(&x, &layer.wo.forward(&y)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
@@ -1168,18 +1179,85 @@ impl LlamaModel {
             };
             x = elementwise::add(&x, &layer.w_down.forward(&elementwise::swiglu(gate, up)?)?)?;
         }
-        for c in caches.iter_mut() {
-            c.len += 1;
+        for (c, &(_, seq)) in caches.iter_mut().zip(&shapes) {
+            c.len += seq;
+        }
+        // Only each row's last position goes through the head.
+        if shapes.iter().any(|&(_, seq)| seq > 1) {
+            let mut last = Vec::new();
+            let mut r0 = 0;
+            for &(rows, seq) in &shapes {
+                last.extend((0..rows).map(|r| (r0 + r * seq + seq - 1) as u32));
+                r0 += rows * seq;
+            }
+            let n = last.len();
+            x = x.index_select(&Tensor::from_vec(last, n, &self.device)?, 0)?;
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         let logits = self.lm_head.forward(&x)?.squeeze(1)?;
-        let mut out = Vec::with_capacity(sizes.len());
+        let mut out = Vec::with_capacity(shapes.len());
         let mut r0 = 0;
-        for &rows in &sizes {
+        for &(rows, _) in &shapes {
             out.push(logits.narrow(0, r0, rows)?);
             r0 += rows;
         }
         Ok(out)
+    }
+
+    /// [`cpu_attention`] for the groups of [`LlamaModel::forward_groups`]: each group's keys
+    /// and values into its cache, then the groups that decode (one position a row) attend
+    /// together (rows reading one shared prefix read it together), the others each by
+    /// itself. Returns (rows·seq of every group in order, 1, heads·hd).
+    #[allow(clippy::type_complexity)]
+    fn groups_cpu_attention(
+        &self,
+        layer: usize,
+        parts: &[(Tensor, Tensor, Tensor)],
+        trig: &[(Tensor, Tensor, Option<Tensor>)],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor> {
+        let prepared = caches
+            .par_iter_mut()
+            .zip(parts.par_iter())
+            .zip(trig.par_iter())
+            .map(|((cache, (q, k, v)), (cos, sin, _))| {
+                self.prepare_cpu_attention(layer, q, k, v, cos, sin, cache)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let decoding: Vec<cpu_attention::DecodeGroup> = prepared
+            .iter()
+            .filter(|p| p.q.dim(2).is_ok_and(|seq| seq == 1))
+            .map(|p| cpu_attention::DecodeGroup {
+                q: &p.q,
+                prefix: p.prefix.as_ref().map(|(k, v)| (k, v)),
+                k: &p.k,
+                v: &p.v,
+                pos: p.pos,
+            })
+            .collect();
+        let decoded = if decoding.is_empty() {
+            None
+        } else {
+            Some(cpu_attention::attend_decode(&decoding)?)
+        };
+        if decoding.len() == prepared.len() {
+            return Ok(decoded.expect("some groups decode"));
+        }
+        let mut ys = Vec::with_capacity(prepared.len());
+        let mut row = 0;
+        for p in &prepared {
+            let (rows, _, seq, _) = p.q.dims4()?;
+            if seq == 1 {
+                let d = decoded.as_ref().expect("this group decodes");
+                ys.push(d.narrow(0, row, rows)?);
+                row += rows;
+            } else {
+                let prefix = p.prefix.as_ref().map(|(k, v)| (k, v));
+                let y = cpu_attention::attend_causal_after(&p.q, prefix, &p.k, &p.v, p.pos)?;
+                ys.push(y.reshape((rows * seq, 1, ()))?);
+            }
+        }
+        Tensor::cat(&ys, 0)
     }
 
     /// Vocabulary-sized logits of the last position for a plain token sequence (batch 1).

@@ -163,77 +163,111 @@ impl Scheduler {
         }
     }
 
-    /// Up to one chunk of prefill work, oldest request first (one whole prompt when nothing
-    /// is decoding or the chunk size is 0); finished prefills join the decode batch. Requests
-    /// whose prompt is already cached cost nothing here, so as many of them join in one round
-    /// as are waiting.
+    /// Up to one chunk of prefill work (one whole prompt when nothing is decoding or the
+    /// chunk size is 0, with more prompts up to a chunk behind it), oldest request first, in
+    /// one forward pass for all the requests it covers; finished prefills join the decode
+    /// batch. Requests whose prompt is already cached cost nothing here, so as many of them
+    /// join in one round as are waiting.
     fn prefill_round(&mut self) {
-        let idle = self.active.is_empty();
-        // Positions this round may still run; `usize::MAX`: one whole prompt.
-        let mut budget: Option<usize> = None;
-        while let Some(front) = self.prefilling.front() {
-            let allowed = *budget.get_or_insert(match front.job.prefill_chunk {
-                _ if idle => usize::MAX,
-                0 => usize::MAX,
-                n => n,
-            });
-            if allowed == 0 && front.prefill.remaining() > 0 {
-                return;
+        // Callers that left before their prompt was in are answered and forgotten.
+        let (left, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.prefilling)
+            .into_iter()
+            .partition(|p| p.job.cancel.is_cancelled());
+        self.prefilling = waiting.into();
+        for p in left {
+            retire_unstarted(*p.job);
+        }
+        let Some(front) = self.prefilling.front() else {
+            return;
+        };
+        let engine = front.job.engine.clone();
+        let chunk = front.job.prefill_chunk;
+        let mut budget = if self.active.is_empty() || chunk == 0 {
+            front.prefill.remaining().max(chunk)
+        } else {
+            chunk
+        };
+        // The front requests of this model, each taking what is left of the budget.
+        let mut sizes = Vec::new();
+        for p in &self.prefilling {
+            let need = p.prefill.remaining();
+            if !Arc::ptr_eq(&p.job.engine, &engine) || (need > 0 && budget == 0) {
+                break;
             }
-            match self.prefill_front(allowed) {
-                // After one whole prompt only cached ones (no positions) may join.
-                Some(ran) if allowed == usize::MAX && ran > 0 => budget = Some(0),
-                Some(ran) => budget = Some(allowed.saturating_sub(ran)),
-                None => return,
+            let n = need.min(budget);
+            budget -= n;
+            sizes.push(n);
+        }
+        let taken = sizes.len();
+        if sizes.iter().any(|&n| n > 0) {
+            let mut counted: Vec<&Arc<Counters>> = Vec::new();
+            for p in self.prefilling.iter().take(taken) {
+                if !counted.iter().any(|c| Arc::ptr_eq(c, &p.job.counters)) {
+                    Counters::add(&p.job.counters.prefill_passes, 1);
+                    counted.push(&p.job.counters);
+                }
             }
+        }
+        let mut prefills: Vec<&mut Prefill> = self
+            .prefilling
+            .iter_mut()
+            .take(taken)
+            .map(|p| &mut p.prefill)
+            .collect();
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            engine.prefill_chunks(&mut prefills, &sizes)
+        }));
+        drop(prefills);
+        let batch: Vec<Prefilling> = self.prefilling.drain(..taken).collect();
+        match ran {
+            Ok(Ok(finished)) => {
+                let mut unfinished = Vec::new();
+                for (p, done) in batch.into_iter().zip(finished) {
+                    if done {
+                        self.start(p);
+                    } else {
+                        unfinished.push(p);
+                    }
+                }
+                // Unfinished prefills stay at the front, in order.
+                for p in unfinished.into_iter().rev() {
+                    self.prefilling.push_front(p);
+                }
+            }
+            Ok(Err(e)) if batch.len() == 1 => {
+                let _ = batch.into_iter().next().map(|p| p.job.reply.send(Err(e)));
+            }
+            Ok(Err(e)) => {
+                // The pass failed: every prefill in it fails with it.
+                let message = e.to_string();
+                for p in batch {
+                    let _ = p.job.reply.send(Err(EngineError::Generate {
+                        model: engine.name().to_string(),
+                        message: message.clone(),
+                    }));
+                }
+            }
+            Err(_) => {} // the reply channels drop: "the model worker panicked"
         }
     }
 
-    /// Runs up to `budget` positions of the oldest prefill; a finished one joins the decode
-    /// batch. Returns the positions run, or `None` when the prefill is not finished.
-    fn prefill_front(&mut self, budget: usize) -> Option<usize> {
-        let front = self.prefilling.front_mut()?;
-        if front.job.cancel.is_cancelled() {
-            let p = self.prefilling.pop_front().expect("front exists");
-            retire_unstarted(*p.job);
-            return Some(0);
-        }
-        let before = front.prefill.remaining();
-        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            front.job.engine.prefill_chunk(&mut front.prefill, budget)
+    /// A request whose prompt is in joins the decode batch (or is answered with its error).
+    fn start(&mut self, p: Prefilling) {
+        let Prefilling { mut job, prefill } = p;
+        let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            job.engine.start_prefilled(prefill, &job.params)
         }));
-        let positions = before - front.prefill.remaining();
-        match ran {
-            Ok(Ok(false)) => None,
-            Ok(Ok(true)) => {
-                let Prefilling { mut job, prefill } =
-                    self.prefilling.pop_front().expect("front exists");
-                let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    job.engine.start_prefilled(prefill, &job.params)
-                }));
-                match started {
-                    Ok(Ok(mut state)) => {
-                        if let Some(sink) = job.stream.take() {
-                            state.set_stream(sink);
-                        }
-                        self.active.push(Active { job, state });
-                    }
-                    Ok(Err(e)) => {
-                        let _ = job.reply.send(Err(e));
-                    }
-                    Err(_) => {}
+        match started {
+            Ok(Ok(mut state)) => {
+                if let Some(sink) = job.stream.take() {
+                    state.set_stream(sink);
                 }
-                Some(positions)
+                self.active.push(Active { job, state });
             }
             Ok(Err(e)) => {
-                let p = self.prefilling.pop_front().expect("front exists");
-                let _ = p.job.reply.send(Err(e));
-                Some(positions)
+                let _ = job.reply.send(Err(e));
             }
-            Err(_) => {
-                self.prefilling.pop_front();
-                Some(positions)
-            }
+            Err(_) => {}
         }
     }
 
@@ -407,6 +441,9 @@ pub struct LocalStats {
     /// Decode steps (a token sampled for every row of the batch, then its forward pass unless
     /// every row finished) that advanced this backend's generations.
     pub decode_steps: u64,
+    /// Forward passes that ran prompt positions of this backend's requests (requests
+    /// prefilled together share one).
+    pub prefill_passes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -417,6 +454,7 @@ struct Counters {
     cancelled_tokens: AtomicU64,
     skipped: AtomicU64,
     decode_steps: AtomicU64,
+    prefill_passes: AtomicU64,
 }
 
 impl Counters {
@@ -432,6 +470,7 @@ impl Counters {
             cancelled_tokens: get(&self.cancelled_tokens),
             skipped: get(&self.skipped),
             decode_steps: get(&self.decode_steps),
+            prefill_passes: get(&self.prefill_passes),
         }
     }
 }
@@ -737,6 +776,49 @@ mod tests {
             steps <= max_tokens as u64 + 1,
             "6 cached requests of {} tokens took {steps} decode steps",
             first.usage.completion_tokens
+        );
+        assert_eq!(backend.stats().prefill_passes, before.prefill_passes);
+    }
+
+    /// Requests that arrive together are prefilled in one forward pass, and each gets the
+    /// reply it gets alone (greedy).
+    #[tokio::test]
+    async fn prompts_arriving_together_share_one_prefill_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny-llama");
+        write_tiny_llama(&path, &TinySpec::default()).unwrap();
+        let backend = LocalBackend::load(&ModelSpec::HfDir(path), &LoadOptions::default())
+            .await
+            .unwrap();
+        let reqs: Vec<ChatRequest> = ["one two", "three four five", "six", "seven eight"]
+            .iter()
+            .map(|t| {
+                ChatRequest::new(vec![ChatMessage::user(*t)])
+                    .temperature(0.0)
+                    .max_tokens(8)
+            })
+            .collect();
+        let mut alone = Vec::new();
+        for r in &reqs {
+            alone.push(backend.chat(r).await.unwrap().choices[0].content.clone());
+            backend.engine().clear_prefix_cache();
+        }
+        let before = backend.stats();
+        let hold = tokio::spawn(on_worker("hold", || {
+            std::thread::sleep(std::time::Duration::from_millis(300))
+        }));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let replies = futures::future::join_all(reqs.iter().map(|r| backend.chat(r))).await;
+        hold.await.unwrap().unwrap();
+        for (r, want) in replies.into_iter().zip(&alone) {
+            let r = r.unwrap();
+            assert_eq!(&r.choices[0].content, want);
+            assert_eq!(r.usage.cached_prompt_tokens, 0);
+        }
+        let passes = backend.stats().prefill_passes - before.prefill_passes;
+        assert_eq!(
+            passes, 1,
+            "4 prompts arriving together took {passes} prefill passes"
         );
     }
 }
