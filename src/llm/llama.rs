@@ -551,6 +551,69 @@ mod elementwise {
         }
     }
 
+    const LANES: usize = 16;
+
+    /// `out = x / √(mean(x²) + eps) · alpha` for one row; the squares summed in 16 lanes
+    /// (then the lanes in order), so every instruction set gives the same bits.
+    #[inline(always)]
+    fn rms_row_any(out: &mut [f32], x: &[f32], alpha: &[f32], eps: f32) {
+        let mut lanes = [0f32; LANES];
+        let mut chunks = x.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (l, v) in lanes.iter_mut().zip(c) {
+                *l += v * v;
+            }
+        }
+        let mut sum = lanes.iter().sum::<f32>();
+        for v in chunks.remainder() {
+            sum += v * v;
+        }
+        let m = (sum / x.len() as f32 + eps).sqrt();
+        for ((o, v), a) in out.iter_mut().zip(x).zip(alpha) {
+            *o = v / m * a;
+        }
+    }
+
+    dispatch!(rms_row, rms_row_any, (out: &mut [f32], x: &[f32], alpha: &[f32], eps: f32) -> ());
+
+    /// RMS norm over the last dimension (candle's `rms_norm` for other tensors): a row at a
+    /// time on the compute threads, without candle's per-op overhead (60 norms a step).
+    pub(super) fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f32) -> Result<Tensor> {
+        let cpu_f32 =
+            |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
+        let n = x.dim(candle_core::D::Minus1)?;
+        if !cpu_f32(x) || !cpu_f32(alpha) || alpha.dims() != [n] || n == 0 {
+            return candle_nn::ops::rms_norm(x, alpha, eps);
+        }
+        let total = x.elem_count();
+        let mut out = vec![0f32; total];
+        {
+            let (sx, lx) = x.storage_and_layout();
+            let (sa, la) = alpha.storage_and_layout();
+            let (candle_core::Storage::Cpu(cx), candle_core::Storage::Cpu(ca)) = (&*sx, &*sa)
+            else {
+                return candle_nn::ops::rms_norm(x, alpha, eps);
+            };
+            let xs = &cx.as_slice::<f32>()?[lx.start_offset()..][..total];
+            let a = &ca.as_slice::<f32>()?[la.start_offset()..][..n];
+            if total < PAR_MIN {
+                for (o, r) in out.chunks_mut(n).zip(xs.chunks(n)) {
+                    rms_row(o, r, a, eps);
+                }
+            } else {
+                let rows = (CHUNK / n).max(1) * n;
+                out.par_chunks_mut(rows)
+                    .zip(xs.par_chunks(rows))
+                    .for_each(|(o, x)| {
+                        for (o, r) in o.chunks_mut(n).zip(x.chunks(n)) {
+                            rms_row(o, r, a, eps);
+                        }
+                    });
+            }
+        }
+        Tensor::from_vec(out, x.shape(), x.device())
+    }
+
     /// `silu(gate) · up`.
     pub(super) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         match binary(gate, up, swiglu_rows)? {
@@ -576,6 +639,26 @@ mod elementwise {
                 for (o, t) in ours.iter().zip(&theirs) {
                     assert!((o - t).abs() <= 1e-6 * (1.0 + t.abs()), "{o} vs {t}");
                 }
+            }
+            // RMS norm: candle's within rounding, inline and over the threads alike.
+            for rows in [3usize, 2 * PAR_MIN / 40 + 1] {
+                let x = Tensor::randn(0f32, 2.0, (rows, 40), &Device::Cpu).unwrap();
+                let alpha = Tensor::randn(0f32, 1.0, 40, &Device::Cpu).unwrap();
+                let ours = rms_norm(&x, &alpha, 1e-5).unwrap();
+                let theirs = candle_nn::ops::rms_norm(&x, &alpha, 1e-5).unwrap();
+                let (o, t) = (
+                    ours.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    theirs.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                for (o, t) in o.iter().zip(&t) {
+                    assert!((o - t).abs() <= 1e-5 * (1.0 + t.abs()), "{o} vs {t}");
+                }
+                // A row's bits do not depend on the rows beside it.
+                let first = rms_norm(&x.narrow(0, 0, 1).unwrap(), &alpha, 1e-5).unwrap();
+                assert_eq!(
+                    first.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    o[..40].to_vec()
+                );
             }
             // A transposed (non-contiguous) input takes candle's op.
             let m = Tensor::randn(0f32, 1.0, (4, 6), &Device::Cpu).unwrap();
@@ -894,17 +977,17 @@ impl LlamaModel {
         };
         let eps = self.cfg.rms_norm_eps as f32;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let h = elementwise::rms_norm(&x, &layer.attn_norm, eps)?;
             let attn = self.attention(i, layer, &h, &cos, &sin, mask.as_ref(), cache)?;
             x = elementwise::add(&x, &attn)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let h = elementwise::rms_norm(&x, &layer.ffn_norm, eps)?;
             let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
                 candle_core::bail!("the gate/up projections gave no two outputs");
             };
             x = elementwise::add(&x, &layer.w_down.forward(&elementwise::swiglu(gate, up)?)?)?;
         }
         cache.len = pos + seq;
-        candle_nn::ops::rms_norm(&x, &self.norm, eps)
+        elementwise::rms_norm(&x, &self.norm, eps)
     }
 
     /// (groups·seq, pos+seq) additive mask: query row `j·seq + i` sees keys `0..=pos+i`.
@@ -1146,7 +1229,7 @@ impl LlamaModel {
         let mut x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
         let eps = self.cfg.rms_norm_eps as f32;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let h = elementwise::rms_norm(&x, &layer.attn_norm, eps)?;
             let [q, k, v] = &layer.qkv.forward(&h)?[..] else {
                 candle_core::bail!("the q/k/v projections gave no three outputs");
             };
@@ -1173,7 +1256,7 @@ impl LlamaModel {
                 Tensor::cat(&ys, 0)?
             };
             x = elementwise::add(&x, &layer.wo.forward(&y)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let h = elementwise::rms_norm(&x, &layer.ffn_norm, eps)?;
             let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
                 candle_core::bail!("the gate/up projections gave no two outputs");
             };
@@ -1193,7 +1276,7 @@ impl LlamaModel {
             let n = last.len();
             x = x.index_select(&Tensor::from_vec(last, n, &self.device)?, 0)?;
         }
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        let x = elementwise::rms_norm(&x, &self.norm, eps)?;
         let logits = self.lm_head.forward(&x)?.squeeze(1)?;
         let mut out = Vec::with_capacity(shapes.len());
         let mut r0 = 0;
