@@ -161,20 +161,8 @@ pub fn attend_causal_after(
                             let keys = pos + t + 1;
                             let from_prefix = keys.min(shared);
                             let segments = [
-                                Segment {
-                                    keys: &pkd[kv * pks[1]..],
-                                    values: &pvd[kv * pvs[1]..],
-                                    kstride: pks[2],
-                                    vstride: pvs[2],
-                                    n: from_prefix,
-                                },
-                                Segment {
-                                    keys: &kd[r * ks[0] + kv * ks[1]..],
-                                    values: &vd[r * vs[0] + kv * vs[1]..],
-                                    kstride: ks[2],
-                                    vstride: vs[2],
-                                    n: keys - from_prefix,
-                                },
+                                Segment::of((pkd, pks), (pvd, pvs), 0, kv, from_prefix),
+                                Segment::of((kd, ks), (vd, vs), r, kv, keys - from_prefix),
                             ];
                             scratch.queries.clear();
                             for h in h0..h0 + per {

@@ -514,33 +514,42 @@ mod elementwise {
 
     dispatch!(add_rows, add_any, (out: &mut [f32], a: &[f32], b: &[f32]) -> ());
 
-    /// `f(out, a, b)` over two CPU f32 contiguous tensors of one shape, or `None`.
-    fn binary(a: &Tensor, b: &Tensor, f: fn(&mut [f32], &[f32], &[f32])) -> Result<Option<Tensor>> {
+    /// `f` on the values of CPU f32 contiguous tensors, or `None` for other tensors.
+    fn with_slices<R>(ts: [&Tensor; 2], f: impl FnOnce([&[f32]; 2]) -> R) -> Result<Option<R>> {
         let cpu_f32 =
             |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
-        if !cpu_f32(a) || !cpu_f32(b) || a.shape() != b.shape() {
+        if !ts.iter().all(|t| cpu_f32(t)) {
             return Ok(None);
         }
-        let n = a.elem_count();
-        let mut out = vec![0f32; n];
-        {
-            let (sa, la) = a.storage_and_layout();
-            let (sb, lb) = b.storage_and_layout();
-            let (candle_core::Storage::Cpu(ca), candle_core::Storage::Cpu(cb)) = (&*sa, &*sb)
-            else {
+        let held = ts.map(|t| t.storage_and_layout());
+        let mut slices: [&[f32]; 2] = [&[], &[]];
+        for ((slice, (storage, layout)), t) in slices.iter_mut().zip(&held).zip(ts) {
+            let candle_core::Storage::Cpu(cpu) = &**storage else {
                 return Ok(None);
             };
-            let xa = &ca.as_slice::<f32>()?[la.start_offset()..][..n];
-            let xb = &cb.as_slice::<f32>()?[lb.start_offset()..][..n];
-            if n < PAR_MIN {
+            *slice = &cpu.as_slice::<f32>()?[layout.start_offset()..][..t.elem_count()];
+        }
+        Ok(Some(f(slices)))
+    }
+
+    /// `f(out, a, b)` over two CPU f32 contiguous tensors of one shape, or `None`.
+    fn binary(a: &Tensor, b: &Tensor, f: fn(&mut [f32], &[f32], &[f32])) -> Result<Option<Tensor>> {
+        if a.shape() != b.shape() {
+            return Ok(None);
+        }
+        let out = with_slices([a, b], |[xa, xb]| {
+            let mut out = vec![0f32; xa.len()];
+            if xa.len() < PAR_MIN {
                 f(&mut out, xa, xb);
             } else {
                 out.par_chunks_mut(CHUNK)
                     .zip(xa.par_chunks(CHUNK).zip(xb.par_chunks(CHUNK)))
                     .for_each(|(o, (a, b))| f(o, a, b));
             }
-        }
-        Tensor::from_vec(out, a.shape(), a.device()).map(Some)
+            out
+        })?;
+        out.map(|out| Tensor::from_vec(out, a.shape(), a.device()))
+            .transpose()
     }
 
     /// `a + b`.
@@ -579,39 +588,34 @@ mod elementwise {
     /// RMS norm over the last dimension (candle's `rms_norm` for other tensors): a row at a
     /// time on the compute threads, without candle's per-op overhead (60 norms a step).
     pub(super) fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f32) -> Result<Tensor> {
-        let cpu_f32 =
-            |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
         let n = x.dim(candle_core::D::Minus1)?;
-        if !cpu_f32(x) || !cpu_f32(alpha) || alpha.dims() != [n] || n == 0 {
-            return candle_nn::ops::rms_norm(x, alpha, eps);
-        }
-        let total = x.elem_count();
-        let mut out = vec![0f32; total];
-        {
-            let (sx, lx) = x.storage_and_layout();
-            let (sa, la) = alpha.storage_and_layout();
-            let (candle_core::Storage::Cpu(cx), candle_core::Storage::Cpu(ca)) = (&*sx, &*sa)
-            else {
-                return candle_nn::ops::rms_norm(x, alpha, eps);
-            };
-            let xs = &cx.as_slice::<f32>()?[lx.start_offset()..][..total];
-            let a = &ca.as_slice::<f32>()?[la.start_offset()..][..n];
-            if total < PAR_MIN {
-                for (o, r) in out.chunks_mut(n).zip(xs.chunks(n)) {
-                    rms_row(o, r, a, eps);
-                }
-            } else {
-                let rows = (CHUNK / n).max(1) * n;
-                out.par_chunks_mut(rows)
-                    .zip(xs.par_chunks(rows))
-                    .for_each(|(o, x)| {
-                        for (o, r) in o.chunks_mut(n).zip(x.chunks(n)) {
+        let out = (alpha.dims() == [n] && n > 0)
+            .then(|| {
+                with_slices([x, alpha], |[xs, a]| {
+                    let mut out = vec![0f32; xs.len()];
+                    if xs.len() < PAR_MIN {
+                        for (o, r) in out.chunks_mut(n).zip(xs.chunks(n)) {
                             rms_row(o, r, a, eps);
                         }
-                    });
-            }
+                    } else {
+                        let rows = (CHUNK / n).max(1) * n;
+                        out.par_chunks_mut(rows)
+                            .zip(xs.par_chunks(rows))
+                            .for_each(|(o, x)| {
+                                for (o, r) in o.chunks_mut(n).zip(x.chunks(n)) {
+                                    rms_row(o, r, a, eps);
+                                }
+                            });
+                    }
+                    out
+                })
+            })
+            .transpose()?
+            .flatten();
+        match out {
+            Some(out) => Tensor::from_vec(out, x.shape(), x.device()),
+            None => candle_nn::ops::rms_norm(x, alpha, eps),
         }
-        Tensor::from_vec(out, x.shape(), x.device())
     }
 
     /// `silu(gate) · up`.

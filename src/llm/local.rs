@@ -200,13 +200,8 @@ impl Scheduler {
         }
         let taken = sizes.len();
         if sizes.iter().any(|&n| n > 0) {
-            let mut counted: Vec<&Arc<Counters>> = Vec::new();
-            for p in self.prefilling.iter().take(taken) {
-                if !counted.iter().any(|c| Arc::ptr_eq(c, &p.job.counters)) {
-                    Counters::add(&p.job.counters.prefill_passes, 1);
-                    counted.push(&p.job.counters);
-                }
-            }
+            let backends = self.prefilling.iter().take(taken).map(|p| &p.job.counters);
+            Counters::once_each(backends, |c| &c.prefill_passes);
         }
         let mut prefills: Vec<&mut Prefill> = self
             .prefilling
@@ -286,17 +281,12 @@ impl Scheduler {
             }
         }
         for engine in engines {
-            let mut counted: Vec<&Arc<Counters>> = Vec::new();
-            for a in self
+            let backends = self
                 .active
                 .iter()
                 .filter(|a| Arc::ptr_eq(&a.job.engine, &engine))
-            {
-                if !counted.iter().any(|c| Arc::ptr_eq(c, &a.job.counters)) {
-                    Counters::add(&a.job.counters.decode_steps, 1);
-                    counted.push(&a.job.counters);
-                }
-            }
+                .map(|a| &a.job.counters);
+            Counters::once_each(backends, |c| &c.decode_steps);
             let mut states: Vec<&mut GenState> = self
                 .active
                 .iter_mut()
@@ -460,6 +450,21 @@ struct Counters {
 impl Counters {
     fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Adds one to `field` of each backend's counters among `jobs`' (once per backend, however
+    /// many of its jobs a forward pass held).
+    fn once_each<'a>(
+        jobs: impl Iterator<Item = &'a Arc<Counters>>,
+        field: fn(&Counters) -> &AtomicU64,
+    ) {
+        let mut counted: Vec<&Arc<Counters>> = Vec::new();
+        for c in jobs {
+            if !counted.iter().any(|seen| Arc::ptr_eq(seen, c)) {
+                Counters::add(field(c), 1);
+                counted.push(c);
+            }
+        }
     }
     fn snapshot(&self) -> LocalStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -740,16 +745,31 @@ mod tests {
     use crate::llm::tiny::{write_tiny_llama, TinySpec};
     use crate::llm::{ChatBackend, ChatMessage, ChatRequest};
 
-    /// Requests whose prompt is cached need no prefill: queued together, they join the decode
-    /// batch in one round (not one per round behind each other) and step together.
-    #[tokio::test]
-    async fn cached_prompts_join_the_batch_together() {
+    async fn tiny_backend() -> (tempfile::TempDir, Arc<LocalBackend>) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tiny-llama");
         write_tiny_llama(&path, &TinySpec::default()).unwrap();
         let backend = LocalBackend::load(&ModelSpec::HfDir(path), &LoadOptions::default())
             .await
             .unwrap();
+        (dir, backend)
+    }
+
+    /// Holds the model worker for a while: requests sent meanwhile queue, and it finds them
+    /// all at once.
+    async fn hold_worker() -> tokio::task::JoinHandle<Result<(), String>> {
+        let hold = tokio::spawn(on_worker("hold", || {
+            std::thread::sleep(std::time::Duration::from_millis(300))
+        }));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        hold
+    }
+
+    /// Requests whose prompt is cached need no prefill: queued together, they join the decode
+    /// batch in one round (not one per round behind each other) and step together.
+    #[tokio::test]
+    async fn cached_prompts_join_the_batch_together() {
+        let (_dir, backend) = tiny_backend().await;
         let max_tokens = 12;
         let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
             .temperature(0.0)
@@ -758,10 +778,7 @@ mod tests {
         let first = backend.chat(&req).await.unwrap();
         let before = backend.stats();
         // The worker is held while the requests queue, so it finds them all at once.
-        let hold = tokio::spawn(on_worker("hold", || {
-            std::thread::sleep(std::time::Duration::from_millis(300))
-        }));
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let hold = hold_worker().await;
         let replies = futures::future::join_all((0..6).map(|_| backend.chat(&req))).await;
         hold.await.unwrap().unwrap();
         for r in replies {
@@ -784,12 +801,7 @@ mod tests {
     /// reply it gets alone (greedy).
     #[tokio::test]
     async fn prompts_arriving_together_share_one_prefill_pass() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny-llama");
-        write_tiny_llama(&path, &TinySpec::default()).unwrap();
-        let backend = LocalBackend::load(&ModelSpec::HfDir(path), &LoadOptions::default())
-            .await
-            .unwrap();
+        let (_dir, backend) = tiny_backend().await;
         let reqs: Vec<ChatRequest> = ["one two", "three four five", "six", "seven eight"]
             .iter()
             .map(|t| {
@@ -804,10 +816,7 @@ mod tests {
             backend.engine().clear_prefix_cache();
         }
         let before = backend.stats();
-        let hold = tokio::spawn(on_worker("hold", || {
-            std::thread::sleep(std::time::Duration::from_millis(300))
-        }));
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let hold = hold_worker().await;
         let replies = futures::future::join_all(reqs.iter().map(|r| backend.chat(r))).await;
         hold.await.unwrap().unwrap();
         for (r, want) in replies.into_iter().zip(&alone) {
