@@ -488,6 +488,9 @@ pub struct LlamaModel {
     interleaved_rope: bool,
     cos: Tensor,
     sin: Tensor,
+    /// `cos` and `sin` as host values on the CPU (empty elsewhere): `cpu_attention` rotates
+    /// with slices of them (a conversion per layer and request otherwise).
+    rope_host: (Vec<f32>, Vec<f32>),
     device: Device,
 }
 
@@ -766,6 +769,14 @@ pub(crate) fn rope_tables(
     ))
 }
 
+/// The rope tables' values on the CPU (none on other devices).
+fn host_tables(cos: &Tensor, sin: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
+    if !cos.device().is_cpu() {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    Ok((cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?))
+}
+
 impl LlamaModel {
     /// Loads from a GGUF file whose header has already been read.
     pub fn from_gguf<R: std::io::Read + std::io::Seek>(
@@ -812,6 +823,7 @@ impl LlamaModel {
         // The embedding table stays quantized: rows are dequantized on lookup.
         let embed = QMatMul::from_arc(embed_q)?;
         let (cos, sin) = rope_tables(&cfg, factors, device)?;
+        let rope_host = host_tables(&cos, &sin)?;
         Ok(Self {
             cfg,
             embed,
@@ -821,6 +833,7 @@ impl LlamaModel {
             interleaved_rope: true,
             cos,
             sin,
+            rope_host,
             device: device.clone(),
         })
     }
@@ -911,6 +924,7 @@ impl LlamaModel {
         let (lm_head, layers) = (lm_head?, layers?);
         let norm = vb.get(h, "model.norm.weight")?;
         let (cos, sin) = rope_tables(&cfg, factors, device)?;
+        let rope_host = host_tables(&cos, &sin)?;
         Ok(Self {
             cfg,
             embed: QMatMul::Tensor(embed_w),
@@ -920,6 +934,7 @@ impl LlamaModel {
             interleaved_rope: false,
             cos,
             sin,
+            rope_host,
             device: device.clone(),
         })
     }
@@ -1037,17 +1052,14 @@ impl LlamaModel {
         self.device.is_cpu() && q.dtype() == DType::F32
     }
 
-    /// For [`cpu_attention`]: `q`, `k`, `v` (b, seq, heads·hd) as heads, rotated, and the
-    /// keys and values appended to `cache`.
-    #[allow(clippy::too_many_arguments)]
+    /// For [`cpu_attention`]: `q`, `k`, `v` (b, seq, heads·hd) as heads, rotated for the
+    /// positions from `cache`'s on, and the keys and values appended to `cache`.
     fn prepare_cpu_attention(
         &self,
         layer_idx: usize,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
         cache: &mut KvCache,
     ) -> Result<CpuAttention> {
         let (nh, kvh) = (self.cfg.num_attention_heads, self.cfg.num_kv_heads());
@@ -1055,8 +1067,17 @@ impl LlamaModel {
             head_dim: self.cfg.head_dim(),
             interleaved_rope: self.interleaved_rope,
         };
-        let (cos, sin) = (cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?);
-        let rope = Some((&cos[..], &sin[..]));
+        let (seq, half) = (q.dim(1)?, self.cfg.head_dim() / 2);
+        let positions = cache.len * half..(cache.len + seq) * half;
+        let (cos, sin) = &self.rope_host;
+        let (Some(cos), Some(sin)) = (cos.get(positions.clone()), sin.get(positions)) else {
+            candle_core::bail!(
+                "positions {}..{} past the rope tables",
+                cache.len,
+                cache.len + seq
+            );
+        };
+        let rope = Some((cos, sin));
         let q = cpu_attention::to_heads(q, nh, &shape, rope)?;
         let k = cpu_attention::to_heads(k, kvh, &shape, rope)?;
         let v = cpu_attention::to_heads(v, kvh, &shape, None)?;
@@ -1094,7 +1115,7 @@ impl LlamaModel {
         );
         let groups = nh / kvh;
         if self.cpu_attention(q) {
-            let p = self.prepare_cpu_attention(layer_idx, q, k, v, cos, sin, cache)?;
+            let p = self.prepare_cpu_attention(layer_idx, q, k, v, cache)?;
             let prefix = p.prefix.as_ref().map(|(k, v)| (k, v));
             return cpu_attention::attend_causal_after(&p.q, prefix, &p.k, &p.v, p.pos);
         }
@@ -1245,7 +1266,7 @@ impl LlamaModel {
                 r0 += rows * seq;
             }
             let y = if self.cpu_attention(q) {
-                self.groups_cpu_attention(i, &parts, &trig, caches)?
+                self.groups_cpu_attention(i, &parts, caches)?
             } else {
                 // Groups attend independently: spread them over the compute threads.
                 let ys = caches
@@ -1295,21 +1316,16 @@ impl LlamaModel {
     /// and values into its cache, then the groups that decode (one position a row) attend
     /// together (rows reading one shared prefix read it together), the others each by
     /// itself. Returns (rows·seq of every group in order, 1, heads·hd).
-    #[allow(clippy::type_complexity)]
     fn groups_cpu_attention(
         &self,
         layer: usize,
         parts: &[(Tensor, Tensor, Tensor)],
-        trig: &[(Tensor, Tensor, Option<Tensor>)],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
         let prepared = caches
             .par_iter_mut()
             .zip(parts.par_iter())
-            .zip(trig.par_iter())
-            .map(|((cache, (q, k, v)), (cos, sin, _))| {
-                self.prepare_cpu_attention(layer, q, k, v, cos, sin, cache)
-            })
+            .map(|(cache, (q, k, v))| self.prepare_cpu_attention(layer, q, k, v, cache))
             .collect::<Result<Vec<_>>>()?;
         let decoding: Vec<cpu_attention::DecodeGroup> = prepared
             .iter()
