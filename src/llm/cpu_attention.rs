@@ -102,21 +102,7 @@ pub fn attend_causal_after(
 ) -> Result<Tensor> {
     let (rows, heads, seq, d) = q.dims4()?;
     let (_, kv_heads, own, _) = k.dims4()?;
-    let shared = match prefix {
-        Some((pk, pv)) => {
-            let (one, pkh, plen, pd) = pk.dims4()?;
-            if one != 1 || pkh != kv_heads || pd != d || pv.dims() != pk.dims() {
-                candle_core::bail!(
-                    "a shared prefix {:?} / {:?} for keys {:?}",
-                    pk.dims(),
-                    pv.dims(),
-                    k.dims()
-                );
-            }
-            plen
-        }
-        None => 0,
-    };
+    let shared = shared_len(prefix, k, d)?;
     let len = shared + own;
     if len != pos + seq || kv_heads == 0 || heads % kv_heads != 0 {
         candle_core::bail!(
@@ -196,6 +182,24 @@ pub fn attend_causal_after(
     Tensor::from_vec(out, (rows, seq, heads * d), q.device())
 }
 
+/// Positions of a shared `prefix` (k, v), each (1, kv_heads, P, d) beside keys `k` (rows,
+/// kv_heads, …, d); 0 without one.
+fn shared_len(prefix: Option<(&Tensor, &Tensor)>, k: &Tensor, d: usize) -> Result<usize> {
+    let Some((pk, pv)) = prefix else {
+        return Ok(0);
+    };
+    let (one, pkh, plen, pd) = pk.dims4()?;
+    if one != 1 || pkh != k.dim(1)? || pd != d || pv.dims() != pk.dims() {
+        candle_core::bail!(
+            "a shared prefix {:?} / {:?} for keys {:?}",
+            pk.dims(),
+            pv.dims(),
+            k.dims()
+        );
+    }
+    Ok(plen)
+}
+
 /// One group of a decode step: rows that sit at the same position `pos` and share a cache
 /// (a request's samples), one query position each. `q` (rows, heads, 1, hd); `prefix` (k, v),
 /// each (1, kv_heads, P, hd), the positions every row of the group shares; `k`, `v` (rows,
@@ -223,21 +227,7 @@ impl GroupDims {
     fn of(g: &DecodeGroup) -> Result<Self> {
         let (rows, heads, seq, d) = g.q.dims4()?;
         let (krows, kv_heads, own, kd) = g.k.dims4()?;
-        let shared = match g.prefix {
-            Some((pk, pv)) => {
-                let (one, pkh, plen, pd) = pk.dims4()?;
-                if one != 1 || pkh != kv_heads || pd != d || pv.dims() != pk.dims() {
-                    candle_core::bail!(
-                        "a shared prefix {:?} / {:?} for keys {:?}",
-                        pk.dims(),
-                        pv.dims(),
-                        g.k.dims()
-                    );
-                }
-                plen
-            }
-            None => 0,
-        };
+        let shared = shared_len(g.prefix, g.k, d)?;
         if seq != 1
             || krows != rows
             || kd != d
@@ -408,7 +398,6 @@ pub fn attend_decode(groups: &[DecodeGroup]) -> Result<Tensor> {
             }
         }
     }
-    drop(data);
     Tensor::from_vec(out, (total, 1, heads * d), groups[0].q.device())
 }
 

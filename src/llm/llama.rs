@@ -165,6 +165,20 @@ pub struct KvCache {
     capacity: usize,
 }
 
+/// `rows` copies of a one-row (1, kv_heads, positions, head_dim) cache tensor, in a fresh
+/// tensor with room for `room` positions.
+fn rows_of(t: &Tensor, rows: usize, room: usize) -> Result<Tensor> {
+    let (_, h, _, d) = t.dims4()?;
+    let full = Tensor::zeros((rows, h, room, d), t.dtype(), t.device())?;
+    let copies = if rows == 1 {
+        t.clone()
+    } else {
+        t.repeat((rows, 1, 1, 1))?.contiguous()?
+    };
+    full.slice_set(&copies, 2, 0)?;
+    Ok(full)
+}
+
 /// (k, v) per layer, each (1, kv_heads, len, head_dim) (views into another cache's tensors:
 /// the last dimension contiguous).
 struct SharedPrefix {
@@ -211,14 +225,8 @@ impl KvCache {
                     own.push(None);
                     continue;
                 };
-                let rows = |t: &Tensor| -> Result<Tensor> {
-                    let (_, h, held, d) = t.dims4()?;
-                    let full =
-                        Tensor::zeros((n, h, held + extra.max(1), d), t.dtype(), t.device())?;
-                    full.slice_set(&t.repeat((n, 1, 1, 1))?.contiguous()?, 2, 0)?;
-                    Ok(full)
-                };
-                own.push(Some((rows(&k)?, rows(&v)?)));
+                let room = k.dim(2)? + extra.max(1);
+                own.push(Some((rows_of(&k, n, room)?, rows_of(&v, n, room)?)));
                 continue;
             }
             let Some((k, v)) = &self.layers[i] else {
@@ -295,14 +303,8 @@ impl KvCache {
                     layers.push(None);
                     continue;
                 };
-                let room = |t: &Tensor| -> Result<Tensor> {
-                    let (_, h, held, d) = t.dims4()?;
-                    let full = Tensor::zeros((1, h, capacity - base, d), t.dtype(), t.device())?;
-                    full.slice_set(t, 2, 0)?;
-                    debug_assert_eq!(held, len - base);
-                    Ok(full)
-                };
-                layers.push(Some((room(&k)?, room(&v)?)));
+                let room = capacity - base;
+                layers.push(Some((rows_of(&k, 1, room)?, rows_of(&v, 1, room)?)));
             }
             return Ok(KvCache {
                 layers,
@@ -383,13 +385,10 @@ impl KvCache {
                 layers.push(None);
                 continue;
             };
-            let copy = |cur: &Tensor| -> Result<Tensor> {
-                let (_, h, _, d) = cur.dims4()?;
-                let full = Tensor::zeros((rows, h, capacity, d), cur.dtype(), cur.device())?;
-                full.slice_set(&cur.repeat((rows, 1, 1, 1))?.contiguous()?, 2, 0)?;
-                Ok(full)
-            };
-            layers.push(Some((copy(&k)?, copy(&v)?)));
+            layers.push(Some((
+                rows_of(&k, rows, capacity)?,
+                rows_of(&v, rows, capacity)?,
+            )));
         }
         Ok(KvCache {
             layers,
@@ -994,19 +993,35 @@ impl LlamaModel {
         } else {
             None
         };
-        let eps = self.cfg.rms_norm_eps as f32;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = elementwise::rms_norm(&x, &layer.attn_norm, eps)?;
-            let attn = self.attention(i, layer, &h, &cos, &sin, mask.as_ref(), cache)?;
-            x = elementwise::add(&x, &attn)?;
-            let h = elementwise::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
-                candle_core::bail!("the gate/up projections gave no two outputs");
-            };
-            x = elementwise::add(&x, &layer.w_down.forward(&elementwise::swiglu(gate, up)?)?)?;
+            x = self.block(layer, &x, |q, k, v| {
+                self.attend(i, q, k, v, &cos, &sin, mask.as_ref(), cache)
+            })?;
         }
         cache.len = pos + seq;
-        elementwise::rms_norm(&x, &self.norm, eps)
+        elementwise::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps as f32)
+    }
+
+    /// One transformer block on the residual stream `x`: `attention` maps the projected q, k
+    /// and v to the heads' outputs before the output projection.
+    fn block(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        attention: impl FnOnce(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let eps = self.cfg.rms_norm_eps as f32;
+        let h = elementwise::rms_norm(x, &layer.attn_norm, eps)?;
+        let [q, k, v] = &layer.qkv.forward(&h)?[..] else {
+            candle_core::bail!("the q/k/v projections gave no three outputs");
+        };
+        let y = attention(q, k, v)?;
+        let x = elementwise::add(x, &layer.wo.forward(&y)?)?;
+        let h = elementwise::rms_norm(&x, &layer.ffn_norm, eps)?;
+        let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
+            candle_core::bail!("the gate/up projections gave no two outputs");
+        };
+        elementwise::add(&x, &layer.w_down.forward(&elementwise::swiglu(gate, up)?)?)
     }
 
     /// (groups·seq, pos+seq) additive mask: query row `j·seq + i` sees keys `0..=pos+i`.
@@ -1026,24 +1041,6 @@ impl LlamaModel {
             }
         }
         Tensor::from_vec(m, (groups * seq, total), &self.device)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        layer_idx: usize,
-        layer: &Layer,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        let [q, k, v] = &layer.qkv.forward(x)?[..] else {
-            candle_core::bail!("the q/k/v projections gave no three outputs");
-        };
-        let y = self.attend(layer_idx, q, k, v, cos, sin, mask, cache)?;
-        layer.wo.forward(&y)
     }
 
     /// Whether attention over `q` runs in [`cpu_attention`] (row- and chunk-independent
@@ -1254,20 +1251,17 @@ impl LlamaModel {
         let mut x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
         let eps = self.cfg.rms_norm_eps as f32;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = elementwise::rms_norm(&x, &layer.attn_norm, eps)?;
-            let [q, k, v] = &layer.qkv.forward(&h)?[..] else {
-                candle_core::bail!("the q/k/v projections gave no three outputs");
-            };
-            let mut parts = Vec::with_capacity(shapes.len());
-            let mut r0 = 0;
-            for &(rows, seq) in &shapes {
-                let part = |t: &Tensor| t.narrow(0, r0, rows * seq)?.reshape((rows, seq, ()));
-                parts.push((part(q)?, part(k)?, part(v)?));
-                r0 += rows * seq;
-            }
-            let y = if self.cpu_attention(q) {
-                self.groups_cpu_attention(i, &parts, caches)?
-            } else {
+            x = self.block(layer, &x, |q, k, v| {
+                let mut parts = Vec::with_capacity(shapes.len());
+                let mut r0 = 0;
+                for &(rows, seq) in &shapes {
+                    let part = |t: &Tensor| t.narrow(0, r0, rows * seq)?.reshape((rows, seq, ()));
+                    parts.push((part(q)?, part(k)?, part(v)?));
+                    r0 += rows * seq;
+                }
+                if self.cpu_attention(q) {
+                    return self.groups_cpu_attention(i, &parts, caches);
+                }
                 // Groups attend independently: spread them over the compute threads.
                 let ys = caches
                     .par_iter_mut()
@@ -1278,14 +1272,8 @@ impl LlamaModel {
                         y.reshape(((), 1, y.dim(2)?))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&ys, 0)?
-            };
-            x = elementwise::add(&x, &layer.wo.forward(&y)?)?;
-            let h = elementwise::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
-                candle_core::bail!("the gate/up projections gave no two outputs");
-            };
-            x = elementwise::add(&x, &layer.w_down.forward(&elementwise::swiglu(gate, up)?)?)?;
+                Tensor::cat(&ys, 0)
+            })?;
         }
         for (c, &(_, seq)) in caches.iter_mut().zip(&shapes) {
             c.len += seq;
