@@ -11,7 +11,6 @@
 use std::sync::OnceLock;
 
 use candle_core::{DType, Result, Tensor};
-use rayon::prelude::*;
 
 /// The head size and rotary layout of one layer's attention.
 #[derive(Clone, Copy, Debug)]
@@ -169,10 +168,16 @@ pub fn attend_causal_after(
                             }
                         } else {
                             let per_task = (tasks / threads).clamp(1, 16);
-                            out.par_chunks_mut(per * d)
-                                .enumerate()
-                                .with_min_len(per_task)
-                                .for_each_init(init, |scratch, (i, o)| task(i, o, scratch));
+                            crate::llm::team::for_each_chunk_mut(
+                                &mut out,
+                                per_task * per * d,
+                                |c, piece| {
+                                    let mut scratch = init();
+                                    for (j, o) in piece.chunks_mut(per * d).enumerate() {
+                                        task(c * per_task + j, o, &mut scratch);
+                                    }
+                                },
+                            );
                         }
                     })
                 })
@@ -365,17 +370,15 @@ pub fn attend_decode(groups: &[DecodeGroup]) -> Result<Tensor> {
     } else {
         crate::llm::q8::compute_threads()
     };
-    let outs: Vec<f32> = tasks
-        .par_chunks(tasks.len().div_ceil(threads))
-        .map(|chunk| {
-            let (mut scratch, mut out) = (Scratch::new(0, 0, d), Vec::new());
-            for t in chunk {
-                run(t, &mut scratch, &mut out);
-            }
-            out
-        })
-        .collect::<Vec<_>>()
-        .concat();
+    let mut chunks: Vec<&[DecodeTask]> = tasks.chunks(tasks.len().div_ceil(threads)).collect();
+    let outs: Vec<f32> = crate::llm::team::map_mut(&mut chunks, |_, chunk| {
+        let (mut scratch, mut out) = (Scratch::new(0, 0, d), Vec::new());
+        for t in chunk.iter() {
+            run(t, &mut scratch, &mut out);
+        }
+        out
+    })
+    .concat();
     // Scatter: a task's outputs are its members' heads, member after member.
     let offsets: Vec<usize> = dims
         .iter()

@@ -18,6 +18,7 @@ use super::llama::{KvCache, LlamaConfig, LlamaModel, WeightFormat};
 use super::prefix_cache::{self, Hit, PrefixCache};
 use super::sampling::{restricted_probs, Sampler};
 use super::spec::LocalModelFiles;
+use super::team;
 use super::{ChatMessage, FinishReason};
 
 /// Token strings that end a turn in common chat formats; those present in a vocabulary stop
@@ -878,14 +879,7 @@ impl Engine {
     /// forward pass together. A state's tokens are the same whatever else is in the batch.
     pub fn step(&self, states: &mut [&mut GenState]) -> Result<(), EngineError> {
         let err = |e: candle_core::Error| self.gen_err(e);
-        let mut next: Vec<Vec<u32>> = Vec::with_capacity(states.len());
-        for state in states.iter_mut() {
-            next.push(if state.is_finished() {
-                Vec::new()
-            } else {
-                self.sample_state(state)?
-            });
-        }
+        let next = self.sample_states(states)?;
         let mut tokens: Vec<&[u32]> = Vec::with_capacity(states.len());
         let mut caches: Vec<&mut KvCache> = Vec::with_capacity(states.len());
         let mut live: Vec<usize> = Vec::with_capacity(states.len());
@@ -904,10 +898,28 @@ impl Engine {
             .forward_decode(&tokens, &mut caches)
             .map_err(err)?;
         drop(caches);
-        for (i, l) in live.into_iter().zip(logits) {
-            states[i].logits = l.to_vec2::<f32>().map_err(err)?;
+        // The logits to host rows on the compute threads (3 MB a step at 16 requests).
+        let mut logits = logits;
+        let rows = team::map_mut(&mut logits, |_, l| l.to_vec2::<f32>());
+        for (i, r) in live.into_iter().zip(rows) {
+            states[i].logits = r.map_err(err)?;
         }
         Ok(())
+    }
+
+    /// [`Engine::sample_state`] for every unfinished state (no tokens for finished ones),
+    /// the states spread over the compute threads (greedy over 49k logits and the
+    /// detokenization, per request and step).
+    fn sample_states(&self, states: &mut [&mut GenState]) -> Result<Vec<Vec<u32>>, EngineError> {
+        team::map_mut(states, |_, state| {
+            if state.is_finished() {
+                Ok(Vec::new())
+            } else {
+                self.sample_state(state)
+            }
+        })
+        .into_iter()
+        .collect()
     }
 
     /// Samples one token per row of `state`; finished rows are recorded and leave its cache.

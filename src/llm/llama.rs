@@ -499,7 +499,6 @@ pub struct LlamaModel {
 /// tensors take candle's ops.
 mod elementwise {
     use candle_core::{DType, Result, Tensor};
-    use rayon::prelude::*;
 
     use crate::simd::{dispatch, swiglu as swiglu_rows};
 
@@ -544,9 +543,9 @@ mod elementwise {
             if xa.len() < PAR_MIN {
                 f(&mut out, xa, xb);
             } else {
-                out.par_chunks_mut(CHUNK)
-                    .zip(xa.par_chunks(CHUNK).zip(xb.par_chunks(CHUNK)))
-                    .for_each(|(o, (a, b))| f(o, a, b));
+                crate::llm::team::for_each_chunk_mut(&mut out, CHUNK, |i, o| {
+                    f(o, &xa[i * CHUNK..][..o.len()], &xb[i * CHUNK..][..o.len()])
+                });
             }
             out
         })?;
@@ -601,13 +600,12 @@ mod elementwise {
                         }
                     } else {
                         let rows = (CHUNK / n).max(1) * n;
-                        out.par_chunks_mut(rows)
-                            .zip(xs.par_chunks(rows))
-                            .for_each(|(o, x)| {
-                                for (o, r) in o.chunks_mut(n).zip(x.chunks(n)) {
-                                    rms_row(o, r, a, eps);
-                                }
-                            });
+                        crate::llm::team::for_each_chunk_mut(&mut out, rows, |i, o| {
+                            let x = &xs[i * rows..][..o.len()];
+                            for (o, r) in o.chunks_mut(n).zip(x.chunks(n)) {
+                                rms_row(o, r, a, eps);
+                            }
+                        });
                     }
                     out
                 })
@@ -1310,11 +1308,12 @@ impl LlamaModel {
         parts: &[(Tensor, Tensor, Tensor)],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
-        let prepared = caches
-            .par_iter_mut()
-            .zip(parts.par_iter())
-            .map(|(cache, (q, k, v))| self.prepare_cpu_attention(layer, q, k, v, cache))
-            .collect::<Result<Vec<_>>>()?;
+        let prepared = crate::llm::team::map_mut(caches, |g, cache| {
+            let (q, k, v) = &parts[g];
+            self.prepare_cpu_attention(layer, q, k, v, cache)
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
         let decoding: Vec<cpu_attention::DecodeGroup> = prepared
             .iter()
             .filter(|p| p.q.dim(2).is_ok_and(|seq| seq == 1))

@@ -20,6 +20,7 @@ pub mod roles;
 pub(crate) mod sampling;
 pub mod scripted;
 pub mod spec;
+pub mod team;
 #[cfg(test)]
 pub(crate) mod test_util;
 pub mod tiny;

@@ -68,7 +68,40 @@ impl Sampler {
     }
 }
 
+/// The first index of the largest logit that is not banned (NaN never wins; all −∞: 0).
 fn greedy(logits: &[f32], is_banned: &dyn Fn(usize) -> bool) -> u32 {
+    // One pass that vectorizes (a running maximum and its first index per lane, 49k logits
+    // a row, a row per request each step); the scan below when the winner is banned.
+    const LANES: usize = 16;
+    let mut max = [f32::NEG_INFINITY; LANES];
+    let mut at = [0usize; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for (c, chunk) in (&mut chunks).enumerate() {
+        for (l, &v) in chunk.iter().enumerate() {
+            let better = v > max[l];
+            max[l] = if better { v } else { max[l] };
+            at[l] = if better { c * LANES + l } else { at[l] };
+        }
+    }
+    let tail = logits.len() - chunks.remainder().len();
+    let mut best = (0usize, f32::NEG_INFINITY);
+    for (&m, &i) in max.iter().zip(&at) {
+        if m > best.1 || (m == best.1 && m > f32::NEG_INFINITY && i < best.0) {
+            best = (i, m);
+        }
+    }
+    for (i, &v) in chunks.remainder().iter().enumerate() {
+        if v > best.1 {
+            best = (tail + i, v);
+        }
+    }
+    if best.1 > f32::NEG_INFINITY && !is_banned(best.0) {
+        return best.0 as u32;
+    }
+    greedy_scan(logits, is_banned)
+}
+
+fn greedy_scan(logits: &[f32], is_banned: &dyn Fn(usize) -> bool) -> u32 {
     let mut best = (0usize, f32::NEG_INFINITY);
     for (i, &l) in logits.iter().enumerate() {
         if l > best.1 && !is_banned(i) {
@@ -96,6 +129,40 @@ pub fn restricted_probs(logits: &[f32], ids: &[u32]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vectorized_greedy_picks_what_the_scan_picks() {
+        let mut rng = StdRng::seed_from_u64(3);
+        for n in [1usize, 15, 16, 17, 100, 49152] {
+            for case in 0..40 {
+                let mut logits: Vec<f32> = (0..n).map(|_| rng.random_range(-4.0..4.0)).collect();
+                // Ties, NaNs, infinities and a banned winner.
+                if case % 4 == 1 && n > 3 {
+                    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let j = rng.random_range(0..n);
+                    logits[j] = m;
+                }
+                if case % 5 == 2 {
+                    logits[rng.random_range(0..n)] = f32::NAN;
+                }
+                if case % 7 == 3 {
+                    logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
+                }
+                if case % 9 == 4 {
+                    logits[rng.random_range(0..n)] = f32::INFINITY;
+                }
+                let banned = [greedy_scan(&logits, &|_| false)];
+                for ban in [&[][..], &banned[..]] {
+                    let is_banned = |i: usize| ban.contains(&(i as u32));
+                    assert_eq!(
+                        greedy(&logits, &is_banned),
+                        greedy_scan(&logits, &is_banned),
+                        "n {n} case {case} banned {ban:?}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn greedy_at_zero_temperature_and_bans_respected() {
