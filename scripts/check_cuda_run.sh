@@ -188,7 +188,7 @@ except Exception as e:
     check("transformers loads the CUDA checkpoint", False, repr(e))
 print(f"FAILS {fails}")
 EOF
-fails=$((fails + $(grep -c '^FAIL' "$out/summary.txt" || true)))
+fails=$((fails + $(grep -c '^FAIL ' "$out/summary.txt" || true)))
 grep -h "tokens/s\|steps/s\|trained" "$out"/*.log >> "$out/summary.txt" 2>/dev/null || true
 rm -rf "$work"
 exit "$fails"
