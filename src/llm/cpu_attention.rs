@@ -370,10 +370,10 @@ pub fn attend_decode(groups: &[DecodeGroup]) -> Result<Tensor> {
     } else {
         crate::llm::q8::compute_threads()
     };
-    let mut chunks: Vec<&[DecodeTask]> = tasks.chunks(tasks.len().div_ceil(threads)).collect();
-    let outs: Vec<f32> = crate::llm::team::map_mut(&mut chunks, |_, chunk| {
+    let chunks: Vec<&[DecodeTask]> = tasks.chunks(tasks.len().div_ceil(threads)).collect();
+    let outs: Vec<f32> = crate::llm::team::map(chunks.len(), |c| {
         let (mut scratch, mut out) = (Scratch::new(0, 0, d), Vec::new());
-        for t in chunk.iter() {
+        for t in chunks[c] {
             run(t, &mut scratch, &mut out);
         }
         out

@@ -899,8 +899,7 @@ impl Engine {
             .map_err(err)?;
         drop(caches);
         // The logits to host rows on the compute threads (3 MB a step at 16 requests).
-        let mut logits = logits;
-        let rows = team::map_mut(&mut logits, |_, l| l.to_vec2::<f32>());
+        let rows = team::map(logits.len(), |g| logits[g].to_vec2::<f32>());
         for (i, r) in live.into_iter().zip(rows) {
             states[i].logits = r.map_err(err)?;
         }

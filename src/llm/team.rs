@@ -196,26 +196,30 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// `f(i, &mut items[i])` for every item, spread as [`for_each_index`] spreads indices; the
-/// results in the items' order.
-pub fn map_mut<T: Send, R: Send>(items: &mut [T], f: impl Fn(usize, &mut T) -> R + Sync) -> Vec<R> {
-    let slots: Vec<Mutex<(&mut T, Option<R>)>> =
-        items.iter_mut().map(|t| Mutex::new((t, None))).collect();
-    for_each_index(slots.len(), |i| {
-        let mut slot = lock(&slots[i]);
-        let r = f(i, slot.0);
-        slot.1 = Some(r);
+/// `f(i)` for every `i` in `0..n`, spread as [`for_each_index`] spreads them; the results
+/// in index order.
+pub fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let slots: Vec<Mutex<Option<R>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    for_each_index(n, |i| {
+        let r = f(i);
+        *lock(&slots[i]) = Some(r);
     });
     slots
         .into_iter()
         .map(|s| {
-            let (_, r) = s
+            let r = s
                 .into_inner()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             // `for_each_index` ran every index or panicked.
             r.expect("every index ran")
         })
         .collect()
+}
+
+/// [`map`] over `items`, each given to `f` mutably with its index.
+pub fn map_mut<T: Send, R: Send>(items: &mut [T], f: impl Fn(usize, &mut T) -> R + Sync) -> Vec<R> {
+    let cells: Vec<Mutex<&mut T>> = items.iter_mut().map(Mutex::new).collect();
+    map(cells.len(), |i| f(i, &mut lock(&cells[i])))
 }
 
 /// `f(i, chunk)` for the `i`-th `chunk`-long piece of `data` (the last may be shorter), as
@@ -248,6 +252,21 @@ mod tests {
             }
         });
         assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 600));
+    }
+
+    #[test]
+    fn maps_keep_the_index_order() {
+        assert_eq!(
+            map(500, |i| i * 3),
+            (0..500).map(|i| i * 3).collect::<Vec<_>>()
+        );
+        let mut items: Vec<usize> = (0..300).collect();
+        let doubled = map_mut(&mut items, |i, x| {
+            *x += i;
+            *x
+        });
+        assert_eq!(doubled, (0..300).map(|i| 2 * i).collect::<Vec<_>>());
+        assert_eq!(items, doubled);
     }
 
     #[test]
