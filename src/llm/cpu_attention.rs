@@ -490,6 +490,10 @@ fn decode_task(
     let prefix = data[g0]
         .prefix
         .map(|(pk, pv)| Segment::of(pk, pv, 0, t.kv, dims[g0].shared));
+    let own = |g: usize, r: usize| Segment::of(data[g].k, data[g].v, r, t.kv, dims[g].own);
+    if let Some(&(g, r)) = members.first() {
+        own(g, r).prefetch(d);
+    }
     if let Some(seg) = &prefix {
         group_scores(
             simd,
@@ -502,8 +506,12 @@ fn decode_task(
             0,
         );
     }
-    let own = |g: usize, r: usize| Segment::of(data[g].k, data[g].v, r, t.kv, dims[g].own);
     for (m, &(g, r)) in members.iter().enumerate() {
+        // A row's own keys and values are read once per step, from memory (they do not stay
+        // in cache between steps): ask for the next member's while this one's are scored.
+        if let Some(&(g, r)) = members.get(m + 1) {
+            own(g, r).prefetch(d);
+        }
         let queries = &scratch.queries[m * per * d..(m + 1) * per * d];
         let scores = &mut scratch.scores[m * per * len..(m + 1) * per * len];
         group_scores(
@@ -554,6 +562,25 @@ impl<'a> Segment<'a> {
             vstride: vs[2],
             n,
         }
+    }
+
+    /// Asks for the segment's keys and values (rows of `d` values) into the cache ahead of
+    /// their use.
+    fn prefetch(&self, d: usize) {
+        #[cfg(target_arch = "x86_64")]
+        for (data, stride) in [(self.keys, self.kstride), (self.values, self.vstride)] {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let lines_per_row = (d * 4).div_ceil(64);
+            for p in 0..self.n {
+                let row = data[p * stride..].as_ptr();
+                for l in 0..lines_per_row {
+                    // SAFETY: a prefetch never faults; the address is within the row.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(l * 16).cast()) };
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = d;
     }
 }
 
