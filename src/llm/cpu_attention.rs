@@ -111,6 +111,16 @@ pub fn attend_causal_after(
     }
     let groups = heads / kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
+    if seq > 1 && pos >= shared {
+        let group = PrefillGroup {
+            q,
+            prefix,
+            k,
+            v,
+            pos,
+        };
+        return Ok(attend_prefill(&[group])?.remove(0));
+    }
     let mut out = vec![0f32; rows * seq * heads * d];
     let simd = simd();
     // Without a prefix, two empty ones (distinct tensors: each is read-locked below).
@@ -185,6 +195,191 @@ pub fn attend_causal_after(
         })
     })?????;
     Tensor::from_vec(out, (rows, seq, heads * d), q.device())
+}
+
+/// Query positions of one task of [`attend_prefill`]: with the KV head's query heads, 24
+/// queries at head size 64 read each block of keys and values from L1 (a task per position
+/// read every key from L2 for its three queries).
+const POSITIONS_PER_TASK: usize = 8;
+
+/// One group of a prefill pass for [`attend_prefill`]: `q` (rows, heads, seq, hd) at
+/// positions `pos..pos + seq`, `prefix` (k, v) each (1, kv_heads, P, hd) with `P ≤ pos`, `k`,
+/// `v` (rows, kv_heads, pos + seq − P, hd) the positions after it.
+pub struct PrefillGroup<'a> {
+    pub q: &'a Tensor,
+    pub prefix: Option<(&'a Tensor, &'a Tensor)>,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub pos: usize,
+}
+
+/// A group's tensors as slices, and its shape.
+struct PrefillData<'a> {
+    q: View<'a>,
+    k: View<'a>,
+    v: View<'a>,
+    prefix: Option<(View<'a>, View<'a>)>,
+    rows: usize,
+    seq: usize,
+    shared: usize,
+    pos: usize,
+}
+
+/// [`attend_causal_after`] for several groups of query positions whose every query sees
+/// its whole prefix (`pos ≥ P`: a prompt prefilled after a reused or shared start, or with
+/// none), in one parallel loop: a task is one row's KV head over a block of positions, all
+/// its query heads together. Each query's arithmetic is unchanged (its scores are
+/// [`dot`]'s, its softmax over its own keys, its weighted sum in position order); a block's
+/// earlier queries also score the few keys past their own position, which nothing reads.
+/// Returns each group's (rows, seq, heads·hd).
+pub fn attend_prefill(groups: &[PrefillGroup]) -> Result<Vec<Tensor>> {
+    let Some(first) = groups.first() else {
+        return Ok(Vec::new());
+    };
+    let (_, heads, _, d) = first.q.dims4()?;
+    let kv_heads = first.k.dim(1)?;
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        candle_core::bail!("attention of {heads} heads over {kv_heads} KV heads");
+    }
+    let per = heads / kv_heads;
+    let held: Vec<_> = groups
+        .iter()
+        .map(|g| {
+            (
+                g.q.storage_and_layout(),
+                g.k.storage_and_layout(),
+                g.v.storage_and_layout(),
+                g.prefix
+                    .map(|(pk, pv)| (pk.storage_and_layout(), pv.storage_and_layout())),
+            )
+        })
+        .collect();
+    let mut data = Vec::with_capacity(groups.len());
+    for (g, (hq, hk, hv, hp)) in groups.iter().zip(&held) {
+        let (rows, gheads, seq, gd) = g.q.dims4()?;
+        let (krows, gkv, own, kd) = g.k.dims4()?;
+        let shared = shared_len(g.prefix, g.k, d)?;
+        if (gheads, gd, gkv, kd, krows) != (heads, d, kv_heads, d, rows)
+            || g.v.dims() != g.k.dims()
+            || shared + own != g.pos + seq
+            || g.pos < shared
+        {
+            candle_core::bail!(
+                "prefill attention of queries {:?} at position {} over keys {:?} after {shared} shared",
+                g.q.dims(),
+                g.pos,
+                g.k.dims()
+            );
+        }
+        let prefix = match (hp, g.prefix) {
+            (Some((hk, hv)), Some((pk, pv))) => Some((f32_view(pk, hk)?, f32_view(pv, hv)?)),
+            _ => None,
+        };
+        data.push(PrefillData {
+            q: f32_view(g.q, hq)?,
+            k: f32_view(g.k, hk)?,
+            v: f32_view(g.v, hv)?,
+            prefix,
+            rows,
+            seq,
+            shared,
+            pos: g.pos,
+        });
+    }
+    // Tasks: group, row, KV head, block (a row's positions stay together in the outputs).
+    let mut tasks = Vec::new();
+    for (g, gd) in data.iter().enumerate() {
+        let blocks = gd.seq.div_ceil(POSITIONS_PER_TASK);
+        for r in 0..gd.rows {
+            for kv in 0..kv_heads {
+                tasks.extend((0..blocks).map(|b| (g, r, kv, b)));
+            }
+        }
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let simd = simd();
+    let run = |i: usize| {
+        let (g, r, kv, b) = tasks[i];
+        let gd = &data[g];
+        let ts = b * POSITIONS_PER_TASK..((b + 1) * POSITIONS_PER_TASK).min(gd.seq);
+        let (shared, pos) = (gd.shared, gd.pos);
+        let nq = ts.len() * per;
+        let len = pos + ts.end;
+        let mut scratch = Scratch::new(nq, len, d);
+        let (qd, qs) = gd.q;
+        for t in ts.clone() {
+            for h in kv * per..(kv + 1) * per {
+                let at = r * qs[0] + h * qs[1] + t * qs[2];
+                scratch.queries.extend_from_slice(&qd[at..][..d]);
+            }
+        }
+        let own = |n: usize| Segment::of(gd.k, gd.v, r, kv, n);
+        let prefix = gd.prefix.map(|(pk, pv)| Segment::of(pk, pv, 0, kv, shared));
+        let queries = &scratch.queries;
+        if let Some(seg) = &prefix {
+            group_scores(simd, queries, d, seg, scale, &mut scratch.scores, len, 0);
+        }
+        let mine = own(len - shared);
+        group_scores(
+            simd,
+            queries,
+            d,
+            &mine,
+            scale,
+            &mut scratch.scores,
+            len,
+            shared,
+        );
+        for (j, row) in scratch.scores.chunks_mut(len).enumerate() {
+            let t = ts.start + j / per;
+            kernels::softmax(&mut row[..pos + t + 1]);
+        }
+        let mut out = vec![0f32; nq * d];
+        if let Some(seg) = &prefix {
+            group_values(simd, seg, &scratch.scores, len, 0, 0..nq, &mut out, d);
+        }
+        for (j, t) in ts.enumerate() {
+            let seg = own(pos + t + 1 - shared);
+            let queries = j * per..(j + 1) * per;
+            group_values(
+                simd,
+                &seg,
+                &scratch.scores,
+                len,
+                shared,
+                queries,
+                &mut out,
+                d,
+            );
+        }
+        out
+    };
+    let work: usize = data
+        .iter()
+        .map(|g| g.rows * heads * g.seq * (g.pos + g.seq) * d)
+        .sum();
+    let outs: Vec<Vec<f32>> = if work < 1 << 16 {
+        (0..tasks.len()).map(run).collect()
+    } else {
+        crate::llm::team::map(tasks.len(), run)
+    };
+    // Scatter: (rows, seq, heads·hd) per group, a task's outputs position after position.
+    let mut ys: Vec<Vec<f32>> = data
+        .iter()
+        .map(|g| vec![0f32; g.rows * g.seq * heads * d])
+        .collect();
+    for (&(g, r, kv, b), o) in tasks.iter().zip(&outs) {
+        let seq = data[g].seq;
+        for (j, heads_out) in o.chunks(per * d).enumerate() {
+            let t = b * POSITIONS_PER_TASK + j;
+            let at = ((r * seq + t) * heads + kv * per) * d;
+            ys[g][at..at + per * d].copy_from_slice(heads_out);
+        }
+    }
+    ys.into_iter()
+        .zip(&data)
+        .map(|(y, g)| Tensor::from_vec(y, (g.rows, g.seq, heads * d), first.q.device()))
+        .collect()
 }
 
 /// Positions of a shared `prefix` (k, v), each (1, kv_heads, P, d) beside keys `k` (rows,
@@ -1385,5 +1580,71 @@ mod tests {
         };
         assert!(attend_decode(&[wrong]).is_err());
         assert!(attend_decode(&[]).is_err());
+    }
+
+    #[test]
+    fn prefill_groups_attended_together_give_each_positions_decode_bits() {
+        let d = 64;
+        let (pk, pv) = (randn(&[1, KV, 9, d]), randn(&[1, KV, 9, d]));
+        // (rows, shared prefix, positions before the queries after it, query positions):
+        // blocks of positions cut inside a group, several rows, none and two prefixes.
+        let specs = [
+            (1, Some((&pk, &pv)), 0, 23),
+            (2, Some((&pk, &pv)), 5, 9),
+            (1, None, 0, 17),
+            (3, None, 4, 2),
+            (1, Some((&pk, &pv)), 2, 1 + 8),
+        ];
+        let inputs: Vec<_> = specs
+            .iter()
+            .map(|&(rows, prefix, before, seq)| {
+                let shared = prefix.map_or(0, |(k, _): (&Tensor, &Tensor)| k.dim(2).unwrap());
+                let kv = || randn(&[rows, KV, before + seq, d]);
+                (
+                    randn(&[rows, HEADS, seq, d]),
+                    kv(),
+                    kv(),
+                    prefix,
+                    shared + before,
+                )
+            })
+            .collect();
+        let groups: Vec<PrefillGroup> = inputs
+            .iter()
+            .map(|(q, k, v, prefix, pos)| PrefillGroup {
+                q,
+                prefix: *prefix,
+                k,
+                v,
+                pos: *pos,
+            })
+            .collect();
+        let together = attend_prefill(&groups).unwrap();
+        for (i, (g, y)) in groups.iter().zip(&together).enumerate() {
+            let (seq, shared) = (
+                g.q.dim(2).unwrap(),
+                g.pos + g.q.dim(2).unwrap() - g.k.dim(2).unwrap(),
+            );
+            // Each position alone, as a decode step reads it.
+            let steps: Vec<Tensor> = (0..seq)
+                .map(|t| {
+                    let q = g.q.narrow(2, t, 1).unwrap();
+                    let n = g.pos + t + 1 - shared;
+                    let (k, v) = (g.k.narrow(2, 0, n).unwrap(), g.v.narrow(2, 0, n).unwrap());
+                    attend_causal_after(&q, g.prefix, &k, &v, g.pos + t).unwrap()
+                })
+                .collect();
+            let stepwise = Tensor::cat(&steps, 1).unwrap();
+            assert_eq!(max_diff(y, &stepwise), 0.0, "group {i}");
+            let alone = attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos).unwrap();
+            assert_eq!(max_diff(y, &alone), 0.0, "group {i} alone");
+        }
+        // Queries before the end of their prefix are refused here.
+        let early = PrefillGroup {
+            pos: 3,
+            k: &inputs[0].1.narrow(2, 0, 3 + 23 - 9).unwrap(),
+            ..groups[0]
+        };
+        assert!(attend_prefill(&[early]).is_err());
     }
 }

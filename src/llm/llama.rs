@@ -1335,6 +1335,24 @@ impl LlamaModel {
         if decoding.len() == prepared.len() {
             return Ok(decoded.expect("some groups decode"));
         }
+        // The prompt pieces that see all of their prefix attend in one parallel loop.
+        let whole_prefix = |p: &CpuAttention| {
+            let shared = p.prefix.as_ref().map_or(Ok(0), |(k, _)| k.dim(2))?;
+            Ok::<_, candle_core::Error>(p.q.dim(2)? > 1 && p.pos >= shared)
+        };
+        let mut together = Vec::new();
+        for p in &prepared {
+            if whole_prefix(p)? {
+                together.push(cpu_attention::PrefillGroup {
+                    q: &p.q,
+                    prefix: p.prefix.as_ref().map(|(k, v)| (k, v)),
+                    k: &p.k,
+                    v: &p.v,
+                    pos: p.pos,
+                });
+            }
+        }
+        let mut prefilled = cpu_attention::attend_prefill(&together)?.into_iter();
         let mut ys = Vec::with_capacity(prepared.len());
         let mut row = 0;
         for p in &prepared {
@@ -1344,8 +1362,12 @@ impl LlamaModel {
                 ys.push(d.narrow(0, row, rows)?);
                 row += rows;
             } else {
-                let prefix = p.prefix.as_ref().map(|(k, v)| (k, v));
-                let y = cpu_attention::attend_causal_after(&p.q, prefix, &p.k, &p.v, p.pos)?;
+                let y = if whole_prefix(p)? {
+                    prefilled.next().expect("one output per group")
+                } else {
+                    let prefix = p.prefix.as_ref().map(|(k, v)| (k, v));
+                    cpu_attention::attend_causal_after(&p.q, prefix, &p.k, &p.v, p.pos)?
+                };
                 ys.push(y.reshape((rows * seq, 1, ()))?);
             }
         }
