@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use collabllm::llm::cpu_attention::{attend_decode, DecodeGroup};
+use collabllm::llm::cpu_attention::{attend_decode, QueryGroup};
 use collabllm::llm::q8::{on_pool, Q8Linear};
 
 const LAYERS: usize = 30;
@@ -111,7 +111,7 @@ pub fn run(p: Params) -> anyhow::Result<()> {
         let samples = best(p.repeats, || {
             on_pool(|| {
                 for ((pk, pv), (k, v)) in prefix.iter().zip(&mine) {
-                    attend_decode(&[DecodeGroup {
+                    attend_decode(&[QueryGroup {
                         q: &q,
                         prefix: Some((pk, pv)),
                         k,
@@ -142,10 +142,10 @@ pub fn run(p: Params) -> anyhow::Result<()> {
         let requests = best(p.repeats, || {
             on_pool(|| {
                 for ((pk, pv), own) in prefix.iter().zip(&theirs) {
-                    let groups: Vec<DecodeGroup> = qs
+                    let groups: Vec<QueryGroup> = qs
                         .iter()
                         .zip(own)
-                        .map(|(q, (k, v))| DecodeGroup {
+                        .map(|(q, (k, v))| QueryGroup {
                             q,
                             prefix: Some((pk, pv)),
                             k,

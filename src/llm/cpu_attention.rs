@@ -112,7 +112,7 @@ pub fn attend_causal_after(
     let groups = heads / kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     if seq > 1 && pos >= shared {
-        let group = PrefillGroup {
+        let group = QueryGroup {
             q,
             prefix,
             k,
@@ -202,17 +202,6 @@ pub fn attend_causal_after(
 /// read every key from L2 for its three queries).
 const POSITIONS_PER_TASK: usize = 8;
 
-/// One group of a prefill pass for [`attend_prefill`]: `q` (rows, heads, seq, hd) at
-/// positions `pos..pos + seq`, `prefix` (k, v) each (1, kv_heads, P, hd) with `P ≤ pos`, `k`,
-/// `v` (rows, kv_heads, pos + seq − P, hd) the positions after it.
-pub struct PrefillGroup<'a> {
-    pub q: &'a Tensor,
-    pub prefix: Option<(&'a Tensor, &'a Tensor)>,
-    pub k: &'a Tensor,
-    pub v: &'a Tensor,
-    pub pos: usize,
-}
-
 /// A group's tensors as slices, and its shape.
 struct PrefillData<'a> {
     q: View<'a>,
@@ -232,7 +221,7 @@ struct PrefillData<'a> {
 /// [`dot`]'s, its softmax over its own keys, its weighted sum in position order); a block's
 /// earlier queries also score the few keys past their own position, which nothing reads.
 /// Returns each group's (rows, seq, heads·hd).
-pub fn attend_prefill(groups: &[PrefillGroup]) -> Result<Vec<Tensor>> {
+pub fn attend_prefill(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
     let Some(first) = groups.first() else {
         return Ok(Vec::new());
     };
@@ -400,11 +389,12 @@ fn shared_len(prefix: Option<(&Tensor, &Tensor)>, k: &Tensor, d: usize) -> Resul
     Ok(plen)
 }
 
-/// One group of a decode step: rows that sit at the same position `pos` and share a cache
-/// (a request's samples), one query position each. `q` (rows, heads, 1, hd); `prefix` (k, v),
-/// each (1, kv_heads, P, hd), the positions every row of the group shares; `k`, `v` (rows,
-/// kv_heads, pos + 1 − P, hd) the rows' own positions after it.
-pub struct DecodeGroup<'a> {
+/// Rows that share a cache (a request's samples) and sit at the same position: queries `q`
+/// (rows, heads, seq, hd) at positions `pos..pos + seq` (one in a decode step, for
+/// [`attend_decode`]; a prompt piece after all of its prefix, `P ≤ pos`, for
+/// [`attend_prefill`]); `prefix` (k, v), each (1, kv_heads, P, hd), the positions every row
+/// shares; `k`, `v` (rows, kv_heads, pos + seq − P, hd) the rows' own positions after it.
+pub struct QueryGroup<'a> {
     pub q: &'a Tensor,
     pub prefix: Option<(&'a Tensor, &'a Tensor)>,
     pub k: &'a Tensor,
@@ -424,7 +414,7 @@ struct GroupDims {
 }
 
 impl GroupDims {
-    fn of(g: &DecodeGroup) -> Result<Self> {
+    fn of(g: &QueryGroup) -> Result<Self> {
         let (rows, heads, seq, d) = g.q.dims4()?;
         let (krows, kv_heads, own, kd) = g.k.dims4()?;
         let shared = shared_len(g.prefix, g.k, d)?;
@@ -484,7 +474,7 @@ const ROWS_PER_TASK: usize = 16;
 /// block of the prefix's keys and values is read from memory once and from L1 for every
 /// other query, instead of once per request. Returns (rows of all groups in order, 1,
 /// heads·hd).
-pub fn attend_decode(groups: &[DecodeGroup]) -> Result<Tensor> {
+pub fn attend_decode(groups: &[QueryGroup]) -> Result<Tensor> {
     let dims: Vec<GroupDims> = groups.iter().map(GroupDims::of).collect::<Result<_>>()?;
     let Some(first) = dims.first().copied() else {
         candle_core::bail!("decode attention of no groups");
@@ -1522,6 +1512,28 @@ mod tests {
         let q = randn(&[1, HEADS, 1, 64]);
         assert!(attend_causal_after(&q, Some((&pk, &pk)), &k, &k, 4).is_err());
     }
+    /// (q, k, v, prefix, pos) each.
+    type GroupInputs<'a> = (
+        Tensor,
+        Tensor,
+        Tensor,
+        Option<(&'a Tensor, &'a Tensor)>,
+        usize,
+    );
+
+    fn query_groups<'a>(inputs: &'a [GroupInputs<'a>]) -> Vec<QueryGroup<'a>> {
+        inputs
+            .iter()
+            .map(|(q, k, v, prefix, pos)| QueryGroup {
+                q,
+                prefix: *prefix,
+                k,
+                v,
+                pos: *pos,
+            })
+            .collect()
+    }
+
     #[test]
     fn decode_groups_attended_together_give_each_groups_bits_alone() {
         let d = 64;
@@ -1550,16 +1562,7 @@ mod tests {
                 )
             })
             .collect();
-        let groups: Vec<DecodeGroup> = inputs
-            .iter()
-            .map(|(q, k, v, prefix, pos)| DecodeGroup {
-                q,
-                prefix: *prefix,
-                k,
-                v,
-                pos: *pos,
-            })
-            .collect();
+        let groups = query_groups(&inputs);
         let together = attend_decode(&groups).unwrap();
         let mut r0 = 0;
         for (i, g) in groups.iter().enumerate() {
@@ -1574,7 +1577,7 @@ mod tests {
         }
         assert_eq!(r0, together.dim(0).unwrap());
         // A query position past the keys it is given is refused.
-        let wrong = DecodeGroup {
+        let wrong = QueryGroup {
             pos: groups[0].pos + 1,
             ..groups[0]
         };
@@ -1609,16 +1612,7 @@ mod tests {
                 )
             })
             .collect();
-        let groups: Vec<PrefillGroup> = inputs
-            .iter()
-            .map(|(q, k, v, prefix, pos)| PrefillGroup {
-                q,
-                prefix: *prefix,
-                k,
-                v,
-                pos: *pos,
-            })
-            .collect();
+        let groups = query_groups(&inputs);
         let together = attend_prefill(&groups).unwrap();
         for (i, (g, y)) in groups.iter().zip(&together).enumerate() {
             let (seq, shared) = (
@@ -1640,7 +1634,7 @@ mod tests {
             assert_eq!(max_diff(y, &alone), 0.0, "group {i} alone");
         }
         // Queries before the end of their prefix are refused here.
-        let early = PrefillGroup {
+        let early = QueryGroup {
             pos: 3,
             k: &inputs[0].1.narrow(2, 0, 3 + 23 - 9).unwrap(),
             ..groups[0]

@@ -1316,10 +1316,10 @@ impl LlamaModel {
         })
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
-        let decoding: Vec<cpu_attention::DecodeGroup> = prepared
+        let decoding: Vec<cpu_attention::QueryGroup> = prepared
             .iter()
             .filter(|p| p.q.dim(2).is_ok_and(|seq| seq == 1))
-            .map(|p| cpu_attention::DecodeGroup {
+            .map(|p| cpu_attention::QueryGroup {
                 q: &p.q,
                 prefix: p.prefix.as_ref().map(|(k, v)| (k, v)),
                 k: &p.k,
@@ -1343,7 +1343,7 @@ impl LlamaModel {
         let mut together = Vec::new();
         for p in &prepared {
             if whole_prefix(p)? {
-                together.push(cpu_attention::PrefillGroup {
+                together.push(cpu_attention::QueryGroup {
                     q: &p.q,
                     prefix: p.prefix.as_ref().map(|(k, v)| (k, v)),
                     k: &p.k,
