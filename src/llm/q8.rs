@@ -1204,7 +1204,7 @@ fn par_ranges(n: usize, parallel: bool, f: impl Fn(Range<usize>) + Sync) {
 /// half a thread's share of what is left (at least a small floor). Claimed in order, the big
 /// pieces keep every thread busy and the small last ones even out the finish: with equal
 /// pieces, a thread that starts a loop a little late left the other waiting for up to a
-/// whole piece at the end (~9 % of a 16-request decode step).
+/// whole piece (an eighth of the loop) at the end.
 fn guided_bounds(n: usize, threads: usize) -> Vec<usize> {
     let floor = (n / (16 * threads)).max(1);
     let mut bounds = vec![0];
