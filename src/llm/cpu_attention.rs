@@ -90,8 +90,9 @@ pub fn attend_causal(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<T
 /// positions (each key's dot product and the value sum in position order are the same
 /// arithmetic), and a prefix read by many rows is read from the caches, not from memory.
 ///
-/// A few queries' heads are spread over the threads one by one; otherwise each task keeps
-/// a KV head's whole group of heads (the bits are the same either way).
+/// Several positions past the prefix run as [`attend_prefill`]'s blocks. Otherwise a few
+/// queries' heads are spread over the threads one by one, or each task keeps a KV head's
+/// whole group of heads (the bits are the same either way).
 pub fn attend_causal_after(
     q: &Tensor,
     prefix: Option<(&Tensor, &Tensor)>,
@@ -109,18 +110,18 @@ pub fn attend_causal_after(
             pos + seq
         );
     }
-    let groups = heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
-    if seq > 1 && pos >= shared {
-        let group = QueryGroup {
-            q,
-            prefix,
-            k,
-            v,
-            pos,
-        };
+    let group = QueryGroup {
+        q,
+        prefix,
+        k,
+        v,
+        pos,
+    };
+    if sees_whole_prefix(&group)? {
         return Ok(attend_prefill(&[group])?.remove(0));
     }
+    let groups = heads / kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
     let mut out = vec![0f32; rows * seq * heads * d];
     let simd = simd();
     // Without a prefix, two empty ones (distinct tensors: each is read-locked below).
@@ -197,6 +198,37 @@ pub fn attend_causal_after(
     Tensor::from_vec(out, (rows, seq, heads * d), q.device())
 }
 
+/// Whether [`attend_prefill`] takes a group: several query positions, all past its prefix.
+fn sees_whole_prefix(g: &QueryGroup) -> Result<bool> {
+    let shared = g.prefix.map_or(Ok(0), |(k, _)| k.dim(2))?;
+    Ok(g.q.dim(2)? > 1 && g.pos >= shared)
+}
+
+/// [`attend_causal_after`] for the prompt pieces of one forward pass: those that see all of
+/// their prefix in one parallel loop ([`attend_prefill`]), any other by itself. Returns
+/// each group's (rows, seq, heads·hd).
+pub fn attend_groups(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
+    let whole: Vec<bool> = groups
+        .iter()
+        .map(sees_whole_prefix)
+        .collect::<Result<_>>()?;
+    let together: Vec<QueryGroup> = groups
+        .iter()
+        .zip(&whole)
+        .filter(|(_, &w)| w)
+        .map(|(g, _)| *g)
+        .collect();
+    let mut prefilled = attend_prefill(&together)?.into_iter();
+    groups
+        .iter()
+        .zip(whole)
+        .map(|(g, w)| match w {
+            true => Ok(prefilled.next().expect("one output per group taken")),
+            false => attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos),
+        })
+        .collect()
+}
+
 /// Query positions of one task of [`attend_prefill`]: with the KV head's query heads, 24
 /// queries at head size 64 read each block of keys and values from L1 (a task per position
 /// read every key from L2 for its three queries).
@@ -204,10 +236,7 @@ const POSITIONS_PER_TASK: usize = 8;
 
 /// A group's tensors as slices, and its shape.
 struct PrefillData<'a> {
-    q: View<'a>,
-    k: View<'a>,
-    v: View<'a>,
-    prefix: Option<(View<'a>, View<'a>)>,
+    views: GroupData<'a>,
     rows: usize,
     seq: usize,
     shared: usize,
@@ -231,20 +260,9 @@ pub fn attend_prefill(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
         candle_core::bail!("attention of {heads} heads over {kv_heads} KV heads");
     }
     let per = heads / kv_heads;
-    let held: Vec<_> = groups
-        .iter()
-        .map(|g| {
-            (
-                g.q.storage_and_layout(),
-                g.k.storage_and_layout(),
-                g.v.storage_and_layout(),
-                g.prefix
-                    .map(|(pk, pv)| (pk.storage_and_layout(), pv.storage_and_layout())),
-            )
-        })
-        .collect();
+    let held: Vec<Held> = groups.iter().map(Held::of).collect();
     let mut data = Vec::with_capacity(groups.len());
-    for (g, (hq, hk, hv, hp)) in groups.iter().zip(&held) {
+    for (g, h) in groups.iter().zip(&held) {
         let (rows, gheads, seq, gd) = g.q.dims4()?;
         let (krows, gkv, own, kd) = g.k.dims4()?;
         let shared = shared_len(g.prefix, g.k, d)?;
@@ -260,15 +278,8 @@ pub fn attend_prefill(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
                 g.k.dims()
             );
         }
-        let prefix = match (hp, g.prefix) {
-            (Some((hk, hv)), Some((pk, pv))) => Some((f32_view(pk, hk)?, f32_view(pv, hv)?)),
-            _ => None,
-        };
         data.push(PrefillData {
-            q: f32_view(g.q, hq)?,
-            k: f32_view(g.k, hk)?,
-            v: f32_view(g.v, hv)?,
-            prefix,
+            views: h.data(g)?,
             rows,
             seq,
             shared,
@@ -295,15 +306,18 @@ pub fn attend_prefill(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
         let nq = ts.len() * per;
         let len = pos + ts.end;
         let mut scratch = Scratch::new(nq, len, d);
-        let (qd, qs) = gd.q;
+        let (qd, qs) = gd.views.q;
         for t in ts.clone() {
             for h in kv * per..(kv + 1) * per {
                 let at = r * qs[0] + h * qs[1] + t * qs[2];
                 scratch.queries.extend_from_slice(&qd[at..][..d]);
             }
         }
-        let own = |n: usize| Segment::of(gd.k, gd.v, r, kv, n);
-        let prefix = gd.prefix.map(|(pk, pv)| Segment::of(pk, pv, 0, kv, shared));
+        let own = |n: usize| Segment::of(gd.views.k, gd.views.v, r, kv, n);
+        let prefix = gd
+            .views
+            .prefix
+            .map(|(pk, pv)| Segment::of(pk, pv, 0, kv, shared));
         let queries = &scratch.queries;
         if let Some(seg) = &prefix {
             group_scores(simd, queries, d, seg, scale, &mut scratch.scores, len, 0);
@@ -394,6 +408,7 @@ fn shared_len(prefix: Option<(&Tensor, &Tensor)>, k: &Tensor, d: usize) -> Resul
 /// [`attend_decode`]; a prompt piece after all of its prefix, `P ≤ pos`, for
 /// [`attend_prefill`]); `prefix` (k, v), each (1, kv_heads, P, hd), the positions every row
 /// shares; `k`, `v` (rows, kv_heads, pos + seq − P, hd) the rows' own positions after it.
+#[derive(Clone, Copy)]
 pub struct QueryGroup<'a> {
     pub q: &'a Tensor,
     pub prefix: Option<(&'a Tensor, &'a Tensor)>,
@@ -448,11 +463,50 @@ impl GroupDims {
 type View<'a> = (&'a [f32], &'a [usize]);
 
 /// A group's tensors as slices.
+#[derive(Clone, Copy)]
 struct GroupData<'a> {
     q: View<'a>,
     k: View<'a>,
     v: View<'a>,
     prefix: Option<(View<'a>, View<'a>)>,
+}
+
+/// A tensor's storage, read-locked, and its layout.
+type Lock<'t> = (candle_core::StorageRef<'t>, &'t candle_core::Layout);
+
+/// A group's tensors read-locked while their values are read as slices.
+struct Held<'t> {
+    q: Lock<'t>,
+    k: Lock<'t>,
+    v: Lock<'t>,
+    prefix: Option<(Lock<'t>, Lock<'t>)>,
+}
+
+impl<'t> Held<'t> {
+    fn of(g: &QueryGroup<'t>) -> Self {
+        Held {
+            q: g.q.storage_and_layout(),
+            k: g.k.storage_and_layout(),
+            v: g.v.storage_and_layout(),
+            prefix: g
+                .prefix
+                .map(|(pk, pv)| (pk.storage_and_layout(), pv.storage_and_layout())),
+        }
+    }
+
+    /// The values of `g` (whose tensors these are) as slices.
+    fn data(&self, g: &QueryGroup) -> Result<GroupData<'_>> {
+        let prefix = match (&self.prefix, g.prefix) {
+            (Some((hk, hv)), Some((pk, pv))) => Some((f32_view(pk, hk)?, f32_view(pv, hv)?)),
+            _ => None,
+        };
+        Ok(GroupData {
+            q: f32_view(g.q, &self.q)?,
+            k: f32_view(g.k, &self.k)?,
+            v: f32_view(g.v, &self.v)?,
+            prefix,
+        })
+    }
 }
 
 /// Query heads `heads` (within each KV head's group) of KV head `kv` for `members` (group,
@@ -487,29 +541,12 @@ pub fn attend_decode(groups: &[QueryGroup]) -> Result<Tensor> {
     }
     let (heads, kv_heads, d) = (first.heads, first.kv_heads, first.d);
     let per = heads / kv_heads;
-    let held_q: Vec<_> = groups.iter().map(|g| g.q.storage_and_layout()).collect();
-    let held_k: Vec<_> = groups.iter().map(|g| g.k.storage_and_layout()).collect();
-    let held_v: Vec<_> = groups.iter().map(|g| g.v.storage_and_layout()).collect();
-    let held_p: Vec<_> = groups
+    let held: Vec<Held> = groups.iter().map(Held::of).collect();
+    let data: Vec<GroupData> = groups
         .iter()
-        .map(|g| {
-            g.prefix
-                .map(|(pk, pv)| (pk.storage_and_layout(), pv.storage_and_layout()))
-        })
-        .collect();
-    let mut data = Vec::with_capacity(groups.len());
-    for (i, g) in groups.iter().enumerate() {
-        let prefix = match (&held_p[i], g.prefix) {
-            (Some((hk, hv)), Some((pk, pv))) => Some((f32_view(pk, hk)?, f32_view(pv, hv)?)),
-            _ => None,
-        };
-        data.push(GroupData {
-            q: f32_view(g.q, &held_q[i])?,
-            k: f32_view(g.k, &held_k[i])?,
-            v: f32_view(g.v, &held_v[i])?,
-            prefix,
-        });
-    }
+        .zip(&held)
+        .map(|(g, h)| h.data(g))
+        .collect::<Result<_>>()?;
     // Clusters: groups whose prefix is the same memory (the same positions of one cache).
     let prefix_key = |i: usize| {
         data[i].prefix.map(|((k, ks), (v, vs))| {
@@ -1512,6 +1549,7 @@ mod tests {
         let q = randn(&[1, HEADS, 1, 64]);
         assert!(attend_causal_after(&q, Some((&pk, &pk)), &k, &k, 4).is_err());
     }
+
     /// (q, k, v, prefix, pos) each.
     type GroupInputs<'a> = (
         Tensor,

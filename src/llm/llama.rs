@@ -478,6 +478,18 @@ struct CpuAttention {
     pos: usize,
 }
 
+impl CpuAttention {
+    fn group(&self) -> cpu_attention::QueryGroup<'_> {
+        cpu_attention::QueryGroup {
+            q: &self.q,
+            prefix: self.prefix.as_ref().map(|(k, v)| (k, v)),
+            k: &self.k,
+            v: &self.v,
+            pos: self.pos,
+        }
+    }
+}
+
 pub struct LlamaModel {
     cfg: LlamaConfig,
     embed: QMatMul,
@@ -1113,8 +1125,8 @@ impl LlamaModel {
         let groups = nh / kvh;
         if self.cpu_attention(q) {
             let p = self.prepare_cpu_attention(layer_idx, q, k, v, cache)?;
-            let prefix = p.prefix.as_ref().map(|(k, v)| (k, v));
-            return cpu_attention::attend_causal_after(&p.q, prefix, &p.k, &p.v, p.pos);
+            let g = p.group();
+            return cpu_attention::attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos);
         }
         // (b, seq, heads·hd) -> (b, heads, seq, hd)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
@@ -1316,17 +1328,10 @@ impl LlamaModel {
         })
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
-        let decoding: Vec<cpu_attention::QueryGroup> = prepared
+        let (decoding, pieces): (Vec<cpu_attention::QueryGroup>, Vec<_>) = prepared
             .iter()
-            .filter(|p| p.q.dim(2).is_ok_and(|seq| seq == 1))
-            .map(|p| cpu_attention::QueryGroup {
-                q: &p.q,
-                prefix: p.prefix.as_ref().map(|(k, v)| (k, v)),
-                k: &p.k,
-                v: &p.v,
-                pos: p.pos,
-            })
-            .collect();
+            .map(CpuAttention::group)
+            .partition(|g| g.q.dim(2).is_ok_and(|seq| seq == 1));
         let decoded = if decoding.is_empty() {
             None
         } else {
@@ -1335,24 +1340,7 @@ impl LlamaModel {
         if decoding.len() == prepared.len() {
             return Ok(decoded.expect("some groups decode"));
         }
-        // The prompt pieces that see all of their prefix attend in one parallel loop.
-        let whole_prefix = |p: &CpuAttention| {
-            let shared = p.prefix.as_ref().map_or(Ok(0), |(k, _)| k.dim(2))?;
-            Ok::<_, candle_core::Error>(p.q.dim(2)? > 1 && p.pos >= shared)
-        };
-        let mut together = Vec::new();
-        for p in &prepared {
-            if whole_prefix(p)? {
-                together.push(cpu_attention::QueryGroup {
-                    q: &p.q,
-                    prefix: p.prefix.as_ref().map(|(k, v)| (k, v)),
-                    k: &p.k,
-                    v: &p.v,
-                    pos: p.pos,
-                });
-            }
-        }
-        let mut prefilled = cpu_attention::attend_prefill(&together)?.into_iter();
+        let mut prefilled = cpu_attention::attend_groups(&pieces)?.into_iter();
         let mut ys = Vec::with_capacity(prepared.len());
         let mut row = 0;
         for p in &prepared {
@@ -1362,12 +1350,7 @@ impl LlamaModel {
                 ys.push(d.narrow(0, row, rows)?);
                 row += rows;
             } else {
-                let y = if whole_prefix(p)? {
-                    prefilled.next().expect("one output per group")
-                } else {
-                    let prefix = p.prefix.as_ref().map(|(k, v)| (k, v));
-                    cpu_attention::attend_causal_after(&p.q, prefix, &p.k, &p.v, p.pos)?
-                };
+                let y = prefilled.next().expect("one output per prompt piece");
                 ys.push(y.reshape((rows * seq, 1, ()))?);
             }
         }
