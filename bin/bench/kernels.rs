@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use collabllm::llm::cpu_attention::{attend_decode, QueryGroup};
+use collabllm::llm::cpu_attention::{attend_decode, to_f16, QueryGroup};
 use collabllm::llm::q8::{on_pool, Q8Linear};
 
 const LAYERS: usize = 30;
@@ -35,6 +35,20 @@ pub struct Params {
     /// Timed passes; the fastest is reported.
     #[arg(long, default_value_t = 40, value_parser = crate::at_least_one)]
     pub repeats: usize,
+    /// Cached keys and values in f32 instead of f16 (what the engine stores on the CPU): the
+    /// attention figure as it was before the caches held f16.
+    #[arg(long)]
+    pub kv_f32: bool,
+}
+
+/// A random cache tensor, in the type the engine's CPU caches hold (f16) unless `f32`.
+fn cache_tensor(shape: &[usize], f32: bool) -> candle_core::Result<Tensor> {
+    let t = randn(shape)?;
+    if f32 {
+        Ok(t)
+    } else {
+        to_f16(&t)
+    }
 }
 
 fn randn(shape: &[usize]) -> candle_core::Result<Tensor> {
@@ -77,15 +91,15 @@ pub fn run(p: Params) -> anyhow::Result<()> {
     let prefix: Vec<(Tensor, Tensor)> = (0..LAYERS)
         .map(|_| {
             Ok((
-                randn(&[1, KV_HEADS, shared, HEAD_DIM])?,
-                randn(&[1, KV_HEADS, shared, HEAD_DIM])?,
+                cache_tensor(&[1, KV_HEADS, shared, HEAD_DIM], p.kv_f32)?,
+                cache_tensor(&[1, KV_HEADS, shared, HEAD_DIM], p.kv_f32)?,
             ))
         })
         .collect::<candle_core::Result<_>>()?;
     let pos = shared + own - 1;
     println!(
-        "threads {} · {LAYERS} layers · best of {} · attention over {shared} shared + {own} own positions",
-        p.threads, p.repeats
+        "threads {} · {LAYERS} layers · best of {} · attention over {shared} shared + {own} own positions ({} keys and values)",
+        p.threads, p.repeats, if p.kv_f32 { "f32" } else { "f16" }
     );
     for &rows in &p.rows {
         let (x, x_mlp) = (randn(&[rows, HIDDEN])?, randn(&[rows, MLP])?);
@@ -103,8 +117,8 @@ pub fn run(p: Params) -> anyhow::Result<()> {
         let mine: Vec<(Tensor, Tensor)> = (0..LAYERS)
             .map(|_| {
                 Ok((
-                    randn(&[rows, KV_HEADS, own, HEAD_DIM])?,
-                    randn(&[rows, KV_HEADS, own, HEAD_DIM])?,
+                    cache_tensor(&[rows, KV_HEADS, own, HEAD_DIM], p.kv_f32)?,
+                    cache_tensor(&[rows, KV_HEADS, own, HEAD_DIM], p.kv_f32)?,
                 ))
             })
             .collect::<candle_core::Result<_>>()?;

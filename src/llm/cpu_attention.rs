@@ -11,6 +11,7 @@
 use std::sync::OnceLock;
 
 use candle_core::{DType, Result, Tensor};
+use half::{f16, slice::HalfFloatSliceExt};
 
 /// The head size and rotary layout of one layer's attention.
 #[derive(Clone, Copy, Debug)]
@@ -145,10 +146,10 @@ pub fn attend_causal_after(
         1
     };
     with_f32(q, |qd, qs| {
-        with_f32(k, |kd, ks| {
-            with_f32(v, |vd, vs| {
-                with_f32(pk, |pkd, pks| {
-                    with_f32(pv, |pvd, pvs| {
+        with_kv(k, |kd, ks| {
+            with_kv(v, |vd, vs| {
+                with_kv(pk, |pkd, pks| {
+                    with_kv(pv, |pvd, pvs| {
                         let task = |i: usize, o: &mut [f32], scratch: &mut Scratch| {
                             let h0 = (i * per) % heads;
                             let t = (i * per / heads) % seq;
@@ -319,41 +320,39 @@ pub fn attend_prefill(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
             .prefix
             .map(|(pk, pv)| Segment::of(pk, pv, 0, kv, shared));
         let queries = &scratch.queries;
+        let buf = &mut scratch.kv;
         if let Some(seg) = &prefix {
-            group_scores(simd, queries, d, seg, scale, &mut scratch.scores, len, 0);
+            group_scores(
+                simd,
+                queries,
+                d,
+                seg,
+                scale,
+                &mut scratch.scores,
+                len,
+                0,
+                buf,
+            );
         }
-        let mine = own(len - shared);
-        group_scores(
-            simd,
-            queries,
-            d,
-            &mine,
-            scale,
-            &mut scratch.scores,
-            len,
-            shared,
-        );
+        // Every position of the block reads the row's own values again: f16 ones are
+        // converted once.
+        let (mut own_keys, mut own_values) = (Vec::new(), Vec::new());
+        let mine = own(len - shared).as_f32(d, &mut own_keys, &mut own_values);
+        let scores = &mut scratch.scores;
+        group_scores(simd, queries, d, &mine, scale, scores, len, shared, buf);
         for (j, row) in scratch.scores.chunks_mut(len).enumerate() {
             let t = ts.start + j / per;
             kernels::softmax(&mut row[..pos + t + 1]);
         }
         let mut out = vec![0f32; nq * d];
         if let Some(seg) = &prefix {
-            group_values(simd, seg, &scratch.scores, len, 0, 0..nq, &mut out, d);
+            group_values(simd, seg, &scratch.scores, len, 0, 0..nq, &mut out, d, buf);
         }
         for (j, t) in ts.enumerate() {
-            let seg = own(pos + t + 1 - shared);
+            let seg = mine.first(pos + t + 1 - shared);
             let queries = j * per..(j + 1) * per;
-            group_values(
-                simd,
-                &seg,
-                &scratch.scores,
-                len,
-                shared,
-                queries,
-                &mut out,
-                d,
-            );
+            let scores = &scratch.scores;
+            group_values(simd, &seg, scores, len, shared, queries, &mut out, d, buf);
         }
         out
     };
@@ -462,13 +461,82 @@ impl GroupDims {
 /// A tensor's values from its first element, and its strides.
 type View<'a> = (&'a [f32], &'a [usize]);
 
+/// Cached keys or values from their first element: f32, or f16 (what the engine's caches
+/// hold on the CPU: half the memory each decode step reads). Every kernel reads them as f32
+/// (f16 → f32 is exact), so both give the same bits for the same values.
+#[derive(Clone, Copy)]
+enum Kv<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+impl<'a> Kv<'a> {
+    /// The values from element `i` on.
+    fn from(self, i: usize) -> Self {
+        match self {
+            Kv::F32(x) => Kv::F32(&x[i..]),
+            Kv::F16(x) => Kv::F16(&x[i..]),
+        }
+    }
+
+    fn addr(self) -> usize {
+        match self {
+            Kv::F32(x) => x.as_ptr() as usize,
+            Kv::F16(x) => x.as_ptr() as usize,
+        }
+    }
+
+    fn value_bytes(self) -> usize {
+        match self {
+            Kv::F32(_) => 4,
+            Kv::F16(_) => 2,
+        }
+    }
+
+    /// `n` rows of `d` values, `stride` apart from row `p` on, as f32: in place (with their
+    /// stride), or converted into `buf` (stride `d`).
+    fn rows<'b>(
+        self,
+        p: usize,
+        n: usize,
+        stride: usize,
+        d: usize,
+        buf: &'b mut Vec<f32>,
+    ) -> (&'b [f32], usize)
+    where
+        'a: 'b,
+    {
+        match self {
+            Kv::F32(x) => (&x[p * stride..], stride),
+            Kv::F16(x) => {
+                if buf.len() < n * d {
+                    buf.resize(n * d, 0.0);
+                }
+                let out = &mut buf[..n * d];
+                if stride == d {
+                    // A cache's rows of one head follow each other: one conversion.
+                    widen(&x[p * d..][..n * d], out);
+                } else {
+                    for (i, out) in out.chunks_exact_mut(d).enumerate() {
+                        widen(&x[(p + i) * stride..][..d], out);
+                    }
+                }
+                (out, d)
+            }
+        }
+    }
+}
+
+/// Keys or values and their strides.
+type KvView<'a> = (Kv<'a>, &'a [usize]);
+
 /// A group's tensors as slices.
 #[derive(Clone, Copy)]
 struct GroupData<'a> {
     q: View<'a>,
-    k: View<'a>,
-    v: View<'a>,
-    prefix: Option<(View<'a>, View<'a>)>,
+    k: KvView<'a>,
+    v: KvView<'a>,
+    prefix: Option<(KvView<'a>, KvView<'a>)>,
 }
 
 /// A tensor's storage, read-locked, and its layout.
@@ -497,13 +565,13 @@ impl<'t> Held<'t> {
     /// The values of `g` (whose tensors these are) as slices.
     fn data(&self, g: &QueryGroup) -> Result<GroupData<'_>> {
         let prefix = match (&self.prefix, g.prefix) {
-            (Some((hk, hv)), Some((pk, pv))) => Some((f32_view(pk, hk)?, f32_view(pv, hv)?)),
+            (Some((hk, hv)), Some((pk, pv))) => Some((kv_view(pk, hk)?, kv_view(pv, hv)?)),
             _ => None,
         };
         Ok(GroupData {
             q: f32_view(g.q, &self.q)?,
-            k: f32_view(g.k, &self.k)?,
-            v: f32_view(g.v, &self.v)?,
+            k: kv_view(g.k, &self.k)?,
+            v: kv_view(g.v, &self.v)?,
             prefix,
         })
     }
@@ -551,8 +619,8 @@ pub fn attend_decode(groups: &[QueryGroup]) -> Result<Tensor> {
     let prefix_key = |i: usize| {
         data[i].prefix.map(|((k, ks), (v, vs))| {
             (
-                k.as_ptr() as usize,
-                v.as_ptr() as usize,
+                k.addr(),
+                v.addr(),
                 dims[i].shared,
                 ks[1],
                 ks[2],
@@ -726,6 +794,7 @@ fn decode_task(
             &mut scratch.scores,
             len,
             0,
+            &mut scratch.kv,
         );
     }
     for (m, &(g, r)) in members.iter().enumerate() {
@@ -745,6 +814,7 @@ fn decode_task(
             scores,
             len,
             dims[g].shared,
+            &mut scratch.kv,
         );
     }
     for (j, row) in scratch.scores.chunks_mut(len).enumerate() {
@@ -754,20 +824,22 @@ fn decode_task(
     let at = outputs.len();
     outputs.resize(at + nq * d, 0.0);
     let out = &mut outputs[at..];
+    let buf = &mut scratch.kv;
     if let Some(seg) = &prefix {
-        group_values(simd, seg, &scratch.scores, len, 0, 0..nq, out, d);
+        group_values(simd, seg, &scratch.scores, len, 0, 0..nq, out, d, buf);
     }
     for (m, &(g, r)) in members.iter().enumerate() {
         let (seg, from) = (own(g, r), dims[g].shared);
         let queries = m * per..(m + 1) * per;
-        group_values(simd, &seg, &scratch.scores, len, from, queries, out, d);
+        group_values(simd, &seg, &scratch.scores, len, from, queries, out, d, buf);
     }
 }
 
 /// Keys and values of consecutive positions (rows `stride` values apart), `n` of them.
+#[derive(Clone, Copy)]
 struct Segment<'a> {
-    keys: &'a [f32],
-    values: &'a [f32],
+    keys: Kv<'a>,
+    values: Kv<'a>,
     kstride: usize,
     vstride: usize,
     n: usize,
@@ -776,14 +848,52 @@ struct Segment<'a> {
 impl<'a> Segment<'a> {
     /// The first `n` positions of KV head `kv` of row `row` in (rows, kv_heads, positions,
     /// hd) keys and values (values from the first element, strides).
-    fn of((k, ks): View<'a>, (v, vs): View<'a>, row: usize, kv: usize, n: usize) -> Self {
+    fn of((k, ks): KvView<'a>, (v, vs): KvView<'a>, row: usize, kv: usize, n: usize) -> Self {
         Segment {
-            keys: &k[row * ks[0] + kv * ks[1]..],
-            values: &v[row * vs[0] + kv * vs[1]..],
+            keys: k.from(row * ks[0] + kv * ks[1]),
+            values: v.from(row * vs[0] + kv * vs[1]),
             kstride: ks[2],
             vstride: vs[2],
             n,
         }
+    }
+
+    /// The first `n` positions.
+    fn first(&self, n: usize) -> Self {
+        Segment { n, ..*self }
+    }
+
+    /// The segment with f16 keys and values converted to f32 once, into `keys` and `values`
+    /// (for a task that reads them many times).
+    fn as_f32<'b>(&self, d: usize, keys: &'b mut Vec<f32>, values: &'b mut Vec<f32>) -> Segment<'b>
+    where
+        'a: 'b,
+    {
+        let (k, kstride) = self.keys(0, self.n, d, keys);
+        let (v, vstride) = self.values(0, self.n, d, values);
+        Segment {
+            keys: Kv::F32(k),
+            values: Kv::F32(v),
+            kstride,
+            vstride,
+            n: self.n,
+        }
+    }
+
+    /// Keys `p..p + n` as f32 rows of `d` values and their stride (see [`Kv::rows`]).
+    fn keys<'b>(&self, p: usize, n: usize, d: usize, buf: &'b mut Vec<f32>) -> (&'b [f32], usize)
+    where
+        'a: 'b,
+    {
+        self.keys.rows(p, n, self.kstride, d, buf)
+    }
+
+    /// Values `p..p + n`, as [`Segment::keys`].
+    fn values<'b>(&self, p: usize, n: usize, d: usize, buf: &'b mut Vec<f32>) -> (&'b [f32], usize)
+    where
+        'a: 'b,
+    {
+        self.values.rows(p, n, self.vstride, d, buf)
     }
 
     /// Asks for the segment's keys and values (rows of `d` values) into the cache ahead of
@@ -792,12 +902,13 @@ impl<'a> Segment<'a> {
         #[cfg(target_arch = "x86_64")]
         for (data, stride) in [(self.keys, self.kstride), (self.values, self.vstride)] {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            let lines_per_row = (d * 4).div_ceil(64);
+            let bytes = data.value_bytes();
+            let start = data.addr();
             for p in 0..self.n {
-                let row = data[p * stride..].as_ptr();
-                for l in 0..lines_per_row {
+                let row = start + p * stride * bytes;
+                for line in (0..d * bytes).step_by(64) {
                     // SAFETY: a prefetch never faults; the address is within the row.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(l * 16).cast()) };
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>((row + line) as *const i8) };
                 }
             }
         }
@@ -806,11 +917,13 @@ impl<'a> Segment<'a> {
     }
 }
 
-/// A task's buffers: its queries one after another, and their scores (a row of `len` each).
+/// A task's buffers: its queries one after another, their scores (a row of `len` each), and
+/// a block of f16 keys or values converted to f32.
 struct Scratch {
     queries: Vec<f32>,
     scores: Vec<f32>,
     len: usize,
+    kv: Vec<f32>,
 }
 
 impl Scratch {
@@ -819,6 +932,7 @@ impl Scratch {
             queries: Vec::with_capacity(queries * d),
             scores: vec![0.0; queries * len],
             len,
+            kv: Vec::new(),
         }
     }
 }
@@ -853,6 +967,7 @@ fn attend_group(
             &mut scratch.scores,
             len,
             from,
+            &mut scratch.kv,
         );
         from += seg.n;
     }
@@ -861,15 +976,25 @@ fn attend_group(
     }
     let mut from = 0;
     for seg in segments {
-        group_values(simd, seg, &scratch.scores, len, from, 0..g, out, d);
+        group_values(
+            simd,
+            seg,
+            &scratch.scores,
+            len,
+            from,
+            0..g,
+            out,
+            d,
+            &mut scratch.kv,
+        );
         from += seg.n;
     }
 }
 
 /// `out_j += Σ_p scores[j·len + from + p] · value_p` over the segment's positions in order
 /// ([`weighted_sum`]'s arithmetic) for the queries `js` (`d` outputs each in `out`), a block
-/// of [`VALUE_BLOCK`] positions at a time (it stays in L1 for every query), two queries per
-/// pass where the CPU allows.
+/// of [`VALUE_BLOCK`] positions at a time (it stays in L1 for every query; f16 values are
+/// converted into `buf` once per block), two queries per pass where the CPU allows.
 #[allow(clippy::too_many_arguments)]
 fn group_values(
     simd: bool,
@@ -880,38 +1005,34 @@ fn group_values(
     js: std::ops::Range<usize>,
     out: &mut [f32],
     d: usize,
+    buf: &mut Vec<f32>,
 ) {
     for start in (0..seg.n).step_by(VALUE_BLOCK) {
         let n = VALUE_BLOCK.min(seg.n - start);
-        let values = &seg.values[start * seg.vstride..];
+        let (values, vstride) = seg.values(start, n, d, buf);
         let w = |j: usize| &scores[j * len + from + start..][..n];
         let mut j = js.start;
         while j < js.end {
             #[cfg(target_arch = "x86_64")]
             if simd && d.is_multiple_of(8) && j + 1 < js.end {
-                assert!(values.len() >= (n - 1) * seg.vstride + d);
+                assert!(values.len() >= (n - 1) * vstride + d);
                 let (o0, o1) = out[j * d..(j + 2) * d].split_at_mut(d);
                 // SAFETY: `simd()` checked the CPU features; `values` holds every row read
                 // (asserted); the weights and outputs have equal lengths.
-                unsafe { avx2::weighted_sum2(w(j), w(j + 1), values, seg.vstride, o0, o1) };
+                unsafe { avx2::weighted_sum2(w(j), w(j + 1), values, vstride, o0, o1) };
                 j += 2;
                 continue;
             }
-            weighted_sum(
-                simd,
-                w(j),
-                values,
-                seg.vstride,
-                &mut out[j * d..][..d],
-                true,
-            );
+            weighted_sum(simd, w(j), values, vstride, &mut out[j * d..][..d], true);
             j += 1;
         }
     }
 }
 
 /// `scores[j·len + from + p] = q_j · key_p · scale` for every query `j` of `queries` (`d`
-/// values each) and the segment's keys, eight keys at a time (all queries read them from L1).
+/// values each) and the segment's keys, a block of [`VALUE_BLOCK`] keys at a time (f16 keys
+/// converted into `buf` once per block), eight keys at a time within it (all queries read
+/// them from L1).
 #[allow(clippy::too_many_arguments)]
 fn group_scores(
     simd: bool,
@@ -922,14 +1043,35 @@ fn group_scores(
     scores: &mut [f32],
     len: usize,
     from: usize,
+    buf: &mut Vec<f32>,
 ) {
-    let key = |p: usize| &seg.keys[p * seg.kstride..][..d];
+    for start in (0..seg.n).step_by(VALUE_BLOCK) {
+        let n = VALUE_BLOCK.min(seg.n - start);
+        let (keys, kstride) = seg.keys(start, n, d, buf);
+        let at = from + start;
+        block_scores(simd, queries, d, (keys, kstride, n), scale, scores, len, at);
+    }
+}
+
+/// [`group_scores`] for `n` keys (f32 rows `stride` apart), written from column `from`.
+#[allow(clippy::too_many_arguments)]
+fn block_scores(
+    simd: bool,
+    queries: &[f32],
+    d: usize,
+    (keys, stride, n): (&[f32], usize, usize),
+    scale: f32,
+    scores: &mut [f32],
+    len: usize,
+    from: usize,
+) {
+    let key = |p: usize| &keys[p * stride..][..d];
     let mut p = 0;
     #[cfg(target_arch = "x86_64")]
     if simd && d.is_multiple_of(8) {
         let nq = queries.len() / d;
         let q = |j: usize| &queries[j * d..][..d];
-        while p + 8 <= seg.n {
+        while p + 8 <= n {
             let block: [&[f32]; 8] = std::array::from_fn(|j| key(p + j));
             // Two queries at a time: each load of a key serves both.
             for j in (0..nq - nq % 2).step_by(2) {
@@ -959,7 +1101,7 @@ fn group_scores(
             p += 8;
         }
     }
-    for p in p..seg.n {
+    for p in p..n {
         let k = key(p);
         for (j, q) in queries.chunks(d).enumerate() {
             scores[j * len + from + p] = dot(simd, q, k) * scale;
@@ -981,6 +1123,23 @@ fn simd() -> bool {
             false
         }
     })
+}
+
+/// `dst = src` as f32 (exact): F16C where the CPU has it (half's slice conversion calls a
+/// function per 8 values, which cost a 16-request decode step more than the halved memory
+/// traffic saved).
+fn widen(src: &[f16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static F16C: OnceLock<bool> = OnceLock::new();
+        if *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
+        {
+            // SAFETY: the CPU features were checked; `widen_f16c` checks the lengths.
+            unsafe { avx2::widen_f16c(src, dst) };
+            return;
+        }
+    }
+    src.convert_to_f32_slice(dst);
 }
 
 fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
@@ -1067,6 +1226,23 @@ fn weighted_sum(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
+
+    /// [`super::widen`] with F16C.
+    ///
+    /// # Safety
+    /// AVX and F16C.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn widen_f16c(src: &[half::f16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len());
+        let n = src.len() - src.len() % 8;
+        for i in (0..n).step_by(8) {
+            let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        for (d, s) in dst[n..].iter_mut().zip(&src[n..]) {
+            *d = s.to_f32();
+        }
+    }
 
     /// # Safety
     /// AVX2 and FMA; `a.len() == b.len()`, a multiple of 8.
@@ -1301,6 +1477,51 @@ fn f32_view<'a>(
     Ok((&data[layout.start_offset()..], stride))
 }
 
+/// Runs `f` on the keys or values of a CPU f32 or f16 tensor (from its first element) and
+/// its strides; the last stride must be 1.
+fn with_kv<R>(t: &Tensor, f: impl FnOnce(Kv, &[usize]) -> R) -> Result<R> {
+    let held = t.storage_and_layout();
+    let (data, stride) = kv_view(t, &held)?;
+    Ok(f(data, stride))
+}
+
+/// As [`f32_view`], for keys or values in f32 or f16.
+fn kv_view<'a>(
+    t: &Tensor,
+    held: &'a (candle_core::StorageRef<'_>, &candle_core::Layout),
+) -> Result<KvView<'a>> {
+    if t.dtype() == DType::F32 {
+        let (data, stride) = f32_view(t, held)?;
+        return Ok((Kv::F32(data), stride));
+    }
+    if t.dtype() != DType::F16 {
+        candle_core::bail!(
+            "CPU attention: f32 or f16 keys expected, got {:?}",
+            t.dtype()
+        );
+    }
+    let (storage, layout) = held;
+    let candle_core::Storage::Cpu(cpu) = &**storage else {
+        candle_core::bail!("CPU attention runs on the CPU");
+    };
+    let stride = layout.stride();
+    if stride.last() != Some(&1) {
+        candle_core::bail!("CPU attention: the last dimension must be contiguous");
+    }
+    let data = cpu.as_slice::<f16>()?;
+    Ok((Kv::F16(&data[layout.start_offset()..]), stride))
+}
+
+/// A CPU f32 tensor as f16 (rounded to nearest, ties to even), converted with the CPU's
+/// vector instructions where it has them.
+pub fn to_f16(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    let n = t.elem_count();
+    let mut out = vec![f16::ZERO; n];
+    with_f32(&t, |data, _| out.convert_from_f32_slice(&data[..n]))?;
+    Tensor::from_vec(out, t.shape(), t.device())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1456,14 +1677,17 @@ mod tests {
     #[test]
     fn blocked_kernels_give_the_per_position_bits() {
         let simd = simd();
+        let buf = &mut Vec::new();
         for d in [64usize, 128, 40, 12] {
-            let (q, keys) = (randn(&[d]), randn(&[19, d]));
+            // Two blocks of keys, eight at once (with SIMD) and the remainder: each score is
+            // `dot`'s.
+            let (q, keys) = (randn(&[d]), randn(&[VALUE_BLOCK + 11, d]));
             let q = q.to_vec1::<f32>().unwrap();
             let keys = keys.to_vec2::<f32>().unwrap();
-            // Eight keys at once (with SIMD) and the remainder: each score is `dot`'s.
+            let flat = keys.concat();
             let seg = Segment {
-                keys: &keys.concat(),
-                values: &[],
+                keys: Kv::F32(&flat),
+                values: Kv::F32(&[]),
                 kstride: d,
                 vstride: d,
                 n: keys.len(),
@@ -1473,7 +1697,7 @@ mod tests {
             let mut scores = vec![f32::NAN; 3 * len];
             let twice: Vec<f32> = q.iter().map(|x| 2.0 * x).collect();
             let queries = [q.clone(), q.iter().map(|x| -x).collect(), twice].concat();
-            group_scores(simd, &queries, d, &seg, 0.5, &mut scores, len, from);
+            group_scores(simd, &queries, d, &seg, 0.5, &mut scores, len, from, buf);
             for (j, key) in keys.iter().enumerate() {
                 for (g, q) in queries.chunks(d).enumerate() {
                     assert_eq!(
@@ -1483,6 +1707,26 @@ mod tests {
                     );
                 }
             }
+            // f16 keys score as the f32 values they hold.
+            let halves: Vec<f16> = flat.iter().map(|&x| f16::from_f32(x)).collect();
+            let widened: Vec<f32> = halves.iter().map(|x| x.to_f32()).collect();
+            let scored = |keys: Kv| {
+                let mut scores = vec![f32::NAN; 3 * len];
+                let seg = Segment { keys, ..seg };
+                group_scores(
+                    simd,
+                    &queries,
+                    d,
+                    &seg,
+                    0.5,
+                    &mut scores,
+                    len,
+                    from,
+                    &mut Vec::new(),
+                );
+                scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>()
+            };
+            assert_eq!(scored(Kv::F16(&halves)), scored(Kv::F32(&widened)), "d={d}");
             // Rows 5 apart in one buffer, as cache rows with a stride.
             let stride = d + 5;
             let v: Vec<f32> = (0..6 * stride)
@@ -1510,8 +1754,8 @@ mod tests {
             assert_eq!(out, expect, "d={d}");
             // Three queries' weights over one segment (a pair, then one), from two offsets.
             let seg = Segment {
-                keys: &[],
-                values: &v,
+                keys: Kv::F32(&[]),
+                values: Kv::F32(&v),
                 kstride: stride,
                 vstride: stride,
                 n: w.len(),
@@ -1519,13 +1763,33 @@ mod tests {
             let len = w.len() + 1;
             let weights: Vec<f32> = (0..3 * len).map(|i| ((i * 13) % 7) as f32 / 7.0).collect();
             let mut together = vec![0.5f32; 3 * d];
-            group_values(simd, &seg, &weights, len, 1, 0..3, &mut together, d);
+            group_values(simd, &seg, &weights, len, 1, 0..3, &mut together, d, buf);
             for j in 0..3 {
                 let mut one = vec![0.5f32; d];
                 let wj = &weights[j * len + 1..][..w.len()];
                 weighted_sum(simd, wj, &v, stride, &mut one, true);
                 assert_eq!(&together[j * d..][..d], &one[..], "d={d} query {j}");
             }
+            // f16 values weigh in as the f32 values they hold.
+            let halves: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            let widened: Vec<f32> = halves.iter().map(|x| x.to_f32()).collect();
+            let summed = |values: Kv| {
+                let mut out = vec![0.5f32; 3 * d];
+                let seg = Segment { values, ..seg };
+                group_values(
+                    simd,
+                    &seg,
+                    &weights,
+                    len,
+                    1,
+                    0..3,
+                    &mut out,
+                    d,
+                    &mut Vec::new(),
+                );
+                out
+            };
+            assert_eq!(summed(Kv::F16(&halves)), summed(Kv::F32(&widened)), "d={d}");
         }
     }
 
@@ -1678,5 +1942,62 @@ mod tests {
             ..groups[0]
         };
         assert!(attend_prefill(&[early]).is_err());
+    }
+
+    #[test]
+    fn f16_keys_and_values_give_the_bits_of_f32_ones_holding_their_values() {
+        let d = 64;
+        // As a cache stores them: f16, and the same values widened to f32.
+        let both = |shape: &[usize]| {
+            let h = to_f16(&randn(shape)).unwrap();
+            let f = h.to_dtype(DType::F32).unwrap();
+            (h, f)
+        };
+        // Prefix and own positions past a block of values (`VALUE_BLOCK`).
+        let (shared, rows) = (VALUE_BLOCK + 9, 3);
+        let ((pk16, pk32), (pv16, pv32)) = (both(&[1, KV, shared, d]), both(&[1, KV, shared, d]));
+        let own = VALUE_BLOCK + 5;
+        let ((k16, k32), (v16, v32)) = (both(&[rows, KV, own, d]), both(&[rows, KV, own, d]));
+        let bits = |t: &Tensor| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        // A decode step (the last position), alone and as a group.
+        let pos = shared + own - 1;
+        let q = randn(&[rows, HEADS, 1, d]);
+        let step = |k, v, pk, pv| QueryGroup {
+            q: &q,
+            prefix: Some((pk, pv)),
+            k,
+            v,
+            pos,
+        };
+        let (g16, g32) = (
+            step(&k16, &v16, &pk16, &pv16),
+            step(&k32, &v32, &pk32, &pv32),
+        );
+        let alone = |g: QueryGroup| attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos).unwrap();
+        assert_eq!(bits(&alone(g16)), bits(&alone(g32)), "decode alone");
+        let grouped = |g| attend_decode(&[g]).unwrap();
+        assert_eq!(bits(&grouped(g16)), bits(&grouped(g32)), "decode grouped");
+        // A prompt piece after its prefix.
+        let seq = 11;
+        let q = randn(&[rows, HEADS, seq, d]);
+        let piece = |k: &Tensor, v: &Tensor, pk, pv| {
+            let (k, v) = (k.narrow(2, 0, seq).unwrap(), v.narrow(2, 0, seq).unwrap());
+            let g = QueryGroup {
+                q: &q,
+                prefix: Some((pk, pv)),
+                k: &k,
+                v: &v,
+                pos: shared,
+            };
+            bits(&attend_prefill(&[g]).unwrap()[0])
+        };
+        assert_eq!(
+            piece(&k16, &v16, &pk16, &pv16),
+            piece(&k32, &v32, &pk32, &pv32),
+            "prefill"
+        );
     }
 }

@@ -1009,9 +1009,7 @@ fn new_prefix_cache(model: &LlamaModel, opts: &LoadOptions) -> Mutex<PrefixCache
     let budget = opts
         .prefix_cache_mb
         .map_or(prefix_cache::DEFAULT_BUDGET_BYTES, |mb| mb << 20);
-    let cfg = model.config();
-    let per_token = cfg.num_hidden_layers * 2 * cfg.num_kv_heads() * cfg.head_dim() * 4;
-    Mutex::new(PrefixCache::new(budget, per_token))
+    Mutex::new(PrefixCache::new(budget, model.kv_bytes_per_position()))
 }
 
 /// Positions a generation's cache reserves beyond the prompt before it has to grow.

@@ -93,6 +93,11 @@ enum Linear {
 }
 
 impl Linear {
+    /// Whether the weights are quantized (our int8 kernel, or a candle quantized tensor).
+    fn quantized(&self) -> bool {
+        matches!(self, Linear::Q8(_) | Linear::Candle(QMatMul::QTensor(_)))
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Q8(l) => l.forward(x),
@@ -151,7 +156,7 @@ struct Layer {
 /// shares the tensors: only fork or copy a clone (see [`KvCache::fork`]), never append to it.
 ///
 /// A fork of `n` samples from one prefill keeps the prompt's positions once, in a prefix
-/// every row shares (CPU f32 caches, which `cpu_attention` reads): `n` copies would cost `n`
+/// every row shares (the CPU caches `cpu_attention` reads): `n` copies would cost `n`
 /// times the memory and, as every row's attention reads its keys at each step, `n` times
 /// the memory traffic.
 #[derive(Clone)]
@@ -163,6 +168,8 @@ pub struct KvCache {
     shared: Option<Arc<SharedPrefix>>,
     len: usize,
     capacity: usize,
+    /// New layers store CPU f32 keys and values as f16 (see `KvCache::stored`).
+    f16: bool,
 }
 
 /// `rows` copies of a one-row (1, kv_heads, positions, head_dim) cache tensor, in a fresh
@@ -207,7 +214,7 @@ impl KvCache {
     }
 
     /// `n` rows of row 0 with room for `extra` more positions: one prefill, `n` samples. On
-    /// the CPU in f32 the positions so far become a prefix the rows share, read from this
+    /// the CPU (f16 or f32) the positions so far become a prefix the rows share, read from this
     /// cache's tensors (never written again: appends go past `len`) or, where the cache
     /// already starts with a shared prefix, that prefix, with only row 0's own positions
     /// copied into each row; other caches are copied into each row.
@@ -254,16 +261,18 @@ impl KvCache {
             shared: Some(shared),
             len: self.len,
             capacity: self.len + extra,
+            f16: self.f16,
         })
     }
 
-    /// Whether the cache is read by `cpu_attention` (CPU, f32), which takes a shared prefix.
+    /// Whether the cache is read by `cpu_attention` (CPU, f16 or f32), which takes a shared
+    /// prefix.
     fn shareable(&self) -> bool {
         let own = self.layers.iter().flatten();
         let shared = self.shared.iter().flat_map(|s| s.layers.iter().flatten());
-        own.chain(shared)
-            .next()
-            .is_some_and(|(k, _)| k.device().is_cpu() && k.dtype() == DType::F32)
+        own.chain(shared).next().is_some_and(|(k, _)| {
+            k.device().is_cpu() && matches!(k.dtype(), DType::F32 | DType::F16)
+        })
     }
 
     /// A one-row cache of row 0's first `len` positions with room for `capacity` positions:
@@ -293,6 +302,7 @@ impl KvCache {
                 shared: self.shared.clone(),
                 len,
                 capacity,
+                f16: self.f16,
             });
         }
         if base > 0 && len > base {
@@ -311,6 +321,7 @@ impl KvCache {
                 shared: self.shared.clone(),
                 len,
                 capacity,
+                f16: self.f16,
             });
         }
         if base == 0 && 2 * len < self.len {
@@ -335,6 +346,7 @@ impl KvCache {
             shared: Some(Arc::new(SharedPrefix { layers, len })),
             len,
             capacity,
+            f16: self.f16,
         })
     }
 
@@ -395,6 +407,7 @@ impl KvCache {
             shared: None,
             len,
             capacity,
+            f16: self.f16,
         })
     }
 
@@ -406,6 +419,7 @@ impl KvCache {
             shared: None,
             len,
             capacity: len,
+            f16: false,
         }
     }
 
@@ -426,6 +440,26 @@ impl KvCache {
         Ok(())
     }
 
+    /// `x` in the type layer `layer` stores: that of its tensors so far, or for new ones f16
+    /// where the cache is told to (see `LlamaModel::kv_f16`) and `x` is CPU f32 (what
+    /// `cpu_attention` reads), else `x`'s own.
+    fn stored(&self, layer: usize, x: &Tensor) -> Result<Tensor> {
+        let held = self.layers[layer].as_ref().or_else(|| {
+            let shared = self.shared.as_ref()?;
+            shared.layers[layer].as_ref()
+        });
+        let dtype = match held {
+            Some((k, _)) => k.dtype(),
+            None if self.f16 && x.device().is_cpu() && x.dtype() == DType::F32 => DType::F16,
+            None => x.dtype(),
+        };
+        match (x.dtype(), dtype) {
+            (a, b) if a == b => Ok(x.clone()),
+            (DType::F32, DType::F16) if x.device().is_cpu() => cpu_attention::to_f16(x),
+            _ => x.to_dtype(dtype),
+        }
+    }
+
     /// Appends `k`, `v` (batch, kv_heads, seq, head_dim) at the cache's position; returns the
     /// rows' own positions so far (from the shared prefix's end) and the shared prefix.
     #[allow(clippy::type_complexity)]
@@ -435,6 +469,7 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
+        let (k, v) = &(self.stored(layer, k)?, self.stored(layer, v)?);
         let seq = k.dim(2)?;
         let base = self.shared_len();
         let (at, need) = (self.len - base, self.len + seq - base);
@@ -958,13 +993,33 @@ impl LlamaModel {
     }
 
     /// An empty cache; `capacity` positions are allocated on first use.
+    /// Bytes one position takes in a [`KvCache`] over all layers, keys and values.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        let value = if self.kv_f16() {
+            2
+        } else {
+            self.cos.dtype().size_in_bytes()
+        };
+        let cfg = &self.cfg;
+        cfg.num_hidden_layers * 2 * cfg.num_kv_heads() * cfg.head_dim() * value
+    }
+
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         KvCache {
             layers: (0..self.layers.len()).map(|_| None).collect(),
             shared: None,
             len: 0,
             capacity,
+            f16: self.kv_f16(),
         }
+    }
+
+    /// Whether caches store keys and values as f16: on the CPU with quantized weights, as
+    /// llama.cpp does (a 16-request decode step reads every row's own positions from
+    /// memory; half the bytes is what that part waits on). With f32 weights the model is the
+    /// exact reference path (the training model's logits), and its caches stay f32.
+    fn kv_f16(&self) -> bool {
+        self.device.is_cpu() && self.layers.first().is_some_and(|l| l.w_down.quantized())
     }
 
     /// Runs `tokens` (batch, seq) at the cache's position and returns the logits of the last
@@ -1495,12 +1550,73 @@ mod cache_tests {
     }
 
     #[test]
+    fn an_f16_cache_stores_the_rounded_values_and_its_forks_keep_f16() {
+        let mut cache = KvCache {
+            layers: (0..LAYERS).map(|_| None).collect(),
+            shared: None,
+            len: 0,
+            capacity: 8,
+            f16: true,
+        };
+        let written: Vec<(Tensor, Tensor)> = (0..LAYERS).map(|_| (randn(5), randn(5))).collect();
+        for (layer, (k, v)) in written.iter().enumerate() {
+            let ((kk, vv), _) = cache.append(layer, k, v).unwrap();
+            assert_eq!((kk.dtype(), vv.dtype()), (DType::F16, DType::F16));
+        }
+        cache.len = 5;
+        let rounded = |t: &Tensor| -> Vec<f32> {
+            let h = t
+                .to_dtype(DType::F16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            h.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let widened = |c: &KvCache, layer: usize, len: usize| -> Vec<f32> {
+            let (k, v) = c.row0_positions(layer, 0, len).unwrap().unwrap();
+            let all = Tensor::cat(&[&k, &v], 2)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            all.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        for (layer, (k, v)) in written.iter().enumerate() {
+            let want = rounded(&Tensor::cat(&[k, v], 2).unwrap());
+            assert_eq!(widened(&cache, layer, 5), want, "layer {layer}");
+        }
+        // Samples forked from it, and a prefix of it, append f16 after the shared positions.
+        let mut fork = cache.fork(2, 3).unwrap();
+        let ((k, _), shared) = fork
+            .append(
+                0,
+                &randn(1).repeat((2, 1, 1, 1)).unwrap(),
+                &randn(1).repeat((2, 1, 1, 1)).unwrap(),
+            )
+            .unwrap();
+        assert_eq!(k.dtype(), DType::F16);
+        assert_eq!(shared.unwrap().0.dtype(), DType::F16);
+        let mut start = cache.prefix(3, 6).unwrap();
+        let ((k, _), _) = start.append(1, &randn(2), &randn(2)).unwrap();
+        assert_eq!(k.dtype(), DType::F16);
+        // A cache not told to keeps f32.
+        let mut plain = KvCache {
+            f16: false,
+            ..KvCache::placeholder(0)
+        };
+        plain.layers = vec![None];
+        plain.capacity = 4;
+        let ((k, _), _) = plain.append(0, &randn(2), &randn(2)).unwrap();
+        assert_eq!(k.dtype(), DType::F32);
+    }
+
+    #[test]
     fn prefixes_of_a_shared_prompt_keep_reading_it_in_place() {
         let prompt = KvCache {
             layers: (0..LAYERS).map(|_| Some((randn(10), randn(10)))).collect(),
             shared: None,
             len: 10,
             capacity: 10,
+            f16: false,
         };
         // A request forked from the prompt, with three positions of its own after it.
         let mut request = prompt.fork(1, 4).unwrap();
