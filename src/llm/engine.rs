@@ -13,6 +13,7 @@ use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplate;
 use super::config::ConfigError;
+use super::detok::IncrementalText;
 use super::gguf_tokenizer::{meta_str, meta_u32, tokenizer_from_gguf};
 use super::llama::{KvCache, LlamaConfig, LlamaModel, WeightFormat};
 use super::prefix_cache::{self, Hit, PrefixCache};
@@ -834,6 +835,7 @@ impl Engine {
                     base_seed.wrapping_add(i as u64),
                 ),
                 ids: Vec::new(),
+                detok: IncrementalText::default(),
                 text: String::new(),
                 tokens: 0,
                 sent: 0,
@@ -945,9 +947,10 @@ impl Engine {
                 Some(FinishReason::Stop)
             } else {
                 row.ids.push(tok);
-                row.text = self.decode(&row.ids)?;
-                if let Some(cut) = first_stop(&row.text, &state.stop) {
-                    row.text.truncate(cut);
+                row.detok.update(&row.ids, |ids| self.decode(ids))?;
+                row.text.clear();
+                row.text.push_str(row.detok.text());
+                if first_stop(&row.text, &state.stop).is_some() {
                     Some(FinishReason::Stop)
                 } else if last {
                     Some(FinishReason::Length)
@@ -955,6 +958,14 @@ impl Engine {
                     None
                 }
             };
+            if finish.is_some() {
+                // The reply as one decode of all its tokens gives it, cut at a stop string
+                // (the step's text is the same, one short decode per token).
+                row.text = self.decode(&row.ids)?;
+                if let Some(cut) = first_stop(&row.text, &state.stop) {
+                    row.text.truncate(cut);
+                }
+            }
             if let Some(sink) = state.stream.as_mut() {
                 row.send_delta(sink, &state.stop, finish.is_some());
             }
@@ -1132,6 +1143,9 @@ struct Row {
     sample: usize,
     sampler: Sampler,
     ids: Vec<u32>,
+    /// The text of `ids`, a token at a time.
+    detok: IncrementalText,
+    /// The text so far (once finished: cut at the stop string).
     text: String,
     tokens: usize,
     /// Bytes of `text` already sent to the stream.

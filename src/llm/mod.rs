@@ -6,6 +6,7 @@ pub mod cache;
 pub mod chat_template;
 pub mod config;
 pub mod cpu_attention;
+pub(crate) mod detok;
 pub mod engine;
 pub(crate) mod gguf_tokenizer;
 pub mod llama;

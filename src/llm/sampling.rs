@@ -70,36 +70,39 @@ impl Sampler {
 
 /// The first index of the largest logit that is not banned (NaN never wins; all −∞: 0).
 fn greedy(logits: &[f32], is_banned: &dyn Fn(usize) -> bool) -> u32 {
-    // One pass that vectorizes (a running maximum and its first index per lane, 49k logits
-    // a row, a row per request each step); the scan below when the winner is banned.
-    const LANES: usize = 16;
-    let mut max = [f32::NEG_INFINITY; LANES];
-    let mut at = [0usize; LANES];
-    let mut chunks = logits.chunks_exact(LANES);
-    for (c, chunk) in (&mut chunks).enumerate() {
-        for (l, &v) in chunk.iter().enumerate() {
-            let better = v > max[l];
-            max[l] = if better { v } else { max[l] };
-            at[l] = if better { c * LANES + l } else { at[l] };
+    // The largest value in a pass that vectorizes (49k logits a row, a row per request each
+    // step), then its first position, which stops there; the scan below when the winner is
+    // banned.
+    let best = largest(logits);
+    if best > f32::NEG_INFINITY {
+        if let Some(i) = logits.iter().position(|&v| v == best) {
+            if !is_banned(i) {
+                return i as u32;
+            }
         }
-    }
-    let tail = logits.len() - chunks.remainder().len();
-    let mut best = (0usize, f32::NEG_INFINITY);
-    for (&m, &i) in max.iter().zip(&at) {
-        if m > best.1 || (m == best.1 && m > f32::NEG_INFINITY && i < best.0) {
-            best = (i, m);
-        }
-    }
-    for (i, &v) in chunks.remainder().iter().enumerate() {
-        if v > best.1 {
-            best = (tail + i, v);
-        }
-    }
-    if best.1 > f32::NEG_INFINITY && !is_banned(best.0) {
-        return best.0 as u32;
     }
     greedy_scan(logits, is_banned)
 }
+
+/// The largest value of `logits` ignoring NaN (−∞ when there is none).
+#[inline(always)]
+fn largest_any(logits: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut max = [f32::NEG_INFINITY; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (m, &v) in max.iter_mut().zip(chunk) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    chunks
+        .remainder()
+        .iter()
+        .chain(&max)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+crate::simd::dispatch!(largest, largest_any, (logits: &[f32]) -> f32);
 
 fn greedy_scan(logits: &[f32], is_banned: &dyn Fn(usize) -> bool) -> u32 {
     let mut best = (0usize, f32::NEG_INFINITY);

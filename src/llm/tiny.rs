@@ -73,7 +73,7 @@ pub fn tiny_vocab_size() -> usize {
     256 + TINY_SPECIAL_TOKENS.len()
 }
 
-fn tiny_tokenizer() -> anyhow::Result<Tokenizer> {
+pub(crate) fn tiny_tokenizer() -> anyhow::Result<Tokenizer> {
     let mut vocab: tokenizers::models::bpe::Vocab = byte_to_char()
         .into_iter()
         .enumerate()
