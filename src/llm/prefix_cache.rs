@@ -62,12 +62,13 @@ impl PrefixCache {
         self.budget_bytes / self.bytes_per_token
     }
 
-    /// Bytes held by the stored caches.
     /// Forgets every stored prompt.
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.used_tokens = 0;
     }
 
+    /// Bytes held by the stored caches.
     pub fn used_bytes(&self) -> usize {
         self.used_tokens * self.bytes_per_token
     }
@@ -219,5 +220,11 @@ mod tests {
         let mut off = PrefixCache::new(0, 1);
         store(&mut off, &seq(20));
         assert_eq!(reuse(&mut off, &seq(20)), None);
+        // Cleared, it holds nothing and has its whole budget again.
+        c.clear();
+        assert_eq!((c.used_bytes(), reuse(&mut c, &seq(50))), (0, None));
+        store(&mut c, &seq(60));
+        store(&mut c, &b);
+        assert_eq!(c.used_bytes(), 90, "both fit after a clear");
     }
 }
