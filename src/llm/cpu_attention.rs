@@ -1518,16 +1518,7 @@ fn f32_view<'a>(
     if t.dtype() != DType::F32 {
         candle_core::bail!("CPU attention: f32 expected, got {:?}", t.dtype());
     }
-    let (storage, layout) = held;
-    let candle_core::Storage::Cpu(cpu) = &**storage else {
-        candle_core::bail!("CPU attention runs on the CPU");
-    };
-    let stride = layout.stride();
-    if stride.last() != Some(&1) {
-        candle_core::bail!("CPU attention: the last dimension must be contiguous");
-    }
-    let data = cpu.as_slice::<f32>()?;
-    Ok((&data[layout.start_offset()..], stride))
+    cpu_values(held)
 }
 
 /// Runs `f` on the keys or values of a CPU f32 or f16 tensor (from its first element) and
@@ -1543,17 +1534,18 @@ fn kv_view<'a>(
     t: &Tensor,
     held: &'a (candle_core::StorageRef<'_>, &candle_core::Layout),
 ) -> Result<KvView<'a>> {
-    if t.dtype() == DType::F32 {
-        let (data, stride) = f32_view(t, held)?;
-        return Ok((Kv::F32(data), stride));
+    match t.dtype() {
+        DType::F32 => cpu_values(held).map(|(x, s)| (Kv::F32(x), s)),
+        DType::F16 => cpu_values(held).map(|(x, s)| (Kv::F16(x), s)),
+        other => candle_core::bail!("CPU attention: f32 or f16 keys expected, got {other:?}"),
     }
-    if t.dtype() != DType::F16 {
-        candle_core::bail!(
-            "CPU attention: f32 or f16 keys expected, got {:?}",
-            t.dtype()
-        );
-    }
-    let (storage, layout) = held;
+}
+
+/// The values (from the first element) and strides of a read-locked CPU storage of `T`;
+/// the last stride must be 1.
+fn cpu_values<'a, T: candle_core::WithDType>(
+    (storage, layout): &'a (candle_core::StorageRef<'_>, &candle_core::Layout),
+) -> Result<(&'a [T], &'a [usize])> {
     let candle_core::Storage::Cpu(cpu) = &**storage else {
         candle_core::bail!("CPU attention runs on the CPU");
     };
@@ -1561,8 +1553,8 @@ fn kv_view<'a>(
     if stride.last() != Some(&1) {
         candle_core::bail!("CPU attention: the last dimension must be contiguous");
     }
-    let data = cpu.as_slice::<f16>()?;
-    Ok((Kv::F16(&data[layout.start_offset()..]), stride))
+    let data = cpu.as_slice::<T>()?;
+    Ok((&data[layout.start_offset()..], stride))
 }
 
 /// A CPU f32 tensor as f16 (rounded to nearest, ties to even), converted with the CPU's
