@@ -297,12 +297,18 @@ pub fn attend_prefill(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
             [g.views.k, g.views.v].map(|x| Widened::of(x, shape))
         })
         .collect();
-    let mut prefixes: Vec<(usize, [Option<Widened>; 2])> = Vec::new();
+    // A prefix is the same when it starts at the same keys and values and is as long.
+    let key = |g: &PrefillData| {
+        g.views
+            .prefix
+            .map(|(pk, pv)| (pk.0.addr(), pv.0.addr(), g.shared))
+    };
+    let mut prefixes: Vec<(_, [Option<Widened>; 2])> = Vec::new();
     for g in &data {
         if let Some((pk, pv)) = g.views.prefix {
-            if !prefixes.iter().any(|(at, _)| *at == pk.0.addr()) {
+            if !prefixes.iter().any(|(at, _)| *at == key(g)) {
                 let shape = (1, kv_heads, g.shared, d);
-                prefixes.push((pk.0.addr(), [pk, pv].map(|x| Widened::of(x, shape))));
+                prefixes.push((key(g), [pk, pv].map(|x| Widened::of(x, shape))));
             }
         }
     }
@@ -310,12 +316,13 @@ pub fn attend_prefill(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
         .into_iter()
         .zip(&own)
         .map(|(mut g, [wk, wv])| {
+            let at = key(&g);
             g.views.k = Widened::or(wk, g.views.k);
             g.views.v = Widened::or(wv, g.views.v);
             g.views.prefix = g.views.prefix.map(|(pk, pv)| {
                 let (_, [wk, wv]) = prefixes
                     .iter()
-                    .find(|(at, _)| *at == pk.0.addr())
+                    .find(|(k, _)| *k == at)
                     .expect("every prefix was widened or kept");
                 (Widened::or(wk, pk), Widened::or(wv, pv))
             });
@@ -2043,6 +2050,37 @@ mod tests {
             piece(&k16, &v16, &pk16, &pv16),
             piece(&k32, &v32, &pk32, &pv32),
             "prefill"
+        );
+        // Two pieces in one pass whose prefixes start at the same keys, one shorter: each
+        // reads its own length.
+        let short = shared - 7;
+        let pair = |k: &Tensor, v: &Tensor, pk: &Tensor, pv: &Tensor| {
+            let (k, v) = (k.narrow(2, 0, seq).unwrap(), v.narrow(2, 0, seq).unwrap());
+            let (sk, sv) = (
+                pk.narrow(2, 0, short).unwrap(),
+                pv.narrow(2, 0, short).unwrap(),
+            );
+            let long = QueryGroup {
+                q: &q,
+                prefix: Some((pk, pv)),
+                k: &k,
+                v: &v,
+                pos: shared,
+            };
+            let brief = QueryGroup {
+                prefix: Some((&sk, &sv)),
+                pos: short,
+                ..long
+            };
+            // Either first (the first one's copy is the one a widened pass keeps).
+            let ys = attend_prefill(&[long, brief]).unwrap();
+            let sy = attend_prefill(&[brief, long]).unwrap();
+            [&ys[0], &ys[1], &sy[0], &sy[1]].map(bits)
+        };
+        assert_eq!(
+            pair(&k16, &v16, &pk16, &pv16),
+            pair(&k32, &v32, &pk32, &pv32),
+            "prefixes of two lengths"
         );
     }
 }
