@@ -35,8 +35,8 @@ pub struct Params {
     /// Timed passes; the fastest is reported.
     #[arg(long, default_value_t = 40, value_parser = crate::at_least_one)]
     pub repeats: usize,
-    /// Cached keys and values in f32 instead of f16 (what the engine stores on the CPU): the
-    /// attention figure as it was before the caches held f16.
+    /// Cached keys and values in f32 instead of f16 (what the engine's CPU caches hold for
+    /// quantized weights): the attention figure as it was before they held f16.
     #[arg(long)]
     pub kv_f32: bool,
 }

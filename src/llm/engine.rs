@@ -959,8 +959,8 @@ impl Engine {
                 }
             };
             if finish.is_some() {
-                // The reply as one decode of all its tokens gives it, cut at a stop string
-                // (the step's text is the same, one short decode per token).
+                // The finished reply is one decode of all its tokens (what the windowed
+                // text equals, step by step), cut at a stop string.
                 row.text = self.decode(&row.ids)?;
                 if let Some(cut) = first_stop(&row.text, &state.stop) {
                     row.text.truncate(cut);

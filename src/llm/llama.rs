@@ -992,7 +992,6 @@ impl LlamaModel {
         &self.device
     }
 
-    /// An empty cache; `capacity` positions are allocated on first use.
     /// Bytes one position takes in a [`KvCache`] over all layers, keys and values.
     pub fn kv_bytes_per_position(&self) -> usize {
         let value = if self.kv_f16() {
@@ -1004,6 +1003,7 @@ impl LlamaModel {
         cfg.num_hidden_layers * 2 * cfg.num_kv_heads() * cfg.head_dim() * value
     }
 
+    /// An empty cache; `capacity` positions are allocated on first use.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         KvCache {
             layers: (0..self.layers.len()).map(|_| None).collect(),
