@@ -547,34 +547,28 @@ impl<'a> Kv<'a> {
     {
         match self {
             Kv::F32(x) => (&x[p * stride..], stride),
-            Kv::F16(_) => {
+            Kv::F16(x) => {
                 if buf.len() < n * d {
                     buf.resize(n * d, 0.0);
                 }
                 let out = &mut buf[..n * d];
-                self.from(p * stride).widen_rows(stride, d, out);
+                widen_rows(&x[p * stride..], stride, d, out);
                 (out, d)
             }
         }
     }
+}
 
-    /// Writes the rows (of `d` values, `stride` apart) that fill `out` as f32.
-    fn widen_rows(self, stride: usize, d: usize, out: &mut [f32]) {
-        let n = out.len() / d;
-        match self {
-            Kv::F32(x) => {
-                for (i, out) in out.chunks_exact_mut(d).enumerate() {
-                    out.copy_from_slice(&x[i * stride..][..d]);
-                }
-            }
-            // A cache's rows of one head follow each other: one conversion.
-            Kv::F16(x) if stride == d => widen(&x[..n * d], out),
-            Kv::F16(x) => {
-                for (i, out) in out.chunks_exact_mut(d).enumerate() {
-                    widen(&x[i * stride..][..d], out);
-                }
-            }
-        }
+/// Writes the f16 rows of `x` (of `d` values, `stride` apart) that fill `out` as f32.
+fn widen_rows(x: &[f16], stride: usize, d: usize, out: &mut [f32]) {
+    if stride == d {
+        // A cache's rows of one head follow each other: one conversion.
+        let n = out.len();
+        widen(&x[..n], out);
+        return;
+    }
+    for (i, out) in out.chunks_exact_mut(d).enumerate() {
+        widen(&x[i * stride..][..d], out);
     }
 }
 
@@ -588,13 +582,13 @@ impl Widened {
     /// The first `n` positions of every (a, kv_heads) row of `x` as f32; `None` when they
     /// are f32 already.
     fn of((x, s): KvView, (a, heads, n, d): (usize, usize, usize, usize)) -> Option<Self> {
-        let Kv::F16(_) = x else {
+        let Kv::F16(x) = x else {
             return None;
         };
         let mut values = vec![0f32; a * heads * n * d];
         for (i, out) in values.chunks_exact_mut(n * d).enumerate() {
             let (row, head) = (i / heads, i % heads);
-            x.from(row * s[0] + head * s[1]).widen_rows(s[2], d, out);
+            widen_rows(&x[row * s[0] + head * s[1]..], s[2], d, out);
         }
         Some(Widened {
             values,
