@@ -92,16 +92,26 @@ macro_rules! dispatch {
 
 pub(crate) use dispatch;
 
+use std::mem::MaybeUninit;
+
 #[inline(always)]
-fn swiglu_any(out: &mut [f32], gate: &[f32], up: &[f32]) {
+fn swiglu_any(out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g * sigmoid(*g) * u;
+        o.write(g * sigmoid(*g) * u);
     }
 }
 
 // `out = silu(gate) ⊙ up`: the feed-forward gate of training (`train::ops`) and inference
-// (`llm::llama`), one arithmetic.
-dispatch!(pub(crate) swiglu, swiglu_any, (out: &mut [f32], gate: &[f32], up: &[f32]) -> ());
+// (`llm::llama`), one arithmetic; `out` may be uninitialized (inference writes fresh outputs).
+dispatch!(pub(crate) swiglu, swiglu_any,
+    (out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) -> ());
+
+/// Initialized values as a slice to overwrite (for kernels that also write fresh outputs).
+pub(crate) fn as_uninit(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: the same layout; through the result only initialized `f32`s can be written,
+    // so `values` stays initialized.
+    unsafe { &mut *(values as *mut [f32] as *mut [MaybeUninit<f32>]) }
+}
 
 #[cfg(test)]
 mod tests {

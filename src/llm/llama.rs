@@ -545,6 +545,8 @@ pub struct LlamaModel {
 /// then spins on the core the next matmul needs (10 % of a prefill's samples). Other
 /// tensors take candle's ops.
 mod elementwise {
+    use std::mem::MaybeUninit;
+
     use candle_core::{DType, Result, Tensor};
 
     use crate::simd::{dispatch, swiglu as swiglu_rows};
@@ -556,13 +558,26 @@ mod elementwise {
     const CHUNK: usize = 1 << 12;
 
     #[inline(always)]
-    fn add_any(out: &mut [f32], a: &[f32], b: &[f32]) {
+    fn add_any(out: &mut [MaybeUninit<f32>], a: &[f32], b: &[f32]) {
         for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
-            *o = a + b;
+            o.write(a + b);
         }
     }
 
-    dispatch!(add_rows, add_any, (out: &mut [f32], a: &[f32], b: &[f32]) -> ());
+    dispatch!(add_rows, add_any, (out: &mut [MaybeUninit<f32>], a: &[f32], b: &[f32]) -> ());
+
+    /// An output of `n` values, each written by `fill` (no zero-fill first: a prefill chunk's
+    /// outputs are megabytes, zeroed on one thread while the others waited).
+    ///
+    /// # Safety
+    /// `fill` must write every one of the `n` values it is given.
+    unsafe fn written(n: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+        let mut out = Vec::with_capacity(n);
+        fill(&mut out.spare_capacity_mut()[..n]);
+        // SAFETY: the caller's `fill` initialized all `n`.
+        unsafe { out.set_len(n) };
+        out
+    }
 
     /// `f` on the values of CPU f32 contiguous tensors, or `None` for other tensors.
     fn with_slices<R>(ts: [&Tensor; 2], f: impl FnOnce([&[f32]; 2]) -> R) -> Result<Option<R>> {
@@ -583,20 +598,28 @@ mod elementwise {
     }
 
     /// `f(out, a, b)` over two CPU f32 contiguous tensors of one shape, or `None`.
-    fn binary(a: &Tensor, b: &Tensor, f: fn(&mut [f32], &[f32], &[f32])) -> Result<Option<Tensor>> {
+    /// `f` writes one value of `out` per value of its inputs (all three the same length).
+    fn binary(
+        a: &Tensor,
+        b: &Tensor,
+        f: fn(&mut [MaybeUninit<f32>], &[f32], &[f32]),
+    ) -> Result<Option<Tensor>> {
         if a.shape() != b.shape() {
             return Ok(None);
         }
         let out = with_slices([a, b], |[xa, xb]| {
-            let mut out = vec![0f32; xa.len()];
-            if xa.len() < PAR_MIN {
-                f(&mut out, xa, xb);
-            } else {
-                crate::llm::team::for_each_chunk_mut(&mut out, CHUNK, |i, o| {
-                    f(o, &xa[i * CHUNK..][..o.len()], &xb[i * CHUNK..][..o.len()])
-                });
-            }
-            out
+            let fill = |out: &mut [MaybeUninit<f32>]| {
+                if xa.len() < PAR_MIN {
+                    f(out, xa, xb);
+                } else {
+                    crate::llm::team::for_each_chunk_mut(out, CHUNK, |i, o| {
+                        f(o, &xa[i * CHUNK..][..o.len()], &xb[i * CHUNK..][..o.len()])
+                    });
+                }
+            };
+            // SAFETY: `f` writes each output value (the inputs have the same shape, so
+            // every chunk gets inputs as long as it is).
+            unsafe { written(xa.len(), fill) }
         })?;
         out.map(|out| Tensor::from_vec(out, a.shape(), a.device()))
             .transpose()
@@ -615,7 +638,7 @@ mod elementwise {
     /// `out = x / √(mean(x²) + eps) · alpha` for one row; the squares summed in 16 lanes
     /// (then the lanes in order), so every instruction set gives the same bits.
     #[inline(always)]
-    fn rms_row_any(out: &mut [f32], x: &[f32], alpha: &[f32], eps: f32) {
+    fn rms_row_any(out: &mut [MaybeUninit<f32>], x: &[f32], alpha: &[f32], eps: f32) {
         let mut lanes = [0f32; LANES];
         let mut chunks = x.chunks_exact(LANES);
         for c in &mut chunks {
@@ -629,11 +652,12 @@ mod elementwise {
         }
         let m = (sum / x.len() as f32 + eps).sqrt();
         for ((o, v), a) in out.iter_mut().zip(x).zip(alpha) {
-            *o = v / m * a;
+            o.write(v / m * a);
         }
     }
 
-    dispatch!(rms_row, rms_row_any, (out: &mut [f32], x: &[f32], alpha: &[f32], eps: f32) -> ());
+    dispatch!(rms_row, rms_row_any,
+        (out: &mut [MaybeUninit<f32>], x: &[f32], alpha: &[f32], eps: f32) -> ());
 
     /// RMS norm over the last dimension (candle's `rms_norm` for other tensors): a row at a
     /// time on the compute threads, without candle's per-op overhead (60 norms a step).
@@ -642,21 +666,24 @@ mod elementwise {
         let out = (alpha.dims() == [n] && n > 0)
             .then(|| {
                 with_slices([x, alpha], |[xs, a]| {
-                    let mut out = vec![0f32; xs.len()];
-                    if xs.len() < PAR_MIN {
-                        for (o, r) in out.chunks_mut(n).zip(xs.chunks(n)) {
-                            rms_row(o, r, a, eps);
-                        }
-                    } else {
-                        let rows = (CHUNK / n).max(1) * n;
-                        crate::llm::team::for_each_chunk_mut(&mut out, rows, |i, o| {
-                            let x = &xs[i * rows..][..o.len()];
-                            for (o, r) in o.chunks_mut(n).zip(x.chunks(n)) {
+                    let fill = |out: &mut [MaybeUninit<f32>]| {
+                        if xs.len() < PAR_MIN {
+                            for (o, r) in out.chunks_mut(n).zip(xs.chunks(n)) {
                                 rms_row(o, r, a, eps);
                             }
-                        });
-                    }
-                    out
+                        } else {
+                            let rows = (CHUNK / n).max(1) * n;
+                            crate::llm::team::for_each_chunk_mut(out, rows, |i, o| {
+                                let x = &xs[i * rows..][..o.len()];
+                                for (o, r) in o.chunks_mut(n).zip(x.chunks(n)) {
+                                    rms_row(o, r, a, eps);
+                                }
+                            });
+                        }
+                    };
+                    // SAFETY: `rms_row` writes its whole row, and the rows cover the output
+                    // (`x` and the output are whole rows of `n`, `alpha` holds `n`).
+                    unsafe { written(xs.len(), fill) }
                 })
             })
             .transpose()?

@@ -23,6 +23,7 @@
 //! `128 · Σw` (kept per column at load) is subtracted. Integer sums are exact either way, so both
 //! kernels give the same bits.
 
+use std::cell::Cell;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -432,27 +433,21 @@ impl Q8Linear {
             (Kernel::Vnni, Blocks::Q4_1 { .. }) if m < VNNI_Q4_MIN_ROWS => Kernel::Avx2,
             (k, _) => k,
         };
-        let nb = self.k / QK;
-        let mut xq = vec![0i8; m * self.k];
-        let mut xd = vec![0f32; m * nb];
-        quantize_rows(kern, xs, &mut xq, &mut xd);
-        let xsum = match &self.blocks {
-            Blocks::Q4_1 { .. } => block_sums(&xq, &xd),
-            Blocks::Q8_0 { .. } => {
-                #[cfg(target_arch = "x86_64")]
-                if kern == Kernel::Vnni {
-                    // x + 128 as unsigned bytes, which `vpdpbusd` multiplies.
-                    for v in &mut xq {
-                        *v ^= i8::MIN;
-                    }
-                }
-                Vec::new()
-            }
+        let form = match &self.blocks {
+            Blocks::Q4_1 { .. } => ActForm::WithSums,
+            // x + 128 as unsigned bytes, which `vpdpbusd` multiplies.
+            #[cfg(target_arch = "x86_64")]
+            Blocks::Q8_0 { .. } if kern == Kernel::Vnni => ActForm::Offset,
+            Blocks::Q8_0 { .. } => ActForm::Plain,
         };
+        // Taken, not borrowed: a loop that falls back to rayon may run another layer's call
+        // on this thread meanwhile, which then quantizes into buffers of its own.
+        let mut bufs = ACT_BUFS.with(Cell::take);
+        bufs.quantize(kern, xs, self.k, form);
         let acts = Acts {
-            q: &xq,
-            d: &xd,
-            sum: &xsum,
+            q: &bufs.q,
+            d: &bufs.d,
+            sum: &bufs.sum,
         };
         // Not zero-filled first (the output head's 3 MB a 16-request step, on one thread):
         // the tiles write every element.
@@ -474,6 +469,7 @@ impl Q8Linear {
             // of all `m` rows (`store_rows`, the scalar kernels), so all `m · n` are set.
             unsafe { o.set_len(m * n) };
         }
+        ACT_BUFS.with(|b| b.set(bufs));
         outs
     }
 
@@ -546,12 +542,65 @@ struct Acts<'a> {
     sum: &'a [f32],
 }
 
-/// `d · Σq` of every block of 32 quantized activations (integer sum, one rounding).
-fn block_sums(xq: &[i8], xd: &[f32]) -> Vec<f32> {
-    xq.chunks_exact(QK)
-        .zip(xd)
-        .map(|(q, &d)| q.iter().map(|&v| i32::from(v)).sum::<i32>() as f32 * d)
-        .collect()
+/// What a call's kernels read besides the quantized values and their scales.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ActForm {
+    Plain,
+    /// Each block's `d · Σq` (Q4_1 weights: the minimums' factor).
+    WithSums,
+    /// The values offset by 128 (`x ^ 0x80`), as the unsigned operand of `vpdpbusd`.
+    #[cfg(target_arch = "x86_64")]
+    Offset,
+}
+
+/// Quantized activations of a call, kept per thread between calls: a decode step makes 120
+/// of them, whose allocations and zero-fills had been a visible part of the step's serial
+/// (one-thread) time.
+#[derive(Default)]
+struct ActBufs {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+thread_local! {
+    static ACT_BUFS: Cell<ActBufs> = Cell::new(ActBufs::default());
+}
+
+/// Values from which a call's activations are quantized on the compute threads (a prefill
+/// chunk's; a decode step's few rows take a few microseconds on one).
+const PAR_MIN_QUANT: usize = 1 << 16;
+
+impl ActBufs {
+    /// Quantizes the rows of `xs` (`k` values each) as `form` asks.
+    fn quantize(&mut self, kern: Kernel, xs: &[f32], k: usize, form: ActForm) {
+        let (m, nb) = (xs.len() / k, k / QK);
+        self.q.resize(m * k, 0);
+        self.d.resize(m * nb, 0.0);
+        let with_sums = form == ActForm::WithSums;
+        self.sum.resize(if with_sums { m * nb } else { 0 }, 0.0);
+        let threads = compute_threads();
+        if xs.len() < PAR_MIN_QUANT || threads <= 1 {
+            quantize_rows(kern, xs, &mut self.q, &mut self.d, &mut self.sum, form);
+            return;
+        }
+        let rows = m.div_ceil(4 * threads);
+        let sums: Box<dyn Iterator<Item = &mut [f32]>> = if with_sums {
+            Box::new(self.sum.chunks_mut(rows * nb))
+        } else {
+            Box::new(std::iter::repeat_with(Default::default))
+        };
+        let mut pieces: Vec<_> = self
+            .q
+            .chunks_mut(rows * k)
+            .zip(self.d.chunks_mut(rows * nb))
+            .zip(sums)
+            .collect();
+        super::team::map_mut(&mut pieces, |i, ((q, d), sum)| {
+            let x = &xs[i * rows * k..][..q.len()];
+            quantize_rows(kern, x, q, d, sum, form);
+        });
+    }
 }
 
 fn check_k(k: usize) -> Result<()> {
@@ -648,14 +697,34 @@ fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits)
 }
 
-/// Quantizes each block of 32 values: `d = max|x| / 127`, `q = round(x / d)` (ties to even).
-fn quantize_rows(kern: Kernel, xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
+/// Quantizes each block of 32 values: `d = max|x| / 127`, `q = round(x / d)` (ties to even);
+/// `sums` (empty unless `form` asks) gets each block's `d · Σq` (integer sum, one rounding).
+fn quantize_rows(
+    kern: Kernel,
+    xs: &[f32],
+    xq: &mut [i8],
+    xd: &mut [f32],
+    sums: &mut [f32],
+    form: ActForm,
+) {
     match kern {
-        Kernel::Scalar => quantize_scalar(xs, xq, xd),
+        Kernel::Scalar => {
+            quantize_scalar(xs, xq, xd);
+            for ((s, q), &d) in sums.iter_mut().zip(xq.chunks_exact(QK)).zip(xd.iter()) {
+                *s = q.iter().map(|&v| i32::from(v)).sum::<i32>() as f32 * d;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if form == ActForm::Offset {
+                xq.iter_mut().for_each(|v| *v ^= i8::MIN);
+            }
+        }
         // SAFETY: `kernel()` checked the CPU features.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 | Kernel::Vnni => unsafe { avx2::quantize(xs, xq, xd) },
+        Kernel::Avx2 | Kernel::Vnni => unsafe {
+            avx2::quantize(xs, xq, xd, sums, form == ActForm::Offset)
+        },
     }
+    let _ = form;
 }
 
 /// `1 / d`, or 0 where that is not finite (an all-zero block, or one so small that `1 / d`
@@ -795,16 +864,28 @@ mod avx2 {
     use super::{Acts, Tile, Tile4, MR, NC, QK, TILE_BLOCK, TILE_BLOCK4};
     use std::arch::x86_64::*;
 
+    /// `super::quantize_rows`: with `sums` non-empty, each block's `d · Σq` (the sum of the
+    /// stored bytes); with `offset`, the bytes stored as `q ^ 0x80`.
+    ///
     /// # Safety
-    /// The CPU must support AVX2; slices as in `quantize_scalar`.
+    /// The CPU must support AVX2; slices as in `quantize_scalar`, `sums` empty or one per
+    /// block.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn quantize(xs: &[f32], xq: &mut [i8], xd: &mut [f32]) {
+    pub(super) unsafe fn quantize(
+        xs: &[f32],
+        xq: &mut [i8],
+        xd: &mut [f32],
+        sums: &mut [f32],
+        offset: bool,
+    ) {
         let sign = _mm256_set1_ps(-0.0);
         let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-        for ((x, q), d) in xs
+        let flip = _mm256_set1_epi8(if offset { i8::MIN } else { 0 });
+        for (blk, ((x, q), d)) in xs
             .chunks_exact(QK)
             .zip(xq.chunks_exact_mut(QK))
             .zip(xd.iter_mut())
+            .enumerate()
         {
             let p = x.as_ptr();
             let v = [
@@ -832,7 +913,19 @@ mod avx2 {
             let a = _mm256_packs_epi32(r(v[0]), r(v[1]));
             let b = _mm256_packs_epi32(r(v[2]), r(v[3]));
             let packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), perm);
-            _mm256_storeu_si256(q.as_mut_ptr().cast(), packed);
+            if let Some(s) = sums.get_mut(blk) {
+                // 1 · q in pairs, then the pairs in fours: exact 32-bit sums of the bytes.
+                let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), packed);
+                let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+                let h = _mm_add_epi32(
+                    _mm256_castsi256_si128(quads),
+                    _mm256_extracti128_si256::<1>(quads),
+                );
+                let h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b01>(h));
+                *s = _mm_cvtsi128_si32(h) as f32 * *d;
+            }
+            _mm256_storeu_si256(q.as_mut_ptr().cast(), _mm256_xor_si256(packed, flip));
         }
     }
 
@@ -1368,7 +1461,9 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(11);
         let (n, k) = (37, 576);
         let wt = Tensor::from_vec(randn(&mut rng, n * k, 0.1), (n, k), &Device::Cpu).unwrap();
-        let m = 17;
+        // Enough rows that the batch's activations are quantized on the compute threads
+        // (a single row's on the caller's).
+        let m = PAR_MIN_QUANT.div_ceil(k) + 3;
         let xs = randn(&mut rng, m * k, 1.0);
         for (l, kern) in both_formats(&wt)
             .iter()

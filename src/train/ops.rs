@@ -578,7 +578,7 @@ impl CustomOp2 for SwiGlu {
         let mut out = vec![0f32; gate.len()];
         par_rows(&mut out, w, |r, o| {
             let span = r * w..(r + 1) * w;
-            rows::swiglu(o, &gate[span.clone()], &up[span]);
+            rows::swiglu(crate::simd::as_uninit(o), &gate[span.clone()], &up[span]);
         });
         Ok(cpu_out(out, l1.shape()))
     }
