@@ -567,9 +567,10 @@ thread_local! {
     static ACT_BUFS: Cell<ActBufs> = Cell::new(ActBufs::default());
 }
 
-/// Values from which a call's activations are quantized on the compute threads (a prefill
-/// chunk's; a decode step's few rows take a few microseconds on one).
-const PAR_MIN_QUANT: usize = 1 << 16;
+/// Values from which a call's activations are quantized on the compute threads: from a
+/// 16-request decode step's (9 k values, 3–8 µs on one thread, with the other waiting: the
+/// step's int8 layers 7.3–7.6 → 7.0–7.1 ms in `bench kernels`).
+const PAR_MIN_QUANT: usize = 1 << 12;
 
 impl ActBufs {
     /// Quantizes the rows of `xs` (`k` values each) as `form` asks.
