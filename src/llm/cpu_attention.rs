@@ -737,14 +737,13 @@ pub fn attend_decode(groups: &[QueryGroup]) -> Result<Tensor> {
         crate::llm::q8::compute_threads()
     };
     let chunks: Vec<&[DecodeTask]> = tasks.chunks(tasks.len().div_ceil(threads)).collect();
-    let outs: Vec<f32> = crate::llm::team::map(chunks.len(), |c| {
+    let outs: Vec<Vec<f32>> = crate::llm::team::map(chunks.len(), |c| {
         let (mut scratch, mut out) = (Scratch::new(0, 0, d), Vec::new());
         for t in chunks[c] {
             run(t, &mut scratch, &mut out);
         }
         out
-    })
-    .concat();
+    });
     // Scatter: a task's outputs are its members' heads, member after member.
     let offsets: Vec<usize> = dims
         .iter()
@@ -756,7 +755,7 @@ pub fn attend_decode(groups: &[QueryGroup]) -> Result<Tensor> {
         .collect();
     let total: usize = dims.iter().map(|g| g.rows).sum();
     let mut out = vec![0f32; total * heads * d];
-    let mut src = outs.chunks(d);
+    let mut src = outs.iter().flat_map(|o| o.chunks(d));
     for t in &tasks {
         let members = &clusters[t.cluster][t.members.clone()];
         for &(g, r) in members {

@@ -1346,15 +1346,15 @@ impl LlamaModel {
         let eps = self.cfg.rms_norm_eps as f32;
         for (i, layer) in self.layers.iter().enumerate() {
             x = self.block(layer, &x, |q, k, v| {
+                if self.cpu_attention(q) {
+                    return self.groups_cpu_attention(i, [q, k, v], &shapes, caches);
+                }
                 let mut parts = Vec::with_capacity(shapes.len());
                 let mut r0 = 0;
                 for &(rows, seq) in &shapes {
                     let part = |t: &Tensor| t.narrow(0, r0, rows * seq)?.reshape((rows, seq, ()));
                     parts.push((part(q)?, part(k)?, part(v)?));
                     r0 += rows * seq;
-                }
-                if self.cpu_attention(q) {
-                    return self.groups_cpu_attention(i, &parts, caches);
                 }
                 // Groups attend independently: spread them over the compute threads.
                 let ys = caches
@@ -1394,19 +1394,33 @@ impl LlamaModel {
         Ok(out)
     }
 
-    /// [`cpu_attention`] for the groups of [`LlamaModel::forward_groups`]: each group's keys
-    /// and values into its cache, then the groups that decode (one position a row) attend
-    /// together (rows reading one shared prefix read it together), the others each by
-    /// itself. Returns (rows·seq of every group in order, 1, heads·hd).
+    /// [`cpu_attention`] for the groups of [`LlamaModel::forward_groups`] (`shapes`: each
+    /// one's rows and positions, in order along the first dimension of the projections
+    /// `qkv`): each group's keys and values into its cache, then the groups that decode (one
+    /// position a row) attend together (rows reading one shared prefix read it together), the
+    /// others each by itself. Returns (rows·seq of every group in order, 1, heads·hd).
     fn groups_cpu_attention(
         &self,
         layer: usize,
-        parts: &[(Tensor, Tensor, Tensor)],
+        qkv: [&Tensor; 3],
+        shapes: &[(usize, usize)],
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
+        let starts: Vec<usize> = shapes
+            .iter()
+            .scan(0, |r0, &(rows, seq)| {
+                let at = *r0;
+                *r0 += rows * seq;
+                Some(at)
+            })
+            .collect();
+        // Each group's slices are cut on the thread that prepares it (three candle views a
+        // group and layer: 1 400 a 16-request step, on one thread otherwise).
         let prepared = crate::llm::team::map_mut(caches, |g, cache| {
-            let (q, k, v) = &parts[g];
-            self.prepare_cpu_attention(layer, q, k, v, cache)
+            let (rows, seq) = shapes[g];
+            let part = |t: &Tensor| t.narrow(0, starts[g], rows * seq)?.reshape((rows, seq, ()));
+            let [q, k, v] = qkv.map(part);
+            self.prepare_cpu_attention(layer, &q?, &k?, &v?, cache)
         })
         .into_iter()
         .collect::<Result<Vec<_>>>()?;

@@ -443,12 +443,7 @@ impl Q8Linear {
         // Taken, not borrowed: a loop that falls back to rayon may run another layer's call
         // on this thread meanwhile, which then quantizes into buffers of its own.
         let mut bufs = ACT_BUFS.with(Cell::take);
-        bufs.quantize(kern, xs, self.k, form);
-        let acts = Acts {
-            q: &bufs.q,
-            d: &bufs.d,
-            sum: &bufs.sum,
-        };
+        let acts = bufs.quantize(kern, xs, self.k, form);
         // Not zero-filled first (the output head's 3 MB a 16-request step, on one thread):
         // the tiles write every element.
         let mut outs: Vec<Vec<f32>> = self
@@ -574,34 +569,48 @@ const PAR_MIN_QUANT: usize = 1 << 12;
 
 impl ActBufs {
     /// Quantizes the rows of `xs` (`k` values each) as `form` asks.
-    fn quantize(&mut self, kern: Kernel, xs: &[f32], k: usize, form: ActForm) {
+    fn quantize(&mut self, kern: Kernel, xs: &[f32], k: usize, form: ActForm) -> Acts<'_> {
         let (m, nb) = (xs.len() / k, k / QK);
-        self.q.resize(m * k, 0);
-        self.d.resize(m * nb, 0.0);
         let with_sums = form == ActForm::WithSums;
-        self.sum.resize(if with_sums { m * nb } else { 0 }, 0.0);
+        // The buffers only grow (a step's layers alternate between input sizes), so that
+        // no call zero-fills what the last one gave back.
+        let q = grown(&mut self.q, m * k);
+        let d = grown(&mut self.d, m * nb);
+        let sum = grown(&mut self.sum, if with_sums { m * nb } else { 0 });
         let threads = compute_threads();
         if xs.len() < PAR_MIN_QUANT || threads <= 1 {
-            quantize_rows(kern, xs, &mut self.q, &mut self.d, &mut self.sum, form);
-            return;
-        }
-        let rows = m.div_ceil(4 * threads);
-        let sums: Box<dyn Iterator<Item = &mut [f32]>> = if with_sums {
-            Box::new(self.sum.chunks_mut(rows * nb))
+            quantize_rows(kern, xs, q, d, sum, form);
         } else {
-            Box::new(std::iter::repeat_with(Default::default))
-        };
-        let mut pieces: Vec<_> = self
-            .q
-            .chunks_mut(rows * k)
-            .zip(self.d.chunks_mut(rows * nb))
-            .zip(sums)
-            .collect();
-        super::team::map_mut(&mut pieces, |i, ((q, d), sum)| {
-            let x = &xs[i * rows * k..][..q.len()];
-            quantize_rows(kern, x, q, d, sum, form);
-        });
+            let rows = m.div_ceil(4 * threads);
+            let sums: Box<dyn Iterator<Item = &mut [f32]>> = if with_sums {
+                Box::new(sum.chunks_mut(rows * nb))
+            } else {
+                Box::new(std::iter::repeat_with(Default::default))
+            };
+            let mut pieces: Vec<_> = q
+                .chunks_mut(rows * k)
+                .zip(d.chunks_mut(rows * nb))
+                .zip(sums)
+                .collect();
+            super::team::map_mut(&mut pieces, |i, ((q, d), sum)| {
+                let x = &xs[i * rows * k..][..q.len()];
+                quantize_rows(kern, x, q, d, sum, form);
+            });
+        }
+        Acts {
+            q: &self.q[..m * k],
+            d: &self.d[..m * nb],
+            sum: &self.sum[..if with_sums { m * nb } else { 0 }],
+        }
     }
+}
+
+/// The first `n` values of `v`, grown to hold them if it is shorter.
+fn grown<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+    &mut v[..n]
 }
 
 fn check_k(k: usize) -> Result<()> {
