@@ -563,8 +563,8 @@ thread_local! {
 }
 
 /// Values from which a call's activations are quantized on the compute threads: from a
-/// 16-request decode step's (9 k values, 3–8 µs on one thread, with the other waiting: the
-/// step's int8 layers 7.3–7.6 → 7.0–7.1 ms in `bench kernels`).
+/// 16-request decode step's (16 rows of 576 or 1536: 2.4 or 7.2 µs on one thread, with the
+/// other waiting; the step's int8 layers 7.3–7.6 → 7.0–7.1 ms in `bench kernels`).
 const PAR_MIN_QUANT: usize = 1 << 12;
 
 impl ActBufs {
