@@ -6,6 +6,8 @@
 //! is a branch-free polynomial ([`exp`]): the standard library's is a call per element, which
 //! was the cost of softmaxes and SwiGLU.
 
+use std::mem::MaybeUninit;
+
 /// e^x: Cephes' `expf` range reduction and polynomial (relative error ~1e-7), branch-free so
 /// that loops over it vectorize. 0 below −87.3 (so a masked −∞ stays an exact 0), ~1.6e38
 /// above 88 instead of infinity; NaN stays NaN.
@@ -92,8 +94,6 @@ macro_rules! dispatch {
 
 pub(crate) use dispatch;
 
-use std::mem::MaybeUninit;
-
 #[inline(always)]
 fn swiglu_any(out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
@@ -107,9 +107,12 @@ dispatch!(pub(crate) swiglu, swiglu_any,
     (out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) -> ());
 
 /// Initialized values as a slice to overwrite (for kernels that also write fresh outputs).
-pub(crate) fn as_uninit(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
-    // SAFETY: the same layout; through the result only initialized `f32`s can be written,
-    // so `values` stays initialized.
+///
+/// # Safety
+/// Only initialized values may be written through the result (`MaybeUninit::uninit()`
+/// written there would leave `values` uninitialized).
+pub(crate) unsafe fn as_uninit(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: the same layout; the caller writes only initialized values.
     unsafe { &mut *(values as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 

@@ -578,7 +578,9 @@ impl CustomOp2 for SwiGlu {
         let mut out = vec![0f32; gate.len()];
         par_rows(&mut out, w, |r, o| {
             let span = r * w..(r + 1) * w;
-            rows::swiglu(crate::simd::as_uninit(o), &gate[span.clone()], &up[span]);
+            // SAFETY: `swiglu` writes only computed (initialized) values.
+            let o = unsafe { crate::simd::as_uninit(o) };
+            rows::swiglu(o, &gate[span.clone()], &up[span]);
         });
         Ok(cpu_out(out, l1.shape()))
     }
