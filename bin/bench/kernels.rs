@@ -2,13 +2,20 @@
 //! (SmolLM2-135M: 30 layers, hidden 576, MLP 1536, 9 query and 3 KV heads of 64): the int8
 //! linear layers (Q4_1 blocks, and the Q8_0 output head) and the CPU attention, for each row
 //! count. Best of `--repeats` passes (this VM's neighbours move single passes by ±15 %).
+//! With `--model`, also whole decode steps of that model (`Engine::step`: every layer, the
+//! head, sampling) for requests whose prompts share their start, as `serve-throughput
+//! --prompts shared` sends them.
 
 use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use collabllm::llm::cpu_attention::{attend_decode, to_f16, QueryGroup};
+use collabllm::llm::engine::{Engine, GenParams, GenState, LoadOptions};
 use collabllm::llm::q8::{on_pool, Q8Linear};
+use collabllm::llm::{ChatMessage, ModelSpec};
+
+use crate::serve_throughput::{message, Layout};
 
 const LAYERS: usize = 30;
 const HIDDEN: usize = 576;
@@ -39,6 +46,12 @@ pub struct Params {
     /// quantized weights): the attention figure as it was before they held f16.
     #[arg(long)]
     pub kv_f32: bool,
+    /// Also time whole decode steps of this model (`default`, a .gguf file, an HF directory):
+    /// per row count, that many requests whose ~`--shared`-token prompts differ only in a
+    /// line near their end, each prefilled first; best and median of `--repeats`
+    /// consecutive steps (each row's own positions grow by one a step).
+    #[arg(long, value_name = "MODEL")]
+    pub model: Option<ModelSpec>,
 }
 
 /// A random cache tensor, in the type the engine's CPU caches hold (f16) unless `f32`.
@@ -184,5 +197,65 @@ pub fn run(p: Params) -> anyhow::Result<()> {
             requests * 1e3
         );
     }
+    if let Some(spec) = &p.model {
+        let files = futures::executor::block_on(collabllm::llm::spec::resolve_local(spec))?;
+        let engine = Engine::load(&files, &LoadOptions::default())?;
+        for &rows in &p.rows {
+            let (best, median) = engine_steps(&engine, rows, p.shared, p.repeats)?;
+            println!(
+                "rows {rows:>3}: decode step of {} {:.2} ms best, {:.2} ms median ({:.0} tokens/s at the median)",
+                engine.name(),
+                best * 1e3,
+                median * 1e3,
+                rows as f64 / median
+            );
+        }
+    }
     Ok(())
+}
+
+/// Seconds of the fastest and the median of `repeats` decode steps of `rows` requests
+/// (greedy), after their prompts are prefilled: the first prompt (the one no row uses) is
+/// generated from once, so that the others find their shared start in the prompt cache.
+fn engine_steps(
+    engine: &Engine,
+    rows: usize,
+    shared: usize,
+    repeats: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let prompts = (0..=rows)
+        .map(|i| {
+            let text = message(engine.codec(), i, shared, Layout::Shared)?;
+            Ok(engine.encode_chat(&[ChatMessage::user(text)])?)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let params = GenParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        max_new_tokens: repeats + 1,
+        stop: Vec::new(),
+        seed: Some(0),
+        n: 1,
+        ignore_eos: true,
+    };
+    engine.generate(
+        &prompts[0],
+        &GenParams {
+            max_new_tokens: 1,
+            ..params.clone()
+        },
+    )?;
+    let mut states = prompts[1..]
+        .iter()
+        .map(|p| engine.start(p, &params))
+        .collect::<Result<Vec<GenState>, _>>()?;
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let mut batch: Vec<&mut GenState> = states.iter_mut().collect();
+        let t = Instant::now();
+        engine.step(&mut batch)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((times[0], times[times.len() / 2]))
 }

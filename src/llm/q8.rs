@@ -1100,6 +1100,13 @@ mod vnni {
 
     /// Activation rows that share one pass over a weight tile (AVX-512 has 32 vector registers).
     const MR: usize = 8;
+    /// Q8_0 blocks the kernel asks for ahead of the one it computes: 3 KiB, ~170 ns of a
+    /// 16-row pass, past a tile's end into the next. `bench kernels --rows 16`, output head:
+    /// four blocks 1.92–1.97 ms, twelve 1.71–1.76 (eight to sixteen alike).
+    const PREFETCH_BLOCKS: usize = 12;
+    /// Q4_1 blocks asked for ahead: the same 3 KiB. Layers at 16 rows: eight blocks 7.3–7.4
+    /// ms, 24 6.6–6.7 (16 to 32 alike); at 4 rows 3.1–3.9 → 2.7.
+    const PREFETCH_BLOCKS4: usize = 24;
 
     /// As `avx2::tile`, with `xu` the activations offset by 128 (`x ^ 0x80`).
     ///
@@ -1149,9 +1156,9 @@ mod vnni {
             let wb = wq.add(b * TILE_BLOCK);
             // The hardware prefetcher alone left the first row block of each tile waiting on
             // its weights (measured: 16 rows 1.1-1.2x faster with this); one row is bound by
-            // bandwidth whatever it does, so it is left alone.
+            // bandwidth whatever it does, so it is left alone. See `PREFETCH_BLOCKS`.
             if R > 1 {
-                let ahead = wb.wrapping_add(4 * TILE_BLOCK);
+                let ahead = wb.wrapping_add(PREFETCH_BLOCKS * TILE_BLOCK);
                 for line in 0..TILE_BLOCK / 64 {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
                 }
@@ -1224,9 +1231,9 @@ mod vnni {
         let mut accf = [_mm256_setzero_ps(); R];
         for b in 0..nb {
             let wb = wq.add(b * TILE_BLOCK4);
-            // As in `rows`: eight blocks (1 KiB) ahead, past the tile's end into the next.
+            // As in `rows`, `PREFETCH_BLOCKS4` ahead, past the tile's end into the next.
             if R > 1 {
-                let ahead = wb.wrapping_add(8 * TILE_BLOCK4);
+                let ahead = wb.wrapping_add(PREFETCH_BLOCKS4 * TILE_BLOCK4);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
             }
