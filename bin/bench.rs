@@ -297,10 +297,7 @@ fn main() -> ExitCode {
                 checkpointing: gradient_checkpointing,
             })
         }
-        Command::Kernels(p) => {
-            collabllm::cli::set_compute_threads(Some(p.threads));
-            kernels::run(p)
-        }
+        Command::Kernels(p) => on_runtime(p.threads, kernels::run(p)),
         Command::PrefillStall(p) => on_runtime(p.local.threads, prefill_stall::run(p)),
         Command::ServeThroughput(p) => on_runtime(p.local.threads, serve_throughput::run(p)),
         Command::Orchestration {

@@ -84,7 +84,12 @@ fn best(repeats: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Re
     Ok(best)
 }
 
-pub fn run(p: Params) -> anyhow::Result<()> {
+pub async fn run(p: Params) -> anyhow::Result<()> {
+    // A model that is not there fails before the synthetic measurements, not after them.
+    let model = match &p.model {
+        Some(spec) => Some(collabllm::llm::spec::resolve_local(spec).await?),
+        None => None,
+    };
     // One layer's linears, as the engine fuses them: q|k|v, o, gate|up, down.
     let shapes = [
         (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
@@ -197,9 +202,8 @@ pub fn run(p: Params) -> anyhow::Result<()> {
             requests * 1e3
         );
     }
-    if let Some(spec) = &p.model {
-        let files = futures::executor::block_on(collabllm::llm::spec::resolve_local(spec))?;
-        let engine = Engine::load(&files, &LoadOptions::default())?;
+    if let Some(files) = &model {
+        let engine = Engine::load(files, &LoadOptions::default())?;
         for &rows in &p.rows {
             let (best, median) = engine_steps(&engine, rows, p.shared, p.repeats)?;
             println!(
