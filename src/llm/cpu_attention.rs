@@ -76,6 +76,116 @@ pub fn to_heads(
     Tensor::from_vec(out, (rows, n, seq, d), x.device())
 }
 
+/// Writes `x` (rows, seq, n·head_dim, f32, unit stride in the last dimension) into `dst`
+/// (rows, n, capacity, head_dim, f32 or f16, a CPU tensor) at positions `at..at + seq`:
+/// rotated when `rope` gives the tables of the `seq` positions, as [`to_heads`] does, and
+/// stored as f16 rounded to nearest (ties to even) as [`to_f16`] does. The values and bits of
+/// `to_heads`, a conversion and a slice assignment, without their tensors.
+pub fn write_heads(
+    x: &Tensor,
+    hd: &Heads,
+    rope: Option<(&[f32], &[f32])>,
+    dst: &Tensor,
+    at: usize,
+) -> Result<()> {
+    let (rows, seq, width) = x.dims3()?;
+    let d = hd.head_dim;
+    let (drows, n, cap, dd) = dst.dims4()?;
+    if d == 0 || width % d != 0 || (drows, n * d, dd) != (rows, width, d) || at + seq > cap {
+        candle_core::bail!(
+            "{:?} as heads of {d} into {:?} at position {at}",
+            x.dims(),
+            dst.dims()
+        );
+    }
+    if rope.is_some_and(|(cos, sin)| cos.len() < seq * d / 2 || sin.len() < seq * d / 2) {
+        candle_core::bail!("rope tables shorter than {seq} positions");
+    }
+    with_f32(x, |src, stride| {
+        let write = WriteHeads {
+            src,
+            stride: [stride[0], stride[1]],
+            rows,
+            seq,
+            n,
+            d,
+            rope,
+            interleaved: hd.interleaved_rope,
+            at,
+        };
+        dst.inplace_op1(&write)
+    })?
+}
+
+/// [`write_heads`]' arguments, checked.
+struct WriteHeads<'a> {
+    src: &'a [f32],
+    stride: [usize; 2],
+    rows: usize,
+    seq: usize,
+    n: usize,
+    d: usize,
+    rope: Option<(&'a [f32], &'a [f32])>,
+    interleaved: bool,
+    at: usize,
+}
+
+impl WriteHeads<'_> {
+    /// Each head of each row and position, rotated where asked, to `put(offset in dst, values)`.
+    fn each(&self, dst_stride: &[usize], mut put: impl FnMut(usize, &[f32])) {
+        let (d, half) = (self.d, self.d / 2);
+        let mut rotated = vec![0f32; d];
+        for r in 0..self.rows {
+            for t in 0..self.seq {
+                let src = &self.src[r * self.stride[0] + t * self.stride[1]..][..self.n * d];
+                for (h, head) in src.chunks_exact(d).enumerate() {
+                    let at = r * dst_stride[0] + h * dst_stride[1] + (self.at + t) * dst_stride[2];
+                    match self.rope {
+                        Some((cos, sin)) => {
+                            let tables = t * half..(t + 1) * half;
+                            let (cos, sin) = (&cos[tables.clone()], &sin[tables]);
+                            rotate(head, cos, sin, self.interleaved, &mut rotated);
+                            put(at, &rotated);
+                        }
+                        None => put(at, head),
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl candle_core::InplaceOp1 for WriteHeads<'_> {
+    fn name(&self) -> &'static str {
+        "write-heads"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> Result<()> {
+        let stride = layout.stride();
+        if stride.len() != 4 || stride[3] != 1 {
+            candle_core::bail!("write-heads: a cache tensor whose head_dim is not contiguous");
+        }
+        let off = layout.start_offset();
+        let d = self.d;
+        match storage {
+            candle_core::CpuStorage::F32(data) => {
+                let data = &mut data[off..];
+                self.each(stride, |at, x| data[at..at + d].copy_from_slice(x));
+            }
+            candle_core::CpuStorage::F16(data) => {
+                let data = &mut data[off..];
+                self.each(stride, |at, x| narrow(x, &mut data[at..at + d]));
+            }
+            _ => candle_core::bail!("write-heads into a cache of neither f32 nor f16"),
+        }
+        Ok(())
+    }
+}
+
 /// softmax(q·kᵀ / √head_dim)·v, causal: `q` (rows, heads, seq, hd) holds positions
 /// `pos..pos + seq`, `k`, `v` (rows, kv_heads, pos + seq, hd) every position up to the last
 /// query's. Query head `h` reads KV head `h / (heads / kv_heads)`. Returns (rows, seq,
@@ -1184,16 +1294,32 @@ fn simd() -> bool {
 /// traffic saved).
 fn widen(src: &[f16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        static F16C: OnceLock<bool> = OnceLock::new();
-        if *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
-        {
-            // SAFETY: the CPU features were checked; `widen_f16c` checks the lengths.
-            unsafe { avx2::widen_f16c(src, dst) };
-            return;
-        }
+    if f16c() {
+        // SAFETY: the CPU features were checked; `widen_f16c` checks the lengths.
+        unsafe { avx2::widen_f16c(src, dst) };
+        return;
     }
     src.convert_to_f32_slice(dst);
+}
+
+/// `dst = src` as f16, rounded to nearest (ties to even): what a cache stores. F16C where the
+/// CPU has it (the same bits as half's conversion, without its call and feature check per 8
+/// values: a 16-request decode step converts 3 000 heads).
+fn narrow(src: &[f32], dst: &mut [f16]) {
+    #[cfg(target_arch = "x86_64")]
+    if f16c() {
+        // SAFETY: the CPU features were checked; `narrow_f16c` checks the lengths.
+        unsafe { avx2::narrow_f16c(src, dst) };
+        return;
+    }
+    dst.convert_from_f32_slice(src);
+}
+
+/// Whether the CPU converts f16 with F16C (decided once).
+#[cfg(target_arch = "x86_64")]
+fn f16c() -> bool {
+    static F16C: OnceLock<bool> = OnceLock::new();
+    *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
 }
 
 fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
@@ -1295,6 +1421,24 @@ mod avx2 {
         }
         for (d, s) in dst[n..].iter_mut().zip(&src[n..]) {
             *d = s.to_f32();
+        }
+    }
+
+    /// [`super::narrow`] with F16C (rounded to nearest, ties to even, as `f16::from_f32`).
+    ///
+    /// # Safety
+    /// AVX and F16C.
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn narrow_f16c(src: &[f32], dst: &mut [half::f16]) {
+        assert_eq!(src.len(), dst.len());
+        let n = src.len() - src.len() % 8;
+        for i in (0..n).step_by(8) {
+            let x = _mm256_loadu_ps(src.as_ptr().add(i));
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+            _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), h);
+        }
+        for (d, s) in dst[n..].iter_mut().zip(&src[n..]) {
+            *d = half::f16::from_f32(*s);
         }
     }
 
@@ -1564,7 +1708,7 @@ pub fn to_f16(t: &Tensor) -> Result<Tensor> {
     let t = t.contiguous()?;
     let n = t.elem_count();
     let mut out = vec![f16::ZERO; n];
-    with_f32(&t, |data, _| out.convert_from_f32_slice(&data[..n]))?;
+    with_f32(&t, |data, _| narrow(&data[..n], &mut out))?;
     Tensor::from_vec(out, t.shape(), t.device())
 }
 
@@ -1718,6 +1862,97 @@ mod tests {
                 assert_eq!(max_diff(&pieces, &whole), 0.0, "cuts {cuts:?}");
             }
         }
+    }
+
+    #[test]
+    fn heads_written_into_a_cache_are_to_heads_then_a_slice_assignment() {
+        let bits = |t: &Tensor| {
+            let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let v = v.to_vec1::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        for interleaved_rope in [false, true] {
+            let s = Heads {
+                head_dim: 16,
+                interleaved_rope,
+            };
+            let (rows, seq, cap, at) = (3, 5, 12, 4);
+            // A narrowed projection, as each request's part of a batch is.
+            let x = randn(&[rows + 2, seq, KV * s.head_dim])
+                .narrow(0, 1, rows)
+                .unwrap();
+            let tables = randn(&[2, seq * s.head_dim / 2]).to_vec2::<f32>().unwrap();
+            let rope = Some((&tables[0][..], &tables[1][..]));
+            for dtype in [DType::F32, DType::F16] {
+                for rope in [rope, None] {
+                    let filler = randn(&[rows, KV, cap, s.head_dim]).to_dtype(dtype).unwrap();
+                    let want = filler.copy().unwrap();
+                    let heads = to_heads(&x, KV, &s, rope).unwrap();
+                    let heads = match dtype {
+                        DType::F16 => to_f16(&heads).unwrap(),
+                        _ => heads,
+                    };
+                    want.slice_set(&heads, 2, at).unwrap();
+                    let got = filler;
+                    write_heads(&x, &s, rope, &got, at).unwrap();
+                    let what = format!(
+                        "interleaved {interleaved_rope} {dtype:?} rope {}",
+                        rope.is_some()
+                    );
+                    assert_eq!(bits(&got), bits(&want), "{what}");
+                }
+            }
+            // Past the cache's room, or heads of another size: an error, nothing written.
+            let cache =
+                Tensor::zeros((rows, KV, cap, s.head_dim), DType::F16, &Device::Cpu).unwrap();
+            assert!(write_heads(&x, &s, None, &cache, cap - seq + 1).is_err());
+            let other = Heads { head_dim: 8, ..s };
+            assert!(write_heads(&x, &other, None, &cache, 0).is_err());
+            assert_eq!(
+                cache
+                    .abs()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap(),
+                0.0
+            );
+        }
+    }
+
+    #[test]
+    fn f16_rounding_is_halfs_for_every_kind_of_value() {
+        let mut xs: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.5,
+            65504.0,
+            65519.99,
+            65520.0,
+            1e9,
+            -1e9,
+            6.0e-8,
+            2.9e-8,
+            3.0e-8,
+            1.0e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MIN_POSITIVE,
+        ];
+        // Ties between two f16 values (an even and an odd mantissa), and random values.
+        xs.extend((0..64).map(|i| 1.0 + (2 * i + 1) as f32 * 2f32.powi(-11)));
+        xs.extend(randn(&[333]).to_vec1::<f32>().unwrap());
+        let mut ours = vec![f16::ZERO; xs.len()];
+        narrow(&xs, &mut ours);
+        let want: Vec<u16> = xs.iter().map(|&x| f16::from_f32(x).to_bits()).collect();
+        assert_eq!(ours.iter().map(|h| h.to_bits()).collect::<Vec<_>>(), want);
+        let mut nan = [f16::ZERO; 8];
+        narrow(&[f32::NAN; 8], &mut nan);
+        assert!(nan.iter().all(|h| h.is_nan()));
     }
 
     #[test]

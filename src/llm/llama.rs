@@ -440,24 +440,87 @@ impl KvCache {
         Ok(())
     }
 
-    /// `x` in the type layer `layer` stores: that of its tensors so far, or for new ones f16
-    /// where the cache is told to (see `LlamaModel::kv_f16`) and `x` is CPU f32 (what
-    /// `cpu_attention` reads), else `x`'s own.
-    fn stored(&self, layer: usize, x: &Tensor) -> Result<Tensor> {
+    /// The type layer `layer` stores for new values of type `dtype` on `device`: that of its
+    /// tensors so far, or for new ones f16 where the cache is told to (see
+    /// `LlamaModel::kv_f16`) and the values are CPU f32 (what `cpu_attention` reads), else
+    /// `dtype`.
+    fn stored_dtype(&self, layer: usize, dtype: DType, device: &Device) -> DType {
         let held = self.layers[layer].as_ref().or_else(|| {
             let shared = self.shared.as_ref()?;
             shared.layers[layer].as_ref()
         });
-        let dtype = match held {
+        match held {
             Some((k, _)) => k.dtype(),
-            None if self.f16 && x.device().is_cpu() && x.dtype() == DType::F32 => DType::F16,
-            None => x.dtype(),
-        };
-        match (x.dtype(), dtype) {
+            None if self.f16 && device.is_cpu() && dtype == DType::F32 => DType::F16,
+            None => dtype,
+        }
+    }
+
+    /// `x` in the type layer `layer` stores (see [`KvCache::stored_dtype`]).
+    fn stored(&self, layer: usize, x: &Tensor) -> Result<Tensor> {
+        match (x.dtype(), self.stored_dtype(layer, x.dtype(), x.device())) {
             (a, b) if a == b => Ok(x.clone()),
             (DType::F32, DType::F16) if x.device().is_cpu() => cpu_attention::to_f16(x),
-            _ => x.to_dtype(dtype),
+            (_, dtype) => x.to_dtype(dtype),
         }
+    }
+
+    /// Layer `layer`'s (k, v) tensors, made or grown to hold `seq` more positions of
+    /// `(rows, kv_heads, _, head_dim)` values of `dtype`, and where the new positions go
+    /// (from the shared prefix's end).
+    fn room(
+        &mut self,
+        layer: usize,
+        (rows, heads, seq, d): (usize, usize, usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(&(Tensor, Tensor), usize)> {
+        let base = self.shared_len();
+        let (at, need) = (self.len - base, self.len + seq - base);
+        let capacity = self.capacity - base;
+        let slot = &mut self.layers[layer];
+        match slot {
+            None => {
+                let shape = (rows, heads, need.max(capacity), d);
+                *slot = Some((
+                    Tensor::zeros(shape, dtype, device)?,
+                    Tensor::zeros(shape, dtype, device)?,
+                ));
+            }
+            Some((kk, vv)) if need > kk.dim(2)? => {
+                let (b, h, cap, d) = kk.dims4()?;
+                let more = (need - cap).max(256);
+                let pad = Tensor::zeros((b, h, more, d), kk.dtype(), kk.device())?;
+                *kk = Tensor::cat(&[&*kk, &pad], 2)?;
+                *vv = Tensor::cat(&[&*vv, &pad], 2)?;
+            }
+            Some(_) => {}
+        }
+        let kv = slot.as_ref().expect("slot was just filled");
+        let (b, h, _, hd) = kv.0.dims4()?;
+        if (b, h, hd) != (rows, heads, d) {
+            candle_core::bail!(
+                "{rows} rows of {heads} heads of {d} for a cache layer of {:?}",
+                kv.0.dims()
+            );
+        }
+        Ok((kv, at))
+    }
+
+    /// The rows' own positions of layer `layer` up to the cache's position plus `seq` (from
+    /// the shared prefix's end), and the shared prefix.
+    #[allow(clippy::type_complexity)]
+    fn held_positions(
+        &self,
+        layer: usize,
+        seq: usize,
+    ) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
+        let need = self.len + seq - self.shared_len();
+        let Some((kk, vv)) = &self.layers[layer] else {
+            candle_core::bail!("internal: layer {layer} of the cache was never written");
+        };
+        let shared = self.shared.as_ref().and_then(|s| s.layers[layer].clone());
+        Ok(((kk.narrow(2, 0, need)?, vv.narrow(2, 0, need)?), shared))
     }
 
     /// Appends `k`, `v` (batch, kv_heads, seq, head_dim) at the cache's position; returns the
@@ -470,35 +533,33 @@ impl KvCache {
         v: &Tensor,
     ) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
         let (k, v) = &(self.stored(layer, k)?, self.stored(layer, v)?);
-        let seq = k.dim(2)?;
-        let base = self.shared_len();
-        let (at, need) = (self.len - base, self.len + seq - base);
-        let slot = &mut self.layers[layer];
-        match slot {
-            None => {
-                let (b, h, _, d) = k.dims4()?;
-                let cap = need.max(self.capacity - base);
-                let kk = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
-                let vv = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
-                kk.slice_set(k, 2, at)?;
-                vv.slice_set(v, 2, at)?;
-                *slot = Some((kk, vv));
-            }
-            Some((kk, vv)) => {
-                if need > kk.dim(2)? {
-                    let (b, h, cap, d) = kk.dims4()?;
-                    let more = (need - cap).max(256);
-                    let pad = Tensor::zeros((b, h, more, d), kk.dtype(), kk.device())?;
-                    *kk = Tensor::cat(&[&*kk, &pad], 2)?;
-                    *vv = Tensor::cat(&[&*vv, &pad], 2)?;
-                }
-                kk.slice_set(k, 2, at)?;
-                vv.slice_set(v, 2, at)?;
-            }
-        }
-        let (kk, vv) = slot.as_ref().expect("slot was just filled");
-        let shared = self.shared.as_ref().and_then(|s| s.layers[layer].clone());
-        Ok(((kk.narrow(2, 0, need)?, vv.narrow(2, 0, need)?), shared))
+        let dims = k.dims4()?;
+        let ((kk, vv), at) = self.room(layer, dims, k.dtype(), k.device())?;
+        kk.slice_set(k, 2, at)?;
+        vv.slice_set(v, 2, at)?;
+        self.held_positions(layer, dims.2)
+    }
+
+    /// [`KvCache::append`] straight from the projections `k`, `v` (batch, seq,
+    /// kv_heads·head_dim, CPU f32), the keys rotated with `rope` (the tables of the `seq`
+    /// positions): the values and bits of `to_heads` then `append`, written into the cache
+    /// without the four intermediate tensors (a 16-request decode step made 1 900 of them).
+    #[allow(clippy::type_complexity)]
+    fn append_projected(
+        &mut self,
+        layer: usize,
+        (k, v): (&Tensor, &Tensor),
+        shape: &cpu_attention::Heads,
+        rope: (&[f32], &[f32]),
+    ) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
+        let (rows, seq, width) = k.dims3()?;
+        let heads = width / shape.head_dim.max(1);
+        let dtype = self.stored_dtype(layer, k.dtype(), k.device());
+        let dims = (rows, heads, seq, shape.head_dim);
+        let ((kk, vv), at) = self.room(layer, dims, dtype, k.device())?;
+        cpu_attention::write_heads(k, shape, Some(rope), kk, at)?;
+        cpu_attention::write_heads(v, shape, None, vv, at)?;
+        self.held_positions(layer, seq)
     }
 }
 
@@ -1168,12 +1229,16 @@ impl LlamaModel {
                 cache.len + seq
             );
         };
-        let rope = Some((cos, sin));
-        let q = cpu_attention::to_heads(q, nh, &shape, rope)?;
-        let k = cpu_attention::to_heads(k, kvh, &shape, rope)?;
-        let v = cpu_attention::to_heads(v, kvh, &shape, None)?;
+        let q = cpu_attention::to_heads(q, nh, &shape, Some((cos, sin)))?;
+        if k.dim(2)? != kvh * shape.head_dim {
+            candle_core::bail!(
+                "keys {:?} are not {kvh} heads of {}",
+                k.dims(),
+                shape.head_dim
+            );
+        }
         let pos = cache.len;
-        let ((k, v), prefix) = cache.append(layer_idx, &k, &v)?;
+        let ((k, v), prefix) = cache.append_projected(layer_idx, (k, v), &shape, (cos, sin))?;
         Ok(CpuAttention {
             q,
             prefix,
