@@ -98,6 +98,13 @@ impl Linear {
         matches!(self, Linear::Q8(_) | Linear::Candle(QMatMul::QTensor(_)))
     }
 
+    fn q8(&self) -> Option<&Q8Linear> {
+        match self {
+            Linear::Q8(q) => Some(q),
+            Linear::Candle(_) => None,
+        }
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Q8(l) => l.forward(x),
@@ -958,7 +965,7 @@ impl LlamaModel {
         let embed = QMatMul::from_arc(embed_q)?;
         let (cos, sin) = rope_tables(&cfg, factors, device)?;
         let rope_host = host_tables(&cos, &sin)?;
-        Ok(Self {
+        let model = Self {
             cfg,
             embed,
             layers,
@@ -969,7 +976,32 @@ impl LlamaModel {
             sin,
             rope_host,
             device: device.clone(),
-        })
+        };
+        model.weights_on_huge_pages();
+        Ok(model)
+    }
+
+    /// Moves the int8 layers' weights onto huge pages where the kernel allows
+    /// (`llm::huge_pages`): a decode step streams all of them.
+    fn weights_on_huge_pages(&self) {
+        let linears = self.layers.iter().flat_map(|l| {
+            let groups = [&l.qkv, &l.gate_up].into_iter().flat_map(|g| match g {
+                Group::Fused(q) => vec![q],
+                Group::Each(ls) => ls.iter().filter_map(Linear::q8).collect(),
+            });
+            groups.chain([&l.wo, &l.w_down].into_iter().filter_map(Linear::q8))
+        });
+        let ranges: Vec<(usize, usize)> = linears
+            .chain(self.lm_head.q8())
+            .flat_map(Q8Linear::weight_memory)
+            .collect();
+        let total: usize = ranges.iter().map(|r| r.1).sum();
+        let moved = crate::llm::huge_pages::collapse(&ranges);
+        tracing::debug!(
+            "int8 weights: {} of {} MB on huge pages",
+            moved >> 20,
+            total >> 20
+        );
     }
 
     /// Loads HF llama safetensors (`model.layers.N.self_attn.q_proj.weight`, …).

@@ -9,6 +9,7 @@ pub mod cpu_attention;
 pub(crate) mod detok;
 pub mod engine;
 pub(crate) mod gguf_tokenizer;
+pub(crate) mod huge_pages;
 pub mod llama;
 pub mod local;
 pub(crate) mod openai;

@@ -312,6 +312,17 @@ impl Q8Linear {
     }
 
     /// Input size.
+    /// (first byte, length) of each of the layer's weight buffers.
+    pub(crate) fn weight_memory(&self) -> Vec<(usize, usize)> {
+        fn span<T>(v: &[T]) -> (usize, usize) {
+            (v.as_ptr() as usize, std::mem::size_of_val(v))
+        }
+        match &self.blocks {
+            Blocks::Q8_0 { qs, scales, sums } => vec![span(qs), span(scales), span(sums)],
+            Blocks::Q4_1 { qs, dm } => vec![span(qs), span(dm)],
+        }
+    }
+
     pub fn in_dim(&self) -> usize {
         self.k
     }
