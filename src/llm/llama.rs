@@ -998,9 +998,9 @@ impl LlamaModel {
         let total: usize = ranges.iter().map(|r| r.1).sum();
         let moved = crate::llm::huge_pages::collapse(&ranges);
         tracing::debug!(
-            "int8 weights: {} of {} MB on huge pages",
-            moved >> 20,
-            total >> 20
+            "int8 weights of {} MB: the {} MB of 2 MiB pages holding them on huge pages",
+            total >> 20,
+            moved >> 20
         );
     }
 

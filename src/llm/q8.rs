@@ -311,7 +311,6 @@ impl Q8Linear {
         Ok(out)
     }
 
-    /// Input size.
     /// (first byte, length) of each of the layer's weight buffers.
     pub(crate) fn weight_memory(&self) -> Vec<(usize, usize)> {
         fn span<T>(v: &[T]) -> (usize, usize) {
@@ -323,6 +322,7 @@ impl Q8Linear {
         }
     }
 
+    /// Input size.
     pub fn in_dim(&self) -> usize {
         self.k
     }
