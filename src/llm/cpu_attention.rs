@@ -50,37 +50,17 @@ pub fn to_heads(
     if width != n * d {
         candle_core::bail!("attention input {:?} is not {n} heads of {d}", x.dims());
     }
-    let half = d / 2;
-    let mut out = vec![0f32; rows * seq * width];
-    with_f32(x, |data, stride| {
-        for r in 0..rows {
-            for t in 0..seq {
-                let src = &data[r * stride[0] + t * stride[1]..][..width];
-                for h in 0..n {
-                    let dst = &mut out[((r * n + h) * seq + t) * d..][..d];
-                    let head = &src[h * d..(h + 1) * d];
-                    match rope {
-                        Some((cos, sin)) => rotate(
-                            head,
-                            &cos[t * half..(t + 1) * half],
-                            &sin[t * half..(t + 1) * half],
-                            hd.interleaved_rope,
-                            dst,
-                        ),
-                        None => dst.copy_from_slice(head),
-                    }
-                }
-            }
-        }
-    })?;
-    Tensor::from_vec(out, (rows, n, seq, d), x.device())
+    let out = Tensor::zeros((rows, n, seq, d), DType::F32, x.device())?;
+    write_heads(x, hd, rope, &out, 0)?;
+    Ok(out)
 }
 
 /// Writes `x` (rows, seq, n·head_dim, f32, unit stride in the last dimension) into `dst`
 /// (rows, n, capacity, head_dim, f32 or f16, a CPU tensor) at positions `at..at + seq`:
-/// rotated when `rope` gives the tables of the `seq` positions, as [`to_heads`] does, and
-/// stored as f16 rounded to nearest (ties to even) as [`to_f16`] does. The values and bits of
-/// `to_heads`, a conversion and a slice assignment, without their tensors.
+/// rotated ([`rotate`]) when `rope` gives the tables of the `seq` positions, and stored as
+/// f16 rounded to nearest (ties to even) as [`to_f16`] does. [`to_heads`] is this into a
+/// fresh f32 tensor; into a cache it is `to_heads`, a conversion and a slice assignment
+/// without their tensors.
 pub fn write_heads(
     x: &Tensor,
     hd: &Heads,

@@ -122,10 +122,7 @@ enum Group {
 
 impl Group {
     fn new(layers: Vec<Linear>) -> Result<Self> {
-        let format = |l: &Linear| match l {
-            Linear::Q8(q) => Some(q.format()),
-            Linear::Candle(_) => None,
-        };
+        let format = |l: &Linear| l.q8().map(Q8Linear::format);
         let first = layers.first().and_then(format);
         if first.is_some() && layers.iter().all(|l| format(l) == first) {
             let q8 = layers
