@@ -448,6 +448,7 @@ impl Engine {
         let context_length = cfg.max_position_embeddings;
         let model = LlamaModel::from_hf_tensors(tensors, cfg, factors, opts.weights, device)
             .map_err(|e| load_err(dir, format!("building the merged model: {e}")))?;
+        model.weights_on_huge_pages();
         let mut files = base_files;
         files.push(dir.join(super::peft::ADAPTER_WEIGHTS));
         files.push(dir.join(super::peft::ADAPTER_CONFIG));

@@ -20,7 +20,10 @@ use crate::llm::local::LocalBackend;
 use crate::train::model::TrainLlama;
 
 /// The inference model of the policy's current weights. `factors`: GGUF `rope_freqs` of
-/// the source model, if it had any (the trainable model does not keep them).
+/// the source model, if it had any (the trainable model does not keep them). Its int8
+/// weights stay on 4 KiB pages, unlike a model loaded to serve: moving them costs 0.07–0.6 s
+/// each update, more than the whole sync, and the rollouts decode many rows at once, where
+/// huge pages gain ~1 % (BENCHMARKS.md, "The weights on 2 MiB pages").
 pub fn policy_model(
     policy: &TrainLlama,
     factors: Option<Vec<f32>>,
