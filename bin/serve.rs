@@ -89,6 +89,16 @@ struct Args {
     #[arg(long, value_name = "MIB", default_value_t = 256,
           value_parser = clap::value_parser!(u64).range(0..=65536).map(|v| v as usize))]
     prefix_cache_mb: usize,
+
+    /// Memory (MiB) the key/value caches of the requests in flight may take: a request
+    /// reserves its prompt and n × max_tokens positions when admitted and waits while
+    /// those running leave no room for it (one that cannot fit alone is refused, 400
+    /// `context_length_exceeded`). Default: 16 rows at the model's full context, at most
+    /// half the memory available once the model is loaded (printed at start-up). The
+    /// prompt cache (--prefix-cache-mb) comes on top.
+    #[arg(long, value_name = "MIB",
+          value_parser = clap::value_parser!(u64).range(1..=16_777_216).map(|v| v as usize))]
+    kv_cache_mb: Option<usize>,
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
@@ -119,6 +129,15 @@ async fn load_backend(args: &Args) -> anyhow::Result<(SharedBackend, String)> {
     let backend = LocalBackend::load(&args.model, &opts).await?;
     backend.set_max_batch(args.max_batch);
     backend.set_prefill_chunk(args.prefill_chunk);
+    if let Some(mib) = args.kv_cache_mb {
+        backend.set_kv_budget_bytes(mib << 20);
+    }
+    tracing::info!(
+        max_batch = args.max_batch,
+        kv_cache_mb = backend.kv_budget_bytes() >> 20,
+        prefix_cache_mb = args.prefix_cache_mb,
+        "batching"
+    );
     let name = backend.model_name();
     Ok((backend, name))
 }

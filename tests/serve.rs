@@ -595,6 +595,7 @@ fn binary_help_and_spec_checks() {
         "--model-id",
         "--alias",
         "--weights",
+        "--kv-cache-mb",
         "native",
         "f32",
         "q8",
@@ -617,6 +618,7 @@ fn binary_help_and_spec_checks() {
     for bad in [
         &["--model", "default", "--weights", "q4"][..],
         &["--model", "default", "--alias", " "][..],
+        &["--model", "default", "--kv-cache-mb", "0"][..],
     ] {
         let out = std::process::Command::new(bin).args(bad).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{bad:?}");

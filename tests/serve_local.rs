@@ -464,3 +464,34 @@ async fn streaming_sends_tokens_as_they_are_generated() {
         );
     }
 }
+
+/// `--kv-cache-mb` through the HTTP API: a request whose key/value reservation (its prompt
+/// and max_tokens positions) cannot fit the budget even alone is a 400
+/// `context_length_exceeded` on `max_tokens` that names the budget; one that fits is
+/// answered, and the one refused never reached a decode step.
+#[tokio::test]
+async fn requests_over_the_kv_budget_are_refused() {
+    let (_g, backend) = model_util::load_tiny(&TinySpec::default()).await;
+    let per_position = backend.engine().kv_bytes_per_position();
+    // Room for ~300 positions: a short prompt with 64 new tokens fits, 900 do not.
+    backend.set_kv_budget_bytes(300 * per_position);
+    let addr = spawn_server(backend.clone(), "tiny").await;
+    let body = |max_tokens: u32| {
+        json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
+               "temperature": 0})
+        .to_string()
+    };
+    let steps = backend.stats().decode_steps;
+    let (status, reply) = post_raw(addr, body(900)).await;
+    assert_eq!(status, 400, "{reply}");
+    let err = api_error(&reply);
+    assert_eq!(err["code"], "context_length_exceeded", "{reply}");
+    assert_eq!(err["param"], "max_tokens", "{reply}");
+    assert!(
+        err["message"].as_str().unwrap().contains("key/value"),
+        "{reply}"
+    );
+    assert_eq!(backend.stats().decode_steps, steps);
+    let (status, reply) = post_raw(addr, body(64)).await;
+    assert_eq!(status, 200, "{reply}");
+}

@@ -52,6 +52,10 @@ pub struct Params {
     /// The local backend's prompt-cache memory (MiB; 0 turns prefix reuse off).
     #[arg(long, value_name = "MIB", default_value_t = 256)]
     pub prefix_cache_mb: usize,
+    /// The local backend's key/value budget for requests in flight (MiB; default: the
+    /// backend's, 16 rows at the model's full context within half the available memory).
+    #[arg(long, value_name = "MIB", value_parser = at_least_one)]
+    pub kv_cache_mb: Option<usize>,
 }
 
 /// How the clients' prompts relate (see `bench serve-throughput --help`).
@@ -133,6 +137,7 @@ pub fn message(
 
 pub async fn run(p: Params) -> anyhow::Result<()> {
     let codec = ChatCodec::load(&resolve_local(&p.local.model).await?)?;
+    let mut kv_budget_mb = None;
     let (target, name) = match &p.endpoint {
         None => {
             let opts = LoadOptions {
@@ -142,6 +147,10 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
             let backend = LocalBackend::load(&p.local.model, &opts).await?;
             backend.set_max_batch(p.max_batch);
             backend.set_prefill_chunk(p.prefill_chunk);
+            if let Some(mib) = p.kv_cache_mb {
+                backend.set_kv_budget_bytes(mib << 20);
+            }
+            kv_budget_mb = Some(backend.kv_budget_bytes() >> 20);
             let name = backend.model_name();
             (Target::Local(backend), name)
         }
@@ -159,7 +168,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
     target.ask(&messages[0], p.new_tokens).await?; // warm-up
     println!(
         "{name} · threads {} · max batch {} · prefill chunk {} · ~{} prompt tokens ({:?}) · \
-         prefix cache {} MiB · max_tokens {} · {} rounds",
+         prefix cache {} MiB · key/value budget {} · max_tokens {} · {} rounds",
         std::env::var("CANDLE_NUM_THREADS").unwrap_or_default(),
         if p.endpoint.is_some() {
             "(server's)".to_string()
@@ -174,6 +183,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
         p.prompt_tokens,
         p.layout,
         p.prefix_cache_mb,
+        kv_budget_mb.map_or("(server's)".to_string(), |mb| format!("{mb} MiB")),
         p.new_tokens,
         p.rounds
     );
@@ -209,6 +219,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
             serde_json::json!({"bench": "serve-throughput", "concurrency": c,
                 "max_batch": p.max_batch, "prefill_chunk": p.prefill_chunk, "endpoint": p.endpoint, "tokens": tokens,
                 "prompts": format!("{:?}", p.layout), "prefix_cache_mb": p.prefix_cache_mb,
+                "kv_cache_mb": kv_budget_mb,
                 "wall_s": wall, "tps": tps, "speedup": speedup, "mean_latency_s": latency})
         );
     }

@@ -69,6 +69,19 @@ pub enum EngineError {
     },
     #[error("{model}: generation cancelled after {tokens} tokens")]
     Cancelled { model: String, tokens: usize },
+    #[error(
+        "{model}: the request needs {need_mib} MiB of key/value cache (a prompt of {prompt} \
+         tokens, {n} × max_tokens {max_tokens}) but requests in flight may hold \
+         {budget_mib} MiB: lower max_tokens or n, or raise the budget (serve --kv-cache-mb)"
+    )]
+    KvBudget {
+        model: String,
+        need_mib: usize,
+        budget_mib: usize,
+        prompt: usize,
+        max_tokens: usize,
+        n: usize,
+    },
 }
 
 /// Set by whoever waits for a generation when it stops waiting (its client left); the
@@ -795,6 +808,36 @@ impl Engine {
         Ok(prefills.iter().map(|p| p.logits.is_some()).collect())
     }
 
+    /// Bytes of key/value cache a generation of `n` rows and at most `max_new_tokens` from
+    /// `prefill` will hold beyond what the prompt cache stores: the prompt positions the
+    /// prefill computes (one row), what [`Engine::start_prefilled`]'s fork copies into each
+    /// row (nothing on the CPU unless the prompt began from a stored prefix: the rows then
+    /// share the prompt), and each row's room for new tokens as it grows ([`KV_GROWTH`]
+    /// positions at a time). An upper bound, exact for a cold prompt on the CPU (tested).
+    pub fn kv_reservation(&self, prefill: &Prefill, n: usize, max_new_tokens: usize) -> usize {
+        let prompt = prefill.prompt.len();
+        let shared = prefill.cache.shared_positions().min(prompt);
+        let max_new = max_new_tokens.min(self.context_length.saturating_sub(prompt));
+        let room = if max_new <= KV_GROWTH {
+            max_new.max(1)
+        } else {
+            max_new.div_ceil(KV_GROWTH) * KV_GROWTH
+        };
+        let computed = prompt - shared;
+        let copied = match (self.model.device().is_cpu(), shared) {
+            (false, _) => prompt,
+            (true, 0) => 0,
+            (true, _) => computed,
+        };
+        let positions = computed.saturating_add(n.saturating_mul(copied + room));
+        positions.saturating_mul(self.model.kv_bytes_per_position())
+    }
+
+    /// Bytes one cached position takes over all layers (keys and values).
+    pub fn kv_bytes_per_position(&self) -> usize {
+        self.model.kv_bytes_per_position()
+    }
+
     /// A generation from a finished prefill: its cache copied into `params.n` rows.
     pub fn start_prefilled(
         &self,
@@ -1045,6 +1088,11 @@ pub struct Prefill {
 }
 
 impl Prefill {
+    /// Tokens of the whole prompt.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt.len()
+    }
+
     /// Prompt positions still to run.
     pub fn remaining(&self) -> usize {
         self.prompt.len() - self.done
@@ -1287,5 +1335,82 @@ pub fn base_hf_tensors(
             dir,
             "an adapter's base model must be a full model",
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::local::LocalBackend;
+    use crate::llm::spec::ModelSpec;
+    use crate::llm::tiny::{write_tiny_llama, TinySpec};
+
+    /// Decodes `max_new` tokens of `n` rows from `prompt`; returns the reservation made
+    /// before its prefill and the key/value bytes the generation held at the end beyond the
+    /// stored prompt it began from.
+    fn reserved_and_held(
+        engine: &Engine,
+        prompt: &[u32],
+        n: usize,
+        max_new: usize,
+    ) -> (usize, usize, usize) {
+        let mut prefill = engine.begin_prefill(prompt).unwrap();
+        let cached = prefill.cached_tokens;
+        let reserved = engine.kv_reservation(&prefill, n, max_new);
+        engine.prefill_chunk(&mut prefill, usize::MAX).unwrap();
+        let computed = prefill.cache.own_bytes();
+        let params = GenParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            max_new_tokens: max_new,
+            stop: Vec::new(),
+            seed: Some(1),
+            n,
+            ignore_eos: true,
+        };
+        let mut state = engine.start_prefilled(prefill, &params).unwrap();
+        while !state.is_finished() {
+            engine.step(&mut [&mut state]).unwrap();
+        }
+        assert_eq!(state.generated(), n * max_new);
+        (reserved, computed + state.cache.own_bytes(), cached)
+    }
+
+    /// A generation never holds more key/value memory than it reserved (the scheduler's
+    /// budget counts reservations), and for a cold prompt on the CPU the reservation is
+    /// exactly what it holds: short and long replies (past the cache's growth step), one
+    /// row and several, cold prompts and prompts that begin from a stored one.
+    #[tokio::test]
+    async fn reservations_bound_what_generations_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny-llama");
+        write_tiny_llama(&path, &TinySpec::default()).unwrap();
+        let backend = LocalBackend::load(&ModelSpec::HfDir(path), &LoadOptions::default())
+            .await
+            .unwrap();
+        let engine = backend.engine();
+        let short = engine
+            .encode_chat(&[ChatMessage::user("one two three four")])
+            .unwrap();
+        let long = engine
+            .encode_chat(&[
+                ChatMessage::user("one two three four"),
+                ChatMessage::assistant("five six"),
+                ChatMessage::user("seven eight nine"),
+            ])
+            .unwrap();
+        for (n, max_new) in [(1, 5), (3, 5), (1, KV_GROWTH + 44), (2, KV_GROWTH + 44)] {
+            engine.clear_prefix_cache();
+            let (reserved, held, _) = reserved_and_held(engine, &short, n, max_new);
+            assert_eq!(reserved, held, "cold prompt, {n} rows, {max_new} tokens");
+            // `long` begins from the stored `short`: its rows copy their own positions.
+            let (reserved, held, cached) = reserved_and_held(engine, &long, n, max_new);
+            assert!(cached > 0, "the longer prompt began from the stored one");
+            assert!(
+                held <= reserved,
+                "stored start, {n} rows, {max_new} tokens: {held} > {reserved}"
+            );
+            assert!(reserved <= held + long.len() * engine.kv_bytes_per_position());
+        }
     }
 }

@@ -217,6 +217,21 @@ impl KvCache {
         self.shared.as_ref().map_or(0, |s| s.len)
     }
 
+    /// Positions every row reads from a shared prefix held elsewhere (another cache's
+    /// tensors, a stored prompt), not from this cache's own tensors.
+    pub fn shared_positions(&self) -> usize {
+        self.shared_len()
+    }
+
+    /// Bytes of the rows' own key and value tensors, room not yet written included (the
+    /// shared prefix is another cache's memory).
+    pub fn own_bytes(&self) -> usize {
+        let tensors = self.layers.iter().flatten().flat_map(|(k, v)| [k, v]);
+        tensors
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// `n` rows of row 0 with room for `extra` more positions: one prefill, `n` samples. On
     /// the CPU (f16 or f32) the positions so far become a prefix the rows share, read from this
     /// cache's tensors (never written again: appends go past `len`) or, where the cache

@@ -48,6 +48,9 @@ struct GenJob {
     counters: Arc<Counters>,
     /// Rows this request's backend lets the batch hold (see [`LocalBackend::set_max_batch`]).
     max_batch: usize,
+    /// Key/value bytes this request's backend lets requests in flight reserve (see
+    /// [`LocalBackend::set_kv_budget_bytes`]).
+    kv_budget: usize,
     /// Prompt positions prefilled per round while others decode (0: the whole prompt).
     prefill_chunk: usize,
     stream: Option<TokenSink>,
@@ -66,6 +69,24 @@ pub const DEFAULT_MAX_BATCH: usize = 16;
 /// the same bits whatever the chunk size (`cpu_attention`).
 pub const PREFILL_CHUNK: usize = 256;
 
+/// The key/value memory requests in flight may reserve unless a backend says otherwise:
+/// [`DEFAULT_MAX_BATCH`] rows at the model's full context, but at most half the memory the
+/// system had available once the model was loaded (the prompt cache has its own budget).
+fn default_kv_budget(engine: &Engine) -> usize {
+    let full = DEFAULT_MAX_BATCH
+        .saturating_mul(engine.context_length())
+        .saturating_mul(engine.kv_bytes_per_position());
+    available_memory().map_or(full, |m| full.min(m / 2))
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes, where there is one.
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
 fn worker() -> &'static mpsc::Sender<Job> {
     static WORKER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
     WORKER.get_or_init(|| {
@@ -78,16 +99,19 @@ fn worker() -> &'static mpsc::Sender<Job> {
     })
 }
 
-/// A generation in the decode batch.
+/// A generation in the decode batch, and the key/value bytes it reserved.
 struct Active {
     job: Box<GenJob>,
     state: GenState,
+    reserved: usize,
 }
 
-/// A request admitted to the batch whose prompt is being prefilled.
+/// A request admitted to the batch whose prompt is being prefilled, and the key/value bytes
+/// it reserved ([`Engine::kv_reservation`]).
 struct Prefilling {
     job: Box<GenJob>,
     prefill: Prefill,
+    reserved: usize,
 }
 
 /// Continuous batching on the model thread: requests are admitted in order while the batch
@@ -97,6 +121,10 @@ struct Prefilling {
 #[derive(Default)]
 struct Scheduler {
     pending: std::collections::VecDeque<Box<GenJob>>,
+    /// The oldest queued request, begun (encoded, its stored prefix found) but waiting until
+    /// the requests in flight leave room in the key/value budget for its reservation; the
+    /// queue waits behind it.
+    held: Option<Prefilling>,
     prefilling: std::collections::VecDeque<Prefilling>,
     active: Vec<Active>,
 }
@@ -104,8 +132,10 @@ struct Scheduler {
 impl Scheduler {
     fn run(mut self, rx: &mpsc::Receiver<Job>) {
         loop {
-            let idle =
-                self.active.is_empty() && self.pending.is_empty() && self.prefilling.is_empty();
+            let idle = self.active.is_empty()
+                && self.pending.is_empty()
+                && self.prefilling.is_empty()
+                && self.held.is_none();
             let first = if idle {
                 match rx.recv() {
                     Ok(job) => Some(job),
@@ -136,30 +166,79 @@ impl Scheduler {
         decoding + prefilling
     }
 
+    /// Key/value bytes the requests in flight reserved.
+    fn kv_in_use(&self) -> usize {
+        let decoding = self.active.iter().map(|a| a.reserved);
+        decoding
+            .chain(self.prefilling.iter().map(|p| p.reserved))
+            .sum()
+    }
+
     /// Starts queued requests, oldest first, while their rows fit the batch (a request
-    /// larger than the cap runs when the batch is empty). Requests whose caller left are
-    /// skipped.
+    /// larger than the cap runs when the batch is empty) and their key/value reservations
+    /// fit the budget beside those in flight (a request whose reservation alone exceeds it
+    /// is refused). Requests whose caller left are skipped.
     fn admit(&mut self) {
-        while let Some(job) = self.pending.front() {
-            if job.cancel.is_cancelled() {
-                let job = self.pending.pop_front().expect("front exists");
-                let err = skip(&job);
-                let _ = job.reply.send(Err(err));
+        loop {
+            let next = match self.held.take() {
+                Some(held) => held,
+                None => match self.begin_next() {
+                    Some(Ok(next)) => next,
+                    Some(Err(())) => continue,
+                    None => return,
+                },
+            };
+            if next.job.cancel.is_cancelled() {
+                retire_unstarted(*next.job);
                 continue;
             }
-            let used = self.rows_in_use();
-            if used > 0 && used + job.params.n > job.max_batch {
+            let budget = next.job.kv_budget;
+            if next.reserved > budget {
+                let err = over_budget(&next);
+                let _ = next.job.reply.send(Err(err));
+                continue;
+            }
+            if self.kv_in_use() + next.reserved > budget {
+                self.held = Some(next);
                 return;
             }
+            self.prefilling.push_back(next);
+        }
+    }
+
+    /// Begins the oldest queued request if its rows fit the batch: `None` when there is
+    /// none or it must wait, `Err` when it was answered instead (its caller left, or its
+    /// prompt was refused).
+    fn begin_next(&mut self) -> Option<Result<Prefilling, ()>> {
+        let job = self.pending.front()?;
+        if job.cancel.is_cancelled() {
             let job = self.pending.pop_front().expect("front exists");
-            let began = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| begin(&job)));
-            match began {
-                Ok(Ok(prefill)) => self.prefilling.push_back(Prefilling { job, prefill }),
-                Ok(Err(e)) => {
-                    let _ = job.reply.send(Err(e));
-                }
-                Err(_) => {} // the reply channel drops: "the model worker panicked"
+            let err = skip(&job);
+            let _ = job.reply.send(Err(err));
+            return Some(Err(()));
+        }
+        let used = self.rows_in_use();
+        if used > 0 && used + job.params.n > job.max_batch {
+            return None;
+        }
+        let job = self.pending.pop_front().expect("front exists");
+        let began = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let prefill = begin(&job)?;
+            let (n, max_new) = (job.params.n, job.params.max_new_tokens);
+            let reserved = job.engine.kv_reservation(&prefill, n, max_new);
+            Ok((prefill, reserved))
+        }));
+        match began {
+            Ok(Ok((prefill, reserved))) => Some(Ok(Prefilling {
+                job,
+                prefill,
+                reserved,
+            })),
+            Ok(Err(e)) => {
+                let _ = job.reply.send(Err(e));
+                Some(Err(()))
             }
+            Err(_) => Some(Err(())), // the reply channel drops: "the model worker panicked"
         }
     }
 
@@ -248,7 +327,11 @@ impl Scheduler {
 
     /// A request whose prompt is in joins the decode batch (or is answered with its error).
     fn start(&mut self, p: Prefilling) {
-        let Prefilling { mut job, prefill } = p;
+        let Prefilling {
+            mut job,
+            prefill,
+            reserved,
+        } = p;
         let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             job.engine.start_prefilled(prefill, &job.params)
         }));
@@ -257,7 +340,11 @@ impl Scheduler {
                 if let Some(sink) = job.stream.take() {
                     state.set_stream(sink);
                 }
-                self.active.push(Active { job, state });
+                self.active.push(Active {
+                    job,
+                    state,
+                    reserved,
+                });
             }
             Ok(Err(e)) => {
                 let _ = job.reply.send(Err(e));
@@ -342,6 +429,24 @@ fn skip(job: &GenJob) -> EngineError {
     job.engine.cancelled(0)
 }
 
+/// The refusal of a request whose key/value reservation alone exceeds its budget.
+fn over_budget(p: &Prefilling) -> EngineError {
+    let job = &p.job;
+    let context = job.engine.context_length();
+    let prompt = p.prefill.prompt_len();
+    EngineError::KvBudget {
+        model: job.engine.name().to_string(),
+        need_mib: p.reserved.div_ceil(1 << 20),
+        budget_mib: job.kv_budget >> 20,
+        prompt,
+        max_tokens: job
+            .params
+            .max_new_tokens
+            .min(context.saturating_sub(prompt)),
+        n: job.params.n,
+    }
+}
+
 /// Encodes a request and begins its prefill (refused when a strict `max_tokens` does not fit
 /// beside the prompt).
 fn begin(job: &GenJob) -> Result<Prefill, EngineError> {
@@ -372,7 +477,7 @@ fn retire_unstarted(job: GenJob) {
 
 /// Answers a generation that left the batch: finished, or stopped because its caller left.
 fn retire(a: Active) {
-    let Active { job, state } = a;
+    let Active { job, state, .. } = a;
     let out = if state.is_finished() {
         job.engine.finish(state)
     } else {
@@ -494,6 +599,7 @@ pub struct LocalBackend {
     counters: Arc<Counters>,
     max_batch: AtomicUsize,
     prefill_chunk: AtomicUsize,
+    kv_budget: AtomicUsize,
 }
 
 impl LocalBackend {
@@ -537,10 +643,11 @@ impl LocalBackend {
                 model: format!("{}@{}", engine.name(), engine.fingerprint()),
                 endpoint: String::new(),
             },
-            engine,
             counters: Arc::default(),
             max_batch: AtomicUsize::new(DEFAULT_MAX_BATCH),
             prefill_chunk: AtomicUsize::new(PREFILL_CHUNK),
+            kv_budget: AtomicUsize::new(default_kv_budget(&engine)),
+            engine,
         }))
     }
 
@@ -566,6 +673,22 @@ impl LocalBackend {
         self.prefill_chunk.load(Ordering::Relaxed)
     }
 
+    /// Caps the key/value memory (bytes, at least 1) that requests in flight may reserve
+    /// while this backend's requests join the batch: a request reserves its prompt and
+    /// `n` × `max_tokens` positions ([`Engine::kv_reservation`]) and waits, behind it the
+    /// queue, until those in flight leave room; one that cannot fit alone is refused. The
+    /// default is [`DEFAULT_MAX_BATCH`] rows at the model's full context, at most half the
+    /// memory available once the model was loaded. Stored prompts (the prompt cache) have
+    /// their own budget.
+    pub fn set_kv_budget_bytes(&self, bytes: usize) {
+        self.kv_budget.store(bytes.max(1), Ordering::Relaxed);
+    }
+
+    /// The key/value budget of this backend's requests, in bytes.
+    pub fn kv_budget_bytes(&self) -> usize {
+        self.kv_budget.load(Ordering::Relaxed)
+    }
+
     /// What this backend's generation jobs came to so far.
     pub fn stats(&self) -> LocalStats {
         self.counters.snapshot()
@@ -580,10 +703,11 @@ impl LocalBackend {
                 model: format!("{}@{}", engine.name(), engine.fingerprint()),
                 endpoint: String::new(),
             },
-            engine,
             counters: Arc::default(),
             max_batch: AtomicUsize::new(DEFAULT_MAX_BATCH),
             prefill_chunk: AtomicUsize::new(PREFILL_CHUNK),
+            kv_budget: AtomicUsize::new(default_kv_budget(&engine)),
+            engine,
         })
     }
 
@@ -621,6 +745,7 @@ impl LocalBackend {
             cancel: cancel.clone(),
             counters: self.counters.clone(),
             max_batch: self.max_batch(),
+            kv_budget: self.kv_budget_bytes(),
             prefill_chunk: self.prefill_chunk(),
             stream,
             reply,
@@ -680,11 +805,13 @@ fn to_llm_error(model: &str, e: EngineError) -> LlmError {
                 message: e.to_string(),
             }
         }
-        EngineError::NoRoomForMaxTokens { .. } => LlmError::ContextExceeded {
-            model: model.to_string(),
-            param: "max_tokens",
-            message: e.to_string(),
-        },
+        EngineError::NoRoomForMaxTokens { .. } | EngineError::KvBudget { .. } => {
+            LlmError::ContextExceeded {
+                model: model.to_string(),
+                param: "max_tokens",
+                message: e.to_string(),
+            }
+        }
         other => LlmError::Local {
             model: model.to_string(),
             message: other.to_string(),
@@ -795,6 +922,59 @@ mod tests {
             first.usage.completion_tokens
         );
         assert_eq!(backend.stats().prefill_passes, before.prefill_passes);
+    }
+
+    /// With room in the key/value budget for one request, three that arrive together run
+    /// one after another (each with the reply it gets alone); one whose reservation alone
+    /// exceeds the budget is refused with a `max_tokens` error naming the budget.
+    #[tokio::test]
+    async fn requests_wait_for_room_in_the_kv_budget() {
+        let (_dir, backend) = tiny_backend().await;
+        let max_tokens = 8;
+        let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
+            .temperature(0.0)
+            .max_tokens(max_tokens);
+        let alone = backend.chat(&req).await.unwrap();
+        let engine = backend.engine();
+        let prompt = engine.encode_chat(&req.messages).unwrap();
+        let prefill = engine.begin_prefill(&prompt).unwrap();
+        let one = engine.kv_reservation(&prefill, 1, max_tokens);
+        drop(prefill);
+        assert!(
+            backend.kv_budget_bytes() >= 16 * one,
+            "the default holds 16 of them"
+        );
+
+        backend.set_kv_budget_bytes(one + one / 2);
+        let before = backend.stats();
+        let hold = hold_worker().await;
+        let replies = futures::future::join_all((0..3).map(|_| backend.chat(&req))).await;
+        hold.await.unwrap().unwrap();
+        for r in replies {
+            assert_eq!(r.unwrap().choices[0].content, alone.choices[0].content);
+        }
+        let steps = backend.stats().decode_steps - before.decode_steps;
+        let each = alone.usage.completion_tokens.saturating_sub(1);
+        // Together they would step `each` times (plus one for a late joiner).
+        assert!(
+            steps >= 3 * each,
+            "3 requests that fit the budget one at a time took {steps} steps, {each} each"
+        );
+
+        backend.set_kv_budget_bytes(one - 1);
+        match backend.chat(&req).await {
+            Err(LlmError::ContextExceeded { param, message, .. }) => {
+                assert_eq!(param, "max_tokens");
+                assert!(message.contains("key/value"), "{message}");
+            }
+            other => panic!("a request over the budget alone: {other:?}"),
+        }
+        // The queue is not stuck behind it.
+        backend.set_kv_budget_bytes(one);
+        assert_eq!(
+            backend.chat(&req).await.unwrap().choices[0].content,
+            alone.choices[0].content
+        );
     }
 
     /// Requests that arrive together are prefilled in one forward pass, and each gets the
