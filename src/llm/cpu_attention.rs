@@ -60,8 +60,9 @@ pub fn to_heads(
 /// rotated ([`rotate`]) when `rope` gives the tables of the `seq` positions, and stored as
 /// f16 rounded to nearest (ties to even) as [`to_f16`] does. [`to_heads`] is this into a
 /// fresh f32 tensor; into a cache it is `to_heads`, a conversion and a slice assignment
-/// without their tensors.
-pub fn write_heads(
+/// without their tensors. `x` must not share storage with `dst` (it is read under the
+/// lock `dst` is written under): crate-private, its callers write projections into caches.
+pub(crate) fn write_heads(
     x: &Tensor,
     hd: &Heads,
     rope: Option<(&[f32], &[f32])>,

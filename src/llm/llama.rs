@@ -572,6 +572,15 @@ impl KvCache {
         rope: (&[f32], &[f32]),
     ) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
         let (rows, seq, width) = k.dims3()?;
+        // Checked before `room` makes or grows the layer: a bad shape then changes nothing.
+        if v.dims3()? != (rows, seq, width) || !width.is_multiple_of(shape.head_dim.max(1)) {
+            candle_core::bail!(
+                "keys {:?} and values {:?} are no heads of {}",
+                k.dims(),
+                v.dims(),
+                shape.head_dim
+            );
+        }
         let heads = width / shape.head_dim.max(1);
         let dtype = self.stored_dtype(layer, k.dtype(), k.device());
         let dims = (rows, heads, seq, shape.head_dim);
