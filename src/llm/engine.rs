@@ -1341,9 +1341,7 @@ pub fn base_hf_tensors(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::local::LocalBackend;
-    use crate::llm::spec::ModelSpec;
-    use crate::llm::tiny::{write_tiny_llama, TinySpec};
+    use crate::llm::test_util::tiny_backend;
 
     /// Decodes `max_new` tokens of `n` rows from `prompt`; returns the reservation made
     /// before its prefill and the key/value bytes the generation held at the end beyond the
@@ -1382,12 +1380,7 @@ mod tests {
     /// row and several, cold prompts and prompts that begin from a stored one.
     #[tokio::test]
     async fn reservations_bound_what_generations_hold() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny-llama");
-        write_tiny_llama(&path, &TinySpec::default()).unwrap();
-        let backend = LocalBackend::load(&ModelSpec::HfDir(path), &LoadOptions::default())
-            .await
-            .unwrap();
+        let (_dir, backend) = tiny_backend().await;
         let engine = backend.engine();
         let short = engine
             .encode_chat(&[ChatMessage::user("one two three four")])

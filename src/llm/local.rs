@@ -869,18 +869,8 @@ impl ChatBackend for LocalBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::tiny::{write_tiny_llama, TinySpec};
+    use crate::llm::test_util::tiny_backend;
     use crate::llm::{ChatBackend, ChatMessage, ChatRequest};
-
-    async fn tiny_backend() -> (tempfile::TempDir, Arc<LocalBackend>) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny-llama");
-        write_tiny_llama(&path, &TinySpec::default()).unwrap();
-        let backend = LocalBackend::load(&ModelSpec::HfDir(path), &LoadOptions::default())
-            .await
-            .unwrap();
-        (dir, backend)
-    }
 
     /// Holds the model worker for a while: requests sent meanwhile queue, and it finds them
     /// all at once.
