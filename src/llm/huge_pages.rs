@@ -13,9 +13,14 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// Asks the kernel to back now, with huge pages, every 2 MiB-aligned stretch of memory that
 /// holds part of `ranges` ((first byte, length) pairs): `MADV_COLLAPSE` (Linux 6.1+), which
 /// leaves the contents as they are. Stretches it cannot collapse (not wholly mapped
-/// anonymous memory, an older kernel, no THP support) stay on small pages. Returns the bytes
-/// now on huge pages.
+/// anonymous memory, an older kernel, no THP support, huge pages of another size) stay on
+/// small pages. Returns the bytes of the stretches it moved.
 pub fn collapse(ranges: &[(usize, usize)]) -> usize {
+    if !pmd_pages_are_2_mib() {
+        // Kernels on 16 or 64 KiB base pages have larger huge pages: a 2 MiB stretch
+        // collapses nothing there.
+        return 0;
+    }
     let mut stretches = BTreeSet::new();
     for &(start, len) in ranges.iter().filter(|r| r.1 > 0) {
         stretches.extend(start / HUGE_PAGE..=(start + len - 1) / HUGE_PAGE);
@@ -26,10 +31,21 @@ pub fn collapse(ranges: &[(usize, usize)]) -> usize {
     collapsed.count() * HUGE_PAGE
 }
 
+/// Whether the kernel's transparent huge page is [`HUGE_PAGE`] (where it says; a kernel
+/// without the file is assumed to have the x86-64 size, and `madvise` tells).
+fn pmd_pages_are_2_mib() -> bool {
+    let size = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+    size.ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .is_none_or(|bytes| bytes == HUGE_PAGE)
+}
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn advise_collapse(at: usize) -> bool {
-    // SAFETY: `MADV_COLLAPSE` changes how the range is backed, never its contents; a range
-    // that is not (wholly) mapped is refused with an error, nothing else.
+    // SAFETY: `MADV_COLLAPSE` changes how the range is backed, never its contents (what the
+    // process reads stays the same, other allocations in the stretch included); a stretch
+    // not wholly mapped, or holding pinned pages, fails with an error (part of it may then
+    // be collapsed all the same: the count is a lower bound).
     unsafe { libc::madvise(at as *mut libc::c_void, HUGE_PAGE, libc::MADV_COLLAPSE) == 0 }
 }
 

@@ -180,10 +180,10 @@ impl Scheduler {
     /// is refused). Requests whose caller left are skipped.
     fn admit(&mut self) {
         loop {
-            let next = match self.held.take() {
-                Some(held) => held,
+            let (next, waited) = match self.held.take() {
+                Some(held) => (held, true),
                 None => match self.begin_next() {
-                    Some(Ok(next)) => next,
+                    Some(Ok(next)) => (next, false),
                     Some(Err(())) => continue,
                     None => return,
                 },
@@ -198,7 +198,18 @@ impl Scheduler {
                 let _ = next.job.reply.send(Err(err));
                 continue;
             }
-            if self.kv_in_use() + next.reserved > budget {
+            let in_use = self.kv_in_use();
+            if in_use + next.reserved > budget {
+                if !waited {
+                    Counters::add(&next.job.counters.kv_waits, 1);
+                    tracing::debug!(
+                        model = next.job.engine.name(),
+                        reserved_mib = next.reserved >> 20,
+                        in_use_mib = in_use >> 20,
+                        budget_mib = budget >> 20,
+                        "a request waits for room in the key/value budget"
+                    );
+                }
                 self.held = Some(next);
                 return;
             }
@@ -539,6 +550,9 @@ pub struct LocalStats {
     /// Forward passes that ran prompt positions of this backend's requests (requests
     /// prefilled together share one).
     pub prefill_passes: u64,
+    /// Requests that waited for room in the key/value budget before they started (see
+    /// [`LocalBackend::set_kv_budget_bytes`]).
+    pub kv_waits: u64,
 }
 
 #[derive(Debug, Default)]
@@ -550,6 +564,7 @@ struct Counters {
     skipped: AtomicU64,
     decode_steps: AtomicU64,
     prefill_passes: AtomicU64,
+    kv_waits: AtomicU64,
 }
 
 impl Counters {
@@ -581,6 +596,7 @@ impl Counters {
             skipped: get(&self.skipped),
             decode_steps: get(&self.decode_steps),
             prefill_passes: get(&self.prefill_passes),
+            kv_waits: get(&self.kv_waits),
         }
     }
 }
@@ -944,6 +960,7 @@ mod tests {
             assert_eq!(r.unwrap().choices[0].content, alone.choices[0].content);
         }
         let steps = backend.stats().decode_steps - before.decode_steps;
+        assert_eq!(backend.stats().kv_waits - before.kv_waits, 2);
         let each = alone.usage.completion_tokens.saturating_sub(1);
         // Together they would step `each` times (plus one for a late joiner).
         assert!(
