@@ -811,9 +811,10 @@ impl Engine {
     /// Bytes of key/value cache a generation of `n` rows and at most `max_new_tokens` from
     /// `prefill` will hold beyond what the prompt cache stores: the prompt positions the
     /// prefill computes (one row), what [`Engine::start_prefilled`]'s fork copies into each
-    /// row (nothing on the CPU unless the prompt began from a stored prefix: the rows then
-    /// share the prompt), and each row's room for new tokens as it grows ([`KV_GROWTH`]
-    /// positions at a time). An upper bound, exact for a cold prompt on the CPU (tested).
+    /// row (on the CPU nothing for a cold prompt, which the rows share; a prompt begun from
+    /// a stored prefix copies the positions after it), and each row's room for new tokens
+    /// as it grows ([`KV_GROWTH`] positions at a time). An upper bound, exact for a cold
+    /// prompt on the CPU (tested).
     pub fn kv_reservation(&self, prefill: &Prefill, n: usize, max_new_tokens: usize) -> usize {
         let prompt = prefill.prompt.len();
         let shared = prefill.cache.shared_positions().min(prompt);
