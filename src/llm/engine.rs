@@ -817,8 +817,8 @@ impl Engine {
     /// prompt on the CPU (tested).
     pub fn kv_reservation(&self, prefill: &Prefill, n: usize, max_new_tokens: usize) -> usize {
         let prompt = prefill.prompt.len();
-        let shared = prefill.cache.shared_positions().min(prompt);
-        let max_new = max_new_tokens.min(self.context_length.saturating_sub(prompt));
+        let shared = prefill.cache.shared_len().min(prompt);
+        let max_new = self.new_tokens_after(prompt, max_new_tokens);
         let room = if max_new <= KV_GROWTH {
             max_new.max(1)
         } else {
@@ -832,6 +832,12 @@ impl Engine {
         };
         let positions = computed.saturating_add(n.saturating_mul(copied + room));
         positions.saturating_mul(self.model.kv_bytes_per_position())
+    }
+
+    /// Tokens a generation after a prompt of `prompt` tokens may produce when `max_tokens`
+    /// are asked for: what the context leaves, at most.
+    pub fn new_tokens_after(&self, prompt: usize, max_tokens: usize) -> usize {
+        max_tokens.min(self.context_length.saturating_sub(prompt))
     }
 
     /// Bytes one cached position takes over all layers (keys and values).
@@ -859,8 +865,7 @@ impl Engine {
                 message: "internal: a generation started before its prompt was prefilled".into(),
             });
         };
-        let context = self.context_length;
-        let max_new = params.max_new_tokens.min(context - prompt.len());
+        let max_new = self.new_tokens_after(prompt.len(), params.max_new_tokens);
         let err = |e: candle_core::Error| self.gen_err(e);
         let started = std::time::Instant::now();
         // Room for the first KV_GROWTH new tokens; the cache grows as needed, so many

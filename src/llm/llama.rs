@@ -212,20 +212,16 @@ impl KvCache {
             .map_or(0, |(k, _)| k.dims()[0])
     }
 
-    /// Positions held in the prefix all rows share.
-    fn shared_len(&self) -> usize {
+    /// Positions held in the prefix all rows share: read from memory held elsewhere
+    /// (another cache's tensors, a stored prompt), not from this cache's own tensors.
+    pub fn shared_len(&self) -> usize {
         self.shared.as_ref().map_or(0, |s| s.len)
-    }
-
-    /// Positions every row reads from a shared prefix held elsewhere (another cache's
-    /// tensors, a stored prompt), not from this cache's own tensors.
-    pub fn shared_positions(&self) -> usize {
-        self.shared_len()
     }
 
     /// Bytes of the rows' own key and value tensors, room not yet written included (the
     /// shared prefix is another cache's memory).
-    pub fn own_bytes(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn own_bytes(&self) -> usize {
         let tensors = self.layers.iter().flatten().flat_map(|(k, v)| [k, v]);
         tensors
             .map(|t| t.elem_count() * t.dtype().size_in_bytes())

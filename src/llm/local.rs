@@ -443,7 +443,6 @@ fn skip(job: &GenJob) -> EngineError {
 /// The refusal of a request whose key/value reservation alone exceeds its budget.
 fn over_budget(p: &Prefilling) -> EngineError {
     let job = &p.job;
-    let context = job.engine.context_length();
     let prompt = p.prefill.prompt_len();
     EngineError::KvBudget {
         model: job.engine.name().to_string(),
@@ -451,9 +450,8 @@ fn over_budget(p: &Prefilling) -> EngineError {
         budget_mib: job.kv_budget >> 20,
         prompt,
         max_tokens: job
-            .params
-            .max_new_tokens
-            .min(context.saturating_sub(prompt)),
+            .engine
+            .new_tokens_after(prompt, job.params.max_new_tokens),
         n: job.params.n,
     }
 }
