@@ -665,14 +665,17 @@ mod elementwise {
     }
 
     /// `f` on the values of CPU f32 contiguous tensors, or `None` for other tensors.
-    fn with_slices<R>(ts: [&Tensor; 2], f: impl FnOnce([&[f32]; 2]) -> R) -> Result<Option<R>> {
+    fn with_slices<const N: usize, R>(
+        ts: [&Tensor; N],
+        f: impl FnOnce([&[f32]; N]) -> R,
+    ) -> Result<Option<R>> {
         let cpu_f32 =
             |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
         if !ts.iter().all(|t| cpu_f32(t)) {
             return Ok(None);
         }
         let held = ts.map(|t| t.storage_and_layout());
-        let mut slices: [&[f32]; 2] = [&[], &[]];
+        let mut slices: [&[f32]; N] = [&[]; N];
         for ((slice, (storage, layout)), t) in slices.iter_mut().zip(&held).zip(ts) {
             let candle_core::Storage::Cpu(cpu) = &**storage else {
                 return Ok(None);
@@ -779,6 +782,72 @@ mod elementwise {
         }
     }
 
+    /// `(a + b, rms_norm(a + b))`: a residual add and the norm after it, row by row in one
+    /// pass (one parallel loop for the two, 60 fewer a decode step), with the bits of
+    /// [`add`] then [`rms_norm`].
+    pub(super) fn add_rms_norm(
+        a: &Tensor,
+        b: &Tensor,
+        alpha: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let n = a.dim(candle_core::D::Minus1)?;
+        let fused = (a.shape() == b.shape() && alpha.dims() == [n] && n > 0)
+            .then(|| with_slices([a, b, alpha], |[xa, xb, w]| sum_and_norm(xa, xb, w, n, eps)))
+            .transpose()?
+            .flatten();
+        match fused {
+            Some((sum, norm)) => Ok((
+                Tensor::from_vec(sum, a.shape(), a.device())?,
+                Tensor::from_vec(norm, a.shape(), a.device())?,
+            )),
+            None => {
+                let x = add(a, b)?;
+                let h = rms_norm(&x, alpha, eps)?;
+                Ok((x, h))
+            }
+        }
+    }
+
+    /// [`add_rms_norm`] on slices: rows of `n` values.
+    fn sum_and_norm(
+        xa: &[f32],
+        xb: &[f32],
+        alpha: &[f32],
+        n: usize,
+        eps: f32,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let len = xa.len();
+        let rows_of = |s: &mut [MaybeUninit<f32>], h: &mut [MaybeUninit<f32>], at: usize| {
+            for (r, (s, h)) in s.chunks_mut(n).zip(h.chunks_mut(n)).enumerate() {
+                let x = at + r * n;
+                add_rows(s, &xa[x..x + n], &xb[x..x + n]);
+                // SAFETY: `add_rows` wrote every value of the row.
+                let s = unsafe { &*(s as *const [MaybeUninit<f32>] as *const [f32]) };
+                rms_row(h, s, alpha, eps);
+            }
+        };
+        let (mut sum, mut norm) = (Vec::with_capacity(len), Vec::with_capacity(len));
+        let (s, h) = (
+            &mut sum.spare_capacity_mut()[..len],
+            &mut norm.spare_capacity_mut()[..len],
+        );
+        if len < PAR_MIN {
+            rows_of(s, h, 0);
+        } else {
+            let rows = (CHUNK / n).max(1) * n;
+            let mut pieces: Vec<_> = s.chunks_mut(rows).zip(h.chunks_mut(rows)).collect();
+            crate::llm::team::map_mut(&mut pieces, |i, (s, h)| rows_of(s, h, i * rows));
+        }
+        // SAFETY: every row of both was written (`add_rows` and `rms_row` write whole rows,
+        // and the rows cover `len`, a multiple of `n`).
+        unsafe {
+            sum.set_len(len);
+            norm.set_len(len);
+        }
+        (sum, norm)
+    }
+
     /// `silu(gate) · up`.
     pub(super) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         match binary(gate, up, swiglu_rows)? {
@@ -825,6 +894,28 @@ mod elementwise {
                     o[..40].to_vec()
                 );
             }
+            // The fused add and norm: the bits of the two ops, inline and over the threads,
+            // and of the two ops' fallbacks for a transposed input.
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let alpha = Tensor::randn(0f32, 1.0, 40, &Device::Cpu).unwrap();
+            for rows in [3usize, 2 * PAR_MIN / 40 + 1, 5 * CHUNK / 40 + 3] {
+                let a = Tensor::randn(0f32, 2.0, (rows, 40), &Device::Cpu).unwrap();
+                let b = Tensor::randn(0f32, 1.0, (rows, 40), &Device::Cpu).unwrap();
+                let (sum, norm) = add_rms_norm(&a, &b, &alpha, 1e-5).unwrap();
+                let want = add(&a, &b).unwrap();
+                assert_eq!(flat(&sum), flat(&want), "rows={rows}");
+                let want = rms_norm(&want, &alpha, 1e-5).unwrap();
+                assert_eq!(flat(&norm), flat(&want), "rows={rows}");
+            }
+            let a = Tensor::randn(0f32, 1.0, (40, 6), &Device::Cpu)
+                .unwrap()
+                .t()
+                .unwrap();
+            let b = a.contiguous().unwrap();
+            let (sum, norm) = add_rms_norm(&a, &b, &alpha, 1e-5).unwrap();
+            let want = (&b + &b).unwrap();
+            assert_eq!(flat(&sum), flat(&want));
+            assert_eq!(flat(&norm), flat(&rms_norm(&want, &alpha, 1e-5).unwrap()));
             // A transposed (non-contiguous) input takes candle's op.
             let m = Tensor::randn(0f32, 1.0, (4, 6), &Device::Cpu).unwrap();
             let t = m.t().unwrap();
@@ -1196,7 +1287,7 @@ impl LlamaModel {
                 self.cfg.max_position_embeddings
             );
         }
-        let mut x = self.embed.embedding(tokens)?.to_dtype(DType::F32)?;
+        let x = self.embed.embedding(tokens)?.to_dtype(DType::F32)?;
         let cos = self.cos.narrow(0, pos, seq)?;
         let sin = self.sin.narrow(0, pos, seq)?;
         // The CPU attention is causal by construction (see `attend`).
@@ -1205,35 +1296,54 @@ impl LlamaModel {
         } else {
             None
         };
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = self.block(layer, &x, |q, k, v| {
-                self.attend(i, q, k, v, &cos, &sin, mask.as_ref(), cache)
-            })?;
-        }
+        let normed = self.blocks(x, |i, q, k, v| {
+            self.attend(i, q, k, v, &cos, &sin, mask.as_ref(), cache)
+        })?;
         cache.len = pos + seq;
-        elementwise::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps as f32)
+        Ok(normed)
     }
 
-    /// One transformer block on the residual stream `x`: `attention` maps the projected q, k
-    /// and v to the heads' outputs before the output projection.
+    /// One transformer block on the residual stream `x`, normed as `h` by the block's
+    /// attention norm: `attention` maps the projected q, k and v to the heads' outputs before
+    /// the output projection. Returns the stream after the block, and it normed by
+    /// `next_norm`.
     fn block(
         &self,
         layer: &Layer,
-        x: &Tensor,
+        (x, h): (&Tensor, &Tensor),
+        next_norm: &Tensor,
         attention: impl FnOnce(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let eps = self.cfg.rms_norm_eps as f32;
-        let h = elementwise::rms_norm(x, &layer.attn_norm, eps)?;
-        let [q, k, v] = &layer.qkv.forward(&h)?[..] else {
+        let [q, k, v] = &layer.qkv.forward(h)?[..] else {
             candle_core::bail!("the q/k/v projections gave no three outputs");
         };
         let y = attention(q, k, v)?;
-        let x = elementwise::add(x, &layer.wo.forward(&y)?)?;
-        let h = elementwise::rms_norm(&x, &layer.ffn_norm, eps)?;
+        let (x, h) = elementwise::add_rms_norm(x, &layer.wo.forward(&y)?, &layer.ffn_norm, eps)?;
         let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
             candle_core::bail!("the gate/up projections gave no two outputs");
         };
-        elementwise::add(&x, &layer.w_down.forward(&elementwise::swiglu(gate, up)?)?)
+        let down = layer.w_down.forward(&elementwise::swiglu(gate, up)?)?;
+        elementwise::add_rms_norm(&x, &down, next_norm, eps)
+    }
+
+    /// The residual stream `x` through every block: the stream after the last one, normed by
+    /// the final norm (each block's closing add is fused with the norm after it: the next
+    /// block's, or the final one). `attention(i, q, k, v)` is block `i`'s.
+    fn blocks(
+        &self,
+        x: Tensor,
+        mut attention: impl FnMut(usize, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let eps = self.cfg.rms_norm_eps as f32;
+        let first = self.layers.first().map_or(&self.norm, |l| &l.attn_norm);
+        let mut h = elementwise::rms_norm(&x, first, eps)?;
+        let mut x = x;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.attn_norm);
+            (x, h) = self.block(layer, (&x, &h), next, |q, k, v| attention(i, q, k, v))?;
+        }
+        Ok(h)
     }
 
     /// (groups·seq, pos+seq) additive mask: query row `j·seq + i` sees keys `0..=pos+i`.
@@ -1464,37 +1574,35 @@ impl LlamaModel {
         }
         let total: usize = tokens.iter().map(|t| t.len()).sum();
         let ids = Tensor::from_vec(tokens.concat(), (total, 1), &self.device)?;
-        let mut x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
-        let eps = self.cfg.rms_norm_eps as f32;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = self.block(layer, &x, |q, k, v| {
-                if self.cpu_attention(q) {
-                    return self.groups_cpu_attention(i, [q, k, v], &shapes, caches);
-                }
-                let mut parts = Vec::with_capacity(shapes.len());
-                let mut r0 = 0;
-                for &(rows, seq) in &shapes {
-                    let part = |t: &Tensor| t.narrow(0, r0, rows * seq)?.reshape((rows, seq, ()));
-                    parts.push((part(q)?, part(k)?, part(v)?));
-                    r0 += rows * seq;
-                }
-                // Groups attend independently: spread them over the compute threads.
-                let ys = caches
-                    .par_iter_mut()
-                    .zip(parts.par_iter())
-                    .zip(trig.par_iter())
-                    .map(|((cache, (q, k, v)), (cos, sin, mask))| {
-                        let y = self.attend(i, q, k, v, cos, sin, mask.as_ref(), cache)?;
-                        y.reshape(((), 1, y.dim(2)?))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&ys, 0)
-            })?;
-        }
+        let x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
+        let mut x = self.blocks(x, |i, q, k, v| {
+            if self.cpu_attention(q) {
+                return self.groups_cpu_attention(i, [q, k, v], &shapes, caches);
+            }
+            let mut parts = Vec::with_capacity(shapes.len());
+            let mut r0 = 0;
+            for &(rows, seq) in &shapes {
+                let part = |t: &Tensor| t.narrow(0, r0, rows * seq)?.reshape((rows, seq, ()));
+                parts.push((part(q)?, part(k)?, part(v)?));
+                r0 += rows * seq;
+            }
+            // Groups attend independently: spread them over the compute threads.
+            let ys = caches
+                .par_iter_mut()
+                .zip(parts.par_iter())
+                .zip(trig.par_iter())
+                .map(|((cache, (q, k, v)), (cos, sin, mask))| {
+                    let y = self.attend(i, q, k, v, cos, sin, mask.as_ref(), cache)?;
+                    y.reshape(((), 1, y.dim(2)?))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&ys, 0)
+        })?;
         for (c, &(_, seq)) in caches.iter_mut().zip(&shapes) {
             c.len += seq;
         }
-        // Only each row's last position goes through the head.
+        // Only each row's last position goes through the head (the final norm is a row's
+        // own: the rows it gave the others are the same bits).
         if shapes.iter().any(|&(_, seq)| seq > 1) {
             let mut last = Vec::new();
             let mut r0 = 0;
@@ -1505,7 +1613,6 @@ impl LlamaModel {
             let n = last.len();
             x = x.index_select(&Tensor::from_vec(last, n, &self.device)?, 0)?;
         }
-        let x = elementwise::rms_norm(&x, &self.norm, eps)?;
         let logits = self.lm_head.forward(&x)?.squeeze(1)?;
         let mut out = Vec::with_capacity(shapes.len());
         let mut r0 = 0;
