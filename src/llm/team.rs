@@ -23,7 +23,8 @@ const SPIN: Duration = Duration::from_millis(2);
 /// Spins between a helper's yields of its core while it waits for a loop (~20 µs): often
 /// enough that a thread with work (a server's) waits little for the core, rare enough that
 /// the next loop seldom finds the helper inside the system call. Every 64 spins (~1.4 µs),
-/// a 16-request decode step took ~2.4 % longer (steps alternating in one process).
+/// 16-request decode steps took 1.8 % and 3.4 % longer in two runs of three, one request's
+/// 1.7 % and 3.0 % (medians, steps alternating in one process).
 const YIELD_EVERY: u32 = 1024;
 
 /// One parallel loop: `f(i)` for `i` in `0..n`, indices claimed from `next`.
