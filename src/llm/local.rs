@@ -189,7 +189,12 @@ impl Scheduler {
                 },
             };
             if next.job.cancel.is_cancelled() {
-                retire_unstarted(*next.job);
+                let stage = if waited {
+                    "while it waited for room in the key/value budget"
+                } else {
+                    "before its prefill"
+                };
+                retire_unstarted(*next.job, stage);
                 continue;
             }
             let budget = next.job.kv_budget;
@@ -265,7 +270,7 @@ impl Scheduler {
             .partition(|p| p.job.cancel.is_cancelled());
         self.prefilling = waiting.into();
         for p in left {
-            retire_unstarted(*p.job);
+            retire_unstarted(*p.job, "during its prefill");
         }
         let Some(front) = self.prefilling.front() else {
             return;
@@ -474,12 +479,13 @@ fn begin(job: &GenJob) -> Result<Prefill, EngineError> {
     engine.begin_prefill(&prompt)
 }
 
-/// Answers a request whose caller left while its prompt was being prefilled.
-fn retire_unstarted(job: GenJob) {
+/// Answers a request whose caller left after it began (its prompt encoded) but before it
+/// decoded: `stage` says where it was.
+fn retire_unstarted(job: GenJob, stage: &str) {
     Counters::add(&job.counters.cancelled, 1);
     tracing::info!(
         model = job.engine.name(),
-        "generation stopped during its prefill: its client left"
+        "generation stopped {stage}: its client left"
     );
     let _ = job.reply.send(Err(job.engine.cancelled(0)));
 }
