@@ -714,7 +714,7 @@ mod elementwise {
     }
 
     /// `a + b`.
-    pub(super) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         match binary(a, b, add_rows)? {
             Some(t) => Ok(t),
             None => a + b,
