@@ -57,6 +57,9 @@ struct GenJob {
     reply: tokio::sync::oneshot::Sender<Result<GenOutput, EngineError>>,
 }
 
+/// Where a [`GenJob`]'s answer arrives.
+type GenReply = tokio::sync::oneshot::Receiver<Result<GenOutput, EngineError>>;
+
 /// Rows (samples being decoded, over all requests) one decode batch holds unless a backend
 /// says otherwise: enough for the concurrency of a pipeline turn (N candidates × S futures)
 /// while a step of the default model stays a small fraction of a second.
@@ -738,13 +741,13 @@ impl LocalBackend {
         &self.engine
     }
 
-    /// Hands a chat request to the scheduler and waits for it; dropping the future cancels
-    /// it (skipped if not started, stopped at the next token otherwise).
-    async fn generate(
+    /// A request as the scheduler's job (checked), the receiver of its answer, and the flag
+    /// that cancels it.
+    fn job(
         &self,
         req: &ChatRequest,
         stream: Option<TokenSink>,
-    ) -> Result<ChatResponse, LlmError> {
+    ) -> Result<(GenJob, GenReply, CancelFlag), LlmError> {
         req.validate()?;
         let params = GenParams {
             temperature: req.temperature,
@@ -770,6 +773,17 @@ impl LocalBackend {
             stream,
             reply,
         };
+        Ok((job, rx, cancel))
+    }
+
+    /// Hands a chat request to the scheduler and waits for it; dropping the future cancels
+    /// it (skipped if not started, stopped at the next token otherwise).
+    async fn generate(
+        &self,
+        req: &ChatRequest,
+        stream: Option<TokenSink>,
+    ) -> Result<ChatResponse, LlmError> {
+        let (job, rx, cancel) = self.job(req, stream)?;
         Counters::add(&self.counters.queued, 1);
         worker()
             .send(Job::Generate(Box::new(job)))
@@ -900,6 +914,68 @@ mod tests {
         }));
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         hold
+    }
+
+    /// A request held for room in the key/value budget whose client leaves is answered as
+    /// cancelled at the next round and no longer holds the queue: the request behind it
+    /// starts once there is room. (Driven on a scheduler of its own, round by round: through
+    /// the worker, the tiny model's requests finish before a client could leave.)
+    #[tokio::test]
+    async fn a_held_request_whose_client_leaves_frees_the_queue() {
+        let (_dir, backend) = tiny_backend().await;
+        let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
+            .temperature(0.0)
+            .max_tokens(8);
+        let engine = backend.engine();
+        let prefill = engine.begin_prefill(&engine.encode_chat(&req.messages).unwrap());
+        let one = engine.kv_reservation(&prefill.unwrap(), 1, 8);
+        backend.set_kv_budget_bytes(one + one / 2);
+        let before = backend.stats();
+        let (first, second, third) = (
+            backend.job(&req, None).unwrap(),
+            backend.job(&req, None).unwrap(),
+            backend.job(&req, None).unwrap(),
+        );
+        let (mut first_rx, mut second_rx, mut third_rx) = (first.1, second.1, third.1);
+        let mut scheduler = Scheduler::default();
+        for job in [first.0, second.0, third.0] {
+            scheduler.pending.push_back(Box::new(job));
+        }
+        scheduler.admit();
+        assert_eq!(scheduler.prefilling.len(), 1, "room for one request");
+        assert!(scheduler.held.is_some(), "the second waits for room");
+        assert_eq!(scheduler.pending.len(), 1, "the third waits behind it");
+        assert_eq!(backend.stats().kv_waits, before.kv_waits + 1);
+
+        second.2.cancel();
+        scheduler.admit();
+        let answer = second_rx.try_recv().expect("answered at once");
+        let err = answer.expect_err("a cancelled request has no output");
+        assert!(
+            matches!(err, EngineError::Cancelled { .. }),
+            "answered as cancelled: {err}"
+        );
+        assert_eq!(backend.stats().cancelled, before.cancelled + 1);
+        // The third took its place (the first still runs), and starts once the first is done.
+        assert!(scheduler.held.is_some() && scheduler.pending.is_empty());
+        let mut rounds = 0;
+        let third = loop {
+            match third_rx.try_recv() {
+                Ok(answer) => break answer.expect("the third request's output"),
+                Err(_) => {
+                    scheduler.admit();
+                    scheduler.prefill_round();
+                    scheduler.step();
+                    rounds += 1;
+                    assert!(rounds < 100, "the third request never finished");
+                }
+            }
+        };
+        let first = first_rx.try_recv().expect("the first finished before it");
+        let alone = backend.chat(&req).await.unwrap();
+        assert_eq!(first.unwrap().samples[0].text, alone.choices[0].content);
+        assert_eq!(third.samples[0].text, alone.choices[0].content);
+        assert_eq!(backend.stats().kv_waits, before.kv_waits + 2);
     }
 
     /// Requests whose prompt is cached need no prefill: queued together, they join the decode
