@@ -350,7 +350,20 @@ async fn invalid_requests_fail_before_any_http() {
         b.chat(&req("x").n(0)).await,
         Err(LlmError::InvalidRequest(_))
     ));
-    assert_eq!(server.requests(), 0);
+    let long_stop = req("x").stop(vec!["y".repeat(collabllm::llm::MAX_STOP_BYTES + 1)]);
+    match b.chat(&long_stop).await {
+        Err(LlmError::InvalidRequest(msg)) => assert!(msg.contains("`stop`"), "{msg}"),
+        other => panic!("a stop string over the limit was not refused: {other:?}"),
+    }
+    assert!(b
+        .chat(&req("x").stop(vec!["y".repeat(collabllm::llm::MAX_STOP_BYTES)]))
+        .await
+        .is_ok());
+    assert_eq!(
+        server.requests(),
+        1,
+        "only the request within the limit was sent"
+    );
     let o = EndpointOptions {
         timeout_s: -1.0,
         ..opts(0, 1.0)

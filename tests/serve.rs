@@ -193,6 +193,10 @@ async fn bad_requests_are_openai_errors() {
             Some("stop"),
         ),
         (
+            &*json!({"messages": user, "stop": ["end", "x".repeat(513)]}).to_string(),
+            Some("stop"),
+        ),
+        (
             &*json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string(),
             Some("messages[0].role"),
         ),

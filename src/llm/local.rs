@@ -120,7 +120,8 @@ struct Prefilling {
 /// Continuous batching on the model thread: requests are admitted in order while the batch
 /// has room, their prompts prefilled one chunk per round ([`PREFILL_CHUNK`], oldest first)
 /// between decode steps, and they join the running batch at the next token boundary and
-/// leave when done or when their caller leaves; one decode step per loaded model and round.
+/// leave when done or when their caller leaves; one decode step per loaded model and round,
+/// and at most one call of another kind (scoring options, loading a model).
 #[derive(Default)]
 struct Scheduler {
     pending: std::collections::VecDeque<Box<GenJob>>,
@@ -130,6 +131,8 @@ struct Scheduler {
     held: Option<Prefilling>,
     prefilling: std::collections::VecDeque<Prefilling>,
     active: Vec<Active>,
+    /// Calls of other kinds (scoring options, loading a model) waiting for their round.
+    runs: std::collections::VecDeque<Box<dyn FnOnce() + Send>>,
 }
 
 impl Scheduler {
@@ -138,7 +141,8 @@ impl Scheduler {
             let idle = self.active.is_empty()
                 && self.pending.is_empty()
                 && self.prefilling.is_empty()
-                && self.held.is_none();
+                && self.held.is_none()
+                && self.runs.is_empty();
             let first = if idle {
                 match rx.recv() {
                     Ok(job) => Some(job),
@@ -149,13 +153,16 @@ impl Scheduler {
             };
             for job in first.into_iter().chain(rx.try_iter()) {
                 match job {
-                    // A panicking job must not take the thread down with it; its caller
-                    // sees the dropped reply channel.
-                    Job::Run(f) => {
-                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-                    }
+                    Job::Run(f) => self.runs.push_back(f),
                     Job::Generate(g) => self.pending.push_back(g),
                 }
+            }
+            // One call of another kind a round: each may prefill a whole prompt (scoring a
+            // judge's options), so several in a row would stall every decoding request for
+            // all of them. A panicking call must not take the thread down with it; its
+            // caller sees the dropped reply channel.
+            if let Some(f) = self.runs.pop_front() {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
             }
             self.admit();
             self.prefill_round();
@@ -164,9 +171,9 @@ impl Scheduler {
     }
 
     fn rows_in_use(&self) -> usize {
-        let decoding: usize = self.active.iter().map(|a| a.state.rows()).sum();
-        let prefilling: usize = self.prefilling.iter().map(|p| p.job.params.n).sum();
-        decoding + prefilling
+        let decoding = self.active.iter().map(|a| a.state.rows());
+        let prefilling = self.prefilling.iter().map(|p| p.job.params.n);
+        decoding.chain(prefilling).fold(0, usize::saturating_add)
     }
 
     /// Key/value bytes the requests in flight reserved.
@@ -174,7 +181,7 @@ impl Scheduler {
         let decoding = self.active.iter().map(|a| a.reserved);
         decoding
             .chain(self.prefilling.iter().map(|p| p.reserved))
-            .sum()
+            .fold(0, usize::saturating_add)
     }
 
     /// Starts queued requests, oldest first, while their rows fit the batch (a request
@@ -207,7 +214,7 @@ impl Scheduler {
                 continue;
             }
             let in_use = self.kv_in_use();
-            if in_use + next.reserved > budget {
+            if in_use.saturating_add(next.reserved) > budget {
                 if !waited {
                     Counters::add(&next.job.counters.kv_waits, 1);
                     tracing::debug!(
@@ -237,7 +244,7 @@ impl Scheduler {
             return Some(Err(()));
         }
         let used = self.rows_in_use();
-        if used > 0 && used + job.params.n > job.max_batch {
+        if used > 0 && used.saturating_add(job.params.n) > job.max_batch {
             return None;
         }
         let job = self.pending.pop_front().expect("front exists");
@@ -976,6 +983,35 @@ mod tests {
         assert_eq!(first.unwrap().samples[0].text, alone.choices[0].content);
         assert_eq!(third.samples[0].text, alone.choices[0].content);
         assert_eq!(backend.stats().kv_waits, before.kv_waits + 2);
+    }
+
+    /// Calls of other kinds queued together (scoring options, say) take one round each while
+    /// a generation decodes, a decode step between two, instead of all running before its
+    /// next token.
+    #[tokio::test]
+    async fn other_calls_take_turns_with_decode_steps() {
+        let (_dir, backend) = tiny_backend().await;
+        let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
+            .temperature(0.0)
+            .max_tokens(12);
+        let alone = backend.chat(&req).await.unwrap();
+        assert!(alone.usage.completion_tokens >= 5, "{:?}", alone.usage);
+        let hold = hold_worker().await;
+        let chat = backend.chat(&req);
+        let calls = (0..4).map(|_| {
+            let counters = backend.counters.clone();
+            on_worker("count", move || {
+                counters.decode_steps.load(Ordering::Relaxed)
+            })
+        });
+        let (reply, seen) = futures::join!(chat, futures::future::join_all(calls));
+        hold.await.unwrap().unwrap();
+        assert_eq!(reply.unwrap().choices, alone.choices);
+        let seen: Vec<u64> = seen.into_iter().map(Result::unwrap).collect();
+        assert!(
+            seen.windows(2).all(|w| w[1] > w[0]),
+            "decode steps seen by four calls queued together: {seen:?}"
+        );
     }
 
     /// Requests whose prompt is cached need no prefill: queued together, they join the decode

@@ -90,6 +90,11 @@ pub struct ChatRequest {
     pub strict_max_tokens: bool,
 }
 
+/// Longest stop string a request may give, in bytes: the local engine looks for every stop
+/// string in each row's text after every token, so a megabyte-long one would slow the whole
+/// batch (real stop strings are a line or a marker).
+pub const MAX_STOP_BYTES: usize = 512;
+
 impl ChatRequest {
     pub fn new(messages: Vec<ChatMessage>) -> Self {
         Self {
@@ -153,6 +158,12 @@ impl ChatRequest {
         }
         if self.max_tokens == 0 {
             return bad("`max_tokens` must be at least 1".into());
+        }
+        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return bad(format!(
+                "a `stop` string may be at most {MAX_STOP_BYTES} bytes, got one of {}",
+                long.len()
+            ));
         }
         Ok(())
     }

@@ -31,7 +31,9 @@ use serde_json::{json, Map, Value};
 
 pub use response_format::ResponseFormat;
 
-use crate::llm::{ChatMessage, ChatRequest, ChatResponse, ContextLimits, LlmError, SharedBackend};
+use crate::llm::{
+    ChatMessage, ChatRequest, ChatResponse, ContextLimits, LlmError, SharedBackend, MAX_STOP_BYTES,
+};
 
 /// Largest `n` one request may ask for.
 pub const MAX_N: usize = 16;
@@ -588,6 +590,15 @@ fn parse_stop(v: &Value) -> Result<Vec<String>, ApiError> {
             format!(
                 "`stop` may hold at most {MAX_STOP} strings, got {}",
                 stops.len()
+            ),
+            Some("stop"),
+        ));
+    }
+    if let Some(long) = stops.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            format!(
+                "a `stop` string may be at most {MAX_STOP_BYTES} bytes, got one of {}",
+                long.len()
             ),
             Some("stop"),
         ));
