@@ -287,22 +287,15 @@ impl Scheduler {
         };
         let engine = front.job.engine.clone();
         let chunk = front.job.prefill_chunk;
-        let mut budget = if self.active.is_empty() || chunk == 0 {
-            front.prefill.remaining().max(chunk)
-        } else {
-            chunk
-        };
-        // The front requests of this model, each taking what is left of the budget.
-        let mut sizes = Vec::new();
-        for p in &self.prefilling {
-            let need = p.prefill.remaining();
-            if !Arc::ptr_eq(&p.job.engine, &engine) || (need > 0 && budget == 0) {
-                break;
-            }
-            let n = need.min(budget);
-            budget -= n;
-            sizes.push(n);
-        }
+        // The front requests of this model.
+        let needs: Vec<usize> = self
+            .prefilling
+            .iter()
+            .take_while(|p| Arc::ptr_eq(&p.job.engine, &engine))
+            .map(|p| p.prefill.remaining())
+            .collect();
+        let decoding = !self.active.is_empty() && chunk != 0;
+        let sizes = chunk_sizes(&needs, chunk, decoding);
         let taken = sizes.len();
         if sizes.iter().any(|&n| n > 0) {
             let backends = self.prefilling.iter().take(taken).map(|p| &p.job.counters);
@@ -487,6 +480,49 @@ fn begin(job: &GenJob) -> Result<Prefill, EngineError> {
     }
     Counters::add(&job.counters.started, 1);
     engine.begin_prefill(&prompt)
+}
+
+/// Prompt positions each of the front prefills runs this round, in one forward pass (`needs`:
+/// what each has left, in queue order, all of one model): with something decoding, `chunk`
+/// in all; otherwise the first prompt whole and what is left of `chunk` after it (0: the first
+/// prompt whole, alone). When the first prompt needs more than that, shorter ones behind it
+/// go first, each whole, up to half a chunk in all: otherwise a long cold prompt would take
+/// every round's budget while they wait; it still gets at least half a chunk a round. The
+/// pass covers a prefix of the queue: the result's length, each prompt in it with positions
+/// left given at least one, and the exact repeats (nothing left) just behind it taken along.
+fn chunk_sizes(needs: &[usize], chunk: usize, decoding: bool) -> Vec<usize> {
+    let Some(&front) = needs.first() else {
+        return Vec::new();
+    };
+    let mut sizes = vec![0; needs.len()];
+    let mut budget = if decoding { chunk } else { front.max(chunk) };
+    if front > budget || (!decoding && front > chunk) {
+        let mut allowance = chunk / 2;
+        for (size, &need) in sizes.iter_mut().zip(needs).skip(1) {
+            if need > 0 && need <= allowance {
+                *size = need;
+                allowance -= need;
+                if decoding {
+                    budget -= need;
+                }
+            }
+        }
+    }
+    for (size, &need) in sizes.iter_mut().zip(needs) {
+        if *size == 0 {
+            *size = need.min(budget);
+            budget -= *size;
+        }
+    }
+    let last = sizes.iter().rposition(|&n| n > 0).unwrap_or(0);
+    let taken = last + 1 + needs[last + 1..].iter().take_while(|&&n| n == 0).count();
+    sizes.truncate(taken);
+    for (size, &need) in sizes.iter_mut().zip(needs) {
+        if need > 0 {
+            *size = (*size).max(1);
+        }
+    }
+    sizes
 }
 
 /// Answers a request whose caller left after it began (its prompt encoded) but before it
@@ -1012,6 +1048,38 @@ mod tests {
             seen.windows(2).all(|w| w[1] > w[0]),
             "decode steps seen by four calls queued together: {seen:?}"
         );
+    }
+
+    /// A round's prefill sizes: in order up to the budget; short prompts behind a long one
+    /// first, whole, up to half a chunk; the pass a prefix of the queue.
+    #[test]
+    fn chunk_sizes_let_short_prompts_past_a_long_one() {
+        // In order while the front fits: as before.
+        assert_eq!(chunk_sizes(&[100, 50, 400], 256, true), vec![100, 50, 106]);
+        assert_eq!(chunk_sizes(&[300, 0, 0], 256, true), vec![256, 0, 0]);
+        assert_eq!(chunk_sizes(&[256, 10, 0], 256, true), vec![256]);
+        // A long front: the short ones behind it first, the front the rest.
+        assert_eq!(chunk_sizes(&[8000, 20], 256, true), vec![236, 20]);
+        assert_eq!(chunk_sizes(&[300, 0, 0, 5], 256, true), vec![251, 0, 0, 5]);
+        assert_eq!(
+            chunk_sizes(&[8000, 5000, 20, 30], 256, true),
+            vec![206, 1, 20, 30]
+        );
+        assert_eq!(chunk_sizes(&[8000, 100, 100], 256, true), vec![156, 100]);
+        // Nothing decoding: the front whole, the short ones beside it, the rest of the chunk.
+        assert_eq!(chunk_sizes(&[8000, 20, 9000], 256, false), vec![8000, 20]);
+        assert_eq!(chunk_sizes(&[100, 50, 400], 256, false), vec![100, 50, 106]);
+        assert_eq!(chunk_sizes(&[8000, 20], 0, false), vec![8000]);
+        assert_eq!(chunk_sizes(&[0, 0], 256, true), vec![0, 0]);
+        assert!(chunk_sizes(&[], 256, true).is_empty());
+        // Rounds: the 20-token prompt behind an 8000-token one is in after one, the front
+        // keeps at least half a chunk a round however many short ones arrive.
+        let mut needs = vec![8000, 20];
+        let sizes = chunk_sizes(&needs, 256, true);
+        needs = needs.iter().zip(&sizes).map(|(n, s)| n - s).collect();
+        assert_eq!(needs, vec![7764, 0]);
+        let many = [vec![7764], vec![10; 40]].concat();
+        assert!(chunk_sizes(&many, 256, true)[0] >= 128);
     }
 
     /// Requests whose prompt is cached need no prefill: queued together, they join the decode
