@@ -74,20 +74,13 @@ pub const PREFILL_CHUNK: usize = 256;
 
 /// The key/value memory requests in flight may reserve unless a backend says otherwise:
 /// [`DEFAULT_MAX_BATCH`] rows at the model's full context, but at most half the memory the
-/// system had available once the model was loaded (the prompt cache has its own budget).
+/// process could still take once the model was loaded ([`super::memory::available`]: the
+/// system's, or its cgroup's where that is less; the prompt cache has its own budget).
 fn default_kv_budget(engine: &Engine) -> usize {
     let full = DEFAULT_MAX_BATCH
         .saturating_mul(engine.context_length())
         .saturating_mul(engine.kv_bytes_per_position());
-    available_memory().map_or(full, |m| full.min(m / 2))
-}
-
-/// `MemAvailable` of `/proc/meminfo` in bytes, where there is one.
-fn available_memory() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib.saturating_mul(1024))
+    super::memory::available().map_or(full, |m| full.min(m / 2))
 }
 
 fn worker() -> &'static mpsc::Sender<Job> {

@@ -12,6 +12,7 @@ pub(crate) mod gguf_tokenizer;
 pub(crate) mod huge_pages;
 pub mod llama;
 pub mod local;
+pub(crate) mod memory;
 pub(crate) mod openai;
 pub(crate) mod parse;
 pub mod peft;
