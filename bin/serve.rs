@@ -94,8 +94,8 @@ struct Args {
     /// reserves its prompt and n × max_tokens positions when admitted and waits while
     /// those running leave no room for it (one that cannot fit alone is refused, 400
     /// `context_length_exceeded`). Default: 16 rows at the model's full context, at most
-    /// half the memory available once the model is loaded (printed at start-up). The
-    /// prompt cache (--prefix-cache-mb) comes on top.
+    /// half the memory available once the model is loaded, within the process's cgroup
+    /// limit (printed at start-up). The prompt cache (--prefix-cache-mb) comes on top.
     #[arg(long, value_name = "MIB",
           value_parser = clap::value_parser!(u64).range(1..=16_777_216).map(|v| v as usize))]
     kv_cache_mb: Option<usize>,
