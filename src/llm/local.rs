@@ -942,6 +942,13 @@ mod tests {
     use crate::llm::test_util::tiny_backend;
     use crate::llm::{ChatBackend, ChatMessage, ChatRequest};
 
+    /// A short greedy chat request.
+    fn greedy(max_tokens: usize) -> ChatRequest {
+        ChatRequest::new(vec![ChatMessage::user("one two three")])
+            .temperature(0.0)
+            .max_tokens(max_tokens)
+    }
+
     /// Holds the model worker for a while: requests sent meanwhile queue, and it finds them
     /// all at once.
     async fn hold_worker() -> tokio::task::JoinHandle<Result<(), String>> {
@@ -959,9 +966,7 @@ mod tests {
     #[tokio::test]
     async fn a_held_request_whose_client_leaves_frees_the_queue() {
         let (_dir, backend) = tiny_backend().await;
-        let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
-            .temperature(0.0)
-            .max_tokens(8);
+        let req = greedy(8);
         let engine = backend.engine();
         let prefill = engine.begin_prefill(&engine.encode_chat(&req.messages).unwrap());
         let one = engine.kv_reservation(&prefill.unwrap(), 1, 8);
@@ -1020,9 +1025,7 @@ mod tests {
     #[tokio::test]
     async fn other_calls_take_turns_with_decode_steps() {
         let (_dir, backend) = tiny_backend().await;
-        let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
-            .temperature(0.0)
-            .max_tokens(12);
+        let req = greedy(12);
         let alone = backend.chat(&req).await.unwrap();
         assert!(alone.usage.completion_tokens >= 5, "{:?}", alone.usage);
         let hold = hold_worker().await;
@@ -1081,9 +1084,7 @@ mod tests {
     async fn cached_prompts_join_the_batch_together() {
         let (_dir, backend) = tiny_backend().await;
         let max_tokens = 12;
-        let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
-            .temperature(0.0)
-            .max_tokens(max_tokens);
+        let req = greedy(max_tokens);
         // Warms the prefix cache with the prompt.
         let first = backend.chat(&req).await.unwrap();
         let before = backend.stats();
@@ -1114,9 +1115,7 @@ mod tests {
     async fn requests_wait_for_room_in_the_kv_budget() {
         let (_dir, backend) = tiny_backend().await;
         let max_tokens = 8;
-        let req = ChatRequest::new(vec![ChatMessage::user("one two three")])
-            .temperature(0.0)
-            .max_tokens(max_tokens);
+        let req = greedy(max_tokens);
         let alone = backend.chat(&req).await.unwrap();
         let engine = backend.engine();
         let prompt = engine.encode_chat(&req.messages).unwrap();
