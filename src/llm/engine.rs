@@ -603,6 +603,19 @@ impl Engine {
         prefix: &str,
         options: &[String],
     ) -> Result<crate::llm::OptionProbs, EngineError> {
+        let (ids, option_ids) = self.option_prompt(messages, prefix, options)?;
+        let logits = self.next_token_logits(&ids)?;
+        Ok(option_probs_after(ids.len(), &logits, &option_ids))
+    }
+
+    /// What [`Engine::option_probs`] prefills (the chat template's rendering of `messages`,
+    /// then `prefix`) and each option's first token.
+    pub fn option_prompt(
+        &self,
+        messages: &[ChatMessage],
+        prefix: &str,
+        options: &[String],
+    ) -> Result<(Vec<u32>, Vec<u32>), EngineError> {
         let text = format!("{}{}", self.render(messages)?, prefix);
         let ids = self.encode(&text)?;
         let option_ids = options
@@ -614,12 +627,7 @@ impl Engine {
                     .ok_or_else(|| self.gen_err(format!("option `{o}` has no tokens")))
             })
             .collect::<Result<Vec<u32>, _>>()?;
-        let logits = self.next_token_logits(&ids)?;
-        Ok(crate::llm::OptionProbs {
-            probs: restricted_probs(&logits, &option_ids),
-            prompt_tokens: ids.len() as u64,
-            cached: false,
-        })
+        Ok((ids, option_ids))
     }
 
     /// Generates `params.n` continuations of `prompt`: one prefill, then the samples decode
@@ -1102,6 +1110,24 @@ impl Prefill {
     /// Prompt positions still to run.
     pub fn remaining(&self) -> usize {
         self.prompt.len() - self.done
+    }
+
+    /// The last position's next-token logits, once the whole prompt is in.
+    pub fn logits(&self) -> Option<&[f32]> {
+        self.logits.as_deref()
+    }
+}
+
+/// [`Engine::option_probs`]' answer from its prompt's length and next-token logits.
+pub fn option_probs_after(
+    prompt_tokens: usize,
+    logits: &[f32],
+    option_ids: &[u32],
+) -> crate::llm::OptionProbs {
+    crate::llm::OptionProbs {
+        probs: restricted_probs(logits, option_ids),
+        prompt_tokens: prompt_tokens as u64,
+        cached: false,
     }
 }
 

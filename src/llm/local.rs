@@ -15,7 +15,8 @@ use async_trait::async_trait;
 
 pub use super::engine::LoadOptions;
 use super::engine::{
-    CancelFlag, Engine, EngineError, GenOutput, GenParams, GenState, Prefill, TokenSink,
+    option_probs_after, CancelFlag, Engine, EngineError, GenOutput, GenParams, GenState, Prefill,
+    TokenSink,
 };
 use super::spec::{resolve_local, ModelSpec, SpecError};
 use super::{
@@ -54,11 +55,43 @@ struct GenJob {
     /// Prompt positions prefilled per round while others decode (0: the whole prompt).
     prefill_chunk: usize,
     stream: Option<TokenSink>,
-    reply: tokio::sync::oneshot::Sender<Result<GenOutput, EngineError>>,
+    task: Task,
 }
 
 /// Where a [`GenJob`]'s answer arrives.
 type GenReply = tokio::sync::oneshot::Receiver<Result<GenOutput, EngineError>>;
+
+/// What a job's prefill is for, and where its answer goes.
+enum Task {
+    /// A chat generation: the prompt decodes in the batch.
+    Generate(tokio::sync::oneshot::Sender<Result<GenOutput, EngineError>>),
+    /// Scoring options ([`Engine::option_probs`]): the prompt's next-token distribution over
+    /// each option's first token, answered once the prompt is in; it never decodes.
+    Score {
+        prompt: Vec<u32>,
+        option_ids: Vec<u32>,
+        reply: tokio::sync::oneshot::Sender<Result<OptionProbs, EngineError>>,
+    },
+}
+
+impl GenJob {
+    /// Rows of the decode batch the job takes (a scoring job never decodes).
+    fn rows(&self) -> usize {
+        match self.task {
+            Task::Generate(_) => self.params.n,
+            Task::Score { .. } => 0,
+        }
+    }
+}
+
+impl Task {
+    fn fail(self, e: EngineError) {
+        match self {
+            Task::Generate(reply) => drop(reply.send(Err(e))),
+            Task::Score { reply, .. } => drop(reply.send(Err(e))),
+        }
+    }
+}
 
 /// Rows (samples being decoded, over all requests) one decode batch holds unless a backend
 /// says otherwise: enough for the concurrency of a pipeline turn (N candidates × S futures)
@@ -114,7 +147,8 @@ struct Prefilling {
 /// has room, their prompts prefilled one chunk per round ([`PREFILL_CHUNK`], oldest first)
 /// between decode steps, and they join the running batch at the next token boundary and
 /// leave when done or when their caller leaves; one decode step per loaded model and round,
-/// and at most one call of another kind (scoring options, loading a model).
+/// and at most one call of another kind (loading a model). Scoring options
+/// ([`ChatBackend::option_probs`]) is a job like a generation that never decodes.
 #[derive(Default)]
 struct Scheduler {
     pending: std::collections::VecDeque<Box<GenJob>>,
@@ -124,7 +158,7 @@ struct Scheduler {
     held: Option<Prefilling>,
     prefilling: std::collections::VecDeque<Prefilling>,
     active: Vec<Active>,
-    /// Calls of other kinds (scoring options, loading a model) waiting for their round.
+    /// Calls of other kinds (loading a model) waiting for their round.
     runs: std::collections::VecDeque<Box<dyn FnOnce() + Send>>,
 }
 
@@ -150,10 +184,10 @@ impl Scheduler {
                     Job::Generate(g) => self.pending.push_back(g),
                 }
             }
-            // One call of another kind a round: each may prefill a whole prompt (scoring a
-            // judge's options), so several in a row would stall every decoding request for
-            // all of them. A panicking call must not take the thread down with it; its
-            // caller sees the dropped reply channel.
+            // One call of another kind a round: each may take a while (loading a model), so
+            // several in a row would stall every decoding request for all of them. A
+            // panicking call must not take the thread down with it; its caller sees the
+            // dropped reply channel.
             if let Some(f) = self.runs.pop_front() {
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
             }
@@ -165,7 +199,7 @@ impl Scheduler {
 
     fn rows_in_use(&self) -> usize {
         let decoding = self.active.iter().map(|a| a.state.rows());
-        let prefilling = self.prefilling.iter().map(|p| p.job.params.n);
+        let prefilling = self.prefilling.iter().map(|p| p.job.rows());
         decoding.chain(prefilling).fold(0, usize::saturating_add)
     }
 
@@ -203,7 +237,7 @@ impl Scheduler {
             let budget = next.job.kv_budget;
             if next.reserved > budget {
                 let err = over_budget(&next);
-                let _ = next.job.reply.send(Err(err));
+                next.job.task.fail(err);
                 continue;
             }
             let in_use = self.kv_in_use();
@@ -233,11 +267,11 @@ impl Scheduler {
         if job.cancel.is_cancelled() {
             let job = self.pending.pop_front().expect("front exists");
             let err = skip(&job);
-            let _ = job.reply.send(Err(err));
+            job.task.fail(err);
             return Some(Err(()));
         }
         let used = self.rows_in_use();
-        if used > 0 && used.saturating_add(job.params.n) > job.max_batch {
+        if used > 0 && used.saturating_add(job.rows()) > job.max_batch {
             return None;
         }
         let job = self.pending.pop_front().expect("front exists");
@@ -254,7 +288,7 @@ impl Scheduler {
                 reserved,
             })),
             Ok(Err(e)) => {
-                let _ = job.reply.send(Err(e));
+                job.task.fail(e);
                 Some(Err(()))
             }
             Err(_) => Some(Err(())), // the reply channel drops: "the model worker panicked"
@@ -321,16 +355,18 @@ impl Scheduler {
                 }
             }
             Ok(Err(e)) if batch.len() == 1 => {
-                let _ = batch.into_iter().next().map(|p| p.job.reply.send(Err(e)));
+                if let Some(p) = batch.into_iter().next() {
+                    p.job.task.fail(e);
+                }
             }
             Ok(Err(e)) => {
                 // The pass failed: every prefill in it fails with it.
                 let message = e.to_string();
                 for p in batch {
-                    let _ = p.job.reply.send(Err(EngineError::Generate {
+                    p.job.task.fail(EngineError::Generate {
                         model: engine.name().to_string(),
                         message: message.clone(),
-                    }));
+                    });
                 }
             }
             Err(_) => {} // the reply channels drop: "the model worker panicked"
@@ -344,6 +380,10 @@ impl Scheduler {
             prefill,
             reserved,
         } = p;
+        if matches!(job.task, Task::Score { .. }) {
+            answer_score(*job, &prefill);
+            return;
+        }
         let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             job.engine.start_prefilled(prefill, &job.params)
         }));
@@ -358,9 +398,7 @@ impl Scheduler {
                     reserved,
                 });
             }
-            Ok(Err(e)) => {
-                let _ = job.reply.send(Err(e));
-            }
+            Ok(Err(e)) => job.task.fail(e),
             Err(_) => {}
         }
     }
@@ -407,10 +445,10 @@ impl Scheduler {
             self.active = kept;
             for a in failed {
                 if let Some(message) = &failure {
-                    let _ = a.job.reply.send(Err(EngineError::Generate {
+                    a.job.task.fail(EngineError::Generate {
                         model: engine.name().to_string(),
                         message: message.clone(),
-                    }));
+                    });
                 }
             }
         }
@@ -461,6 +499,9 @@ fn over_budget(p: &Prefilling) -> EngineError {
 /// beside the prompt).
 fn begin(job: &GenJob) -> Result<Prefill, EngineError> {
     let engine = &job.engine;
+    if let Task::Score { prompt, .. } = &job.task {
+        return engine.begin_prefill(prompt);
+    }
     let prompt = engine.encode_chat(&job.messages)?;
     let context = engine.context_length();
     if job.strict_max_tokens && prompt.len() + job.params.max_new_tokens > context {
@@ -518,6 +559,25 @@ fn chunk_sizes(needs: &[usize], chunk: usize, decoding: bool) -> Vec<usize> {
     sizes
 }
 
+/// Answers a scoring job from its finished prefill.
+fn answer_score(job: GenJob, prefill: &Prefill) {
+    let GenJob { engine, task, .. } = job;
+    let Task::Score {
+        option_ids, reply, ..
+    } = task
+    else {
+        return;
+    };
+    let out = prefill
+        .logits()
+        .map(|l| option_probs_after(prefill.prompt_len(), l, &option_ids))
+        .ok_or_else(|| EngineError::Generate {
+            model: engine.name().to_string(),
+            message: "internal: a finished prefill without logits".into(),
+        });
+    let _ = reply.send(out);
+}
+
 /// Answers a request whose caller left after it began (its prompt encoded) but before it
 /// decoded: `stage` says where it was.
 fn retire_unstarted(job: GenJob, stage: &str) {
@@ -526,7 +586,8 @@ fn retire_unstarted(job: GenJob, stage: &str) {
         model = job.engine.name(),
         "generation stopped {stage}: its client left"
     );
-    let _ = job.reply.send(Err(job.engine.cancelled(0)));
+    let err = job.engine.cancelled(0);
+    job.task.fail(err);
 }
 
 /// Answers a generation that left the batch: finished, or stopped because its caller left.
@@ -546,7 +607,14 @@ fn retire(a: Active) {
         );
         Err(job.engine.cancelled(tokens))
     };
-    let _ = job.reply.send(out);
+    match job.task {
+        Task::Generate(reply) => drop(reply.send(out)),
+        // Never in the decode batch (answered at the end of its prefill).
+        Task::Score { reply, .. } => drop(reply.send(Err(EngineError::Generate {
+            model: job.engine.name().to_string(),
+            message: "internal: a scoring job in the decode batch".into(),
+        }))),
+    }
 }
 
 /// Sets the flag when dropped: dropping the future that waits for a job (an HTTP client that
@@ -807,7 +875,7 @@ impl LocalBackend {
             kv_budget: self.kv_budget_bytes(),
             prefill_chunk: self.prefill_chunk(),
             stream,
-            reply,
+            task: Task::Generate(reply),
         };
         Ok((job, rx, cancel))
     }
@@ -919,20 +987,54 @@ impl ChatBackend for LocalBackend {
         .await
     }
 
+    /// Scored as a job of the scheduler: the prompt prefilled in chunks beside the decoding
+    /// requests (and with other prompts in one forward pass), under the key/value budget,
+    /// from a stored prefix where there is one; cancelled when the caller leaves.
     async fn option_probs(
         &self,
         messages: &[ChatMessage],
         prefix: &str,
         options: &[String],
     ) -> Result<OptionProbs, LlmError> {
-        let engine = self.engine.clone();
-        let (messages, prefix, options) = (messages.to_vec(), prefix.to_string(), options.to_vec());
-        on_worker("scoring", move || {
-            engine.option_probs(&messages, &prefix, &options)
-        })
-        .await
-        .map_err(|e| self.local_err(e))?
-        .map_err(|e| to_llm_error(self.engine.name(), e))
+        let name = self.engine.name();
+        let (prompt, option_ids) = self
+            .engine
+            .option_prompt(messages, prefix, options)
+            .map_err(|e| to_llm_error(name, e))?;
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let cancel = CancelFlag::default();
+        let job = GenJob {
+            engine: self.engine.clone(),
+            messages: Vec::new(),
+            params: GenParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                max_new_tokens: 1,
+                stop: Vec::new(),
+                seed: None,
+                n: 1,
+                ignore_eos: false,
+            },
+            strict_max_tokens: false,
+            cancel: cancel.clone(),
+            counters: self.counters.clone(),
+            max_batch: self.max_batch(),
+            kv_budget: self.kv_budget_bytes(),
+            prefill_chunk: self.prefill_chunk(),
+            stream: None,
+            task: Task::Score {
+                prompt,
+                option_ids,
+                reply,
+            },
+        };
+        worker()
+            .send(Job::Generate(Box::new(job)))
+            .map_err(|_| self.local_err("scoring: the model worker has stopped"))?;
+        let _cancel_on_drop = CancelOnDrop(cancel);
+        rx.await
+            .map_err(|_| self.local_err("scoring: the model worker panicked"))?
+            .map_err(|e| to_llm_error(name, e))
     }
 }
 
@@ -1019,7 +1121,7 @@ mod tests {
         assert_eq!(backend.stats().kv_waits, before.kv_waits + 2);
     }
 
-    /// Calls of other kinds queued together (scoring options, say) take one round each while
+    /// Calls of other kinds queued together (loading models, say) take one round each while
     /// a generation decodes, a decode step between two, instead of all running before its
     /// next token.
     #[tokio::test]
@@ -1076,6 +1178,56 @@ mod tests {
         assert_eq!(needs, vec![7764, 0]);
         let many = [vec![7764], vec![10; 40]].concat();
         assert!(chunk_sizes(&many, 256, true)[0] >= 128);
+    }
+
+    /// Scoring options is a job of the scheduler: beside a decoding generation its prompt is
+    /// prefilled a chunk a round (the generation's tokens go on meanwhile) and scores as the
+    /// engine does alone; the generation's reply does not change.
+    #[tokio::test]
+    async fn scoring_is_prefilled_in_chunks_beside_decoding() {
+        let (_dir, backend) = tiny_backend().await;
+        let messages = vec![ChatMessage::user("one two three four ".repeat(12))];
+        let options: Vec<String> = ["1", "2", "3"].iter().map(|o| o.to_string()).collect();
+        let engine = backend.engine().clone();
+        let expected = engine.option_probs(&messages, "Score: ", &options).unwrap();
+        let chat_alone = backend.chat(&greedy(12)).await.unwrap();
+        engine.clear_prefix_cache();
+        backend.set_prefill_chunk(8);
+        let before = backend.stats();
+        let req = greedy(12);
+        let hold = hold_worker().await;
+        let (chat, scored) = futures::join!(
+            backend.chat(&req),
+            backend.option_probs(&messages, "Score: ", &options)
+        );
+        hold.await.unwrap().unwrap();
+        assert_eq!(chat.unwrap().choices, chat_alone.choices);
+        let scored = scored.unwrap();
+        // The tiny model's f32 weights round differently in passes of other sizes (the int8
+        // ones do not, see the model tests): equal to float noise.
+        for (got, want) in scored.probs.iter().zip(&expected.probs) {
+            assert!(
+                (got - want).abs() < 1e-5,
+                "{:?} vs {:?}",
+                scored.probs,
+                expected.probs
+            );
+        }
+        assert_eq!(scored.prompt_tokens, expected.prompt_tokens);
+        let after = backend.stats();
+        let passes = after.prefill_passes - before.prefill_passes;
+        // 8 positions a pass while the generation decodes (the rest whole once it is done):
+        // prefilled whole on arrival it would have taken one or two.
+        assert!(
+            passes >= 8,
+            "a {}-token prompt beside a 12-token generation in {passes} passes",
+            expected.prompt_tokens
+        );
+        assert_eq!(
+            after.started - before.started,
+            1,
+            "scoring is not a chat request"
+        );
     }
 
     /// Requests whose prompt is cached need no prefill: queued together, they join the decode
