@@ -373,7 +373,8 @@ impl Scheduler {
         }
     }
 
-    /// A request whose prompt is in joins the decode batch (or is answered with its error).
+    /// A request whose prompt is in joins the decode batch (or is answered with its error); a
+    /// scoring job is answered from its prompt's logits.
     fn start(&mut self, p: Prefilling) {
         let Prefilling {
             mut job,
@@ -863,21 +864,48 @@ impl LocalBackend {
             ignore_eos: false,
         };
         let (reply, rx) = tokio::sync::oneshot::channel();
-        let cancel = CancelFlag::default();
-        let job = GenJob {
+        let mut job = self.scheduled(params, Task::Generate(reply));
+        job.messages = req.messages.clone();
+        job.strict_max_tokens = req.strict_max_tokens;
+        job.stream = stream;
+        let cancel = job.cancel.clone();
+        Ok((job, rx, cancel))
+    }
+
+    /// A job of this backend (its limits, counters and a fresh cancel flag) for `task`, with
+    /// no messages, stream or strict `max_tokens`.
+    fn scheduled(&self, params: GenParams, task: Task) -> GenJob {
+        GenJob {
             engine: self.engine.clone(),
-            messages: req.messages.clone(),
+            messages: Vec::new(),
             params,
-            strict_max_tokens: req.strict_max_tokens,
-            cancel: cancel.clone(),
+            strict_max_tokens: false,
+            cancel: CancelFlag::default(),
             counters: self.counters.clone(),
             max_batch: self.max_batch(),
             kv_budget: self.kv_budget_bytes(),
             prefill_chunk: self.prefill_chunk(),
-            stream,
-            task: Task::Generate(reply),
-        };
-        Ok((job, rx, cancel))
+            stream: None,
+            task,
+        }
+    }
+
+    /// Hands `job` to the scheduler and waits for `rx`; dropping the future cancels the job
+    /// (skipped if not started, stopped at the next token otherwise). `what` names it in
+    /// errors.
+    async fn run_job<T>(
+        &self,
+        what: &str,
+        job: GenJob,
+        rx: tokio::sync::oneshot::Receiver<Result<T, EngineError>>,
+    ) -> Result<T, LlmError> {
+        let _cancel_on_drop = CancelOnDrop(job.cancel.clone());
+        worker()
+            .send(Job::Generate(Box::new(job)))
+            .map_err(|_| self.local_err(format!("{what}: the model worker has stopped")))?;
+        rx.await
+            .map_err(|_| self.local_err(format!("{what}: the model worker panicked")))?
+            .map_err(|e| to_llm_error(self.engine.name(), e))
     }
 
     /// Hands a chat request to the scheduler and waits for it; dropping the future cancels
@@ -887,16 +915,9 @@ impl LocalBackend {
         req: &ChatRequest,
         stream: Option<TokenSink>,
     ) -> Result<ChatResponse, LlmError> {
-        let (job, rx, cancel) = self.job(req, stream)?;
+        let (job, rx, _) = self.job(req, stream)?;
         Counters::add(&self.counters.queued, 1);
-        worker()
-            .send(Job::Generate(Box::new(job)))
-            .map_err(|_| self.local_err("generation: the model worker has stopped"))?;
-        let _cancel_on_drop = CancelOnDrop(cancel);
-        let out = rx
-            .await
-            .map_err(|_| self.local_err("generation: the model worker panicked"))?
-            .map_err(|e| to_llm_error(self.engine.name(), e))?;
+        let out = self.run_job("generation", job, rx).await?;
         if out.samples.iter().any(|s| s.text.trim().is_empty()) {
             return Err(LlmError::EmptyReply {
                 backend: self.id.to_string(),
@@ -996,45 +1017,27 @@ impl ChatBackend for LocalBackend {
         prefix: &str,
         options: &[String],
     ) -> Result<OptionProbs, LlmError> {
-        let name = self.engine.name();
         let (prompt, option_ids) = self
             .engine
             .option_prompt(messages, prefix, options)
-            .map_err(|e| to_llm_error(name, e))?;
+            .map_err(|e| to_llm_error(self.engine.name(), e))?;
         let (reply, rx) = tokio::sync::oneshot::channel();
-        let cancel = CancelFlag::default();
-        let job = GenJob {
-            engine: self.engine.clone(),
-            messages: Vec::new(),
-            params: GenParams {
-                temperature: 0.0,
-                top_p: 1.0,
-                max_new_tokens: 1,
-                stop: Vec::new(),
-                seed: None,
-                n: 1,
-                ignore_eos: false,
-            },
-            strict_max_tokens: false,
-            cancel: cancel.clone(),
-            counters: self.counters.clone(),
-            max_batch: self.max_batch(),
-            kv_budget: self.kv_budget_bytes(),
-            prefill_chunk: self.prefill_chunk(),
-            stream: None,
-            task: Task::Score {
-                prompt,
-                option_ids,
-                reply,
-            },
+        let params = GenParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            max_new_tokens: 1,
+            stop: Vec::new(),
+            seed: None,
+            n: 1,
+            ignore_eos: false,
         };
-        worker()
-            .send(Job::Generate(Box::new(job)))
-            .map_err(|_| self.local_err("scoring: the model worker has stopped"))?;
-        let _cancel_on_drop = CancelOnDrop(cancel);
-        rx.await
-            .map_err(|_| self.local_err("scoring: the model worker panicked"))?
-            .map_err(|e| to_llm_error(name, e))
+        let task = Task::Score {
+            prompt,
+            option_ids,
+            reply,
+        };
+        self.run_job("scoring", self.scheduled(params, task), rx)
+            .await
     }
 }
 
