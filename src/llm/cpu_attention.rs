@@ -10,7 +10,7 @@
 
 use std::sync::OnceLock;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use half::{f16, slice::HalfFloatSliceExt};
 
 /// The head size and rotary layout of one layer's attention.
@@ -45,60 +45,116 @@ pub fn to_heads(
     hd: &Heads,
     rope: Option<(&[f32], &[f32])>,
 ) -> Result<Tensor> {
-    let (rows, seq, width) = x.dims3()?;
+    let device = x.device().clone();
+    with_projected(x, |x| to_heads_from(x, n, hd, rope, &device))?
+}
+
+/// [`to_heads`] of projections already read ([`with_projected`]), into a tensor on `device`
+/// (the CPU).
+pub(crate) fn to_heads_from(
+    x: Projected,
+    n: usize,
+    hd: &Heads,
+    rope: Option<(&[f32], &[f32])>,
+    device: &Device,
+) -> Result<Tensor> {
+    let (rows, seq, width) = x.dims;
     let d = hd.head_dim;
     if width != n * d {
-        candle_core::bail!("attention input {:?} is not {n} heads of {d}", x.dims());
+        candle_core::bail!("attention input {:?} is not {n} heads of {d}", x.dims);
     }
-    let out = Tensor::zeros((rows, n, seq, d), DType::F32, x.device())?;
-    write_heads(x, hd, rope, &out, 0)?;
+    let out = Tensor::zeros((rows, n, seq, d), DType::F32, device)?;
+    write_heads_from(x, hd, rope, &out, 0)?;
     Ok(out)
 }
 
-/// Writes `x` (rows, seq, n·head_dim, f32, unit stride in the last dimension) into `dst`
+/// A layer's projections (queries, keys or values) of some rows as the CPU attention reads
+/// them: `dims` (rows, seq, width) from the first value, `stride` between rows and between
+/// positions, unit stride within a position. One read of a projection's storage serves
+/// every request of a batch ([`with_projected`], then [`Projected::rows`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Projected<'a> {
+    pub data: &'a [f32],
+    pub dims: (usize, usize, usize),
+    pub stride: [usize; 2],
+}
+
+impl<'a> Projected<'a> {
+    /// Rows `start..start + rows` of a projection of single positions (seq 1, contiguous
+    /// rows), as `seq`-position rows: the rows of one request.
+    pub fn rows(self, start: usize, rows: usize, seq: usize) -> Result<Projected<'a>> {
+        let (total, one, width) = self.dims;
+        let n = rows * seq;
+        if one != 1 || self.stride[0] != width || start + n > total {
+            candle_core::bail!(
+                "rows {start}..{} as {rows} rows of {seq} of projections {:?}",
+                start + n,
+                self.dims
+            );
+        }
+        Ok(Projected {
+            data: &self.data[start * width..(start + n) * width],
+            dims: (rows, seq, width),
+            stride: [seq * width, width],
+        })
+    }
+}
+
+/// Runs `f` on a CPU f32 tensor of (rows, seq, width) projections, read-locked once.
+pub(crate) fn with_projected<R>(x: &Tensor, f: impl FnOnce(Projected) -> R) -> Result<R> {
+    let dims = x.dims3()?;
+    with_f32(x, |data, stride| {
+        let stride = [stride[0], stride[1]];
+        f(Projected { data, dims, stride })
+    })
+}
+
+/// Writes `x` (rows, seq, n·head_dim projections, see [`Projected`]) into `dst`
 /// (rows, n, capacity, head_dim, f32 or f16, a CPU tensor) at positions `at..at + seq`:
 /// rotated ([`rotate`]) when `rope` gives the tables of the `seq` positions, and stored as
 /// f16 rounded to nearest (ties to even) as [`to_f16`] does. [`to_heads`] is this into a
 /// fresh f32 tensor; into a cache it is `to_heads`, a conversion and a slice assignment
-/// without their tensors. `x` must not share storage with `dst` (it is read under the
-/// lock `dst` is written under): crate-private, its callers write projections into caches.
-pub(crate) fn write_heads(
-    x: &Tensor,
+/// without their tensors. `x` must not be `dst`'s storage (it is read while `dst` is written):
+/// crate-private, its callers write projections into caches.
+pub(crate) fn write_heads_from(
+    x: Projected,
     hd: &Heads,
     rope: Option<(&[f32], &[f32])>,
     dst: &Tensor,
     at: usize,
 ) -> Result<()> {
-    let (rows, seq, width) = x.dims3()?;
+    let (rows, seq, width) = x.dims;
     let d = hd.head_dim;
     let (drows, n, cap, dd) = dst.dims4()?;
     if d == 0 || width % d != 0 || (drows, n * d, dd) != (rows, width, d) || at + seq > cap {
         candle_core::bail!(
             "{:?} as heads of {d} into {:?} at position {at}",
-            x.dims(),
+            x.dims,
             dst.dims()
         );
     }
     if rope.is_some_and(|(cos, sin)| cos.len() < seq * d / 2 || sin.len() < seq * d / 2) {
         candle_core::bail!("rope tables shorter than {seq} positions");
     }
-    with_f32(x, |src, stride| {
-        let write = WriteHeads {
-            src,
-            stride: [stride[0], stride[1]],
-            rows,
-            seq,
-            n,
-            d,
-            rope,
-            interleaved: hd.interleaved_rope,
-            at,
-        };
-        dst.inplace_op1(&write)
-    })?
+    let last = (rows.max(1) - 1) * x.stride[0] + (seq.max(1) - 1) * x.stride[1] + width;
+    if rows * seq > 0 && x.data.len() < last {
+        candle_core::bail!("projections {:?} past their values", x.dims);
+    }
+    let write = WriteHeads {
+        src: x.data,
+        stride: x.stride,
+        rows,
+        seq,
+        n,
+        d,
+        rope,
+        interleaved: hd.interleaved_rope,
+        at,
+    };
+    dst.inplace_op1(&write)
 }
 
-/// [`write_heads`]' arguments, checked.
+/// [`write_heads_from`]' arguments, checked.
 struct WriteHeads<'a> {
     src: &'a [f32],
     stride: [usize; 2],
@@ -1706,7 +1762,17 @@ pub fn to_f16(t: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
     use crate::llm::test_util::max_diff;
-    use candle_core::Device;
+
+    /// [`write_heads_from`] of a tensor's projections.
+    fn write_heads(
+        x: &Tensor,
+        hd: &Heads,
+        rope: Option<(&[f32], &[f32])>,
+        dst: &Tensor,
+        at: usize,
+    ) -> Result<()> {
+        with_projected(x, |x| write_heads_from(x, hd, rope, dst, at))?
+    }
 
     const HEADS: usize = 6;
     const KV: usize = 2;
