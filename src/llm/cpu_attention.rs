@@ -109,6 +109,16 @@ pub(crate) fn with_projected<R>(x: &Tensor, f: impl FnOnce(Projected) -> R) -> R
     })
 }
 
+/// [`with_projected`] for a layer's three projections at once.
+pub(crate) fn with_projections<R>(
+    [q, k, v]: [&Tensor; 3],
+    f: impl FnOnce([Projected; 3]) -> R,
+) -> Result<R> {
+    with_projected(q, |q| {
+        with_projected(k, |k| with_projected(v, |v| f([q, k, v])))
+    })??
+}
+
 /// Writes `x` (rows, seq, n·head_dim projections, see [`Projected`]) into `dst`
 /// (rows, n, capacity, head_dim, f32 or f16, a CPU tensor) at positions `at..at + seq`:
 /// rotated ([`rotate`]) when `rope` gives the tables of the `seq` positions, and stored as

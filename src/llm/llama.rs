@@ -1437,14 +1437,9 @@ impl LlamaModel {
         );
         let groups = nh / kvh;
         if self.cpu_attention(q) {
-            use cpu_attention::with_projected;
-            let p = with_projected(q, |q| {
-                with_projected(k, |k| {
-                    with_projected(v, |v| {
-                        self.prepare_cpu_attention(layer_idx, [q, k, v], cache)
-                    })
-                })
-            })????;
+            let p = cpu_attention::with_projections([q, k, v], |qkv| {
+                self.prepare_cpu_attention(layer_idx, qkv, cache)
+            })??;
             let g = p.group();
             return cpu_attention::attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos);
         }
@@ -1653,20 +1648,13 @@ impl LlamaModel {
         // taken by both compute threads at once, made its lock a contended line: 16-request
         // decode steps 2-4 % longer); each group's rows are cut as slices on the thread that
         // prepares it.
-        use cpu_attention::with_projected;
-        let [q, k, v] = qkv;
-        let prepared = with_projected(q, |q| {
-            with_projected(k, |k| {
-                with_projected(v, |v| {
-                    crate::llm::team::map_mut(caches, |g, cache| {
-                        let (rows, seq, at) = (shapes[g].0, shapes[g].1, starts[g]);
-                        let qkv = [q, k, v].map(|x| x.rows(at, rows, seq));
-                        let [q, k, v] = qkv;
-                        self.prepare_cpu_attention(layer, [q?, k?, v?], cache)
-                    })
-                })
+        let prepared = cpu_attention::with_projections(qkv, |all| {
+            crate::llm::team::map_mut(caches, |g, cache| {
+                let (rows, seq, at) = (shapes[g].0, shapes[g].1, starts[g]);
+                let [q, k, v] = all.map(|x| x.rows(at, rows, seq));
+                self.prepare_cpu_attention(layer, [q?, k?, v?], cache)
             })
-        })???
+        })?
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
         let (decoding, pieces): (Vec<cpu_attention::QueryGroup>, Vec<_>) = prepared
