@@ -85,18 +85,21 @@ impl<'a> Projected<'a> {
     pub fn rows(self, start: usize, rows: usize, seq: usize) -> Result<Projected<'a>> {
         let (total, one, width) = self.dims;
         let n = rows * seq;
-        if one != 1 || self.stride[0] != width || start + n > total {
-            candle_core::bail!(
+        let data = self.data.get(start * width..(start + n) * width);
+        match data {
+            Some(data) if one == 1 && self.stride[0] == width && start + n <= total => {
+                Ok(Projected {
+                    data,
+                    dims: (rows, seq, width),
+                    stride: [seq * width, width],
+                })
+            }
+            _ => candle_core::bail!(
                 "rows {start}..{} as {rows} rows of {seq} of projections {:?}",
                 start + n,
                 self.dims
-            );
+            ),
         }
-        Ok(Projected {
-            data: &self.data[start * width..(start + n) * width],
-            dims: (rows, seq, width),
-            stride: [seq * width, width],
-        })
     }
 }
 
@@ -1996,6 +1999,26 @@ mod tests {
                 0.0
             );
         }
+    }
+
+    #[test]
+    fn a_requests_projections_are_its_rows_and_nothing_past_them() {
+        let x = Tensor::arange(0f32, 24.0, &Device::Cpu)
+            .unwrap()
+            .reshape((6, 1, 4))
+            .unwrap();
+        with_projected(&x, |all| {
+            let two = all.rows(2, 2, 1).unwrap();
+            assert_eq!(two.data, &(8..16).map(|v| v as f32).collect::<Vec<_>>()[..]);
+            assert_eq!((two.dims, two.stride), ((2, 1, 4), [4, 4]));
+            // A prompt piece of 2 positions: one row of 2.
+            let piece = all.rows(4, 1, 2).unwrap();
+            assert_eq!((piece.dims, piece.stride), ((1, 2, 4), [8, 4]));
+            assert_eq!(piece.data[0], 16.0);
+            assert!(all.rows(5, 2, 1).is_err());
+            assert!(all.rows(0, 1, 7).is_err());
+        })
+        .unwrap();
     }
 
     #[test]
