@@ -36,21 +36,9 @@ fn rotate(x: &[f32], cos: &[f32], sin: &[f32], interleaved: bool, out: &mut [f32
     }
 }
 
-/// `x` (rows, seq, n·head_dim) with unit stride in the last dimension, as (rows, n, seq,
-/// head_dim), contiguous; rotated when `rope` gives the tables of the `seq` positions
-/// (`seq · head_dim / 2` values each).
-pub fn to_heads(
-    x: &Tensor,
-    n: usize,
-    hd: &Heads,
-    rope: Option<(&[f32], &[f32])>,
-) -> Result<Tensor> {
-    let device = x.device().clone();
-    with_projected(x, |x| to_heads_from(x, n, hd, rope, &device))?
-}
-
-/// [`to_heads`] of projections already read ([`with_projected`]), into a tensor on `device`
-/// (the CPU).
+/// Projections `x` (rows, seq, n·head_dim, see [`Projected`]) as a (rows, n, seq, head_dim)
+/// tensor on `device` (the CPU), contiguous; rotated when `rope` gives the tables of the
+/// `seq` positions (`seq · head_dim / 2` values each).
 pub(crate) fn to_heads_from(
     x: Projected,
     n: usize,
@@ -125,8 +113,8 @@ pub(crate) fn with_projections<R>(
 /// Writes `x` (rows, seq, n·head_dim projections, see [`Projected`]) into `dst`
 /// (rows, n, capacity, head_dim, f32 or f16, a CPU tensor) at positions `at..at + seq`:
 /// rotated ([`rotate`]) when `rope` gives the tables of the `seq` positions, and stored as
-/// f16 rounded to nearest (ties to even) as [`to_f16`] does. [`to_heads`] is this into a
-/// fresh f32 tensor; into a cache it is `to_heads`, a conversion and a slice assignment
+/// f16 rounded to nearest (ties to even) as [`to_f16`] does. [`to_heads_from`] is this into a
+/// fresh f32 tensor; into a cache it is `to_heads_from`, a conversion and a slice assignment
 /// without their tensors. `x` must not be `dst`'s storage (it is read while `dst` is written):
 /// crate-private, its callers write projections into caches.
 pub(crate) fn write_heads_from(
@@ -1784,6 +1772,16 @@ pub fn to_f16(t: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
     use crate::llm::test_util::max_diff;
+
+    /// [`to_heads_from`] of a tensor's projections.
+    fn to_heads(
+        x: &Tensor,
+        n: usize,
+        hd: &Heads,
+        rope: Option<(&[f32], &[f32])>,
+    ) -> Result<Tensor> {
+        with_projected(x, |x| to_heads_from(x, n, hd, rope, &Device::Cpu))?
+    }
 
     /// [`write_heads_from`] of a tensor's projections.
     fn write_heads(

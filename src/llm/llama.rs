@@ -557,7 +557,7 @@ impl KvCache {
 
     /// [`KvCache::append`] straight from the projections `k`, `v` (batch, seq,
     /// kv_heads·head_dim, CPU f32), the keys rotated with `rope` (the tables of the `seq`
-    /// positions): the values and bits of `to_heads` then `append`, written into the cache
+    /// positions): the values and bits of `to_heads_from` then `append`, written into the cache
     /// without the four intermediate tensors (a 16-request decode step made 1 900 of them).
     #[allow(clippy::type_complexity)]
     fn append_projected(

@@ -611,10 +611,10 @@ fn retire(a: Active) {
     match job.task {
         Task::Generate(reply) => drop(reply.send(out)),
         // Never in the decode batch (answered at the end of its prefill).
-        Task::Score { reply, .. } => drop(reply.send(Err(EngineError::Generate {
+        score @ Task::Score { .. } => score.fail(EngineError::Generate {
             model: job.engine.name().to_string(),
             message: "internal: a scoring job in the decode batch".into(),
-        }))),
+        }),
     }
 }
 
@@ -846,13 +846,12 @@ impl LocalBackend {
         &self.engine
     }
 
-    /// A request as the scheduler's job (checked), the receiver of its answer, and the flag
-    /// that cancels it.
+    /// A request as the scheduler's job (checked), and the receiver of its answer.
     fn job(
         &self,
         req: &ChatRequest,
         stream: Option<TokenSink>,
-    ) -> Result<(GenJob, GenReply, CancelFlag), LlmError> {
+    ) -> Result<(GenJob, GenReply), LlmError> {
         req.validate()?;
         let params = GenParams {
             temperature: req.temperature,
@@ -868,8 +867,7 @@ impl LocalBackend {
         job.messages = req.messages.clone();
         job.strict_max_tokens = req.strict_max_tokens;
         job.stream = stream;
-        let cancel = job.cancel.clone();
-        Ok((job, rx, cancel))
+        Ok((job, rx))
     }
 
     /// A job of this backend (its limits, counters and a fresh cancel flag) for `task`, with
@@ -915,7 +913,7 @@ impl LocalBackend {
         req: &ChatRequest,
         stream: Option<TokenSink>,
     ) -> Result<ChatResponse, LlmError> {
-        let (job, rx, _) = self.job(req, stream)?;
+        let (job, rx) = self.job(req, stream)?;
         Counters::add(&self.counters.queued, 1);
         let out = self.run_job("generation", job, rx).await?;
         if out.samples.iter().any(|s| s.text.trim().is_empty()) {
@@ -1083,6 +1081,7 @@ mod tests {
             backend.job(&req, None).unwrap(),
         );
         let (mut first_rx, mut second_rx, mut third_rx) = (first.1, second.1, third.1);
+        let second_cancel = second.0.cancel.clone();
         let mut scheduler = Scheduler::default();
         for job in [first.0, second.0, third.0] {
             scheduler.pending.push_back(Box::new(job));
@@ -1093,7 +1092,7 @@ mod tests {
         assert_eq!(scheduler.pending.len(), 1, "the third waits behind it");
         assert_eq!(backend.stats().kv_waits, before.kv_waits + 1);
 
-        second.2.cancel();
+        second_cancel.cancel();
         scheduler.admit();
         let answer = second_rx.try_recv().expect("answered at once");
         let err = answer.expect_err("a cancelled request has no output");
