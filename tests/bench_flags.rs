@@ -28,6 +28,7 @@ fn zero_counts_are_refused_with_the_flag_named() {
             "--concurrency",
         ),
         (vec!["serve-throughput", "--rounds", "0"], "--rounds"),
+        (vec!["serve-throughput", "--cycles", "0"], "--cycles"),
     ] {
         let (ok, stderr) = bench(&args);
         assert!(!ok, "{args:?} was accepted");

@@ -49,6 +49,13 @@ pub struct Params {
     /// conversation so far).
     #[arg(long = "prompts", value_name = "PROMPTS", value_enum, default_value_t = Layout::Distinct)]
     pub layout: Layout,
+    /// Times the concurrency list is run, one pass after another (1,16,1,16,… with
+    /// `--concurrency 1,16 --cycles 2`); with more than one, a summary gives each
+    /// concurrency's median tokens/s and its median ratio to the first concurrency of the
+    /// same pass, which machine speed drifting between passes moves far less than single
+    /// runs.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    pub cycles: usize,
     /// The local backend's prompt-cache memory (MiB; 0 turns prefix reuse off).
     #[arg(long, value_name = "MIB", default_value_t = 256)]
     pub prefix_cache_mb: usize,
@@ -161,7 +168,7 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
     };
     // Every client of every run has its own prompt (index 0 is the warm-up's): no run starts
     // from the prompts the one before it left in the prefix cache.
-    let total: usize = p.concurrency.iter().sum();
+    let total: usize = p.concurrency.iter().sum::<usize>() * p.cycles;
     let messages = (0..=total)
         .map(|i| message(&codec, i, p.prompt_tokens, p.layout))
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -187,45 +194,87 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
         p.new_tokens,
         p.rounds
     );
-    let mut base = None;
     let mut first = 1;
-    for &c in &p.concurrency {
-        let started = Instant::now();
-        let clients = messages[first..first + c].iter().map(|m| {
-            let target = target.clone();
-            async move {
-                let (mut tokens, mut latency) = (0u64, 0.0);
-                for _ in 0..p.rounds {
-                    let t = Instant::now();
-                    tokens += target.ask(m, p.new_tokens).await?;
-                    latency += t.elapsed().as_secs_f64();
-                }
-                anyhow::Ok((tokens, latency))
-            }
-        });
-        let done = futures::future::try_join_all(clients).await?;
-        first += c;
-        let wall = started.elapsed().as_secs_f64();
-        let tokens: u64 = done.iter().map(|d| d.0).sum();
-        let latency = done.iter().map(|d| d.1).sum::<f64>() / (c * p.rounds) as f64;
-        let tps = tokens as f64 / wall;
-        let speedup = tps / *base.get_or_insert(tps);
-        println!(
-            "concurrency {c:>3}: {tokens:>6} tokens in {wall:>6.1} s = {tps:>7.1} tokens/s \
+    // Per concurrency (in list order): each pass's tokens/s and its ratio to the pass's first.
+    let mut passes: Vec<Vec<(f64, f64)>> = vec![Vec::new(); p.concurrency.len()];
+    for _ in 0..p.cycles {
+        let mut base = None;
+        for (at, &c) in p.concurrency.iter().enumerate() {
+            let (tokens, wall, latency) =
+                clients(&target, &messages[first..first + c], p.rounds, p.new_tokens).await?;
+            first += c;
+            let tps = tokens as f64 / wall;
+            let speedup = tps / *base.get_or_insert(tps);
+            println!(
+                "concurrency {c:>3}: {tokens:>6} tokens in {wall:>6.1} s = {tps:>7.1} tokens/s \
              ({speedup:.2}x the first), mean latency {latency:.2} s"
-        );
-        println!(
-            "{}",
-            serde_json::json!({"bench": "serve-throughput", "concurrency": c,
+            );
+            println!(
+                "{}",
+                serde_json::json!({"bench": "serve-throughput", "concurrency": c,
                 "max_batch": p.max_batch, "prefill_chunk": p.prefill_chunk, "endpoint": p.endpoint, "tokens": tokens,
                 "prompts": format!("{:?}", p.layout), "prefix_cache_mb": p.prefix_cache_mb,
                 "kv_cache_mb": kv_budget_mb,
                 "wall_s": wall, "tps": tps, "speedup": speedup, "mean_latency_s": latency})
-        );
+            );
+            passes[at].push((tps, speedup));
+        }
+    }
+    if p.cycles > 1 {
+        summarize(&p.concurrency, &passes);
     }
     if p.endpoint.is_none() {
         let rss = collabllm::cli::peak_rss_bytes().unwrap_or(0) as f64 / 1e6;
         println!("peak RSS {rss:.0} MB");
     }
     Ok(())
+}
+
+/// One client per message, each sending `rounds` requests one after another, all at once:
+/// (completion tokens, wall seconds, mean request latency in seconds).
+async fn clients(
+    target: &Target,
+    messages: &[String],
+    rounds: usize,
+    new_tokens: usize,
+) -> anyhow::Result<(u64, f64, f64)> {
+    let started = Instant::now();
+    let runs = messages.iter().map(|m| async move {
+        let (mut tokens, mut latency) = (0u64, 0.0);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            tokens += target.ask(m, new_tokens).await?;
+            latency += t.elapsed().as_secs_f64();
+        }
+        anyhow::Ok((tokens, latency))
+    });
+    let done = futures::future::try_join_all(runs).await?;
+    let wall = started.elapsed().as_secs_f64();
+    let tokens = done.iter().map(|d| d.0).sum();
+    let latency = done.iter().map(|d| d.1).sum::<f64>() / (messages.len() * rounds) as f64;
+    Ok((tokens, wall, latency))
+}
+
+/// Each concurrency's median tokens/s and median ratio over the passes (a concurrency listed
+/// twice is summarized once per listing).
+fn summarize(concurrency: &[usize], passes: &[Vec<(f64, f64)>]) {
+    println!(
+        "medians over {} passes:",
+        passes.first().map_or(0, Vec::len)
+    );
+    for (&c, runs) in concurrency.iter().zip(passes) {
+        let tps = crate::median(runs.iter().map(|r| r.0).collect());
+        let ratio = crate::median(runs.iter().map(|r| r.1).collect());
+        let ratios: Vec<String> = runs.iter().map(|r| format!("{:.2}", r.1)).collect();
+        println!(
+            "concurrency {c:>3}: median {tps:>7.1} tokens/s, median {ratio:.2}x the pass's first ({})",
+            ratios.join(", ")
+        );
+        println!(
+            "{}",
+            serde_json::json!({"bench": "serve-throughput-summary", "concurrency": c,
+                "passes": runs.len(), "median_tps": tps, "median_speedup": ratio,
+                "speedups": runs.iter().map(|r| r.1).collect::<Vec<_>>()})
+        );
+    }
 }
