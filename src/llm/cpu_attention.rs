@@ -1162,7 +1162,7 @@ impl<'a> Segment<'a> {
 /// values while the prefix's values are summed. Asked for a member at a time (up to ~40 KiB
 /// at once), the prefetch instructions left the thread waiting for free miss slots: 88 % of
 /// `decode_task`'s own samples, ~6 % of a 16-request step. Spread, 16 requests' steps took
-/// 0.955–0.985 of the time (paired medians, four runs), 4 requests' 0.96–0.99, one
+/// 0.92–0.985 of the time (paired medians, eight runs), 4 requests' 0.96–0.99, one
 /// request's 1.00–1.01.
 #[derive(Default)]
 struct Prefetches {
