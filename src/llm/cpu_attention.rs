@@ -1019,6 +1019,7 @@ fn decode_task(
     let chunks = prefix.as_ref().map_or(0, |seg| seg.n / 8);
     let spread = chunks > 0;
     let (mut pf, mut pf_values) = (Prefetches::default(), Prefetches::default());
+    debug_assert!(scratch.kv.pf.lines() == 0, "a task's prefetches left over");
     if spread {
         for &(g, r) in members {
             let seg = own(g, r);
@@ -1032,7 +1033,8 @@ fn decode_task(
         own(g, r).prefetch(d);
     }
     if let Some(seg) = &prefix {
-        group_scores_asking(
+        scratch.kv.pf = pf;
+        group_scores(
             simd,
             &scratch.queries,
             d,
@@ -1042,9 +1044,8 @@ fn decode_task(
             len,
             0,
             &mut scratch.kv,
-            &mut pf,
         );
-        pf.ask(usize::MAX);
+        scratch.kv.pf.ask(usize::MAX);
     }
     for (m, &(g, r)) in members.iter().enumerate() {
         if !spread {
@@ -1073,26 +1074,26 @@ fn decode_task(
     let at = outputs.len();
     outputs.resize(at + nq * d, 0.0);
     let out = &mut outputs[at..];
-    let buf = &mut scratch.kv;
+    let work = &mut scratch.kv;
     if let Some(seg) = &prefix {
-        group_values_asking(
-            simd,
-            seg,
-            &scratch.scores,
-            len,
-            0,
-            0..nq,
-            out,
-            d,
-            buf,
-            &mut pf_values,
-        );
-        pf_values.ask(usize::MAX);
+        work.pf = pf_values;
+        group_values(simd, seg, &scratch.scores, len, 0, 0..nq, out, d, work);
+        work.pf.ask(usize::MAX);
     }
     for (m, &(g, r)) in members.iter().enumerate() {
         let (seg, from) = (own(g, r), dims[g].shared);
         let queries = m * per..(m + 1) * per;
-        group_values(simd, &seg, &scratch.scores, len, from, queries, out, d, buf);
+        group_values(
+            simd,
+            &seg,
+            &scratch.scores,
+            len,
+            from,
+            queries,
+            out,
+            d,
+            work,
+        );
     }
 }
 
@@ -1235,12 +1236,19 @@ impl Prefetches {
 }
 
 /// A task's buffers: its queries one after another, their scores (a row of `len` each), and
-/// a block of f16 keys or values converted to f32.
+/// a block of f16 keys or values converted to f32 (with the lines to ask for meanwhile).
 struct Scratch {
     queries: Vec<f32>,
     scores: Vec<f32>,
     len: usize,
-    kv: Vec<f32>,
+    kv: KvWork,
+}
+
+/// A block of keys or values as f32, and memory to ask for while blocks are worked on.
+#[derive(Default)]
+struct KvWork {
+    buf: Vec<f32>,
+    pf: Prefetches,
 }
 
 impl Scratch {
@@ -1249,7 +1257,7 @@ impl Scratch {
             queries: Vec::with_capacity(queries * d),
             scores: vec![0.0; queries * len],
             len,
-            kv: Vec::new(),
+            kv: KvWork::default(),
         }
     }
 }
@@ -1311,7 +1319,8 @@ fn attend_group(
 /// `out_j += Σ_p scores[j·len + from + p] · value_p` over the segment's positions in order
 /// ([`weighted_sum`]'s arithmetic) for the queries `js` (`d` outputs each in `out`), a block
 /// of [`VALUE_BLOCK`] positions at a time (it stays in L1 for every query; f16 values are
-/// converted into `buf` once per block), two queries per pass where the CPU allows.
+/// converted into `work`'s buffer once per block), two queries per pass where the CPU allows.
+/// Asks for some of `work`'s prefetches before each pass.
 #[allow(clippy::too_many_arguments)]
 fn group_values(
     simd: bool,
@@ -1322,33 +1331,15 @@ fn group_values(
     js: std::ops::Range<usize>,
     out: &mut [f32],
     d: usize,
-    buf: &mut Vec<f32>,
-) {
-    let none = &mut Prefetches::default();
-    group_values_asking(simd, seg, scores, len, from, js, out, d, buf, none);
-}
-
-/// [`group_values`], asking for some of `pf`'s lines before each pass.
-#[allow(clippy::too_many_arguments)]
-fn group_values_asking(
-    simd: bool,
-    seg: &Segment,
-    scores: &[f32],
-    len: usize,
-    from: usize,
-    js: std::ops::Range<usize>,
-    out: &mut [f32],
-    d: usize,
-    buf: &mut Vec<f32>,
-    pf: &mut Prefetches,
+    work: &mut KvWork,
 ) {
     for start in (0..seg.n).step_by(VALUE_BLOCK) {
         let n = VALUE_BLOCK.min(seg.n - start);
-        let (values, vstride) = seg.values(start, n, d, buf);
+        let (values, vstride) = seg.values(start, n, d, &mut work.buf);
         let w = |j: usize| &scores[j * len + from + start..][..n];
         let mut j = js.start;
         while j < js.end {
-            pf.some();
+            work.pf.some();
             #[cfg(target_arch = "x86_64")]
             if simd && d.is_multiple_of(8) && j + 1 < js.end {
                 assert!(values.len() >= (n - 1) * vstride + d);
@@ -1367,8 +1358,9 @@ fn group_values_asking(
 
 /// `scores[j·len + from + p] = q_j · key_p · scale` for every query `j` of `queries` (`d`
 /// values each) and the segment's keys, a block of [`VALUE_BLOCK`] keys at a time (f16 keys
-/// converted into `buf` once per block), eight keys at a time within it (all queries read
-/// them from L1).
+/// converted into `work`'s buffer once per block), eight keys at a time within it (all
+/// queries read them from L1).
+/// Asks for some of `work`'s prefetches before each pair of queries' pass over eight keys.
 #[allow(clippy::too_many_arguments)]
 fn group_scores(
     simd: bool,
@@ -1379,31 +1371,13 @@ fn group_scores(
     scores: &mut [f32],
     len: usize,
     from: usize,
-    buf: &mut Vec<f32>,
-) {
-    let none = &mut Prefetches::default();
-    group_scores_asking(simd, queries, d, seg, scale, scores, len, from, buf, none);
-}
-
-/// [`group_scores`], asking for some of `pf`'s lines before each pair of queries' pass over
-/// eight keys.
-#[allow(clippy::too_many_arguments)]
-fn group_scores_asking(
-    simd: bool,
-    queries: &[f32],
-    d: usize,
-    seg: &Segment,
-    scale: f32,
-    scores: &mut [f32],
-    len: usize,
-    from: usize,
-    buf: &mut Vec<f32>,
-    pf: &mut Prefetches,
+    work: &mut KvWork,
 ) {
     for start in (0..seg.n).step_by(VALUE_BLOCK) {
         let n = VALUE_BLOCK.min(seg.n - start);
-        let (keys, kstride) = seg.keys(start, n, d, buf);
+        let (keys, kstride) = seg.keys(start, n, d, &mut work.buf);
         let at = from + start;
+        let pf = &mut work.pf;
         block_scores(
             simd,
             queries,
@@ -2252,7 +2226,7 @@ mod tests {
     #[test]
     fn blocked_kernels_give_the_per_position_bits() {
         let simd = simd();
-        let buf = &mut Vec::new();
+        let buf = &mut KvWork::default();
         for d in [64usize, 128, 40, 12] {
             // Two blocks of keys, eight at once (with SIMD) and the remainder: each score is
             // `dot`'s.
@@ -2297,7 +2271,7 @@ mod tests {
                     &mut scores,
                     len,
                     from,
-                    &mut Vec::new(),
+                    &mut KvWork::default(),
                 );
                 scores.iter().map(|s| s.to_bits()).collect::<Vec<_>>()
             };
@@ -2360,7 +2334,7 @@ mod tests {
                     0..3,
                     &mut out,
                     d,
-                    &mut Vec::new(),
+                    &mut KvWork::default(),
                 );
                 out
             };
