@@ -1083,17 +1083,8 @@ fn decode_task(
     for (m, &(g, r)) in members.iter().enumerate() {
         let (seg, from) = (own(g, r), dims[g].shared);
         let queries = m * per..(m + 1) * per;
-        group_values(
-            simd,
-            &seg,
-            &scratch.scores,
-            len,
-            from,
-            queries,
-            out,
-            d,
-            work,
-        );
+        let scores = &scratch.scores;
+        group_values(simd, &seg, scores, len, from, queries, out, d, work);
     }
 }
 
@@ -1319,8 +1310,8 @@ fn attend_group(
 /// `out_j += Σ_p scores[j·len + from + p] · value_p` over the segment's positions in order
 /// ([`weighted_sum`]'s arithmetic) for the queries `js` (`d` outputs each in `out`), a block
 /// of [`VALUE_BLOCK`] positions at a time (it stays in L1 for every query; f16 values are
-/// converted into `work`'s buffer once per block), two queries per pass where the CPU allows.
-/// Asks for some of `work`'s prefetches before each pass.
+/// converted into `work`'s buffer once per block), two queries per pass where the CPU allows;
+/// asks for some of `work`'s prefetches before each pass.
 #[allow(clippy::too_many_arguments)]
 fn group_values(
     simd: bool,
@@ -1359,8 +1350,8 @@ fn group_values(
 /// `scores[j·len + from + p] = q_j · key_p · scale` for every query `j` of `queries` (`d`
 /// values each) and the segment's keys, a block of [`VALUE_BLOCK`] keys at a time (f16 keys
 /// converted into `work`'s buffer once per block), eight keys at a time within it (all
-/// queries read them from L1).
-/// Asks for some of `work`'s prefetches before each pair of queries' pass over eight keys.
+/// queries read them from L1); asks for some of `work`'s prefetches before each pair of
+/// queries' pass over eight keys.
 #[allow(clippy::too_many_arguments)]
 fn group_scores(
     simd: bool,
@@ -1377,18 +1368,8 @@ fn group_scores(
         let n = VALUE_BLOCK.min(seg.n - start);
         let (keys, kstride) = seg.keys(start, n, d, &mut work.buf);
         let at = from + start;
-        let pf = &mut work.pf;
-        block_scores(
-            simd,
-            queries,
-            d,
-            (keys, kstride, n),
-            scale,
-            scores,
-            len,
-            at,
-            pf,
-        );
+        let (keys, pf) = ((keys, kstride, n), &mut work.pf);
+        block_scores(simd, queries, d, keys, scale, scores, len, at, pf);
     }
 }
 
