@@ -1014,26 +1014,27 @@ fn decode_task(
         .map(|(pk, pv)| Segment::of(pk, pv, 0, t.kv, dims[g0].shared));
     let own = |g: usize, r: usize| Segment::of(data[g].k, data[g].v, r, t.kv, dims[g].own);
     // A row's own keys and values are read once per step, from memory (they do not stay in
-    // cache between steps). With a prefix, all members' are asked for a few lines at a time
-    // while the prefix is scored; without one, the next member's while this one's are.
-    let chunks = prefix.as_ref().map_or(0, |seg| seg.n / 8);
-    let spread = chunks > 0;
-    let (mut pf, mut pf_values) = (Prefetches::default(), Prefetches::default());
-    debug_assert!(scratch.kv.pf.lines() == 0, "a task's prefetches left over");
-    if spread {
-        for &(g, r) in members {
-            let seg = own(g, r);
-            pf.push(seg.keys, seg.kstride, seg.n, d);
-            pf_values.push(seg.values, seg.vstride, seg.n, d);
-        }
-        pf.rate = pf.lines().div_ceil(chunks * nq.div_ceil(2));
-        let blocks = prefix.as_ref().map_or(0, |seg| seg.n.div_ceil(VALUE_BLOCK));
-        pf_values.rate = pf_values.lines().div_ceil(blocks * nq.div_ceil(2));
-    } else if let Some(&(g, r)) = members.first() {
-        own(g, r).prefetch(d);
+    // cache between steps). With a prefix of eight positions or more, all members' are asked
+    // for a few lines at a time while the prefix is worked on (see `Prefetches`); without
+    // one, the next member's while this one's are scored.
+    let spread = prefix.as_ref().is_some_and(|seg| seg.n >= 8);
+    // A member's own keys, then its values, as spans to ask for.
+    let spans = |&(g, r): &(usize, usize)| {
+        let seg = own(g, r);
+        [
+            (seg.keys, seg.kstride, seg.n),
+            (seg.values, seg.vstride, seg.n),
+        ]
+    };
+    let pf = &mut scratch.kv.pf;
+    if let (true, Some(seg)) = (spread, &prefix) {
+        let keys = members.iter().map(|m| spans(m)[0]);
+        pf.plan(keys, d, seg.n / 8 * nq.div_ceil(2));
+    } else if let Some(first) = members.first() {
+        pf.plan(spans(first), d, 1);
+        pf.ask(usize::MAX);
     }
     if let Some(seg) = &prefix {
-        scratch.kv.pf = pf;
         group_scores(
             simd,
             &scratch.queries,
@@ -1048,10 +1049,9 @@ fn decode_task(
         scratch.kv.pf.ask(usize::MAX);
     }
     for (m, &(g, r)) in members.iter().enumerate() {
-        if !spread {
-            if let Some(&(g, r)) = members.get(m + 1) {
-                own(g, r).prefetch(d);
-            }
+        if let (false, Some(next)) = (spread, members.get(m + 1)) {
+            scratch.kv.pf.plan(spans(next), d, 1);
+            scratch.kv.pf.ask(usize::MAX);
         }
         let queries = &scratch.queries[m * per * d..(m + 1) * per * d];
         let scores = &mut scratch.scores[m * per * len..(m + 1) * per * len];
@@ -1076,7 +1076,11 @@ fn decode_task(
     let out = &mut outputs[at..];
     let work = &mut scratch.kv;
     if let Some(seg) = &prefix {
-        work.pf = pf_values;
+        if spread {
+            let values = members.iter().map(|m| spans(m)[1]);
+            let points = seg.n.div_ceil(VALUE_BLOCK) * nq.div_ceil(2);
+            work.pf.plan(values, d, points);
+        }
         group_values(simd, seg, &scratch.scores, len, 0, 0..nq, out, d, work);
         work.pf.ask(usize::MAX);
     }
@@ -1126,27 +1130,6 @@ impl<'a> Segment<'a> {
     {
         self.values.rows(p, n, self.vstride, d, buf)
     }
-
-    /// Asks for the segment's keys and values (rows of `d` values) into L2 ahead of their
-    /// use: a row's 15 KiB (60 positions) asked into L1 measured slower than no prefetch at
-    /// all (16 requests' decode attention 4.2–5.3 against 4.0–4.9 ms), into L2 3.3–4.0 ms.
-    fn prefetch(&self, d: usize) {
-        #[cfg(target_arch = "x86_64")]
-        for (data, stride) in [(self.keys, self.kstride), (self.values, self.vstride)] {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-            let bytes = data.value_bytes();
-            let start = data.addr();
-            for p in 0..self.n {
-                let row = start + p * stride * bytes;
-                for line in (0..d * bytes).step_by(64) {
-                    // SAFETY: a prefetch never faults; the address is within the row.
-                    unsafe { _mm_prefetch::<_MM_HINT_T1>((row + line) as *const i8) };
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = d;
-    }
 }
 
 /// Keys and values asked into L2 a few cache lines at a time, spread over a task's arithmetic
@@ -1155,7 +1138,9 @@ impl<'a> Segment<'a> {
 /// at once), the prefetch instructions left the thread waiting for free miss slots: 88 % of
 /// `decode_task`'s own samples, ~6 % of a 16-request step. Spread, 16 requests' steps took
 /// 0.92–0.985 of the time (paired medians, eight runs), 4 requests' 0.96–0.99, one
-/// request's 1.00–1.01.
+/// request's 1.00–1.01. Into L2, not L1: a row's 15 KiB (60 positions) asked into L1
+/// measured slower than no prefetch at all (16 requests' decode attention 4.2–5.3 against
+/// 4.0–4.9 ms), into L2 3.3–4.0 ms.
 #[derive(Default)]
 struct Prefetches {
     /// (first byte, bytes between rows, rows, bytes of a row).
@@ -1168,7 +1153,23 @@ struct Prefetches {
 }
 
 impl Prefetches {
-    /// Adds the segment's keys, or its values, of `d` values a row.
+    /// Forgets what is left and takes `spans` (values, stride, rows of `d` values), to be
+    /// asked for over `points` calls of [`Prefetches::some`].
+    fn plan<'a>(
+        &mut self,
+        spans: impl IntoIterator<Item = (Kv<'a>, usize, usize)>,
+        d: usize,
+        points: usize,
+    ) {
+        self.spans.clear();
+        (self.span, self.row, self.byte) = (0, 0, 0);
+        for (data, stride, n) in spans {
+            self.push(data, stride, n, d);
+        }
+        self.rate = self.lines().div_ceil(points.max(1));
+    }
+
+    /// Adds keys or values: `n` rows of `d` values, `stride` apart.
     fn push(&mut self, data: Kv, stride: usize, n: usize, d: usize) {
         let bytes = data.value_bytes();
         let (row_bytes, stride_bytes) = (d * bytes, stride * bytes);
@@ -1182,9 +1183,9 @@ impl Prefetches {
         }
     }
 
-    /// Cache lines still to ask for.
+    /// Cache lines of the spans not yet asked for in full (all of them before the first ask).
     fn lines(&self) -> usize {
-        self.spans[self.span.min(self.spans.len())..]
+        self.spans[self.span..]
             .iter()
             .map(|&(_, _, rows, row_bytes)| rows * row_bytes.div_ceil(64))
             .sum()
@@ -2153,6 +2154,13 @@ mod tests {
         }
         assert_eq!(asked, [4, 4, 4, 4, 4, 1]);
         assert_eq!((pf.lines(), pf.ask(usize::MAX)), (0, 0));
+        // A new plan forgets the old spans: 2 rows of 128 bytes over 2 calls, 2 lines each.
+        pf.plan([(Kv::F16(&values), 64, 2)], 64, 2);
+        assert_eq!((pf.lines(), pf.rate), (4, 2));
+        assert_eq!(
+            (pf.ask(pf.rate), pf.ask(pf.rate), pf.ask(pf.rate)),
+            (2, 2, 0)
+        );
     }
 
     #[test]
