@@ -1055,7 +1055,8 @@ fn decode_task(
         }
         let queries = &scratch.queries[m * per * d..(m + 1) * per * d];
         let scores = &mut scratch.scores[m * per * len..(m + 1) * per * len];
-        group_scores(
+        let from = dims[g].shared;
+        own_scores(
             simd,
             queries,
             d,
@@ -1063,7 +1064,7 @@ fn decode_task(
             scale,
             scores,
             len,
-            dims[g].shared,
+            from,
             &mut scratch.kv,
         );
     }
@@ -1088,7 +1089,7 @@ fn decode_task(
         let (seg, from) = (own(g, r), dims[g].shared);
         let queries = m * per..(m + 1) * per;
         let scores = &scratch.scores;
-        group_values(simd, &seg, scores, len, from, queries, out, d, work);
+        own_values(simd, &seg, scores, len, from, queries, out, d, work);
     }
 }
 
@@ -1372,6 +1373,123 @@ fn group_scores(
         let (keys, pf) = ((keys, kstride, n), &mut work.pf);
         block_scores(simd, queries, d, keys, scale, scores, len, at, pf);
     }
+}
+
+/// [`group_scores`] for a row's own keys, which only that row's few queries (its query heads
+/// of one KV head) read: f16 keys are converted as they are loaded, four keys at a time for
+/// up to three queries at once, instead of being widened into `work`'s buffer and read back
+/// in a pass per pair of queries. The same bits: f16 → f32 is exact, and each score is
+/// [`dot`]'s.
+#[allow(clippy::too_many_arguments)]
+fn own_scores(
+    simd: bool,
+    queries: &[f32],
+    d: usize,
+    seg: &Segment,
+    scale: f32,
+    scores: &mut [f32],
+    len: usize,
+    from: usize,
+    work: &mut KvWork,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let (true, Kv::F16(keys)) = (simd && f16c() && d.is_multiple_of(8), seg.keys) {
+        let (n, stride, nq) = (seg.n, seg.kstride, queries.len() / d);
+        if n == 0 || nq == 0 {
+            return;
+        }
+        assert!(keys.len() >= (n - 1) * stride + d && scores.len() >= (nq - 1) * len + from + n);
+        let key = |p: usize| &keys[p * stride..][..d];
+        let q = |j: usize| &queries[j * d..][..d];
+        let out = scores.as_mut_ptr();
+        let mut p = 0;
+        while p + 4 <= n {
+            let block: [&[f16]; 4] = std::array::from_fn(|i| key(p + i));
+            let mut j = 0;
+            while j < nq {
+                let at = |i: usize| out.wrapping_add((j + i) * len + from + p);
+                // SAFETY: `simd()` and `f16c()` checked the CPU features; every slice has
+                // `d` values; each output's 4 scores lie in `scores` (asserted above).
+                unsafe {
+                    match nq - j {
+                        1 => avx2::dots_f16([q(j)], &block, scale, [at(0)]),
+                        2 => avx2::dots_f16([q(j), q(j + 1)], &block, scale, [at(0), at(1)]),
+                        _ => avx2::dots_f16(
+                            [q(j), q(j + 1), q(j + 2)],
+                            &block,
+                            scale,
+                            [at(0), at(1), at(2)],
+                        ),
+                    }
+                }
+                j += (nq - j).min(3);
+            }
+            p += 4;
+        }
+        // The last keys (fewer than four) one at a time, widened.
+        if work.buf.len() < d {
+            work.buf.resize(d, 0.0);
+        }
+        for p in p..n {
+            let k = &mut work.buf[..d];
+            widen(key(p), k);
+            for j in 0..nq {
+                scores[j * len + from + p] = dot(simd, q(j), k) * scale;
+            }
+        }
+        return;
+    }
+    group_scores(simd, queries, d, seg, scale, scores, len, from, work);
+}
+
+/// [`group_values`] for a row's own values and its queries `js`: f16 values are converted as
+/// they are loaded, summed for up to three queries at once (the bits of [`weighted_sum`]:
+/// one multiply-add per position, in position order, onto what `out` holds).
+#[allow(clippy::too_many_arguments)]
+fn own_values(
+    simd: bool,
+    seg: &Segment,
+    scores: &[f32],
+    len: usize,
+    from: usize,
+    js: std::ops::Range<usize>,
+    out: &mut [f32],
+    d: usize,
+    work: &mut KvWork,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let (true, Kv::F16(values)) = (simd && f16c() && d.is_multiple_of(8), seg.values) {
+        let (n, stride) = (seg.n, seg.vstride);
+        if n == 0 || js.is_empty() {
+            return;
+        }
+        assert!(values.len() >= (n - 1) * stride + d && out.len() >= js.end * d);
+        let w = |j: usize| &scores[j * len + from..][..n];
+        let outs = out.as_mut_ptr();
+        let mut j = js.start;
+        while j < js.end {
+            let o = |i: usize| outs.wrapping_add((j + i) * d);
+            // SAFETY: `simd()` and `f16c()` checked the CPU features; `values` holds every
+            // row read and each output its `d` values (asserted above); the weights have `n`
+            // values each.
+            unsafe {
+                match js.end - j {
+                    1 => avx2::weighted_sums_f16([w(j)], values, stride, d, [o(0)]),
+                    2 => avx2::weighted_sums_f16([w(j), w(j + 1)], values, stride, d, [o(0), o(1)]),
+                    _ => avx2::weighted_sums_f16(
+                        [w(j), w(j + 1), w(j + 2)],
+                        values,
+                        stride,
+                        d,
+                        [o(0), o(1), o(2)],
+                    ),
+                }
+            }
+            j += (js.end - j).min(3);
+        }
+        return;
+    }
+    group_values(simd, seg, scores, len, from, js, out, d, work);
 }
 
 /// [`group_scores`] for `n` keys (f32 rows `stride` apart), written from column `from`.
@@ -1678,6 +1796,105 @@ mod avx2 {
         let dots = _mm256_mul_ps(lane_sums(&acc), _mm256_set1_ps(scale));
         _mm_storeu_ps(out0.as_mut_ptr(), _mm256_castps256_ps128(dots));
         _mm_storeu_ps(out1.as_mut_ptr(), _mm256_extractf128_ps::<1>(dots));
+    }
+
+    /// `outs[i][j] = (a[i] · bs[j]) · scale` for `Q` (at most 3) queries and four f16 keys,
+    /// each key converted once as it is loaded; each dot product exactly [`dot`]'s (as in
+    /// [`dot8`]).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; every `a[i]` and `bs[j]` of one length, a multiple of 8; each
+    /// `outs[i]` writable for 4 values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dots_f16<const Q: usize>(
+        a: [&[f32]; Q],
+        bs: &[&[half::f16]; 4],
+        scale: f32,
+        outs: [*mut f32; Q],
+    ) {
+        let d = a[0].len();
+        debug_assert!(a.iter().all(|x| x.len() == d) && bs.iter().all(|b| b.len() == d));
+        let mut acc = [[_mm256_setzero_ps(); 4]; Q];
+        for i in (0..d).step_by(8) {
+            let x: [__m256; Q] = std::array::from_fn(|q| _mm256_loadu_ps(a[q].as_ptr().add(i)));
+            for (j, b) in bs.iter().enumerate() {
+                let y = _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i).cast()));
+                for (acc, x) in acc.iter_mut().zip(&x) {
+                    acc[j] = _mm256_fmadd_ps(*x, y, acc[j]);
+                }
+            }
+        }
+        let scale = _mm256_set1_ps(scale);
+        for pair in (0..Q).step_by(2) {
+            let (lo, hi) = (
+                acc[pair],
+                acc.get(pair + 1)
+                    .copied()
+                    .unwrap_or([_mm256_setzero_ps(); 4]),
+            );
+            let all = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
+            let dots = _mm256_mul_ps(lane_sums(&all), scale);
+            _mm_storeu_ps(outs[pair], _mm256_castps256_ps128(dots));
+            if pair + 1 < Q {
+                _mm_storeu_ps(outs[pair + 1], _mm256_extractf128_ps::<1>(dots));
+            }
+        }
+    }
+
+    /// `outs[i] += Σ_p ws[i][p] · v_p` for `Q` (at most 3) queries over f16 values (`d` of
+    /// them a row, rows `stride` apart), converted as they are loaded; [`weighted_sum`]'s
+    /// arithmetic per query.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; `d` a multiple of 8; every `ws[i]` of one length `n`; `v` holds
+    /// `(n - 1) · stride + d` values; each `outs[i]` holds `d` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_sums_f16<const Q: usize>(
+        ws: [&[f32]; Q],
+        v: &[half::f16],
+        stride: usize,
+        d: usize,
+        outs: [*mut f32; Q],
+    ) {
+        debug_assert!(ws.iter().all(|w| w.len() == ws[0].len()));
+        let mut c = 0;
+        while c + 32 <= d {
+            columns_f16::<Q, 4>(ws, v.as_ptr().add(c), stride, outs.map(|o| o.add(c)));
+            c += 32;
+        }
+        while c < d {
+            columns_f16::<Q, 1>(ws, v.as_ptr().add(c), stride, outs.map(|o| o.add(c)));
+            c += 8;
+        }
+    }
+
+    /// `8·N` columns of `Q` queries' sums over f16 values, kept in registers across all
+    /// positions.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn columns_f16<const Q: usize, const N: usize>(
+        ws: [&[f32]; Q],
+        v: *const half::f16,
+        stride: usize,
+        outs: [*mut f32; Q],
+    ) {
+        let mut acc: [[__m256; N]; Q] =
+            std::array::from_fn(|i| std::array::from_fn(|j| _mm256_loadu_ps(outs[i].add(8 * j))));
+        for p in 0..ws[0].len() {
+            let w: [__m256; Q] = std::array::from_fn(|i| _mm256_set1_ps(*ws[i].get_unchecked(p)));
+            let row = v.add(p * stride);
+            for j in 0..N {
+                let x = _mm256_cvtph_ps(_mm_loadu_si128(row.add(8 * j).cast()));
+                for (acc, w) in acc.iter_mut().zip(&w) {
+                    acc[j] = _mm256_fmadd_ps(*w, x, acc[j]);
+                }
+            }
+        }
+        for (acc, out) in acc.iter().zip(outs) {
+            for (j, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(8 * j), *acc);
+            }
+        }
     }
 
     /// The lane sums of eight accumulators, `[Σ acc_0, …, Σ acc_7]`, each in [`dot`]'s
@@ -2480,6 +2697,48 @@ mod tests {
             ..groups[0]
         };
         assert!(attend_prefill(&[early]).is_err());
+    }
+
+    #[test]
+    fn own_f16_keys_and_values_read_as_they_are_give_the_widened_bits() {
+        // A row's own f16 keys and values go straight into the kernels (up to three queries
+        // at once, four keys at a time): every head ratio (1, 2, 3 queries a pass and what
+        // is left over), head sizes with and without a whole 32-column pass, every count of
+        // leftover keys, with and without a shared prefix, one row (single heads a task)
+        // and several.
+        let bits = |t: &Tensor| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        for (heads, kv) in [(1, 1), (2, 1), (3, 1), (4, 2), (5, 1), (7, 1), (6, 2)] {
+            for d in [64, 40] {
+                for own in [1, 2, 3, 4, 5, 6, 7, 8, 13] {
+                    for (rows, shared) in [(1, 0), (3, 0), (1, 6), (3, 9)] {
+                        let f16s = |shape: &[usize]| to_f16(&randn(shape)).unwrap();
+                        let (k16, v16) = (f16s(&[rows, kv, own, d]), f16s(&[rows, kv, own, d]));
+                        let (pk16, pv16) = (f16s(&[1, kv, shared, d]), f16s(&[1, kv, shared, d]));
+                        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                        let (k32, v32, pk32, pv32) =
+                            (f32s(&k16), f32s(&v16), f32s(&pk16), f32s(&pv16));
+                        let q = randn(&[rows, heads, 1, d]);
+                        let group = |k, v, pk, pv| QueryGroup {
+                            q: &q,
+                            prefix: (shared > 0).then_some((pk, pv)),
+                            k,
+                            v,
+                            pos: shared + own - 1,
+                        };
+                        let g16 = group(&k16, &v16, &pk16, &pv16);
+                        let g32 = group(&k32, &v32, &pk32, &pv32);
+                        let case = format!("{heads} heads over {kv}, d {d}, {own} own, {rows} rows, {shared} shared");
+                        let decoded = bits(&attend_decode(&[g16]).unwrap());
+                        assert_eq!(decoded, bits(&attend_decode(&[g32]).unwrap()), "{case}");
+                        let alone = attend_causal_after(g16.q, g16.prefix, g16.k, g16.v, g16.pos);
+                        assert_eq!(decoded, bits(&alone.unwrap()), "{case}: alone");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
