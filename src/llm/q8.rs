@@ -50,6 +50,9 @@ const VNNI_MIN_ROWS: usize = 4;
 /// Rows from which the VNNI kernel is used on Q4_1 weights.
 #[cfg(target_arch = "x86_64")]
 const VNNI_Q4_MIN_ROWS: usize = 1;
+/// Rows from which the VNNI kernel runs two tiles at once on 512-bit registers.
+#[cfg(target_arch = "x86_64")]
+const WIDE_MIN_ROWS: usize = 2;
 /// Multiply-adds below which a call stays on one thread.
 const PAR_MIN_MACS: usize = 1 << 17;
 
@@ -492,26 +495,47 @@ impl Q8Linear {
         tiles: Range<usize>,
         outs: &[OutPtr],
     ) {
-        let nb = self.k / QK;
+        let (nb, k) = (self.k / QK, self.k);
+        let (xq, xd) = (acts.q, acts.d);
         let mut p = 0;
-        for t in tiles {
+        let mut t = tiles.start;
+        while t < tiles.end {
             while t >= self.part_tiles[p + 1] {
                 p += 1;
             }
             let n = self.parts[p];
-            let col = (t - self.part_tiles[p]) * NC;
-            let ncols = NC.min(n - col);
-            let out = outs[p].0.add(col);
-            let (xq, xd, k) = (acts.q, acts.d, self.k);
+            let out = outs[p].0.add((t - self.part_tiles[p]) * NC);
+            // Tile `t`'s real columns: the part's from the tile's first on.
+            let ncols = |t: usize| NC.min(n - (t - self.part_tiles[p]) * NC);
+            // Two tiles of one part at once on 512-bit registers, where the CPU has them.
+            #[cfg(target_arch = "x86_64")]
+            if kern == Kernel::Vnni
+                && m >= WIDE_MIN_ROWS
+                && t + 1 < tiles.end.min(self.part_tiles[p + 1])
+                && wide_vnni()
+            {
+                match &self.blocks {
+                    Blocks::Q8_0 { qs, scales, sums } => {
+                        let pair = [
+                            Tile::at(qs, scales, sums, t, nb, ncols(t)),
+                            Tile::at(qs, scales, sums, t + 1, nb, ncols(t + 1)),
+                        ];
+                        vnni::tile_pair([&pair[0], &pair[1]], xq, xd, m, k, out, n);
+                    }
+                    Blocks::Q4_1 { qs, dm } => {
+                        let pair = [
+                            Tile4::at(qs, dm, t, nb, ncols(t)),
+                            Tile4::at(qs, dm, t + 1, nb, ncols(t + 1)),
+                        ];
+                        vnni::tile4_pair([&pair[0], &pair[1]], acts, m, k, out, n);
+                    }
+                }
+                t += 2;
+                continue;
+            }
             match &self.blocks {
                 Blocks::Q8_0 { qs, scales, sums } => {
-                    let tile = Tile {
-                        wq: &line_bytes(qs)[t * nb * TILE_BLOCK..][..nb * TILE_BLOCK],
-                        ws: &scales[t * nb * NC..][..nb * NC],
-                        sums: &sums[t * nb * NC..][..nb * NC],
-                        nb,
-                        ncols,
-                    };
+                    let tile = Tile::at(qs, scales, sums, t, nb, ncols(t));
                     match kern {
                         Kernel::Scalar => tile_scalar(&tile, xq, xd, m, k, out, n),
                         #[cfg(target_arch = "x86_64")]
@@ -521,12 +545,7 @@ impl Q8Linear {
                     }
                 }
                 Blocks::Q4_1 { qs, dm } => {
-                    let tile = Tile4 {
-                        wq: &line_bytes(qs)[t * nb * TILE_BLOCK4..][..nb * TILE_BLOCK4],
-                        dm: &dm[t * nb * 2 * NC..][..nb * 2 * NC],
-                        nb,
-                        ncols,
-                    };
+                    let tile = Tile4::at(qs, dm, t, nb, ncols(t));
                     match kern {
                         Kernel::Scalar => tile4_scalar(&tile, acts, m, k, out, n),
                         #[cfg(target_arch = "x86_64")]
@@ -536,6 +555,7 @@ impl Q8Linear {
                     }
                 }
             }
+            t += 1;
         }
     }
 }
@@ -651,6 +671,26 @@ struct Tile<'a> {
     ncols: usize,
 }
 
+impl<'a> Tile<'a> {
+    /// Tile `t` of Q8_0 blocks (`nb` per column).
+    fn at(
+        qs: &'a [Line],
+        scales: &'a [u16],
+        sums: &'a [i16],
+        t: usize,
+        nb: usize,
+        ncols: usize,
+    ) -> Self {
+        Tile {
+            wq: &line_bytes(qs)[t * nb * TILE_BLOCK..][..nb * TILE_BLOCK],
+            ws: &scales[t * nb * NC..][..nb * NC],
+            sums: &sums[t * nb * NC..][..nb * NC],
+            nb,
+            ncols,
+        }
+    }
+}
+
 /// One Q4_1 tile: 8 output columns over the whole input.
 struct Tile4<'a> {
     wq: &'a [i8],
@@ -659,6 +699,18 @@ struct Tile4<'a> {
     nb: usize,
     /// Real (unpadded) columns of the tile.
     ncols: usize,
+}
+
+impl<'a> Tile4<'a> {
+    /// Tile `t` of Q4_1 blocks (`nb` per column).
+    fn at(qs: &'a [Line], dm: &'a [u16], t: usize, nb: usize, ncols: usize) -> Self {
+        Tile4 {
+            wq: &line_bytes(qs)[t * nb * TILE_BLOCK4..][..nb * TILE_BLOCK4],
+            dm: &dm[t * nb * 2 * NC..][..nb * 2 * NC],
+            nb,
+            ncols,
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -698,6 +750,17 @@ fn kernel() -> Kernel {
     }
     #[cfg(not(target_arch = "x86_64"))]
     Kernel::Scalar
+}
+
+/// Whether the VNNI kernel may run two tiles at once on 512-bit registers.
+#[cfg(target_arch = "x86_64")]
+fn wide_vnni() -> bool {
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    *WIDE.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && std::env::var_os("COLLABLLM_NO_WIDE").is_none()
+    })
 }
 
 /// IEEE half → single (exact).
@@ -858,6 +921,23 @@ macro_rules! for_row_blocks {
             3 => $f::<3>($($arg),*),
             2 => $f::<2>($($arg),*),
             1 => $f::<1>($($arg),*),
+            _ => {}
+        }
+    }};
+    (wide, $m:expr, $f:ident, |$r:ident| ($($arg:expr),* $(,)?)) => {{
+        let mut $r = 0;
+        while $r + 8 <= $m {
+            $f::<8, 1>($($arg),*);
+            $r += 8;
+        }
+        match $m - $r {
+            7 => $f::<7, 1>($($arg),*),
+            6 => $f::<6, 1>($($arg),*),
+            5 => $f::<5, 2>($($arg),*),
+            4 => $f::<4, 2>($($arg),*),
+            3 => $f::<3, 4>($($arg),*),
+            2 => $f::<2, 4>($($arg),*),
+            1 => $f::<1, 8>($($arg),*),
             _ => {}
         }
     }};
@@ -1278,6 +1358,209 @@ mod vnni {
             }
         }
         store_rows(&accf, tile.ncols, out, ld);
+    }
+
+    /// Two adjacent Q4_1 tiles of one part (columns `0..16` of `out`) on 512-bit registers:
+    /// where the float multiply-adds have a second 512-bit pipe, they no longer take turns
+    /// with `vpdpbusd`. Each lane does what `rows4`'s does, in the same order: the same bits.
+    ///
+    /// # Safety
+    /// As `tile4`, plus AVX-512F; `out` must hold `m` rows of `ld` floats with both tiles'
+    /// columns writable.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    pub(super) unsafe fn tile4_pair(
+        tiles: [&Tile4; 2],
+        acts: &Acts,
+        m: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = k / QK;
+        debug_assert!(acts.q.len() >= m * k && acts.d.len() >= m * nb && acts.sum.len() >= m * nb);
+        for_row_blocks!(wide, m, rows4_pair, |r| (
+            tiles,
+            acts,
+            r,
+            k,
+            out.add(r * ld),
+            ld
+        ));
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    #[inline]
+    unsafe fn rows4_pair<const R: usize, const C: usize>(
+        tiles: [&Tile4; 2],
+        acts: &Acts,
+        r0: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = tiles[0].nb;
+        let (wq0, wq1) = (tiles[0].wq.as_ptr(), tiles[1].wq.as_ptr());
+        let (dm0, dm1) = (tiles[0].dm.as_ptr(), tiles[1].dm.as_ptr());
+        let xq = acts.q.as_ptr().add(r0 * k);
+        let (xd, xs) = (acts.d.as_ptr().add(r0 * nb), acts.sum.as_ptr().add(r0 * nb));
+        let low = _mm512_set1_epi8(0xf);
+        let mut accf = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let (wb0, wb1) = (wq0.add(b * TILE_BLOCK4), wq1.add(b * TILE_BLOCK4));
+            if R > 1 {
+                for wb in [wb0, wb1] {
+                    let ahead = wb.wrapping_add(PREFETCH_BLOCKS4 * TILE_BLOCK4);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+                }
+            }
+            let yb = xq.add(b * QK);
+            let mut acci = [[_mm512_setzero_si512(); R]; C];
+            for g in 0..QK / 8 {
+                let w = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_load_si256(wb0.add(g * 32).cast())),
+                    _mm256_load_si256(wb1.add(g * 32).cast()),
+                );
+                let halves = [
+                    _mm512_and_si512(w, low),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(w), low),
+                ];
+                for (h, nibbles) in halves.into_iter().enumerate() {
+                    let chain = &mut acci[(2 * g + h) % C];
+                    for (r, acc) in chain.iter_mut().enumerate() {
+                        let y = yb.add(r * k + h * (QK / 2) + g * 4);
+                        let y = _mm512_set1_epi32(y.cast::<i32>().read_unaligned());
+                        *acc = _mm512_dpbusd_epi32(*acc, nibbles, y);
+                    }
+                }
+            }
+            let half = |p: *const u16| _mm_loadu_si128(p.cast());
+            let both = |a, b| _mm512_cvtph_ps(_mm256_set_m128i(b, a));
+            let dw = both(half(dm0.add(b * 2 * NC)), half(dm1.add(b * 2 * NC)));
+            let mw = both(
+                half(dm0.add(b * 2 * NC + NC)),
+                half(dm1.add(b * 2 * NC + NC)),
+            );
+            for (r, acc) in accf.iter_mut().enumerate() {
+                let mut s = acci[0][r];
+                for chain in &acci[1..] {
+                    s = _mm512_add_epi32(s, chain[r]);
+                }
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*xd.add(r * nb + b)));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, *acc);
+                *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xs.add(r * nb + b)), *acc);
+            }
+        }
+        store_pair(&accf, [tiles[0].ncols, tiles[1].ncols], out, ld);
+    }
+
+    /// Two adjacent Q8_0 tiles of one part on 512-bit registers, as [`tile4_pair`]: each
+    /// lane does what `rows`' does, in the same order.
+    ///
+    /// # Safety
+    /// As `tile`, plus AVX-512F; `out` must hold `m` rows of `ld` floats with both tiles'
+    /// columns writable.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    pub(super) unsafe fn tile_pair(
+        tiles: [&Tile; 2],
+        xu: &[i8],
+        xd: &[f32],
+        m: usize,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        debug_assert!(xu.len() >= m * k && xd.len() >= m * (k / QK));
+        let (xu, xd) = (xu.as_ptr(), xd.as_ptr());
+        let nb = k / QK;
+        for_row_blocks!(wide, m, rows_pair, |r| (
+            tiles,
+            xu.add(r * k),
+            xd.add(r * nb),
+            k,
+            out.add(r * ld),
+            ld
+        ));
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    #[inline]
+    unsafe fn rows_pair<const R: usize, const C: usize>(
+        tiles: [&Tile; 2],
+        xu: *const i8,
+        xd: *const f32,
+        k: usize,
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let nb = tiles[0].nb;
+        let (wq0, wq1) = (tiles[0].wq.as_ptr(), tiles[1].wq.as_ptr());
+        let (ws0, ws1) = (tiles[0].ws.as_ptr(), tiles[1].ws.as_ptr());
+        let (sums0, sums1) = (tiles[0].sums.as_ptr(), tiles[1].sums.as_ptr());
+        let half = |p: *const u16| _mm_loadu_si128(p.cast());
+        let mut accf = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let (wb0, wb1) = (wq0.add(b * TILE_BLOCK), wq1.add(b * TILE_BLOCK));
+            if R > 1 {
+                for wb in [wb0, wb1] {
+                    let ahead = wb.wrapping_add(PREFETCH_BLOCKS * TILE_BLOCK);
+                    for line in 0..TILE_BLOCK / 64 {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
+                    }
+                }
+            }
+            let yb = xu.add(b * QK);
+            let sum = _mm512_cvtepi16_epi32(_mm256_set_m128i(
+                half(sums1.add(b * NC).cast()),
+                half(sums0.add(b * NC).cast()),
+            ));
+            let start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum));
+            let mut acci = [[_mm512_setzero_si512(); R]; C];
+            acci[0] = [start; R];
+            for g0 in (0..QK / 4).step_by(C) {
+                for (c, chain) in acci.iter_mut().enumerate() {
+                    let g = g0 + c;
+                    let w = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_load_si256(wb0.add(g * 32).cast())),
+                        _mm256_load_si256(wb1.add(g * 32).cast()),
+                    );
+                    for (r, acc) in chain.iter_mut().enumerate() {
+                        let y = yb.add(r * k + g * 4).cast::<i32>().read_unaligned();
+                        *acc = _mm512_dpbusd_epi32(*acc, _mm512_set1_epi32(y), w);
+                    }
+                }
+            }
+            let dw = _mm512_cvtph_ps(_mm256_set_m128i(
+                half(ws1.add(b * NC)),
+                half(ws0.add(b * NC)),
+            ));
+            for (r, acc) in accf.iter_mut().enumerate() {
+                let mut s = acci[0][r];
+                for chain in &acci[1..] {
+                    s = _mm512_add_epi32(s, chain[r]);
+                }
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*xd.add(r * nb + b)));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, *acc);
+            }
+        }
+        store_pair(&accf, [tiles[0].ncols, tiles[1].ncols], out, ld);
+    }
+
+    /// Stores 16-column rows: the low halves as one tile's columns, the high as the next's.
+    #[target_feature(enable = "avx2,avx512f")]
+    #[inline]
+    unsafe fn store_pair<const R: usize>(
+        accf: &[__m512; R],
+        ncols: [usize; 2],
+        out: *mut f32,
+        ld: usize,
+    ) {
+        let lo: [__m256; R] = std::array::from_fn(|r| _mm512_castps512_ps256(accf[r]));
+        let hi: [__m256; R] = std::array::from_fn(|r| {
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(accf[r])))
+        });
+        store_rows(&lo, ncols[0], out, ld);
+        store_rows(&hi, ncols[1], out.add(NC), ld);
     }
 }
 
