@@ -1017,7 +1017,11 @@ fn decode_task(
     // cache between steps). With a prefix of eight positions or more, all members' are asked
     // for a few lines at a time while the prefix is worked on (see `Prefetches`); without
     // one, the next member's while this one's are scored.
-    let spread = prefix.as_ref().is_some_and(|seg| seg.n >= 8);
+    // A prefix that only this task's few queries read (a request decoding alone) is read
+    // as a row's own keys and values are, in one pass: widening it for them cost a single
+    // stream more than the reads it saves.
+    let prefix_alone = nq <= 3;
+    let spread = !prefix_alone && prefix.as_ref().is_some_and(|seg| seg.n >= 8);
     // A member's own keys, then its values, as spans to ask for.
     let spans = |&(g, r): &(usize, usize)| {
         let seg = own(g, r);
@@ -1035,7 +1039,12 @@ fn decode_task(
         pf.ask(usize::MAX);
     }
     if let Some(seg) = &prefix {
-        group_scores(
+        let score = if prefix_alone {
+            own_scores
+        } else {
+            group_scores
+        };
+        score(
             simd,
             &scratch.queries,
             d,
@@ -1082,7 +1091,12 @@ fn decode_task(
             let points = seg.n.div_ceil(VALUE_BLOCK) * nq.div_ceil(2);
             work.pf.plan(values, d, points);
         }
-        group_values(simd, seg, &scratch.scores, len, 0, 0..nq, out, d, work);
+        let sum = if prefix_alone {
+            own_values
+        } else {
+            group_values
+        };
+        sum(simd, seg, &scratch.scores, len, 0, 0..nq, out, d, work);
         work.pf.ask(usize::MAX);
     }
     for (m, &(g, r)) in members.iter().enumerate() {
