@@ -441,18 +441,12 @@ impl Q8Linear {
 
     fn matmul(&self, kern: Kernel, xs: &[f32], m: usize) -> Vec<Vec<f32>> {
         #[cfg(target_arch = "x86_64")]
-        let kern = match (kern, &self.blocks) {
-            // Up to three rows are bound by reading the weights: there the AVX2 kernel measured
-            // as fast (three rows) or faster (one: 1.13x); the bits are the same.
-            (Kernel::Vnni, Blocks::Q8_0 { .. }) if m < VNNI_MIN_ROWS => Kernel::Avx2,
-            (Kernel::Vnni, Blocks::Q4_1 { .. }) if m < VNNI_Q4_MIN_ROWS => Kernel::Avx2,
-            (k, _) => k,
-        };
+        let kern = kern.for_rows(&self.blocks, m);
         let form = match &self.blocks {
             Blocks::Q4_1 { .. } => ActForm::WithSums,
             // x + 128 as unsigned bytes, which `vpdpbusd` multiplies.
             #[cfg(target_arch = "x86_64")]
-            Blocks::Q8_0 { .. } if kern == Kernel::Vnni => ActForm::Offset,
+            Blocks::Q8_0 { .. } if kern.is_vnni() => ActForm::Offset,
             Blocks::Q8_0 { .. } => ActForm::Plain,
         };
         // Taken, not borrowed: a loop that falls back to rayon may run another layer's call
@@ -508,13 +502,9 @@ impl Q8Linear {
             let out = outs[p].0.add((t - self.part_tiles[p]) * NC);
             // Tile `t`'s real columns: the part's from the tile's first on.
             let ncols = |t: usize| NC.min(n - (t - self.part_tiles[p]) * NC);
-            // Two tiles of one part at once on 512-bit registers, where the CPU has them.
+            // Two tiles of one part at once; a part's odd last tile, or a range's, alone.
             #[cfg(target_arch = "x86_64")]
-            if kern == Kernel::Vnni
-                && m >= WIDE_MIN_ROWS
-                && t + 1 < tiles.end.min(self.part_tiles[p + 1])
-                && wide_vnni()
-            {
+            if kern == Kernel::VnniWide && t + 1 < tiles.end.min(self.part_tiles[p + 1]) {
                 match &self.blocks {
                     Blocks::Q8_0 { qs, scales, sums } => {
                         let pair = [
@@ -542,7 +532,7 @@ impl Q8Linear {
                         #[cfg(target_arch = "x86_64")]
                         Kernel::Avx2 => avx2::tile(&tile, xq, xd, m, k, out, n),
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Vnni => vnni::tile(&tile, xq, xd, m, k, out, n),
+                        Kernel::Vnni | Kernel::VnniWide => vnni::tile(&tile, xq, xd, m, k, out, n),
                     }
                 }
                 Blocks::Q4_1 { qs, dm } => {
@@ -552,7 +542,7 @@ impl Q8Linear {
                         #[cfg(target_arch = "x86_64")]
                         Kernel::Avx2 => avx2::tile4(&tile, acts, m, k, out, n),
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Vnni => vnni::tile4(&tile, acts, m, k, out, n),
+                        Kernel::Vnni | Kernel::VnniWide => vnni::tile4(&tile, acts, m, k, out, n),
                     }
                 }
             }
@@ -728,6 +718,41 @@ enum Kernel {
     /// AVX2 plus AVX-512 VNNI on 256-bit registers; activations offset to unsigned bytes.
     #[cfg(target_arch = "x86_64")]
     Vnni,
+    /// `Vnni` computing two adjacent tiles at once on 512-bit registers (AVX-512F/BW too):
+    /// the same operations lane for lane, so the same bits.
+    #[cfg(target_arch = "x86_64")]
+    VnniWide,
+}
+
+impl Kernel {
+    #[cfg(target_arch = "x86_64")]
+    fn is_vnni(self) -> bool {
+        matches!(self, Kernel::Vnni | Kernel::VnniWide)
+    }
+
+    /// The kernel that runs a call of `m` rows on `blocks`: the same bits whichever it is,
+    /// picked by what measured fastest at that many rows.
+    fn for_rows(self, blocks: &Blocks, m: usize) -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let kern = match self {
+                Kernel::VnniWide if m < WIDE_MIN_ROWS => Kernel::Vnni,
+                k => k,
+            };
+            // Up to three rows are bound by reading the weights: there the AVX2 kernel
+            // measured as fast (three rows) or faster (one: 1.13x).
+            match (kern, blocks) {
+                (k, Blocks::Q8_0 { .. }) if k.is_vnni() && m < VNNI_MIN_ROWS => Kernel::Avx2,
+                (k, Blocks::Q4_1 { .. }) if k.is_vnni() && m < VNNI_Q4_MIN_ROWS => Kernel::Avx2,
+                (k, _) => k,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (blocks, m);
+            self
+        }
+    }
 }
 
 /// The fastest kernel this CPU runs.
@@ -742,26 +767,19 @@ fn kernel() -> Kernel {
             let vnni = is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx512vl")
                 && std::env::var_os("COLLABLLM_NO_VNNI").is_none();
-            match (avx2, vnni) {
-                (true, true) => Kernel::Vnni,
-                (true, false) => Kernel::Avx2,
+            let wide = is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && std::env::var_os("COLLABLLM_NO_WIDE").is_none();
+            match (avx2, vnni, wide) {
+                (true, true, true) => Kernel::VnniWide,
+                (true, true, false) => Kernel::Vnni,
+                (true, false, _) => Kernel::Avx2,
                 _ => Kernel::Scalar,
             }
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
     Kernel::Scalar
-}
-
-/// Whether the VNNI kernel may run two tiles at once on 512-bit registers.
-#[cfg(target_arch = "x86_64")]
-fn wide_vnni() -> bool {
-    static WIDE: OnceLock<bool> = OnceLock::new();
-    *WIDE.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && std::env::var_os("COLLABLLM_NO_WIDE").is_none()
-    })
 }
 
 /// IEEE half → single (exact).
@@ -805,7 +823,7 @@ fn quantize_rows(
         }
         // SAFETY: `kernel()` checked the CPU features.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 | Kernel::Vnni => unsafe {
+        Kernel::Avx2 | Kernel::Vnni | Kernel::VnniWide => unsafe {
             avx2::quantize(xs, xq, xd, sums, form == ActForm::Offset)
         },
     }
@@ -1647,8 +1665,11 @@ mod tests {
             if kernel() != Kernel::Scalar {
                 k.push(Kernel::Avx2);
             }
-            if kernel() == Kernel::Vnni {
+            if kernel().is_vnni() {
                 k.push(Kernel::Vnni);
+            }
+            if kernel() == Kernel::VnniWide {
+                k.push(Kernel::VnniWide);
             }
         }
         k
