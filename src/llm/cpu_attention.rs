@@ -1353,7 +1353,13 @@ fn group_values(
                 let (o0, o1) = out[j * d..(j + 2) * d].split_at_mut(d);
                 // SAFETY: `simd()` checked the CPU features; `values` holds every row read
                 // (asserted); the weights and outputs have equal lengths.
-                unsafe { avx2::weighted_sum2(w(j), w(j + 1), values, vstride, o0, o1) };
+                unsafe {
+                    if wide() {
+                        avx512::weighted_sum2(w(j), w(j + 1), values, vstride, o0, o1);
+                    } else {
+                        avx2::weighted_sum2(w(j), w(j + 1), values, vstride, o0, o1);
+                    }
+                }
                 j += 2;
                 continue;
             }
@@ -1488,9 +1494,9 @@ fn own_values(
             // values each.
             unsafe {
                 match js.end - j {
-                    1 => avx2::weighted_sums_f16([w(j)], values, stride, d, [o(0)]),
-                    2 => avx2::weighted_sums_f16([w(j), w(j + 1)], values, stride, d, [o(0), o(1)]),
-                    _ => avx2::weighted_sums_f16(
+                    1 => sums_f16([w(j)], values, stride, d, [o(0)]),
+                    2 => sums_f16([w(j), w(j + 1)], values, stride, d, [o(0), o(1)]),
+                    _ => sums_f16(
                         [w(j), w(j + 1), w(j + 2)],
                         values,
                         stride,
@@ -1504,6 +1510,25 @@ fn own_values(
         return;
     }
     group_values(simd, seg, scores, len, from, js, out, d, work);
+}
+
+/// [`avx2::weighted_sums_f16`], on 512-bit registers where [`wide`].
+///
+/// # Safety
+/// As [`avx2::weighted_sums_f16`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn sums_f16<const Q: usize>(
+    ws: [&[f32]; Q],
+    v: &[f16],
+    stride: usize,
+    d: usize,
+    outs: [*mut f32; Q],
+) {
+    if wide() {
+        avx512::weighted_sums_f16(ws, v, stride, d, outs);
+    } else {
+        avx2::weighted_sums_f16(ws, v, stride, d, outs);
+    }
 }
 
 /// [`group_scores`] for `n` keys (f32 rows `stride` apart), written from column `from`.
@@ -1530,6 +1555,22 @@ fn block_scores(
             // Two queries at a time: each load of a key serves both.
             for j in (0..nq - nq % 2).step_by(2) {
                 pf.some();
+                if wide() {
+                    let at = from + p;
+                    let (first, second) = scores[j * len..].split_at_mut(len);
+                    // SAFETY: `wide()` checked the CPU features; every slice has `d` values.
+                    unsafe {
+                        avx512::dot2x8(
+                            q(j),
+                            q(j + 1),
+                            &block,
+                            scale,
+                            &mut first[at..at + 8],
+                            &mut second[at..at + 8],
+                        )
+                    };
+                    continue;
+                }
                 for half in [0, 4] {
                     let keys: &[&[f32]; 4] = block[half..half + 4].try_into().expect("4 keys");
                     let at = from + p + half;
@@ -1605,6 +1646,23 @@ fn narrow(src: &[f32], dst: &mut [f16]) {
         return;
     }
     dst.convert_from_f32_slice(src);
+}
+
+/// Whether the value sums and the paired queries' scores run on 512-bit registers (AVX-512F
+/// besides AVX2/FMA/F16C; decided once). Each lane does the multiply-adds its 256-bit
+/// kernel's lane does, in the same order, and the lanes are summed in the same order: the
+/// same bits, in half the instructions (16-request decode steps 3-4 % shorter on a Cascade
+/// Lake VM, whose two 512-bit FMA pipes run twice the multiply-adds a cycle).
+/// `COLLABLLM_NO_WIDE=1` keeps the 256-bit kernels (and the int8 layers' 256-bit VNNI).
+#[cfg(target_arch = "x86_64")]
+fn wide() -> bool {
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    *WIDE.get_or_init(|| {
+        simd()
+            && f16c()
+            && is_x86_feature_detected!("avx512f")
+            && std::env::var_os("COLLABLLM_NO_WIDE").is_none()
+    })
 }
 
 /// Whether the CPU converts f16 with F16C (decided once).
@@ -1690,7 +1748,13 @@ fn weighted_sum(
     #[cfg(target_arch = "x86_64")]
     if simd && d.is_multiple_of(8) {
         // SAFETY: `simd()` checked the CPU features; `v` holds every row read (asserted).
-        unsafe { avx2::weighted_sum(w, v, stride, out, accumulate) };
+        unsafe {
+            if wide() {
+                avx512::weighted_sum(w, v, stride, out, accumulate);
+            } else {
+                avx2::weighted_sum(w, v, stride, out, accumulate);
+            }
+        }
         return;
     }
     let _ = simd;
@@ -2042,6 +2106,265 @@ mod avx2 {
         }
         for (j, acc) in acc.iter().enumerate() {
             _mm256_storeu_ps(out.add(8 * j), *acc);
+        }
+    }
+}
+
+/// Kernels of [`avx2`] on 512-bit registers, the same bits: the value sums 16 columns a
+/// register, each lane's multiply-adds those of the 256-bit kernel's lane for that column,
+/// in the same order (a last 8 columns go to the 256-bit kernel); two queries' scores a
+/// register, one query a half.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::avx2;
+    use std::arch::x86_64::*;
+
+    /// `out0[j] = (a0 · bs[j]) · scale`, `out1[j] = (a1 · bs[j]) · scale`: two
+    /// [`avx2::dot2x4`] calls' dot products, bit for bit. A register holds one key's
+    /// multiply-adds with `a0` in its low half and with `a1` in its high half, each lane's as
+    /// the 256-bit kernel's; the lanes are summed as [`avx2::lane_sums`] sums them, in both
+    /// halves at once.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2 and FMA; `a1` and every `bs[j]` as long as `a0`, a multiple of 8; the
+    /// outputs hold 8 values each.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn dot2x8(
+        a0: &[f32],
+        a1: &[f32],
+        bs: &[&[f32]; 8],
+        scale: f32,
+        out0: &mut [f32],
+        out1: &mut [f32],
+    ) {
+        debug_assert!(a1.len() == a0.len() && bs.iter().all(|b| b.len() == a0.len()));
+        debug_assert!(out0.len() == 8 && out1.len() == 8);
+        let mut acc = [_mm512_setzero_ps(); 8];
+        for i in (0..a0.len()).step_by(8) {
+            let x = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a0.as_ptr().add(i)))),
+                _mm256_castps_pd(_mm256_loadu_ps(a1.as_ptr().add(i))),
+            ));
+            for (acc, b) in acc.iter_mut().zip(bs) {
+                let key = _mm256_castps_pd(_mm256_loadu_ps(b.as_ptr().add(i)));
+                let y = _mm512_castpd_ps(_mm512_broadcast_f64x4(key));
+                *acc = _mm512_fmadd_ps(x, y, *acc);
+            }
+        }
+        let dots = _mm512_mul_ps(lane_sums(&acc), _mm512_set1_ps(scale));
+        _mm256_storeu_ps(out0.as_mut_ptr(), _mm512_castps512_ps256(dots));
+        let high = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(dots));
+        _mm256_storeu_ps(out1.as_mut_ptr(), _mm256_castpd_ps(high));
+    }
+
+    /// [`avx2::lane_sums`] in each 256-bit half: `[Σ lo(acc_0), …, Σ lo(acc_7) | Σ hi(acc_0),
+    /// …, Σ hi(acc_7)]`, the same additions in the same order.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn lane_sums(acc: &[__m512; 8]) -> __m512 {
+        // Per half, [t_j | t_{j+4}] with t_j = lo128(acc_j) + hi128(acc_j) of that half:
+        // 128-bit pieces (a0, b0, a2, b2) and (a1, b1, a3, b3) of a = acc_j, b = acc_{j+4}.
+        let pick = |p: [i32; 4]| {
+            let idx = |c: i32| [4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3];
+            let [a, b, c, d] = p.map(idx);
+            _mm512_setr_epi32(
+                a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1],
+                d[2], d[3],
+            )
+        };
+        // Pieces 0-3 are the first operand's, 4-7 the second's.
+        let (first, second) = (pick([0, 4, 2, 6]), pick([1, 5, 3, 7]));
+        let halves = |j: usize| {
+            let lo = _mm512_permutex2var_ps(acc[j], first, acc[j + 4]);
+            let hi = _mm512_permutex2var_ps(acc[j], second, acc[j + 4]);
+            _mm512_add_ps(lo, hi)
+        };
+        let t = [halves(0), halves(1), halves(2), halves(3)];
+        let pairs = |a: __m512, b: __m512| {
+            let (a, b) = (_mm512_castps_pd(a), _mm512_castps_pd(b));
+            let lo = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            let hi = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+            _mm512_add_ps(lo, hi)
+        };
+        let (u01, u23) = (pairs(t[0], t[1]), pairs(t[2], t[3]));
+        let first = _mm512_shuffle_ps::<0b10_00_10_00>(u01, u23);
+        let second = _mm512_shuffle_ps::<0b11_01_11_01>(u01, u23);
+        _mm512_add_ps(first, second)
+    }
+
+    /// [`avx2::weighted_sum`].
+    ///
+    /// # Safety
+    /// As [`avx2::weighted_sum`], plus AVX-512F.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn weighted_sum(
+        w: &[f32],
+        v: &[f32],
+        stride: usize,
+        out: &mut [f32],
+        accumulate: bool,
+    ) {
+        let d = out.len();
+        let mut c = 0;
+        while c + 64 <= d {
+            columns::<4>(
+                w,
+                v.as_ptr().add(c),
+                stride,
+                out.as_mut_ptr().add(c),
+                accumulate,
+            );
+            c += 64;
+        }
+        while c + 16 <= d {
+            columns::<1>(
+                w,
+                v.as_ptr().add(c),
+                stride,
+                out.as_mut_ptr().add(c),
+                accumulate,
+            );
+            c += 16;
+        }
+        if c < d {
+            avx2::weighted_sum(w, &v[c..], stride, &mut out[c..], accumulate);
+        }
+    }
+
+    /// [`avx2::weighted_sum2`].
+    ///
+    /// # Safety
+    /// As [`avx2::weighted_sum2`], plus AVX-512F.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn weighted_sum2(
+        w0: &[f32],
+        w1: &[f32],
+        v: &[f32],
+        stride: usize,
+        out0: &mut [f32],
+        out1: &mut [f32],
+    ) {
+        let d = out0.len();
+        let mut c = 0;
+        while c + 64 <= d {
+            let outs = (out0.as_mut_ptr().add(c), out1.as_mut_ptr().add(c));
+            columns2::<4>(w0, w1, v.as_ptr().add(c), stride, outs);
+            c += 64;
+        }
+        while c + 16 <= d {
+            let outs = (out0.as_mut_ptr().add(c), out1.as_mut_ptr().add(c));
+            columns2::<1>(w0, w1, v.as_ptr().add(c), stride, outs);
+            c += 16;
+        }
+        if c < d {
+            avx2::weighted_sum2(w0, w1, &v[c..], stride, &mut out0[c..], &mut out1[c..]);
+        }
+    }
+
+    /// [`avx2::weighted_sums_f16`].
+    ///
+    /// # Safety
+    /// As [`avx2::weighted_sums_f16`], plus AVX-512F.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_sums_f16<const Q: usize>(
+        ws: [&[f32]; Q],
+        v: &[half::f16],
+        stride: usize,
+        d: usize,
+        outs: [*mut f32; Q],
+    ) {
+        debug_assert!(ws.iter().all(|w| w.len() == ws[0].len()));
+        let mut c = 0;
+        while c + 64 <= d {
+            columns_f16::<Q, 4>(ws, v.as_ptr().add(c), stride, outs.map(|o| o.add(c)));
+            c += 64;
+        }
+        while c + 16 <= d {
+            columns_f16::<Q, 1>(ws, v.as_ptr().add(c), stride, outs.map(|o| o.add(c)));
+            c += 16;
+        }
+        if c < d {
+            avx2::weighted_sums_f16(ws, &v[c..], stride, d - c, outs.map(|o| o.add(c)));
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn columns_f16<const Q: usize, const N: usize>(
+        ws: [&[f32]; Q],
+        v: *const half::f16,
+        stride: usize,
+        outs: [*mut f32; Q],
+    ) {
+        let mut acc: [[__m512; N]; Q] =
+            std::array::from_fn(|i| std::array::from_fn(|j| _mm512_loadu_ps(outs[i].add(16 * j))));
+        for p in 0..ws[0].len() {
+            let w: [__m512; Q] = std::array::from_fn(|i| _mm512_set1_ps(*ws[i].get_unchecked(p)));
+            let row = v.add(p * stride);
+            for j in 0..N {
+                let x = _mm512_cvtph_ps(_mm256_loadu_si256(row.add(16 * j).cast()));
+                for (acc, w) in acc.iter_mut().zip(&w) {
+                    acc[j] = _mm512_fmadd_ps(*w, x, acc[j]);
+                }
+            }
+        }
+        for (acc, out) in acc.iter().zip(outs) {
+            for (j, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.add(16 * j), *acc);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    unsafe fn columns2<const N: usize>(
+        w0: &[f32],
+        w1: &[f32],
+        v: *const f32,
+        stride: usize,
+        (out0, out1): (*mut f32, *mut f32),
+    ) {
+        let mut acc0: [__m512; N] = std::array::from_fn(|j| _mm512_loadu_ps(out0.add(16 * j)));
+        let mut acc1: [__m512; N] = std::array::from_fn(|j| _mm512_loadu_ps(out1.add(16 * j)));
+        for (p, (&a, &b)) in w0.iter().zip(w1).enumerate() {
+            let (wa, wb) = (_mm512_set1_ps(a), _mm512_set1_ps(b));
+            let row = v.add(p * stride);
+            for j in 0..N {
+                let x = _mm512_loadu_ps(row.add(16 * j));
+                acc0[j] = _mm512_fmadd_ps(wa, x, acc0[j]);
+                acc1[j] = _mm512_fmadd_ps(wb, x, acc1[j]);
+            }
+        }
+        for j in 0..N {
+            _mm512_storeu_ps(out0.add(16 * j), acc0[j]);
+            _mm512_storeu_ps(out1.add(16 * j), acc1[j]);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    unsafe fn columns<const N: usize>(
+        w: &[f32],
+        v: *const f32,
+        stride: usize,
+        out: *mut f32,
+        accumulate: bool,
+    ) {
+        let mut acc = [_mm512_setzero_ps(); N];
+        if accumulate {
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_loadu_ps(out.add(16 * j));
+            }
+        }
+        for (p, &wp) in w.iter().enumerate() {
+            let wv = _mm512_set1_ps(wp);
+            let row = v.add(p * stride);
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row.add(16 * j)), *acc);
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.add(16 * j), *acc);
         }
     }
 }
@@ -2441,6 +2764,96 @@ mod tests {
         let mut nan = [f16::ZERO; 8];
         narrow(&[f32::NAN; 8], &mut nan);
         assert!(nan.iter().all(|h| h.is_nan()));
+    }
+
+    /// The 512-bit kernels against the 256-bit ones they stand for, bit for bit, at head
+    /// sizes with and without a last 8 or 16 columns (on CPUs without AVX-512F only the
+    /// 256-bit kernels run, and this compares nothing: it says so).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn wide_kernels_give_the_256_bit_kernels_bits() {
+        if !(simd() && f16c() && is_x86_feature_detected!("avx512f")) {
+            eprintln!("no AVX-512F here: the 512-bit attention kernels are not run");
+            return;
+        }
+        let vec = |n: usize| randn(&[n]).to_vec1::<f32>().unwrap();
+        for d in [64usize, 128, 40, 24, 16, 8] {
+            let n = 37;
+            let stride = d + 1;
+            let (w0, w1, w2, v) = (vec(n), vec(n), vec(n), vec(n * stride));
+            let v = &v[..(n - 1) * stride + d];
+            let start = vec(d);
+            // One query, from zero and onto what `out` holds.
+            for accumulate in [false, true] {
+                let (mut a, mut b) = (start.clone(), start.clone());
+                // SAFETY: the features were checked; `v` holds every row read.
+                unsafe {
+                    avx2::weighted_sum(&w0, v, stride, &mut a, accumulate);
+                    avx512::weighted_sum(&w0, v, stride, &mut b, accumulate);
+                }
+                assert_eq!(bits(&a), bits(&b), "weighted_sum d={d} {accumulate}");
+            }
+            // Two queries over f32 values.
+            let (mut a0, mut a1, mut b0, mut b1) = (start.clone(), vec(d), start.clone(), vec(d));
+            b1.copy_from_slice(&a1);
+            // SAFETY: as above.
+            unsafe {
+                avx2::weighted_sum2(&w0, &w1, v, stride, &mut a0, &mut a1);
+                avx512::weighted_sum2(&w0, &w1, v, stride, &mut b0, &mut b1);
+            }
+            assert_eq!(
+                (bits(&a0), bits(&a1)),
+                (bits(&b0), bits(&b1)),
+                "weighted_sum2 d={d}"
+            );
+            // Up to three queries over f16 values.
+            let halves: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            let mut a = [start.clone(), vec(d), vec(d)];
+            let mut b = a.clone();
+            let [a0, a1, a2] = &mut a;
+            let [b0, b1, b2] = &mut b;
+            let (pa, pb) = (
+                [a0.as_mut_ptr(), a1.as_mut_ptr(), a2.as_mut_ptr()],
+                [b0.as_mut_ptr(), b1.as_mut_ptr(), b2.as_mut_ptr()],
+            );
+            let ws = [&w0[..], &w1[..], &w2[..]];
+            // SAFETY: as above; each output holds `d` values.
+            unsafe {
+                avx2::weighted_sums_f16(ws, &halves, stride, d, pa);
+                avx512::weighted_sums_f16(ws, &halves, stride, d, pb);
+                avx2::weighted_sums_f16([ws[0]], &halves, stride, d, [pa[1]]);
+                avx512::weighted_sums_f16([ws[0]], &halves, stride, d, [pb[1]]);
+            }
+            assert_eq!(
+                a.iter().map(|x| bits(x)).collect::<Vec<_>>(),
+                b.iter().map(|x| bits(x)).collect::<Vec<_>>(),
+                "weighted_sums_f16 d={d}"
+            );
+            // Two queries' scores of eight keys.
+            let (q0, q1) = (vec(d), vec(d));
+            let keys: Vec<Vec<f32>> = (0..8).map(|_| vec(d)).collect();
+            let block: [&[f32]; 8] = std::array::from_fn(|j| &keys[j][..]);
+            let (mut s0, mut s1) = (vec![0f32; 8], vec![0f32; 8]);
+            let (mut t0, mut t1) = (vec![0f32; 8], vec![0f32; 8]);
+            // SAFETY: as above; every slice has `d` values, the outputs 4 or 8.
+            unsafe {
+                for half in [0, 4] {
+                    let four: &[&[f32]; 4] = block[half..half + 4].try_into().unwrap();
+                    let (o0, o1) = (&mut s0[half..half + 4], &mut s1[half..half + 4]);
+                    avx2::dot2x4(&q0, &q1, four, 0.125, o0, o1);
+                }
+                avx512::dot2x8(&q0, &q1, &block, 0.125, &mut t0, &mut t1);
+            }
+            assert_eq!(
+                (bits(&s0), bits(&s1)),
+                (bits(&t0), bits(&t1)),
+                "dot2x8 d={d}"
+            );
+        }
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
     }
 
     #[test]
