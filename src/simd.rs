@@ -66,6 +66,13 @@ pub(crate) fn isa() -> Isa {
     })
 }
 
+/// Whether the hand-written kernels (int8 matmul, attention) may use 512-bit registers:
+/// AVX-512F, unless `COLLABLLM_NO_WIDE` is set (for side-by-side figures). Decided once.
+pub(crate) fn wide_registers() -> bool {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WIDE.get_or_init(|| isa() == Isa::Avx512 && std::env::var_os("COLLABLLM_NO_WIDE").is_none())
+}
+
 /// Defines `$name` dispatching to `$any` compiled for each instruction set.
 macro_rules! dispatch {
     ($vis:vis $name:ident, $any:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {

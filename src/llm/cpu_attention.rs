@@ -1656,13 +1656,7 @@ fn narrow(src: &[f32], dst: &mut [f16]) {
 /// `COLLABLLM_NO_WIDE=1` keeps the 256-bit kernels (and the int8 layers' 256-bit VNNI).
 #[cfg(target_arch = "x86_64")]
 fn wide() -> bool {
-    static WIDE: OnceLock<bool> = OnceLock::new();
-    *WIDE.get_or_init(|| {
-        simd()
-            && f16c()
-            && is_x86_feature_detected!("avx512f")
-            && std::env::var_os("COLLABLLM_NO_WIDE").is_none()
-    })
+    simd() && f16c() && crate::simd::wide_registers()
 }
 
 /// Whether the CPU converts f16 with F16C (decided once).

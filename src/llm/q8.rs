@@ -440,7 +440,6 @@ impl Q8Linear {
     }
 
     fn matmul(&self, kern: Kernel, xs: &[f32], m: usize) -> Vec<Vec<f32>> {
-        #[cfg(target_arch = "x86_64")]
         let kern = kern.for_rows(&self.blocks, m);
         let form = match &self.blocks {
             Blocks::Q4_1 { .. } => ActForm::WithSums,
@@ -767,9 +766,7 @@ fn kernel() -> Kernel {
             let vnni = is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("avx512vl")
                 && std::env::var_os("COLLABLLM_NO_VNNI").is_none();
-            let wide = is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && std::env::var_os("COLLABLLM_NO_WIDE").is_none();
+            let wide = crate::simd::wide_registers() && is_x86_feature_detected!("avx512bw");
             match (avx2, vnni, wide) {
                 (true, true, true) => Kernel::VnniWide,
                 (true, true, false) => Kernel::Vnni,
