@@ -23,7 +23,8 @@ use collabllm::task::TaskType;
 /// Every model meets the same tasks, seeds, user simulator and judge (or oracle). Outputs in
 /// --output: conversations/<model>.jsonl (one line per conversation or game, append-only),
 /// summary.json and summary.csv (mean, standard error and n per model × metric),
-/// lmrl/<model>.jsonl (20 Questions in LMRL's offline schema), manifest.json, and cache
+/// lmrl/<model>.jsonl (20 Questions in LMRL's offline schema), sft/<model>.parquet (with
+/// --sft), manifest.json, and cache
 /// (a file: every model answer). Killed at any moment, the same command resumes; rerun with more
 /// --model flags to add models to an evaluation.
 #[derive(Parser, Debug)]
@@ -42,8 +43,10 @@ struct Args {
     /// Model to evaluate, repeatable: `default`, a .gguf file, an HF directory or id,
     /// `openai:<model>[@<base_url>]`; `proactive:SPEC` (that model with the collaborative
     /// system prompt: the paper's prompted baseline, its own row `<label>-proactive`); for 20
-    /// Questions also `reference` (greedy information gain) and `random` (random distinct
-    /// guesses).
+    /// Questions also `reference` (greedy information gain), `random` (random distinct
+    /// guesses) and `demonstrator` (a noisy halving questioner: one of the 3 questions of
+    /// highest expected gain at random, guesses once 2 objects remain; with --sft its games
+    /// are SFT data).
     #[arg(
         long = "model",
         value_name = "SPEC",
@@ -126,9 +129,14 @@ struct Args {
     /// Only warn when evaluation tasks overlap an --exclude-run.
     #[arg(long)]
     allow_overlap: bool,
-    /// Sampling temperature of the evaluated models [default: 1.0].
+    /// Sampling temperature of the evaluated models; 0 is greedy [default: 0].
     #[arg(long, value_name = "T", value_parser = Sampling::TEMPERATURE.parser())]
     temperature: Option<f64>,
+    /// 20 Questions: also write each questioner's won games as SFT conversations,
+    /// sft/<model>.parquet (TRL `messages` form: the rules, each question and answer, ending at
+    /// the winning question), for `dpo_train --loss sft --data <that file>`.
+    #[arg(long)]
+    sft: bool,
     /// Token cap of one reply, repeatable: ROLE=N with ROLE policy (the evaluated models), user,
     /// judge or extractor; a bare N caps the evaluated models [default: upstream's policy=2048
     /// user=1024 judge=512 extractor=2048].
@@ -188,6 +196,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         threads: args.threads,
         prompts: args.prompts,
         prices: args.prices.into_iter().collect(),
+        sft: args.sft,
         ..EvalConfig::default()
     };
     macro_rules! set {

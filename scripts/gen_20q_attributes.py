@@ -133,6 +133,9 @@ A['looks_like_a_tiny_tree']=S('Broccoli')
 A['covers_most_of_the_earth']=S('Ocean')
 A['is_a_chain']=S('Necklace')
 A['squeezed_to_use']=S('Pliers,Scissors,Stapler,Toothpaste,Glue')
+A['has_fur']=S('Cat,Dog,Horse,Cow,Sheep,Rabbit,Lion,Tiger,Bear,Stuffed animal')
+# No object is one: a truthful "No." to "Is it a bird?" and its kin.
+A['is_bird_fish_reptile_or_insect']=set()
 # check
 attrs=list(A)
 for a in attrs:

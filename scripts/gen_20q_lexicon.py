@@ -12,7 +12,7 @@ L=[
 ('is_tall','Is it tall?',r'\btall\b'),
 ('keeps_food_cold','Does it keep food cold?',r'keep(s)? (food|things|drinks) cold|\bcool(s)? (food|things)'),
 ('heats_food','Does it heat food?',r'(heat|warm)(s)? (up )?(food|things)|\bhot\b'),
-('eats_meat','Does it eat meat?',r'\bmeat\b|\bcarnivor|\bpredator|\bhunt'),
+('eats_meat','Does it eat meat?',r'\beats? meat\b|\bmeat\b|\bcarnivor|\bpredator|\bhunt'),
 ('found_in_kitchen','Is it found in the kitchen?',r'\bkitchen\b'),
 ('used_for_cooking','Is it used for cooking?',r'\bcook(ing|ed|s)?\b'),
 ('used_for_eating','Is it used for eating?',r'(used )?(for|to|when) eat(ing)?|eat (with|from|off) it|dish(es|ware)?'),
@@ -40,6 +40,7 @@ L=[
 ('barks','Does it bark?',r'\bbark(s|ing)?\b'),
 ('has_stripes','Does it have stripes?',r'\bstripe[sd]?\b|\bstriped\b'),
 ('has_a_trunk','Does it have a trunk?',r'\btrunk\b'),
+('is_bird_fish_reptile_or_insect','Is it a bird?',r'\bbirds?\b|\bfish(es)?\b|\breptiles?\b|\binsects?\b|\bbugs?\b|\bfeathers?\b|\bamphibians?\b'),
 ('is_animal','Is it an animal?',r'\banimals?\b|\bmammal|\bcreature|\bbeast'),
 ('worn_on_legs','Is it worn on the legs?',r'worn on the legs|on your legs|cover(s)? (the|your) legs'),
 ('has_legs','Does it have legs?',r'\blegs?\b|\bpaws?\b'),
@@ -51,7 +52,7 @@ L=[
 ('has_wheels','Does it have wheels?',r'\bwheels?\b|\btires?\b'),
 ('carries_many_people','Does it carry many people?',r'(carry|carries|transport|hold)(s)? (many|lots of|a lot of) (people|passengers)|\bpassengers\b|\bpublic transport'),
 ('is_used_for_transport','Is it used for transportation?',r'\btransport(ation|s|ing)?\b|\bride\b|\bridden\b|\btravel\b|\bget around\b'),
-('is_clothing','Is it clothing?',r'\bcloth(ing|es)\b|\bgarment|\bapparel|\bwear it\b|\bto wear\b'),
+('is_clothing','Is it clothing?',r'\bcloth(ing|es)\b|\bgarment|\bapparel'),
 ('worn_on_feet','Is it worn on the feet?',r'\bfoot\b|\bfeet\b|\bfootwear\b'),
 ('worn_on_head','Is it worn on the head?',r'\bhead\b|\bhair\b'),
 ('worn_around_neck','Is it worn around the neck?',r'\bneck\b'),
@@ -94,7 +95,7 @@ L=[
 ('used_to_build_or_fix','Is it used to build or fix things?',r'\bbuild(ing)?\b|\bfix(ing)?\b|\brepair|\bconstruction\b'),
 ('cuts_things','Does it cut things?',r'\bcut(s|ting)?\b|\bchop\b|\bslice\b'),
 ('is_sharp','Is it sharp?',r'\bsharp\b|\bpointy\b|\bpointed\b|\bblades?\b|\bspiky\b'),
-('is_tool','Is it a tool?',r'\btools?\b|\bequipment\b|\bdevice\b|\bgadget\b'),
+('is_tool','Is it a tool?',r'\btools?\b'),
 ('used_for_writing_or_drawing','Is it used for writing or drawing?',r'\bwrit(e|ing|ten)\b|\bdraw(ing)?\b'),
 ('contains_ink','Does it contain ink?',r'\bink\b'),
 ('has_a_lid_or_cap','Does it have a lid or a cap?',r'\blid\b|\bcap\b'),
@@ -110,6 +111,7 @@ L=[
 ('is_made_of_wood','Is it made of wood?',r'\bwood(en)?\b|\btimber\b'),
 ('is_made_of_fabric','Is it made of fabric?',r'\bfabric\b|\bcloth\b|\bcotton\b|\btextile\b|\bleather\b'),
 ('is_made_of_plastic','Is it made of plastic?',r'\bplastic\b'),
+('has_fur','Does it have fur?',r'\bfur\b|\bfurry\b|\bhairy\b'),
 ('is_soft','Is it soft?',r'\bsoft\b|\bfluffy\b|\bfurry\b|\bsquishy\b'),
 ('is_hard','Is it hard?',r'\bhard\b|\bsolid\b'),
 ('is_liquid_or_paste','Is it a liquid or a paste?',r'\bliquid\b|\bpaste\b|\bfluid\b|\bsticky\b'),
@@ -128,13 +130,13 @@ L=[
 ('is_white','Is it white?',r'\bwhite\b'),
 ('is_mostly_brown','Is it brown?',r'\bbrown\b'),
 ('found_outdoors','Is it found outdoors?',r'\boutdoors?\b|\boutside\b'),
-('!found_outdoors','-',r'\bindoors?\b|\binside (a |the )?(house|home|building)'),
+('!found_outdoors','-',r'\bindoors?\b|\binside (a |the )?(house|home|building)|\bhousehold\b|\bin (a|the|your) (house|home)\b|\bat home\b'),
 ]
 import csv,sys
 attrs=open('data/twenty_questions_attributes.tsv').read().split('\n')[1].split('\t')[1:]
 seen=set(a.lstrip('!') for a,_,_ in L)
 print('missing',[a for a in attrs if a not in seen]); print('extra',[a for a in seen if a not in attrs])
 with open('data/twenty_questions_lexicon.tsv','w') as f:
-    f.write('# Question -> attribute lexicon for the 20 Questions table oracle. Rows are tried in order; the first\n# whose pattern (a case-insensitive regex) matches the question decides. "!attr" means the negation;\n# question "-" marks a synonym row (the canonical question of an attribute is on its first row).\n')
+    f.write('# Question -> attribute lexicon for the 20 Questions table oracle. Rows are tried in order; the first\n# whose pattern (a case-insensitive regex) matches the question decides (see src/task/twenty_questions/parse.rs\n# for the grammar and the one-attribute rule). "!attr" means the negation;\n# question "-" marks a synonym row (the canonical question of an attribute is on its first row).\n')
     f.write('attribute\tquestion\tpattern\n')
     for a,q,p in L: f.write(f'{a}\t{q}\t{p}\n')

@@ -12,10 +12,11 @@ use crate::task::twenty_questions::chat::OracleMode;
 /// (flattened into each binary's arguments).
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct TwentyQuestionsArgs {
-    /// Named metric weights: `20q-infogain` (success=1, info_gain=1, token_amount=-0.5: exact,
-    /// no judge; the 20 Questions default) or `20q-interactive` (success=1, interactivity=1,
-    /// token_amount=-0.5), the two reward variants of the 20 Questions study. --metric flags
-    /// add to or override its weights.
+    /// Named metric weights: `20q-infogain` (success=1, info_gain=1, reply_tokens=-0.5:
+    /// exact, no judge; the 20 Questions default) or `20q-interactive` (success=1,
+    /// interactivity=1, reply_tokens=-0.5), the two reward variants of the 20 Questions
+    /// study. info_gain is the candidate question's expected gain under the table;
+    /// reply_tokens counts the candidate alone. --metric flags add to or override its weights.
     #[arg(long, value_name = "NAME", value_parser = crate::reward::metrics::parse_metric_preset)]
     pub metric_preset: Option<String>,
     /// 20 Questions: who answers the questions. `table`: the attribute table, exact (a

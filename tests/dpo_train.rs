@@ -524,24 +524,26 @@ fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
         );
     }
 
-    // Long histories lose their oldest whole turns; the system message stays.
+    // Long histories lose their oldest whole turns after the opening: the system message and
+    // the first user message (a game's rules) stay, and so does the last user message.
     let history = vec![
         ChatMessage::system("Sys."),
-        ChatMessage::user("a".repeat(40)),
+        ChatMessage::user("Rules."),
         ChatMessage::assistant("b".repeat(40)),
+        ChatMessage::user("c".repeat(40)),
+        ChatMessage::assistant("Second reply."),
         ChatMessage::user("Last question?"),
     ];
-    assert_eq!(
-        drop_oldest_turn(&history).unwrap(),
-        vec![history[0].clone(), history[3].clone()]
-    );
-    assert!(drop_oldest_turn(&history[..1]).is_none());
+    let kept = |ix: &[usize]| ix.iter().map(|&i| history[i].clone()).collect::<Vec<_>>();
+    assert_eq!(drop_oldest_turn(&history).unwrap(), kept(&[0, 1, 4, 5]));
+    assert_eq!(drop_oldest_turn(&kept(&[0, 1, 4, 5])), None);
+    assert_eq!(drop_oldest_turn(&history[1..]).unwrap(), kept(&[1, 4, 5]));
+    // A conversation ending with the assistant (SFT) keeps its last reply.
+    assert_eq!(drop_oldest_turn(&history[..5]).unwrap(), kept(&[0, 1, 4]));
+    assert!(drop_oldest_turn(&history[..2]).is_none());
     let long = row(0, history.clone(), "yes", "no!");
     let short_prompt = c
-        .encode(
-            &c.render(&[history[0].clone(), history[3].clone()], true)
-                .unwrap(),
-        )
+        .encode(&c.render(&kept(&[0, 1, 4, 5]), true).unwrap())
         .unwrap();
     let (pairs, stats) = tokenize_pairs(
         &c,

@@ -1057,3 +1057,75 @@ async fn a_proactive_row_and_a_system_prompt_reach_only_their_models() {
     .unwrap_err();
     assert!(format!("{err:#}").contains("empty"), "{err:#}");
 }
+
+/// The demonstrator's games become SFT conversations: the rules, then question / answer
+/// turns, ending at the winning question; every question is one the table reads.
+#[test]
+fn demonstrator_games_are_written_as_sft_conversations() {
+    use collabllm::dataset::sft::read_sft_parquet;
+    use collabllm::task::twenty_questions::chat::default_world;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("demo");
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "demonstrator",
+        "--split",
+        "train",
+        "--objects",
+        "12",
+        "--repeats",
+        "2",
+        "--sft",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let rows = read_sft_parquet(&out.join("sft/demonstrator.parquet")).unwrap();
+    let games = read_lines(&out.join("conversations/demonstrator.jsonl"));
+    let won = games.iter().filter(|g| g["game"]["won"] == true).count();
+    assert_eq!(games.len(), 24);
+    assert!(
+        won >= 22,
+        "the demonstrator wins nearly always: {won} of 24"
+    );
+    assert_eq!(rows.len(), won, "one conversation per won game");
+    let world = default_world().unwrap();
+    for r in &rows {
+        let m = &r.messages;
+        assert!(m[0].role == "user" && m[0].content.starts_with("You are playing 20 Questions"));
+        assert_eq!(
+            m.last().unwrap().role,
+            "assistant",
+            "ends at the winning question"
+        );
+        for (k, msg) in m.iter().enumerate().skip(1) {
+            let want = if k % 2 == 1 { "assistant" } else { "user" };
+            assert_eq!(msg.role, want);
+            if want == "assistant" {
+                assert!(world.parse(&msg.content).is_some(), "{}", msg.content);
+            } else {
+                assert!(msg.content == "Yes." || msg.content == "No.");
+            }
+        }
+    }
+    // The two repeats of one object are different games (the draw among the best questions).
+    let questions = |repeat: u64| -> Vec<String> {
+        games
+            .iter()
+            .filter(|g| {
+                g["repeat"] == repeat
+                    && g["game"]["object_index"] == games[0]["game"]["object_index"]
+            })
+            .flat_map(|g| g["game"]["turns"].as_array().unwrap().iter())
+            .map(|t| t["question"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let different = (0..12).any(|_| questions(0) != questions(1));
+    assert!(different, "{:?} vs {:?}", questions(0), questions(1));
+}

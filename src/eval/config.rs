@@ -55,6 +55,8 @@ pub enum EvalModel {
     Reference,
     /// Random distinct guesses (20 Questions only).
     Random,
+    /// The noisy halving demonstrator whose games are SFT data (20 Questions only).
+    Demonstrator,
     /// An assistant model.
     Spec(ModelSpec),
     /// `proactive:SPEC`: the model prompted with the collaborative system prompt
@@ -68,6 +70,7 @@ impl FromStr for EvalModel {
         match s.trim() {
             "reference" => Ok(EvalModel::Reference),
             "random" => Ok(EvalModel::Random),
+            "demonstrator" => Ok(EvalModel::Demonstrator),
             other if other.starts_with(PROACTIVE_PREFIX) => other[PROACTIVE_PREFIX.len()..]
                 .parse::<ModelSpec>()
                 .map(EvalModel::Proactive)
@@ -91,6 +94,7 @@ impl std::fmt::Display for EvalModel {
         match self {
             EvalModel::Reference => f.write_str("reference"),
             EvalModel::Random => f.write_str("random"),
+            EvalModel::Demonstrator => f.write_str("demonstrator"),
             EvalModel::Spec(s) => write!(f, "{s}"),
             EvalModel::Proactive(s) => write!(f, "{PROACTIVE_PREFIX}{s}"),
         }
@@ -112,7 +116,10 @@ impl TryFrom<String> for EvalModel {
 
 impl EvalModel {
     pub fn is_builtin(&self) -> bool {
-        matches!(self, EvalModel::Reference | EvalModel::Random)
+        matches!(
+            self,
+            EvalModel::Reference | EvalModel::Random | EvalModel::Demonstrator
+        )
     }
 
     /// The model spec of a model row (`None` for the built-in questioners).
@@ -131,6 +138,7 @@ impl EvalModel {
         let raw = match self {
             EvalModel::Reference => "reference".to_string(),
             EvalModel::Random => "random".to_string(),
+            EvalModel::Demonstrator => "demonstrator".to_string(),
             EvalModel::Spec(spec) => spec_label(spec),
             EvalModel::Proactive(spec) => format!("{}-proactive", spec_label(spec)),
         };
@@ -421,6 +429,10 @@ pub struct EvalConfig {
     /// A system prompt every model row is evaluated with (`proactive` rows always get the
     /// proactive one).
     pub system_prompt: Option<SystemPromptSource>,
+    /// 20 Questions: also write each questioner's won games as SFT conversations
+    /// (`sft/<model>.parquet`, TRL's `messages` form: the rules, then each question and
+    /// answer, ending at the winning question) for `dpo_train --loss sft`.
+    pub sft: bool,
 }
 
 impl Default for EvalConfig {
@@ -451,7 +463,12 @@ impl Default for EvalConfig {
             extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
             interactivity_scale: InteractivityScale::default(),
             token_counter: TokenCounterKind::Cl100k,
-            assistant_sampling: Sampling::default(),
+            // Evaluation is greedy: a model is measured at its best guess, not at a draw.
+            assistant_sampling: Sampling {
+                temperature: 0.0,
+                top_p: 1.0,
+                ..Sampling::default()
+            },
             user_sampling: Sampling {
                 temperature: 1.0,
                 top_p: 1.0,
@@ -465,6 +482,7 @@ impl Default for EvalConfig {
             prices: BTreeMap::new(),
             weights: WeightFormat::Auto,
             system_prompt: None,
+            sft: false,
         }
     }
 }

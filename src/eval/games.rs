@@ -11,8 +11,8 @@ use crate::llm::roles::Role;
 use crate::rollout::user::{derive_seed, Sampling};
 use crate::task::prompts::Prompts;
 use crate::task::twenty_questions::{
-    play, GameMetrics, Oracle, Questioner, RandomGuessQuestioner, ReferenceQuestioner, TableOracle,
-    World,
+    play, DemonstratorQuestioner, GameMetrics, Oracle, Questioner, RandomGuessQuestioner,
+    ReferenceQuestioner, TableOracle, World,
 };
 
 /// Who asks the questions.
@@ -20,6 +20,7 @@ use crate::task::twenty_questions::{
 pub enum Player {
     Reference,
     Random,
+    Demonstrator,
     Model(Role),
 }
 
@@ -58,10 +59,11 @@ pub fn play_game(
 ) -> Result<serde_json::Value, String> {
     let seed = game_seed(s.seed, repeat, object);
     let target = &world.objects[object];
-    let (mut model_q, mut reference, mut random) = (None, None, None);
+    let (mut model_q, mut reference, mut random, mut demo) = (None, None, None, None);
     let questioner: &mut dyn Questioner = match player {
         Player::Reference => reference.insert(ReferenceQuestioner::new(world)),
         Player::Random => random.insert(RandomGuessQuestioner::new(world, seed)),
+        Player::Demonstrator => demo.insert(DemonstratorQuestioner::new(world, seed)),
         Player::Model(role) => model_q.insert(ModelQuestioner {
             role: role.clone(),
             prompts: s.prompts.clone(),
@@ -152,4 +154,38 @@ pub fn unparsed_warnings(
             })
         })
         .collect()
+}
+
+/// The won games of `recs` (records of `conversations/<model>.jsonl`) as SFT conversations:
+/// the rules (`intro`), then each question (as the game recorded it, cleaned to one line) and
+/// its answer, ending at the winning question. Lost games teach nothing and are left out.
+pub fn won_games_as_sft(
+    label: &str,
+    intro: &str,
+    recs: &[serde_json::Value],
+) -> Result<Vec<crate::dataset::sft::SftRow>, String> {
+    use crate::llm::ChatMessage;
+    use crate::task::twenty_questions::GameRecord;
+    let mut out = Vec::new();
+    for (i, r) in recs.iter().enumerate() {
+        let game: GameRecord = serde_json::from_value(r["game"].clone())
+            .map_err(|e| format!("{label}: record {i}: `game`: {e}"))?;
+        if !game.won {
+            continue;
+        }
+        let mut messages = vec![ChatMessage::user(intro.to_string())];
+        for (k, t) in game.turns.iter().enumerate() {
+            messages.push(ChatMessage::assistant(t.question.clone()));
+            if k + 1 < game.turns.len() {
+                messages.push(ChatMessage::user(t.answer.clone()));
+            }
+        }
+        let repeat = r["repeat"].as_u64().unwrap_or(0);
+        out.push(crate::dataset::sft::SftRow {
+            messages,
+            conv_id: format!("{label}-{}-{repeat}", game.object_index),
+            score: 1.0,
+        });
+    }
+    Ok(out)
 }

@@ -18,7 +18,7 @@ use anyhow::{bail, Context};
 
 use super::config::{model_labels, EvalConfig, EvalModel, OracleChoice};
 use super::dialogue::{DialogueModel, DialogueRunner};
-use super::games::{play_game, GameSettings, Player};
+use super::games::{play_game, won_games_as_sft, GameSettings, Player};
 use super::overlap;
 use super::records::{read_records, RecordLog};
 use super::summary::{summarize_dialogues, summarize_games, write_atomic, Summary};
@@ -44,6 +44,7 @@ use crate::task::{load_tasks, Task, TaskType};
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const CONVERSATIONS_DIR: &str = "conversations";
 pub const LMRL_DIR: &str = "lmrl";
+pub const SFT_DIR: &str = "sft";
 
 /// The roles of a run. `models` has one entry per configured model (`None` for the built-in
 /// questioners); `user` and `judge` serve math/doc_edit/code, `oracle` an LLM oracle.
@@ -516,6 +517,9 @@ async fn run_prepared(
 
     let summary = summarize(&cfg, &labels, &items, &work)?;
     summary.write(&cfg.output)?;
+    if cfg.sft && matches!(work, Work::Games { .. }) {
+        write_sft(&cfg, &labels, &items, &prompts)?;
+    }
     let counts = serde_json::json!({
         "planned": items.len() * labels.len(),
         "done_before": done_before,
@@ -653,6 +657,7 @@ fn game_jobs(
         .map(|(m, r)| match (m, r) {
             (EvalModel::Reference, _) => Some(Player::Reference),
             (EvalModel::Random, _) => Some(Player::Random),
+            (EvalModel::Demonstrator, _) => Some(Player::Demonstrator),
             (_, r) => r.clone().map(Player::Model),
         })
         .collect();
@@ -731,6 +736,39 @@ fn summarize(
         tool_version: env!("CARGO_PKG_VERSION").to_string(),
         models,
     })
+}
+
+/// `sft/<model>.parquet`: each questioner's won games of the current selection as SFT
+/// conversations (see [`won_games_as_sft`]).
+fn write_sft(
+    cfg: &EvalConfig,
+    labels: &[String],
+    items: &[Item],
+    prompts: &Prompts,
+) -> anyhow::Result<()> {
+    let intro = crate::task::twenty_questions::chat::intro_message(prompts, cfg.max_questions)?;
+    let keys: HashSet<&str> = items.iter().map(|it| it.key.as_str()).collect();
+    let out = cfg.output.join(SFT_DIR);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    for label in labels {
+        let mut seen = HashSet::new();
+        let recs: Vec<serde_json::Value> = read_records(&conversations_path(&cfg.output, label))?
+            .into_iter()
+            .filter(|r| {
+                record_key(cfg.task, r).is_some_and(|k| keys.contains(k.as_str()) && seen.insert(k))
+            })
+            .collect();
+        let rows = won_games_as_sft(label, &intro, &recs).map_err(anyhow::Error::msg)?;
+        let path = out.join(format!("{label}.parquet"));
+        crate::dataset::sft::write_sft_parquet(&path, &rows)
+            .with_context(|| format!("writing {}", path.display()))?;
+        tracing::info!(
+            "{}: {} won games as SFT conversations",
+            path.display(),
+            rows.len()
+        );
+    }
+    Ok(())
 }
 
 /// `lmrl/<model>.jsonl`: the games in LMRL-Gym's offline schema, in selection order.

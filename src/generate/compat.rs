@@ -70,6 +70,10 @@ impl Compat {
                 cfg.assistant_sampling.temperature = 0.8;
                 put("policy_sampling.temperature", json!(0.8));
                 put("assistant_sampling.temperature", json!(0.8));
+                cfg.policy_sampling.top_p = 1.0;
+                cfg.assistant_sampling.top_p = 1.0;
+                put("policy_sampling.top_p", json!(1.0));
+                put("assistant_sampling.top_p", json!(1.0));
                 cfg.min_gap = 0.0;
                 put("min_gap", json!(0.0));
                 cfg.token_counter = TokenCounterKind::Cl100k;
@@ -96,6 +100,8 @@ impl Compat {
                 put("window", json!(4));
                 cfg.policy_sampling.temperature = 1.0;
                 put("policy_sampling.temperature", json!(1.0));
+                cfg.policy_sampling.top_p = 1.0;
+                put("policy_sampling.top_p", json!(1.0));
             }
         }
         CompatRecord { preset: self, set }

@@ -363,8 +363,13 @@ impl GenerateConfig {
     }
 
     /// Candidates per turn drawn with the proactive prompt: `int(N · ratio)` as upstream
-    /// (rounded down, so N = 3 at 0.5 gives 1).
+    /// (rounded down, so N = 3 at 0.5 gives 1). None for 20 Questions: the collaborator
+    /// prompt ("ask a clarifying question before doing the work") does not fit a game whose
+    /// every turn is a question, and only confuses a small questioner.
     pub fn proactive_count(&self) -> usize {
+        if self.plays_twenty_questions() {
+            return 0;
+        }
         // The same float product and truncation as Python's `int(n * ratio)`, so the count
         // agrees with upstream even where the product is inexact (100 × 0.57 → 56).
         ((self.candidates as f64) * self.proact_ratio) as usize

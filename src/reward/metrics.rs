@@ -21,17 +21,25 @@ pub const METRICS: &[(&str, &str)] = &[
     ("accuracy", "{0,1}: LLM judge of the final answer (as upstream); for math an explicit final answer (boxed or stated) is checked programmatically as a second opinion, recorded in `detail` and used only when the judge gives no verdict"),
     ("interactivity", "LLM judge on --interactivity-scale: v2 {0,0.5,1}, verl [0,1] (mean of three sub-scores), v1 {-3,-1,1} ((x-2.5)*2 of 1-3), likert5 [0,1] ((x-1)/4 of 1-5)"),
     ("token_amount", ">=0: thousands of assistant tokens in the candidate and its future"),
+    ("reply_tokens", ">=0: thousands of tokens of the candidate reply alone (the future's own turns not counted)"),
     ("bleu", "[0,1]: token-level BLEU-4 (13a, exp smoothing) of the LLM-extracted final document against the reference"),
     ("bleu_char", "[0,1]: character-level BLEU-4 (NLTK sentence_bleu on raw strings, no smoothing: upstream CollabLLM's number) of the same extracted document"),
     ("pass_rate", "{0,1}: the LLM-extracted final code passes the task's unittest tests in the sandbox"),
-    ("info_gain", "[0,1] (20 Questions): bits the candidate question and its future gather under the attribute table, log2(|consistent before|/|consistent after|), divided by log2(|consistent before|): the share of the remaining uncertainty removed"),
+    ("info_gain", "[0,1] (20 Questions): expected information gain of the candidate question under the attribute table, in bits: the binary entropy of its yes-fraction among the objects still consistent (0 for an unread, repeated or already answered question)"),
+    ("info_gain_realised", "[0,1] (20 Questions): bits the candidate question and its future gather under the attribute table, log2(|consistent before|/|consistent after|), divided by log2(|consistent before|): the share of the remaining uncertainty removed (depends on the hidden object)"),
     ("success", "{0,1} (20 Questions): the game is won (LMRL-Gym's win rule) by the candidate or within its future"),
     ("questions", ">=1 (20 Questions): questions asked by the candidate and its future, the winning one included"),
     ("lmrl_return", "<=0 (20 Questions): LMRL-Gym's return over the candidate and its future: -1 per question, 0 for the winning one"),
 ];
 
 /// The metrics computed exactly from a 20 Questions game under the attribute table.
-pub const TWENTY_QUESTIONS_METRICS: &[&str] = &["info_gain", "success", "questions", "lmrl_return"];
+pub const TWENTY_QUESTIONS_METRICS: &[&str] = &[
+    "info_gain",
+    "info_gain_realised",
+    "success",
+    "questions",
+    "lmrl_return",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricError {
@@ -283,6 +291,18 @@ impl Scorer {
                     detail: Some(serde_json::json!({"tokens": n})),
                 }
             }
+            "reply_tokens" => {
+                let n = candidate_and_future
+                    .first()
+                    .filter(|m| m.role == "assistant")
+                    .map_or(0, |m| self.tokens.count(&m.content));
+                MetricScore {
+                    value: Some(n as f64 / 1000.0),
+                    method: format!("tokens:{}", self.tokens.name()),
+                    raw: None,
+                    detail: Some(serde_json::json!({"tokens": n})),
+                }
+            }
             "bleu" => self.bleu(task, &session, seed, false).await,
             "bleu_char" => self.bleu(task, &session, seed, true).await,
             "pass_rate" => self.pass_rate(task, &session, seed).await,
@@ -485,7 +505,8 @@ fn twenty_questions_score(
         .count();
     let r = twenty_questions::future_rewards(world, object, &before, &future);
     let value = match metric {
-        "info_gain" => r.info_gain,
+        "info_gain" => r.expected_gain,
+        "info_gain_realised" => r.info_gain,
         "success" => r.success,
         "questions" => r.questions,
         _ => r.lmrl_return,

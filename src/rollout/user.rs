@@ -57,12 +57,14 @@ impl Sampling {
 }
 
 impl Default for Sampling {
-    /// Upstream CollabLLM's assistant settings: temperature 1 here (upstream 0.8, a sampling
-    /// choice of ours for diverse candidates), no nucleus cut, 2048 new tokens.
+    /// The assistant's settings for generation: temperature 0.7 and nucleus 0.9 (upstream
+    /// CollabLLM samples at 0.8 with no nucleus cut; `--compat upstream` restores that): a
+    /// small model at temperature 1 writes mostly off-task text, so its candidates differ in
+    /// noise instead of in quality. 2048 new tokens (upstream's cap).
     fn default() -> Self {
         Self {
-            temperature: 1.0,
-            top_p: 1.0,
+            temperature: 0.7,
+            top_p: 0.9,
             max_tokens: POLICY_MAX_TOKENS,
         }
     }

@@ -8,13 +8,16 @@
 //!   [`GameMetrics`] / [`AggregateMetrics`] for the numbers; [`lmrl_transcript`] for LMRL's
 //!   offline schema.
 //! - [`ReferenceQuestioner`] (greedy max expected information gain) and
-//!   [`RandomGuessQuestioner`] (random distinct guesses) as sanity anchors.
+//!   [`RandomGuessQuestioner`] (random distinct guesses) as sanity anchors;
+//!   [`DemonstratorQuestioner`] (noisy halving) whose games are SFT data.
+//! - [`parse`]: the grammar that reads a question as a query the table answers.
 
 use std::collections::HashSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
 pub mod chat;
+pub mod parse;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -284,13 +287,6 @@ pub fn load_lexicon(
 }
 
 impl Lexicon {
-    /// First matching row: (attribute, negated).
-    pub fn lookup(&self, question: &str) -> Option<(usize, bool)> {
-        self.entries
-            .iter()
-            .find(|e| e.pattern.is_match(question))
-            .map(|e| (e.attribute, e.negated))
-    }
     /// The canonical question of an attribute.
     pub fn question_for(&self, attribute: usize) -> Option<&str> {
         self.entries
@@ -356,10 +352,6 @@ fn mentions(tokens: &[String], objects: &[Object]) -> Vec<Mention> {
         }
     }
     out
-}
-
-fn within(inner: &Mention, outer: &Mention) -> bool {
-    outer.start <= inner.start && inner.end <= outer.end
 }
 
 /// Words the win rule never counts as nouns (`~word`: a noun only right after a determiner or
@@ -547,31 +539,9 @@ pub struct World {
     pub objects: Vec<Object>,
     pub table: AttributeTable,
     pub lexicon: Lexicon,
+    /// One pattern per accepted object name (for [`World::parse`]).
+    name_patterns: Vec<Regex>,
 }
-
-const LEADS: &[&[&str]] = &[
-    &["is", "it"],
-    &["is", "this"],
-    &["is", "that"],
-    &["it", "is"],
-    &["it's"],
-    &["could", "it", "be"],
-    &["might", "it", "be"],
-    &["would", "it", "be"],
-    &["can", "it", "be"],
-    &["are", "they"],
-    &["are", "these"],
-    &["is", "the", "object"],
-    &["is", "the", "answer"],
-    &["is", "the", "word"],
-    &["is", "the", "thing"],
-    &["is", "your", "object"],
-    &["is", "your", "word"],
-    &["my", "guess", "is"],
-    &["i", "guess"],
-];
-const FILLERS: &[&str] = &["so", "then", "ok", "okay", "well", "hmm"];
-const ARTICLES: &[&str] = &["a", "an", "the", "some", "one"];
 
 impl World {
     /// Loads the three files from `dir` and checks that they agree.
@@ -579,10 +549,12 @@ impl World {
         let objects = load_objects(&dir)?;
         let table = load_table(&dir, &objects)?;
         let lexicon = load_lexicon(&dir, &table)?;
+        let name_patterns = parse::name_patterns(&objects);
         Ok(World {
             objects,
             table,
             lexicon,
+            name_patterns,
         })
     }
 
@@ -605,69 +577,11 @@ impl World {
     }
 
     /// The object whose accepted name is exactly `words` (plural tolerated on the last word).
-    fn exact_object(&self, words: &[String]) -> Option<usize> {
+    pub(crate) fn exact_object(&self, words: &[String]) -> Option<usize> {
         let ms = mentions(words, &self.objects);
         ms.iter()
             .find(|m| m.start == 0 && m.end == words.len())
             .map(|m| m.object)
-    }
-
-    /// Parses a question: an explicit guess ("Is it a dog or a cat?"), else the first lexicon
-    /// row that matches, else any objects it names (as a guess); `None` when nothing fits or
-    /// the text is a single word.
-    pub fn parse(&self, question: &str) -> Option<Query> {
-        let tokens = tokenize(question);
-        // A lone word ("animal", "dog") is no question: read as one, it let a policy trained
-        // against the table collect information gain with bare keywords (BENCHMARKS.md).
-        if tokens.len() < 2 {
-            return None;
-        }
-        let mut rest: &[String] = &tokens;
-        while rest.first().is_some_and(|w| FILLERS.contains(&w.as_str())) {
-            rest = &rest[1..];
-        }
-        if let Some(lead) = LEADS
-            .iter()
-            .find(|l| rest.len() > l.len() && rest.iter().zip(l.iter()).all(|(a, b)| a == b))
-        {
-            let body = &rest[lead.len()..];
-            let mut guessed = Vec::new();
-            let mut ok = true;
-            for part in body.split(|w| w == "or") {
-                let mut p = part;
-                while p.first().is_some_and(|w| ARTICLES.contains(&w.as_str())) {
-                    p = &p[1..];
-                }
-                match (!p.is_empty()).then(|| self.exact_object(p)).flatten() {
-                    Some(o) => {
-                        if !guessed.contains(&o) {
-                            guessed.push(o);
-                        }
-                    }
-                    None => {
-                        ok = false;
-                        break;
-                    }
-                }
-            }
-            if ok && !guessed.is_empty() {
-                return Some(Query::Guess(guessed));
-            }
-        }
-        if let Some((index, negated)) = self.lexicon.lookup(question) {
-            return Some(Query::Attribute { index, negated });
-        }
-        let ms = mentions(&tokens, &self.objects);
-        let mut named = Vec::new();
-        for m in &ms {
-            let covered = ms
-                .iter()
-                .any(|o| o != m && within(m, o) && o.end - o.start > m.end - m.start);
-            if !covered && !named.contains(&m.object) {
-                named.push(m.object);
-            }
-        }
-        (!named.is_empty()).then_some(Query::Guess(named))
     }
 
     /// The truth of a query for an object under the table.
@@ -1141,6 +1055,11 @@ impl AggregateMetrics {
 /// candidate question first), with the oracle's answers, up to a win or the future's end.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct FutureRewards {
+    /// Expected information gain (bits, in [0, 1]) of the first question (the candidate's)
+    /// under the objects still consistent after the history: the binary entropy of its
+    /// yes-fraction. It depends on the question, not on the hidden object; an unread,
+    /// repeated or already answered question, and a guess of a ruled-out object, gain 0.
+    pub expected_gain: f64,
     /// Bits gathered: log2(|consistent before the future| / |consistent after it|), the sum of
     /// the realised gains of its questions (unparsed questions and answers that contradict
     /// every consistent object gather none).
@@ -1198,7 +1117,12 @@ pub fn future_rewards(
     let after = consistent_after(world, &played);
     let bits = realised_gain(before.len(), after.len());
     let max_bits = (before.len() as f64).log2();
+    let expected_gain = future
+        .first()
+        .and_then(|(q, _)| world.parse(q))
+        .map_or(0.0, |q| expected_gain(world, &q, &before));
     FutureRewards {
+        expected_gain,
         info_gain_bits: bits,
         info_gain: if max_bits > 0.0 {
             (bits / max_bits).clamp(0.0, 1.0)
@@ -1213,20 +1137,23 @@ pub fn future_rewards(
 
 /// The 20 Questions study's two reward variants as metric weights (`--metric-preset`): its
 /// generation used task weight 1, LLM-reward weight 1 and a cost of 5e-4 per token (= −0.5
-/// per thousand tokens, our `token_amount` unit); the task metric is `success`, the LLM
-/// reward the judged `interactivity` or the exact `info_gain` (the study judged it by LLM).
+/// per thousand tokens); the task metric is `success`, the LLM reward the judged
+/// `interactivity` or the exact `info_gain` (the study judged it by LLM; ours is the
+/// question's expected gain under the table). The token cost counts the candidate question
+/// only (`reply_tokens`): counting the future's questions too made best-vs-worst pairs
+/// mostly "shorter vs longer future".
 pub const METRIC_PRESETS: &[(&str, &[(&str, f64)])] = &[
     (
         "20q-interactive",
         &[
             ("success", 1.0),
             ("interactivity", 1.0),
-            ("token_amount", -0.5),
+            ("reply_tokens", -0.5),
         ],
     ),
     (
         "20q-infogain",
-        &[("success", 1.0), ("info_gain", 1.0), ("token_amount", -0.5)],
+        &[("success", 1.0), ("info_gain", 1.0), ("reply_tokens", -0.5)],
     ),
 ];
 
@@ -1241,28 +1168,27 @@ pub fn metric_preset(name: &str) -> Option<&'static [(&'static str, f64)]> {
 // ---------------------------------------------------------------------------------------------
 // Built-in questioners.
 
-/// Greedy maximum expected information gain over the table's attributes and single-object
-/// guesses. Ties: a guess beats an attribute (it can end the game now); then attribute order,
-/// then object order. With one object left it guesses it.
+/// The objects still consistent with a game's history, kept up to date as the history grows
+/// (a history that shrank, a new game, starts over).
 #[derive(Debug, Clone)]
-pub struct ReferenceQuestioner<'a> {
+struct Tracker<'a> {
     world: &'a World,
     consistent: Vec<usize>,
     processed: usize,
 }
 
-impl<'a> ReferenceQuestioner<'a> {
-    pub fn new(world: &'a World) -> Self {
-        ReferenceQuestioner {
+impl<'a> Tracker<'a> {
+    fn new(world: &'a World) -> Self {
+        Tracker {
             world,
             consistent: (0..world.objects.len()).collect(),
             processed: 0,
         }
     }
 
-    fn update(&mut self, history: &[(String, bool)]) {
+    fn update(&mut self, history: &[(String, bool)]) -> &[usize] {
         if history.len() < self.processed {
-            *self = ReferenceQuestioner::new(self.world);
+            *self = Tracker::new(self.world);
         }
         for (q, yes) in &history[self.processed..] {
             if let Some(query) = self.world.parse(q) {
@@ -1278,35 +1204,111 @@ impl<'a> ReferenceQuestioner<'a> {
             }
         }
         self.processed = history.len();
+        &self.consistent
+    }
+}
+
+/// Every attribute with a canonical question, by expected gain among `consistent` (highest
+/// first; ties in attribute order), leaving out those that gain nothing.
+fn ranked_attributes(world: &World, consistent: &[usize]) -> Vec<(f64, usize)> {
+    let mut ranked: Vec<(f64, usize)> = (0..world.table.attributes.len())
+        .filter(|&a| world.attribute_question(a).is_some())
+        .map(|a| {
+            let q = Query::Attribute {
+                index: a,
+                negated: false,
+            };
+            (expected_gain(world, &q, consistent), a)
+        })
+        .filter(|(g, _)| *g > 0.0)
+        .collect();
+    // Stable: equal gains keep attribute order.
+    ranked.sort_by(|x, y| y.0.total_cmp(&x.0));
+    ranked
+}
+
+/// Greedy maximum expected information gain over the table's attributes and single-object
+/// guesses. Ties: a guess beats an attribute (it can end the game now); then attribute order,
+/// then object order. With one object left it guesses it.
+#[derive(Debug, Clone)]
+pub struct ReferenceQuestioner<'a> {
+    tracker: Tracker<'a>,
+}
+
+impl<'a> ReferenceQuestioner<'a> {
+    pub fn new(world: &'a World) -> Self {
+        ReferenceQuestioner {
+            tracker: Tracker::new(world),
+        }
     }
 }
 
 impl Questioner for ReferenceQuestioner<'_> {
     fn next_question(&mut self, history: &[(String, bool)]) -> String {
-        self.update(history);
-        let w = self.world;
-        let n = self.consistent.len();
+        let w = self.tracker.world;
+        let consistent = self.tracker.update(history);
+        let n = consistent.len();
         if n <= 1 {
-            return w.guess_question(self.consistent.first().copied().unwrap_or(0));
+            return w.guess_question(consistent.first().copied().unwrap_or(0));
         }
         const EPS: f64 = 1e-12;
         // A guess of any consistent object: entropy of 1/n; the first in object order.
-        let mut best_gain = binary_entropy(1.0 / n as f64);
-        let mut best = w.guess_question(self.consistent[0]);
-        for a in 0..w.table.attributes.len() {
-            let q = Query::Attribute {
-                index: a,
-                negated: false,
-            };
-            let g = expected_gain(w, &q, &self.consistent);
-            if g > best_gain + EPS {
-                if let Some(text) = w.attribute_question(a) {
-                    best_gain = g;
-                    best = text.to_string();
-                }
-            }
+        let guess_gain = binary_entropy(1.0 / n as f64);
+        match ranked_attributes(w, consistent).first() {
+            Some(&(g, a)) if g > guess_gain + EPS => w
+                .attribute_question(a)
+                .map_or_else(|| w.guess_question(consistent[0]), str::to_string),
+            _ => w.guess_question(consistent[0]),
         }
-        best
+    }
+}
+
+/// The SFT demonstrator: a *noisy* halving questioner. While more than `guess_at` objects are
+/// consistent it asks one of the `top_k` attribute questions of highest expected gain, drawn
+/// uniformly (so games of the same object differ and a model sees many good questions, not
+/// one fixed path); then it guesses the consistent objects in random order. It asks the
+/// canonical wording of each attribute and "Is it a <name>?", all of which the table reads.
+#[derive(Debug, Clone)]
+pub struct DemonstratorQuestioner<'a> {
+    tracker: Tracker<'a>,
+    rng: StdRng,
+    top_k: usize,
+    guess_at: usize,
+}
+
+/// The demonstrator's defaults: a draw among the 3 best questions; guesses from 2 objects.
+pub const DEMONSTRATOR_TOP_K: usize = 3;
+pub const DEMONSTRATOR_GUESS_AT: usize = 2;
+
+impl<'a> DemonstratorQuestioner<'a> {
+    pub fn new(world: &'a World, seed: u64) -> Self {
+        Self::with(world, seed, DEMONSTRATOR_TOP_K, DEMONSTRATOR_GUESS_AT)
+    }
+
+    /// `top_k` ≥ 1 questions to draw among; guess once at most `guess_at` ≥ 1 objects remain.
+    pub fn with(world: &'a World, seed: u64, top_k: usize, guess_at: usize) -> Self {
+        DemonstratorQuestioner {
+            tracker: Tracker::new(world),
+            rng: StdRng::seed_from_u64(seed),
+            top_k: top_k.max(1),
+            guess_at: guess_at.max(1),
+        }
+    }
+}
+
+impl Questioner for DemonstratorQuestioner<'_> {
+    fn next_question(&mut self, history: &[(String, bool)]) -> String {
+        let w = self.tracker.world;
+        let consistent = self.tracker.update(history).to_vec();
+        let ranked = ranked_attributes(w, &consistent);
+        if consistent.len() <= self.guess_at || ranked.is_empty() {
+            let k = self.rng.random_range(0..consistent.len().max(1));
+            return w.guess_question(consistent.get(k).copied().unwrap_or(0));
+        }
+        let k = self.rng.random_range(0..ranked.len().min(self.top_k));
+        let a = ranked[k].1;
+        w.attribute_question(a)
+            .map_or_else(|| w.guess_question(consistent[0]), str::to_string)
     }
 }
 

@@ -2,8 +2,9 @@
 //! (DESIGN §5). The prompt is rendered with the generation prompt, prompt + completion whole;
 //! the first must be a token prefix of the second (hard error otherwise); no BOS/EOS is ever
 //! added to what the template writes. Histories too long for `max_length` lose their oldest
-//! whole turns (the system message stays); a pair that still does not fit is dropped and
-//! counted — one side of a pair is never cut alone.
+//! whole turns after the opening (the system message and the first user message — the task,
+//! or a game's rules — always stay); a pair that still does not fit is dropped and counted —
+//! one side of a pair is never cut alone.
 
 use std::path::{Path, PathBuf};
 
@@ -152,20 +153,29 @@ fn tokenize_once(
     })
 }
 
-/// The history with its oldest whole turn removed (leading system messages stay; the result
-/// starts at a user message), or `None` when only the last turn is left.
+/// The history with its oldest droppable turn removed, or `None` when nothing can go.
+///
+/// The opening always stays: the leading system messages and the first user message (the
+/// task, or a game's rules — a model trained without them learns a different task). After
+/// it, the oldest assistant reply and the user message that answers it go together, so
+/// roles still alternate; the last user message (what the completion answers) is never
+/// dropped.
 pub fn drop_oldest_turn(messages: &[ChatMessage]) -> Option<Vec<ChatMessage>> {
     let system = messages.iter().take_while(|m| m.role == "system").count();
-    let rest = &messages[system..];
-    // The next turn starts at the second user message after the system block.
-    let next_user = rest
+    let opening = system + usize::from(messages.get(system).is_some_and(|m| m.role == "user"));
+    let after = &messages[opening..];
+    // The oldest turn after the opening: up to and including its first user message.
+    let answer = after
         .iter()
         .enumerate()
         .skip(1)
         .find(|(_, m)| m.role == "user")
         .map(|(i, _)| i)?;
-    let mut out = messages[..system].to_vec();
-    out.extend_from_slice(&rest[next_user..]);
+    if answer + 1 >= after.len() {
+        return None;
+    }
+    let mut out = messages[..opening].to_vec();
+    out.extend_from_slice(&after[answer + 1..]);
     Some(out)
 }
 

@@ -563,7 +563,8 @@ fn load_data(cfg: &TrainConfig, codec: &ChatCodec, objective: &Objective) -> Res
         None => None,
     };
     tracing::info!(
-        "{} training examples ({} truncated, {} dropped as too long){}",
+        "{} training examples ({} lost old turns to fit --max-length, keeping the system and \
+         first user message; {} dropped as too long){}",
         train_stats.kept,
         train_stats.truncated,
         train_stats.dropped_too_long,

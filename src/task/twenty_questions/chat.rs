@@ -317,7 +317,8 @@ pub const DEFAULT_MAX_QUESTIONS: usize = MAX_QUESTIONS;
 
 /// The model's reply as one question line: the first line with a question mark, cut after
 /// it, without speaker labels, list markers, quotes or a lead-in sentence ("Great! Is it …?"
-/// → "Is it …?"). Without a question mark, the first line with one added.
+/// → "Is it …?"). Without a question mark, the first line as it is (a statement, which
+/// [`World::parse`] does not read as a question).
 pub fn clean_question(raw: &str) -> String {
     let lines: Vec<String> = raw
         .lines()
@@ -331,9 +332,10 @@ pub fn clean_question(raw: &str) -> String {
     else {
         return String::new();
     };
+    // A line without "?" stays a statement: the parser reads only questions.
     let mut q = match line.find('?') {
         Some(i) => line[..=i].to_string(),
-        None => format!("{}?", line.trim_end_matches(['.', '!', ':', ' '])),
+        None => line.trim_end().to_string(),
     };
     // Drop a lead-in sentence before the question itself.
     if let Some(cut) = [". ", "! ", ": "]
@@ -491,16 +493,13 @@ mod tests {
             ("Great! Is it a vehicle?", "Is it a vehicle?"),
             ("OK. So far so good. Is it a pet?", "Is it a pet?"),
             ("Sure thing.\n\nIs it edible? I think so.", "Is it edible?"),
-            ("Is it a cat", "Is it a cat?"),
-            ("Is it a cat.", "Is it a cat?"),
-            ("Is it a cat .", "Is it a cat?"),
+            ("Is it a cat", "Is it a cat"),
+            ("Is it a cat.", "Is it a cat."),
+            ("It is a cat.", "It is a cat."),
             ("My question: is it soft?", "is it soft?"),
             ("", ""),
             ("\n  \n", ""),
-            (
-                "%\u{fffd}\u{fffd}7V\u{fffd}",
-                "%\u{fffd}\u{fffd}7V\u{fffd}?",
-            ),
+            ("%\u{fffd}\u{fffd}7V\u{fffd}", "%\u{fffd}\u{fffd}7V\u{fffd}"),
             ("Q\u{e9}: est-ce un chat ?", "est-ce un chat ?"),
             ("日本語? はい", "日本語?"),
         ];
