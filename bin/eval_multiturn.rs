@@ -37,25 +37,35 @@ use collabllm::task::TaskType;
     allow_negative_numbers = true
 )]
 struct Args {
-    /// Task: math, doc_edit, code or twenty_questions.
-    #[arg(long, value_name = "TASK", required_unless_present = "compare")]
+    /// Task: math, doc_edit, code, twenty_questions or clarify (clarify-or-answer: built-in
+    /// requests that state or leave out the one detail the reply needs; --tasks
+    /// clarify:test, the held-out requests, by default).
+    #[arg(long, value_name = "TASK", required_unless_present_any = ["compare", "study"])]
     task: Option<TaskType>,
     /// Model to evaluate, repeatable: `default`, a .gguf file, an HF directory or id,
     /// `openai:<model>[@<base_url>]`; `proactive:SPEC` (that model with the collaborative
     /// system prompt: the paper's prompted baseline, its own row `<label>-proactive`); for 20
     /// Questions also `reference` (greedy information gain), `random` (random distinct
     /// guesses) and `demonstrator` (a noisy halving questioner: one of the 3 questions of
-    /// highest expected gain at random, guesses once 2 objects remain; with --sft its games
+    /// highest expected gain at random, guesses once 4 or fewer objects remain; with --sft its games
     /// are SFT data).
     #[arg(
         long = "model",
         value_name = "SPEC",
-        required_unless_present_any = ["transcripts", "compare"]
+        required_unless_present_any = ["transcripts", "compare", "study"]
     )]
     models: Vec<EvalModel>,
     /// Output directory (with --compare: where compare.json and compare.md go, optional).
     #[arg(long, value_name = "DIR", required_unless_present = "compare")]
     output: Option<PathBuf>,
+    /// Statistics of a trained-arms study from finished evaluations: a TOML file naming the
+    /// arms (each a list of eval outputs, one per seed, `DIR` or `DIR:label`), the primary
+    /// 0/1 outcome (`success`, `detail_used`), secondary metrics and the comparisons. Writes
+    /// study.json and study.md to --output: per-seed McNemar exact tests, and the pooled
+    /// difference with a 95% bootstrap interval that resamples objects (or requests), so the
+    /// seeds of one object are not counted as independent.
+    #[arg(long, value_name = "SPEC", conflicts_with_all = ["models", "compare", "transcripts"])]
+    study: Option<PathBuf>,
     /// 20 Questions: re-score games in LMRL-Gym's offline form (JSON lines `{"lines":
     /// ["<question>? <answer>", …], "word": [names…], "correct": …}`) under our rules instead of
     /// playing: writes games.jsonl (one line per input game, in order) and summary.json/.csv.
@@ -288,6 +298,16 @@ fn main() -> ExitCode {
     collabllm::cli::init_logging();
     if !args.compare.is_empty() {
         return collabllm::cli::exit_on_error(compare(&args.compare, args.output.as_deref()));
+    }
+    if let Some(spec) = &args.study {
+        let r = match &args.output {
+            Some(out) => eval::study::study_files(spec, out).map(|s| {
+                print!("{}", s.table());
+                println!("study: {}", out.join("study.json").display());
+            }),
+            None => Err(anyhow::anyhow!("--study needs --output")),
+        };
+        return collabllm::cli::exit_on_error(r);
     }
     if let Some(file) = &args.transcripts {
         let r = transcripts(args.task, file, args.output.as_deref());

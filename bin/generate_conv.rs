@@ -288,6 +288,7 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         &mut cfg.metrics,
         &mut cfg.oracle,
         &mut cfg.max_questions,
+        &mut cfg.midgame,
     );
     if args.policy_system_prompt.is_some() {
         cfg.system_prompt = args.policy_system_prompt.clone();

@@ -1,5 +1,5 @@
 //! `plot`: publication figures (PNG + SVG) from dpo_train logs, generate_conv runs and
-//! eval_multiturn evaluations. `plot <train|data|eval|20q|all> <dir>... --output <dir>`.
+//! eval_multiturn evaluations. `plot <train|rl|data|eval|20q|study|all> <dir>... --output <dir>`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -72,6 +72,16 @@ enum Command {
         /// eval_multiturn output directories (task twenty_questions).
         #[arg(required = true)]
         evals: Vec<PathBuf>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Study figures from `eval_multiturn --study` output directories (`study.json`): the
+    /// primary outcome of each arm pooled over seeds with its 95% interval (seeds as rings),
+    /// and each comparison's difference with its interval against zero.
+    Study {
+        /// eval_multiturn --study output directories.
+        #[arg(required = true)]
+        studies: Vec<PathBuf>,
         #[command(flatten)]
         common: Common,
     },
@@ -159,6 +169,9 @@ fn run(args: Args) -> anyhow::Result<()> {
         } => plot::plot_data(&runs, &options(common, None, min_gap))?,
         Command::Eval { evals, common } => plot::plot_eval(&evals, &options(common, None, None))?,
         Command::TwentyQ { evals, common } => plot::plot_20q(&evals, &options(common, None, None))?,
+        Command::Study { studies, common } => {
+            plot::plot_study(&studies, &options(common, None, None))?
+        }
         Command::All {
             dirs,
             common,

@@ -132,7 +132,9 @@ struct Args {
     /// (best vs worst of each group as a DPO pair) [default: grpo].
     #[arg(long, value_name = "ALGO")]
     algo: Option<Algo>,
-    /// Peak learning rate (see --schedule) [default: 1e-6].
+    /// Peak learning rate (see --schedule) [default: 1e-6 (the verl recipe's, for all weights),
+    /// or 2e-5 with --lora-r (as dpo_train: adapters need a larger rate; 3e-4 drifted the
+    /// default model 1–4 nats a token from its reference in a few steps)].
     #[arg(long, value_name = "X", value_parser = rl::LR.parser())]
     lr: Option<f64>,
     /// Coefficient of the k3 KL loss to the initial model; 0 turns the reference off
@@ -219,6 +221,12 @@ struct Args {
     /// forward pass per micro-batch.
     #[arg(long)]
     gradient_checkpointing: bool,
+    /// Train on groups whose responses differ only in token counts (token_amount,
+    /// reply_tokens). By default such groups get zero advantage and are counted
+    /// (advantages/length_only_groups): under GRPO their few-thousandths reward differences
+    /// would become ±1 advantages for length alone.
+    #[arg(long)]
+    keep_length_only_groups: bool,
     /// Per-role token cap, repeatable: user=N (simulated user's turns, default 1024),
     /// judge=N (512), extractor=N (2048); policy=N and assistant=N set --max-new-tokens
     /// (the trained model plays the assistant inside futures). Futures usually dominate a
@@ -292,7 +300,11 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         threads,
         prompts
     );
+    if args.lr.is_none() && cfg.lora_r.is_some() && cfg.lr == RlRunConfig::default().lr {
+        cfg.lr = rl::LORA_LR;
+    }
     cfg.gradient_checkpointing |= args.gradient_checkpointing;
+    cfg.keep_length_only_groups |= args.keep_length_only_groups;
     cfg.set_max_tokens(&args.max_tokens);
     if let Some(v) = args.max_new_tokens {
         // The dedicated flag wins over policy=/assistant= caps.
@@ -303,6 +315,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         &mut cfg.metrics,
         &mut cfg.oracle,
         &mut cfg.max_questions,
+        &mut cfg.midgame,
     );
     args.endpoint.apply(&mut cfg.endpoint);
     cfg.validate()?;

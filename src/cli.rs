@@ -28,6 +28,12 @@ pub struct TwentyQuestionsArgs {
     /// 20 Questions: questions per game; a game also ends on a win [default: 20].
     #[arg(long, value_name = "Q")]
     pub max_questions: Option<usize>,
+    /// 20 Questions: start each game after N or fewer questions of the demonstrator (a noisy
+    /// halving questioner; the number drawn uniformly in 0..=N per game, the table
+    /// answering), so the model is trained in mid-game positions, not only on its first
+    /// question [default: 0, the opening only].
+    #[arg(long, value_name = "N")]
+    pub midgame: Option<usize>,
 }
 
 impl TwentyQuestionsArgs {
@@ -39,6 +45,7 @@ impl TwentyQuestionsArgs {
         metrics: &mut std::collections::BTreeMap<String, f64>,
         oracle: &mut OracleMode,
         max_questions: &mut usize,
+        midgame: &mut usize,
     ) {
         if let Some(w) =
             crate::reward::metrics::weights_from_flags(self.metric_preset.as_deref(), metric_flags)
@@ -50,6 +57,9 @@ impl TwentyQuestionsArgs {
         }
         if let Some(q) = self.max_questions {
             *max_questions = q;
+        }
+        if let Some(n) = self.midgame {
+            *midgame = n;
         }
     }
 }

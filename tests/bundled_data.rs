@@ -61,7 +61,7 @@ fn bundled_files_load_with_expected_shapes() {
                         t.id
                     );
                 }
-                TaskType::TwentyQuestions => unreachable!(),
+                TaskType::TwentyQuestions | TaskType::Clarify => unreachable!(),
             }
         }
     }

@@ -1129,3 +1129,89 @@ fn demonstrator_games_are_written_as_sft_conversations() {
     let different = (0..12).any(|_| questions(0) != questions(1));
     assert!(different, "{:?} vs {:?}", questions(0), questions(1));
 }
+
+/// `--study`: arms of finished evaluations, per-seed McNemar tests and pooled differences with
+/// a cluster bootstrap, written to study.json / study.md; a bad spec names the file.
+#[test]
+fn study_compares_arms_of_finished_evaluations() {
+    let tmp = tempfile::tempdir().unwrap();
+    let eval = |name: &str, model: &str, seed: &str| {
+        let out = tmp.path().join(name);
+        let res = run_bin(&[
+            "--task",
+            "twenty_questions",
+            "--model",
+            model,
+            "--split",
+            "test",
+            "--seed",
+            seed,
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert!(
+            res.status.success(),
+            "{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        out.display().to_string()
+    };
+    let reference = eval("reference", "reference", "0");
+    let random: Vec<String> = (1..=3)
+        .map(|s| eval(&format!("random-{s}"), "random", &s.to_string()))
+        .collect();
+    let spec = format!(
+        "title = \"t\"\nprimary = \"success\"\nsecondary = [\"identified\"]\n\
+         comparisons = [{{ arm = \"random\", against = \"reference\" }}]\n\
+         [[arms]]\nname = \"reference\"\nruns = [\"{reference}\"]\n\
+         [[arms]]\nname = \"random\"\nruns = [\"{}\", \"{}\", \"{}\"]\n\
+         [meta]\nrevision = \"abc\"\n",
+        random[0], random[1], random[2]
+    );
+    let spec_path = tmp.path().join("study.toml");
+    std::fs::write(&spec_path, spec).unwrap();
+    let out = tmp.path().join("study");
+    let res = run_bin(&[
+        "--study",
+        spec_path.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let s = read_json(&out.join("study.json"));
+    assert_eq!(s["meta"]["revision"], "abc");
+    let c = &s["comparisons"][0];
+    assert_eq!(c["per_seed"].as_array().unwrap().len(), 3);
+    let d = c["pooled_difference"].as_f64().unwrap();
+    let (lo, hi) = (
+        c["ci95"][0].as_f64().unwrap(),
+        c["ci95"][1].as_f64().unwrap(),
+    );
+    assert!(d < -0.6 && lo <= d && d <= hi && hi < 0.0, "{c}");
+    assert_eq!(s["arms"][0]["pooled_rate"], 1.0);
+    assert_eq!(s["arms"][0]["secondary"]["identified"], 1.0);
+    assert_eq!(
+        s["arms"][0]["seeds"][0]["outcomes"]
+            .as_object()
+            .unwrap()
+            .len(),
+        31
+    );
+    assert!(std::fs::read_to_string(out.join("study.md"))
+        .unwrap()
+        .contains("random vs reference"));
+    // A spec naming an arm that is not there is refused, naming it.
+    std::fs::write(&spec_path, "title = \"t\"\nprimary = \"success\"\narms = []\ncomparisons = [{ arm = \"a\", against = \"b\" }]\n").unwrap();
+    let res = run_bin(&[
+        "--study",
+        spec_path.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!res.status.success());
+    assert!(String::from_utf8_lossy(&res.stderr).contains("unknown arm `a`"));
+}

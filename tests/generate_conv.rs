@@ -1567,3 +1567,58 @@ async fn compat_upstream_v2_sets_its_values_records_them_and_a_flag_still_wins()
         .collect();
     assert!(temps.iter().any(|t| (t - 0.8).abs() < 1e-6), "{temps:?}");
 }
+
+/// `--midgame N`: each game starts after the demonstrator's first questions (0..=N, drawn per
+/// task), the table answering; the pairs' prompts hold that prefix, and `--max-messages`
+/// counts from the end of it.
+#[tokio::test]
+async fn twenty_questions_midgame_prefixes_start_games_after_demonstrator_questions() {
+    let (name, q0, q1) = twenty_questions_target();
+    let server = questioner_server(name, q0, q1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = twenty_questions_args(&server, &out);
+    for (flag, value) in [("--max-tasks", "6"), ("--max-questions", "20")] {
+        let i = args.iter().position(|a| a == flag).unwrap();
+        args[i + 1] = value.into();
+    }
+    args.extend([
+        "--midgame".into(),
+        "12".into(),
+        "--max-messages".into(),
+        "3".into(),
+    ]);
+    let output = run_bin(&args).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let world = collabllm::task::twenty_questions::chat::default_world().unwrap();
+    let text = std::fs::read_to_string(out.join("conversations.jsonl")).unwrap();
+    let mut prefixes = Vec::new();
+    for line in text.lines() {
+        let rec: Value = serde_json::from_str(line).unwrap();
+        let history = rec["turns"][0]["history"].as_array().unwrap().clone();
+        assert!(history[0]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("You are playing 20 Questions"));
+        for (k, m) in history.iter().enumerate().skip(1) {
+            let c = m["content"].as_str().unwrap();
+            if k % 2 == 1 {
+                assert!(world.parse(c).is_some(), "a demonstrator question: {c}");
+            } else {
+                assert!(c == "Yes." || c == "No.");
+            }
+        }
+        // One real turn after the prefix (max-messages 3: opening, question, answer).
+        assert!(rec["turns"].as_array().unwrap().len() <= 2, "{rec}");
+        prefixes.push(history.len());
+    }
+    assert_eq!(prefixes.len(), 6);
+    assert!(prefixes.iter().any(|&n| n > 1), "{prefixes:?}");
+    let pairs = read_pairs(&out.join("pairs/train.parquet")).len()
+        + read_pairs(&out.join("pairs/test.parquet")).len();
+    assert!(pairs > 0);
+}

@@ -225,6 +225,43 @@ fn twenty_questions_figures_from_played_games() {
     );
 }
 
+/// `plot study` draws an `eval_multiturn --study` result: one forest-plot figure per study,
+/// named after its directory, with every arm and comparison named.
+#[test]
+fn study_figures_name_every_arm_and_comparison() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("study-clarify");
+    std::fs::create_dir_all(&dir).unwrap();
+    let study = serde_json::json!({
+        "title": "Clarify", "primary": "detail_used",
+        "arms": [
+            {"name": "base", "pooled_rate": 0.3, "pooled_ci95": [0.25, 0.36], "seeds": [{"rate": 0.3}]},
+            {"name": "multiturn", "pooled_rate": 0.8, "pooled_ci95": [0.7, 0.88],
+             "seeds": [{"rate": 0.78}, {"rate": 0.8}, {"rate": 0.82}]},
+        ],
+        "comparisons": [{"arm": "multiturn", "against": "base", "pooled_difference": 0.5,
+                         "ci95": [0.4, 0.6]}],
+    });
+    std::fs::write(dir.join("study.json"), study.to_string()).unwrap();
+    let out = tmp.path().join("figs");
+    let w = plot::plot_study(&[dir], &opts(&out)).unwrap();
+    assert_eq!(names(&w), ["study-clarify"]);
+    check_figures(
+        &out,
+        &["study-clarify"],
+        &[
+            "Clarify",
+            "multiturn vs base",
+            "base",
+            "detail_used by arm",
+            "pooled differences",
+        ],
+    );
+    // A missing study.json is named.
+    let err = plot::plot_study(&[tmp.path().join("nothing")], &opts(&out)).unwrap_err();
+    assert!(err_text(err).contains("study.json"));
+}
+
 #[test]
 fn all_detects_kinds_writes_index_and_is_deterministic() {
     let tmp = tempfile::tempdir().unwrap();

@@ -624,6 +624,10 @@ async fn twenty_questions_trains_against_the_table_oracle_with_exact_rewards() {
         "1",
         "--ppo-epochs",
         "1",
+        "--batch-prompts",
+        "4",
+        "--midgame",
+        "8",
     ];
     ok(&run_bin(&args(&server, &model, &out, &extra)).await);
     for r in server.received() {
@@ -632,6 +636,31 @@ async fn twenty_questions_trains_against_the_table_oracle_with_exact_rewards() {
     }
     let rollouts = jsonl(&out.join("rollouts.jsonl"));
     assert!(!rollouts.is_empty());
+    // --midgame: prompts are games after 0..=8 of the demonstrator's questions (the table's
+    // answers), ending with an answer; at least one of the four is past the opening.
+    let world = collabllm::task::twenty_questions::chat::default_world().unwrap();
+    let lengths: Vec<usize> = rollouts
+        .iter()
+        .map(|r| r["prompt"].as_array().unwrap().len())
+        .collect();
+    assert!(lengths.iter().any(|&n| n > 1), "{lengths:?}");
+    for r in &rollouts {
+        let prompt = r["prompt"].as_array().unwrap();
+        assert!(
+            prompt.len() % 2 == 1 && prompt.len() <= 17,
+            "{}",
+            prompt.len()
+        );
+        for (k, m) in prompt.iter().enumerate().skip(1) {
+            let text = m["content"].as_str().unwrap();
+            if k % 2 == 1 {
+                assert_eq!(m["role"], "assistant");
+                assert!(world.parse(text).is_some(), "{text}");
+            } else {
+                assert!(text == "Yes." || text == "No.", "{text}");
+            }
+        }
+    }
     for r in &rollouts {
         assert!(r["task_id"].as_str().unwrap().starts_with("20q-"));
         let opening = r["prompt"][0]["content"].as_str().unwrap();
@@ -653,4 +682,64 @@ async fn twenty_questions_trains_against_the_table_oracle_with_exact_rewards() {
     let logs = jsonl(&out.join("logs.jsonl"));
     assert_eq!(logs[0]["api/user/calls"].as_u64(), Some(0), "{}", logs[0]);
     assert!(logs[0]["rewards/info_gain/mean"].is_number(), "{}", logs[0]);
+}
+
+/// Clarify-or-answer: the scripted user opens with the request, answers a question with the
+/// detail and ends after an answer — no call to the user endpoint; the multiturn-aware
+/// reward scores a future, the single-turn reward (`--samples 0`) the reply alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn clarify_trains_with_the_scripted_user_and_both_rewards() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    for samples in ["1", "0"] {
+        let out = tmp.path().join(format!("clarify-{samples}"));
+        let extra = [
+            "--tasks",
+            "clarify:train",
+            "--max-tasks",
+            "4",
+            "--samples",
+            samples,
+            "--max-steps",
+            "1",
+            "--ppo-epochs",
+            "1",
+            "--metric",
+            "detail_used=1",
+            "--metric",
+            "clarifying_questions=-0.3",
+        ];
+        // `--metric` adds to the defaults' interactivity/token_amount: drop those.
+        let mut a = args(&server, &model, &out, &extra);
+        for dropped in ["interactivity=1", "token_amount=-1"] {
+            let i = a.iter().position(|x| x == dropped).unwrap();
+            a.drain(i - 1..=i);
+        }
+        ok(&run_bin(&a).await);
+        for r in jsonl(&out.join("rollouts.jsonl")) {
+            let request = r["prompt"][0]["content"].as_str().unwrap();
+            assert!(request.starts_with("Write a "), "{request}");
+            for resp in r["responses"].as_array().unwrap() {
+                let s = &resp["sessions"][0];
+                let future = s["messages"].as_array().unwrap();
+                if samples == "0" {
+                    assert!(future.is_empty());
+                } else {
+                    let said = future[0]["content"].as_str().unwrap();
+                    let asked = resp["text"].as_str().unwrap().contains('?');
+                    assert_eq!(said == "[[TERMINATE CHAT]]", !asked, "{resp}");
+                }
+                for m in ["detail_used", "clarifying_questions"] {
+                    assert_eq!(s["scores"][m]["method"], "programmatic", "{s}");
+                }
+            }
+        }
+        let logs = jsonl(&out.join("logs.jsonl"));
+        assert_eq!(logs[0]["api/user/calls"].as_u64(), Some(0), "{}", logs[0]);
+    }
+    for r in server.received() {
+        let text = r.body["messages"].to_string();
+        assert!(!text.contains("role-playing a USER"), "a user call: {text}");
+    }
 }

@@ -579,6 +579,10 @@ impl EvalConfig {
         if let Some(t) = &self.tasks {
             return PathBuf::from(t);
         }
+        if self.task == TaskType::Clarify {
+            // The built-in held-out requests (no training source ever names their details).
+            return PathBuf::from("clarify:test");
+        }
         let rel = PathBuf::from(format!("data/{}.jsonl", self.task));
         if rel.is_file() {
             rel

@@ -14,7 +14,31 @@ use crate::llm::roles::Role;
 use crate::llm::ChatMessage;
 use crate::reward::metrics::{count_tokens, MetricScore, Scorer};
 use crate::rollout::user::{derive_seed, Sampling, SimError, UserSimulator};
-use crate::task::Task;
+use crate::task::{Task, TaskType};
+
+/// Clarify-or-answer: success and asking on stated and on vague requests, each `null` on
+/// the other kind (so its mean is over that kind only).
+fn clarify_views(
+    task: &Task,
+    scores: &BTreeMap<String, MetricScore>,
+    metrics: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let stated = task.metadata["stated"].as_bool().unwrap_or(false);
+    let used = scores.get("detail_used").and_then(|s| s.value);
+    let asked = scores
+        .get("clarifying_questions")
+        .and_then(|s| s.value)
+        .map(|q| if q > 0.0 { 1.0 } else { 0.0 });
+    let (mine, other) = if stated {
+        ("stated", "vague")
+    } else {
+        ("vague", "stated")
+    };
+    metrics.insert(format!("detail_used_{mine}"), serde_json::json!(used));
+    metrics.insert(format!("asked_{mine}"), serde_json::json!(asked));
+    metrics.insert(format!("detail_used_{other}"), serde_json::Value::Null);
+    metrics.insert(format!("asked_{other}"), serde_json::Value::Null);
+}
 
 /// One evaluated model with its own token counter (its tokenizer, or cl100k for endpoints).
 pub struct DialogueModel {
@@ -103,7 +127,14 @@ impl DialogueRunner {
                 history.push(ChatMessage::user(next.text));
             }
         }
-        let judged = [self.task_metric, "interactivity"];
+        // Clarify-or-answer is scored by rule: its second metric is the questions asked, not
+        // a judge's interactivity.
+        let second = if task.task_type == TaskType::Clarify {
+            "clarifying_questions"
+        } else {
+            "interactivity"
+        };
+        let judged = [self.task_metric, second];
         let scores: BTreeMap<String, MetricScore> = join_all(judged.iter().map(|m| {
             let history = &history;
             async move {
@@ -151,6 +182,9 @@ impl DialogueRunner {
             serde_json::json!(typed as f64 / 1000.0),
         );
         metrics.insert("turns".into(), serde_json::json!(turns));
+        if task.task_type == TaskType::Clarify {
+            clarify_views(task, &scores, &mut metrics);
+        }
         metrics.insert("judge_failures".into(), serde_json::json!(failures));
         Ok(serde_json::json!({
             "model": model.label,

@@ -12,7 +12,9 @@
 //!   model × metric, JSON/CSV/table; `overlap`: refusal to evaluate on training tasks;
 //!   `run`: the whole run (concurrency, cache, resume, manifest).
 //! - `transcripts`: LMRL-Gym offline 20 Questions games re-scored under our rules;
-//!   `compare`: paired comparison of 20 Questions runs (Wilson intervals, McNemar's exact test).
+//!   `compare`: paired comparison of 20 Questions runs (Wilson intervals, McNemar's exact test);
+//!   `study`: a trained-arms study over seeds (per-seed McNemar, pooled differences with a
+//!   bootstrap that resamples objects or requests).
 
 pub mod compare;
 pub(crate) mod config;
@@ -22,6 +24,7 @@ pub(crate) mod overlap;
 pub(crate) mod players;
 pub(crate) mod records;
 pub mod run;
+pub mod study;
 pub(crate) mod summary;
 pub mod transcripts;
 

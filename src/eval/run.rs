@@ -238,7 +238,10 @@ fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
         )
     } else {
         let path = cfg.tasks_path();
-        let mut tasks = load_tasks(&path)?;
+        let mut tasks = match crate::task::clarify::source_split(&path.to_string_lossy()) {
+            Some(split) => crate::task::clarify::tasks(split.map_err(anyhow::Error::msg)?),
+            None => load_tasks(&path)?,
+        };
         if let Some(t) = tasks.iter().find(|t| t.task_type != cfg.task) {
             bail!(
                 "{}: task {} is {}, not {} (--task)",

@@ -139,6 +139,10 @@ pub struct GenerateConfig {
     /// 20 Questions: questions per game.
     #[serde(default = "default_max_questions")]
     pub max_questions: usize,
+    /// 20 Questions: start each game after a demonstrator prefix of 0..=N questions (drawn
+    /// per game), so pairs come from mid-game positions, not only the opening; 0 = off.
+    #[serde(default)]
+    pub midgame: usize,
     /// The policy's system prompt (`proactive` or a text file): the first message of every
     /// conversation, kept in every pair's prompt.
     #[serde(default)]
@@ -252,6 +256,7 @@ impl Default for GenerateConfig {
             token_counter: TokenCounterKind::Policy,
             oracle: OracleMode::Table,
             max_questions: DEFAULT_MAX_QUESTIONS,
+            midgame: 0,
             system_prompt: None,
             compat: None,
         }
@@ -295,6 +300,9 @@ impl GenerateConfig {
             return Err(invalid("max_questions", "must be at least 1"));
         }
         if let Some(Err(e)) = twenty_questions_split(&self.tasks) {
+            return Err(invalid("tasks", e));
+        }
+        if let Some(Err(e)) = crate::task::clarify::source_split(&self.tasks) {
             return Err(invalid("tasks", e));
         }
         if self.max_messages < 2 {
@@ -423,6 +431,9 @@ impl GenerateConfig {
         if self.plays_twenty_questions() {
             id["oracle"] = serde_json::json!(self.oracle);
             id["max_questions"] = serde_json::json!(self.max_questions);
+            if self.midgame > 0 {
+                id["midgame"] = serde_json::json!(self.midgame);
+            }
         }
         id
     }

@@ -20,6 +20,7 @@ use crate::rollout::futures::FutureRunner;
 use crate::rollout::records::{now_secs, CandidateRecord, ConversationRecord, TurnRecord, Variant};
 use crate::rollout::user::{derive_seed, SimError, UserSimulator};
 use crate::task::prompts::{Prompts, SystemPromptSource};
+use crate::task::twenty_questions::chat;
 use crate::task::{Task, TaskType};
 
 /// Everything a conversation needs; shared by all conversations of a run.
@@ -70,19 +71,20 @@ impl Pipeline {
             Some(s) => Some(s.text(&self.prompts, task.task_type)?),
             None => None,
         };
-        let mut history: Vec<ChatMessage> = system
-            .map(ChatMessage::system)
-            .into_iter()
-            .chain([ChatMessage::user(first_user.text.clone())])
-            .collect();
+        let mut history: Vec<ChatMessage> = system.map(ChatMessage::system).into_iter().collect();
+        match self.midgame_prefix(task, &first_user.text)? {
+            Some(prefix) => history.extend(prefix),
+            None => history.push(ChatMessage::user(first_user.text.clone())),
+        }
         let mut turns = Vec::new();
         let mut ended_by = if first_user.terminated {
             "user_terminated"
         } else {
             "max_messages"
         };
-        // max_messages counts the conversation, not the system prompt.
-        let offset = usize::from(self.system_prompt.is_some());
+        // max_messages counts the conversation from its opening message: not the system
+        // prompt, nor a 20 Questions mid-game prefix.
+        let offset = history.len() - 1;
         while !first_user.terminated && history.len() - offset < self.cfg.max_messages {
             let turn_id = turns.len() as u32;
             let (turn, next_user) = self.turn(task, &history, turn_id, &weights).await?;
@@ -119,6 +121,30 @@ impl Pipeline {
             // Filled in by the caller, which measures the whole conversation.
             usage: BTreeMap::new(),
         })
+    }
+
+    /// 20 Questions with `midgame`: the rules and the demonstrator's first questions, drawn
+    /// per task (see [`chat::demonstrator_prefix`]); `None` otherwise.
+    fn midgame_prefix(
+        &self,
+        task: &Task,
+        intro: &str,
+    ) -> Result<Option<Vec<ChatMessage>>, SimError> {
+        if self.cfg.midgame == 0 || task.task_type != TaskType::TwentyQuestions {
+            return Ok(None);
+        }
+        let world = chat::default_world().map_err(SimError::TwentyQuestions)?;
+        let object = chat::object_of_task(world, task).ok_or_else(|| {
+            SimError::TwentyQuestions(format!("task {} names no 20 Questions object", task.id))
+        })?;
+        Ok(Some(chat::demonstrator_prefix(
+            world,
+            intro,
+            object,
+            self.cfg.max_questions,
+            self.cfg.midgame,
+            self.seed(task, &["midgame"]),
+        )))
     }
 
     async fn turn(

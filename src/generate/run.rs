@@ -207,6 +207,10 @@ pub fn load_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task>> {
         let world = chat::default_world().map_err(anyhow::Error::msg)?;
         return check_config_tasks(cfg, chat::object_tasks(world, split));
     }
+    if let Some(split) = crate::task::clarify::source_split(&cfg.tasks) {
+        let split = split.map_err(anyhow::Error::msg)?;
+        return check_config_tasks(cfg, crate::task::clarify::tasks(split));
+    }
     let path = Path::new(&cfg.tasks);
     let tasks = if import::is_flat_parquet(path) {
         let rows = import::read_flat_checked(path)?;

@@ -4,7 +4,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use plotters::style::RGBColor;
 
-use super::chart::{BarGroup, Bars, Figure, Layer, LegendAt, Marker, Panel, PanelKind, Shape};
+use super::chart::{
+    BarGroup, Bars, Figure, Layer, LegendAt, Marker, Panel, PanelKind, Shape, OKABE_ITO,
+};
 use super::inputs::{DataRun, EvalRun, Game, TrainRun};
 use super::Palette;
 
@@ -885,6 +887,125 @@ pub fn twenty_questions(
             proxy,
         ),
     ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Studies (eval_multiturn --study).
+
+/// One figure per study, named after its directory, as two forest plots (a row each, named at
+/// its right): the primary outcome of each arm (pooled, with its bootstrap interval; each
+/// seed a ring) and each comparison's pooled difference with its interval, against a dashed
+/// zero line.
+pub fn study(studies: &[(String, super::inputs::Study)], palette: &Palette) -> Vec<Figure> {
+    let mut figs = Vec::new();
+    for (name, s) in studies {
+        let rows: Vec<Row> = s
+            .arms
+            .iter()
+            .map(|a| Row {
+                label: a.name.clone(),
+                color: palette.color(&a.name),
+                value: a.pooled_rate,
+                ci: a.pooled_ci95,
+                seeds: a.seeds.iter().map(|x| x.rate).collect(),
+            })
+            .collect();
+        let mut arm_panel = Panel::xy(
+            &format!("{} (pooled over seeds; 95% CI; rings: seeds)", s.primary),
+            "arm",
+            forest(&rows, None),
+        );
+        arm_panel.title = Some(format!("{} by arm", s.primary));
+        arm_panel.legend = false;
+        let rows: Vec<Row> = s
+            .comparisons
+            .iter()
+            .map(|c| Row {
+                label: format!("{} vs {}", c.arm, c.against),
+                color: palette.color(&c.arm),
+                value: c.pooled_difference,
+                ci: c.ci95,
+                seeds: Vec::new(),
+            })
+            .collect();
+        let mut diff_panel = Panel::xy(
+            &format!("difference in {} (95% CI, clusters resampled)", s.primary),
+            "comparison",
+            forest(&rows, Some(0.0)),
+        );
+        diff_panel.title = Some("pooled differences".into());
+        diff_panel.legend = false;
+        figs.push(Figure {
+            name: name.clone(),
+            title: s.title.clone(),
+            panels: vec![arm_panel, diff_panel],
+        });
+    }
+    figs
+}
+
+/// One row of a forest plot.
+struct Row {
+    label: String,
+    color: RGBColor,
+    value: f64,
+    ci: (f64, f64),
+    seeds: Vec<f64>,
+}
+
+/// Rows top to bottom at y = k, …, 1: the interval as a line, the value as a dot, the seeds
+/// as rings just below, the label right of the interval; `reference` a dashed vertical line.
+fn forest(rows: &[Row], reference: Option<f64>) -> Vec<Layer> {
+    let mut layers = Vec::new();
+    if let Some(x) = reference {
+        layers.push(Layer {
+            label: None,
+            color: OKABE_ITO[6],
+            shape: Shape::VLine { x },
+        });
+    }
+    let k = rows.len();
+    for (i, r) in rows.iter().enumerate() {
+        let y = (k - i) as f64;
+        layers.push(Layer {
+            label: None,
+            color: r.color,
+            shape: Shape::Line {
+                points: vec![(r.ci.0, y), (r.ci.1, y)],
+                dashed: false,
+                faint: false,
+                markers: false,
+            },
+        });
+        layers.push(Layer {
+            label: Some(r.label.clone()),
+            color: r.color,
+            shape: Shape::Markers {
+                points: vec![(r.value, y)],
+                marker: Marker::Circle { filled: true },
+            },
+        });
+        if !r.seeds.is_empty() {
+            layers.push(Layer {
+                label: None,
+                color: r.color,
+                shape: Shape::Markers {
+                    points: r.seeds.iter().map(|&x| (x, y - 0.2)).collect(),
+                    marker: Marker::Circle { filled: false },
+                },
+            });
+        }
+        layers.push(Layer {
+            label: None,
+            color: r.color,
+            shape: Shape::Label {
+                x: r.ci.1,
+                y,
+                text: r.label.clone(),
+            },
+        });
+    }
+    layers
 }
 
 #[cfg(test)]

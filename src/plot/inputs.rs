@@ -323,3 +323,48 @@ pub fn read_games(dir: &Path) -> Result<BTreeMap<String, Vec<Game>>, PlotError> 
     }
     Ok(out)
 }
+
+// ---------------------------------------------------------------------------------------------
+// eval_multiturn --study
+
+pub const STUDY_FILE: &str = "study.json";
+
+/// The parts of `study.json` a figure draws.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Study {
+    pub title: String,
+    pub primary: String,
+    pub arms: Vec<StudyArm>,
+    pub comparisons: Vec<StudyComparison>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct StudyArm {
+    pub name: String,
+    pub pooled_rate: f64,
+    pub pooled_ci95: (f64, f64),
+    pub seeds: Vec<StudySeed>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct StudySeed {
+    pub rate: f64,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct StudyComparison {
+    pub arm: String,
+    pub against: String,
+    pub pooled_difference: f64,
+    pub ci95: (f64, f64),
+}
+
+/// `study.json` of an `eval_multiturn --study` output directory.
+pub fn read_study(dir: &Path) -> Result<Study, PlotError> {
+    let path = dir.join(STUDY_FILE);
+    serde_json::from_str(&read_text(&path)?).map_err(|e| PlotError::Json {
+        path,
+        line: None,
+        message: e.to_string(),
+    })
+}

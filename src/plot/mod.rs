@@ -275,6 +275,22 @@ pub fn plot_20q(dirs: &[PathBuf], opts: &Options) -> Result<Vec<Written>, PlotEr
     write_figures(&figures::twenty_questions(&runs, &games, &palette), opts)
 }
 
+/// `plot study`: each `eval_multiturn --study` output's arms and comparisons.
+pub fn plot_study(dirs: &[PathBuf], opts: &Options) -> Result<Vec<Written>, PlotError> {
+    opts.check()?;
+    need_dirs(dirs)?;
+    let studies = dirs
+        .iter()
+        .map(|d| Ok((inputs::dir_name(d), inputs::read_study(d)?)))
+        .collect::<Result<Vec<_>, PlotError>>()?;
+    let palette = Palette::new(
+        studies
+            .iter()
+            .flat_map(|(_, s)| s.arms.iter().map(|a| a.name.clone())),
+    );
+    write_figures(&figures::study(&studies, &palette), opts)
+}
+
 /// Games of each eval run (which must be a 20 Questions evaluation).
 fn read_20q(
     runs: &[inputs::EvalRun],

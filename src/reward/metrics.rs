@@ -30,6 +30,8 @@ pub const METRICS: &[(&str, &str)] = &[
     ("success", "{0,1} (20 Questions): the game is won (LMRL-Gym's win rule) by the candidate or within its future"),
     ("questions", ">=1 (20 Questions): questions asked by the candidate and its future, the winning one included"),
     ("lmrl_return", "<=0 (20 Questions): LMRL-Gym's return over the candidate and its future: -1 per question, 0 for the winning one"),
+    ("detail_used", "{0,1} (clarify): the conversation's final answer (its last assistant message without a question mark) uses the detail the request needs"),
+    ("clarifying_questions", ">=0 (clarify): assistant messages of the candidate and its future that ask a question"),
 ];
 
 /// The metrics computed exactly from a 20 Questions game under the attribute table.
@@ -118,9 +120,10 @@ pub fn weights_from_flags(
     Some(w)
 }
 
-/// DESIGN §2 defaults: math accuracy=1, interactivity=1, token_amount=−0.1; document editing
-/// bleu=1, token_amount=−0.1; code pass_rate=1, token_amount=−0.5; 20 Questions the exact
-/// `20q-infogain` preset (success=1, info_gain=1, token_amount=−0.5: no judge needed).
+/// The default weights: math accuracy=1, interactivity=1, token_amount=−0.1; document
+/// editing bleu=1, token_amount=−0.1; code pass_rate=1, token_amount=−0.5; 20 Questions the
+/// exact `20q-infogain` preset (success=1, info_gain=1, reply_tokens=−0.5: no judge needed);
+/// clarify detail_used=1, clarifying_questions=−0.3.
 pub fn default_weights(task_type: TaskType) -> BTreeMap<String, f64> {
     let w: &[(&str, f64)] = match task_type {
         TaskType::Math => &[
@@ -131,6 +134,7 @@ pub fn default_weights(task_type: TaskType) -> BTreeMap<String, f64> {
         TaskType::DocEdit => &[("bleu", 1.0), ("token_amount", -0.1)],
         TaskType::Code => &[("pass_rate", 1.0), ("token_amount", -0.5)],
         TaskType::TwentyQuestions => twenty_questions::metric_preset("20q-infogain").unwrap_or(&[]),
+        TaskType::Clarify => crate::task::clarify::DEFAULT_WEIGHTS,
     };
     w.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
@@ -143,6 +147,7 @@ pub fn task_metric(task_type: TaskType) -> Option<&'static str> {
         TaskType::DocEdit => Some("bleu"),
         TaskType::Code => Some("pass_rate"),
         TaskType::TwentyQuestions => None,
+        TaskType::Clarify => Some("detail_used"),
     }
 }
 
@@ -156,7 +161,9 @@ pub fn check_tasks_for_metrics(tasks: &[Task], metrics: &[String]) -> Result<(),
                 what: what.into(),
             };
             match m.as_str() {
-                "accuracy" | "bleu" | "bleu_char" if t.reference.trim().is_empty() => {
+                "accuracy" | "bleu" | "bleu_char" | "detail_used"
+                    if t.reference.trim().is_empty() =>
+                {
                     return Err(lacks("a `reference`"))
                 }
                 "pass_rate" if tests_of(t).is_none() => {
@@ -309,6 +316,20 @@ impl Scorer {
             m if TWENTY_QUESTIONS_METRICS.contains(&m) => {
                 twenty_questions_score(m, task, history, candidate_and_future)
             }
+            "detail_used" => MetricScore {
+                value: Some(crate::task::clarify::detail_used(task, &session)),
+                method: "programmatic".into(),
+                raw: None,
+                detail: None,
+            },
+            "clarifying_questions" => MetricScore {
+                value: Some(crate::task::clarify::clarifying_questions(
+                    candidate_and_future,
+                )),
+                method: "programmatic".into(),
+                raw: None,
+                detail: None,
+            },
             other => MetricScore {
                 value: None,
                 method: format!("unknown metric {other}"),

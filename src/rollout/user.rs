@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, ChatRequest, LlmError};
+use crate::task::clarify;
 use crate::task::prompts::{transcript, Prompt, PromptError, Prompts};
 use crate::task::twenty_questions::chat::{self, OracleMode};
 use crate::task::{Task, TaskType};
@@ -25,6 +26,8 @@ pub enum SimError {
     Prompt(#[from] PromptError),
     #[error("20 Questions: {0}")]
     TwentyQuestions(String),
+    #[error("{0}")]
+    Clarify(String),
     #[error(
         "user simulator gave no usable message after {attempts} attempts (last output: {last:?})"
     )]
@@ -203,6 +206,9 @@ impl UserSimulator {
         if task.task_type == TaskType::TwentyQuestions {
             return self.oracle_turns(task, history, n, seed).await;
         }
+        if task.task_type == TaskType::Clarify {
+            return self.clarify_turns(task, history, n);
+        }
         let prompt = self.prompt(task, history)?;
         let req = self
             .sampling
@@ -287,6 +293,30 @@ impl UserSimulator {
                 "win": won,
             })
             .to_string(),
+        };
+        Ok(vec![turn; n])
+    }
+
+    /// Clarify-or-answer: the scripted user ([`clarify::user_turn`]) — the request, the
+    /// detail after a question, the termination signal after an answer. No model call.
+    fn clarify_turns(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        n: usize,
+    ) -> Result<Vec<UserTurn>, SimError> {
+        let said = clarify::user_turn(task, history).map_err(SimError::Clarify)?;
+        let turn = match said {
+            Some(text) => UserTurn {
+                raw: text.clone(),
+                text,
+                terminated: false,
+            },
+            None => UserTurn {
+                text: self.termination.clone(),
+                terminated: true,
+                raw: self.termination.clone(),
+            },
         };
         Ok(vec![turn; n])
     }

@@ -24,6 +24,7 @@ use serde_json::Value;
 
 use crate::dataset::columnar::{self, AtomicFile};
 
+pub mod clarify;
 pub mod prompts;
 pub mod twenty_questions;
 
@@ -35,14 +36,18 @@ pub enum TaskType {
     DocEdit,
     Code,
     TwentyQuestions,
+    /// Clarify-or-answer ([`clarify`]): a request that may leave out the one detail the
+    /// reply needs.
+    Clarify,
 }
 
 impl TaskType {
-    pub const ALL: [TaskType; 4] = [
+    pub const ALL: [TaskType; 5] = [
         TaskType::Math,
         TaskType::DocEdit,
         TaskType::Code,
         TaskType::TwentyQuestions,
+        TaskType::Clarify,
     ];
 
     /// The snake_case name used in files and on the command line.
@@ -52,10 +57,11 @@ impl TaskType {
             TaskType::DocEdit => "doc_edit",
             TaskType::Code => "code",
             TaskType::TwentyQuestions => "twenty_questions",
+            TaskType::Clarify => "clarify",
         }
     }
 
-    /// `"math, doc_edit, code, twenty_questions"`.
+    /// `"math, doc_edit, code, twenty_questions, clarify"`.
     pub fn valid_names() -> String {
         Self::ALL.map(Self::as_str).join(", ")
     }
@@ -69,7 +75,7 @@ impl fmt::Display for TaskType {
 
 /// The error of [`TaskType::from_str`]: the rejected text.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown task type `{0}` (valid: math, doc_edit, code, twenty_questions)")]
+#[error("unknown task type `{0}` (valid: math, doc_edit, code, twenty_questions, clarify)")]
 pub struct UnknownTaskType(pub String);
 
 impl FromStr for TaskType {
@@ -154,7 +160,7 @@ pub enum TaskError {
         message: String,
     },
     #[error(
-        "{}: {at}: unknown task_type `{value}` (valid: math, doc_edit, code, twenty_questions)",
+        "{}: {at}: unknown task_type `{value}` (valid: math, doc_edit, code, twenty_questions, clarify)",
         path.display()
     )]
     UnknownTaskType {

@@ -238,6 +238,38 @@ pub fn oracle_request(
         .seed(seed))
 }
 
+/// A mid-game prefix of a game of `object`: the rules, then `k` questions of the
+/// [`DemonstratorQuestioner`](super::DemonstratorQuestioner) with the table's answers, `k`
+/// drawn uniformly from `0..=max_prefix` (at most `max_questions − 1`, so a question is
+/// left). The prefix stops before a winning question, so the game is still open. All draws
+/// come from `seed`: the same seed gives the same prefix.
+pub fn demonstrator_prefix(
+    world: &World,
+    intro: &str,
+    object: &Object,
+    max_questions: usize,
+    max_prefix: usize,
+    seed: u64,
+) -> Vec<ChatMessage> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let k = rng
+        .random_range(0..=max_prefix)
+        .min(max_questions.saturating_sub(1));
+    let mut demo = super::DemonstratorQuestioner::new(world, rng.random());
+    let mut history: Vec<(String, bool)> = Vec::new();
+    use super::Questioner as _;
+    while history.len() < k {
+        let q = demo.next_question(&history);
+        let (yes, _) = table_answer(world, object, &q);
+        if wins(world, object, &q, yes) {
+            break;
+        }
+        history.push((q, yes));
+    }
+    questioner_messages(intro, &history, &[])
+}
+
 /// The conversation a chat questioner sees: the intro, then each question as an assistant
 /// message (`raw` when given: what the model itself wrote) and the answer as a user message.
 pub fn questioner_messages(
@@ -525,5 +557,35 @@ mod tests {
         ] {
             assert_eq!(normalise_yes_no(raw), want, "{raw:?}");
         }
+    }
+
+    #[test]
+    fn demonstrator_prefixes_are_open_games_drawn_from_the_seed() {
+        let w = world();
+        let intro = "Let's play";
+        let mut lengths = std::collections::BTreeSet::new();
+        for (k, o) in w.objects.iter().enumerate().take(40) {
+            let seed = 1000 + k as u64;
+            let p = demonstrator_prefix(w, intro, o, 20, 12, seed);
+            assert_eq!(p, demonstrator_prefix(w, intro, o, 20, 12, seed), "seeded");
+            assert_eq!(p[0].content, intro);
+            assert_eq!(p.len() % 2, 1, "ends with an answer");
+            let qa = answered_questions(&p);
+            assert!(qa.len() <= 12);
+            lengths.insert(qa.len());
+            for (q, yes) in &qa {
+                let (truth, parsed) = table_answer(w, o, q);
+                assert!(parsed.is_some() && truth == *yes, "{q}");
+                assert!(!wins(w, o, q, *yes), "the prefix stops before a win: {q}");
+            }
+        }
+        assert!(lengths.len() >= 5, "prefix lengths vary: {lengths:?}");
+        // At most max_questions − 1 questions: the game is never over.
+        let p = demonstrator_prefix(w, intro, &w.objects[0], 3, 12, 9);
+        assert!(answered_questions(&p).len() <= 2);
+        assert_eq!(
+            demonstrator_prefix(w, intro, &w.objects[0], 20, 0, 9).len(),
+            1
+        );
     }
 }

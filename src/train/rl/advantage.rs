@@ -8,6 +8,11 @@
 //!
 //! Responses without a valid reward leave their group before the statistics; a group left
 //! with fewer than two rewards has no baseline and contributes no gradient.
+//!
+//! A *length-only* group — every response has the same score on every metric but the token
+//! counts (`token_amount`, `reply_tokens`) — is counted, and by default skipped (zero
+//! advantages): its rewards differ by a few thousandths, which GRPO's division by the
+//! group's standard deviation would turn into ±1 advantages for "shorter" alone.
 
 use std::fmt;
 use std::str::FromStr;
@@ -102,6 +107,8 @@ pub struct AdvantageStats {
     /// Groups whose valid rewards are all equal: zero advantage, so no policy gradient
     /// (they still count in the KL term).
     pub zero_variance_groups: usize,
+    /// Groups whose rewards differ only in the token-count metrics (skipped unless kept).
+    pub length_only_groups: usize,
     pub reward_mean: f64,
     pub advantage_abs_mean: f64,
 }
@@ -114,14 +121,44 @@ impl AdvantageStats {
             ("invalid_rewards", self.invalid_rewards as f64),
             ("degenerate_groups", self.degenerate_groups as f64),
             ("zero_variance_groups", self.zero_variance_groups as f64),
+            ("length_only_groups", self.length_only_groups as f64),
             ("reward_mean", self.reward_mean),
             ("advantage_abs_mean", self.advantage_abs_mean),
         ]
     }
 }
 
-/// Advantages of every response that trains, with counts of what was left out.
-pub fn compute(groups: &[Group], estimator: Estimator) -> (Vec<Advantaged>, AdvantageStats) {
+/// Metrics that count tokens: a group that differs only in them is length-only.
+pub const LENGTH_METRICS: &[&str] = &["token_amount", "reply_tokens"];
+
+/// Whether the responses (valid ones, by index) differ in some reward but agree on every
+/// metric that is not a token count, and have at least one such metric.
+fn length_only(group: &Group, valid: &[(usize, f64)]) -> bool {
+    let Some(&(first, r0)) = valid.first() else {
+        return false;
+    };
+    let metrics = &group.responses[first].metrics;
+    let other: Vec<(&String, &f64)> = metrics
+        .iter()
+        .filter(|(m, _)| !LENGTH_METRICS.contains(&m.as_str()))
+        .collect();
+    !other.is_empty()
+        && valid.iter().any(|(_, r)| *r != r0)
+        && valid.iter().all(|&(i, _)| {
+            let m = &group.responses[i].metrics;
+            other
+                .iter()
+                .all(|(k, v)| m.get(*k).is_some_and(|x| (x - *v).abs() <= 1e-12))
+        })
+}
+
+/// Advantages of every response that trains, with counts of what was left out. With
+/// `skip_length_only`, length-only groups get zero advantages.
+pub fn compute(
+    groups: &[Group],
+    estimator: Estimator,
+    skip_length_only: bool,
+) -> (Vec<Advantaged>, AdvantageStats) {
     let mut out = Vec::new();
     let mut stats = AdvantageStats {
         groups: groups.len(),
@@ -141,10 +178,16 @@ pub fn compute(groups: &[Group], estimator: Estimator) -> (Vec<Advantaged>, Adva
         let rewards: Vec<f64> = valid.iter().map(|v| v.1).collect();
         reward_sum += rewards.iter().sum::<f64>();
         reward_n += rewards.len();
-        let Some(adv) = estimator.advantages(&rewards) else {
+        let Some(mut adv) = estimator.advantages(&rewards) else {
             stats.degenerate_groups += 1;
             continue;
         };
+        if length_only(group, &valid) {
+            stats.length_only_groups += 1;
+            if skip_length_only {
+                adv.iter_mut().for_each(|a| *a = 0.0);
+            }
+        }
         if rewards.iter().all(|r| *r == rewards[0]) {
             stats.zero_variance_groups += 1;
         }
@@ -239,7 +282,7 @@ mod tests {
             group(&[Some(1.0), None]),
             group(&[Some(2.0), Some(2.0)]),
         ];
-        let (adv, stats) = compute(&groups, Estimator::DrGrpo);
+        let (adv, stats) = compute(&groups, Estimator::DrGrpo, true);
         assert_eq!(stats.invalid_rewards, 3);
         assert_eq!(stats.degenerate_groups, 1);
         assert_eq!(stats.zero_variance_groups, 1);
@@ -262,5 +305,60 @@ mod tests {
             assert_eq!(e.as_str().parse::<Estimator>().unwrap(), e);
         }
         assert!("ppo".parse::<Estimator>().unwrap_err().contains("ppo"));
+    }
+
+    fn scored(reward: f64, metrics: &[(&str, f64)]) -> ScoredResponse {
+        ScoredResponse {
+            text: "x".into(),
+            reward: Some(reward),
+            metrics: metrics.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            truncated: false,
+        }
+    }
+
+    #[test]
+    fn groups_that_differ_only_in_length_are_counted_and_skipped() {
+        let group = |rs: Vec<ScoredResponse>| Group {
+            task_id: "t".into(),
+            prompt: vec![],
+            responses: rs,
+        };
+        // Same info gain and success; only the token cost differs.
+        let length_only = group(vec![
+            scored(
+                0.5 - 0.005,
+                &[("info_gain", 0.5), ("success", 0.0), ("reply_tokens", 0.01)],
+            ),
+            scored(
+                0.5 - 0.010,
+                &[("info_gain", 0.5), ("success", 0.0), ("reply_tokens", 0.02)],
+            ),
+        ]);
+        let real = group(vec![
+            scored(0.9, &[("info_gain", 0.9), ("reply_tokens", 0.01)]),
+            scored(0.1, &[("info_gain", 0.1), ("reply_tokens", 0.01)]),
+        ]);
+        // A reward of length alone (no other metric) is what the user asked for: kept.
+        let pure_length = group(vec![
+            scored(-0.01, &[("token_amount", 0.01)]),
+            scored(-0.02, &[("token_amount", 0.02)]),
+        ]);
+        let groups = [length_only, real, pure_length];
+        let (adv, stats) = compute(&groups, Estimator::Grpo, true);
+        assert_eq!(stats.length_only_groups, 1);
+        let of = |g: usize| -> Vec<f64> {
+            adv.iter()
+                .filter(|a| a.group == g)
+                .map(|a| a.advantage)
+                .collect()
+        };
+        assert_eq!(of(0), [0.0, 0.0], "skipped");
+        assert!(of(1)[0] > 0.7 && of(2)[0] > 0.7, "{adv:?}");
+        let (adv, stats) = compute(&groups, Estimator::Grpo, false);
+        assert_eq!(stats.length_only_groups, 1, "counted when kept");
+        assert!(adv
+            .iter()
+            .filter(|a| a.group == 0)
+            .all(|a| a.advantage.abs() > 0.7));
     }
 }

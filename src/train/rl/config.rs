@@ -44,6 +44,8 @@ pub const WARMUP_RATIO: Range = Range::closed(0.0, 1.0);
 /// Sampling temperature of the policy: positive (greedy responses of a group are identical
 /// and carry no signal).
 pub const TEMPERATURE: Range = Range::open_closed(0.0, 10.0);
+/// The learning rate of LoRA runs that give none (dpo_train's LoRA default).
+pub const LORA_LR: f64 = 2e-5;
 pub const TOP_P: Range = Sampling::TOP_P;
 /// Online DPO: β and the minimum MR gap of a pair.
 pub const BETA: Range = Range::above(0.0);
@@ -227,6 +229,13 @@ pub struct RlRunConfig {
     pub oracle: OracleMode,
     /// 20 Questions tasks: questions per game.
     pub max_questions: usize,
+    /// 20 Questions tasks: each prompt is a game after a demonstrator prefix of 0..=N
+    /// questions (drawn per prompt and step); 0 = the opening only.
+    #[serde(default)]
+    pub midgame: usize,
+    /// Train on groups whose rewards differ only in token counts (skipped by default).
+    #[serde(default)]
+    pub keep_length_only_groups: bool,
 }
 
 impl Default for RlRunConfig {
@@ -294,6 +303,8 @@ impl Default for RlRunConfig {
             prices: BTreeMap::new(),
             oracle: gen.oracle,
             max_questions: gen.max_questions,
+            midgame: 0,
+            keep_length_only_groups: false,
         }
     }
 }
@@ -399,6 +410,7 @@ impl RlRunConfig {
             prices: self.prices.clone(),
             oracle: self.oracle,
             max_questions: self.max_questions,
+            midgame: self.midgame,
             ..GenerateConfig::default()
         }
     }
@@ -453,6 +465,7 @@ impl RlRunConfig {
             max_length: self.max_length,
             seed: self.seed,
             gradient_checkpointing: self.gradient_checkpointing,
+            skip_length_only: !self.keep_length_only_groups,
             dpo: (self.algo == Algo::OnlineDpo).then_some(DpoConfig {
                 beta: self.beta,
                 ..DpoConfig::default()
@@ -553,6 +566,9 @@ impl RlRunConfig {
             }
             if self.max_questions == crate::task::twenty_questions::MAX_QUESTIONS {
                 o.remove("max_questions");
+            }
+            if self.midgame == 0 {
+                o.remove("midgame");
             }
         }
         v

@@ -25,7 +25,8 @@ use crate::reward::metrics::{default_weights, Scorer};
 use crate::reward::mr::MrFormula;
 use crate::rollout::futures::{FutureRunner, ScoredReply, SessionRecord};
 use crate::rollout::user::{derive_seed, SimError, UserSimulator};
-use crate::task::Task;
+use crate::task::twenty_questions::chat;
+use crate::task::{Task, TaskType};
 
 /// One sampled response, its futures and its scores.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -237,6 +238,12 @@ impl Rollout<'_> {
         let task = &p.task;
         let prompt = match (&p.prefix, self.cfg.opening) {
             (Some(prefix), _) => prefix.clone(),
+            (None, _) if self.cfg.midgame > 0 && task.task_type == TaskType::TwentyQuestions => {
+                match self.midgame_prefix(task, split, step, i) {
+                    Ok(prefix) => prefix,
+                    Err(e) => return Ok(Opened::UserFailed(e)),
+                }
+            }
             (None, Opening::Task | Opening::Dataset) => {
                 vec![ChatMessage::user(task.prompt.clone())]
             }
@@ -271,6 +278,29 @@ impl Rollout<'_> {
             })
             .collect();
         Ok(Opened::Sampled(prompt, choices))
+    }
+
+    /// A 20 Questions prompt after a demonstrator prefix drawn for (task, split, step, prompt).
+    fn midgame_prefix(
+        &self,
+        task: &Task,
+        split: &str,
+        step: &str,
+        i: &str,
+    ) -> Result<Vec<ChatMessage>, SimError> {
+        let world = chat::default_world().map_err(SimError::TwentyQuestions)?;
+        let object = chat::object_of_task(world, task).ok_or_else(|| {
+            SimError::TwentyQuestions(format!("task {} names no 20 Questions object", task.id))
+        })?;
+        let intro = chat::intro_message(&self.user.prompts, self.user.max_questions)?;
+        Ok(chat::demonstrator_prefix(
+            world,
+            &intro,
+            object,
+            self.user.max_questions,
+            self.cfg.midgame,
+            self.seed(task, &["rl-midgame", split, step, i]),
+        ))
     }
 
     /// The simulated user's opening message for `task`.

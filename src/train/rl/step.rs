@@ -90,6 +90,8 @@ pub struct RlConfig {
     /// Per-layer activation checkpointing in the backward pass (less memory, one more
     /// forward pass; TRL's and dpo_train's default is off).
     pub gradient_checkpointing: bool,
+    /// Zero the advantages of groups whose rewards differ only in token counts.
+    pub skip_length_only: bool,
 }
 
 impl Default for RlConfig {
@@ -110,6 +112,7 @@ impl Default for RlConfig {
             seed: 0,
             dpo: None,
             gradient_checkpointing: false,
+            skip_length_only: true,
         }
     }
 }
@@ -292,7 +295,8 @@ impl RlTrainer {
         codec: &ChatCodec,
         groups: &[Group],
     ) -> Result<(Vec<RlSample>, AdvantageStats, usize), RlError> {
-        let (adv, stats) = advantage::compute(groups, self.cfg.estimator);
+        let (adv, stats) =
+            advantage::compute(groups, self.cfg.estimator, self.cfg.skip_length_only);
         let mut out = Vec::with_capacity(adv.len());
         let mut too_long = 0;
         for a in adv {
@@ -665,7 +669,8 @@ impl RlTrainer {
             .cfg
             .dpo
             .ok_or_else(|| RlError::Config("dpo_update needs RlConfig::dpo".into()))?;
-        let (_, advantage) = advantage::compute(groups, self.cfg.estimator);
+        let (_, advantage) =
+            advantage::compute(groups, self.cfg.estimator, self.cfg.skip_length_only);
         let mut pairs = Vec::new();
         let mut too_long = 0;
         for (gi, g) in groups.iter().enumerate() {

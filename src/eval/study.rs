@@ -1,0 +1,681 @@
+//! A trained-arms study (`eval_multiturn --study SPEC.toml`): the statistics a reviewer asks
+//! for when a method claims to beat its baselines.
+//!
+//! The spec names arms (each a list of evaluated runs, one per seed: an `eval_multiturn`
+//! output directory, optionally `DIR:label` when it holds several models) and the
+//! comparisons to make. Every record's primary outcome (`success` of a 20 Questions game,
+//! `detail_used` of a clarify conversation, or any metric named by `primary`) is read per
+//! *cluster* — the 20 Questions object or the task id — and repeat. For each comparison:
+//!
+//! - per seed, McNemar's exact test on the paired outcomes (seed k of the arm against seed k
+//!   of the other, or against its only run);
+//! - pooled over seeds, the difference of success rates with a percentile bootstrap interval
+//!   that resamples *clusters* (an object carries all its seeds' games with it, so the
+//!   interval does not pretend that three games of one object are three independent
+//!   objects), and the bootstrap's two-sided p (twice the smaller tail beyond 0).
+//!
+//! The output (`study.json`, `study.md`) holds every per-cluster outcome, so the numbers can be
+//! checked and recomputed, and whatever the spec carries under `[meta]` (commands, revision,
+//! wall time).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use super::compare::{mcnemar_exact, wilson_interval, Z95};
+use super::records::read_records;
+use super::run::CONVERSATIONS_DIR;
+use super::summary::write_atomic;
+
+/// Bootstrap resamples of the pooled difference.
+pub const BOOTSTRAP_RESAMPLES: usize = 10_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StudyError {
+    #[error("{}: {message}", path.display())]
+    Input { path: PathBuf, message: String },
+    #[error("study spec: {0}")]
+    Spec(String),
+}
+
+fn input_err(path: &Path, message: impl Into<String>) -> StudyError {
+    StudyError::Input {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// The study spec (TOML).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StudySpec {
+    /// Title of the tables.
+    pub title: String,
+    /// The outcome compared: a 0/1 metric of each record (`success` for 20 Questions,
+    /// `detail_used` for clarify).
+    pub primary: String,
+    /// Further per-record metrics reported per arm (means over seeds' records); for 20
+    /// Questions `identified` (one object left consistent at some point) is computed from
+    /// the game.
+    #[serde(default)]
+    pub secondary: Vec<String>,
+    pub arms: Vec<ArmSpec>,
+    pub comparisons: Vec<ComparisonSpec>,
+    /// Seed of the bootstrap.
+    #[serde(default)]
+    pub seed: u64,
+    /// Copied into the output as is (commands, revision, wall time, notes).
+    #[serde(default)]
+    pub meta: toml::Table,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArmSpec {
+    pub name: String,
+    /// One evaluated run per seed: `DIR` or `DIR:label`.
+    pub runs: Vec<String>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComparisonSpec {
+    pub arm: String,
+    pub against: String,
+}
+
+/// One run of an arm: outcomes by (cluster, repeat), and the secondary metrics' values.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunOutcomes {
+    pub run: String,
+    pub label: String,
+    pub n: usize,
+    pub successes: usize,
+    pub rate: f64,
+    pub rate_ci95: (f64, f64),
+    /// `cluster#repeat` → outcome.
+    pub outcomes: BTreeMap<String, bool>,
+    /// metric → mean over the records that have it.
+    pub secondary: BTreeMap<String, Option<f64>>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ArmResult {
+    pub name: String,
+    pub seeds: Vec<RunOutcomes>,
+    /// Successes / records over every seed.
+    pub pooled_rate: f64,
+    /// Bootstrap interval of the pooled rate, clusters resampled.
+    pub pooled_ci95: (f64, f64),
+    /// metric → mean of the seeds' means.
+    pub secondary: BTreeMap<String, Option<f64>>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SeedTest {
+    pub arm_run: String,
+    pub against_run: String,
+    pub paired: usize,
+    /// Won only by `against` (b) and only by `arm` (c).
+    pub b: usize,
+    pub c: usize,
+    pub mcnemar_p: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ComparisonResult {
+    pub arm: String,
+    pub against: String,
+    pub per_seed: Vec<SeedTest>,
+    /// Mean over seeds of (arm rate − against rate) on the paired outcomes.
+    pub pooled_difference: f64,
+    pub ci95: (f64, f64),
+    pub p_bootstrap: f64,
+    pub clusters: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StudyResult {
+    pub title: String,
+    pub primary: String,
+    pub bootstrap_resamples: usize,
+    pub arms: Vec<ArmResult>,
+    pub comparisons: Vec<ComparisonResult>,
+    pub meta: toml::Table,
+}
+
+/// A record's cluster (the 20 Questions object, else the task id) and repeat.
+fn cluster_of(rec: &serde_json::Value) -> Option<(String, u64)> {
+    let repeat = rec["repeat"].as_u64().unwrap_or(0);
+    if let Some(o) = rec["game"]["object_index"].as_u64() {
+        return Some((format!("object-{o:03}"), repeat));
+    }
+    rec["task_id"].as_str().map(|t| (t.to_string(), repeat))
+}
+
+/// A record's value of `metric`: its `metrics` entry (a boolean is 0/1), or for 20 Questions
+/// `identified`: some answer left exactly one object consistent.
+fn metric_of(rec: &serde_json::Value, metric: &str) -> Option<f64> {
+    if metric == "identified" {
+        let turns = rec["game"]["turns"].as_array()?;
+        return Some(if turns.iter().any(|t| t["consistent_after"] == 1) {
+            1.0
+        } else {
+            0.0
+        });
+    }
+    match &rec["metrics"][metric] {
+        serde_json::Value::Bool(b) => Some(if *b { 1.0 } else { 0.0 }),
+        v => v.as_f64(),
+    }
+}
+
+/// Reads one run (`DIR` or `DIR:label`) of an arm.
+fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
+    let (dir, label) = match run.rsplit_once(':') {
+        Some((d, l)) if Path::new(d).is_dir() => (PathBuf::from(d), Some(l.to_string())),
+        _ => (PathBuf::from(run), None),
+    };
+    let conv = dir.join(CONVERSATIONS_DIR);
+    let label = match label {
+        Some(l) => l,
+        None => {
+            let files: Vec<String> = std::fs::read_dir(&conv)
+                .map_err(|e| input_err(&conv, e.to_string()))?
+                .filter_map(|e| e.ok())
+                .filter_map(|e| {
+                    let p = e.path();
+                    if p.extension()? != "jsonl" {
+                        return None;
+                    }
+                    Some(p.file_stem()?.to_string_lossy().into_owned())
+                })
+                .collect();
+            match files.as_slice() {
+                [one] => one.clone(),
+                _ => {
+                    return Err(input_err(
+                        &conv,
+                        format!(
+                            "{} models here ({}); name one as DIR:label",
+                            files.len(),
+                            files.join(", ")
+                        ),
+                    ))
+                }
+            }
+        }
+    };
+    let path = conv.join(format!("{label}.jsonl"));
+    let recs = read_records(&path).map_err(|e| input_err(&path, e.to_string()))?;
+    if recs.is_empty() {
+        return Err(input_err(&path, "no records"));
+    }
+    let mut outcomes = BTreeMap::new();
+    let mut sums: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for (i, r) in recs.iter().enumerate() {
+        let (cluster, repeat) = cluster_of(r)
+            .ok_or_else(|| input_err(&path, format!("record {}: no object or task id", i + 1)))?;
+        let key = format!("{cluster}#{repeat}");
+        if outcomes.contains_key(&key) {
+            continue; // the first record of a game counts, as in the run's summary
+        }
+        let y = metric_of(r, &spec.primary).ok_or_else(|| {
+            input_err(
+                &path,
+                format!("record {}: no `{}` outcome", i + 1, spec.primary),
+            )
+        })?;
+        outcomes.insert(key, y >= 0.5);
+        for m in &spec.secondary {
+            if let Some(v) = metric_of(r, m) {
+                let e = sums.entry(m.clone()).or_default();
+                e.0 += v;
+                e.1 += 1;
+            }
+        }
+    }
+    let n = outcomes.len();
+    let successes = outcomes.values().filter(|v| **v).count();
+    Ok(RunOutcomes {
+        run: dir.display().to_string(),
+        label,
+        n,
+        successes,
+        rate: successes as f64 / n as f64,
+        rate_ci95: wilson_interval(successes, n, Z95),
+        outcomes,
+        secondary: spec
+            .secondary
+            .iter()
+            .map(|m| {
+                let v = sums.get(m).map(|(s, k)| s / *k as f64);
+                (m.clone(), v)
+            })
+            .collect(),
+    })
+}
+
+/// The cluster part of a `cluster#repeat` key.
+fn cluster_key(key: &str) -> &str {
+    key.rsplit_once('#').map_or(key, |(c, _)| c)
+}
+
+/// Percentile interval of `values` (sorted in place).
+fn percentile_interval(values: &mut [f64]) -> (f64, f64) {
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let i = ((values.len() as f64 - 1.0) * q).round() as usize;
+        values[i.min(values.len() - 1)]
+    };
+    (at(0.025), at(0.975))
+}
+
+/// Per cluster: (sum of outcomes, count) of each seed's run.
+type ClusterTable = BTreeMap<String, Vec<(f64, f64)>>;
+
+fn cluster_table(runs: &[&RunOutcomes], keys: &BTreeSet<String>) -> ClusterTable {
+    let mut t: ClusterTable = BTreeMap::new();
+    for k in keys {
+        let row = t
+            .entry(cluster_key(k).to_string())
+            .or_insert_with(|| vec![(0.0, 0.0); runs.len()]);
+        for (s, r) in runs.iter().enumerate() {
+            row[s].0 += f64::from(u8::from(r.outcomes[k]));
+            row[s].1 += 1.0;
+        }
+    }
+    t
+}
+
+/// Mean over seeds of the rate in the clusters `pick` (indices into `clusters`).
+fn pooled(clusters: &[&Vec<(f64, f64)>], pick: impl Iterator<Item = usize> + Clone) -> f64 {
+    let seeds = clusters.first().map_or(0, |c| c.len());
+    if seeds == 0 {
+        return 0.0;
+    }
+    (0..seeds)
+        .map(|s| {
+            let (y, n) = pick.clone().fold((0.0, 0.0), |(y, n), i| {
+                (y + clusters[i][s].0, n + clusters[i][s].1)
+            });
+            if n > 0.0 {
+                y / n
+            } else {
+                0.0
+            }
+        })
+        .sum::<f64>()
+        / seeds as f64
+}
+
+fn arm<'a>(arms: &'a [ArmResult], name: &str) -> Result<&'a ArmResult, StudyError> {
+    arms.iter()
+        .find(|a| a.name == name)
+        .ok_or_else(|| StudyError::Spec(format!("comparison names an unknown arm `{name}`")))
+}
+
+fn compare_arms(a: &ArmResult, b: &ArmResult, seed: u64) -> Result<ComparisonResult, StudyError> {
+    let k = a.seeds.len();
+    if !(b.seeds.len() == k || b.seeds.len() == 1) {
+        return Err(StudyError::Spec(format!(
+            "{} has {k} runs and {} has {}: give the second one run or as many",
+            a.name,
+            b.name,
+            b.seeds.len()
+        )));
+    }
+    let other = |s: usize| &b.seeds[if b.seeds.len() == 1 { 0 } else { s }];
+    // Keys every run of both arms has: the same games everywhere.
+    let mut keys: BTreeSet<String> = a.seeds[0].outcomes.keys().cloned().collect();
+    for r in a.seeds.iter().chain(&b.seeds) {
+        keys.retain(|key| r.outcomes.contains_key(key));
+    }
+    if keys.is_empty() {
+        return Err(StudyError::Spec(format!(
+            "{} and {} share no game or conversation",
+            a.name, b.name
+        )));
+    }
+    let per_seed = (0..k)
+        .map(|s| {
+            let (ra, rb) = (&a.seeds[s], other(s));
+            let (bb, cc) = keys.iter().fold((0, 0), |(bb, cc), key| {
+                match (rb.outcomes[key], ra.outcomes[key]) {
+                    (true, false) => (bb + 1, cc),
+                    (false, true) => (bb, cc + 1),
+                    _ => (bb, cc),
+                }
+            });
+            SeedTest {
+                arm_run: ra.run.clone(),
+                against_run: rb.run.clone(),
+                paired: keys.len(),
+                b: bb,
+                c: cc,
+                mcnemar_p: mcnemar_exact(bb, cc),
+            }
+        })
+        .collect();
+    let a_runs: Vec<&RunOutcomes> = a.seeds.iter().collect();
+    let b_runs: Vec<&RunOutcomes> = (0..k).map(other).collect();
+    let ta = cluster_table(&a_runs, &keys);
+    let tb = cluster_table(&b_runs, &keys);
+    let names: Vec<&String> = ta.keys().collect();
+    let ca: Vec<&Vec<(f64, f64)>> = names.iter().map(|n| &ta[*n]).collect();
+    let cb: Vec<&Vec<(f64, f64)>> = names.iter().map(|n| &tb[*n]).collect();
+    let m = names.len();
+    let diff =
+        |pick: &[usize]| pooled(&ca, pick.iter().copied()) - pooled(&cb, pick.iter().copied());
+    let all: Vec<usize> = (0..m).collect();
+    let observed = diff(&all);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut boots: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
+        .map(|_| {
+            let pick: Vec<usize> = (0..m).map(|_| rng.random_range(0..m)).collect();
+            diff(&pick)
+        })
+        .collect();
+    let below = boots.iter().filter(|d| **d <= 0.0).count() as f64 / boots.len() as f64;
+    let above = boots.iter().filter(|d| **d >= 0.0).count() as f64 / boots.len() as f64;
+    let ci95 = percentile_interval(&mut boots);
+    Ok(ComparisonResult {
+        arm: a.name.clone(),
+        against: b.name.clone(),
+        per_seed,
+        pooled_difference: observed,
+        ci95,
+        p_bootstrap: (2.0 * below.min(above)).min(1.0),
+        clusters: m,
+    })
+}
+
+fn arm_result(spec: &StudySpec, a: &ArmSpec, seed: u64) -> Result<ArmResult, StudyError> {
+    if a.runs.is_empty() {
+        return Err(StudyError::Spec(format!("arm `{}` has no runs", a.name)));
+    }
+    let seeds = a
+        .runs
+        .iter()
+        .map(|r| read_run(spec, r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let runs: Vec<&RunOutcomes> = seeds.iter().collect();
+    let mut keys: BTreeSet<String> = seeds[0].outcomes.keys().cloned().collect();
+    for r in &seeds[1..] {
+        keys.retain(|key| r.outcomes.contains_key(key));
+    }
+    let table = cluster_table(&runs, &keys);
+    let clusters: Vec<&Vec<(f64, f64)>> = table.values().collect();
+    let m = clusters.len();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut boots: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
+        .map(|_| {
+            pooled(
+                &clusters,
+                (0..m)
+                    .map(|_| rng.random_range(0..m))
+                    .collect::<Vec<_>>()
+                    .into_iter(),
+            )
+        })
+        .collect();
+    let total: usize = seeds.iter().map(|s| s.n).sum();
+    let won: usize = seeds.iter().map(|s| s.successes).sum();
+    let secondary = spec
+        .secondary
+        .iter()
+        .map(|m| {
+            let vals: Vec<f64> = seeds.iter().filter_map(|s| s.secondary[m]).collect();
+            let mean = (!vals.is_empty()).then(|| vals.iter().sum::<f64>() / vals.len() as f64);
+            (m.clone(), mean)
+        })
+        .collect();
+    Ok(ArmResult {
+        name: a.name.clone(),
+        pooled_rate: won as f64 / total.max(1) as f64,
+        pooled_ci95: if m == 0 {
+            (0.0, 1.0)
+        } else {
+            percentile_interval(&mut boots)
+        },
+        seeds,
+        secondary,
+    })
+}
+
+/// Reads every arm's runs and makes every comparison.
+pub fn run_study(spec: &StudySpec) -> Result<StudyResult, StudyError> {
+    let mut names = BTreeSet::new();
+    for a in &spec.arms {
+        if !names.insert(a.name.as_str()) {
+            return Err(StudyError::Spec(format!("arm `{}` is named twice", a.name)));
+        }
+    }
+    let arms = spec
+        .arms
+        .iter()
+        .map(|a| arm_result(spec, a, spec.seed))
+        .collect::<Result<Vec<_>, _>>()?;
+    let comparisons = spec
+        .comparisons
+        .iter()
+        .map(|c| compare_arms(arm(&arms, &c.arm)?, arm(&arms, &c.against)?, spec.seed))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(StudyResult {
+        title: spec.title.clone(),
+        primary: spec.primary.clone(),
+        bootstrap_resamples: BOOTSTRAP_RESAMPLES,
+        arms,
+        comparisons,
+        meta: spec.meta.clone(),
+    })
+}
+
+/// Reads the spec file, runs the study and writes `study.json` and `study.md` to `output`.
+pub fn study_files(spec_path: &Path, output: &Path) -> anyhow::Result<StudyResult> {
+    let text =
+        std::fs::read_to_string(spec_path).map_err(|e| input_err(spec_path, e.to_string()))?;
+    let spec: StudySpec = toml::from_str(&text).map_err(|e| input_err(spec_path, e.to_string()))?;
+    let result = run_study(&spec)?;
+    std::fs::create_dir_all(output).map_err(|e| input_err(output, e.to_string()))?;
+    let json = serde_json::to_string_pretty(&result)?;
+    write_atomic(&output.join("study.json"), json.as_bytes())?;
+    write_atomic(&output.join("study.md"), result.table().as_bytes())?;
+    Ok(result)
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", 100.0 * x)
+}
+
+fn fmt_p(p: f64) -> String {
+    if p == 0.0 {
+        // Below the bootstrap's resolution (no resample crossed 0).
+        format!("< {:.0e}", 1.0 / BOOTSTRAP_RESAMPLES as f64)
+    } else if p < 0.001 {
+        format!("{p:.1e}")
+    } else {
+        format!("{p:.3}")
+    }
+}
+
+impl StudyResult {
+    /// The arms' table and the comparisons' table, as Markdown.
+    pub fn table(&self) -> String {
+        let mut out = format!("### {}\n\n", self.title);
+        let secondary: Vec<&String> = self
+            .arms
+            .first()
+            .map(|a| a.secondary.keys().collect())
+            .unwrap_or_default();
+        out.push_str(&format!(
+            "| arm | {} pooled (95% CI, clusters resampled) | per seed |",
+            self.primary
+        ));
+        for m in &secondary {
+            out.push_str(&format!(" {m} |"));
+        }
+        out.push_str("\n|---|---|---|");
+        out.push_str(&"---|".repeat(secondary.len()));
+        out.push('\n');
+        for a in &self.arms {
+            let per: Vec<String> = a
+                .seeds
+                .iter()
+                .map(|s| format!("{}/{}", s.successes, s.n))
+                .collect();
+            out.push_str(&format!(
+                "| {} | {} ({}–{}) | {} |",
+                a.name,
+                pct(a.pooled_rate),
+                pct(a.pooled_ci95.0),
+                pct(a.pooled_ci95.1),
+                per.join(", ")
+            ));
+            for m in &secondary {
+                match a.secondary[*m] {
+                    Some(v) => out.push_str(&format!(" {v:.3} |")),
+                    None => out.push_str(" - |"),
+                }
+            }
+            out.push('\n');
+        }
+        out.push_str(
+            "\n| comparison | difference, pooled (95% bootstrap CI) | bootstrap p | per seed: b / c, McNemar p |\n|---|---|---|---|\n",
+        );
+        for c in &self.comparisons {
+            let seeds: Vec<String> = c
+                .per_seed
+                .iter()
+                .map(|s| format!("{} / {}, {}", s.b, s.c, fmt_p(s.mcnemar_p)))
+                .collect();
+            out.push_str(&format!(
+                "| {} vs {} | {:+.1} pts ({:+.1} to {:+.1}) | {} | {} |\n",
+                c.arm,
+                c.against,
+                100.0 * c.pooled_difference,
+                100.0 * c.ci95.0,
+                100.0 * c.ci95.1,
+                fmt_p(c.p_bootstrap),
+                seeds.join("; ")
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An eval output with one model whose conversation `i` has outcome `wins(i)`.
+    fn run_dir(root: &Path, name: &str, n: usize, wins: impl Fn(usize) -> bool) -> String {
+        let dir = root.join(name);
+        std::fs::create_dir_all(dir.join(CONVERSATIONS_DIR)).unwrap();
+        let lines: String = (0..n)
+            .map(|i| {
+                let rec = serde_json::json!({"task_id": format!("t{i:02}"), "repeat": 0,
+                    "metrics": {"detail_used": if wins(i) { 1.0 } else { 0.0 }, "turns": 1 + i % 2}});
+                format!("{rec}\n")
+            })
+            .collect();
+        std::fs::write(dir.join(CONVERSATIONS_DIR).join("m.jsonl"), lines).unwrap();
+        dir.display().to_string()
+    }
+
+    fn spec(arms: Vec<(&str, Vec<String>)>, comparisons: &[(&str, &str)]) -> StudySpec {
+        StudySpec {
+            title: "t".into(),
+            primary: "detail_used".into(),
+            secondary: vec!["turns".into()],
+            arms: arms
+                .into_iter()
+                .map(|(name, runs)| ArmSpec {
+                    name: name.into(),
+                    runs,
+                })
+                .collect(),
+            comparisons: comparisons
+                .iter()
+                .map(|(a, b)| ComparisonSpec {
+                    arm: a.to_string(),
+                    against: b.to_string(),
+                })
+                .collect(),
+            seed: 1,
+            meta: toml::Table::new(),
+        }
+    }
+
+    #[test]
+    fn seeds_pair_with_one_base_run_and_clusters_are_resampled() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        // Base wins requests 0..10 of 40; every seed of the arm wins those and 10 more.
+        let base = run_dir(root, "base", 40, |i| i < 10);
+        let arm: Vec<String> = (0..3)
+            .map(|s| run_dir(root, &format!("arm{s}"), 40, move |i| i < 20 + s))
+            .collect();
+        let same = run_dir(root, "same", 40, |i| i < 10);
+        let s = spec(
+            vec![("base", vec![base]), ("arm", arm), ("same", vec![same])],
+            &[("arm", "base"), ("same", "base")],
+        );
+        let r = run_study(&s).unwrap();
+        let c = &r.comparisons[0];
+        assert_eq!(c.per_seed.len(), 3);
+        let bc: Vec<(usize, usize)> = c.per_seed.iter().map(|t| (t.b, t.c)).collect();
+        assert_eq!(bc, [(0, 10), (0, 11), (0, 12)]);
+        assert!((c.per_seed[0].mcnemar_p - mcnemar_exact(0, 10)).abs() < 1e-15);
+        // Pooled: mean over seeds of (20..22)/40 − 10/40.
+        assert!((c.pooled_difference - (11.0 / 40.0)).abs() < 1e-12, "{c:?}");
+        assert!(c.ci95.0 > 0.0 && c.ci95.0 < c.pooled_difference && c.pooled_difference < c.ci95.1);
+        assert!(c.p_bootstrap < 0.01);
+        assert_eq!(c.clusters, 40);
+        // An arm equal to the base: no difference, interval around 0, p = 1.
+        let z = &r.comparisons[1];
+        assert_eq!((z.pooled_difference, z.ci95), (0.0, (0.0, 0.0)));
+        assert_eq!(z.p_bootstrap, 1.0);
+        // Arm rates and their secondary metric.
+        let a = &r.arms[1];
+        assert!((a.pooled_rate - 63.0 / 120.0).abs() < 1e-12);
+        assert!((a.secondary["turns"].unwrap() - 1.5).abs() < 1e-12);
+        assert!(
+            r.table().contains("| arm vs base | +27.5 pts"),
+            "{}",
+            r.table()
+        );
+    }
+
+    #[test]
+    fn bad_specs_and_runs_are_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = run_dir(tmp.path(), "a", 5, |_| true);
+        let err = run_study(&spec(vec![("a", vec![a.clone()])], &[("a", "b")])).unwrap_err();
+        assert!(err.to_string().contains("unknown arm `b`"), "{err}");
+        let two: Vec<String> = (0..2)
+            .map(|s| run_dir(tmp.path(), &format!("x{s}"), 5, |_| true))
+            .collect();
+        let three: Vec<String> = (0..3)
+            .map(|s| run_dir(tmp.path(), &format!("y{s}"), 5, |_| true))
+            .collect();
+        let err = run_study(&spec(vec![("x", two), ("y", three)], &[("y", "x")])).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("give the second one run or as many"),
+            "{err}"
+        );
+        // A directory holding two models needs DIR:label.
+        std::fs::copy(
+            Path::new(&a).join(CONVERSATIONS_DIR).join("m.jsonl"),
+            Path::new(&a).join(CONVERSATIONS_DIR).join("n.jsonl"),
+        )
+        .unwrap();
+        let err = run_study(&spec(vec![("a", vec![a.clone()])], &[])).unwrap_err();
+        assert!(err.to_string().contains("name one as DIR:label"), "{err}");
+        run_study(&spec(vec![("a", vec![format!("{a}:n")])], &[])).unwrap();
+    }
+}
