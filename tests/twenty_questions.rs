@@ -515,6 +515,13 @@ const READINGS: &[(&str, &str)] = &[
     ("Is it an animal, plant, vehicle or food?", "-"),
     ("Is it animal vehicle tool metal?", "-"),
     ("Is it a kitchen tool?", "-"),
+    // A keyword padded with words that say nothing (what a policy trained on the table
+    // learned to write).
+    ("Is it sports equipment available?", "-"),
+    ("Is it natural interesting?", "-"),
+    ("Is it worn worn-out?", "-"),
+    ("Is it sports-related?", "-"),
+    ("Is it electronic likely to you?", "-"),
     // Not questions.
     ("animal", "-"),
     ("animal?", "-"),
@@ -575,6 +582,7 @@ fn unread_questions_say_why() {
             "Does it have wheels, like a car?",
             Unread::ObjectInAttribute,
         ),
+        ("Is it natural interesting?", Unread::UnexplainedWord),
         (
             "Is it one of the many things you might find in a garden shed or a barn?",
             Unread::TooLong,

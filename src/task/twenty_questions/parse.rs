@@ -28,6 +28,11 @@
 //! - **Objects named in an attribute question** must lie inside the decisive match ("Is it
 //!   a big cat?", "Does it grow on trees?"); "Is it bigger than a dog?" and "Does it have
 //!   wheels, like a car?" are unread, never guesses of Dog or Car.
+//! - **Every word is accounted for**: each word of an attribute question lies in a lexicon
+//!   match, or is one of [`FUNCTION_WORDS`] (articles, prepositions, pronouns, "thing",
+//!   "used", "have", …). A keyword padded with other words ("Is it sports equipment
+//!   available?", "Is it natural interesting?") is unread: a policy trained against the
+//!   table learned to pad its questions so.
 
 use regex::Regex;
 
@@ -53,6 +58,8 @@ pub enum Unread {
     TwoAttributes,
     /// An object named outside a guess and outside the attribute's own words.
     ObjectInAttribute,
+    /// A word neither in a lexicon match nor a function word.
+    UnexplainedWord,
     /// No lexicon row and no object name fits.
     Unknown,
 }
@@ -120,6 +127,166 @@ const GUESS_LEAD_INS: &[&[&str]] = &[
     &["the"],
     &["some"],
     &["one"],
+];
+
+/// Words an attribute question may hold besides the lexicon's: the grammar's glue.
+pub const FUNCTION_WORDS: &[&str] = &[
+    // articles, determiners, quantifiers
+    "a",
+    "an",
+    "the",
+    "some",
+    "any",
+    "one",
+    "this",
+    "that",
+    "these",
+    "those",
+    "many",
+    "much",
+    "most",
+    "all",
+    "each",
+    "every",
+    "other",
+    // prepositions and conjunctions
+    "of",
+    "for",
+    "in",
+    "on",
+    "at",
+    "to",
+    "by",
+    "with",
+    "from",
+    "into",
+    "onto",
+    "inside",
+    "about",
+    "around",
+    "before",
+    "after",
+    "when",
+    "while",
+    "during",
+    "or",
+    "and",
+    "than",
+    "as",
+    "up",
+    // pronouns
+    "it",
+    "its",
+    "it's",
+    "you",
+    "your",
+    "we",
+    "our",
+    "they",
+    "them",
+    "their",
+    "people",
+    "someone",
+    "somebody",
+    "anyone",
+    "i",
+    "me",
+    "my",
+    // nouns that name nothing
+    "something",
+    "thing",
+    "things",
+    "object",
+    "objects",
+    "item",
+    "items",
+    "kind",
+    "type",
+    "sort",
+    "piece",
+    "part",
+    "device",
+    "equipment",
+    "stuff",
+    // auxiliaries and common verbs
+    "is",
+    "are",
+    "be",
+    "been",
+    "being",
+    "was",
+    "were",
+    "can",
+    "could",
+    "would",
+    "will",
+    "should",
+    "might",
+    "may",
+    "do",
+    "does",
+    "did",
+    "have",
+    "has",
+    "had",
+    "use",
+    "used",
+    "uses",
+    "using",
+    "find",
+    "found",
+    "make",
+    "made",
+    "makes",
+    "keep",
+    "keeps",
+    "kept",
+    "give",
+    "gives",
+    "get",
+    "gets",
+    "come",
+    "comes",
+    "go",
+    "goes",
+    "take",
+    "takes",
+    "need",
+    "needs",
+    "run",
+    "runs",
+    "open",
+    "opens",
+    "tell",
+    "tells",
+    "contain",
+    "contains",
+    "see",
+    "seen",
+    "play",
+    "played",
+    "grow",
+    "grows",
+    "grown",
+    "growing",
+    "live",
+    "lives",
+    "typically",
+    "usually",
+    "often",
+    "mostly",
+    "generally",
+    "commonly",
+    "normally",
+    "mainly",
+    "primarily",
+    "really",
+    "very",
+    "also",
+    "ever",
+    "always",
+    "sometimes",
+    "there",
 ];
 
 fn starts_with(words: &[String], prefix: &[&str]) -> bool {
@@ -208,7 +375,7 @@ impl World {
                 };
             }
         }
-        let (index, negated) = self.attribute_of(&normalise(stem))?;
+        let (index, negated) = self.attribute_of(&normalise(stem), lead.len)?;
         Ok(Query::Attribute {
             index,
             negated: negated != lead.negated,
@@ -231,8 +398,9 @@ impl World {
         (!objects.is_empty()).then_some(objects)
     }
 
-    /// The one attribute `text` (normalised) names, under the rules of the module's doc.
-    fn attribute_of(&self, text: &str) -> Result<(usize, bool), Unread> {
+    /// The one attribute `text` (normalised; its first `lead` words are the lead) names,
+    /// under the rules of the module's doc.
+    fn attribute_of(&self, text: &str, lead: usize) -> Result<(usize, bool), Unread> {
         let matches: Vec<(usize, Vec<(usize, usize)>)> = self
             .lexicon
             .entries
@@ -274,6 +442,25 @@ impl World {
             .any(|span| !inside(span))
         {
             return Err(Unread::ObjectInAttribute);
+        }
+        // Every word of the body is glue or inside some lexicon match (rows that passed the
+        // checks above name the winner's attribute or one it implies).
+        let matched: Vec<(usize, usize)> = matches
+            .iter()
+            .flat_map(|(_, s)| s.iter().copied())
+            .collect();
+        let mut at = 0;
+        for (i, word) in text.split(' ').enumerate() {
+            let span = (at, at + word.len());
+            at += word.len() + 1;
+            if i < lead {
+                continue;
+            }
+            let bare = word.trim_matches(|c: char| c == '\'' || c == '-');
+            let covered = matched.iter().any(|&(s, e)| s <= span.0 && span.1 <= e);
+            if !covered && !FUNCTION_WORDS.contains(&bare) && !bare.is_empty() {
+                return Err(Unread::UnexplainedWord);
+            }
         }
         Ok((winner.attribute, winner.negated))
     }
