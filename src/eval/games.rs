@@ -164,8 +164,7 @@ pub fn won_games_as_sft(
     intro: &str,
     recs: &[serde_json::Value],
 ) -> Result<Vec<crate::dataset::sft::SftRow>, String> {
-    use crate::llm::ChatMessage;
-    use crate::task::twenty_questions::GameRecord;
+    use crate::task::twenty_questions::{chat::questioner_messages, GameRecord};
     let mut out = Vec::new();
     for (i, r) in recs.iter().enumerate() {
         let game: GameRecord = serde_json::from_value(r["game"].clone())
@@ -173,13 +172,13 @@ pub fn won_games_as_sft(
         if !game.won {
             continue;
         }
-        let mut messages = vec![ChatMessage::user(intro.to_string())];
-        for (k, t) in game.turns.iter().enumerate() {
-            messages.push(ChatMessage::assistant(t.question.clone()));
-            if k + 1 < game.turns.len() {
-                messages.push(ChatMessage::user(t.answer.clone()));
-            }
-        }
+        let history: Vec<(String, bool)> = game
+            .turns
+            .iter()
+            .map(|t| (t.question.clone(), t.yes))
+            .collect();
+        let mut messages = questioner_messages(intro, &history, &[]);
+        messages.pop(); // the "Yes." to the winning question: nothing to learn after it
         let repeat = r["repeat"].as_u64().unwrap_or(0);
         out.push(crate::dataset::sft::SftRow {
             messages,

@@ -133,18 +133,15 @@ impl Pipeline {
         if self.cfg.midgame == 0 || task.task_type != TaskType::TwentyQuestions {
             return Ok(None);
         }
-        let world = chat::default_world().map_err(SimError::TwentyQuestions)?;
-        let object = chat::object_of_task(world, task).ok_or_else(|| {
-            SimError::TwentyQuestions(format!("task {} names no 20 Questions object", task.id))
-        })?;
-        Ok(Some(chat::demonstrator_prefix(
-            world,
+        chat::task_prefix(
+            task,
             intro,
-            object,
             self.cfg.max_questions,
             self.cfg.midgame,
             self.seed(task, &["midgame"]),
-        )))
+        )
+        .map(Some)
+        .map_err(SimError::TwentyQuestions)
     }
 
     async fn turn(

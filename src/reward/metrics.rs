@@ -507,12 +507,9 @@ fn twenty_questions_score(
         raw: None,
         detail: Some(serde_json::json!({"error": why})),
     };
-    let world = match chat::default_world() {
-        Ok(w) => w,
+    let (world, object) = match chat::world_and_object(task) {
+        Ok(x) => x,
         Err(e) => return missing(e),
-    };
-    let Some(object) = chat::object_of_task(world, task) else {
-        return missing(format!("task {} names no 20 Questions object", task.id));
     };
     let before = chat::answered_questions(history);
     let mut future = chat::answered_questions(candidate_and_future);

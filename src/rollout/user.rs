@@ -253,13 +253,7 @@ impl UserSimulator {
         n: usize,
         seed: u64,
     ) -> Result<Vec<UserTurn>, SimError> {
-        let world = chat::default_world().map_err(SimError::TwentyQuestions)?;
-        let object = chat::object_of_task(world, task).ok_or_else(|| {
-            SimError::TwentyQuestions(format!(
-                "task {}: its reference `{}` names none of the 20 Questions objects",
-                task.id, task.reference
-            ))
-        })?;
+        let (world, object) = chat::world_and_object(task).map_err(SimError::TwentyQuestions)?;
         let Some(question) = chat::unanswered_question(history) else {
             let intro = chat::intro_message(&self.prompts, self.max_questions)?;
             let turn = UserTurn {

@@ -238,6 +238,37 @@ pub fn oracle_request(
         .seed(seed))
 }
 
+/// The bundled world and the object a 20 Questions task is about, or why there is none.
+pub fn world_and_object(task: &Task) -> Result<(&'static World, &'static Object), String> {
+    let world = default_world()?;
+    let object = object_of_task(world, task).ok_or_else(|| {
+        format!(
+            "task {}: its reference `{}` names none of the 20 Questions objects",
+            task.id, task.reference
+        )
+    })?;
+    Ok((world, object))
+}
+
+/// [`demonstrator_prefix`] of a 20 Questions task's object.
+pub fn task_prefix(
+    task: &Task,
+    intro: &str,
+    max_questions: usize,
+    max_prefix: usize,
+    seed: u64,
+) -> Result<Vec<ChatMessage>, String> {
+    let (world, object) = world_and_object(task)?;
+    Ok(demonstrator_prefix(
+        world,
+        intro,
+        object,
+        max_questions,
+        max_prefix,
+        seed,
+    ))
+}
+
 /// A mid-game prefix of a game of `object`: the rules, then `k` questions of the
 /// [`DemonstratorQuestioner`](super::DemonstratorQuestioner) with the table's answers, `k`
 /// drawn uniformly from `0..=max_prefix` (at most `max_questions − 1`, so a question is

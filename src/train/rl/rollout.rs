@@ -288,19 +288,15 @@ impl Rollout<'_> {
         step: &str,
         i: &str,
     ) -> Result<Vec<ChatMessage>, SimError> {
-        let world = chat::default_world().map_err(SimError::TwentyQuestions)?;
-        let object = chat::object_of_task(world, task).ok_or_else(|| {
-            SimError::TwentyQuestions(format!("task {} names no 20 Questions object", task.id))
-        })?;
         let intro = chat::intro_message(&self.user.prompts, self.user.max_questions)?;
-        Ok(chat::demonstrator_prefix(
-            world,
+        chat::task_prefix(
+            task,
             &intro,
-            object,
             self.user.max_questions,
             self.cfg.midgame,
             self.seed(task, &["rl-midgame", split, step, i]),
-        ))
+        )
+        .map_err(SimError::TwentyQuestions)
     }
 
     /// The simulated user's opening message for `task`.
