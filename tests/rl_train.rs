@@ -586,6 +586,37 @@ async fn bad_input_is_refused_before_any_model_call() {
     assert_eq!(server.requests(), 0, "bad input made model calls");
 }
 
+/// A finite rate can still overflow the weights: the run stops at that update and saves
+/// nothing from it (no checkpoint of NaN weights to resume from or publish).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rate_that_overflows_the_weights_stops_before_saving() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let o = run_bin(&args(
+        &server,
+        &model,
+        &out,
+        &["--lr", "1e300", "--save-steps", "1", "--ppo-epochs", "1"],
+    ))
+    .await;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("made weight"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let saved: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint") || n == "final")
+        .collect();
+    assert!(
+        saved.is_empty(),
+        "saved {saved:?} after the weights overflowed"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_writer_on_one_output_is_refused_naming_the_holder() {
     let server = server().await;

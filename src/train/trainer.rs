@@ -1407,7 +1407,7 @@ fn save_full_model(run: &Run, dir: &Path) -> Result<()> {
 }
 
 /// The first trainable weight holding a NaN or an infinity, by name.
-fn non_finite_weight(model: &TrainLlama) -> Result<Option<String>> {
+pub(crate) fn non_finite_weight(model: &TrainLlama) -> candle_core::Result<Option<String>> {
     for (name, var) in model.named_vars() {
         if !super::optim::squared_norm(var.as_tensor())?.is_finite() {
             return Ok(Some(name));

@@ -48,6 +48,14 @@ pub fn save(
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| state_err(&tmp, e))?;
     let policy = trainer.policy();
+    if let Some(name) =
+        crate::train::trainer::non_finite_weight(policy).map_err(|e| state_err(dir, e))?
+    {
+        return Err(state_err(
+            dir,
+            format!("not saved: weight `{name}` is non-finite"),
+        ));
+    }
     if policy.lora_config().is_some() {
         policy.save_adapter(&tmp).map_err(|e| state_err(&tmp, e))?;
     } else {

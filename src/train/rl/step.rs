@@ -52,6 +52,12 @@ pub enum RlError {
         what: &'static str,
         value: f64,
     },
+    #[error("update {update}, optimizer step {step}: the update made weight `{name}` non-finite; stopped before saving anything from it (the last checkpoint is intact; lower --lr)")]
+    NonFiniteWeight {
+        update: u64,
+        step: u64,
+        name: String,
+    },
     #[error("invalid RL setting: {0}")]
     Config(String),
     #[error("{path}: {message}")]
@@ -485,6 +491,14 @@ impl RlTrainer {
             return Err(non_finite("gradient norm", norm));
         }
         self.opt.step(&grads, self.cfg.lr_at(step))?;
+        // A finite gradient times a huge rate can still overflow a weight (`--lr 1e300`).
+        if let Some(name) = crate::train::trainer::non_finite_weight(&self.policy)? {
+            return Err(RlError::NonFiniteWeight {
+                update: self.updates,
+                step: step + 1,
+                name,
+            });
+        }
         Ok(norm)
     }
 
