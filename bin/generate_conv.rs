@@ -154,7 +154,8 @@ struct Args {
     #[arg(long, value_name = "K")]
     max_tasks: Option<usize>,
     /// Metric weight, repeatable: accuracy, interactivity, token_amount, bleu, pass_rate
-    /// (e.g. --metric accuracy=1 --metric token_amount=-0.1) [default: per task type, DESIGN §2].
+    /// (e.g. --metric accuracy=1 --metric token_amount=-0.1) |weight| at most 1e6
+    /// [default: per task type].
     #[arg(long = "metric", value_name = "NAME=WEIGHT", value_parser = parse_metric)]
     metrics: Vec<(String, f64)>,
     /// MR formula: mean (Σ_m w_m·mean_k s) or verl_clamp (Σ_m clamp(w_m·mean_k s, −1, 1)) [default: mean].

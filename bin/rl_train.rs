@@ -120,7 +120,8 @@ struct Args {
     max_steps: Option<usize>,
     /// Metric weight, repeatable: accuracy, interactivity, token_amount, bleu, pass_rate, and
     /// for 20 Questions info_gain, success, questions, lmrl_return (e.g. --metric
-    /// token_amount=-1) [default: per task type].
+    /// token_amount=-1) |weight| at most 1e6
+    /// [default: per task type].
     #[arg(long = "metric", value_name = "NAME=WEIGHT", value_parser = parse_metric)]
     metrics: Vec<(String, f64)>,
     #[command(flatten)]

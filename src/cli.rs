@@ -151,7 +151,7 @@ pub fn remove_unused_output(dir: &Path, existed: bool) {
 }
 
 /// Fixes the number of threads candle's CPU kernels use. Must run before the first model is
-/// loaded: candle reads the variables once, when its thread pool starts (DESIGN §8: its
+/// loaded: candle reads the variables once, when its thread pool starts (its
 /// workers spin-wait, so more threads than free cores collapses throughput).
 pub fn set_compute_threads(threads: Option<usize>) {
     let n = threads.unwrap_or_else(|| {

@@ -79,7 +79,7 @@ fn gguf_train_model_matches_inference_and_gets_all_gradients() {
     }
     eprintln!("GGUF train vs inference f32: max |Δlogit| = {max_diff:e}, first = {first:e}");
 
-    // One DPO backward on the real model: all 272 tensors get a gradient (DESIGN §8).
+    // One DPO backward on the real model: all 272 tensors get a gradient.
     let pair = TokenizedPair {
         prompt: ids.clone(),
         chosen: vec![504, 3575, 282, 4649, 314, 7042, 30, 2],

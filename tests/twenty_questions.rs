@@ -1,4 +1,4 @@
-//! 20 Questions deterministic core (DESIGN §6): data, win rule, lexicon, information gain,
+//! 20 Questions deterministic core: data, win rule, lexicon, information gain,
 //! reference and random questioners against the design's anchors.
 
 use std::collections::HashMap;

@@ -1,4 +1,4 @@
-//! `bench train-step`: one DPO optimizer step of a local model in f32 (DESIGN §9's
+//! `bench train-step`: one DPO optimizer step of a local model in f32 (the
 //! comparison point: batch 1 pair, prompt 128 + completion 128 tokens), full fine-tuning or
 //! LoRA; seconds per step split into forward / backward / optimizer, tokens/s, peak RSS.
 

@@ -1,4 +1,4 @@
-//! Parquet datasets this toolkit writes and reads (DESIGN §3):
+//! Parquet datasets this toolkit writes and reads:
 //!
 //! - [`pairs`] — DPO preference pairs in TRL's conversational format, and the split by
 //!   conversation into train/test.

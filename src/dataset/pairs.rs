@@ -1,4 +1,4 @@
-//! DPO preference pairs in TRL's conversational format (DESIGN §3), and the split of pairs into
+//! DPO preference pairs in TRL's conversational format, and the split of pairs into
 //! train/test **by conversation**.
 //!
 //! Schema written (every field nullable, as `datasets`/pyarrow writes it; list items are named
@@ -171,7 +171,7 @@ fn conv_key(seed: u64, conv_id: &str) -> u64 {
 }
 
 /// Splits pairs into `(train, test)` by **conversation**: every row of a `conv_id` lands on the
-/// same side, so no conversation leaks across the split (DESIGN §3, §7).
+/// same side, so no conversation leaks across the split.
 ///
 /// The unique conversation ids are ordered by a fixed hash of `(seed, conv_id)` and the first
 /// `round(test_fraction × #conversations)` go to test. With ≥ 2 conversations and

@@ -173,7 +173,7 @@ pub fn rescore(
         },
         budget,
     );
-    // A lost game counts the full budget, as for games we play (DESIGN §6).
+    // A lost game counts the full budget, as for games we play.
     record.max_questions = MAX_QUESTIONS;
     let metrics = GameMetrics::of(&record);
     Ok(RescoredGame {

@@ -88,7 +88,7 @@ pub struct GenerateConfig {
     pub proactive_style: ProactiveStyle,
     /// Redraws of a proactive candidate whose JSON answer is unusable (then the system prompt).
     pub proactive_retries: u32,
-    /// Metric weights; empty = the task type's defaults (DESIGN §2).
+    /// Metric weights; empty = the task type's defaults.
     pub metrics: BTreeMap<String, f64>,
     pub mr_formula: MrFormula,
     /// Minimum MR gap between chosen and rejected.

@@ -1,4 +1,4 @@
-//! One conversation of DESIGN §2: N candidates per turn, S futures per candidate, every
+//! One conversation of N candidates per turn, S futures per candidate, every
 //! session scored, the best candidate continues the real conversation.
 //!
 //! Everything that does not depend on another result runs concurrently: the candidates'

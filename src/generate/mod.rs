@@ -1,4 +1,4 @@
-//! `generate_conv`: multiturn-aware rewards → preference pairs (DESIGN §2–§3).
+//! `generate_conv`: multiturn-aware rewards → preference pairs.
 
 pub mod compat;
 pub mod config;

@@ -1,4 +1,4 @@
-//! Import the public CollabLLM flat datasets (`collabllm/collabllm-multiturn-*`, DESIGN §3) from
+//! Import the public CollabLLM flat datasets (`collabllm/collabllm-multiturn-*`) from
 //! the Hub (`hf:<org>/<name>`) or a local parquet file, as tasks (the unique single-turn goals with
 //! their references and metadata) and as ready preference pairs (per conversation turn, the
 //! best- against the worst-scored candidate above the minimum gap).

@@ -1,7 +1,7 @@
 //! Rebuilds a byte-level BPE tokenizer (the HF `tokenizers` kind) from a GGUF file's metadata.
 //!
 //! candle's own `Tokenizer::from_gguf` adds a prefix space to the byte-level pre-tokenizer,
-//! which turns SmolLM2's "system" into "Ġsystem" (DESIGN §8). Here the pieces are assembled as
+//! which turns SmolLM2's "system" into "Ġsystem". Here the pieces are assembled as
 //! the model's own `tokenizer.json` does: the pre-tokenizer named by `tokenizer.ggml.pre`,
 //! byte-level without prefix space, byte-level decoding, and every control token registered
 //! as a special token so that chat-template markers encode to one id each.

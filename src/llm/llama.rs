@@ -28,7 +28,7 @@ pub use super::config::{LlamaConfig, RopeScaling};
 pub enum WeightFormat {
     /// Keep what the file has (Q8_0 and, on the CPU, Q4_1 in our int8 kernel), except
     /// quantized formats without a fast CPU kernel (Q5_x; Q4_1 on other devices), which are
-    /// re-quantized to Q8_0 (DESIGN §8).
+    /// re-quantized to Q8_0.
     #[default]
     Auto,
     /// Re-quantize every linear layer to Q8_0 (~4× less memory traffic than f32).
@@ -1719,7 +1719,7 @@ pub type HfParts = (
 );
 
 /// A llama GGUF file as HF-named f32 tensors in the HF (half-split rotary) layout: every
-/// tensor dequantized, Q/K rows un-permuted (DESIGN §8). Returns the config (with the GGUF's
+/// tensor dequantized, Q/K rows un-permuted. Returns the config (with the GGUF's
 /// BOS/EOS ids), the tensors and the `rope_freqs` factors if the file has them.
 pub fn hf_tensors_from_gguf(path: &Path, device: &Device) -> std::result::Result<HfParts, String> {
     let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());

@@ -1,6 +1,6 @@
 //! The local candle engine as a [`ChatBackend`]. All local model work in a process runs on one
 //! worker thread, fed by a queue, so two models never compete for the same cores (candle's CPU
-//! kernels spin-wait, DESIGN §8). Generations are batched continuously: a request joins the
+//! kernels spin-wait). Generations are batched continuously: a request joins the
 //! running decode batch at the next token boundary while the batch has room
 //! ([`LocalBackend::set_max_batch`]) and leaves it when done or abandoned. A model spec loaded
 //! twice with the same options is loaded once.

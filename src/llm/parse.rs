@@ -3,7 +3,7 @@
 //! Judges are asked for one JSON object, but models wrap it in prose or Markdown fences, use
 //! Python literals or single quotes, leave trailing commas, forget a comma, or get cut off.
 //! [`parse_json_object`] accepts all of that; when nothing usable is found it returns `None`
-//! and the caller counts a judge failure (DESIGN §2: never a silent 0).
+//! and the caller counts a judge failure (never a silent 0).
 
 use serde_json::{Map, Value};
 

@@ -1,4 +1,4 @@
-//! LoRA adapters in the PEFT layout (DESIGN §3): `adapter_config.json` plus
+//! LoRA adapters in the PEFT layout: `adapter_config.json` plus
 //! `adapter_model.safetensors` whose tensors are named
 //! `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`, A of shape
 //! (r, in) and B of shape (out, r); the update of a weight W (out, in) is `(α / r) · B · A`.

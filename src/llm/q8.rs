@@ -1,4 +1,4 @@
-//! Int8 linear layers with our own CPU kernel (DESIGN §8), replacing candle's quantized matmul
+//! Int8 linear layers with our own CPU kernel, replacing candle's quantized matmul
 //! for the llama linears when the weights are Q8_0 or Q4_1.
 //!
 //! Q4_1 blocks (`w = d·q + m`, 4-bit unsigned `q`) are read as they are, which is what bounds

@@ -2,7 +2,7 @@
 //!
 //! A [`Figure`] is plain data (panels of layers); [`render_png`] and [`render_svg`] draw the
 //! same description on the two backends, so both files always show the same picture. Text
-//! goes through plotters' `ab_glyph` with DejaVu Sans embedded in the binary (DESIGN §8): no
+//! goes through plotters' `ab_glyph` with DejaVu Sans embedded in the binary: no
 //! system fonts, the same pixels on every machine.
 
 use std::sync::OnceLock;

@@ -4,7 +4,7 @@
 //!
 //! BLEU counts **word** n-grams: both sides are tokenized with [`tokenize_13a`] first. Handing raw
 //! strings to a function that expects token lists silently computes character-level BLEU, a
-//! mistake of an earlier implementation (DESIGN §7). That number is still what upstream
+//! mistake of an earlier implementation. That number is still what upstream
 //! CollabLLM reports (its BLEU metric hands raw strings to NLTK's `sentence_bleu`), so
 //! [`char_bleu`] computes it under its own name (`bleu_char`), never as `bleu`, for comparison
 //! with the paper.
@@ -358,7 +358,7 @@ mod tests {
         }
     }
 
-    /// DESIGN §7: BLEU must count word n-grams. These two strings use exactly the same
+    /// BLEU must count word n-grams. These two strings use exactly the same
     /// characters (so every character n-gram of order 1 matches) but share no word.
     #[test]
     fn bleu_is_token_level_not_character_level() {

@@ -3,7 +3,7 @@
 //!
 //! Every function returns `None` rather than guessing when a side is not a plain number
 //! (an expression, an interval, a word answer): the caller then relies on the LLM judge alone
-//! (DESIGN §2, metric `accuracy`).
+//! (metric `accuracy`).
 
 use std::sync::LazyLock;
 

@@ -1,4 +1,4 @@
-//! The metrics of DESIGN §2 — one implementation, shared by generation and evaluation — and
+//! The metrics — one implementation, shared by generation and evaluation — and
 //! their weights.
 
 use std::collections::BTreeMap;
@@ -49,6 +49,8 @@ pub enum MetricError {
     Unknown { name: String, known: String },
     #[error("malformed metric weight `{arg}`: expected name=weight, e.g. accuracy=1 or token_amount=-0.1")]
     Malformed { arg: String },
+    #[error("metric weight `{arg}` is out of range: |weight| must be at most {MAX_METRIC_WEIGHT} (larger weights overflow the reward's spread, and every advantage becomes 0)")]
+    WeightOutOfRange { arg: String },
     #[error("metric `{metric}` needs {what}, which task {task} does not have")]
     TaskLacks {
         metric: String,
@@ -72,6 +74,10 @@ pub fn check_metric_name(name: &str) -> Result<(), MetricError> {
     }
 }
 
+/// The largest `--metric` weight by magnitude: rewards are weighted sums of scores of order 1,
+/// and their variance must stay finite.
+pub const MAX_METRIC_WEIGHT: f64 = 1e6;
+
 /// Parses `name=weight` (the `--metric` flag).
 pub fn parse_metric_weight(arg: &str) -> Result<(String, f64), MetricError> {
     let malformed = || MetricError::Malformed {
@@ -83,6 +89,11 @@ pub fn parse_metric_weight(arg: &str) -> Result<(String, f64), MetricError> {
     let w: f64 = w.trim().parse().map_err(|_| malformed())?;
     if !w.is_finite() {
         return Err(malformed());
+    }
+    if w.abs() > MAX_METRIC_WEIGHT {
+        return Err(MetricError::WeightOutOfRange {
+            arg: arg.to_string(),
+        });
     }
     Ok((name.to_string(), w))
 }
@@ -573,6 +584,15 @@ mod tests {
         assert!(e.contains("accuracy=lots"), "{e}");
         assert!(parse_metric_weight("accuracy").is_err());
         assert!(parse_metric_weight("accuracy=inf").is_err());
+        let e = parse_metric_weight("info_gain=1e300")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("info_gain=1e300") && e.contains("at most"),
+            "{e}"
+        );
+        assert!(parse_metric_weight("info_gain=-1e7").is_err());
+        assert!(parse_metric_weight("info_gain=1e6").is_ok());
     }
 }
 

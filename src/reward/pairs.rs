@@ -1,4 +1,4 @@
-//! Preference pairs from the candidates of one turn (DESIGN §2 "Pairs").
+//! Preference pairs from the candidates of one turn ("Pairs").
 
 use serde::{Deserialize, Serialize};
 

@@ -1,5 +1,5 @@
-//! Runs untrusted Python code against its unit tests in a separate, confined process (DESIGN §7:
-//! never in the host process).
+//! Runs untrusted Python code against its unit tests in a separate, confined process
+//! (never in the host process).
 //!
 //! [`run_python_tests`] starts `python3 -I -B -c <runner>` with the trusted runner
 //! (`sandbox_runner.py`, compiled in) and hands it the code and the tests on stdin. Nothing of the

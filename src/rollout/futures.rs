@@ -1,4 +1,4 @@
-//! Futures of a reply (DESIGN §2): the simulated user answers the reply, the assistant and
+//! Futures of a reply: the simulated user answers the reply, the assistant and
 //! the user continue for up to `window` messages, S times, and every future is scored on
 //! every metric. This is the one rollout core of the method: `generate_conv` ranks its
 //! candidates with it and `rl_train` scores its sampled responses with it.

@@ -1,5 +1,5 @@
 //! Tasks: the hidden goals `q` (with reference `a`) that conversations are generated from
-//! (DESIGN §2-§3). Loaded from `.jsonl` (one object per line) or `.parquet`.
+//!. Loaded from `.jsonl` (one object per line) or `.parquet`.
 //!
 //! JSONL fields: `id` (string, or an integer written as its text), `task_type` (one of
 //! [`TaskType::ALL`], snake_case), `prompt` (non-empty), `reference` (string or number; absent or

@@ -1,4 +1,4 @@
-//! 20 Questions (LMRL-Gym rules, DESIGN §6), the deterministic part.
+//! 20 Questions (LMRL-Gym rules), the deterministic part.
 //!
 //! - [`World`]: the 158 objects (task order), the yes/no attribute table and the
 //!   question→attribute lexicon, loaded from `data/twenty_questions_*.tsv`.
@@ -692,7 +692,7 @@ pub fn consistent_objects(world: &World, answered: &[(Query, bool)]) -> Vec<usiz
 }
 
 /// Minimum possible expected number of questions to name one of `n` equally likely objects
-/// when any yes/no split may be asked and the game ends on the correct guess (the DESIGN anchor
+/// when any yes/no split may be asked and the game ends on the correct guess (the anchor
 /// 7.785 for n = 158).
 pub fn optimal_expected_questions(n: usize) -> f64 {
     let mut f = vec![0.0f64; n + 1];

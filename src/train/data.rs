@@ -1,5 +1,5 @@
 //! Training data: TRL preference pairs → token ids with the model's own chat template
-//! (DESIGN §5). The prompt is rendered with the generation prompt, prompt + completion whole;
+//!. The prompt is rendered with the generation prompt, prompt + completion whole;
 //! the first must be a token prefix of the second (hard error otherwise); no BOS/EOS is ever
 //! added to what the template writes. Histories too long for `max_length` lose their oldest
 //! whole turns after the opening (the system message and the first user message — the task,

@@ -1,4 +1,4 @@
-//! Sequence log-probabilities of preference pairs, as TRL computes them (DESIGN §5): the
+//! Sequence log-probabilities of preference pairs, as TRL computes them: the
 //! log-prob of a completion is the sum over its tokens of `log p(token | prefix)`; the
 //! chosen and rejected sides of B pairs go through ONE forward pass.
 //!

@@ -1,4 +1,4 @@
-//! Training core for DPO and SFT (DESIGN §5): a trainable llama ([`model::TrainLlama`]) built
+//! Training core for DPO and SFT: a trainable llama ([`model::TrainLlama`]) built
 //! from ops with explicit backward passes ([`ops`]), sequence log-probs of preference pairs
 //! packed one pair per row ([`logps`]), TRL's DPO losses and metrics ([`loss`]), AdamW with
 //! open state ([`adamw`]), HF/TRL schedule and clipping ([`optim`]), TRL-format data

@@ -1,5 +1,5 @@
 //! A trainable llama (SmolLM2, Llama 2/3, TinyLlama…) built from differentiable ops only
-//! (DESIGN §8: never candle-nn's fast kernels, which have no backward and silently cut the
+//! (never candle-nn's fast kernels, which have no backward and silently cut the
 //! gradient): the ops of [`super::ops`], each with an explicit backward, and `rope_slow`.
 //!
 //! Every weight is a [`Var`] in a [`VarMap`] under its HF name (`model.embed_tokens.weight`,

@@ -11,7 +11,7 @@
 //! needed, from detached tensors, and stores only what the backward reads. `linear` runs on
 //! every device (its forward is the backend's own matmul); the others have fused f32 CPU
 //! kernels and fall back to the composed differentiable ops on other devices or dtypes (the
-//! path DESIGN §8 prescribes: never the fast kernels without a backward). Unit tests below
+//! path this crate prescribes: never the fast kernels without a backward). Unit tests below
 //! check every op's values and gradients against the composed ops.
 
 use candle_core::backend::BackendStorage;

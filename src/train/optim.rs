@@ -1,4 +1,4 @@
-//! Optimizer conventions of HF `Trainer` / TRL (DESIGN §5): AdamW without weight decay by
+//! Optimizer conventions of HF `Trainer` / TRL: AdamW without weight decay by
 //! default, linear warmup then cosine decay, global gradient-norm clipping.
 
 use candle_core::backprop::GradStore;

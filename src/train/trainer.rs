@@ -1,4 +1,4 @@
-//! The `dpo_train` loop (DESIGN §3, §5): data → tokenization → reference log-probs (cached
+//! The `dpo_train` loop: data → tokenization → reference log-probs (cached
 //! beside the data) → AdamW steps with accumulation, clipping and a warmup schedule → logs,
 //! evaluation, checkpoints (HF or PEFT layout, optimizer state included) and `--resume`.
 //!
@@ -182,7 +182,7 @@ pub struct ResumeOverride {
 }
 
 impl TrainConfig {
-    /// Defaults of DESIGN §5 for `data`, `model` and `output`.
+    /// The project's defaults for `data`, `model` and `output`.
     pub fn new(data: PathBuf, model: &str, output: PathBuf) -> Self {
         Self {
             data,

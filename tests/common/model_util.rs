@@ -9,7 +9,7 @@ use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::tiny::{write_tiny_llama, TinySpec};
 use collabllm::llm::ModelSpec;
 
-/// One compute thread per model test (DESIGN §8: candle's kernels spin-wait, and CI runs
+/// One compute thread per model test (candle's kernels spin-wait, and CI runs
 /// other tests beside this one). Must run before the first model loads.
 pub fn one_thread() {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {

@@ -92,7 +92,7 @@ impl Algo {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Opening {
-    /// The simulated user opens each conversation from the task's hidden goal (DESIGN §10).
+    /// The simulated user opens each conversation from the task's hidden goal.
     #[default]
     User,
     /// The task's prompt is the user's first message, verbatim (a fixed prompt set, as TRL's

@@ -1,4 +1,4 @@
-//! The rollout half of an RL step (DESIGN §10): for each of the step's prompts the simulated
+//! The rollout half of an RL step: for each of the step's prompts the simulated
 //! user opens the conversation from the task's hidden goal, the *current* policy samples n
 //! responses, and every response is continued S times by the simulated user and the same
 //! policy and scored on every metric by the shared rollout core
@@ -39,7 +39,7 @@ pub struct ResponseRecord {
     /// The reward the update used: MR under the configured formula; `null` = no valid
     /// score, the response left its group.
     pub reward: Option<f64>,
-    /// MR under both formulas (DESIGN §2), whichever trained.
+    /// MR under both formulas, whichever trained.
     pub mr_mean: Option<f64>,
     pub mr_verl_clamp: Option<f64>,
     /// metric → mean over the futures that have a score for it.

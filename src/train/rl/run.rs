@@ -1,4 +1,4 @@
-//! A whole `rl_train` run (DESIGN §10, issue 18): the step loop over B prompts.
+//! A whole `rl_train` run (issue 18): the step loop over B prompts.
 //!
 //! Each step: the current policy's sampler (the trainer's weights synced into an inference
 //! engine) answers B prompts n times; every response is scored by its futures
@@ -361,7 +361,7 @@ fn check_output(cfg: &RlRunConfig, resume: bool) -> Result<(), TrainError> {
 /// The trained model and its files (for the tokenizer and the sampler's codec).
 fn load_policy(cfg: &RlRunConfig, files: &LocalModelFiles) -> Result<TrainLlama, TrainError> {
     let device = parse_device(&cfg.device)?;
-    // f32 on every device: old and reference log-probs must be f32 (DESIGN §10).
+    // f32 on every device: old and reference log-probs must be f32.
     let mut model = match files {
         LocalModelFiles::Gguf(p) => TrainLlama::from_gguf(p, DType::F32, &device)?,
         LocalModelFiles::HfDir(d) => TrainLlama::from_hf_dir(d, DType::F32, &device)?,
