@@ -53,6 +53,9 @@ pub enum DatasetError {
         column: &'static str,
         message: String,
     },
+    /// The input holds nothing to write (an export of a run whose every task failed).
+    #[error("{}: nothing to write: {message}", path.display())]
+    Empty { path: PathBuf, message: String },
     /// One value is unusable (null where a value is required, invalid JSON, out of range).
     #[error("{}: column `{column}`, row {row}: {message}", path.display())]
     InvalidValue {

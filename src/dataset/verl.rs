@@ -100,10 +100,6 @@ pub fn export_verl(
     dir: &Path,
     opts: &VerlOptions,
 ) -> Result<VerlSummary, DatasetError> {
-    std::fs::create_dir_all(dir).map_err(|source| DatasetError::Write {
-        path: dir.to_path_buf(),
-        source,
-    })?;
     let validation = test_conversations(
         rows.iter().map(|r| r.conv_id.as_str()),
         opts.validation_fraction,
@@ -118,6 +114,20 @@ pub fn export_verl(
     let (sft_val, sft_train): (Vec<&FlatRow>, Vec<&FlatRow>) = sft
         .into_iter()
         .partition(|r| validation.contains(&r.conv_id));
+    if rl_train.is_empty() && rl_val.is_empty() {
+        return Err(DatasetError::Empty {
+            path: dir.to_path_buf(),
+            message: format!(
+                "{} rows and no prompt that ends with a user message (did every task fail? \
+                 the run's manifest.json says)",
+                rows.len()
+            ),
+        });
+    }
+    std::fs::create_dir_all(dir).map_err(|source| DatasetError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let mut files = Vec::new();
     for (name, part) in [("rl_train", &rl_train), ("rl_validation", &rl_val)] {
         let path = dir.join(format!("{name}.parquet"));
@@ -366,6 +376,17 @@ mod tests {
             seed: 7,
             ..Default::default()
         };
+        let nothing = dir.path().join("empty");
+        let e = export_verl(&[], &nothing, &opts).unwrap_err().to_string();
+        assert!(
+            e.contains("nothing to write") && e.contains("0 rows"),
+            "{e}"
+        );
+        assert!(
+            !nothing.exists(),
+            "an empty export wrote {}",
+            nothing.display()
+        );
         let s = export_verl(&rows, dir.path(), &opts).unwrap();
         assert_eq!(s.not_ending_with_user, 1);
         // "hi" is one prompt across all conversations; each second turn is its own.
