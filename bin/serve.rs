@@ -34,10 +34,16 @@ struct Args {
     #[arg(long, value_name = "SPEC", value_parser = parse_local_spec)]
     model: ModelSpec,
 
-    /// Address to bind. The default accepts local connections only; the server has no
-    /// authentication, so think twice before binding 0.0.0.0.
+    /// Address to bind. The default accepts local connections only; without --api-key-env
+    /// the server has no authentication, so think twice before binding 0.0.0.0.
     #[arg(long, value_name = "HOST", default_value = "127.0.0.1")]
     host: String,
+
+    /// Require `Authorization: Bearer <key>` on every request but /health, the key being the
+    /// value of environment variable VAR (e.g. --api-key-env SERVE_API_KEY; clients send it
+    /// as their OpenAI API key). Refused at start-up when VAR is unset or empty.
+    #[arg(long, value_name = "VAR")]
+    api_key_env: Option<String>,
 
     /// Port to listen on (0 picks a free one; the address is printed at start-up).
     #[arg(long, value_name = "PORT", default_value_t = 8000)]
@@ -155,6 +161,7 @@ fn model_names(args: &Args, loaded_name: String) -> ModelNames {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let key = args.api_key_env.as_deref().map(api_key).transpose()?;
     tracing::info!(model = %args.model, weights = %args.weights, "loading model");
     let (backend, name) = load_backend(&args)
         .await
@@ -169,9 +176,21 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "listening on http://{addr}/v1 (model {model_id}; also answers to: {})",
         names.all()[1..].join(", ")
     );
-    collabllm::serve::serve(listener, backend, names)
+    let mut router = collabllm::serve::router(backend, names);
+    if let Some(key) = key {
+        router = collabllm::serve::require_api_key(router, key);
+    }
+    collabllm::serve::serve_router(listener, router)
         .await
         .context("serving HTTP")
+}
+
+/// The key in environment variable `var`; its value is never printed.
+fn api_key(var: &str) -> anyhow::Result<String> {
+    match std::env::var(var) {
+        Ok(k) if !k.trim().is_empty() => Ok(k.trim().to_string()),
+        _ => anyhow::bail!("--api-key-env {var}: the environment variable is unset or empty"),
+    }
 }
 
 fn main() -> ExitCode {

@@ -156,6 +156,99 @@ async fn models_and_health() {
     );
 }
 
+/// A page in a browser can POST plain text or a form to a local server without a CORS
+/// preflight: only bodies declared as JSON are served.
+#[tokio::test]
+async fn bodies_not_declared_as_json_are_refused() {
+    let addr = echo_server().await;
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let client = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/chat/completions");
+    for ctype in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        None,
+    ] {
+        let mut req = client.post(&url).body(body.clone());
+        if let Some(c) = ctype {
+            req = req.header("content-type", c);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, 415, "{ctype:?}: {text}");
+        assert!(api_error(&text)["message"]
+            .as_str()
+            .unwrap()
+            .contains("application/json"));
+    }
+    let resp = client
+        .post(&url)
+        .header("content-type", "Application/JSON; charset=utf-8")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+}
+
+/// With a key, every route but /health wants `Authorization: Bearer <key>`; an OpenAI client
+/// configured with the key is served.
+#[tokio::test]
+async fn an_api_key_is_required_when_set() {
+    let router = collabllm::serve::require_api_key(
+        collabllm::serve::router(ScriptedBackend::echo("echo"), MODEL),
+        "s3cret".into(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let client = reqwest::Client::new();
+    for auth in [
+        None,
+        Some("Bearer wrong"),
+        Some("Bearer s3cre"),
+        Some("s3cret"),
+    ] {
+        let mut req = client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.clone());
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 401, "{auth:?}");
+        let text = resp.text().await.unwrap();
+        assert!(!text.contains("s3cret"), "the key leaked: {text}");
+        assert_eq!(api_error(&text)["code"], "invalid_api_key");
+    }
+    let models = client
+        .get(format!("http://{addr}/v1/models"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status().as_u16(), 401);
+    assert_eq!(get_raw(addr, "/health").await.0, 200, "health stays open");
+    let ok = async_openai::Client::with_config(
+        async_openai::config::OpenAIConfig::new()
+            .with_api_base(format!("http://{addr}/v1"))
+            .with_api_key("s3cret"),
+    )
+    .chat()
+    .create(
+        CreateChatCompletionRequestArgs::default()
+            .model(MODEL)
+            .messages(messages())
+            .build()
+            .unwrap(),
+    )
+    .await;
+    assert!(ok.is_ok(), "{ok:?}");
+}
+
 #[tokio::test]
 async fn bad_requests_are_openai_errors() {
     let addr = echo_server().await;

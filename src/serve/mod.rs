@@ -20,6 +20,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::HeaderMap;
 use axum::http::{Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, Sse};
@@ -124,6 +125,59 @@ pub fn router(backend: SharedBackend, names: impl Into<ModelNames>) -> Router {
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn(access_log))
         .with_state(state)
+}
+
+/// `router` answering only requests that carry `Authorization: Bearer <key>` (OpenAI
+/// clients send their API key so); `/health` stays open for load balancers and probes.
+pub fn require_api_key(router: Router, key: String) -> Router {
+    let key: Arc<str> = key.into();
+    router.layer(middleware::from_fn(move |req: Request, next: Next| {
+        let key = key.clone();
+        async move {
+            let path = req.uri().path();
+            if path == "/health" || path == "/v1/health" || bearer_matches(&req, &key) {
+                return next.run(req).await;
+            }
+            ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                message: "missing or wrong API key: send `Authorization: Bearer <key>`".into(),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("invalid_api_key"),
+            }
+            .into_response()
+        }
+    }))
+}
+
+/// Whether the request's bearer token is `key`, compared in time independent of where the
+/// two first differ.
+fn bearer_matches(req: &Request, key: &str) -> bool {
+    let Some(token) = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    token.len() == key.len()
+        && token
+            .bytes()
+            .zip(key.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+/// Serves `router` (from [`router`], perhaps behind [`require_api_key`]) until ctrl-c or
+/// SIGTERM, then finishes the requests in flight.
+pub async fn serve_router(
+    listener: tokio::net::TcpListener,
+    router: Router,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
 }
 
 /// Serves until ctrl-c (or SIGTERM on unix), then finishes the requests in flight.
@@ -783,10 +837,39 @@ struct Chunk<'a> {
     system_fingerprint: Option<String>,
 }
 
+/// Refuses a request body not declared as JSON: a browser page may POST `text/plain` or a
+/// form to any local address without a CORS preflight, but never `application/json`.
+fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let declared = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let media = declared.split(';').next().unwrap_or("").trim();
+    if media.eq_ignore_ascii_case("application/json") {
+        return Ok(());
+    }
+    Err(ApiError {
+        status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        message: format!(
+            "the request body must be declared `Content-Type: application/json` (got {})",
+            if declared.is_empty() {
+                "none".to_string()
+            } else {
+                format!("`{declared}`")
+            }
+        ),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    })
+}
+
 async fn chat_completions(
     State(state): State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    require_json(&headers)?;
     let body = body.map_err(|rejection| ApiError {
         status: rejection.status(),
         message: rejection.body_text(),
