@@ -728,6 +728,55 @@ const REFERENCE_EDA: f64 = 147.7 / 158.0;
 /// Bits gathered per game (log2 158 = 7.304 when a game ends on a guess of the last object).
 const REFERENCE_INFO_GAIN_PER_GAME: f64 = 7.291_122_520_329_011;
 
+/// A loss counts the whole budget, so games of 20 and of 5 questions are not paired.
+#[test]
+fn compare_refuses_runs_of_different_question_budgets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, budget: &str| {
+        let out = tmp.path().join(name);
+        let res = run_bin(&[
+            "--task",
+            "twenty_questions",
+            "--model",
+            "random",
+            "--objects",
+            "4",
+            "--max-questions",
+            budget,
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert!(
+            res.status.success(),
+            "{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        out
+    };
+    let (twenty, five, again) = (run("q20", "20"), run("q5", "5"), run("q20b", "20"));
+    let res = run_bin(&[
+        "--compare",
+        twenty.to_str().unwrap(),
+        five.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(
+        err.contains("question budgets") && err.contains("random: 5"),
+        "{err}"
+    );
+    let res = run_bin(&[
+        "--compare",
+        twenty.to_str().unwrap(),
+        again.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
 #[test]
 fn binary_plays_all_objects_with_builtin_questioners_and_refuses_overlap() {
     let tmp = tempfile::tempdir().unwrap();

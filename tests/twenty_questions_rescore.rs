@@ -273,3 +273,29 @@ fn wilson_interval_matches_known_values() {
     assert!((lo - 0.722_468).abs() < 1e-6 && (hi - 1.0).abs() < 1e-12);
     assert_eq!(wilson_interval(0, 0, Z95), (0.0, 1.0));
 }
+
+/// Re-scoring into a directory that holds another run (an evaluation, a generate_conv run)
+/// is refused before anything is written; into its own earlier output it is not.
+#[test]
+fn rescoring_never_overwrites_another_run() {
+    let world = World::load_default().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("games.jsonl");
+    lmrl_file(&file, &world, &[true, false]);
+    let eval_dir = tmp.path().join("eval");
+    std::fs::create_dir_all(eval_dir.join("conversations")).unwrap();
+    std::fs::write(eval_dir.join("summary.json"), "{\"models\": []}").unwrap();
+    let e = rescore_file(&file, &eval_dir).unwrap_err().to_string();
+    assert!(e.contains("holds another run") && e.contains("conversations"), "{e}");
+    assert_eq!(
+        std::fs::read_to_string(eval_dir.join("summary.json")).unwrap(),
+        "{\"models\": []}"
+    );
+    let summary_only = tmp.path().join("summary-only");
+    std::fs::create_dir_all(&summary_only).unwrap();
+    std::fs::write(summary_only.join("summary.json"), "{}").unwrap();
+    assert!(rescore_file(&file, &summary_only).is_err());
+    let mine = tmp.path().join("mine");
+    rescore_file(&file, &mine).unwrap();
+    rescore_file(&file, &mine).unwrap();
+}

@@ -29,6 +29,9 @@ pub enum CompareError {
     TooFew(usize),
     #[error("the compared runs share no game (object and repeat); nothing to pair")]
     NothingPaired,
+    /// Games under different question budgets are not comparable (a loss counts the budget).
+    #[error("the runs played with different question budgets ({0}): compare runs of one --max-questions")]
+    Budgets(String),
     #[error(transparent)]
     Summary(#[from] SummaryError),
 }
@@ -73,6 +76,8 @@ pub struct CompareInput {
     /// Seed of each game, when known (eval runs), to warn about unpaired seeds.
     pub seeds: BTreeMap<(usize, usize), u64>,
     pub games: BTreeMap<(usize, usize), GameMetrics>,
+    /// The question budget of every game (`--max-questions`; 20 for re-scored transcripts).
+    pub max_questions: BTreeSet<usize>,
 }
 
 fn input_err(path: &Path, message: impl Into<String>) -> CompareError {
@@ -137,6 +142,7 @@ pub fn read_run(dir: &Path) -> Result<Vec<CompareInput>, CompareError> {
             source: path.clone(),
             seeds: BTreeMap::new(),
             games: BTreeMap::new(),
+            max_questions: BTreeSet::new(),
         };
         for (i, r) in recs.iter().enumerate() {
             let bad = |m: &str| input_err(&path, format!("record {}: {m}", i + 1));
@@ -147,6 +153,9 @@ pub fn read_run(dir: &Path) -> Result<Vec<CompareInput>, CompareError> {
             let repeat = r["repeat"].as_u64().unwrap_or(0) as usize;
             let metrics: GameMetrics = serde_json::from_value(r["metrics"].clone())
                 .map_err(|e| bad(&format!("`metrics`: {e}")))?;
+            if let Some(budget) = r["game"]["max_questions"].as_u64() {
+                input.max_questions.insert(budget as usize);
+            }
             // The first record of a game counts, as in the run's own summary.
             if let std::collections::btree_map::Entry::Vacant(v) =
                 input.games.entry((object, repeat))
@@ -187,6 +196,7 @@ fn read_rescored(dir: &Path, file: &Path) -> Result<CompareInput, CompareError> 
         source: file.to_path_buf(),
         seeds: BTreeMap::new(),
         games,
+        max_questions: BTreeSet::from([crate::task::twenty_questions::MAX_QUESTIONS]),
     })
 }
 
@@ -232,6 +242,21 @@ pub fn compare(inputs: &[CompareInput]) -> Result<Comparison, CompareError> {
     }
     if common.is_empty() {
         return Err(CompareError::NothingPaired);
+    }
+    let budgets: BTreeSet<usize> = inputs
+        .iter()
+        .flat_map(|i| &i.max_questions)
+        .copied()
+        .collect();
+    if budgets.len() > 1 {
+        let each: Vec<String> = inputs
+            .iter()
+            .map(|i| {
+                let b: Vec<String> = i.max_questions.iter().map(usize::to_string).collect();
+                format!("{}: {}", i.label, b.join(" and "))
+            })
+            .collect();
+        return Err(CompareError::Budgets(each.join("; ")));
     }
     let mut warnings = Vec::new();
     for i in inputs {

@@ -544,7 +544,7 @@ impl StudyResult {
             out.push('\n');
         }
         out.push_str(
-            "\n| comparison | difference, pooled (95% bootstrap CI) | bootstrap p | per seed: b / c, McNemar p |\n|---|---|---|---|\n",
+            "\n| comparison | difference, pooled (95% bootstrap CI) | bootstrap p | per seed: b (only the baseline won) / c (only the arm won), McNemar p |\n|---|---|---|---|\n",
         );
         for c in &self.comparisons {
             let seeds: Vec<String> = c

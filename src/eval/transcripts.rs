@@ -33,6 +33,9 @@ pub enum TranscriptError {
     },
     #[error("{}: no games", file.display())]
     Empty { file: PathBuf },
+    /// The output directory holds another run; re-scoring would overwrite its summary.
+    #[error("{}: holds another run (`{entry}`); give --output a new directory or an earlier --transcripts output", dir.display())]
+    OtherRun { dir: PathBuf, entry: String },
     #[error(transparent)]
     Summary(#[from] SummaryError),
     #[error(transparent)]
@@ -127,6 +130,33 @@ pub struct RescoredGame {
     pub lines_ignored: usize,
     pub game: GameRecord,
     pub metrics: GameMetrics,
+}
+
+/// Refuses an output directory that holds anything but an earlier re-scoring's files (an
+/// evaluation's summary, a generate_conv run): those would be overwritten or mixed.
+fn refuse_other_runs(output: &Path) -> Result<(), TranscriptError> {
+    let Ok(entries) = std::fs::read_dir(output) else {
+        return Ok(());
+    };
+    let names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let ours = [GAMES_FILE, "summary.json", "summary.csv"];
+    let foreign = names.iter().find(|n| !ours.contains(&n.as_str()));
+    let summary_without_games =
+        names.iter().any(|n| n == "summary.json") && !names.iter().any(|n| n == GAMES_FILE);
+    match (foreign, summary_without_games) {
+        (Some(entry), _) => Err(TranscriptError::OtherRun {
+            dir: output.to_path_buf(),
+            entry: entry.clone(),
+        }),
+        (None, true) => Err(TranscriptError::OtherRun {
+            dir: output.to_path_buf(),
+            entry: "summary.json".into(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Re-scores one game (`line` is 1-based, for errors).
@@ -247,6 +277,7 @@ impl std::fmt::Display for TranscriptReport {
 /// Re-scores `file` and writes `games.jsonl`, `summary.json` and `summary.csv` into `output`
 /// (each atomically); the model is named after the file's stem.
 pub fn rescore_file(file: &Path, output: &Path) -> Result<TranscriptReport, TranscriptError> {
+    refuse_other_runs(output)?;
     let world = World::load_default()?;
     let games = read_games(&world, file)?;
     let records: Vec<serde_json::Value> = games
