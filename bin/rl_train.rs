@@ -86,10 +86,10 @@ struct Args {
     /// Judge and extractor model [default: default].
     #[arg(long, value_name = "SPEC")]
     judge: Option<ModelSpec>,
-    /// Prompts per step, B [default: 2].
+    /// Prompts per step, B (at most 65536) [default: 2].
     #[arg(long, value_name = "B")]
     batch_prompts: Option<usize>,
-    /// Responses sampled per prompt, n (at least 2) [default: 8].
+    /// Responses sampled per prompt, n (2 to 1024) [default: 8].
     #[arg(long, value_name = "N")]
     group_size: Option<usize>,
     /// Who writes each prompt: `user` (the simulated user opens the conversation from the
@@ -99,13 +99,14 @@ struct Args {
     #[arg(long, value_name = "FROM")]
     opening: Option<Opening>,
     /// Futures per response, S; 0 scores each response alone (the single-turn reward, as
-    /// TRL's GRPOTrainer optimises) [default: 3].
+    /// TRL's GRPOTrainer optimises; at most 64) [default: 3].
     #[arg(long, value_name = "S")]
     samples: Option<usize>,
     /// Messages per future (user, assistant, …), W [default: 4].
     #[arg(long, value_name = "W")]
     window: Option<usize>,
-    /// Longest sampled response and assistant turn in a future, in tokens [default: 256].
+    /// Longest sampled response and assistant turn in a future, in tokens (at most
+    /// --max-length) [default: 256].
     #[arg(long, value_name = "T")]
     max_new_tokens: Option<usize>,
     /// Sampling temperature of the policy, in (0, 10]; 0.7 suits small models, whose samples
@@ -177,7 +178,7 @@ struct Args {
     /// Online DPO: minimum MR gap between best and worst of a group [default: 0.02].
     #[arg(long, value_name = "G", value_parser = rl::MIN_GAP.parser())]
     min_gap: Option<f64>,
-    /// Train LoRA adapters of rank R (PEFT layout) instead of all weights.
+    /// Train LoRA adapters of rank R (1 to 4096; PEFT layout) instead of all weights.
     #[arg(long, value_name = "R")]
     lora_r: Option<usize>,
     /// LoRA α [default: 16].

@@ -142,6 +142,15 @@ pub fn at_least(name: &str, v: usize, min: usize) -> Result<usize, String> {
     }
 }
 
+/// An integer setting that must lie in `min..=max`: sizes beyond what any model or machine
+/// can hold are refused before work starts, not by an allocation failure later.
+pub fn in_range(name: &str, v: usize, min: usize, max: usize) -> Result<usize, String> {
+    if v > max {
+        return Err(format!("{name} {v}: must be at most {max}"));
+    }
+    at_least(name, v, min)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -563,6 +563,11 @@ async fn bad_input_is_refused_before_any_model_call() {
         (vec!["--lr", "NaN"], "--lr"),
         (vec!["--kl-coef", "inf"], "--kl-coef"),
         (vec!["--temperature", "0"], "--temperature"),
+        (vec!["--group-size", "99999999999"], "group_size"),
+        (vec!["--samples", "99999999999"], "samples"),
+        (vec!["--lora-r", "100000"], "lora_r"),
+        (vec!["--max-new-tokens", "99999999999"], "max_new_tokens"),
+        (vec!["--batch-prompts", "99999999999"], "batch_prompts"),
         (vec!["--model", "openai:gpt-4o"], "model"),
         (
             vec![

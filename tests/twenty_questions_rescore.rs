@@ -286,7 +286,10 @@ fn rescoring_never_overwrites_another_run() {
     std::fs::create_dir_all(eval_dir.join("conversations")).unwrap();
     std::fs::write(eval_dir.join("summary.json"), "{\"models\": []}").unwrap();
     let e = rescore_file(&file, &eval_dir).unwrap_err().to_string();
-    assert!(e.contains("holds another run") && e.contains("conversations"), "{e}");
+    assert!(
+        e.contains("holds another run") && e.contains("conversations"),
+        "{e}"
+    );
     assert_eq!(
         std::fs::read_to_string(eval_dir.join("summary.json")).unwrap(),
         "{\"models\": []}"

@@ -329,6 +329,21 @@ fn at_least(field: &str, v: usize, min: usize) -> Result<(), ConfigError> {
         .map_err(|m| invalid(field, m))
 }
 
+fn in_range(field: &str, v: usize, min: usize, max: usize) -> Result<(), ConfigError> {
+    crate::check::in_range(field, v, min, max)
+        .map(|_| ())
+        .map_err(|m| invalid(field, m))
+}
+
+/// Upper bounds of the size settings: generous for any real run, far below what overflows
+/// an allocation (`--group-size 99999999999` asked for 2.4 TB after the model loaded).
+const MAX_GROUP: usize = 1024;
+const MAX_BATCH_PROMPTS: usize = 65_536;
+const MAX_SAMPLES: usize = 64;
+const MAX_LENGTH: usize = 1 << 20;
+const MAX_LORA_R: usize = 4096;
+const MAX_EPOCHS: usize = 1000;
+
 /// Settings that may change when a run resumes: they decide how long it runs, where it
 /// writes and how it talks to endpoints, never what a step computes.
 pub const RESUMABLE_CHANGES: &[&str] = &[
@@ -498,10 +513,16 @@ impl RlRunConfig {
                 ),
             ));
         }
+        in_range("group_size", self.group_size, 2, MAX_GROUP)?;
+        in_range("batch_prompts", self.batch_prompts, 1, MAX_BATCH_PROMPTS)?;
+        in_range("samples", self.samples, 0, MAX_SAMPLES)?;
         at_least("max_steps", self.max_steps, 1)?;
-        at_least("max_new_tokens", self.max_new_tokens, 1)?;
         at_least("ppo_epochs", self.ppo_epochs, 1)?;
-        at_least("max_length", self.max_length, 2)?;
+        in_range("ppo_epochs", self.ppo_epochs, 1, MAX_EPOCHS)?;
+        in_range("max_length", self.max_length, 2, MAX_LENGTH)?;
+        // A response is dropped when prompt + response exceed max_length: a longer cap only
+        // wastes generation.
+        in_range("max_new_tokens", self.max_new_tokens, 1, self.max_length)?;
         if self.save_steps == Some(0) {
             return Err(invalid("save_steps", "0: must be at least 1"));
         }
@@ -511,8 +532,8 @@ impl RlRunConfig {
         if self.eval_every.is_some() && self.eval_tasks.is_none() {
             return Err(invalid("eval_every", "needs held-out tasks (--eval-tasks)"));
         }
-        if self.lora_r == Some(0) {
-            return Err(invalid("lora_r", "0: must be at least 1"));
+        if let Some(r) = self.lora_r {
+            in_range("lora_r", r, 1, MAX_LORA_R)?;
         }
         check("lr", self.lr, LR)?;
         check("kl_coef", self.kl_coef, KL_COEF)?;
