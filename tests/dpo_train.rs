@@ -18,7 +18,8 @@ use collabllm::llm::spec::{resolve_local, LocalModelFiles};
 use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::{ChatMessage, ModelSpec};
 use collabllm::train::data::{
-    drop_oldest_turn, tokenize_conversation, tokenize_pairs, TokenizeStats,
+    drop_oldest_turn, tokenize_conversation, tokenize_pairs, tokenize_sft,
+    tokenize_sft_conversations, TokenizeStats,
 };
 use collabllm::train::model::TrainLlama;
 use collabllm::train::trainer::{train, LoraOptions, TrainConfig};
@@ -503,6 +504,42 @@ fn sft_from_a_run_directory_trains_on_its_conversations_above_the_bound() {
     // 4 pairs; with the bound only the one that scored 0.9.
     assert_eq!(steps("sft-all", None), 3);
     assert_eq!(steps("sft-min", Some(0.5)), 1);
+}
+
+/// A reply far longer than --max-length is dropped as too long from its byte count, before
+/// it is rendered and tokenized (a 1 GB reply cost 16 GiB and an abort).
+#[test]
+fn huge_replies_are_dropped_before_tokenizing() {
+    one_thread();
+    let (_g, model) = tiny_model_dir(&TinySpec::default());
+    let c = codec(&model);
+    let path = Path::new("pairs.parquet");
+    let huge = "many words ".repeat(6 << 20);
+    let prompt = vec![ChatMessage::user("Hi.")];
+    let rows = vec![
+        row(0, prompt.clone(), &huge, "no"),
+        row(1, prompt.clone(), "yes", &huge),
+        row(2, prompt.clone(), "yes", "no"),
+    ];
+    let started = std::time::Instant::now();
+    let (pairs, stats) = tokenize_pairs(&c, &rows, 128, path).unwrap();
+    assert_eq!((pairs.len(), stats.dropped_too_long), (1, 2));
+    let (seqs, stats) = tokenize_sft(&c, &rows, 128, path).unwrap();
+    assert_eq!((seqs.len(), stats.dropped_too_long), (2, 1));
+    let convs = vec![
+        vec![
+            ChatMessage::user(huge.clone()),
+            ChatMessage::assistant("ok"),
+        ],
+        vec![ChatMessage::user("Hi."), ChatMessage::assistant("ok")],
+    ];
+    let (seqs, stats) = tokenize_sft_conversations(&c, &convs, 128, path).unwrap();
+    assert_eq!((seqs.len(), stats.dropped_too_long), (1, 1));
+    assert!(
+        started.elapsed().as_secs_f64() < 3.0,
+        "{:?}: the huge rows were tokenized",
+        started.elapsed()
+    );
 }
 
 #[test]

@@ -105,6 +105,40 @@ impl TokenizeStats {
     }
 }
 
+/// An upper bound on the bytes of text one token covers: the longest entry of the vocabulary
+/// (byte-level and SentencePiece pieces spell each byte with at least one byte).
+pub(crate) fn max_token_bytes(codec: &ChatCodec) -> usize {
+    codec
+        .tokenizer
+        .get_vocab(true)
+        .keys()
+        .map(String::len)
+        .max()
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// Whether `messages` cannot fit in `max_length` tokens whatever the tokenizer does: more
+/// bytes than `max_length` of the longest tokens cover. Decided before tokenizing, so a 1 GB
+/// reply is dropped as too long without rendering it (that cost 16 GiB and an abort).
+fn surely_too_long<'a>(
+    messages: impl IntoIterator<Item = &'a ChatMessage>,
+    max_length: usize,
+    token_bytes: usize,
+) -> bool {
+    let bytes: usize = messages.into_iter().map(|m| m.content.len()).sum();
+    bytes > max_length.saturating_mul(token_bytes)
+}
+
+/// The messages no truncation removes: the opening (system messages and the first user
+/// message) and the last message.
+fn never_dropped(messages: &[ChatMessage]) -> impl Iterator<Item = &ChatMessage> {
+    let system = messages.iter().take_while(|m| m.role == "system").count();
+    let opening = (system + 1).min(messages.len());
+    let last = messages.len().saturating_sub(1).max(opening);
+    messages[..opening].iter().chain(messages.get(last))
+}
+
 /// Token ids of `messages` rendered by the template (no special tokens added).
 pub(crate) fn render_ids(
     codec: &ChatCodec,
@@ -203,6 +237,7 @@ pub fn tokenize_pairs(
         ..Default::default()
     };
     let mut out = Vec::with_capacity(rows.len());
+    let token_bytes = max_token_bytes(codec);
     for (i, row) in rows.iter().enumerate() {
         let row_err = |message: String| DataError::Row {
             path: path.to_path_buf(),
@@ -210,6 +245,13 @@ pub fn tokenize_pairs(
             message,
         };
         check_row(row).map_err(row_err)?;
+        if [&row.chosen, &row.rejected]
+            .iter()
+            .any(|side| surely_too_long(side.iter(), max_length, token_bytes))
+        {
+            stats.dropped_too_long += 1;
+            continue;
+        }
         let mut prompt = row.prompt.clone();
         let mut truncated = false;
         loop {
@@ -284,6 +326,7 @@ pub fn tokenize_sft(
         ..Default::default()
     };
     let mut out = Vec::new();
+    let token_bytes = max_token_bytes(codec);
     for (i, row) in rows.iter().enumerate() {
         let row_err = |message: String| DataError::Row {
             path: path.to_path_buf(),
@@ -291,8 +334,14 @@ pub fn tokenize_sft(
             message,
         };
         check_row(row).map_err(row_err)?;
-        let seq = fit_conversation(codec, row.prompt.clone(), &row.chosen, max_length)
-            .map_err(row_err)?;
+        let seq = fit_conversation(
+            codec,
+            row.prompt.clone(),
+            &row.chosen,
+            max_length,
+            token_bytes,
+        )
+        .map_err(row_err)?;
         stats.count(seq.map(|(s, truncated)| {
             out.push(s);
             truncated
@@ -314,14 +363,15 @@ pub fn tokenize_sft_conversations(
         ..Default::default()
     };
     let mut out = Vec::new();
+    let token_bytes = max_token_bytes(codec);
     for (i, conv) in convs.iter().enumerate() {
-        let seq = fit_conversation(codec, conv.clone(), &[], max_length).map_err(|message| {
-            DataError::Row {
+        let seq = fit_conversation(codec, conv.clone(), &[], max_length, token_bytes).map_err(
+            |message| DataError::Row {
                 path: path.to_path_buf(),
                 row: i,
                 message,
-            }
-        })?;
+            },
+        )?;
         stats.count(seq.map(|(s, truncated)| {
             out.push(s);
             truncated
@@ -337,7 +387,16 @@ fn fit_conversation(
     mut head: Vec<ChatMessage>,
     tail: &[ChatMessage],
     max_length: usize,
+    token_bytes: usize,
 ) -> Result<Option<(TokenizedSeq, bool)>, String> {
+    let floor: Vec<&ChatMessage> = if tail.is_empty() {
+        never_dropped(&head).collect()
+    } else {
+        tail.iter().collect()
+    };
+    if surely_too_long(floor, max_length, token_bytes) {
+        return Ok(None);
+    }
     let mut truncated = false;
     loop {
         let mut conv = head.clone();
