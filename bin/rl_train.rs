@@ -13,7 +13,7 @@ use collabllm::reward::mr::MrFormula;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::task::TaskType;
 use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig};
-use collabllm::train::rl::run::rl_train;
+use collabllm::train::rl::run::rl_train_until;
 use collabllm::train::trainer::Schedule;
 
 /// Online RL with the multiturn-aware reward (CollabLLM's verl recipe: GRPO; also Dr. GRPO,
@@ -339,7 +339,11 @@ fn main() -> ExitCode {
         .build()
         .context("starting the async runtime");
     let result = runtime.and_then(|rt| {
-        let summary = rt.block_on(rl_train(cfg, args.resume, true))?;
+        let summary = rt.block_on(async {
+            // From here SIGINT/SIGTERM stop the run after the step in progress, saved.
+            let shutdown = collabllm::cli::catch_signals()?;
+            rl_train_until(cfg, args.resume, true, &shutdown).await
+        })?;
         println!("{summary}");
         Ok(())
     });

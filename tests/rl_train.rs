@@ -622,6 +622,62 @@ async fn a_rate_that_overflows_the_weights_stops_before_saving() {
     );
 }
 
+/// SIGINT stops the run after the step in progress: that step is saved as a checkpoint,
+/// rl_summary.json says `interrupted`, the exit code is 130, and --resume continues there.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigint_saves_the_finished_step_and_resume_continues_from_it() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let flags = args(&server, &model, &out, &["--max-steps", "500"]);
+    let child = tokio::process::Command::new(bin())
+        .args(&flags)
+        .env("OPENAI_API_KEY", "test-key")
+        .env("RUST_LOG", "warn")
+        .env("CANDLE_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let logs = out.join("logs.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while std::fs::read_to_string(&logs).map_or(0, |t| t.lines().count()) == 0 {
+        assert!(std::time::Instant::now() < deadline, "no step finished");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let pid = child.id().unwrap() as i32;
+    // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let done = child.wait_with_output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("interrupted by SIGINT"), "{stderr}");
+    let steps = jsonl(&logs).len();
+    assert!((1..500).contains(&steps), "{steps}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rl_summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["status"], "interrupted", "{summary}");
+    assert_eq!(summary["signal"], "SIGINT");
+    assert_eq!(summary["steps"], steps);
+    assert!(out.join(format!("checkpoint-{steps}")).is_dir());
+    assert!(!out.join("final").exists());
+
+    let more = (steps + 1).to_string();
+    ok(&run_bin(&args(
+        &server,
+        &model,
+        &out,
+        &["--max-steps", &more, "--resume"],
+    ))
+    .await);
+    assert_eq!(jsonl(&logs).len(), steps + 1);
+    assert!(out.join("final").is_dir());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_writer_on_one_output_is_refused_naming_the_holder() {
     let server = server().await;

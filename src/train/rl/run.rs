@@ -561,6 +561,19 @@ impl<'a> Run<'a> {
 
 /// Runs (or, with `resume`, continues) an RL run. `progress` draws a progress bar.
 pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow::Result<RlSummary> {
+    rl_train_until(cfg, resume, progress, &crate::run::Shutdown::never()).await
+}
+
+/// [`rl_train`] that stops on `shutdown`'s signal after the step in progress: the weights,
+/// optimizer and sampler state of that step are saved as `checkpoint-N` (what `--resume`
+/// continues from), `rl_summary.json` records status `interrupted`, and the error is
+/// [`Interrupted`](crate::run::Interrupted).
+pub async fn rl_train_until(
+    cfg: RlRunConfig,
+    resume: bool,
+    progress: bool,
+    shutdown: &crate::run::Shutdown,
+) -> anyhow::Result<RlSummary> {
     let started = Instant::now();
     cfg.validate()?;
     let tasks = fetch_config_tasks(&cfg.rollout_view()).await?;
@@ -636,9 +649,16 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
         bar.set_position(step);
         last_log = log;
         let rollout_state = json!({"step": step, "tasks_seen": step as usize * cfg.batch_prompts});
-        if cfg.save_steps.is_some_and(|k| step % k as u64 == 0) && step != cfg.max_steps as u64 {
+        let scheduled = cfg.save_steps.is_some_and(|k| step % k as u64 == 0);
+        let signal = shutdown.received();
+        if (scheduled || signal.is_some()) && step != cfg.max_steps as u64 {
             let dir = cfg.output.join(format!("checkpoint-{step}"));
             state::save(&trainer, Some(&run.codec), &dir, rollout_state)?;
+        }
+        if let Some(signal) = signal.filter(|_| step != cfg.max_steps as u64) {
+            bar.abandon();
+            write_interrupted_summary(&cfg, step, started, signal)?;
+            return Err(crate::run::Interrupted { signal }.into());
         }
     }
     bar.finish();
@@ -677,6 +697,32 @@ pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow:
         &summary,
     )?;
     Ok(summary)
+}
+
+/// `rl_summary.json` of a run stopped by a signal after `step`.
+fn write_interrupted_summary(
+    cfg: &RlRunConfig,
+    step: u64,
+    started: Instant,
+    signal: crate::run::Signal,
+) -> anyhow::Result<()> {
+    use crate::run::{ManifestHeader, RunStatus};
+    let wall_s = started.elapsed().as_secs_f64();
+    let header = ManifestHeader::now(
+        "collabllm-rs rl_train",
+        crate::run::now_secs() - wall_s,
+        RunStatus::Interrupted,
+        Some(signal),
+    );
+    let fields = json!({
+        "output": cfg.output,
+        "steps": step,
+        "max_steps": cfg.max_steps,
+        "checkpoint": cfg.output.join(format!("checkpoint-{step}")),
+        "wall_s": wall_s,
+    });
+    crate::run::write_json_atomic(&cfg.output.join(SUMMARY_FILE), &header.with_fields(fields))?;
+    Ok(())
 }
 
 fn mean(v: &[f64]) -> Option<f64> {
