@@ -429,7 +429,8 @@ async fn random_fault_rate_is_absorbed_by_retries() {
 
 /// An endpoint pool with one dead member (nothing listens on its port): every call completes
 /// on the live server, the dead endpoint is backed off after its first failure, and calls
-/// are counted per endpoint; a request rejected as invalid is not retried elsewhere.
+/// are counted per endpoint; a request the only member up rejects fails at once (no wait
+/// for the backed-off one).
 #[tokio::test]
 async fn a_pool_with_a_dead_endpoint_completes_every_call() {
     use collabllm::llm::pool::{EndpointStats, PoolBackend};
@@ -463,4 +464,51 @@ async fn a_pool_with_a_dead_endpoint_completes_every_call() {
     let e = pool.chat(&req("bad")).await.unwrap_err();
     assert!(matches!(e, LlmError::Rejected { .. }), "{e}");
     assert_eq!(calls(&pool.stats()) - before, 1);
+}
+
+/// A member that refuses (a wrong key: 401; a 400 only it gives) does not fail the call: it
+/// goes to another member, and a 401 member is backed off. A request every member refuses
+/// fails after one call to each.
+#[tokio::test]
+async fn a_pool_member_that_refuses_moves_the_call_to_another() {
+    use collabllm::llm::pool::PoolBackend;
+    let (bad, good) = (FaultServer::start().await, FaultServer::start().await);
+    let urls = [bad.base_url.as_str(), good.base_url.as_str()];
+    let o = EndpointOptions {
+        backoff_base_s: 30.0,
+        backoff_max_s: 60.0,
+        ..opts(3, 5.0)
+    };
+    let pool = PoolBackend::new("scripted", &urls, &o).unwrap();
+    bad.set_always(Some(Fault::Status(401)));
+    for i in 0..6 {
+        pool.chat(&req(&format!("q {i}"))).await.unwrap();
+    }
+    let stats = pool.stats();
+    assert_eq!(
+        (stats[0].calls, stats[0].failures),
+        (1, 1),
+        "backed off: {stats:?}"
+    );
+    assert_eq!((stats[1].calls, stats[1].failures), (6, 0), "{stats:?}");
+
+    let pool = PoolBackend::new("scripted", &urls, &o).unwrap();
+    bad.set_always(Some(Fault::Status(400)));
+    for i in 0..4 {
+        pool.chat(&req(&format!("r {i}"))).await.unwrap();
+    }
+    let stats = pool.stats();
+    assert_eq!(stats[1].failures, 0, "{stats:?}");
+    assert_eq!(
+        stats[0].calls + stats[1].calls - stats[0].failures,
+        4,
+        "{stats:?}"
+    );
+
+    good.set_always(Some(Fault::Status(400)));
+    let before: u64 = pool.stats().iter().map(|s| s.calls).sum();
+    let e = pool.chat(&req("bad everywhere")).await.unwrap_err();
+    assert!(matches!(e, LlmError::Rejected { status: 400, .. }), "{e}");
+    let after: u64 = pool.stats().iter().map(|s| s.calls).sum();
+    assert_eq!(after - before, 2, "one call to each member");
 }

@@ -2,8 +2,9 @@
 //! (`openai:<model>@<url1>,<url2>,…`, e.g. several vLLM replicas). Each call goes to the
 //! least-loaded endpoint that is not backed off; an endpoint whose attempt fails (connection,
 //! timeout, 429, 5xx, malformed answer) is backed off with a doubling delay and the call moves
-//! on to another one, so a run completes while any endpoint answers. A request the server
-//! rejects as invalid (4xx) is not retried elsewhere. The pool has one cache identity (the
+//! on to another one, so a run completes while any endpoint answers. A request a member
+//! refuses (4xx) goes to the others (a member with a wrong key, no such model or a shorter
+//! context; 401/403/404 also back it off); it fails only when every member refused it. The pool has one cache identity (the
 //! model and the endpoint list), so answers are reused whichever endpoint gave them.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -49,9 +50,35 @@ pub struct PoolBackend {
     opts: EndpointOptions,
 }
 
-/// Whether another endpoint may answer what this one failed.
-fn worth_another_endpoint(e: &LlmError) -> bool {
-    !matches!(e, LlmError::InvalidRequest(_) | LlmError::Rejected { .. })
+/// What a member's failure says about the call.
+enum Verdict {
+    /// The request itself is wrong (our own validation): no endpoint will take it.
+    Fatal,
+    /// The member refused this request (4xx): another may accept it (a member with a wrong
+    /// key, another model or a shorter context); the call fails once every member refused.
+    Refused,
+    /// The member is unwell (connection, timeout, 429, 5xx, malformed answer): back it off.
+    Unwell,
+}
+
+fn verdict(e: &LlmError) -> Verdict {
+    match e {
+        LlmError::InvalidRequest(_) => Verdict::Fatal,
+        LlmError::Rejected { .. } => Verdict::Refused,
+        _ => Verdict::Unwell,
+    }
+}
+
+/// Statuses that say the member itself is unusable (credentials, permissions, no such
+/// model or route there): it is backed off like an unwell one, not only skipped for the call.
+fn member_is_misconfigured(e: &LlmError) -> bool {
+    matches!(
+        e,
+        LlmError::Rejected {
+            status: 401 | 403 | 404,
+            ..
+        }
+    )
 }
 
 impl PoolBackend {
@@ -112,13 +139,15 @@ impl PoolBackend {
             .collect()
     }
 
-    /// The least-loaded member that is up, or the time the first one comes back.
-    fn pick(&self) -> Result<usize, Instant> {
+    /// The least-loaded member that is up and not in `skip`, or the time the first one comes
+    /// back.
+    fn pick(&self, skip: &[usize]) -> Result<usize, Instant> {
         let now = Instant::now();
         let up = self
             .members
             .iter()
             .enumerate()
+            .filter(|(i, _)| !skip.contains(i))
             .filter(|(_, m)| m.down_until().is_none_or(|t| t <= now))
             .min_by_key(|(i, m)| {
                 let calls = m.calls.load(Ordering::Relaxed) as usize;
@@ -156,12 +185,14 @@ impl ChatBackend for PoolBackend {
         req.validate()?;
         let attempts = (self.opts.max_retries as usize + 1).max(self.members.len());
         let mut last = None;
+        // Members that refused this request: not asked again for it.
+        let mut refused: Vec<usize> = Vec::new();
         for attempt in 0..attempts {
-            let i = match self.pick() {
+            let i = match self.pick(&refused) {
                 Ok(i) => i,
                 Err(back_at) => {
                     tokio::time::sleep_until(back_at.into()).await;
-                    match self.pick() {
+                    match self.pick(&refused) {
                         Ok(i) => i,
                         Err(_) => continue,
                     }
@@ -180,11 +211,25 @@ impl ChatBackend for PoolBackend {
                 }
                 Err(e) => {
                     m.failures.fetch_add(1, Ordering::Relaxed);
-                    if !worth_another_endpoint(&e) {
-                        return Err(e);
+                    match verdict(&e) {
+                        Verdict::Fatal => return Err(e),
+                        Verdict::Refused => {
+                            refused.push(i);
+                            if member_is_misconfigured(&e) {
+                                self.back_off(m);
+                            }
+                            // Every member refused it (the request is at fault), or none
+                            // other is up now: a refusal is not worth waiting out a backoff.
+                            if self.pick(&refused).is_err() {
+                                return Err(e);
+                            }
+                            tracing::warn!(endpoint = %m.backend.id().endpoint, error = %e, "pool endpoint refused the request; asking another");
+                        }
+                        Verdict::Unwell => {
+                            tracing::warn!(endpoint = %m.backend.id().endpoint, error = %e, "pool endpoint failed; backing it off");
+                            self.back_off(m);
+                        }
                     }
-                    tracing::warn!(endpoint = %m.backend.id().endpoint, error = %e, "pool endpoint failed; backing it off");
-                    self.back_off(m);
                     last = Some(e);
                 }
             }
