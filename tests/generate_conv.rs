@@ -1079,7 +1079,11 @@ async fn two_shards_merged_equal_one_unsharded_run() {
     let tmp = tempfile::tempdir().unwrap();
     let run = |dir: &str, extra: &[&str]| {
         let mut a = endpoint_args(&server, &tmp.path().join(dir), &data("math.jsonl"));
-        a.extend(["--max-tasks", "8", "--min-gap", "0.0"].map(String::from));
+        for (flag, default) in [("--max-tasks", "8"), ("--min-gap", "0.0")] {
+            if !extra.contains(&flag) {
+                a.extend([flag, default].map(String::from));
+            }
+        }
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     };
@@ -1088,6 +1092,10 @@ async fn two_shards_merged_equal_one_unsharded_run() {
         ("s0", vec!["--shard", "0/2"]),
         ("s1", vec!["--shard", "1/2"]),
         ("s1-seed", vec!["--shard", "1/2", "--seed", "9"]),
+        ("s1-tasks", vec!["--shard", "1/2", "--max-tasks", "6"]),
+        ("s1-gap", vec!["--shard", "1/2", "--min-gap", "0.2"]),
+        ("s0-of-3", vec!["--shard", "0/3"]),
+        ("s1-of-3", vec!["--shard", "1/3"]),
     ] {
         let out = run_bin(&run(dir, &extra)).await;
         assert!(
@@ -1168,6 +1176,19 @@ async fn two_shards_merged_equal_one_unsharded_run() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("different settings (seed)"), "{err}");
+    // Data settings outside the generation identity, and splits that are not whole.
+    for (shards, needle) in [
+        (["s0", "s1-tasks"], "different settings (max_tasks)"),
+        (["s0", "s1-gap"], "different settings (min_gap)"),
+        (["s0", "s1-of-3"], "shard 1/3"),
+        (["s0-of-3", "s1-of-3"], "shard(s) 2/3 missing"),
+    ] {
+        let out = run_bin(&merge(&shards, "refused")).await;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{shards:?} merged");
+        assert!(err.contains(needle), "{shards:?}: {err}");
+        assert!(!tmp.path().join("refused/manifest.json").exists());
+    }
 }
 
 /// Every role on an endpoint pool whose first member is dead: the run completes.

@@ -2,7 +2,9 @@
 //! machine) combined into one run directory — conversations concatenated, then pairs, flat
 //! and SFT data rebuilt from them as `--rescore` does (pairs re-split by conversation over the
 //! whole set), and a manifest whose usage is the sum of the shards'. Refused: a shard still
-//! running or unfinished, shards made with different settings (named), a task in two shards.
+//! running or unfinished, shards made with different settings (named: any setting but where
+//! and how fast each ran), a task in two shards, and shards that are not one whole `i/n`
+//! split (a shard missing, twice, or of another count).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -75,6 +77,74 @@ fn identity(m: &Manifest) -> Value {
     id
 }
 
+/// Settings that may differ between shards: where and how fast each ran, never what it made.
+const MAY_DIFFER: &[&str] = &[
+    "output",
+    "shard",
+    "threads",
+    "concurrency",
+    "endpoint",
+    "prices",
+    "judge_retries",
+    "user_retries",
+    "proactive_retries",
+    "sandbox_timeout_s",
+];
+
+/// The run's settings that decide its data (tasks, pairs, scoring): all but [`MAY_DIFFER`].
+fn data_settings(m: &Manifest) -> Value {
+    let mut c = m.config.clone();
+    if let Some(o) = c.as_object_mut() {
+        for k in MAY_DIFFER {
+            o.remove(*k);
+        }
+    }
+    c
+}
+
+/// The shards must be every shard `0..n` of one `n`, each once.
+fn check_whole(runs: &[ShardRun]) -> anyhow::Result<()> {
+    let mut seen: BTreeMap<usize, &Path> = BTreeMap::new();
+    let mut count = None;
+    for r in runs {
+        let Some(shard) = r.config.shard else {
+            bail!(
+                "--merge {}: not a shard run (made without --shard i/n)",
+                r.dir.display()
+            );
+        };
+        match count {
+            None => count = Some((shard.count, &r.dir)),
+            Some((n, dir)) if n != shard.count => bail!(
+                "--merge: {} is a shard of {n} but {} is shard {shard}; merge the shards of one \
+                 --shard i/n split",
+                dir.display(),
+                r.dir.display()
+            ),
+            Some(_) => {}
+        }
+        if let Some(other) = seen.insert(shard.index, &r.dir) {
+            bail!(
+                "--merge: {} and {} are both shard {shard}",
+                other.display(),
+                r.dir.display()
+            );
+        }
+    }
+    let n = count.map_or(0, |c| c.0);
+    let missing: Vec<String> = (0..n)
+        .filter(|i| !seen.contains_key(i))
+        .map(|i| format!("{i}/{n}"))
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "--merge: shard(s) {} missing; a merge needs all {n} shards",
+            missing.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// Merges the shard runs in `shards` into `output` (which must not hold a run yet).
 pub fn merge_runs(shards: &[PathBuf], output: &Path) -> anyhow::Result<RunSummary> {
     let started_at = now_secs();
@@ -93,9 +163,18 @@ pub fn merge_runs(shards: &[PathBuf], output: &Path) -> anyhow::Result<RunSummar
         .collect::<anyhow::Result<_>>()?;
     let first = &runs[0];
     let want = identity(&first.manifest);
+    let want_data = data_settings(&first.manifest);
     for r in &runs[1..] {
         let got = identity(&r.manifest);
-        let names = changed_keys(&got, &want);
+        let mut names = changed_keys(&got, &want);
+        for k in changed_keys(&data_settings(&r.manifest), &want_data)
+            .into_iter()
+            .chain(changed_keys(&want_data, &data_settings(&r.manifest)))
+        {
+            if !names.contains(&k) {
+                names.push(k);
+            }
+        }
         if !names.is_empty() {
             bail!(
                 "--merge: {} and {} were made with different settings ({})",
@@ -118,6 +197,7 @@ pub fn merge_runs(shards: &[PathBuf], output: &Path) -> anyhow::Result<RunSummar
             }
         }
     }
+    check_whole(&runs)?;
     // Pairs, flat and SFT data from the merged conversations, with the shards' own scoring.
     let mut cfg = first.config.clone();
     cfg.output = output.to_path_buf();
