@@ -829,6 +829,28 @@ fn read_args(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("training_args.json")).unwrap()).unwrap()
 }
 
+/// `--resume` on a data file whose content changed under the same path is refused by name
+/// (its SHA-256 is recorded); `--resume-override data-sha256` accepts it.
+#[test]
+fn resume_refuses_data_that_changed_under_the_same_path() {
+    let f = fixture();
+    let mut cfg = config(&f, "hashed");
+    cfg.max_steps = Some(4);
+    cfg.save_steps = Some(1);
+    cfg.batch_size = 1;
+    cfg.stop_after = Some(2);
+    train(&cfg, false).unwrap_err();
+    cfg.stop_after = None;
+    cfg.resume = true;
+    let mut rows = toy_rows();
+    rows.reverse();
+    write_pairs_parquet(&f.data.join("train.parquet"), &rows).unwrap();
+    let err = format!("{:#}", train(&cfg, false).unwrap_err());
+    assert!(err.contains("--data-sha256 was"), "{err}");
+    cfg.resume_override = vec!["data-sha256".into()];
+    assert_eq!(train(&cfg, false).unwrap().resumed_from, Some(2));
+}
+
 /// `--resume` with settings that change the run's math is refused, naming each one with both
 /// values, and leaves the run untouched; `--resume-override` allows the named ones and
 /// records them.

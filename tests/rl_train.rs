@@ -348,6 +348,42 @@ async fn resume_after_a_checkpoint_takes_the_same_next_steps() {
     assert_eq!(ra, rb, "the same prompts, responses, futures and scores");
 }
 
+/// `--resume` on a task file whose content changed at the same path is refused by name.
+#[tokio::test(flavor = "multi_thread")]
+async fn resume_refuses_tasks_that_changed_under_the_same_path() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let tasks = tmp.path().join("tasks.jsonl");
+    std::fs::copy(data("math.jsonl"), &tasks).unwrap();
+    let out = tmp.path().join("run");
+    let t = tasks.to_str().unwrap();
+    ok(&run_bin(&args(
+        &server,
+        &model,
+        &out,
+        &["--tasks", t, "--max-steps", "1"],
+    ))
+    .await);
+    let text = std::fs::read_to_string(&tasks).unwrap();
+    std::fs::write(
+        &tasks,
+        text.replacen("\"prompt\": \"", "\"prompt\": \"Now: ", 1),
+    )
+    .unwrap();
+    let o = run_bin(&args(
+        &server,
+        &model,
+        &out,
+        &["--tasks", t, "--max-steps", "2", "--resume"],
+    ))
+    .await;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("tasks-sha256"), "{err}");
+    assert_eq!(jsonl(&out.join("logs.jsonl")).len(), 1);
+}
+
 /// `--opening task --samples 0`: the task's prompt verbatim, each response scored alone (the
 /// single-turn reward TRL optimises): the simulated user is never asked, and a single on-policy
 /// optimizer step takes its old log-probs from its own pass (ratio exactly 1).

@@ -143,6 +143,10 @@ pub struct TrainConfig {
     /// Every setting a resume changed, oldest first (kept across resumes).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub resume_overrides: Vec<ResumeOverride>,
+    /// SHA-256 of the training data file, set by [`train`]: `--resume` refuses data whose
+    /// content changed under the same path (`--resume-override data-sha256` accepts it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_sha256: Option<String>,
 }
 
 /// The settings that change a run's math, by flag name: `--resume` refuses to change any of
@@ -169,6 +173,7 @@ pub const RESUME_SETTINGS: &[&str] = &[
     "weight-decay",
     "seed",
     "dtype",
+    "data-sha256",
 ];
 
 /// One setting a `--resume --resume-override` changed, as recorded in `training_args.json`.
@@ -218,6 +223,7 @@ impl TrainConfig {
             stop_after: None,
             resume_override: Vec::new(),
             resume_overrides: Vec::new(),
+            data_sha256: None,
         }
     }
 
@@ -417,7 +423,9 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     let started = Instant::now();
     // One writer per output directory until training returns.
     let _lock = prepare_output(cfg)?;
-    let recorded = resume_args(cfg)?;
+    let mut hashed = cfg.clone();
+    hashed.data_sha256 = Some(data_sha256(cfg, &objective)?);
+    let recorded = resume_args(&hashed)?;
     let cfg = &recorded;
 
     let files = local_model_files(cfg)?;
@@ -540,6 +548,20 @@ struct TrainData {
     train: Examples,
     train_stats: TokenizeStats,
     eval: Option<Examples>,
+}
+
+/// SHA-256 of the file the run trains on (as `load_data` locates it).
+fn data_sha256(cfg: &TrainConfig, objective: &Objective) -> Result<String> {
+    use sha2::Digest as _;
+    let files = match objective {
+        Objective::Sft => locate_sft_data(&cfg.data)?,
+        Objective::Dpo(_) => locate_data(&cfg.data)?,
+    };
+    let mut file =
+        std::fs::File::open(&files.train).map_err(TrainError::io("reading", &files.train))?;
+    let mut h = sha2::Sha256::new();
+    std::io::copy(&mut file, &mut h).map_err(TrainError::io("reading", &files.train))?;
+    Ok(format!("{:x}", h.finalize()))
 }
 
 fn load_data(cfg: &TrainConfig, codec: &ChatCodec, objective: &Objective) -> Result<TrainData> {

@@ -236,6 +236,10 @@ pub struct RlRunConfig {
     /// Train on groups whose rewards differ only in token counts (skipped by default).
     #[serde(default)]
     pub keep_length_only_groups: bool,
+    /// SHA-256 of the loaded training (and evaluation) tasks, set by rl_train: `--resume`
+    /// refuses a run whose task file changed under the same path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks_sha256: Option<String>,
 }
 
 impl Default for RlRunConfig {
@@ -305,6 +309,7 @@ impl Default for RlRunConfig {
             max_questions: gen.max_questions,
             midgame: 0,
             keep_length_only_groups: false,
+            tasks_sha256: None,
         }
     }
 }

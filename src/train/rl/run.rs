@@ -340,7 +340,14 @@ fn check_output(cfg: &RlRunConfig, resume: bool) -> Result<(), TrainError> {
     }
     let old: RlRunConfig = serde_json::from_str(&text)
         .map_err(|e| TrainError::input(&path, format!("not an rl_train configuration: {e}")))?;
-    let changed: Vec<String> = crate::run::changed_keys(&old.identity(), &cfg.identity())
+    let mut now = cfg.identity();
+    if old.tasks_sha256.is_none() {
+        // A run recorded before task hashes were: nothing to compare.
+        if let Some(o) = now.as_object_mut() {
+            o.remove("tasks_sha256");
+        }
+    }
+    let changed: Vec<String> = crate::run::changed_keys(&old.identity(), &now)
         .iter()
         .map(|k| k.replace('_', "-"))
         .collect();
@@ -559,6 +566,19 @@ impl<'a> Run<'a> {
     }
 }
 
+/// SHA-256 of the tasks' JSON: what `--resume` compares, whatever file or built-in they came
+/// from.
+fn tasks_sha256(train: &[Task], eval: Option<&Vec<Task>>) -> String {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    for t in train.iter().chain(eval.into_iter().flatten()) {
+        h.update(serde_json::to_vec(t).unwrap_or_default());
+        h.update(b"\n");
+    }
+    h.update(format!("{}+{}", train.len(), eval.map_or(0, Vec::len)).as_bytes());
+    format!("{:x}", h.finalize())
+}
+
 /// Runs (or, with `resume`, continues) an RL run. `progress` draws a progress bar.
 pub async fn rl_train(cfg: RlRunConfig, resume: bool, progress: bool) -> anyhow::Result<RlSummary> {
     rl_train_until(cfg, resume, progress, &crate::run::Shutdown::never()).await
@@ -575,11 +595,17 @@ pub async fn rl_train_until(
     shutdown: &crate::run::Shutdown,
 ) -> anyhow::Result<RlSummary> {
     let started = Instant::now();
+    let mut cfg = cfg;
     cfg.validate()?;
     let tasks = fetch_config_tasks(&cfg.rollout_view()).await?;
+    let eval_raw = match cfg.eval_view() {
+        Some(v) => Some((v.tasks.clone(), fetch_config_tasks(&v).await?)),
+        None => None,
+    };
+    cfg.tasks_sha256 = Some(tasks_sha256(&tasks, eval_raw.as_ref().map(|e| &e.1)));
     let tasks = rl_prompts(&cfg, &cfg.tasks, tasks).await?;
-    let eval_tasks = match cfg.eval_view() {
-        Some(v) => Some(rl_prompts(&cfg, &v.tasks, fetch_config_tasks(&v).await?).await?),
+    let eval_tasks = match eval_raw {
+        Some((source, raw)) => Some(rl_prompts(&cfg, &source, raw).await?),
         None => None,
     };
     let prompts = Arc::new(match &cfg.prompts {
