@@ -5,6 +5,7 @@
 
 mod common;
 use common::fake_hub;
+use common::model_util;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -779,4 +780,47 @@ async fn a_twenty_questions_card_states_oracle_rewards_weights_and_split() {
         .unwrap();
     let card = std::fs::read_to_string(out.join("README.md")).unwrap();
     assert!(!card.contains("20 Questions"), "{card}");
+}
+
+/// A checkpoint that is not whole is refused before anything is uploaded: a truncated
+/// safetensors file, a tensor missing, a shape its config.json does not imply.
+#[tokio::test]
+async fn broken_checkpoints_are_refused_before_any_upload() {
+    use collabllm::llm::checkpoint::check_checkpoint_dir;
+    let hub = FakeHub::start(TOKEN).await;
+    let o = opts(&hub, TOKEN);
+    let (_g, dir) = model_util::tiny_model_dir(&collabllm::llm::tiny::TinySpec::default());
+    check_checkpoint_dir(&dir).unwrap();
+    let weights = dir.join("model.safetensors");
+    let whole = std::fs::read(&weights).unwrap();
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let refused = |needle: &'static str| {
+        let dir = dir.clone();
+        let o = o.clone();
+        async move {
+            let e = hub::push_model_dir(&dir, "alice/broken", &o)
+                .await
+                .unwrap_err();
+            assert!(matches!(e, HubError::Layout { .. }), "{e}");
+            assert!(e.to_string().contains(needle), "{needle}: {e}");
+        }
+    };
+
+    std::fs::write(&weights, &whole[..whole.len() - 10]).unwrap();
+    refused("truncated").await;
+
+    std::fs::write(&weights, &whole).unwrap();
+    let mut tensors = candle_core::safetensors::load(&weights, &candle_core::Device::Cpu).unwrap();
+    tensors.remove("model.layers.0.mlp.up_proj.weight").unwrap();
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    refused("missing tensor `model.layers.0.mlp.up_proj.weight`").await;
+
+    std::fs::write(&weights, &whole).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&config).unwrap();
+    let mut wrong = v.clone();
+    wrong["intermediate_size"] = json!(v["intermediate_size"].as_u64().unwrap() + 8);
+    std::fs::write(dir.join("config.json"), wrong.to_string()).unwrap();
+    refused("config.json implies").await;
+    assert!(hub.commits().is_empty(), "nothing was pushed");
+    assert_eq!(hub.lfs_uploads(), 0);
 }

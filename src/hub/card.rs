@@ -531,6 +531,12 @@ pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
                 .into(),
         });
     }
+    // A truncated file, a missing tensor or a wrong shape is caught here, not by whoever
+    // downloads the model.
+    crate::llm::checkpoint::check_checkpoint_dir(dir).map_err(|e| HubError::Layout {
+        path: e.path,
+        message: e.message,
+    })?;
     let mut files = Vec::new();
     collect(dir, "", &mut files)?;
     // The optimizer state only serves `dpo_train --resume`; HF does not publish it either.

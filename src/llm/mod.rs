@@ -4,6 +4,7 @@
 
 pub mod cache;
 pub mod chat_template;
+pub mod checkpoint;
 pub mod config;
 pub mod cpu_attention;
 pub(crate) mod detok;

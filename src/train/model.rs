@@ -261,54 +261,8 @@ pub struct TrainLlama {
     lora: Option<LoraState>,
 }
 
-/// The HF tensor names of a llama with this configuration, in a fixed order.
-pub fn hf_tensor_names(cfg: &LlamaConfig) -> Vec<String> {
-    let mut names = vec!["model.embed_tokens.weight".to_string()];
-    for i in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        for n in [
-            "input_layernorm",
-            "post_attention_layernorm",
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        ] {
-            names.push(format!("{p}.{n}.weight"));
-        }
-    }
-    names.push("model.norm.weight".to_string());
-    if !cfg.tie_word_embeddings {
-        names.push("lm_head.weight".to_string());
-    }
-    names
-}
-
-fn expected_shape(cfg: &LlamaConfig, name: &str) -> Vec<usize> {
-    let h = cfg.hidden_size;
-    let q_out = cfg.num_attention_heads * cfg.head_dim();
-    let kv_out = cfg.num_kv_heads() * cfg.head_dim();
-    let im = cfg.intermediate_size;
-    let suffix = name.rsplit_once("layers.").map_or(name, |(_, s)| s);
-    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
-        vec![cfg.vocab_size, h]
-    } else if name.ends_with("norm.weight") {
-        vec![h]
-    } else if suffix.ends_with("q_proj.weight") {
-        vec![q_out, h]
-    } else if suffix.ends_with("k_proj.weight") || suffix.ends_with("v_proj.weight") {
-        vec![kv_out, h]
-    } else if suffix.ends_with("o_proj.weight") {
-        vec![h, q_out]
-    } else if suffix.ends_with("gate_proj.weight") || suffix.ends_with("up_proj.weight") {
-        vec![im, h]
-    } else {
-        vec![h, im]
-    }
-}
+use crate::llm::checkpoint::expected_shape;
+pub use crate::llm::checkpoint::hf_tensor_names;
 
 pub use crate::llm::llama::{permute_hf_qk, unpermute_gguf_qk};
 
