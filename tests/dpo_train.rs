@@ -829,6 +829,32 @@ fn read_args(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("training_args.json")).unwrap()).unwrap()
 }
 
+/// A checkpoint whose file changed after it was saved (a flipped byte) is refused on
+/// `--resume`, naming the file, instead of training on from corrupt weights.
+#[test]
+fn resume_refuses_a_checkpoint_with_a_flipped_byte() {
+    let f = fixture();
+    let mut cfg = config(&f, "flipped");
+    cfg.max_steps = Some(4);
+    cfg.save_steps = Some(1);
+    cfg.batch_size = 1;
+    cfg.stop_after = Some(2);
+    train(&cfg, false).unwrap_err();
+    let weights = cfg.output.join("checkpoint-2/model.safetensors");
+    assert!(cfg.output.join("checkpoint-2/checksums.json").is_file());
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x10;
+    std::fs::write(&weights, bytes).unwrap();
+    cfg.stop_after = None;
+    cfg.resume = true;
+    let err = format!("{:#}", train(&cfg, false).unwrap_err());
+    assert!(
+        err.contains("checkpoint-2/model.safetensors") && err.contains("SHA-256"),
+        "{err}"
+    );
+}
+
 /// `--resume` on a data file whose content changed under the same path is refused by name
 /// (its SHA-256 is recorded); `--resume-override data-sha256` accepts it.
 #[test]

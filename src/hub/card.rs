@@ -540,7 +540,13 @@ pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
     let mut files = Vec::new();
     collect(dir, "", &mut files)?;
     // The optimizer state only serves `dpo_train --resume`; HF does not publish it either.
-    files.retain(|f| f.path_in_repo != "README.md" && f.path_in_repo != "optimizer.safetensors");
+    // Nor the checksums of what `--resume` reads (they list the optimizer state too).
+    files.retain(|f| {
+        !matches!(
+            f.path_in_repo.as_str(),
+            "README.md" | "optimizer.safetensors" | crate::run::CHECKSUMS_FILE
+        )
+    });
     files.sort_by(|a, b| a.path_in_repo.cmp(&b.path_in_repo));
     let names: Vec<String> = files.iter().map(|f| f.path_in_repo.clone()).collect();
     let card = model_card(dir, repo, peft, &names);

@@ -18,9 +18,13 @@
 //!   [`Interrupted`], the error a run returns after recording status `interrupted`; binaries
 //!   exit with 128 + the signal's number.
 //!
+//! - `checksums`: [`write_checksums`] / [`verify_checksums`], the per-file SHA-256 of a
+//!   checkpoint directory, checked before a resume.
+//!
 //! Depends on nothing else in the crate.
 
 mod atomic;
+mod checksums;
 mod jobs;
 mod lock;
 mod log;
@@ -29,6 +33,7 @@ mod signal;
 
 pub(crate) use atomic::AtomicFile;
 pub use atomic::{sync_dir, write_atomic, write_json_atomic, WriteError};
+pub use checksums::{verify_checksums, write_checksums, CHECKSUMS_FILE};
 pub use jobs::drive_jobs;
 pub use lock::{LockError, RunLock, LOCK_FILE};
 pub use log::{read_log, AppendLog, LogError};

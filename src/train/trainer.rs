@@ -1466,6 +1466,7 @@ fn save_checkpoint(run: &Run, opt: &AdamW, dir: &Path, step: usize) -> Result<()
     };
     write_json_atomic(&tmp.join("trainer_state.json"), &state)?;
     write_json_atomic(&tmp.join("training_args.json"), run.cfg)?;
+    crate::run::write_checksums(&tmp)?;
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir).map_err(TrainError::io("saving", dir))?;
     Ok(())
@@ -1503,6 +1504,7 @@ fn restore_checkpoint(
     dir: &Path,
     state: &TrainerState,
 ) -> Result<()> {
+    crate::run::verify_checksums(dir).map_err(|m| TrainError::run(dir, m))?;
     let weights = if model.lora_config().is_some() {
         dir.join(ADAPTER_WEIGHTS)
     } else {

@@ -78,6 +78,7 @@ pub fn save(
     let state_path = tmp.join(RL_STATE);
     let text = serde_json::to_string_pretty(&state).map_err(|e| state_err(&state_path, e))?;
     std::fs::write(&state_path, text).map_err(|e| state_err(&state_path, e))?;
+    crate::run::write_checksums(&tmp).map_err(|e| state_err(&tmp, e))?;
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir).map_err(|e| state_err(dir, e))?;
     Ok(())
@@ -86,6 +87,7 @@ pub fn save(
 /// Restores a checkpoint written by [`save`] into a trainer built from the run's initial
 /// weights (so that its reference is the initial model) with the same configuration.
 pub fn load(trainer: &mut RlTrainer, dir: &Path) -> Result<RlState, RlError> {
+    crate::run::verify_checksums(dir).map_err(|m| state_err(dir, m))?;
     let state_path = dir.join(RL_STATE);
     let text = std::fs::read_to_string(&state_path).map_err(|e| state_err(&state_path, e))?;
     let state: RlState = serde_json::from_str(&text).map_err(|e| state_err(&state_path, e))?;
