@@ -73,6 +73,8 @@ if [[ -z "${BIN_DIR:-}" ]]; then
 fi
 mkdir -p "$out" docs/results docs/figures
 started=$(date +%s)
+# The revision the models are trained with (a resumed run keeps training at its own start).
+revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 commands=()
 # Runs a command and records it for the results file.
 run() {
@@ -156,7 +158,6 @@ done
 
 # --- Statistics, results file, figures -----------------------------------------------------
 wall=$(( $(date +%s) - started ))
-revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 meta() {
   printf '[meta]\nrevision = "%s"\nquick = %s\nwall_s = %s\ncommands = [\n' \
     "$revision" "$([[ $quick == 1 ]] && echo true || echo false)" "$wall"
