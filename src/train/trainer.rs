@@ -145,7 +145,7 @@ pub struct TrainConfig {
     pub resume_overrides: Vec<ResumeOverride>,
     /// SHA-256 of the training data file, set by [`train`]: `--resume` refuses data whose
     /// content changed under the same path (`--resume-override data-sha256` accepts it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub data_sha256: Option<String>,
 }
 
