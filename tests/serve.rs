@@ -416,6 +416,45 @@ async fn model_names_and_aliases() {
     assert_eq!(ids, [MODEL, "alias-a", "alias-b"]);
 }
 
+/// A schema whose anyOf refers to itself twice: two such requests in flight answer (an error
+/// naming the step budget) and /health answers within a second meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recursive_schema_neither_hangs_nor_starves_health() {
+    let backend = ScriptedBackend::cycle("c", vec!["\"a string\"".to_string()]);
+    let addr = spawn_server(backend, MODEL).await;
+    let body = json!({
+        "messages": [{"role": "user", "content": "json please"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "$ref": "#/$defs/n",
+            "$defs": {"n": {"anyOf": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/n"}, {"type": "integer"}]}}
+        }}}
+    })
+    .to_string();
+    let started = std::time::Instant::now();
+    let a = tokio::spawn(post_raw(addr, body.clone()));
+    let b = tokio::spawn(post_raw(addr, body));
+    let (status, _) =
+        tokio::time::timeout(std::time::Duration::from_secs(1), get_raw(addr, "/health"))
+            .await
+            .expect("/health answered within a second");
+    assert_eq!(status, 200);
+    for r in [a, b] {
+        let (status, text) = tokio::time::timeout(std::time::Duration::from_secs(10), r)
+            .await
+            .expect("the request answered")
+            .unwrap();
+        assert_eq!(status, 500, "{text}");
+        assert!(
+            api_error(&text)["message"]
+                .as_str()
+                .unwrap()
+                .contains("steps"),
+            "{text}"
+        );
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
+
 #[tokio::test]
 async fn response_format_is_checked_not_ignored() {
     let replies = vec![

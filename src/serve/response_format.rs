@@ -11,6 +11,8 @@
 //! writes). Annotations (`title`, `description`, `default`, `examples`, `format`, `$schema`,
 //! `$id`, `$comment`) are accepted and not checked.
 
+use std::cell::Cell;
+
 use serde_json::{Map, Value};
 
 /// What the client asked the reply to be.
@@ -70,6 +72,21 @@ const ANNOTATIONS: &[&str] = &[
 const TYPES: &[&str] = &[
     "object", "array", "string", "number", "integer", "boolean", "null",
 ];
+/// Schema nodes visited at most while checking one reply.
+const MAX_STEPS: u64 = 100_000;
+
+/// An error of one branch as quoted in its parent's: at most 300 bytes.
+fn shorten(e: &str) -> String {
+    if e.len() <= 300 {
+        return e.to_string();
+    }
+    let mut end = 300;
+    while !e.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &e[..end])
+}
+
 /// `$ref` hops and nesting followed at most (a schema that refers to itself without
 /// descending into the value would otherwise never end).
 const MAX_DEPTH: usize = 128;
@@ -151,7 +168,9 @@ impl ResponseFormat {
                     ));
                 }
             }
-            Self::JsonSchema { schema, .. } => validate(&value, schema, schema, "$", 0)?,
+            Self::JsonSchema { schema, .. } => {
+                validate(&value, schema, schema, "$", 0, &Cell::new(0))?
+            }
         }
         Ok(json.to_string())
     }
@@ -334,9 +353,19 @@ fn validate(
     root: &Value,
     at: &str,
     depth: usize,
+    steps: &Cell<u64>,
 ) -> Result<(), String> {
     if depth > MAX_DEPTH {
         return Err(format!("{at}: the schema nests deeper than {MAX_DEPTH}"));
+    }
+    // A schema whose anyOf/oneOf branches refer back to it makes the checks exponential in
+    // the depth; a budget keeps a hostile schema to milliseconds.
+    steps.set(steps.get() + 1);
+    if steps.get() > MAX_STEPS {
+        return Err(format!(
+            "{at}: checking the reply against this schema takes more than {MAX_STEPS} steps \
+             (recursive anyOf/oneOf/allOf); simplify the schema"
+        ));
     }
     let obj = match schema {
         Value::Bool(true) => return Ok(()),
@@ -346,7 +375,7 @@ fn validate(
     };
     if let Some(target) = obj.get("$ref").and_then(Value::as_str) {
         if let Some(sub) = resolve_ref(root, target) {
-            validate(value, sub, root, at, depth + 1)?;
+            validate(value, sub, root, at, depth + 1, steps)?;
         }
     }
     if let Some(t) = obj.get("type") {
@@ -377,14 +406,21 @@ fn validate(
     }
     check_bounds(value, obj, at)?;
     if let Value::Object(fields) = value {
-        check_object(fields, obj, root, at, depth)?;
+        check_object(fields, obj, root, at, depth, steps)?;
     }
     if let (Value::Array(items), Some(item_schema)) = (value, obj.get("items")) {
         for (i, item) in items.iter().enumerate() {
-            validate(item, item_schema, root, &format!("{at}[{i}]"), depth + 1)?;
+            validate(
+                item,
+                item_schema,
+                root,
+                &format!("{at}[{i}]"),
+                depth + 1,
+                steps,
+            )?;
         }
     }
-    check_combinators(value, obj, root, at, depth)
+    check_combinators(value, obj, root, at, depth, steps)
 }
 
 fn check_bounds(value: &Value, obj: &Map<String, Value>, at: &str) -> Result<(), String> {
@@ -431,6 +467,7 @@ fn check_object(
     root: &Value,
     at: &str,
     depth: usize,
+    steps: &Cell<u64>,
 ) -> Result<(), String> {
     for key in obj
         .get("required")
@@ -447,12 +484,12 @@ fn check_object(
     for (key, v) in fields {
         let here = format!("{at}.{key}");
         match props.and_then(|p| p.get(key)) {
-            Some(sub) => validate(v, sub, root, &here, depth + 1)?,
+            Some(sub) => validate(v, sub, root, &here, depth + 1, steps)?,
             None => match obj.get("additionalProperties") {
                 Some(Value::Bool(false)) => {
                     return Err(format!("{at}: key `{key}` is not allowed by the schema"))
                 }
-                Some(extra) => validate(v, extra, root, &here, depth + 1)?,
+                Some(extra) => validate(v, extra, root, &here, depth + 1, steps)?,
                 None => {}
             },
         }
@@ -466,17 +503,19 @@ fn check_combinators(
     root: &Value,
     at: &str,
     depth: usize,
+    steps: &Cell<u64>,
 ) -> Result<(), String> {
     let subs = |k: &str| obj.get(k).and_then(Value::as_array);
     if let Some(all) = subs("allOf") {
         for s in all {
-            validate(value, s, root, at, depth + 1)?;
+            validate(value, s, root, at, depth + 1, steps)?;
         }
     }
     if let Some(any) = subs("anyOf") {
         let errors: Vec<String> = any
             .iter()
-            .filter_map(|s| validate(value, s, root, at, depth + 1).err())
+            .filter_map(|s| validate(value, s, root, at, depth + 1, steps).err())
+            .map(|e| shorten(&e))
             .collect();
         if errors.len() == any.len() {
             return Err(format!(
@@ -488,7 +527,7 @@ fn check_combinators(
     if let Some(one) = subs("oneOf") {
         let matching = one
             .iter()
-            .filter(|s| validate(value, s, root, at, depth + 1).is_ok())
+            .filter(|s| validate(value, s, root, at, depth + 1, steps).is_ok())
             .count();
         if matching != 1 {
             return Err(format!(
@@ -580,6 +619,30 @@ mod tests {
             let err = f.check(reply).expect_err(reply);
             assert!(err.contains(want), "{reply}: {err}");
         }
+    }
+
+    /// An anyOf that refers to its own definition twice made the check exponential in the
+    /// nesting depth (a request that never answered and grew to gigabytes): it now ends
+    /// within a step budget, quickly, with a bounded message.
+    #[test]
+    fn a_self_referring_any_of_is_checked_within_a_budget() {
+        let f = schema_format(json!({
+            "$ref": "#/$defs/n",
+            "$defs": {"n": {"anyOf": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/n"}, {"type": "integer"}]}}
+        }))
+        .unwrap();
+        let started = std::time::Instant::now();
+        let e = f.check("\"not an integer\"").unwrap_err();
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(
+            e.contains("steps") && e.len() < 100_000,
+            "{}",
+            &e[..e.len().min(500)]
+        );
     }
 
     #[test]
