@@ -853,6 +853,12 @@ fn resume_refuses_a_checkpoint_with_a_flipped_byte() {
         err.contains("checkpoint-2/model.safetensors") && err.contains("SHA-256"),
         "{err}"
     );
+    // Nor is a new run trained from it.
+    let mut from = config(&f, "from-flipped");
+    from.model = cfg.output.join("checkpoint-2").display().to_string();
+    from.max_steps = Some(1);
+    let err = format!("{:#}", train(&from, false).unwrap_err());
+    assert!(err.contains("SHA-256"), "{err}");
 }
 
 /// `--resume` on a data file whose content changed under the same path is refused by name

@@ -537,6 +537,10 @@ pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
         path: e.path,
         message: e.message,
     })?;
+    crate::run::verify_checksums(dir).map_err(|message| HubError::Layout {
+        path: dir.to_path_buf(),
+        message,
+    })?;
     let mut files = Vec::new();
     collect(dir, "", &mut files)?;
     // The optimizer state only serves `dpo_train --resume`; HF does not publish it either.

@@ -355,6 +355,8 @@ impl TrainLlama {
         dtype: DType,
         device: &Device,
     ) -> std::result::Result<Self, TrainError> {
+        // A checkpoint this toolkit saved lists its files' SHA-256: train from it only whole.
+        crate::run::verify_checksums(dir).map_err(|m| TrainError::input(dir, m))?;
         let cfg = LlamaConfig::from_hf_json(&dir.join("config.json"))?;
         let files = safetensors_files(dir)?;
         let mut tensors = HashMap::new();
