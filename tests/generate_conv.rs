@@ -733,6 +733,17 @@ async fn out_of_range_numbers_are_refused_at_start_up() {
             "'-1' for '--min-gap <G>': must be a finite number >= 0",
         ),
         (None, base(&["--metric", "accuracy=inf"]), "accuracy=inf"),
+        (None, base(&["--metric", "accuracy=1e300"]), "at most"),
+        (
+            Some("candidates = 99999999999"),
+            base(&config_arg),
+            "candidates 99999999999: must be at most 1024",
+        ),
+        (
+            Some("samples = 100000"),
+            base(&config_arg),
+            "samples 100000: must be at most 64",
+        ),
     ];
     for (toml, args, needle) in cases {
         if let Some(t) = toml {

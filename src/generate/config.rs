@@ -308,6 +308,17 @@ impl GenerateConfig {
         if self.max_messages < 2 {
             return Err(invalid("max_messages", "must be at least 2"));
         }
+        // Upper bounds: far beyond any real run, far below what overflows an allocation.
+        for (field, v, max) in [
+            ("candidates", self.candidates, 1024),
+            ("samples", self.samples, 64),
+            ("window", self.window, 1024),
+            ("max_messages", self.max_messages, 4096),
+            ("max_questions", self.max_questions, 1000),
+            ("concurrency", self.concurrency, 4096),
+        ] {
+            crate::check::in_range(field, v, 0, max).map_err(|m| invalid(field, m))?;
+        }
         in_range("proact_ratio", self.proact_ratio, PROACT_RATIO)?;
         in_range("test_fraction", self.test_fraction, TEST_FRACTION)?;
         in_range("min_gap", self.min_gap, MIN_GAP)?;
