@@ -100,13 +100,14 @@ pub fn export_verl(
     dir: &Path,
     opts: &VerlOptions,
 ) -> Result<VerlSummary, DatasetError> {
-    let validation = test_conversations(
+    let mut validation = test_conversations(
         rows.iter().map(|r| r.conv_id.as_str()),
         opts.validation_fraction,
         opts.seed,
     );
     let system = ChatMessage::system(opts.system_prompt.clone());
     let (rl, duplicate_prompts, not_ending_with_user) = rl_rows(rows);
+    keep_both_splits(&rl, &mut validation);
     let sft = best_final_rows(rows);
     let (rl_val, rl_train): (Vec<&FlatRow>, Vec<&FlatRow>) = rl
         .into_iter()
@@ -148,6 +149,28 @@ pub fn export_verl(
         duplicate_prompts,
         not_ending_with_user,
     })
+}
+
+/// Moves one whole conversation across the split when the RL prompts would all land on one
+/// side: `datasets.load_dataset` fails on an empty parquet file ("corresponds to no data").
+/// With a single conversation there is nothing to move; its validation file stays empty
+/// only when the run is that small.
+fn keep_both_splits(rl: &[&FlatRow], validation: &mut HashSet<String>) {
+    let mut convs: Vec<&str> = Vec::new();
+    for r in rl {
+        if !convs.contains(&r.conv_id.as_str()) {
+            convs.push(&r.conv_id);
+        }
+    }
+    if convs.len() < 2 {
+        return;
+    }
+    if convs.iter().all(|c| validation.contains(*c)) {
+        validation.remove(convs[0]);
+    }
+    if convs.iter().all(|c| !validation.contains(*c)) {
+        validation.insert(convs[convs.len() - 1].to_string());
+    }
 }
 
 /// The first row of every distinct prompt that ends with a user message, in input order.
@@ -376,6 +399,17 @@ mod tests {
             seed: 7,
             ..Default::default()
         };
+        // Every conversation drawn for validation (fraction 1), or none (fraction 0): one
+        // whole conversation crosses, so neither RL file is empty.
+        for fraction in [1.0, 0.0] {
+            let d = dir.path().join(format!("split-{fraction}"));
+            let o = VerlOptions {
+                validation_fraction: fraction,
+                ..opts.clone()
+            };
+            let s = export_verl(&rows, &d, &o).unwrap();
+            assert!(s.rl_train > 0 && s.rl_validation > 0, "{fraction}: {s:?}");
+        }
         let nothing = dir.path().join("empty");
         let e = export_verl(&[], &nothing, &opts).unwrap_err().to_string();
         assert!(
