@@ -186,9 +186,27 @@ async fn trains_end_to_end_and_a_missing_score_leaves_its_group() {
             "time/futures",
             "time/update",
             "time/sync",
+            // TRL 1.16's names, and verl's where they have a counterpart.
+            "completions/mean_terminated_length",
+            "clip_ratio/low_mean",
+            "clip_ratio/low_min",
+            "clip_ratio/high_mean",
+            "clip_ratio/high_max",
+            "clip_ratio/region_mean",
+            "step_time",
+            "response_length/mean",
+            "critic/score/mean",
+            "timing_s/step",
+            "timing_s/gen",
+            "timing_s/update_actor",
         ] {
             assert!(l[k].as_f64().is_some_and(f64::is_finite), "{k}: {l}");
         }
+        let region = l["clip_ratio/region_mean"].as_f64().unwrap();
+        let sides = l["clip_ratio/low_mean"].as_f64().unwrap()
+            + l["clip_ratio/high_mean"].as_f64().unwrap();
+        assert!((region - sides).abs() < 1e-12, "{l}");
+        assert_eq!(l["step_time"], l["time/step"]);
         assert_eq!(l["learning_rate"], 1e-3);
         assert!(l["api/judge/calls"].as_u64().unwrap() > 0, "{l}");
         assert!(l["api/user/calls"].as_u64().unwrap() > 0, "{l}");

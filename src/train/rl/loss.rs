@@ -147,6 +147,10 @@ pub struct PpoMetrics {
     /// Token sums.
     pub clipped: f64,
     pub clipped_lower: f64,
+    /// TRL's clip cases: the ratio below 1 − ε with a negative advantage, above 1 + ε with a
+    /// positive one.
+    pub clipped_low: f64,
+    pub clipped_high: f64,
     pub ppo_kl: f64,
     pub ratio: f64,
     pub ratio_min: f64,
@@ -166,6 +170,8 @@ impl PpoMetrics {
         self.entropy_loss += o.entropy_loss;
         self.clipped += o.clipped;
         self.clipped_lower += o.clipped_lower;
+        self.clipped_low += o.clipped_low;
+        self.clipped_high += o.clipped_high;
         self.ppo_kl += o.ppo_kl;
         self.ratio += o.ratio;
         self.entropy += o.entropy;
@@ -181,6 +187,8 @@ impl PpoMetrics {
             ("entropy_loss", self.entropy_loss),
             ("pg_clipfrac", self.clipped / n),
             ("pg_clipfrac_lower", self.clipped_lower / n),
+            ("clip_low_frac", self.clipped_low / n),
+            ("clip_high_frac", self.clipped_high / n),
             ("ppo_kl", self.ppo_kl / n),
             ("ratio_mean", self.ratio / n),
             ("ratio_min", self.ratio_min),
@@ -279,6 +287,8 @@ fn clip_metrics(t: &TokenTerms, ratio: &Tensor, cfg: &PpoConfig) -> Result<PpoMe
         let l1 = -a * r;
         let l2 = -a * r.clamp(lo, hi);
         m.clipped += f64::from(u8::from(l2 > l1));
+        m.clipped_low += f64::from(u8::from(r < lo && a < 0.0));
+        m.clipped_high += f64::from(u8::from(r > hi && a > 0.0));
         if let Some(c) = cfg.clip_ratio_c {
             m.clipped_lower += f64::from(u8::from(a < 0.0 && l1.max(l2) > -a * c));
         }

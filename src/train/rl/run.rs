@@ -498,6 +498,7 @@ impl<'a> Run<'a> {
         let (policy, sync_s) = self.sampler(trainer, step)?;
 
         let mut log = step_log(step, cfg, tasks.len(), &rollout, &report);
+        let rollout_s = rollout.time_rollout + rollout.time_futures;
         log.insert("time/rollout".into(), json!(rollout.time_rollout));
         log.insert("time/futures".into(), json!(rollout.time_futures));
         log.insert("time/update".into(), json!(update_s));
@@ -514,10 +515,13 @@ impl<'a> Run<'a> {
             }
         }
         usage_log(&mut log, &usage_before, &self.roles.usage());
-        log.insert(
-            "time/step".into(),
-            json!(step_started.elapsed().as_secs_f64()),
-        );
+        let step_s = step_started.elapsed().as_secs_f64();
+        log.insert("time/step".into(), json!(step_s));
+        // TRL 1.16's and verl's names for the same times.
+        log.insert("step_time".into(), json!(step_s));
+        log.insert("timing_s/step".into(), json!(step_s));
+        log.insert("timing_s/gen".into(), json!(rollout_s));
+        log.insert("timing_s/update_actor".into(), json!(update_s));
         append_lines(&cfg.output.join(LOGS_FILE), &[serde_json::to_string(&log)?])?;
         Ok((policy, log))
     }
@@ -834,6 +838,32 @@ fn step_log(
         "completions/max_length",
         lens.iter().copied().reduce(f64::max),
     );
+    // TRL 1.16: lengths of the responses that ended on their own (not at the token cap);
+    // 0 when every response hit the cap, as TRL logs it.
+    let mut terminated: Vec<f64> = responses
+        .iter()
+        .filter(|r| r.finish_reason != crate::llm::FinishReason::Length)
+        .map(|r| r.tokens as f64)
+        .collect();
+    if terminated.is_empty() {
+        terminated.push(0.0);
+    }
+    put("completions/mean_terminated_length", mean(&terminated));
+    put(
+        "completions/min_terminated_length",
+        terminated.iter().copied().reduce(f64::min),
+    );
+    put(
+        "completions/max_terminated_length",
+        terminated.iter().copied().reduce(f64::max),
+    );
+    // verl's names for the same quantities.
+    put("response_length/mean", mean(&lens));
+    put("response_length/min", lens.iter().copied().reduce(f64::min));
+    put("response_length/max", lens.iter().copied().reduce(f64::max));
+    put("critic/score/mean", mean(&rewards));
+    put("critic/score/min", rewards.iter().copied().reduce(f64::min));
+    put("critic/score/max", rewards.iter().copied().reduce(f64::max));
     put(
         "completions/clipped_ratio",
         mean(
@@ -862,7 +892,15 @@ fn step_log(
     put("grad_norm", get("grad_norm"));
     put("learning_rate", get("lr"));
     put("kl", get("kl_loss"));
+    // `clip_ratio`: the older TRL name (verl's pg_clipfrac), kept one release beside
+    // TRL 1.16's split by side (one process: the min/max over processes are the means).
     put("clip_ratio", get("pg_clipfrac"));
+    let (low, high) = (get("clip_low_frac"), get("clip_high_frac"));
+    put("clip_ratio/low_mean", low);
+    put("clip_ratio/low_min", low);
+    put("clip_ratio/high_mean", high);
+    put("clip_ratio/high_max", high);
+    put("clip_ratio/region_mean", low.zip(high).map(|(l, h)| l + h));
     put("entropy", get("entropy"));
     for (k, v) in report.advantage.named() {
         put(&format!("advantages/{k}"), Some(v));
