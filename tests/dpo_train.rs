@@ -829,25 +829,32 @@ fn read_args(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("training_args.json")).unwrap()).unwrap()
 }
 
-/// A checkpoint whose file changed after it was saved (a flipped byte) is refused on
-/// `--resume`, naming the file, instead of training on from corrupt weights.
-#[test]
-fn resume_refuses_a_checkpoint_with_a_flipped_byte() {
-    let f = fixture();
-    let mut cfg = config(&f, "flipped");
+/// A run of 4 steps (a checkpoint each) stopped after step 2, as if killed; returned set to
+/// `--resume` it.
+fn stopped_after_two_steps(f: &Fixture, out: &str) -> TrainConfig {
+    let mut cfg = config(f, out);
     cfg.max_steps = Some(4);
     cfg.save_steps = Some(1);
     cfg.batch_size = 1;
     cfg.stop_after = Some(2);
     train(&cfg, false).unwrap_err();
+    cfg.stop_after = None;
+    cfg.resume = true;
+    cfg
+}
+
+/// A checkpoint whose file changed after it was saved (a flipped byte) is refused on
+/// `--resume`, naming the file, instead of training on from corrupt weights.
+#[test]
+fn resume_refuses_a_checkpoint_with_a_flipped_byte() {
+    let f = fixture();
+    let cfg = stopped_after_two_steps(&f, "flipped");
     let weights = cfg.output.join("checkpoint-2/model.safetensors");
     assert!(cfg.output.join("checkpoint-2/checksums.json").is_file());
     let mut bytes = std::fs::read(&weights).unwrap();
     let last = bytes.len() - 3;
     bytes[last] ^= 0x10;
     std::fs::write(&weights, bytes).unwrap();
-    cfg.stop_after = None;
-    cfg.resume = true;
     let err = format!("{:#}", train(&cfg, false).unwrap_err());
     assert!(
         err.contains("checkpoint-2/model.safetensors") && err.contains("SHA-256"),
@@ -866,14 +873,7 @@ fn resume_refuses_a_checkpoint_with_a_flipped_byte() {
 #[test]
 fn resume_refuses_data_that_changed_under_the_same_path() {
     let f = fixture();
-    let mut cfg = config(&f, "hashed");
-    cfg.max_steps = Some(4);
-    cfg.save_steps = Some(1);
-    cfg.batch_size = 1;
-    cfg.stop_after = Some(2);
-    train(&cfg, false).unwrap_err();
-    cfg.stop_after = None;
-    cfg.resume = true;
+    let mut cfg = stopped_after_two_steps(&f, "hashed");
     let mut rows = toy_rows();
     rows.reverse();
     write_pairs_parquet(&f.data.join("train.parquet"), &rows).unwrap();

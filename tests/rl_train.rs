@@ -121,16 +121,19 @@ fn args(server: &FaultServer, model: &Path, out: &Path, extra: &[&str]) -> Vec<S
         .collect()
 }
 
-async fn run_bin(args: &[String]) -> std::process::Output {
-    tokio::process::Command::new(bin())
-        .args(args)
+/// rl_train with the test run's environment.
+fn command(args: &[String]) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(bin());
+    c.args(args)
         .env("OPENAI_API_KEY", "test-key")
         .env("RUST_LOG", "warn")
         .env("CANDLE_NUM_THREADS", "1")
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .expect("running rl_train")
+        .stdin(Stdio::null());
+    c
+}
+
+async fn run_bin(args: &[String]) -> std::process::Output {
+    command(args).output().await.expect("running rl_train")
 }
 
 fn ok(out: &std::process::Output) -> String {
@@ -685,12 +688,7 @@ async fn sigint_saves_the_finished_step_and_resume_continues_from_it() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
     let flags = args(&server, &model, &out, &["--max-steps", "500"]);
-    let child = tokio::process::Command::new(bin())
-        .args(&flags)
-        .env("OPENAI_API_KEY", "test-key")
-        .env("RUST_LOG", "warn")
-        .env("CANDLE_NUM_THREADS", "1")
-        .stdin(Stdio::null())
+    let child = command(&flags)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)

@@ -8,7 +8,8 @@ use std::path::Path;
 /// The file in a checkpoint directory that lists its other files' SHA-256.
 pub const CHECKSUMS_FILE: &str = "checksums.json";
 
-fn sha256_file(path: &Path) -> std::io::Result<String> {
+/// The SHA-256 of a file's bytes, streamed, as lowercase hex.
+pub fn sha256_file(path: &Path) -> std::io::Result<String> {
     use sha2::Digest as _;
     let mut f = std::fs::File::open(path)?;
     let mut h = sha2::Sha256::new();

@@ -28,7 +28,7 @@ use crate::run::{write_atomic, write_json_atomic};
 use super::adamw::{AdamW, AdamWParams};
 use super::data::{
     locate_data, locate_sft_data, read_pairs, tokenize_pairs, tokenize_sft,
-    tokenize_sft_conversations, TokenizeStats, TokenizedSeq,
+    tokenize_sft_conversations, DataFiles, TokenizeStats, TokenizedSeq,
 };
 use super::logps::{pair_logps_full, PairBatch, SeqBatch, Targets, TokenizedPair};
 use super::loss::{dpo_loss, DpoConfig, DpoMetrics, LossType};
@@ -424,7 +424,10 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     // One writer per output directory until training returns.
     let _lock = prepare_output(cfg)?;
     let mut hashed = cfg.clone();
-    hashed.data_sha256 = Some(data_sha256(cfg, &objective)?);
+    let data_paths = data_files(cfg, &objective)?;
+    let sha = crate::run::sha256_file(&data_paths.train)
+        .map_err(TrainError::io("reading", &data_paths.train))?;
+    hashed.data_sha256 = Some(sha);
     let recorded = resume_args(&hashed)?;
     let cfg = &recorded;
 
@@ -432,7 +435,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     let codec = ChatCodec::load(&files)?;
     let device = parse_device(&cfg.device)?;
     let dtype = parse_dtype(&cfg.dtype, &device)?;
-    let mut data = load_data(cfg, &codec, &objective)?;
+    let mut data = load_data(cfg, &data_paths, &codec, &objective)?;
     let model = load_model(cfg, &files, dtype, &device)?;
     let pad_id = codec.eos_ids.first().copied().unwrap_or(0);
 
@@ -550,25 +553,20 @@ struct TrainData {
     eval: Option<Examples>,
 }
 
-/// SHA-256 of the file the run trains on (as `load_data` locates it).
-fn data_sha256(cfg: &TrainConfig, objective: &Objective) -> Result<String> {
-    use sha2::Digest as _;
-    let files = match objective {
+/// The files the run trains (and evaluates) on, for its objective.
+fn data_files(cfg: &TrainConfig, objective: &Objective) -> Result<DataFiles> {
+    Ok(match objective {
         Objective::Sft => locate_sft_data(&cfg.data)?,
         Objective::Dpo(_) => locate_data(&cfg.data)?,
-    };
-    let mut file =
-        std::fs::File::open(&files.train).map_err(TrainError::io("reading", &files.train))?;
-    let mut h = sha2::Sha256::new();
-    std::io::copy(&mut file, &mut h).map_err(TrainError::io("reading", &files.train))?;
-    Ok(format!("{:x}", h.finalize()))
+    })
 }
 
-fn load_data(cfg: &TrainConfig, codec: &ChatCodec, objective: &Objective) -> Result<TrainData> {
-    let files = match objective {
-        Objective::Sft => locate_sft_data(&cfg.data)?,
-        Objective::Dpo(_) => locate_data(&cfg.data)?,
-    };
+fn load_data(
+    cfg: &TrainConfig,
+    files: &DataFiles,
+    codec: &ChatCodec,
+    objective: &Objective,
+) -> Result<TrainData> {
     let eval_path = cfg.eval_data.clone().or(files.eval.clone());
     let (train, train_stats) = load_examples(codec, &files.train, cfg, objective)?;
     if train.len() == 0 {
@@ -595,7 +593,7 @@ fn load_data(cfg: &TrainConfig, codec: &ChatCodec, objective: &Objective) -> Res
             .unwrap_or_default()
     );
     Ok(TrainData {
-        train_path: files.train,
+        train_path: files.train.clone(),
         eval_path,
         train,
         train_stats,

@@ -828,16 +828,7 @@ fn step_log(
     put("rewards/mr_mean/mean", mr(|r| r.mr_mean));
     put("rewards/mr_verl_clamp/mean", mr(|r| r.mr_verl_clamp));
     let lens: Vec<f64> = responses.iter().map(|r| r.tokens as f64).collect();
-    put("completions/mean_length", mean(&lens));
     put("completion_length", mean(&lens));
-    put(
-        "completions/min_length",
-        lens.iter().copied().reduce(f64::min),
-    );
-    put(
-        "completions/max_length",
-        lens.iter().copied().reduce(f64::max),
-    );
     // TRL 1.16: lengths of the responses that ended on their own (not at the token cap);
     // 0 when every response hit the cap, as TRL logs it.
     let mut terminated: Vec<f64> = responses
@@ -848,22 +839,41 @@ fn step_log(
     if terminated.is_empty() {
         terminated.push(0.0);
     }
-    put("completions/mean_terminated_length", mean(&terminated));
-    put(
-        "completions/min_terminated_length",
-        terminated.iter().copied().reduce(f64::min),
-    );
-    put(
-        "completions/max_terminated_length",
-        terminated.iter().copied().reduce(f64::max),
-    );
-    // verl's names for the same quantities.
-    put("response_length/mean", mean(&lens));
-    put("response_length/min", lens.iter().copied().reduce(f64::min));
-    put("response_length/max", lens.iter().copied().reduce(f64::max));
-    put("critic/score/mean", mean(&rewards));
-    put("critic/score/min", rewards.iter().copied().reduce(f64::min));
-    put("critic/score/max", rewards.iter().copied().reduce(f64::max));
+    // Mean, min and max under TRL's names, and verl's names for the same quantities.
+    for ([m, lo, hi], v) in [
+        (
+            [
+                "completions/mean_length",
+                "completions/min_length",
+                "completions/max_length",
+            ],
+            &lens,
+        ),
+        (
+            [
+                "completions/mean_terminated_length",
+                "completions/min_terminated_length",
+                "completions/max_terminated_length",
+            ],
+            &terminated,
+        ),
+        (
+            [
+                "response_length/mean",
+                "response_length/min",
+                "response_length/max",
+            ],
+            &lens,
+        ),
+        (
+            ["critic/score/mean", "critic/score/min", "critic/score/max"],
+            &rewards,
+        ),
+    ] {
+        put(m, mean(v));
+        put(lo, v.iter().copied().reduce(f64::min));
+        put(hi, v.iter().copied().reduce(f64::max));
+    }
     put(
         "completions/clipped_ratio",
         mean(
