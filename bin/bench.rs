@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::builder::TypedValueParser;
 use clap::{Parser, Subcommand};
-use collabllm::llm::engine::{Engine, GenParams, LoadOptions};
-use collabllm::llm::llama::WeightFormat;
+use collabllm::engine::llama::WeightFormat;
+use collabllm::engine::{Engine, GenParams, LoadOptions};
 use collabllm::llm::spec::resolve_local;
 use collabllm::llm::{ChatMessage, ModelSpec};
 

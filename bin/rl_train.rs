@@ -152,6 +152,12 @@ struct Args {
     /// Entropy bonus coefficient [default: 0].
     #[arg(long, value_name = "X", value_parser = rl::ENTROPY_COEF.parser())]
     entropy_coef: Option<f64>,
+    /// How per-token losses become the step's loss, as verl's `loss_agg_mode` names them:
+    /// token-mean (every response token of the mini-batch alike), seq-mean-token-sum,
+    /// seq-mean-token-mean (the original GRPO), seq-mean-token-sum-norm (token sums over the
+    /// constant --max-new-tokens: Dr. GRPO) [default: token-mean].
+    #[arg(long, value_name = "MODE", value_parser = parse_loss_agg)]
+    loss_agg: Option<String>,
     /// Passes over each step's responses [default: 1].
     #[arg(long, value_name = "E")]
     ppo_epochs: Option<usize>,
@@ -237,6 +243,11 @@ struct Args {
     max_tokens: Vec<(TokenRole, usize)>,
 }
 
+fn parse_loss_agg(s: &str) -> Result<String, String> {
+    s.parse::<collabllm::train::rl::loss::LossAgg>()
+        .map(|a| a.as_str().to_string())
+}
+
 fn parse_metric(s: &str) -> Result<(String, f64), String> {
     parse_metric_weight(s).map_err(|e| e.to_string())
 }
@@ -274,6 +285,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         clip_ratio,
         clip_ratio_c,
         entropy_coef,
+        loss_agg,
         ppo_epochs,
         mini_batch,
         micro_batch,
@@ -351,4 +363,33 @@ fn main() -> ExitCode {
         collabllm::cli::remove_unused_output(&output, existed);
     }
     collabllm::cli::exit_on_error(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every `[default: …]` in `--help` is the config's real default (or, for the few stated
+    /// in words, listed here).
+    #[test]
+    fn help_defaults_are_the_configs() {
+        let defaults = serde_json::to_value(RlRunConfig::default()).unwrap();
+        // Defaults stated in words (they depend on the task type, the environment or LoRA),
+        // and the endpoint flags, whose texts `cli`'s own test checks against
+        // `EndpointOptions::default`.
+        let described = [
+            "metrics",
+            "threads",
+            "lr",
+            "save_steps",
+            "eval_every",
+            "api_key_env",
+            "max_concurrency",
+            "timeout",
+            "max_retries",
+        ];
+        let wrong = collabllm::cli::stale_help_defaults(&Args::command(), &defaults, &described);
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    }
 }

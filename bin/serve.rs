@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::builder::TypedValueParser;
 use clap::Parser;
-use collabllm::llm::llama::WeightFormat;
+use collabllm::engine::llama::WeightFormat;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::{ModelSpec, SharedBackend};
 use collabllm::serve::ModelNames;

@@ -10,7 +10,7 @@ mod weights_digest;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device};
-use collabllm::llm::engine::ChatCodec;
+use collabllm::engine::ChatCodec;
 use collabllm::llm::spec::LocalModelFiles;
 use collabllm::train::model::TrainLlama;
 

@@ -7,8 +7,8 @@
 use std::path::PathBuf;
 
 use candle_core::Tensor;
-use collabllm::llm::engine::{Engine, LoadOptions};
-use collabllm::llm::llama::WeightFormat;
+use collabllm::engine::llama::WeightFormat;
+use collabllm::engine::{Engine, LoadOptions};
 use collabllm::llm::spec::LocalModelFiles;
 use collabllm::llm::ChatMessage;
 

@@ -238,6 +238,59 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// The `[default: …]` texts a binary's `--help` states by hand that disagree with the
+/// defaults its config really has (`defaults`: the config's `Default`, serialized; a flag's
+/// clap id is its field name). Numbers are compared as numbers (`1e-6` = `0.000001`), other
+/// values as their serialized text; a default stated in words (`per task type`) is skipped
+/// when its flag is listed in `described`. Every `[default: …]` must be checked or described:
+/// one whose flag has no config field is reported too.
+pub fn stale_help_defaults(
+    command: &clap::Command,
+    defaults: &serde_json::Value,
+    described: &[&str],
+) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for arg in command.get_arguments() {
+        let id = arg.get_id().as_str();
+        let help = arg
+            .get_long_help()
+            .or_else(|| arg.get_help())
+            .map(|h| h.to_string())
+            .unwrap_or_default();
+        let Some(start) = help.find("[default: ") else {
+            continue;
+        };
+        if described.contains(&id) {
+            continue;
+        }
+        let stated = help[start + 10..]
+            .split([']', ' ', ','])
+            .next()
+            .unwrap_or_default()
+            .trim_end_matches('.');
+        let Some(actual) = defaults.get(id) else {
+            wrong.push(format!(
+                "--{id}: `[default: {stated}]` names no config field `{id}`"
+            ));
+            continue;
+        };
+        let agrees = match actual {
+            serde_json::Value::Number(n) => stated
+                .parse::<f64>()
+                .is_ok_and(|s| n.as_f64().is_some_and(|a| (a - s).abs() <= 1e-12 * a.abs())),
+            serde_json::Value::String(s) => s == stated,
+            serde_json::Value::Bool(b) => b.to_string() == stated,
+            _ => false,
+        };
+        if !agrees {
+            wrong.push(format!(
+                "--{id}: help says `[default: {stated}]`, the config's default is {actual}"
+            ));
+        }
+    }
+    wrong
+}
+
 #[cfg(test)]
 mod tests {
     use super::use_color;

@@ -1,18 +1,26 @@
 //! collabllm-rs: the CollabLLM method (multiturn-aware rewards → DPO pairs → training →
 //! multi-turn evaluation) in Rust. See ARCHITECTURE.md for the code map.
 //!
-//! Modules follow the data, and a module may use only the ones before it:
-//! `llm` (backends, local engine, cache) → `task`, `prompts` → `simulate` (user simulator,
-//! futures) → `reward` (metrics, judges, MR) → `pairs` → `dataset` (parquet) → `hub` (Hugging Face Hub: push, import) → `generate`
-//! (the generate_conv pipeline) → `train` (trainable llama, DPO log-probs and losses; uses only
-//! `llm`) → `eval` (multi-turn evaluation and 20 Questions; uses the pipeline before it) →
-//! `plot` (figures from the files the stages above wrote). `serve` is an HTTP front over
-//! `llm`; `parse`, `check` (range checks of user-given numbers), `run` (run directories: lock, atomic
-//! writes, signals) and `cli` are leaf utilities.
+//! Modules follow the data, and a module may use only the ones before it (checked by
+//! `tests/layering.rs`, file by file):
+//! `engine` (the local inference engine: kernels, the llama-family forward pass, tokenizers,
+//! chat templates, the batching scheduler) → `llm` (the chat-backend interface every role
+//! talks through: the local engine, OpenAI-compatible endpoints, pools, the request cache,
+//! usage) → `task` (task types, task files, prompts) → `reward` (metrics, judges, the
+//! multiturn-aware reward, pair selection) → `rollout` (the simulated user, futures) →
+//! `dataset` (parquet, verl export) → `hub` (Hugging Face Hub) → `generate` (the
+//! generate_conv pipeline) → `train` (DPO/SFT/LoRA and online RL with candle) → `eval`
+//! (multi-turn evaluation, 20 Questions, studies) → `plot` (figures). `serve` is an HTTP
+//! front over `llm` and `engine`; `check` (range checks of user-given numbers), `run` (run
+//! directories: locks, atomic writes, checksums, signals) and `cli` (what the binaries share)
+//! are leaf utilities.
+
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub(crate) mod check;
 pub mod cli;
 pub mod dataset;
+pub mod engine;
 pub mod eval;
 pub mod generate;
 pub mod hub;
@@ -22,6 +30,5 @@ pub mod reward;
 pub mod rollout;
 pub mod run;
 pub mod serve;
-pub(crate) mod simd;
 pub mod task;
 pub mod train;

@@ -5,7 +5,7 @@
 mod common;
 use common::model_util;
 
-use collabllm::llm::engine::{Engine, LoadOptions};
+use collabllm::engine::{Engine, LoadOptions};
 use collabllm::llm::local::LocalBackend;
 use collabllm::llm::spec::LocalModelFiles;
 use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, FinishReason, ModelSpec};
@@ -101,7 +101,7 @@ async fn greedy_reply_stops_at_end_of_turn() {
 /// same chat prompt and end-of-turn ids.
 #[test]
 fn gguf_tokenizer_exported_for_checkpoints_round_trips() {
-    use collabllm::llm::engine::ChatCodec;
+    use collabllm::engine::ChatCodec;
     let gguf = LocalModelFiles::Gguf(default_model_path());
     let codec = ChatCodec::load(&gguf).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -140,7 +140,7 @@ fn requests_joining_mid_decode_equal_alone() {
 /// a cold run gives.
 #[test]
 fn prefix_reuse_gives_the_tokens_of_a_cold_run() {
-    use collabllm::llm::engine::GenParams;
+    use collabllm::engine::GenParams;
     one_thread();
     let load = |mb| {
         Engine::load(

@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use collabllm::dataset::{write_pairs_parquet, PairRow};
-use collabllm::llm::engine::ChatCodec;
+use collabllm::engine::peft::{peft_tensor_name, AdapterConfig};
+use collabllm::engine::tiny::TinySpec;
+use collabllm::engine::ChatCodec;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
-use collabllm::llm::peft::{peft_tensor_name, AdapterConfig};
 use collabllm::llm::spec::{resolve_local, LocalModelFiles};
-use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::{ChatMessage, ModelSpec};
 use collabllm::train::data::{
     drop_oldest_turn, tokenize_conversation, tokenize_pairs, tokenize_sft,
@@ -159,7 +159,7 @@ fn dpo_learns_the_toy_preference_with_trl_metrics() {
     }
     // TRL's diagnostics: entropy within [0, ln V], token accuracy a fraction, num_tokens the
     // running count of the 2B rows' tokens (every pair of the toy set has the same length).
-    let vocab = collabllm::llm::tiny::tiny_vocab_size() as f64;
+    let vocab = collabllm::engine::tiny::tiny_vocab_size() as f64;
     let per_step = first["num_tokens"].as_u64().unwrap();
     assert!(per_step > 0);
     for (i, l) in lines.iter().enumerate() {
@@ -283,10 +283,10 @@ fn lora_learns_saves_reloads_and_merges() {
         .unwrap();
     assert!(matches!(files, LocalModelFiles::Adapter { .. }));
     let opts = LoadOptions {
-        weights: collabllm::llm::llama::WeightFormat::F32,
+        weights: collabllm::engine::llama::WeightFormat::F32,
         ..Default::default()
     };
-    let engine = collabllm::llm::engine::Engine::load(&files, &opts).unwrap();
+    let engine = collabllm::engine::Engine::load(&files, &opts).unwrap();
     let next = engine.next_token_logits(&ids).unwrap();
     let want = l_merged.last().unwrap();
     let d = next
@@ -607,7 +607,7 @@ fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
     // A template whose generation prompt is not a prefix of the rendered reply → hard error.
     let bad = ChatCodec {
         tokenizer: c.tokenizer.clone(),
-        template: collabllm::llm::chat_template::ChatTemplate::new(
+        template: collabllm::engine::chat_template::ChatTemplate::new(
             "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}",
             "bad-template",
             "",
@@ -969,4 +969,83 @@ fn resume_refuses_changed_settings_unless_overridden() {
     typo.resume_override = vec!["learning_rate".into()];
     let err = train(&typo, false).unwrap_err().to_string();
     assert!(err.contains("--resume-override learning_rate"), "{err}");
+}
+
+/// Each model family besides llama (tiny checkpoints transformers wrote) trains two steps,
+/// full and with LoRA: the checkpoint states the family and loads in the trainer and the
+/// engine with the same logits; the adapter loads in the engine (merged at load) as the
+/// trainer's base + adapter.
+#[test]
+fn every_model_family_trains_full_and_lora() {
+    let f = fixture();
+    let dev = Device::Cpu;
+    for family in ["qwen2", "qwen3", "mistral"] {
+        let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/families")
+            .join(family);
+        let ids: Vec<u32> = "<|im_start|>user\nIs it?".bytes().map(u32::from).collect();
+        let engine_logits = |files: LocalModelFiles| -> Vec<f32> {
+            let opts = LoadOptions {
+                weights: collabllm::engine::llama::WeightFormat::F32,
+                ..Default::default()
+            };
+            let engine = collabllm::engine::Engine::load(&files, &opts).unwrap();
+            engine.next_token_logits(&ids).unwrap()
+        };
+        let base = TrainLlama::from_hf_dir(&model, DType::F32, &dev).unwrap();
+
+        let mut cfg = config(&f, &format!("{family}-full"));
+        cfg.model = model.display().to_string();
+        cfg.max_steps = Some(2);
+        cfg.lr = 1e-2;
+        train(&cfg, false).unwrap();
+        let full = cfg.output.join("final");
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(full.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(written["model_type"], family, "{family}: config.json");
+        let trained = TrainLlama::from_hf_dir(&full, DType::F32, &dev).unwrap();
+        let t = tokens_of(&trained, &ids);
+        assert!(
+            max_diff(&t, &tokens_of(&base, &ids)) > 1e-3,
+            "{family}: nothing trained"
+        );
+        let e = engine_logits(LocalModelFiles::HfDir(full.clone()));
+        let d = max_diff(&[e], &t[t.len() - 1..]);
+        assert!(
+            d < 1e-4,
+            "{family}: engine vs trainer on the checkpoint: {d}"
+        );
+
+        let mut cfg = config(&f, &format!("{family}-lora"));
+        cfg.model = model.display().to_string();
+        cfg.max_steps = Some(2);
+        cfg.lr = 1e-2;
+        cfg.lora = Some(LoraOptions {
+            r: 4,
+            alpha: 8.0,
+            ..Default::default()
+        });
+        train(&cfg, false).unwrap();
+        let adapter_dir = cfg.output.join("final");
+        let acfg = AdapterConfig::read(&adapter_dir).unwrap();
+        let adapter =
+            candle_core::safetensors::load(adapter_dir.join("adapter_model.safetensors"), &dev)
+                .unwrap();
+        let mut reloaded = TrainLlama::from_hf_dir(&model, DType::F32, &dev).unwrap();
+        reloaded.enable_lora(acfg, 7).unwrap();
+        reloaded.load_trainable(&adapter).unwrap();
+        let r = tokens_of(&reloaded, &ids);
+        assert!(
+            max_diff(&r, &tokens_of(&base, &ids)) > 1e-3,
+            "{family}: adapter is a no-op"
+        );
+        let files = tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(resolve_local(&ModelSpec::HfDir(adapter_dir)))
+            .unwrap();
+        let e = engine_logits(files);
+        let d = max_diff(&[e], &r[r.len() - 1..]);
+        assert!(d < 1e-4, "{family}: engine on the adapter vs trainer: {d}");
+    }
 }

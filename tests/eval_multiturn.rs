@@ -8,6 +8,7 @@ use common::model_util;
 use std::path::Path;
 use std::sync::Arc;
 
+use collabllm::engine::tiny::TinySpec;
 use collabllm::eval::run::{evaluate_with_roles, EvalRoles};
 use collabllm::eval::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 use collabllm::generate::{generate_with_roles, GenerateConfig, Roles};
@@ -15,7 +16,6 @@ use collabllm::llm::cache::RequestCache;
 use collabllm::llm::local::LoadOptions;
 use collabllm::llm::roles::Role;
 use collabllm::llm::scripted::ScriptedBackend;
-use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::tokens::TokenCounter;
 use collabllm::llm::{EndpointOptions, ModelSpec};
 use collabllm::rollout::user::Sampling;

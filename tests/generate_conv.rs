@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use arrow::array::{Array, Float64Array, Int64Array, ListArray, StringArray, StructArray};
 use arrow::datatypes::{DataType, Field, Fields};
+use collabllm::engine::tiny::TinySpec;
 use collabllm::generate::{generate_with_roles, GenerateConfig, Roles};
 use collabllm::llm::roles::Role;
 use collabllm::llm::scripted::ScriptedBackend;
-use collabllm::llm::tiny::TinySpec;
 use common::collab_script;
 use common::fault_server::{Fault, FaultServer};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;

@@ -786,10 +786,10 @@ async fn a_twenty_questions_card_states_oracle_rewards_weights_and_split() {
 /// safetensors file, a tensor missing, a shape its config.json does not imply.
 #[tokio::test]
 async fn broken_checkpoints_are_refused_before_any_upload() {
-    use collabllm::llm::checkpoint::check_checkpoint_dir;
+    use collabllm::engine::checkpoint::check_checkpoint_dir;
     let hub = FakeHub::start(TOKEN).await;
     let o = opts(&hub, TOKEN);
-    let (_g, dir) = model_util::tiny_model_dir(&collabllm::llm::tiny::TinySpec::default());
+    let (_g, dir) = model_util::tiny_model_dir(&collabllm::engine::tiny::TinySpec::default());
     check_checkpoint_dir(&dir).unwrap();
     let weights = dir.join("model.safetensors");
     let whole = std::fs::read(&weights).unwrap();

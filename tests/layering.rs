@@ -10,17 +10,21 @@ use std::path::{Path, PathBuf};
 const ALLOWED: &[(&str, &[&str])] = &[
     ("check", &[]),
     ("run", &[]),
-    // Vectorized element-wise kernels (exp, the ISA dispatch) of training ops and attention.
-    ("simd", &[]),
+    // The local inference engine: kernels, the llama-family forward pass, tokenizers and
+    // templates, the runtime, the prefix cache and the scheduler.
+    ("engine", &["check", "run"]),
     // Task types, task files (read with the parquet helpers of `dataset`, which never
     // imports task) and the prompt templates of each task type.
     ("task", &["check", "dataset", "llm", "run"]),
-    ("llm", &["check", "run", "simd"]),
-    ("serve", &["check", "llm", "run", "task"]),
+    ("llm", &["check", "engine", "run"]),
+    ("serve", &["check", "engine", "llm", "run", "task"]),
     ("reward", &["check", "llm", "run", "task"]),
     ("rollout", &["check", "llm", "reward", "run", "task"]),
     ("dataset", &["check", "llm", "run"]),
-    ("hub", &["check", "dataset", "llm", "reward", "run", "task"]),
+    (
+        "hub",
+        &["check", "dataset", "engine", "llm", "reward", "run", "task"],
+    ),
     (
         "generate",
         &[
@@ -32,14 +36,14 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "train",
         &[
-            "check", "dataset", "generate", "hub", "llm", "reward", "rollout", "run", "simd",
+            "check", "dataset", "engine", "generate", "hub", "llm", "reward", "rollout", "run",
             "task",
         ],
     ),
     (
         "eval",
         &[
-            "check", "dataset", "llm", "reward", "rollout", "run", "task",
+            "check", "dataset", "engine", "llm", "reward", "rollout", "run", "task",
         ],
     ),
     ("plot", &["check", "dataset", "reward", "rollout", "run"]),
@@ -145,4 +149,293 @@ fn the_layering_table_has_no_circle() {
     for m in deps.keys() {
         visit(m, &deps, &mut colour, &mut Vec::new());
     }
+}
+
+/// The text with comments, string and char literals blanked, so braces and paths in them
+/// do not count.
+fn code_only(text: &str) -> String {
+    let b = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < b.len() {
+        let rest = &text[i..];
+        if rest.starts_with("//") {
+            let end = rest.find('\n').map_or(b.len(), |n| i + n);
+            i = end;
+        } else if rest.starts_with("/*") {
+            let end = rest.find("*/").map_or(b.len(), |n| i + n + 2);
+            i = end;
+        } else if rest.starts_with("r#\"") || rest.starts_with("r\"") {
+            let hashes = rest[1..].chars().take_while(|c| *c == '#').count();
+            let close = format!("\"{}", "#".repeat(hashes));
+            let start = i + 2 + hashes;
+            i = text[start..]
+                .find(&close)
+                .map_or(b.len(), |n| start + n + close.len());
+            out.push(' ');
+        } else if b[i] == b'"' {
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                i += if b[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+            out.push(' ');
+        } else if b[i] == b'\'' && (rest.get(2..3) == Some("'") || rest.starts_with("'\\")) {
+            // A char literal ('x', '\n', '\u{..}'); a lifetime has no closing quote here.
+            let end = rest[1..].find('\'').map_or(b.len(), |n| i + n + 2);
+            i = end;
+            out.push(' ');
+        } else {
+            let c = rest.chars().next().unwrap();
+            out.push(c);
+            i += c.len_utf8();
+        }
+    }
+    out
+}
+
+fn tokens(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut chars = code.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        if c.is_alphanumeric() || c == '_' {
+            let mut end = i + c.len_utf8();
+            while let Some(&(j, d)) = chars.peek() {
+                if d.is_alphanumeric() || d == '_' {
+                    end = j + d.len_utf8();
+                    chars.next();
+                } else {
+                    break;
+                }
+            }
+            out.push(code[i..end].to_string());
+        } else if c == ':' && chars.peek().is_some_and(|&(_, d)| d == ':') {
+            chars.next();
+            out.push("::".into());
+        } else if !c.is_whitespace() {
+            out.push(c.to_string());
+        }
+    }
+    out
+}
+
+/// The paths of a `use` tree or path expression starting at `toks[i]` (an identifier),
+/// each as its identifiers; returns them and the index after the tree.
+fn path_tree(
+    toks: &[String],
+    mut i: usize,
+    prefix: Vec<String>,
+    out: &mut Vec<Vec<String>>,
+) -> usize {
+    let mut path = prefix;
+    loop {
+        let Some(t) = toks.get(i) else {
+            out.push(path);
+            return i;
+        };
+        if t == "{" {
+            i += 1;
+            while toks.get(i).is_some_and(|t| t != "}") {
+                if toks[i] == "," {
+                    i += 1;
+                    continue;
+                }
+                i = path_tree(toks, i, path.clone(), out);
+                // Skip `as name` and anything else up to the next element.
+                while toks.get(i).is_some_and(|t| t != "," && t != "}") {
+                    i += 1;
+                }
+            }
+            return i + 1;
+        }
+        if t == "*" {
+            out.push(path);
+            return i + 1;
+        }
+        if !(t.chars().all(|c| c.is_alphanumeric() || c == '_')) {
+            out.push(path);
+            return i;
+        }
+        if t != "self" || path.is_empty() {
+            path.push(t.clone());
+        }
+        if toks.get(i + 1).is_some_and(|t| t == "::") {
+            i += 2;
+        } else {
+            out.push(path);
+            return i + 1;
+        }
+    }
+}
+
+/// A file's module path: src/train/rl/loss.rs → [train, rl, loss]; a mod.rs names its folder.
+fn module_of(src: &Path, file: &Path) -> Vec<String> {
+    let rel = file.strip_prefix(src).unwrap().with_extension("");
+    let mut parts: Vec<String> = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod" || p == "lib") {
+        parts.pop();
+    }
+    parts
+}
+
+/// The file holding the longest module prefix of `path`.
+fn file_of(src: &Path, path: &[String]) -> Option<PathBuf> {
+    (0..=path.len()).rev().find_map(|n| {
+        let rel: PathBuf = path[..n].iter().collect();
+        let candidates = if n == 0 {
+            vec![src.join("lib.rs")]
+        } else {
+            vec![
+                src.join(&rel).with_extension("rs"),
+                src.join(&rel).join("mod.rs"),
+            ]
+        };
+        candidates.into_iter().find(|p| p.is_file())
+    })
+}
+
+/// file → (imported file → nothing), over every `crate::`, `super::` and `self::` path,
+/// inline modules (`mod tests { use super::*; }`) resolved where they stand. A folder's
+/// `mod.rs` is its face: its `mod` declarations and re-exports of its own files are not
+/// edges.
+fn file_graph(src: &Path) -> BTreeMap<PathBuf, BTreeSet<PathBuf>> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let mut graph = BTreeMap::new();
+    for f in &files {
+        let toks = tokens(&code_only(&std::fs::read_to_string(f).unwrap()));
+        let base = module_of(src, f);
+        let is_face = f.ends_with("mod.rs") || f.ends_with("lib.rs");
+        let face_dir = f.parent().unwrap();
+        let mut inline: Vec<(String, usize)> = Vec::new();
+        let mut depth = 0usize;
+        let mut edges = BTreeSet::new();
+        let mut i = 0;
+        while i < toks.len() {
+            let t = toks[i].as_str();
+            match t {
+                "{" => depth += 1,
+                "}" => {
+                    if inline.last().is_some_and(|(_, d)| *d == depth) {
+                        inline.pop();
+                    }
+                    depth = depth.saturating_sub(1);
+                }
+                "mod" if toks.get(i + 2).is_some_and(|t| t == "{") => {
+                    inline.push((toks[i + 1].clone(), depth + 1));
+                }
+                "crate" | "super" | "self"
+                    if toks.get(i + 1).is_some_and(|t| t == "::")
+                        && !(i > 0 && toks[i - 1] == "::") =>
+                {
+                    let mut here: Vec<String> = base.clone();
+                    here.extend(inline.iter().map(|(m, _)| m.clone()));
+                    let mut j = i;
+                    let mut root = if t == "crate" { Vec::new() } else { here };
+                    while toks
+                        .get(j)
+                        .is_some_and(|t| t == "super" || t == "self" || t == "crate")
+                    {
+                        if toks[j] == "super" {
+                            root.pop();
+                        }
+                        j += 2;
+                        if toks.get(j - 1).is_none_or(|t| t != "::") {
+                            break;
+                        }
+                    }
+                    let mut paths = Vec::new();
+                    let end = path_tree(&toks, j, root, &mut paths);
+                    for p in paths {
+                        if let Some(target) = file_of(src, &p) {
+                            let own_file = is_face && target.starts_with(face_dir);
+                            if target != *f && !own_file {
+                                edges.insert(target);
+                            }
+                        }
+                    }
+                    i = end;
+                    continue;
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        graph.insert(f.clone(), edges);
+    }
+    graph
+}
+
+#[test]
+fn no_file_imports_in_a_circle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let graph = file_graph(&src);
+    let name = |p: &PathBuf| p.strip_prefix(&src).unwrap().display().to_string();
+    let mut colour: BTreeMap<&PathBuf, u8> = BTreeMap::new();
+    let mut circles = Vec::new();
+    fn visit<'a>(
+        f: &'a PathBuf,
+        graph: &'a BTreeMap<PathBuf, BTreeSet<PathBuf>>,
+        colour: &mut BTreeMap<&'a PathBuf, u8>,
+        path: &mut Vec<&'a PathBuf>,
+        circles: &mut Vec<Vec<&'a PathBuf>>,
+    ) {
+        match colour.get(f) {
+            Some(2) => return,
+            Some(1) => {
+                let start = path.iter().position(|p| *p == f).unwrap();
+                let mut circle = path[start..].to_vec();
+                circle.push(f);
+                circles.push(circle);
+                return;
+            }
+            _ => {}
+        }
+        colour.insert(f, 1);
+        path.push(f);
+        for d in graph.get(f).into_iter().flatten() {
+            visit(d, graph, colour, path, circles);
+        }
+        path.pop();
+        colour.insert(f, 2);
+    }
+    for f in graph.keys() {
+        visit(f, &graph, &mut colour, &mut Vec::new(), &mut circles);
+    }
+    let text: Vec<String> = circles
+        .iter()
+        .map(|c| c.iter().map(|p| name(p)).collect::<Vec<_>>().join(" → "))
+        .collect();
+    assert!(
+        text.is_empty(),
+        "files import in a circle:\n{}",
+        text.join("\n")
+    );
+}
+
+#[test]
+fn the_file_graph_sees_real_imports() {
+    // The parser finds what it must: a `use super::{..}` group, an inline test module's
+    // `super::`, and a `crate::` path.
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let graph = file_graph(&src);
+    let edges = |f: &str| graph[&src.join(f)].clone();
+    assert!(edges("engine/runtime.rs").contains(&src.join("engine/llama.rs")));
+    assert!(edges("engine/runtime.rs").contains(&src.join("engine/test_util.rs")));
+    assert!(edges("llm/local.rs").contains(&src.join("engine/scheduler.rs")));
+}
+
+#[test]
+fn at_most_two_loose_files_beside_lib() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let loose: Vec<String> = std::fs::read_dir(&src)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file() && !p.ends_with("lib.rs"))
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert!(loose.len() <= 2, "loose files in src/: {loose:?}");
 }

@@ -4,11 +4,11 @@ mod common;
 use common::model_util;
 
 use candle_core::Tensor;
-use collabllm::llm::engine::{Engine, GenParams, LoadOptions};
-use collabllm::llm::llama::WeightFormat;
+use collabllm::engine::llama::WeightFormat;
+use collabllm::engine::tiny::TinySpec;
+use collabllm::engine::{Engine, GenParams, LoadOptions};
 use collabllm::llm::local::LocalBackend;
 use collabllm::llm::spec::LocalModelFiles;
-use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, FinishReason, ModelSpec};
 use model_util::*;
 
@@ -409,7 +409,7 @@ fn forked_rows_share_the_prompt_and_equal_private_copies() {
     );
     let mut hit_rows = hit.fork(2, 1).unwrap();
     let mut copy_rows = prompt.fork(2, 1).unwrap();
-    let step = |c: &mut collabllm::llm::llama::KvCache| {
+    let step = |c: &mut collabllm::engine::llama::KvCache| {
         let l = model.forward_decode(&[&[11u32, 12]], &mut [c]).unwrap();
         l[0].to_vec2::<f32>().unwrap()
     };
@@ -444,7 +444,7 @@ fn forked_rows_share_the_prompt_and_equal_private_copies() {
     // A prefix of the forked cache is the prompt's (shared) positions, then row 0's own.
     let from_fork = forked.prefix(len, len).unwrap();
     let from_prompt = prompt.prefix(len, len).unwrap();
-    let next = |mut c: collabllm::llm::llama::KvCache| {
+    let next = |mut c: collabllm::engine::llama::KvCache| {
         let l = model.forward_decode(&[&[9u32]], &mut [&mut c]).unwrap();
         l[0].to_vec2::<f32>().unwrap()
     };

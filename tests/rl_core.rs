@@ -8,11 +8,11 @@ use common::model_util;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
-use collabllm::llm::engine::ChatCodec;
-use collabllm::llm::llama::WeightFormat;
-use collabllm::llm::peft::AdapterConfig;
+use collabllm::engine::llama::WeightFormat;
+use collabllm::engine::peft::AdapterConfig;
+use collabllm::engine::tiny::TinySpec;
+use collabllm::engine::ChatCodec;
 use collabllm::llm::spec::LocalModelFiles;
-use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::ChatMessage;
 use collabllm::train::logps::target_token_logps;
 use collabllm::train::model::TrainLlama;
@@ -205,7 +205,11 @@ fn the_fused_head_gives_the_composed_update() {
 
 #[test]
 fn micro_batches_accumulate_to_the_mini_batch_step() {
-    for agg in [LossAgg::TokenMean, LossAgg::SeqMeanTokenMean] {
+    for agg in [
+        LossAgg::TokenMean,
+        LossAgg::SeqMeanTokenMean,
+        LossAgg::SeqMeanTokenSumNorm,
+    ] {
         micro_batches_match(agg);
     }
 }
@@ -390,7 +394,7 @@ fn resume_after_a_checkpoint_takes_the_same_next_step() {
     }
 }
 
-fn last_logits(engine: &collabllm::llm::engine::Engine, ids: &[u32]) -> Vec<f32> {
+fn last_logits(engine: &collabllm::engine::Engine, ids: &[u32]) -> Vec<f32> {
     engine.next_token_logits(ids).unwrap()
 }
 

@@ -10,8 +10,8 @@ use common::model_util;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
+use collabllm::engine::tiny::TinySpec;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
-use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, ModelSpec};
 use common::fault_server::FaultServer;
 use serde_json::Value;
@@ -885,5 +885,53 @@ async fn clarify_trains_with_the_scripted_user_and_both_rewards() {
     for r in server.received() {
         let text = r.body["messages"].to_string();
         assert!(!text.contains("role-playing a USER"), "a user call: {text}");
+    }
+}
+
+/// `rl_train --model DIR` runs a step on each model family besides llama (tiny checkpoints
+/// transformers wrote), and its checkpoint states the family.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_model_family_runs_a_step() {
+    let server = server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    // Short prompts: the fixtures' byte-level tokenizer and 256-position context.
+    let tasks = tmp.path().join("tasks.jsonl");
+    let rows: Vec<String> = [
+        ("t1", "2+2?", "4"),
+        ("t2", "3*3?", "9"),
+        ("t3", "5-1?", "4"),
+    ]
+    .iter()
+    .map(|(id, q, a)| {
+        serde_json::json!({"id": id, "task_type": "math", "prompt": q, "reference": a,
+                "metadata": {}})
+        .to_string()
+    })
+    .collect();
+    std::fs::write(&tasks, rows.join("\n")).unwrap();
+    for family in ["qwen2", "qwen3", "mistral"] {
+        let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/families")
+            .join(family);
+        let out = tmp.path().join(family);
+        let extra = [
+            "--tasks",
+            tasks.to_str().unwrap(),
+            "--opening",
+            "task",
+            "--samples",
+            "0",
+            "--ppo-epochs",
+            "1",
+            "--max-steps",
+            "1",
+        ];
+        ok(&run_bin(&args(&server, &model, &out, &extra)).await);
+        let logs = jsonl(&out.join("logs.jsonl"));
+        assert_eq!(logs.len(), 1, "{family}: one step");
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("final/config.json")).unwrap())
+                .unwrap();
+        assert_eq!(config["model_type"], family);
     }
 }

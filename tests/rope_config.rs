@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use collabllm::dataset::{write_pairs_parquet, PairRow};
-use collabllm::llm::config::LlamaConfig;
-use collabllm::llm::engine::{Engine, LoadOptions};
-use collabllm::llm::llama::WeightFormat;
+use collabllm::engine::config::LlamaConfig;
+use collabllm::engine::llama::WeightFormat;
+use collabllm::engine::tiny::TinySpec;
+use collabllm::engine::{Engine, LoadOptions};
 use collabllm::llm::spec::LocalModelFiles;
-use collabllm::llm::tiny::TinySpec;
 use collabllm::llm::ChatMessage;
 use collabllm::train::model::{log_softmax_last_dim, TrainLlama};
 use collabllm::train::trainer::{train, TrainConfig};

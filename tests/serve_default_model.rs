@@ -10,8 +10,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
 use candle_core::{DType, Device, Tensor};
-use collabllm::llm::engine::{Engine, LoadOptions};
-use collabllm::llm::llama::WeightFormat;
+use collabllm::engine::llama::WeightFormat;
+use collabllm::engine::{Engine, LoadOptions};
 use collabllm::llm::local::LocalBackend;
 use collabllm::llm::spec::LocalModelFiles;
 use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, ModelSpec};

@@ -11,7 +11,7 @@ use async_openai::types::chat::{
 };
 use std::time::{Duration, Instant};
 
-use collabllm::llm::tiny::TinySpec;
+use collabllm::engine::tiny::TinySpec;
 use serde_json::json;
 use serve_util::{api_error, openai_client, post_raw, spawn_server};
 
@@ -152,7 +152,7 @@ async fn never_ending_tiny(
     tempfile::TempDir,
     std::sync::Arc<collabllm::llm::local::LocalBackend>,
 ) {
-    use collabllm::llm::tiny::TINY_SPECIAL_TOKENS;
+    use collabllm::engine::tiny::TINY_SPECIAL_TOKENS;
     model_util::one_thread();
     assert!(spec.tie_word_embeddings);
     let (guard, dir) = model_util::tiny_model_dir(spec);
@@ -169,7 +169,7 @@ async fn never_ending_tiny(
         "model.embed_tokens.weight".into(),
         candle_core::Tensor::from_vec(flat, embed.dims(), &candle_core::Device::Cpu).unwrap(),
     );
-    collabllm::llm::weights::save_safetensors(&tensors, &file).unwrap();
+    collabllm::engine::weights::save_safetensors(&tensors, &file).unwrap();
     let backend = collabllm::llm::local::LocalBackend::load(
         &collabllm::llm::ModelSpec::HfDir(dir),
         &collabllm::llm::local::LoadOptions::default(),

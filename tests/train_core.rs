@@ -10,8 +10,8 @@ use std::path::Path;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use collabllm::llm::llama::{LlamaConfig, LlamaModel, WeightFormat};
-use collabllm::llm::tiny::TinySpec;
+use collabllm::engine::llama::{LlamaConfig, LlamaModel, WeightFormat};
+use collabllm::engine::tiny::TinySpec;
 use collabllm::train::logps::{pair_logps, sequence_logps, PairBatch, TokenizedPair};
 use collabllm::train::loss::{dpo_loss, dpo_losses, DpoConfig, LossType};
 use collabllm::train::model::{permute_hf_qk, unpermute_gguf_qk, TrainLlama};
@@ -703,11 +703,11 @@ fn checkpointed_gradients_equal_plain_gradients() {
     for lora in [false, true] {
         let mut model = TrainLlama::from_hf_dir(&dir, DType::F32, &cpu()).unwrap();
         if lora {
-            let cfg = collabllm::llm::peft::AdapterConfig::lora(
+            let cfg = collabllm::engine::peft::AdapterConfig::lora(
                 4,
                 8.0,
                 0.0,
-                &collabllm::llm::peft::LORA_TARGETS,
+                &collabllm::engine::peft::LORA_TARGETS,
                 "tiny",
             );
             model.enable_lora(cfg, 3).unwrap();

@@ -9,7 +9,7 @@ use common::weights_digest;
 use candle_core::backprop::GradStore;
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
-use collabllm::llm::llama::{LlamaConfig, LlamaModel, WeightFormat};
+use collabllm::engine::llama::{LlamaConfig, LlamaModel, WeightFormat};
 use collabllm::train::logps::{pair_logps, PairBatch, TokenizedPair};
 use collabllm::train::loss::{dpo_loss, DpoConfig};
 use collabllm::train::model::TrainLlama;

@@ -10,9 +10,10 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use collabllm::llm::cpu_attention::{attend_decode, to_f16, QueryGroup};
-use collabllm::llm::engine::{Engine, GenParams, GenState, LoadOptions};
-use collabllm::llm::q8::{on_pool, Q8Linear};
+use collabllm::engine::cpu_attention::{attend_decode, to_f16, QueryGroup};
+use collabllm::engine::q8::Q8Linear;
+use collabllm::engine::team::on_pool;
+use collabllm::engine::{Engine, GenParams, GenState, LoadOptions};
 use collabllm::llm::{ChatMessage, ModelSpec};
 
 use crate::serve_throughput::{message, Layout};

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use collabllm::llm::engine::ChatCodec;
+use collabllm::engine::ChatCodec;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::spec::resolve_local;
 use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, DeltaSink};

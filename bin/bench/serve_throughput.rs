@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use collabllm::llm::engine::ChatCodec;
+use collabllm::engine::ChatCodec;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
 use collabllm::llm::spec::resolve_local;
 use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest};

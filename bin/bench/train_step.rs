@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device};
-use collabllm::llm::peft::{AdapterConfig, LORA_TARGETS};
+use collabllm::engine::peft::{AdapterConfig, LORA_TARGETS};
 use collabllm::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
 use collabllm::train::adamw::{AdamW, AdamWParams};
 use collabllm::train::logps::{completion_logps, pair_logps_full, PairBatch, TokenizedPair};

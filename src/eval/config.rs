@@ -8,7 +8,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::check::Range;
-use crate::llm::llama::WeightFormat;
+use crate::engine::llama::WeightFormat;
 use crate::llm::spec::redact_credentials;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::{InteractivityScale, JudgeMode};

@@ -1,54 +1,17 @@
-//! `--compat upstream-v2 | verl` (issue 16 item 11): one flag that sets every generation
+//! `--compat upstream-v2 | verl`: one flag that sets every generation
 //! default where ours differs from upstream CollabLLM v2 or from verl's CollabLLM recipe
 //! (docs/fidelity.md). Applied after the config file and before the other flags, so a flag
 //! still wins; the manifest records the preset and every value it set.
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::config::GenerateConfig;
+pub use super::config::{Compat, CompatRecord};
 use crate::llm::tokens::TokenCounterKind;
 use crate::reward::judge::InteractivityScale;
 use crate::reward::mr::MrFormula;
-
-/// Which defaults to follow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Compat {
-    /// Upstream CollabLLM v2 (`examples/build_dataset.py` and the library's defaults).
-    UpstreamV2,
-    /// The verl CollabLLM recipe (`recipe/collabllm/`).
-    Verl,
-}
-
-impl std::str::FromStr for Compat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "upstream-v2" => Ok(Compat::UpstreamV2),
-            "verl" => Ok(Compat::Verl),
-            other => Err(format!("`{other}`: expected upstream-v2 or verl")),
-        }
-    }
-}
-
-impl std::fmt::Display for Compat {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Compat::UpstreamV2 => "upstream-v2",
-            Compat::Verl => "verl",
-        })
-    }
-}
-
-/// What a preset did: its name and every setting it set, with the value.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CompatRecord {
-    pub preset: Compat,
-    pub set: BTreeMap<String, Value>,
-}
 
 /// A judge answer cap large enough to stand for upstream's "no cap".
 const UNCAPPED_JUDGE_TOKENS: usize = 4096;

@@ -149,7 +149,7 @@ pub struct GenerateConfig {
     pub system_prompt: Option<SystemPromptSource>,
     /// The `--compat` preset applied, and every value it set (recorded in the manifest).
     #[serde(default)]
-    pub compat: Option<super::compat::CompatRecord>,
+    pub compat: Option<CompatRecord>,
 }
 
 fn default_max_questions() -> usize {
@@ -448,6 +448,43 @@ impl GenerateConfig {
         }
         id
     }
+}
+
+/// Which defaults to follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Compat {
+    /// Upstream CollabLLM v2 (`examples/build_dataset.py` and the library's defaults).
+    UpstreamV2,
+    /// The verl CollabLLM recipe (`recipe/collabllm/`).
+    Verl,
+}
+
+impl std::str::FromStr for Compat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "upstream-v2" => Ok(Compat::UpstreamV2),
+            "verl" => Ok(Compat::Verl),
+            other => Err(format!("`{other}`: expected upstream-v2 or verl")),
+        }
+    }
+}
+
+impl std::fmt::Display for Compat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Compat::UpstreamV2 => "upstream-v2",
+            Compat::Verl => "verl",
+        })
+    }
+}
+
+/// What a preset did: its name and every setting it set, with the value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CompatRecord {
+    pub preset: Compat,
+    pub set: BTreeMap<String, serde_json::Value>,
 }
 
 #[cfg(test)]

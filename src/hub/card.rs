@@ -533,7 +533,7 @@ pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
     }
     // A truncated file, a missing tensor or a wrong shape is caught here, not by whoever
     // downloads the model.
-    crate::llm::checkpoint::check_checkpoint_dir(dir).map_err(|e| HubError::Layout {
+    crate::engine::checkpoint::check_checkpoint_dir(dir).map_err(|e| HubError::Layout {
         path: e.path,
         message: e.message,
     })?;

@@ -3,40 +3,22 @@
 //! scripted replies for tests — plus the on-disk request cache and per-role usage accounting.
 
 pub mod cache;
-pub mod chat_template;
-pub mod checkpoint;
-pub mod config;
-pub mod cpu_attention;
-pub(crate) mod detok;
-pub mod engine;
-pub(crate) mod gguf_tokenizer;
-pub(crate) mod huge_pages;
-pub mod llama;
 pub mod local;
-pub(crate) mod memory;
 pub(crate) mod openai;
 pub(crate) mod parse;
-pub mod peft;
 pub mod pool;
-pub(crate) mod prefix_cache;
-pub mod q8;
 pub mod roles;
-pub(crate) mod sampling;
 pub mod scripted;
 pub mod spec;
-pub mod team;
-#[cfg(test)]
-pub(crate) mod test_util;
-pub mod tiny;
 pub mod tokens;
 pub mod usage;
-pub mod weights;
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+pub use crate::engine::{ChatMessage, FinishReason, OptionProbs};
 pub use cache::{CachedBackend, RequestCache};
 pub use openai::OpenAiBackend;
 pub use spec::{EndpointOptions, ModelSpec};
@@ -44,31 +26,6 @@ pub use usage::{
     add_usage, check_prices, cost_usd, parse_price, with_usage_scope, Price, PricedRole,
     UsageMeter, UsageSnapshot,
 };
-
-/// One chat message in the OpenAI shape.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
-
-impl ChatMessage {
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
-    }
-    pub fn system(content: impl Into<String>) -> Self {
-        Self::new("system", content)
-    }
-    pub fn user(content: impl Into<String>) -> Self {
-        Self::new("user", content)
-    }
-    pub fn assistant(content: impl Into<String>) -> Self {
-        Self::new("assistant", content)
-    }
-}
 
 /// A chat-completion request, independent of the backend that answers it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -168,25 +125,6 @@ impl ChatRequest {
             ));
         }
         Ok(())
-    }
-}
-
-/// Why a choice stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// End-of-turn token or a stop string.
-    Stop,
-    /// `max_tokens` (or the context window) was reached.
-    Length,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
     }
 }
 
@@ -305,18 +243,6 @@ impl LlmError {
                 | LlmError::EmptyReply { .. }
         )
     }
-}
-
-/// The answer of [`ChatBackend::option_probs`].
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct OptionProbs {
-    /// One probability per option, summing to 1.
-    pub probs: Vec<f64>,
-    /// Tokens of the scored prompt.
-    pub prompt_tokens: u64,
-    /// True when the answer came from the request cache.
-    #[serde(default)]
-    pub cached: bool,
 }
 
 /// Identifies a backend and model for cache keys and logs (never contains secrets).

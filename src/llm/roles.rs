@@ -5,12 +5,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::cache::{CachedBackend, RequestCache};
-use super::engine::Engine;
 use super::local::{LoadOptions, LocalBackend, LocalLoadError};
 use super::openai::OpenAiBackend;
 use super::pool::PoolBackend;
 use super::usage::{cost_usd, MeteredBackend, Price, PricedRole, UsageMeter, UsageSnapshot};
 use super::{ChatBackend, EndpointOptions, LlmError, ModelSpec, SharedBackend};
+use crate::engine::Engine;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RoleError {

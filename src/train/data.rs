@@ -9,10 +9,8 @@
 use std::path::{Path, PathBuf};
 
 use crate::dataset::{read_pairs_parquet, DatasetError, PairRow};
-use crate::llm::engine::ChatCodec;
+use crate::engine::ChatCodec;
 use crate::llm::ChatMessage;
-
-use super::logps::TokenizedPair;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
@@ -26,6 +24,15 @@ pub enum DataError {
         row: usize,
         message: String,
     },
+}
+
+/// One preference pair as token ids. `prompt` ends where the completions start (with the
+/// generation prompt); `chosen` / `rejected` are the completion tokens only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenizedPair {
+    pub prompt: Vec<u32>,
+    pub chosen: Vec<u32>,
+    pub rejected: Vec<u32>,
 }
 
 /// Where the pairs of a `--data` argument are: the training file and, if present, the

@@ -60,11 +60,11 @@ pub enum TrainError {
     #[error(transparent)]
     Spec(#[from] crate::llm::spec::SpecError),
     #[error(transparent)]
-    Engine(#[from] crate::llm::engine::EngineError),
+    Engine(#[from] crate::engine::EngineError),
     #[error(transparent)]
-    Config(#[from] crate::llm::config::ConfigError),
+    Config(#[from] crate::engine::config::ConfigError),
     #[error(transparent)]
-    Peft(#[from] crate::llm::peft::PeftError),
+    Peft(#[from] crate::engine::peft::PeftError),
 }
 
 pub type Result<T, E = TrainError> = std::result::Result<T, E>;

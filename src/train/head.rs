@@ -346,11 +346,11 @@ fn matmul(dst: &mut [f32], (m, n, k): (usize, usize, usize), accumulate: bool, l
     }
 }
 
-/// Row kernels over the vocabulary ([`crate::simd`]): the exponential is the cost of
+/// Row kernels over the vocabulary ([`crate::engine::simd`]): the exponential is the cost of
 /// the softmax, and the standard library's (a call per element) would take longer than the
 /// head's matmul.
 mod kernels {
-    use crate::simd::{dispatch, exp};
+    use crate::engine::simd::{dispatch, exp};
 
     const LANES: usize = 16;
 
@@ -405,6 +405,24 @@ mod kernels {
 mod tests {
     use super::*;
     use candle_core::{Device, D};
+
+    #[test]
+    fn row_kernels_give_the_same_bits_on_every_isa() {
+        use crate::engine::simd::{assert_same_bits_on_every_isa, test_values};
+        for n in [1usize, 9, 16, 1000] {
+            let row = test_values(n, 14);
+            assert_same_bits_on_every_isa("softmax_sums", |isa| {
+                let (a, b, c) = kernels::softmax_sums::on(isa, &row);
+                vec![a, b, c]
+            });
+            let (lse, _, _) = kernels::softmax_sums(&row);
+            assert_same_bits_on_every_isa("softmax_grad", |isa| {
+                let mut r = row.clone();
+                kernels::softmax_grad::on(isa, &mut r, lse, 0.5, 0.25);
+                r
+            });
+        }
+    }
 
     fn rand(shape: (usize, usize), seed: u64, scale: f32) -> Tensor {
         let n = shape.0 * shape.1;

@@ -11,16 +11,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+pub use super::data::TokenizedPair;
 use super::model::{BatchLayout, TrainLlama};
-
-/// One preference pair as token ids. `prompt` ends where the completions start (with the
-/// generation prompt); `chosen` / `rejected` are the completion tokens only.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TokenizedPair {
-    pub prompt: Vec<u32>,
-    pub chosen: Vec<u32>,
-    pub rejected: Vec<u32>,
-}
 
 /// The tokens whose log-probs a loss sums, each with the flat index (row · T + t) of the
 /// position whose hidden state predicts it and the output row it counts for.

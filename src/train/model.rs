@@ -1,4 +1,5 @@
-//! A trainable llama (SmolLM2, Llama 2/3, TinyLlama…) built from differentiable ops only
+//! A trainable llama-family model (SmolLM2, Llama 2/3, TinyLlama, Qwen2/2.5, Qwen3, Mistral;
+//! [`crate::engine::config::Family`] says what each adds) built from differentiable ops only
 //! (never candle-nn's fast kernels, which have no backward and silently cut the
 //! gradient): the ops of [`super::ops`], each with an explicit backward, and `rope_slow`.
 //!
@@ -17,8 +18,8 @@ use candle_nn::VarMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::error::TrainError;
-use crate::llm::llama::{rope_tables, LlamaConfig, RopeScaling};
-use crate::llm::peft::{peft_tensor_name, AdapterConfig};
+use crate::engine::llama::{rope_tables, LlamaConfig, RopeScaling};
+use crate::engine::peft::{peft_tensor_name, AdapterConfig};
 
 /// Additive bias for masked attention scores. Finite, so that a row whose keys are all masked
 /// (a left-padded query) gives a uniform distribution instead of NaN; `exp` of it is 0 in f32.
@@ -27,6 +28,9 @@ const MASKED: f64 = -1e9;
 struct TrainLayer {
     input_norm: Tensor,
     post_norm: Tensor,
+    /// Per-head RMS-norm weights of the queries and keys (Qwen3).
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
     q: Proj,
     k: Proj,
     v: Proj,
@@ -213,9 +217,11 @@ impl Block {
     }
 }
 
-/// A projection weight (out, in) and, once LoRA is enabled on it, its adapter.
+/// A projection weight (out, in), its bias (Qwen2's q/k/v) and, once LoRA is enabled on it,
+/// its adapter.
 struct Proj {
     w: Tensor,
+    bias: Option<Tensor>,
     lora: Option<LoraPair>,
 }
 
@@ -227,7 +233,18 @@ struct LoraPair {
 
 impl Proj {
     fn new(w: Tensor) -> Self {
-        Self { w, lora: None }
+        Self {
+            w,
+            bias: None,
+            lora: None,
+        }
+    }
+    fn with_bias(w: Tensor, bias: Option<Tensor>) -> Self {
+        Self {
+            w,
+            bias,
+            lora: None,
+        }
     }
 }
 
@@ -261,10 +278,10 @@ pub struct TrainLlama {
     lora: Option<LoraState>,
 }
 
-use crate::llm::checkpoint::expected_shape;
-pub use crate::llm::checkpoint::hf_tensor_names;
+use crate::engine::checkpoint::expected_shape;
+pub use crate::engine::checkpoint::hf_tensor_names;
 
-pub use crate::llm::llama::{permute_hf_qk, unpermute_gguf_qk};
+pub use crate::engine::llama::{permute_hf_qk, unpermute_gguf_qk};
 
 use super::ops::linear;
 pub use super::ops::{log_softmax_last_dim, softmax_last_dim};
@@ -283,7 +300,7 @@ impl TrainLlama {
         }
         if !cfg.tie_word_embeddings && !tensors.contains_key("lm_head.weight") {
             // transformers would start such a head from random values: never guess.
-            candle_core::bail!("{}", crate::llm::llama::UNTIED_WITHOUT_HEAD);
+            candle_core::bail!("{}", crate::engine::llama::UNTIED_WITHOUT_HEAD);
         }
         let names = hf_tensor_names(&cfg);
         let varmap = VarMap::new();
@@ -311,13 +328,28 @@ impl TrainLlama {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
+            let (bias, norm) = (cfg.family.qkv_bias(), cfg.family.qk_norm());
+            let mut opt = |n: &str, on: bool| -> Result<Option<Tensor>> {
+                on.then(|| get(&format!("{p}.{n}"))).transpose()
+            };
+            let (q_bias, k_bias, v_bias) = (
+                opt("self_attn.q_proj.bias", bias)?,
+                opt("self_attn.k_proj.bias", bias)?,
+                opt("self_attn.v_proj.bias", bias)?,
+            );
+            let (q_norm, k_norm) = (
+                opt("self_attn.q_norm.weight", norm)?,
+                opt("self_attn.k_norm.weight", norm)?,
+            );
             let mut g = |n: &str| get(&format!("{p}.{n}.weight"));
             layers.push(TrainLayer {
                 input_norm: g("input_layernorm")?,
                 post_norm: g("post_attention_layernorm")?,
-                q: Proj::new(g("self_attn.q_proj")?),
-                k: Proj::new(g("self_attn.k_proj")?),
-                v: Proj::new(g("self_attn.v_proj")?),
+                q_norm,
+                k_norm,
+                q: Proj::with_bias(g("self_attn.q_proj")?, q_bias),
+                k: Proj::with_bias(g("self_attn.k_proj")?, k_bias),
+                v: Proj::with_bias(g("self_attn.v_proj")?, v_bias),
                 o: Proj::new(g("self_attn.o_proj")?),
                 gate: Proj::new(g("mlp.gate_proj")?),
                 up: Proj::new(g("mlp.up_proj")?),
@@ -376,7 +408,7 @@ impl TrainLlama {
         dtype: DType,
         device: &Device,
     ) -> std::result::Result<Self, TrainError> {
-        let (cfg, tensors, factors) = crate::llm::llama::hf_tensors_from_gguf(path, device)
+        let (cfg, tensors, factors) = crate::engine::llama::hf_tensors_from_gguf(path, device)
             .map_err(|e| TrainError::input(path, e))?;
         Ok(Self::from_tensors(cfg, tensors, factors, dtype, device)?)
     }
@@ -444,10 +476,10 @@ impl TrainLlama {
             candle_core::bail!("LoRA is already enabled");
         }
         for t in &config.target_modules {
-            if !crate::llm::peft::LORA_TARGETS.contains(&t.as_str()) {
+            if !crate::engine::peft::LORA_TARGETS.contains(&t.as_str()) {
                 candle_core::bail!(
                     "unknown LoRA target `{t}` (known: {})",
-                    crate::llm::peft::LORA_TARGETS.join(", ")
+                    crate::engine::peft::LORA_TARGETS.join(", ")
                 );
             }
         }
@@ -456,7 +488,7 @@ impl TrainLlama {
         let mut vars = Vec::new();
         let (dtype, device) = (self.dtype, self.device.clone());
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            for target in crate::llm::peft::LORA_TARGETS {
+            for target in crate::engine::peft::LORA_TARGETS {
                 if !config.target_modules.iter().any(|t| t == target) {
                     continue;
                 }
@@ -492,9 +524,12 @@ impl TrainLlama {
         for l in &mut self.layers {
             l.input_norm = l.input_norm.detach();
             l.post_norm = l.post_norm.detach();
-            for t in crate::llm::peft::LORA_TARGETS {
+            l.q_norm = l.q_norm.as_ref().map(Tensor::detach);
+            l.k_norm = l.k_norm.as_ref().map(Tensor::detach);
+            for t in crate::engine::peft::LORA_TARGETS {
                 let p = l.proj_mut(t);
                 p.w = p.w.detach();
+                p.bias = p.bias.as_ref().map(Tensor::detach);
             }
         }
     }
@@ -562,9 +597,9 @@ impl TrainLlama {
             .into_iter()
             .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
             .collect::<Result<_>>()?;
-        crate::llm::weights::save_safetensors(
+        crate::engine::weights::save_safetensors(
             &tensors,
-            &dir.join(crate::llm::peft::ADAPTER_WEIGHTS),
+            &dir.join(crate::engine::peft::ADAPTER_WEIGHTS),
         )?;
         l.config
             .write(dir)
@@ -618,10 +653,10 @@ impl TrainLlama {
             None => seq,
             Some(p) => p.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize + 1,
         };
-        if max_pos > self.cfg.max_position_embeddings {
+        if max_pos > self.cfg.context_length() {
             candle_core::bail!(
                 "sequence of {max_pos} tokens exceeds the context length {}",
-                self.cfg.max_position_embeddings
+                self.cfg.context_length()
             );
         }
         let (cos, sin) = match &layout.positions {
@@ -795,8 +830,18 @@ impl TrainLlama {
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()
         };
-        let q = heads(self.proj(x, &layer.q)?, nh)?;
-        let k = heads(self.proj(x, &layer.k)?, kvh)?;
+        let eps = self.cfg.rms_norm_eps as f32;
+        // Qwen3: each query and key head RMS-normed before the rotary embedding.
+        let head_norm =
+            |t: Tensor, n: usize, w: &Option<Tensor>| -> Result<Tensor> {
+                match w {
+                    None => Ok(t),
+                    Some(w) => super::ops::rms_norm(&t.reshape((b, seq, n, hd))?, w, eps)?
+                        .reshape((b, seq, n * hd)),
+                }
+            };
+        let q = heads(head_norm(self.proj(x, &layer.q)?, nh, &layer.q_norm)?, nh)?;
+        let k = heads(head_norm(self.proj(x, &layer.k)?, kvh, &layer.k_norm)?, kvh)?;
         let v = heads(self.proj(x, &layer.v)?, kvh)?;
         let q = super::ops::rope(&q, cos, sin)?;
         let k = super::ops::rope(&k, cos, sin)?;
@@ -887,6 +932,10 @@ impl TrainLlama {
     /// adapter.
     fn proj(&self, x: &Tensor, p: &Proj) -> Result<Tensor> {
         let base = linear(x, &p.w)?;
+        let base = match &p.bias {
+            Some(bias) => base.broadcast_add(bias)?,
+            None => base,
+        };
         let (Some(pair), Some(state)) = (&p.lora, &self.lora) else {
             return Ok(base);
         };
@@ -917,7 +966,7 @@ impl TrainLlama {
                 .into_iter()
                 .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
                 .collect::<Result<_>>()?;
-            let adapter = crate::llm::peft::Adapter {
+            let adapter = crate::engine::peft::Adapter {
                 config: l.config.clone(),
                 tensors,
             };
@@ -953,8 +1002,11 @@ impl TrainLlama {
         let mut set = |k: &str, v: serde_json::Value| {
             obj.insert(k.to_string(), v);
         };
-        set("architectures", serde_json::json!(["LlamaForCausalLM"]));
-        set("model_type", "llama".into());
+        set(
+            "architectures",
+            serde_json::json!([c.family.architecture()]),
+        );
+        set("model_type", c.family.model_type().into());
         set("hidden_act", "silu".into());
         set("vocab_size", c.vocab_size.into());
         set("hidden_size", c.hidden_size.into());
@@ -1005,14 +1057,17 @@ impl TrainLlama {
     /// Writes an HF checkpoint into `dir` (created if needed): `model.safetensors` and
     /// `config.json`; when `source_dir` is an HF directory, its `config.json` fields are kept
     /// and its tokenizer files (`tokenizer.json`, `tokenizer_config.json`,
-    /// `special_tokens_map.json`, `generation_config.json`) are copied.
+    /// `chat_template.jinja`, `special_tokens_map.json`, `generation_config.json`) are copied.
     pub fn save_hf(
         &self,
         dir: &Path,
         source_dir: Option<&Path>,
     ) -> std::result::Result<(), TrainError> {
         std::fs::create_dir_all(dir).map_err(TrainError::io("creating", dir))?;
-        crate::llm::weights::save_safetensors(&self.hf_tensors()?, &dir.join("model.safetensors"))?;
+        crate::engine::weights::save_safetensors(
+            &self.hf_tensors()?,
+            &dir.join("model.safetensors"),
+        )?;
         let source_cfg = source_dir
             .map(|s| s.join("config.json"))
             .filter(|p| p.is_file())
@@ -1025,6 +1080,7 @@ impl TrainLlama {
             for f in [
                 "tokenizer.json",
                 "tokenizer_config.json",
+                "chat_template.jinja",
                 "special_tokens_map.json",
                 "generation_config.json",
             ] {

@@ -491,9 +491,9 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `silu(gate) ⊙ up`.
 struct SwiGlu;
 
-/// Row kernels of the fused ops, vectorized ([`crate::simd`]).
+/// Row kernels of the fused ops, vectorized ([`crate::engine::simd`]).
 mod rows {
-    use crate::simd::{dispatch, exp, sigmoid};
+    use crate::engine::simd::{dispatch, exp, sigmoid};
 
     const LANES: usize = 16;
 
@@ -554,7 +554,7 @@ mod rows {
         p.iter_mut().for_each(|p| *p *= inv);
     }
 
-    pub(super) use crate::simd::swiglu;
+    pub(super) use crate::engine::simd::swiglu;
     dispatch!(pub(super) swiglu_grad, swiglu_grad_any,
         (out: &mut [f32], gate: &[f32], up: &[f32], g: &[f32], wrt_up: bool) -> ());
     dispatch!(pub(super) masked_softmax, masked_softmax_any,
@@ -579,7 +579,7 @@ impl CustomOp2 for SwiGlu {
         par_rows(&mut out, w, |r, o| {
             let span = r * w..(r + 1) * w;
             // SAFETY: `swiglu` writes only computed (initialized) values.
-            let o = unsafe { crate::simd::as_uninit(o) };
+            let o = unsafe { crate::engine::simd::as_uninit(o) };
             rows::swiglu(o, &gate[span.clone()], &up[span]);
         });
         Ok(cpu_out(out, l1.shape()))
@@ -805,8 +805,31 @@ pub fn token_entropy(logits: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::test_util::max_diff;
+    use crate::engine::test_util::max_diff;
     use candle_core::{Device, Var};
+
+    #[test]
+    fn row_kernels_give_the_same_bits_on_every_isa() {
+        use crate::engine::simd::{assert_same_bits_on_every_isa, test_values};
+        for n in [1usize, 9, 16, 300] {
+            let (a, b, g) = (test_values(n, 11), test_values(n, 12), test_values(n, 13));
+            for wrt_up in [false, true] {
+                assert_same_bits_on_every_isa("swiglu_grad", |isa| {
+                    let mut out = vec![0f32; n];
+                    rows::swiglu_grad::on(isa, &mut out, &a, &b, &g, wrt_up);
+                    out
+                });
+            }
+            let bias: Vec<f32> = (0..n)
+                .map(|i| if i % 3 == 2 { f32::NEG_INFINITY } else { 0.0 })
+                .collect();
+            assert_same_bits_on_every_isa("masked_softmax", |isa| {
+                let mut p = vec![0f32; n];
+                rows::masked_softmax::on(isa, &mut p, &a, &bias, 0.125);
+                p
+            });
+        }
+    }
 
     fn rand(shape: &[usize], seed: u64) -> Tensor {
         let n: usize = shape.iter().product();

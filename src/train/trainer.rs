@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::dataset::sft::{is_sft_parquet, read_sft_parquet};
-use crate::llm::engine::{fingerprint, ChatCodec};
-use crate::llm::peft::{AdapterConfig, ADAPTER_WEIGHTS, LORA_TARGETS};
+use crate::engine::peft::{AdapterConfig, ADAPTER_WEIGHTS, LORA_TARGETS};
+use crate::engine::{fingerprint, ChatCodec};
 use crate::llm::spec::{redact_credentials, resolve_local, LocalModelFiles, ModelSpec};
 use crate::llm::ChatMessage;
 use crate::run::{write_atomic, write_json_atomic};

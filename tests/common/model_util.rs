@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use collabllm::engine::tiny::{write_tiny_llama, TinySpec};
 use collabllm::llm::local::{LoadOptions, LocalBackend};
-use collabllm::llm::tiny::{write_tiny_llama, TinySpec};
 use collabllm::llm::ModelSpec;
 
 /// One compute thread per model test (candle's kernels spin-wait, and CI runs
@@ -46,8 +46,8 @@ pub fn default_model_path() -> PathBuf {
 /// lengths (so different positions), sample counts and sampling settings join one decode
 /// batch at steps 0, 3 and 7 (the first still decoding: it ignores end-of-turn), and each
 /// gives exactly what it gives alone.
-pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::llm::engine::Engine) {
-    use collabllm::llm::engine::{GenParams, GenState};
+pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::engine::Engine) {
+    use collabllm::engine::{GenParams, GenState};
     use collabllm::llm::ChatMessage;
     let prompt = |text: &str| {
         engine

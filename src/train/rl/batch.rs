@@ -15,7 +15,7 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use crate::llm::engine::ChatCodec;
+use crate::engine::ChatCodec;
 use crate::llm::ChatMessage;
 use crate::train::data::{render_ids, suffix_after};
 use crate::train::logps::Targets;
@@ -155,8 +155,8 @@ impl RlBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::tiny::{write_tiny_llama, TinySpec};
     use crate::llm::spec::LocalModelFiles;
-    use crate::llm::tiny::{write_tiny_llama, TinySpec};
 
     fn codec() -> (tempfile::TempDir, ChatCodec) {
         let dir = tempfile::tempdir().unwrap();

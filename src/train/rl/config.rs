@@ -16,10 +16,10 @@ use super::advantage::Estimator;
 use super::loss::{LossAgg, PpoConfig};
 use super::step::RlConfig;
 use crate::check::Range;
+use crate::engine::llama::WeightFormat;
+use crate::engine::peft::LORA_TARGETS;
 use crate::generate::config::ConfigError;
 use crate::generate::GenerateConfig;
-use crate::llm::llama::WeightFormat;
-use crate::llm::peft::LORA_TARGETS;
 use crate::llm::{EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::JudgeMode;
 use crate::reward::mr::MrFormula;
@@ -471,6 +471,7 @@ impl RlRunConfig {
                 kl_coef: self.kl_coef,
                 entropy_coef: self.entropy_coef,
                 agg: self.loss_agg()?,
+                norm_len: self.max_new_tokens,
             },
             estimator: self.algo.estimator().unwrap_or_default(),
             ppo_epochs: self.ppo_epochs,

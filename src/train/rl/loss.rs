@@ -2,7 +2,8 @@
 //! `agg_loss`): ratio exp(logp − old_logp) (log-ratio clamped to ±20), clip range
 //! [1 − low, 1 + high], dual clip at `c` for negative advantages, the k3 (`low_var_kl`)
 //! estimator of KL(π‖π_ref) clamped to ±10 as a loss term, an optional entropy bonus, and
-//! aggregation as token-mean (default) or sequence-mean of token sums / means.
+//! aggregation as verl's `loss_agg_mode`s: token-mean (default), sequence-mean of token sums
+//! or token means, or token sums over a constant length (Dr. GRPO).
 //!
 //! Everything here is per token: tensors (K,) over the response tokens of a micro-batch.
 //! Aggregation is a weighted sum with per-token weights ([`LossAgg::token_weights`]) built
@@ -25,6 +26,9 @@ pub enum LossAgg {
     SeqMeanTokenSum,
     /// Mean over responses of each response's token mean (the original GRPO).
     SeqMeanTokenMean,
+    /// Every token's loss summed and divided by a constant length, the response cap
+    /// (`--max-new-tokens`): Dr. GRPO's normaliser, verl's `seq-mean-token-sum-norm`.
+    SeqMeanTokenSumNorm,
 }
 
 impl LossAgg {
@@ -33,18 +37,27 @@ impl LossAgg {
             Self::TokenMean => "token-mean",
             Self::SeqMeanTokenSum => "seq-mean-token-sum",
             Self::SeqMeanTokenMean => "seq-mean-token-mean",
+            Self::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
         }
     }
 
     /// Per-token weights, given for each token the length of its response; `tokens` and
-    /// `seqs` are the totals of the mini-batch the weights aggregate over.
-    pub fn token_weights(self, response_len: &[usize], tokens: usize, seqs: usize) -> Vec<f32> {
+    /// `seqs` are the totals of the mini-batch the weights aggregate over, `norm_len` the
+    /// constant length of [`LossAgg::SeqMeanTokenSumNorm`].
+    pub fn token_weights(
+        self,
+        response_len: &[usize],
+        tokens: usize,
+        seqs: usize,
+        norm_len: usize,
+    ) -> Vec<f32> {
         response_len
             .iter()
             .map(|&len| match self {
                 Self::TokenMean => 1.0 / tokens.max(1) as f64,
                 Self::SeqMeanTokenSum => 1.0 / seqs.max(1) as f64,
                 Self::SeqMeanTokenMean => 1.0 / (len.max(1) * seqs.max(1)) as f64,
+                Self::SeqMeanTokenSumNorm => 1.0 / norm_len.max(1) as f64,
             } as f32)
             .collect()
     }
@@ -63,9 +76,10 @@ impl FromStr for LossAgg {
             "token-mean" => Ok(Self::TokenMean),
             "seq-mean-token-sum" => Ok(Self::SeqMeanTokenSum),
             "seq-mean-token-mean" => Ok(Self::SeqMeanTokenMean),
+            "seq-mean-token-sum-norm" => Ok(Self::SeqMeanTokenSumNorm),
             other => Err(format!(
-                "unknown loss aggregation {other:?} (expected token-mean, seq-mean-token-sum \
-                 or seq-mean-token-mean)"
+                "unknown loss aggregation {other:?} (expected token-mean, seq-mean-token-sum, \
+                 seq-mean-token-mean or seq-mean-token-sum-norm)"
             )),
         }
     }
@@ -82,6 +96,8 @@ pub struct PpoConfig {
     pub kl_coef: f64,
     pub entropy_coef: f64,
     pub agg: LossAgg,
+    /// The constant length of [`LossAgg::SeqMeanTokenSumNorm`] (the response cap).
+    pub norm_len: usize,
 }
 
 impl Default for PpoConfig {
@@ -93,6 +109,7 @@ impl Default for PpoConfig {
             kl_coef: 0.001,
             entropy_coef: 0.0,
             agg: LossAgg::TokenMean,
+            norm_len: 1024,
         }
     }
 }
@@ -450,13 +467,40 @@ mod tests {
     fn aggregation_weights() {
         // Two responses of 1 and 3 tokens.
         let lens = [1, 3, 3, 3];
-        assert_eq!(LossAgg::TokenMean.token_weights(&lens, 4, 2), vec![0.25; 4]);
         assert_eq!(
-            LossAgg::SeqMeanTokenSum.token_weights(&lens, 4, 2),
+            LossAgg::TokenMean.token_weights(&lens, 4, 2, 8),
+            vec![0.25; 4]
+        );
+        assert_eq!(
+            LossAgg::SeqMeanTokenSum.token_weights(&lens, 4, 2, 8),
             vec![0.5; 4]
         );
-        let w = LossAgg::SeqMeanTokenMean.token_weights(&lens, 4, 2);
+        let w = LossAgg::SeqMeanTokenMean.token_weights(&lens, 4, 2, 8);
         close(&w, &[0.5, 1.0 / 6.0, 1.0 / 6.0, 1.0 / 6.0], 1e-7);
+        assert_eq!(
+            LossAgg::SeqMeanTokenSumNorm.token_weights(&lens, 4, 2, 8),
+            vec![0.125; 4]
+        );
+    }
+
+    /// The four modes on per-token losses [2] and [1, 3, 5], against verl's `agg_loss` by
+    /// hand: token-mean 11/4; seq-mean-token-sum (2 + 9)/2; seq-mean-token-mean (2 + 3)/2;
+    /// seq-mean-token-sum-norm (2 + 9)/8 with a response cap of 8.
+    #[test]
+    fn aggregated_losses_match_verl_by_hand() {
+        let lens = [1, 3, 3, 3];
+        let loss = [2.0f32, 1.0, 3.0, 5.0];
+        for (agg, want) in [
+            (LossAgg::TokenMean, 11.0 / 4.0),
+            (LossAgg::SeqMeanTokenSum, 11.0 / 2.0),
+            (LossAgg::SeqMeanTokenMean, 5.0 / 2.0),
+            (LossAgg::SeqMeanTokenSumNorm, 11.0 / 8.0),
+        ] {
+            let w = agg.token_weights(&lens, 4, 2, 8);
+            let got: f32 = w.iter().zip(&loss).map(|(w, l)| w * l).sum();
+            assert!((got as f64 - want).abs() < 1e-6, "{agg}: {got} vs {want}");
+            assert_eq!(agg.as_str().parse::<LossAgg>(), Ok(agg));
+        }
     }
 
     #[test]

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::step::{RlError, RlTrainer};
-use crate::llm::engine::ChatCodec;
-use crate::llm::peft::ADAPTER_WEIGHTS;
+use crate::engine::peft::ADAPTER_WEIGHTS;
+use crate::engine::ChatCodec;
 
 pub const RL_STATE: &str = "rl_state.json";
 pub const OPTIMIZER: &str = "optimizer.safetensors";

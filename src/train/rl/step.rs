@@ -24,7 +24,7 @@ use super::advantage::{self, AdvantageStats, Estimator};
 use super::batch::{tokenize_response, RlBatch, RlSample};
 use super::loss::{entropy_of_logits, ppo_loss, PpoConfig, PpoMetrics, TokenTerms};
 use super::Group;
-use crate::llm::engine::ChatCodec;
+use crate::engine::ChatCodec;
 use crate::train::adamw::{AdamW, AdamWParams};
 use crate::train::head;
 use crate::train::logps::{
@@ -528,11 +528,12 @@ impl RlTrainer {
                 ref_t.push(r[si][k]);
             }
         }
-        let weights =
-            self.cfg
-                .ppo
-                .agg
-                .token_weights(&batch.token_response_len, mini_tokens, mini_seqs);
+        let weights = self.cfg.ppo.agg.token_weights(
+            &batch.token_response_len,
+            mini_tokens,
+            mini_seqs,
+            self.cfg.ppo.norm_len,
+        );
         let old_t = old.map(|_| Tensor::new(old_t, &dev)).transpose()?;
         let ref_t = reference.map(|_| Tensor::new(ref_t, &dev)).transpose()?;
         let weights = Tensor::new(weights, &dev)?;

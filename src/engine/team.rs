@@ -68,7 +68,7 @@ struct Team {
 fn team() -> &'static Team {
     static TEAM: OnceLock<&'static Team> = OnceLock::new();
     TEAM.get_or_init(|| {
-        let helpers = super::q8::compute_threads().saturating_sub(1);
+        let helpers = compute_threads().saturating_sub(1);
         let team: &'static Team = Box::leak(Box::new(Team {
             job: AtomicPtr::new(std::ptr::null_mut()),
             generation: AtomicU64::new(0),
@@ -238,6 +238,34 @@ pub fn for_each_chunk_mut<T: Send>(
 ) {
     let pieces: Vec<Mutex<&mut [T]>> = data.chunks_mut(chunk.max(1)).map(Mutex::new).collect();
     for_each_index(pieces.len(), |i| f(i, &mut lock(&pieces[i])));
+}
+
+/// Compute threads: `CANDLE_NUM_THREADS`, else the available cores. The first call also sizes
+/// rayon's global pool to it (when nothing built that pool before).
+pub fn compute_threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let n = std::env::var("CANDLE_NUM_THREADS")
+            .ok()
+            .and_then(|s| s.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
+        n
+    })
+}
+
+/// Runs `f` on a worker of rayon's global pool (inline when already on one, or with one compute
+/// thread), so that the parallel kernels inside it fork and join within the pool instead of
+/// handing work over from an outside thread at every call.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if compute_threads() <= 1 || rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
 }
 
 #[cfg(test)]

@@ -145,6 +145,16 @@ pub fn hf_tensor_names(cfg: &LlamaConfig) -> Vec<String> {
         ] {
             names.push(format!("{p}.{n}.weight"));
         }
+        if cfg.family.qkv_bias() {
+            for n in ["q_proj", "k_proj", "v_proj"] {
+                names.push(format!("{p}.self_attn.{n}.bias"));
+            }
+        }
+        if cfg.family.qk_norm() {
+            for n in ["q_norm", "k_norm"] {
+                names.push(format!("{p}.self_attn.{n}.weight"));
+            }
+        }
     }
     names.push("model.norm.weight".to_string());
     if !cfg.tie_word_embeddings {
@@ -153,7 +163,7 @@ pub fn hf_tensor_names(cfg: &LlamaConfig) -> Vec<String> {
     names
 }
 
-/// The shape of HF tensor `name` in a llama with this configuration.
+/// The shape of HF tensor `name` in a model with this configuration.
 pub fn expected_shape(cfg: &LlamaConfig, name: &str) -> Vec<usize> {
     let h = cfg.hidden_size;
     let q_out = cfg.num_attention_heads * cfg.head_dim();
@@ -162,6 +172,12 @@ pub fn expected_shape(cfg: &LlamaConfig, name: &str) -> Vec<usize> {
     let suffix = name.rsplit_once("layers.").map_or(name, |(_, s)| s);
     if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
         vec![cfg.vocab_size, h]
+    } else if suffix.ends_with("q_norm.weight") || suffix.ends_with("k_norm.weight") {
+        vec![cfg.head_dim()]
+    } else if suffix.ends_with("q_proj.bias") {
+        vec![q_out]
+    } else if suffix.ends_with("k_proj.bias") || suffix.ends_with("v_proj.bias") {
+        vec![kv_out]
     } else if name.ends_with("norm.weight") {
         vec![h]
     } else if suffix.ends_with("q_proj.weight") {

@@ -16,7 +16,8 @@ use rayon::prelude::*;
 
 use super::cpu_attention;
 use super::gguf_tokenizer::meta_u32;
-use super::q8::{self, Q8Linear};
+use super::q8::Q8Linear;
+use super::team;
 
 type Result<T> = candle_core::Result<T>;
 
@@ -149,6 +150,11 @@ struct Layer {
     attn_norm: Tensor,
     /// q, k and v projections.
     qkv: Group,
+    /// Biases of the q, k and v projections (Qwen2).
+    qkv_bias: Option<[Tensor; 3]>,
+    /// RMS-norm weights of each query and key head, applied before the rotary embedding
+    /// (Qwen3).
+    qk_norm: Option<[Tensor; 2]>,
     wo: Linear,
     ffn_norm: Tensor,
     /// gate and up projections.
@@ -291,7 +297,7 @@ impl KvCache {
     }
 
     /// A one-row cache of row 0's first `len` positions with room for `capacity` positions:
-    /// the start of a longer prompt (see `llm::prefix_cache`). In a cache the CPU attention
+    /// the start of a longer prompt (see `engine::prefix_cache`). In a cache the CPU attention
     /// reads, the positions are read where they are, as the new cache's shared prefix (they
     /// are never written again: appends go past `len`): this cache's shared prefix or its
     /// start, that prefix followed by a copy of the own positions up to `len`, or, in a cache
@@ -635,7 +641,7 @@ mod elementwise {
 
     use candle_core::{DType, Result, Tensor};
 
-    use crate::simd::{dispatch, swiglu as swiglu_rows};
+    use crate::engine::simd::{dispatch, swiglu as swiglu_rows};
 
     /// Elements below which an op stays on the calling thread; chunk size above it (a
     /// 16-request decode step's norms, adds and 25 k-element silu·up go to the threads: the
@@ -701,7 +707,7 @@ mod elementwise {
                 if xa.len() < PAR_MIN {
                     f(out, xa, xb);
                 } else {
-                    crate::llm::team::for_each_chunk_mut(out, CHUNK, |i, o| {
+                    crate::engine::team::for_each_chunk_mut(out, CHUNK, |i, o| {
                         f(o, &xa[i * CHUNK..][..o.len()], &xb[i * CHUNK..][..o.len()])
                     });
                 }
@@ -762,7 +768,7 @@ mod elementwise {
                             }
                         } else {
                             let rows = (CHUNK / n).max(1) * n;
-                            crate::llm::team::for_each_chunk_mut(out, rows, |i, o| {
+                            crate::engine::team::for_each_chunk_mut(out, rows, |i, o| {
                                 let x = &xs[i * rows..][..o.len()];
                                 for (o, r) in o.chunks_mut(n).zip(x.chunks(n)) {
                                     rms_row(o, r, a, eps);
@@ -838,7 +844,7 @@ mod elementwise {
         } else {
             let rows = (CHUNK / n).max(1) * n;
             let mut pieces: Vec<_> = s.chunks_mut(rows).zip(h.chunks_mut(rows)).collect();
-            crate::llm::team::map_mut(&mut pieces, |i, (s, h)| rows_of(s, h, i * rows));
+            crate::engine::team::map_mut(&mut pieces, |i, (s, h)| rows_of(s, h, i * rows));
         }
         // SAFETY: every row of both was written (`add_rows` and `rms_row` write whole rows,
         // and the rows cover `len`, a multiple of `n`).
@@ -861,6 +867,30 @@ mod elementwise {
     mod tests {
         use super::*;
         use candle_core::Device;
+
+        #[test]
+        fn row_kernels_give_the_same_bits_on_every_isa() {
+            use crate::engine::simd::{assert_same_bits_on_every_isa, test_values};
+            let init = |out: Vec<MaybeUninit<f32>>| -> Vec<f32> {
+                // SAFETY: the kernels write every value.
+                out.into_iter()
+                    .map(|v| unsafe { v.assume_init() })
+                    .collect()
+            };
+            for n in [1usize, 15, 16, 64, 577] {
+                let (a, b) = (test_values(n, 3), test_values(n, 4));
+                assert_same_bits_on_every_isa("add_rows", |isa| {
+                    let mut out = vec![MaybeUninit::uninit(); n];
+                    add_rows::on(isa, &mut out, &a, &b);
+                    init(out)
+                });
+                assert_same_bits_on_every_isa("rms_row", |isa| {
+                    let mut out = vec![MaybeUninit::uninit(); n];
+                    rms_row::on(isa, &mut out, &a, &b, 1e-5);
+                    init(out)
+                });
+            }
+        }
 
         #[test]
         fn match_candles_ops_inline_parallel_and_strided() {
@@ -1061,7 +1091,24 @@ impl LlamaModel {
             let wo = lin("attn_output")?;
             let gate_up = Group::new(vec![lin("ffn_gate")?, lin("ffn_up")?])?;
             let w_down = lin("ffn_down")?;
+            let mut vector = |n: &str| get(&format!("{p}.{n}"))?.dequantize(device);
+            let qkv_bias = if cfg.family.qkv_bias() {
+                Some([
+                    vector("attn_q.bias")?,
+                    vector("attn_k.bias")?,
+                    vector("attn_v.bias")?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if cfg.family.qk_norm() {
+                Some([vector("attn_q_norm.weight")?, vector("attn_k_norm.weight")?])
+            } else {
+                None
+            };
             layers.push(Layer {
+                qkv_bias,
+                qk_norm,
                 attn_norm: get(&format!("{p}.attn_norm.weight"))?.dequantize(device)?,
                 ffn_norm: get(&format!("{p}.ffn_norm.weight"))?.dequantize(device)?,
                 qkv,
@@ -1074,13 +1121,16 @@ impl LlamaModel {
         let embed = QMatMul::from_arc(embed_q)?;
         let (cos, sin) = rope_tables(&cfg, factors, device)?;
         let rope_host = host_tables(&cos, &sin)?;
+        // llama.cpp permutes Q/K rows for the interleaved rotary embedding in llama GGUFs
+        // only; Qwen's keep the HF (half-split, "NEOX") layout.
+        let interleaved_rope = gguf_qk_permuted(&cfg);
         let model = Self {
             cfg,
             embed,
             layers,
             norm,
             lm_head,
-            interleaved_rope: true,
+            interleaved_rope,
             cos,
             sin,
             rope_host,
@@ -1091,7 +1141,7 @@ impl LlamaModel {
     }
 
     /// Moves the int8 layers' weights onto huge pages where the kernel allows
-    /// (`llm::huge_pages`): a decode step streams all of them. Worth it for a model loaded
+    /// (`engine::huge_pages`): a decode step streams all of them. Worth it for a model loaded
     /// to serve (one request's decode step ~1.13× faster); it costs 0.07–0.6 s (the kernel
     /// copies each stretch, compacting memory first where it must), so a model rebuilt
     /// every update for a batched sampler (`train::rl::sync`) skips it.
@@ -1109,7 +1159,7 @@ impl LlamaModel {
             .collect();
         let total: usize = ranges.iter().map(|r| r.1).sum();
         let started = std::time::Instant::now();
-        let moved = crate::llm::huge_pages::collapse(&ranges);
+        let moved = crate::engine::huge_pages::collapse(&ranges);
         tracing::debug!(
             "int8 weights of {} MB: the {} MB of 2 MiB pages holding them on huge pages \
              ({:.0} ms)",
@@ -1178,7 +1228,25 @@ impl LlamaModel {
                 tensor_to_linear(vb.get(shape, &format!("{p}.{n}.weight"))?, format)
             };
             let im = cfg.intermediate_size;
+            let qkv_bias = if cfg.family.qkv_bias() {
+                let bias = |n: &str, len: usize| vb.get(len, &format!("{p}.self_attn.{n}.bias"));
+                Some([
+                    bias("q_proj", q_out)?,
+                    bias("k_proj", kv_out)?,
+                    bias("v_proj", kv_out)?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if cfg.family.qk_norm() {
+                let norm = |n: &str| vb.get(cfg.head_dim(), &format!("{p}.self_attn.{n}.weight"));
+                Some([norm("q_norm")?, norm("k_norm")?])
+            } else {
+                None
+            };
             Ok(Layer {
+                qkv_bias,
+                qk_norm,
                 attn_norm: vb.get(h, &format!("{p}.input_layernorm.weight"))?,
                 ffn_norm: vb.get(h, &format!("{p}.post_attention_layernorm.weight"))?,
                 qkv: Group::new(vec![
@@ -1196,7 +1264,7 @@ impl LlamaModel {
         };
         // Re-quantizing every linear layer is most of the load (and of an RL run's weight
         // sync after each update): layers and the head convert in parallel.
-        let (lm_head, layers) = q8::on_pool(|| {
+        let (lm_head, layers) = team::on_pool(|| {
             rayon::join(head, || {
                 (0..cfg.num_hidden_layers)
                     .into_par_iter()
@@ -1262,7 +1330,7 @@ impl LlamaModel {
     /// Runs `tokens` (batch, seq) at the cache's position and returns the logits of the last
     /// position, (batch, vocab).
     pub fn forward_last(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        q8::on_pool(|| {
+        team::on_pool(|| {
             let hidden = self.hidden_states(tokens, cache)?;
             let seq = hidden.dim(1)?;
             let last = hidden.narrow(1, seq - 1, 1)?;
@@ -1272,7 +1340,7 @@ impl LlamaModel {
 
     /// Runs `tokens` and returns the logits of every position, (batch, seq, vocab).
     pub fn forward_all(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        q8::on_pool(|| {
+        team::on_pool(|| {
             let hidden = self.hidden_states(tokens, cache)?;
             self.lm_head.forward(&hidden)
         })
@@ -1281,11 +1349,11 @@ impl LlamaModel {
     fn hidden_states(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let (_b, seq) = tokens.dims2()?;
         let pos = cache.len;
-        if pos + seq > self.cfg.max_position_embeddings {
+        if pos + seq > self.cfg.context_length() {
             candle_core::bail!(
                 "sequence of {} tokens exceeds the context length {}",
                 pos + seq,
-                self.cfg.max_position_embeddings
+                self.cfg.context_length()
             );
         }
         let x = self.embed.embedding(tokens)?.to_dtype(DType::F32)?;
@@ -1319,13 +1387,49 @@ impl LlamaModel {
         let [q, k, v] = &layer.qkv.forward(h)?[..] else {
             candle_core::bail!("the q/k/v projections gave no three outputs");
         };
-        let y = attention(q, k, v)?;
+        let y = match (&layer.qkv_bias, &layer.qk_norm) {
+            (None, None) => attention(q, k, v)?,
+            _ => {
+                let (q, k, v) = self.adjust_qkv(layer, [q, k, v])?;
+                attention(&q, &k, &v)?
+            }
+        };
         let (x, h) = elementwise::add_rms_norm(x, &layer.wo.forward(&y)?, &layer.ffn_norm, eps)?;
         let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
             candle_core::bail!("the gate/up projections gave no two outputs");
         };
         let down = layer.w_down.forward(&elementwise::swiglu(gate, up)?)?;
         elementwise::add_rms_norm(&x, &down, next_norm, eps)
+    }
+
+    /// What a family does to the projections before attention: Qwen2's q/k/v biases, Qwen3's
+    /// RMS norm of each query and key head (over `head_dim`, before the rotary embedding).
+    fn adjust_qkv(
+        &self,
+        layer: &Layer,
+        [q, k, v]: [&Tensor; 3],
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (mut q, mut k, mut v) = (q.clone(), k.clone(), v.clone());
+        if let Some([bq, bk, bv]) = &layer.qkv_bias {
+            q = q.broadcast_add(bq)?;
+            k = k.broadcast_add(bk)?;
+            v = v.broadcast_add(bv)?;
+        }
+        if let Some([nq, nk]) = &layer.qk_norm {
+            let eps = self.cfg.rms_norm_eps as f32;
+            let hd = self.cfg.head_dim();
+            let per_head = |t: &Tensor, w: &Tensor| -> Result<Tensor> {
+                let dims = t.dims().to_vec();
+                let last = dims[dims.len() - 1];
+                let mut heads = dims.clone();
+                heads.pop();
+                heads.extend([last / hd, hd]);
+                elementwise::rms_norm(&t.contiguous()?.reshape(heads)?, w, eps)?.reshape(dims)
+            };
+            q = per_head(&q, nq)?;
+            k = per_head(&k, nk)?;
+        }
+        Ok((q, k, v))
     }
 
     /// The residual stream `x` through every block: the stream after the last one, normed by
@@ -1481,7 +1585,7 @@ impl LlamaModel {
         // The rows of a batch attend independently, through small per-head matmuls that each
         // run on one thread: split the rows across the compute threads (each row's arithmetic
         // is the same either way).
-        let parts = q8::compute_threads().min(b);
+        let parts = team::compute_threads().min(b);
         let y = if parts > 1 && self.device.is_cpu() {
             let ys = (0..parts)
                 .into_par_iter()
@@ -1515,7 +1619,7 @@ impl LlamaModel {
         caches: &mut [&mut KvCache],
     ) -> Result<Vec<Tensor>> {
         let seqs = vec![1; tokens.len()];
-        q8::on_pool(|| self.forward_groups(tokens, &seqs, caches))
+        team::on_pool(|| self.forward_groups(tokens, &seqs, caches))
     }
 
     /// Prompt pieces of several one-row caches in one forward pass: `tokens[g]` continues
@@ -1528,7 +1632,7 @@ impl LlamaModel {
         caches: &mut [&mut KvCache],
     ) -> Result<Vec<Tensor>> {
         let seqs: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
-        q8::on_pool(|| self.forward_groups(tokens, &seqs, caches))
+        team::on_pool(|| self.forward_groups(tokens, &seqs, caches))
     }
 
     /// Groups of rows, each at its own cache's position: group `g` holds `tokens[g].len() /
@@ -1551,11 +1655,11 @@ impl LlamaModel {
                 candle_core::bail!("{} tokens are no rows of {seq}", t.len());
             }
             let rows = t.len() / seq;
-            if c.len + seq > self.cfg.max_position_embeddings {
+            if c.len + seq > self.cfg.context_length() {
                 candle_core::bail!(
                     "sequence of {} tokens exceeds the context length {}",
                     c.len + seq,
-                    self.cfg.max_position_embeddings
+                    self.cfg.context_length()
                 );
             }
             if c.batch() != rows && c.batch() != 0 {
@@ -1649,7 +1753,7 @@ impl LlamaModel {
         // decode steps 2-4 % longer); each group's rows are cut as slices on the thread that
         // prepares it.
         let prepared = cpu_attention::with_projections(qkv, |all| {
-            crate::llm::team::map_mut(caches, |g, cache| {
+            team::map_mut(caches, |g, cache| {
                 let (rows, seq, at) = (shapes[g].0, shapes[g].1, starts[g]);
                 let [q, k, v] = all.map(|x| x.rows(at, rows, seq));
                 self.prepare_cpu_attention(layer, [q?, k?, v?], cache)
@@ -1711,15 +1815,22 @@ pub fn argmax(v: &[f32]) -> usize {
         .0
 }
 
-/// A GGUF llama as HF parts: config, HF-named tensors, `rope_freqs` factors.
+/// Whether a GGUF of this configuration holds its Q/K rows permuted for the interleaved
+/// rotary embedding (llama.cpp does so for the llama architecture only).
+fn gguf_qk_permuted(cfg: &LlamaConfig) -> bool {
+    cfg.family == super::config::Family::Llama
+}
+
+/// A GGUF model as HF parts: config, HF-named tensors, `rope_freqs` factors.
 pub type HfParts = (
     LlamaConfig,
     std::collections::HashMap<String, Tensor>,
     Option<Vec<f32>>,
 );
 
-/// A llama GGUF file as HF-named f32 tensors in the HF (half-split rotary) layout: every
-/// tensor dequantized, Q/K rows un-permuted. Returns the config (with the GGUF's
+/// A GGUF file as HF-named f32 tensors in the HF (half-split rotary) layout: every tensor
+/// dequantized, Q/K rows un-permuted where llama.cpp permuted them, Qwen's biases and q/k norms
+/// under their HF names. Returns the config (with the GGUF's
 /// BOS/EOS ids), the tensors and the `rope_freqs` factors if the file has them.
 pub fn hf_tensors_from_gguf(path: &Path, device: &Device) -> std::result::Result<HfParts, String> {
     let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
@@ -1770,12 +1881,34 @@ pub fn hf_tensors_from_gguf(path: &Path, device: &Device) -> std::result::Result
                 get(&format!("{g}.{gg}.weight"))?,
             );
         }
-        let q = get(&format!("{g}.attn_q.weight"))?;
-        let k = get(&format!("{g}.attn_k.weight"))?;
-        let q = unpermute_gguf_qk(&q, cfg.num_attention_heads).map_err(|e| err(&e))?;
-        let k = unpermute_gguf_qk(&k, cfg.num_kv_heads()).map_err(|e| err(&e))?;
+        let mut q = get(&format!("{g}.attn_q.weight"))?;
+        let mut k = get(&format!("{g}.attn_k.weight"))?;
+        if gguf_qk_permuted(&cfg) {
+            q = unpermute_gguf_qk(&q, cfg.num_attention_heads).map_err(|e| err(&e))?;
+            k = unpermute_gguf_qk(&k, cfg.num_kv_heads()).map_err(|e| err(&e))?;
+        }
         tensors.insert(format!("{h}.self_attn.q_proj.weight"), q);
         tensors.insert(format!("{h}.self_attn.k_proj.weight"), k);
+        if cfg.family.qkv_bias() {
+            for (gg, hf) in [
+                ("attn_q", "q_proj"),
+                ("attn_k", "k_proj"),
+                ("attn_v", "v_proj"),
+            ] {
+                tensors.insert(
+                    format!("{h}.self_attn.{hf}.bias"),
+                    get(&format!("{g}.{gg}.bias"))?,
+                );
+            }
+        }
+        if cfg.family.qk_norm() {
+            for (gg, hf) in [("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")] {
+                tensors.insert(
+                    format!("{h}.self_attn.{hf}.weight"),
+                    get(&format!("{g}.{gg}.weight"))?,
+                );
+            }
+        }
     }
     Ok((cfg, tensors, factors))
 }

@@ -8,8 +8,6 @@
 //! cheaper than the dozen small candle ops (reshapes, copies, rotary, two matmuls, softmax)
 //! a decode step of one request took per layer.
 
-use std::sync::OnceLock;
-
 use candle_core::{DType, Device, Result, Tensor};
 use half::{f16, slice::HalfFloatSliceExt};
 
@@ -287,7 +285,7 @@ pub fn attend_causal_after(
     // the same keys and values, which then come from L1 for all but the first. A decode
     // step of one request alone has too few KV heads to keep the threads busy, so its tasks
     // are single heads (the same arithmetic per query either way).
-    let threads = crate::llm::q8::compute_threads();
+    let threads = crate::engine::team::compute_threads();
     let per = if rows * seq * kv_heads >= 4 * threads {
         groups
     } else {
@@ -328,7 +326,7 @@ pub fn attend_causal_after(
                             }
                         } else {
                             let per_task = (tasks / threads).clamp(1, 16);
-                            crate::llm::team::for_each_chunk_mut(
+                            crate::engine::team::for_each_chunk_mut(
                                 &mut out,
                                 per_task * per * d,
                                 |c, piece| {
@@ -550,7 +548,7 @@ pub fn attend_prefill(groups: &[QueryGroup]) -> Result<Vec<Tensor>> {
     let outs: Vec<Vec<f32>> = if work < 1 << 16 {
         (0..tasks.len()).map(run).collect()
     } else {
-        crate::llm::team::map(tasks.len(), run)
+        crate::engine::team::map(tasks.len(), run)
     };
     // Scatter: (rows, seq, heads·hd) per group, a task's outputs position after position.
     let mut ys: Vec<Vec<f32>> = data
@@ -894,7 +892,7 @@ pub fn attend_decode(groups: &[QueryGroup]) -> Result<Tensor> {
     let outs: Vec<Vec<f32>> = if work < 1 << 16 {
         (0..tasks.len()).map(task_output).collect()
     } else {
-        crate::llm::team::map(tasks.len(), task_output)
+        crate::engine::team::map(tasks.len(), task_output)
     };
     // Scatter: a task's outputs are its members' heads, member after member.
     let offsets: Vec<usize> = dims
@@ -930,7 +928,7 @@ thread_local! {
 /// to give every thread work, at most [`ROWS_PER_TASK`] rows each), and single query heads
 /// when that is still too few tasks (one request alone).
 fn decode_tasks(clusters: &[Vec<(usize, usize)>], kv_heads: usize, per: usize) -> Vec<DecodeTask> {
-    let target = 2 * crate::llm::q8::compute_threads();
+    let target = 2 * crate::engine::team::compute_threads();
     let wanted = target.div_ceil(kv_heads * clusters.len());
     let mut tasks = Vec::new();
     let chunks: Vec<usize> = clusters
@@ -1609,17 +1607,7 @@ fn block_scores(
 /// Whether the AVX2/FMA versions of [`dot`] (and `dot8`) and [`weighted_sum`] run here
 /// (decided once, so every query of a process takes the same arithmetic).
 fn simd() -> bool {
-    static AVX2: OnceLock<bool> = OnceLock::new();
-    *AVX2.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    crate::engine::simd::CpuFeatures::get().avx2_fma
 }
 
 /// `dst = src` as f32 (exact): F16C where the CPU has it (half's slice conversion calls a
@@ -1656,14 +1644,13 @@ fn narrow(src: &[f32], dst: &mut [f16]) {
 /// `COLLABLLM_NO_WIDE=1` keeps the 256-bit kernels (and the int8 layers' 256-bit VNNI).
 #[cfg(target_arch = "x86_64")]
 fn wide() -> bool {
-    simd() && f16c() && crate::simd::wide_registers()
+    simd() && f16c() && crate::engine::simd::wide_registers()
 }
 
 /// Whether the CPU converts f16 with F16C (decided once).
 #[cfg(target_arch = "x86_64")]
 fn f16c() -> bool {
-    static F16C: OnceLock<bool> = OnceLock::new();
-    *F16C.get_or_init(|| is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c"))
+    crate::engine::simd::CpuFeatures::get().f16c
 }
 
 fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
@@ -1676,9 +1663,9 @@ fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// The softmax of a query's scores, vectorized ([`crate::simd`]).
+/// The softmax of a query's scores, vectorized ([`crate::engine::simd`]).
 mod kernels {
-    use crate::simd::{dispatch, exp};
+    use crate::engine::simd::{dispatch, exp};
 
     const LANES: usize = 16;
 
@@ -2432,7 +2419,69 @@ pub fn to_f16(t: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::test_util::max_diff;
+    use crate::engine::test_util::max_diff;
+
+    #[test]
+    fn softmax_gives_the_same_bits_on_every_isa() {
+        use crate::engine::simd::{assert_same_bits_on_every_isa, test_values};
+        for n in [1usize, 7, 8, 255, 1024] {
+            let scores = test_values(n, 5);
+            assert_same_bits_on_every_isa("softmax", |isa| {
+                let mut s = scores.clone();
+                kernels::softmax::on(isa, &mut s);
+                s
+            });
+        }
+    }
+
+    /// The hand-written AVX2 dot product and weighted sum against plain f64 sums (they
+    /// reorder the sums into lanes and use FMA, so not the same bits: within 1e-5 relative
+    /// to the sum of magnitudes). The AVX-512 forms are compared bit for bit with these.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_kernels_match_a_scalar_reference() {
+        use crate::engine::simd::test_values;
+        if !simd() {
+            eprintln!("no AVX2/FMA here: the AVX2 attention kernels are not run");
+            return;
+        }
+        for d in [8usize, 16, 64, 128] {
+            let (a, b) = (test_values(d, 6), test_values(d, 7));
+            // SAFETY: the features were checked; the slices have equal lengths.
+            let got = unsafe { avx2::dot(&a, &b) } as f64;
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let scale: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (*x as f64 * *y as f64).abs())
+                .sum();
+            assert!(
+                (got - want).abs() <= 1e-5 * scale,
+                "dot d={d}: {got} vs {want}"
+            );
+
+            let n = 29;
+            let stride = d + 3;
+            let w = test_values(n, 8);
+            let v = test_values((n - 1) * stride + d, 9);
+            let start = test_values(d, 10);
+            for accumulate in [false, true] {
+                let mut out = start.clone();
+                // SAFETY: the features were checked; `v` holds every row read.
+                unsafe { avx2::weighted_sum(&w, &v, stride, &mut out, accumulate) };
+                for (c, got) in out.iter().enumerate() {
+                    let terms = (0..n).map(|p| w[p] as f64 * v[p * stride + c] as f64);
+                    let base = if accumulate { start[c] as f64 } else { 0.0 };
+                    let want = base + terms.clone().sum::<f64>();
+                    let scale = base.abs() + terms.map(f64::abs).sum::<f64>();
+                    assert!(
+                        (*got as f64 - want).abs() <= 1e-5 * scale,
+                        "weighted_sum d={d} col {c}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
 
     /// [`to_heads_from`] of a tensor's projections.
     fn to_heads(
@@ -2766,7 +2815,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn wide_kernels_give_the_256_bit_kernels_bits() {
-        if !(simd() && f16c() && is_x86_feature_detected!("avx512f")) {
+        if !(simd() && f16c() && crate::engine::simd::CpuFeatures::get().avx512f) {
             eprintln!("no AVX-512F here: the 512-bit attention kernels are not run");
             return;
         }

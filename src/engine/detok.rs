@@ -81,7 +81,7 @@ mod tests {
     #[test]
     fn byte_tokens_split_characters_and_the_text_still_matches() {
         // One token per byte: accents, CJK and emoji arrive a byte at a time.
-        let tok = crate::llm::tiny::tiny_tokenizer().unwrap();
+        let tok = crate::engine::tiny::tiny_tokenizer().unwrap();
         for text in [
             "L'Étoile, la Cité",
             "東京は 晴れ 🌤️ today",

@@ -25,7 +25,6 @@
 
 use std::cell::Cell;
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Result, Storage, Tensor};
@@ -185,7 +184,7 @@ impl Q8Linear {
                 }
             }
         };
-        compute_threads();
+        super::team::compute_threads();
         line_bytes_mut(&mut qs)
             .par_chunks_mut(nb * TILE_BLOCK)
             .zip(scales.par_chunks_mut(nb * NC))
@@ -598,7 +597,7 @@ impl ActBufs {
         let q = grown(&mut self.q, m * k);
         let d = grown(&mut self.d, m * nb);
         let sum = grown(&mut self.sum, if with_sums { m * nb } else { 0 });
-        let threads = compute_threads();
+        let threads = super::team::compute_threads();
         if xs.len() < PAR_MIN_QUANT || threads <= 1 {
             quantize_rows(kern, xs, q, d, sum, form);
         } else {
@@ -707,6 +706,7 @@ impl<'a> Tile4<'a> {
 struct OutPtr(*mut f32);
 // SAFETY: only used for disjoint writes from the parallel tile ranges.
 unsafe impl Send for OutPtr {}
+// SAFETY: as for Send: the threads sharing it write disjoint tiles.
 unsafe impl Sync for OutPtr {}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -758,22 +758,16 @@ impl Kernel {
 fn kernel() -> Kernel {
     #[cfg(target_arch = "x86_64")]
     {
-        static BEST: OnceLock<Kernel> = OnceLock::new();
-        *BEST.get_or_init(|| {
-            let avx2 = is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c");
-            let vnni = is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("avx512vl")
-                && std::env::var_os("COLLABLLM_NO_VNNI").is_none();
-            let wide = crate::simd::wide_registers() && is_x86_feature_detected!("avx512bw");
-            match (avx2, vnni, wide) {
-                (true, true, true) => Kernel::VnniWide,
-                (true, true, false) => Kernel::Vnni,
-                (true, false, _) => Kernel::Avx2,
-                _ => Kernel::Scalar,
-            }
-        })
+        let cpu = crate::engine::simd::CpuFeatures::get();
+        let avx2 = cpu.avx2_fma && cpu.f16c;
+        let vnni = cpu.avx512_vnni && cpu.vnni_allowed;
+        let wide = crate::engine::simd::wide_registers() && cpu.avx512bw;
+        match (avx2, vnni, wide) {
+            (true, true, true) => Kernel::VnniWide,
+            (true, true, false) => Kernel::Vnni,
+            (true, false, _) => Kernel::Avx2,
+            _ => Kernel::Scalar,
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     Kernel::Scalar
@@ -1584,38 +1578,10 @@ mod vnni {
     }
 }
 
-/// Compute threads: `CANDLE_NUM_THREADS`, else the available cores. The first call also sizes
-/// rayon's global pool to it (when nothing built that pool before).
-pub fn compute_threads() -> usize {
-    static THREADS: OnceLock<usize> = OnceLock::new();
-    *THREADS.get_or_init(|| {
-        let n = std::env::var("CANDLE_NUM_THREADS")
-            .ok()
-            .and_then(|s| s.parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global();
-        n
-    })
-}
-
-/// Runs `f` on a worker of rayon's global pool (inline when already on one, or with one compute
-/// thread), so that the parallel kernels inside it fork and join within the pool instead of
-/// handing work over from an outside thread at every call.
-pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if compute_threads() <= 1 || rayon::current_thread_index().is_some() {
-        f()
-    } else {
-        rayon::scope(|_| f())
-    }
-}
-
 /// Calls `f` on disjoint ranges covering `0..n`, on up to [`compute_threads`] threads. Ranges
 /// are claimed from a shared counter, so a thread that starts late takes fewer.
 fn par_ranges(n: usize, parallel: bool, f: impl Fn(Range<usize>) + Sync) {
-    let threads = compute_threads();
+    let threads = super::team::compute_threads();
     if !parallel || threads <= 1 || n < 2 {
         f(0..n);
         return;

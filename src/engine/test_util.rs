@@ -1,4 +1,4 @@
-//! Helpers for the crate's unit tests.
+//! Helpers for the engine's unit tests.
 
 use candle_core::Tensor;
 
@@ -16,20 +16,14 @@ pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
-/// The tiny random llama written to a temporary directory and loaded as a local backend
-/// (keep the directory while the backend is used).
-pub(crate) async fn tiny_backend() -> (
-    tempfile::TempDir,
-    std::sync::Arc<super::local::LocalBackend>,
-) {
-    use super::local::{LoadOptions, LocalBackend};
-    use super::spec::ModelSpec;
+/// The tiny random llama written to a temporary directory and loaded as an engine (keep the
+/// directory while the engine is used).
+pub(crate) fn tiny_engine() -> (tempfile::TempDir, std::sync::Arc<super::Engine>) {
     use super::tiny::{write_tiny_llama, TinySpec};
+    use super::{Engine, LoadOptions, LocalModelFiles};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny-llama");
     write_tiny_llama(&path, &TinySpec::default()).unwrap();
-    let backend = LocalBackend::load(&ModelSpec::HfDir(path), &LoadOptions::default())
-        .await
-        .unwrap();
-    (dir, backend)
+    let engine = Engine::load(&LocalModelFiles::HfDir(path), &LoadOptions::default()).unwrap();
+    (dir, std::sync::Arc::new(engine))
 }

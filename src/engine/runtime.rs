@@ -18,7 +18,6 @@ use super::gguf_tokenizer::{meta_str, meta_u32, tokenizer_from_gguf};
 use super::llama::{KvCache, LlamaConfig, LlamaModel, WeightFormat};
 use super::prefix_cache::{self, Hit, PrefixCache};
 use super::sampling::{restricted_probs, Sampler};
-use super::spec::LocalModelFiles;
 use super::team;
 use super::{ChatMessage, FinishReason};
 
@@ -33,6 +32,27 @@ const END_OF_TURN_TOKENS: &[&str] = &[
     "<|end|>",
     "</s>",
 ];
+
+/// Files of a local model after resolution.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LocalModelFiles {
+    Gguf(PathBuf),
+    HfDir(PathBuf),
+    /// A PEFT LoRA adapter directory and its resolved base model (merged at load).
+    Adapter {
+        dir: PathBuf,
+        base: Box<LocalModelFiles>,
+    },
+}
+
+impl LocalModelFiles {
+    pub fn path(&self) -> &Path {
+        match self {
+            LocalModelFiles::Gguf(p) | LocalModelFiles::HfDir(p) => p,
+            LocalModelFiles::Adapter { dir, .. } => dir,
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -408,7 +428,7 @@ impl Engine {
         let (mut file, content) = read_gguf(path)?;
         let cfg = LlamaConfig::from_gguf(&content).map_err(|e| load_err(path, e))?;
         let codec = ChatCodec::from_gguf(path, &content)?;
-        let context_length = cfg.max_position_embeddings;
+        let context_length = cfg.context_length();
         let model = LlamaModel::from_gguf(&content, &mut file, cfg, opts.weights, device)
             .map_err(|e| load_err(path, format!("reading weights: {e}")))?;
         let prefix_cache = new_prefix_cache(&model, opts);
@@ -427,7 +447,7 @@ impl Engine {
         let cfg = read_hf_config(dir)?;
         let codec = ChatCodec::from_hf_dir(dir)?;
         let weights = safetensors_in(dir)?;
-        let context_length = cfg.max_position_embeddings;
+        let context_length = cfg.context_length();
         let model = LlamaModel::from_safetensors(&weights, cfg, opts.weights, device)
             .map_err(|e| load_err(dir, format!("reading weights: {e}")))?;
         let prefix_cache = new_prefix_cache(&model, opts);
@@ -458,7 +478,7 @@ impl Engine {
             dir: dir.to_path_buf(),
             base: Box::new(base.clone()),
         })?;
-        let context_length = cfg.max_position_embeddings;
+        let context_length = cfg.context_length();
         let model = LlamaModel::from_hf_tensors(tensors, cfg, factors, opts.weights, device)
             .map_err(|e| load_err(dir, format!("building the merged model: {e}")))?;
         model.weights_on_huge_pages();
@@ -485,7 +505,7 @@ impl Engine {
         model: LlamaModel,
         codec: ChatCodec,
     ) -> Engine {
-        let context_length = model.config().max_position_embeddings;
+        let context_length = model.config().context_length();
         let max_token_bytes = max_token_bytes(&codec.tokenizer);
         let prefix_cache = new_prefix_cache(&model, &LoadOptions::default());
         Engine {
@@ -602,7 +622,7 @@ impl Engine {
         messages: &[ChatMessage],
         prefix: &str,
         options: &[String],
-    ) -> Result<crate::llm::OptionProbs, EngineError> {
+    ) -> Result<super::messages::OptionProbs, EngineError> {
         let (ids, option_ids) = self.option_prompt(messages, prefix, options)?;
         let logits = self.next_token_logits(&ids)?;
         Ok(option_probs_after(ids.len(), &logits, &option_ids))
@@ -1123,8 +1143,8 @@ pub fn option_probs_after(
     prompt_tokens: usize,
     logits: &[f32],
     option_ids: &[u32],
-) -> crate::llm::OptionProbs {
-    crate::llm::OptionProbs {
+) -> super::messages::OptionProbs {
+    super::messages::OptionProbs {
         probs: restricted_probs(logits, option_ids),
         prompt_tokens: prompt_tokens as u64,
         cached: false,
@@ -1372,8 +1392,8 @@ pub fn base_hf_tensors(
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_util::tiny_engine;
     use super::*;
-    use crate::llm::test_util::tiny_backend;
 
     /// Decodes `max_new` tokens of `n` rows from `prompt`; returns the reservation made
     /// before its prefill and the key/value bytes the generation held at the end beyond the
@@ -1410,10 +1430,9 @@ mod tests {
     /// budget counts reservations), and for a cold prompt on the CPU the reservation is
     /// exactly what it holds: short and long replies (past the cache's growth step), one
     /// row and several, cold prompts and prompts that begin from a stored one.
-    #[tokio::test]
-    async fn reservations_bound_what_generations_hold() {
-        let (_dir, backend) = tiny_backend().await;
-        let engine = backend.engine();
+    #[test]
+    fn reservations_bound_what_generations_hold() {
+        let (_dir, engine) = tiny_engine();
         let short = engine
             .encode_chat(&[ChatMessage::user("one two three four")])
             .unwrap();
@@ -1426,10 +1445,10 @@ mod tests {
             .unwrap();
         for (n, max_new) in [(1, 5), (3, 5), (1, KV_GROWTH + 44), (2, KV_GROWTH + 44)] {
             engine.clear_prefix_cache();
-            let (reserved, held, _) = reserved_and_held(engine, &short, n, max_new);
+            let (reserved, held, _) = reserved_and_held(&engine, &short, n, max_new);
             assert_eq!(reserved, held, "cold prompt, {n} rows, {max_new} tokens");
             // `long` begins from the stored `short`: its rows copy their own positions.
-            let (reserved, held, cached) = reserved_and_held(engine, &long, n, max_new);
+            let (reserved, held, cached) = reserved_and_held(&engine, &long, n, max_new);
             assert!(cached > 0, "the longer prompt began from the stored one");
             assert!(
                 held <= reserved,

@@ -21,6 +21,9 @@ const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
 /// Llama-3 style pre-tokenizer regex (`tokenizer.ggml.pre = llama-bpe`).
+/// Qwen2's (and Qwen2.5's, Qwen3's) split: Llama 3's with single digits.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Reads a string metadata key, if present.
@@ -79,9 +82,14 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, String> {
             ])))
         }
         "gpt2" | "default" => Ok(byte_level(true)),
-        "llama-bpe" | "llama3" | "smaug-bpe" => {
+        "llama-bpe" | "llama3" | "smaug-bpe" | "qwen2" => {
+            let pattern = if pre == "qwen2" {
+                QWEN2_PATTERN
+            } else {
+                LLAMA3_PATTERN
+            };
             let split = Split::new(
-                SplitPattern::Regex(LLAMA3_PATTERN.into()),
+                SplitPattern::Regex(pattern.into()),
                 SplitDelimiterBehavior::Isolated,
                 false,
             )

@@ -1,12 +1,13 @@
-//! The one reader of a llama-family model's hyper-parameters, for inference and training
-//! alike: an HF `config.json` (transformers ≤ 4 writes the rope base as a top-level
+//! The one reader of a model's hyper-parameters, for inference and training alike, and the
+//! one place that says which model families are supported ([`Family`]: llama, qwen2, qwen3,
+//! mistral): an HF `config.json` (transformers ≤ 4 writes the rope base as a top-level
 //! `rope_theta` and its scaling as `rope_scaling`; transformers ≥ 5 writes both under
-//! `rope_parameters`) or the `llama.*` metadata of a GGUF file.
+//! `rope_parameters`) or the `<arch>.*` metadata of a GGUF file (`llama`, `qwen2`, `qwen3`).
 //!
-//! Nothing that changes the model's math is guessed: a rope type or rope key we do not
-//! implement, a field whose value we do not implement (`attention_bias: true`,
-//! `hidden_act` other than `silu`, a sliding window, partial rotary embeddings, …) or a
-//! missing required field is a [`ConfigError`] naming the file and the field. The defaults
+//! Nothing that changes the model's math is guessed: a family, rope type or rope key we do
+//! not implement, a field whose value we do not implement (`attention_bias: true` outside
+//! Qwen2, `hidden_act` other than `silu`, a sliding window in use, sliding-attention
+//! `layer_types`, partial rotary embeddings, …) or a missing required field is a [`ConfigError`] naming the file and the field. The defaults
 //! left are transformers' own for `LlamaConfig` (`rope_theta` 10000 when the file names
 //! none, `num_key_value_heads` = heads, `head_dim` = hidden / heads, untied head).
 //!
@@ -27,6 +28,61 @@ pub const DEFAULT_ROPE_THETA: f64 = 10_000.0;
 
 /// The rope types we implement, as `rope_type` names them.
 pub const ROPE_TYPES: [&str; 3] = ["default", "linear", "llama3"];
+
+/// A supported model family: the llama maths with what each family adds. Everything else
+/// (`gemma3_text`, `phi3`, mixtures of experts, …) is refused by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// Llama 2/3, SmolLM2, TinyLlama.
+    Llama,
+    /// Qwen2 and Qwen2.5: bias on the q/k/v projections.
+    Qwen2,
+    /// Qwen3 (dense): RMSNorm of each query and key head before the rotary embedding
+    /// (`q_norm`, `k_norm`), `head_dim` given explicitly.
+    Qwen3,
+    /// Mistral: llama maths with a sliding window, which is used only up to its length (the
+    /// context is capped at the window: within it attention is full).
+    Mistral,
+}
+
+impl Family {
+    /// All supported families, as `model_type` names them.
+    pub const ALL: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral];
+
+    /// transformers' `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Mistral => "mistral",
+        }
+    }
+
+    /// transformers' class, as `architectures` names it.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+        }
+    }
+
+    fn from_model_type(s: &str) -> Option<Family> {
+        Family::ALL.into_iter().find(|f| f.model_type() == s)
+    }
+
+    /// Whether the q, k and v projections carry a bias (Qwen2's, always).
+    pub fn qkv_bias(self) -> bool {
+        self == Family::Qwen2
+    }
+
+    /// Whether each query and key head is RMS-normed before the rotary embedding.
+    pub fn qk_norm(self) -> bool {
+        self == Family::Qwen3
+    }
+}
 
 /// Why a model's configuration was refused: the file, and the field when one is to blame.
 #[derive(Debug, thiserror::Error)]
@@ -170,6 +226,7 @@ pub fn rope_inv_freqs(theta: f64, head_dim: usize, scaling: Option<&RopeScaling>
 /// [`LlamaConfig::from_gguf`], which refuse what we do not implement.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    pub family: Family,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -184,18 +241,18 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeScaling>,
     pub bos_token_id: Option<Value>,
     pub eos_token_id: Option<Value>,
+    /// Mistral's `sliding_window`, when the file gives one (see [`LlamaConfig::context_length`]).
+    pub sliding_window: Option<usize>,
 }
 
 /// Top-level fields that change the math, with the one value we implement (absent and
 /// `null` are that value too, as in transformers' `LlamaConfig`).
 const NEUTRAL_FIELDS: &[(&str, Neutral)] = &[
     ("hidden_act", Neutral::Str("silu")),
-    ("attention_bias", Neutral::False),
     ("mlp_bias", Neutral::False),
     // Dropout is active in transformers' training mode; our trainer has none.
     ("attention_dropout", Neutral::Number(0.0)),
     ("partial_rotary_factor", Neutral::Number(1.0)),
-    ("sliding_window", Neutral::Null),
     ("use_sliding_window", Neutral::False),
     ("quantization_config", Neutral::Null),
     ("attn_logit_softcapping", Neutral::Null),
@@ -443,8 +500,33 @@ fn parse_rope(f: &Fields) -> Res<(f64, Option<RopeScaling>)> {
     Ok((theta, scaling))
 }
 
-fn check_neutral_fields(f: &Fields) -> Res<()> {
-    for (key, neutral) in NEUTRAL_FIELDS {
+/// The fields whose neutral value depends on the family: `attention_bias` (Qwen2 has its q/k/v
+/// bias whatever the field says; the others implement none), `sliding_window` (Mistral's is
+/// read; Qwen's is unused while `use_sliding_window` is false; llama has none).
+fn family_neutral_fields(family: Family) -> &'static [(&'static str, Neutral)] {
+    match family {
+        Family::Llama => &[
+            ("attention_bias", Neutral::False),
+            ("sliding_window", Neutral::Null),
+        ],
+        Family::Qwen2 => &[],
+        Family::Qwen3 | Family::Mistral => &[("attention_bias", Neutral::False)],
+    }
+}
+
+fn check_neutral_fields(f: &Fields, family: Family) -> Res<()> {
+    if let Some(v) = f.get("layer_types") {
+        let all_full = v
+            .as_array()
+            .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+        if !all_full {
+            return Err(f.err(
+                "layer_types",
+                format!("{v}: only `full_attention` layers are implemented"),
+            ));
+        }
+    }
+    for (key, neutral) in NEUTRAL_FIELDS.iter().chain(family_neutral_fields(family)) {
         if let Some(v) = f.get(key) {
             if !neutral.accepts(v) {
                 return Err(f.err(key, format!("{v}: {}", neutral.describe())));
@@ -461,6 +543,16 @@ impl LlamaConfig {
     pub fn head_dim(&self) -> usize {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// Positions a sequence may hold: `max_position_embeddings`, or a shorter sliding window
+    /// (Mistral): up to the window's length attention is full, so the model is exact there,
+    /// and longer sequences are refused rather than attended differently.
+    pub fn context_length(&self) -> usize {
+        self.sliding_window
+            .map_or(self.max_position_embeddings, |w| {
+                w.min(self.max_position_embeddings)
+            })
     }
 
     /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them.
@@ -491,20 +583,27 @@ impl LlamaConfig {
             obj,
             prefix: "",
         };
-        match f.str_opt("model_type")? {
-            Some("llama") => {}
-            Some(other) => {
-                return Err(f.err(
+        let family = match f.str_opt("model_type")? {
+            Some(t) => Family::from_model_type(t).ok_or_else(|| {
+                let known: Vec<&str> = Family::ALL.iter().map(|f| f.model_type()).collect();
+                f.err(
                     "model_type",
-                    format!("`{other}` is not supported (only `llama`)"),
-                ))
-            }
+                    format!("`{t}` is not supported (supported: {})", known.join(", ")),
+                )
+            })?,
             None => return Err(f.err("model_type", "required field missing")),
-        }
-        check_neutral_fields(&f)?;
+        };
+        check_neutral_fields(&f, family)?;
+        let sliding_window = match family {
+            Family::Mistral => f.usize_opt("sliding_window")?,
+            _ => None,
+        };
+
         let hidden_size = f.usize_req("hidden_size")?;
         let heads = f.usize_req("num_attention_heads")?;
         let cfg = Self {
+            family,
+            sliding_window,
             vocab_size: f.usize_req("vocab_size")?,
             hidden_size,
             intermediate_size: f.usize_req("intermediate_size")?,
@@ -520,7 +619,7 @@ impl LlamaConfig {
             bos_token_id: f.get("bos_token_id").cloned(),
             eos_token_id: f.get("eos_token_id").cloned(),
         };
-        if hidden_size % heads != 0 {
+        if cfg.head_dim.is_none() && hidden_size % heads != 0 {
             return Err(f.err(
                 "hidden_size",
                 format!("{hidden_size} is not a multiple of num_attention_heads {heads}"),
@@ -555,16 +654,25 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// Reads the `llama.*` keys of a GGUF file (llama.cpp's names; errors name the key).
+    /// Reads the `<arch>.*` keys of a GGUF file (llama.cpp's names; errors name the key).
+    /// llama.cpp writes llama and Mistral models as `llama`, Qwen2/2.5 as `qwen2` and Qwen3
+    /// as `qwen3`.
     pub fn from_gguf(content: &gguf_file::Content) -> Result<Self, String> {
         let arch = meta_str(content, "general.architecture").unwrap_or("");
-        if arch != "llama" {
-            return Err(format!(
-                "`general.architecture`: `{arch}` is not supported (only the llama family)"
-            ));
-        }
-        let opt_u = |k: &str| meta_u32(content, k).map(|v| v as usize);
-        let req_u = |k: &str| opt_u(k).ok_or_else(|| format!("`{k}`: required key missing"));
+        let family = match arch {
+            "llama" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            other => {
+                return Err(format!(
+                    "`general.architecture`: `{other}` is not supported (supported: llama, \
+                     qwen2, qwen3)"
+                ))
+            }
+        };
+        let key = |k: &str| format!("{arch}.{k}");
+        let opt_u = |k: &str| meta_u32(content, &key(k)).map(|v| v as usize);
+        let req_u = |k: &str| opt_u(k).ok_or_else(|| format!("`{}`: required key missing", key(k)));
         // f32 metadata as the decimal it was written from (1e-5, not 9.99999974e-6), so a
         // converted checkpoint's config.json reads as the original.
         let opt_f = |k: &str| -> Result<Option<f64>, String> {
@@ -582,72 +690,87 @@ impl LlamaConfig {
             }
             v => Ok(v),
         };
-        if opt_u("llama.expert_count").unwrap_or(0) > 0 {
-            return Err("`llama.expert_count`: mixture-of-experts models are not supported".into());
+        if opt_u("expert_count").unwrap_or(0) > 0 {
+            return Err(format!(
+                "`{}`: mixture-of-experts models are not supported",
+                key("expert_count")
+            ));
         }
-        let heads = req_u("llama.attention.head_count")?;
-        let hidden = req_u("llama.embedding_length")?;
-        let vocab = match opt_u("llama.vocab_size") {
+        let heads = req_u("attention.head_count")?;
+        let hidden = req_u("embedding_length")?;
+        let vocab = match opt_u("vocab_size") {
             Some(v) => v,
             None => content
                 .metadata
                 .get("tokenizer.ggml.tokens")
                 .and_then(|v| v.to_vec().ok())
                 .map(|v| v.len())
-                .ok_or("`llama.vocab_size`: missing, and no `tokenizer.ggml.tokens`")?,
+                .ok_or_else(|| {
+                    format!(
+                        "`{}`: missing, and no `tokenizer.ggml.tokens`",
+                        key("vocab_size")
+                    )
+                })?,
         };
         if heads == 0 {
-            return Err("`llama.attention.head_count`: must be >= 1".into());
+            return Err(format!("`{}`: must be >= 1", key("attention.head_count")));
         }
-        let head_dim = opt_u("llama.attention.key_length").unwrap_or(hidden / heads);
-        for k in ["llama.attention.value_length", "llama.rope.dimension_count"] {
+        let head_dim = opt_u("attention.key_length").unwrap_or(hidden / heads);
+        for k in ["attention.value_length", "rope.dimension_count"] {
             if let Some(v) = opt_u(k) {
                 if v != head_dim {
                     return Err(format!(
-                        "`{k}`: {v} differs from the head dimension {head_dim} \
-                         (partial rotary embeddings are not implemented)"
+                        "`{}`: {v} differs from the head dimension {head_dim} \
+                         (partial rotary embeddings are not implemented)",
+                        key(k)
                     ));
                 }
             }
         }
-        let rms_key = "llama.attention.layer_norm_rms_epsilon";
-        let rms = positive(rms_key, opt_f(rms_key)?)?
+        let rms_key = key("attention.layer_norm_rms_epsilon");
+        let rms = positive(&rms_key, opt_f(&rms_key)?)?
             .ok_or_else(|| format!("`{rms_key}`: required key missing"))?;
-        let theta_key = "llama.rope.freq_base";
+        let theta_key = key("rope.freq_base");
         let cfg = Self {
+            family,
+            sliding_window: None,
             vocab_size: vocab,
             hidden_size: hidden,
-            intermediate_size: req_u("llama.feed_forward_length")?,
-            num_hidden_layers: req_u("llama.block_count")?,
+            intermediate_size: req_u("feed_forward_length")?,
+            num_hidden_layers: req_u("block_count")?,
             num_attention_heads: heads,
-            num_key_value_heads: Some(opt_u("llama.attention.head_count_kv").unwrap_or(heads)),
+            num_key_value_heads: Some(opt_u("attention.head_count_kv").unwrap_or(heads)),
             head_dim: Some(head_dim),
             rms_norm_eps: rms,
-            rope_theta: positive(theta_key, opt_f(theta_key)?)?.unwrap_or(DEFAULT_ROPE_THETA),
-            max_position_embeddings: req_u("llama.context_length")?,
+            rope_theta: positive(&theta_key, opt_f(&theta_key)?)?.unwrap_or(DEFAULT_ROPE_THETA),
+            max_position_embeddings: req_u("context_length")?,
             tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
-            rope_scaling: gguf_rope_scaling(content, &opt_f)?,
+            rope_scaling: gguf_rope_scaling(content, arch, &opt_f)?,
             bos_token_id: None,
             eos_token_id: None,
         };
         if cfg.num_kv_heads() == 0 {
-            return Err("`llama.attention.head_count_kv`: must be >= 1".into());
+            return Err(format!(
+                "`{}`: must be >= 1",
+                key("attention.head_count_kv")
+            ));
         }
         cfg.check_shape().map_err(|(field, m)| {
-            let key = match field {
-                "head_dim" => "llama.attention.key_length",
-                _ => "llama.attention.head_count_kv",
+            let k = match field {
+                "head_dim" => key("attention.key_length"),
+                _ => key("attention.head_count_kv"),
             };
-            format!("`{key}` ({field}): {m}")
+            format!("`{k}` ({field}): {m}")
         })?;
         Ok(cfg)
     }
 }
 
-/// `llama.rope.scaling.type` (`none` | `linear`; llama.cpp's older `llama.rope.scale_linear`
+/// `<arch>.rope.scaling.type` (`none` | `linear`; llama.cpp's older `<arch>.rope.scale_linear`
 /// too). Llama 3 GGUFs carry their scaling as the `rope_freqs` tensor instead.
 fn gguf_rope_scaling(
     content: &gguf_file::Content,
+    arch: &str,
     opt_f: &dyn Fn(&str) -> Result<Option<f64>, String>,
 ) -> Result<Option<RopeScaling>, String> {
     let linear = |key: &str, factor: Option<f64>| match factor {
@@ -655,18 +778,19 @@ fn gguf_rope_scaling(
         Some(f) => Err(format!("`{key}`: {f}: must be a finite number > 0")),
         None => Err(format!("`{key}`: required by a linear rope scaling")),
     };
-    match meta_str(content, "llama.rope.scaling.type") {
-        None if content.metadata.contains_key("llama.rope.scale_linear") => {
-            let key = "llama.rope.scale_linear";
-            linear(key, opt_f(key)?)
-        }
+    let (type_key, old_key) = (
+        format!("{arch}.rope.scaling.type"),
+        format!("{arch}.rope.scale_linear"),
+    );
+    match meta_str(content, &type_key) {
+        None if content.metadata.contains_key(&old_key) => linear(&old_key, opt_f(&old_key)?),
         None | Some("none") => Ok(None),
         Some("linear") => {
-            let key = "llama.rope.scaling.factor";
-            linear(key, opt_f(key)?)
+            let key = format!("{arch}.rope.scaling.factor");
+            linear(&key, opt_f(&key)?)
         }
         Some(other) => Err(format!(
-            "`llama.rope.scaling.type`: `{other}` is not supported (supported: none, linear)"
+            "`{type_key}`: `{other}` is not supported (supported: none, linear)"
         )),
     }
 }
@@ -722,7 +846,7 @@ mod tests {
             ("head_dim", 3.into(), "head_dim"),
             ("num_key_value_heads", 3.into(), "num_key_value_heads"),
             ("rms_norm_eps", (-1.0).into(), "rms_norm_eps"),
-            ("model_type", "mistral".into(), "model_type"),
+            ("model_type", "gemma3_text".into(), "model_type"),
         ] {
             let mut v = base();
             v[key] = val;

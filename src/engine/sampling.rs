@@ -102,7 +102,7 @@ fn largest_any(logits: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
-crate::simd::dispatch!(largest, largest_any, (logits: &[f32]) -> f32);
+crate::engine::simd::dispatch!(largest, largest_any, (logits: &[f32]) -> f32);
 
 fn greedy_scan(logits: &[f32], is_banned: &dyn Fn(usize) -> bool) -> u32 {
     let mut best = (0usize, f32::NEG_INFINITY);
@@ -132,6 +132,15 @@ pub fn restricted_probs(logits: &[f32], ids: &[u32]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn largest_gives_the_same_bits_on_every_isa() {
+        use crate::engine::simd::{assert_same_bits_on_every_isa, test_values};
+        for n in [1usize, 15, 64, 49_153] {
+            let logits = test_values(n, 15);
+            assert_same_bits_on_every_isa("largest", |isa| vec![largest::on(isa, &logits)]);
+        }
+    }
 
     #[test]
     fn vectorized_greedy_picks_what_the_scan_picks() {

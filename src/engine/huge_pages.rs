@@ -1,9 +1,8 @@
 //! Model weights on 2 MiB pages. Decoding one request streams every weight from memory each
 //! step (~96 MB for the default model): on 4 KiB pages that is ~24 000 TLB misses a step,
 //! and glibc's malloc never asks for transparent huge pages where the system leaves them to
-//! `madvise` (the common default). Measured on the default model: one request's decode
-//! step and a single `serve` stream ~1.13× faster on huge pages (BENCHMARKS.md, "The
-//! weights on 2 MiB pages").
+//! `madvise` (the common default). A one-request decode step is memory-bound, so it runs
+//! faster on huge pages (the measurement: docs/perf-notes.md, "The weights on 2 MiB pages").
 
 use std::collections::BTreeSet;
 

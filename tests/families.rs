@@ -1,0 +1,388 @@
+//! The model families besides llama (qwen2, qwen3, mistral) against transformers: tiny random
+//! checkpoints that transformers wrote, with its logits, log-probs, greedy tokens, rendered
+//! chat template and one DPO gradient norm (`scripts/make_family_fixtures.py`, run by hand;
+//! the fixtures are committed, so no Python is needed here). The inference engine, `serve`,
+//! the trainable model and `dpo_train` each load them as they are.
+
+mod common;
+use common::model_util::one_thread;
+use common::serve_util;
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use collabllm::engine::config::Family;
+use collabllm::engine::llama::{LlamaConfig, WeightFormat};
+use collabllm::engine::{ChatCodec, Engine, LoadOptions, LocalModelFiles};
+use collabllm::llm::local::LocalBackend;
+use collabllm::llm::{ChatMessage, ModelSpec};
+use collabllm::train::logps::{pair_logps, PairBatch, TokenizedPair};
+use collabllm::train::loss::{dpo_loss, DpoConfig};
+use collabllm::train::model::TrainLlama;
+
+const FAMILIES: [&str; 3] = ["qwen2", "qwen3", "mistral"];
+
+fn dir(family: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/families")
+        .join(family)
+}
+
+fn reference(family: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir(family).join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+fn chat(r: &serde_json::Value) -> Vec<ChatMessage> {
+    r["chat"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+        .collect()
+}
+
+fn f32_engine(family: &str) -> Engine {
+    let opts = LoadOptions {
+        weights: WeightFormat::F32,
+        ..LoadOptions::default()
+    };
+    Engine::load(&LocalModelFiles::HfDir(dir(family)), &opts).unwrap()
+}
+
+#[test]
+fn configs_name_their_family() {
+    for (name, family) in FAMILIES
+        .iter()
+        .zip([Family::Qwen2, Family::Qwen3, Family::Mistral])
+    {
+        let cfg = LlamaConfig::from_hf_json(&dir(name).join("config.json")).unwrap();
+        assert_eq!(cfg.family, family);
+        assert_eq!(cfg.family.model_type(), *name);
+    }
+    let qwen3 = LlamaConfig::from_hf_json(&dir("qwen3").join("config.json")).unwrap();
+    assert_eq!(
+        qwen3.head_dim(),
+        16,
+        "Qwen3's head_dim is given, not hidden / heads"
+    );
+}
+
+#[test]
+fn engine_logits_match_transformers() {
+    one_thread();
+    for family in FAMILIES {
+        let r = reference(family);
+        let engine = f32_engine(family);
+        let got = engine.next_token_logits(&ids(&r["ids"])).unwrap();
+        let want = floats(&r["next_logits"]);
+        assert_eq!(got.len(), want.len(), "{family}: vocabulary");
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            diff < 1e-4,
+            "{family}: max |Δlogit| {diff:e} vs transformers"
+        );
+    }
+}
+
+#[test]
+fn chat_templates_render_as_transformers_does() {
+    for family in FAMILIES {
+        let r = reference(family);
+        let codec = ChatCodec::load(&LocalModelFiles::HfDir(dir(family))).unwrap();
+        assert_eq!(
+            codec
+                .encode(&codec.render(&chat(&r), true).unwrap())
+                .unwrap(),
+            ids(&r["chat_ids"]),
+            "{family}: apply_chat_template(add_generation_prompt=True)"
+        );
+    }
+}
+
+/// Greedy decoding: the engine's argmax at each step gives transformers' tokens, and `serve`
+/// (over HTTP, `--weights f32`) answers with their text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_gives_transformers_greedy_tokens() {
+    one_thread();
+    for family in FAMILIES {
+        let r = reference(family);
+        let want = ids(&r["greedy"]);
+        let engine = f32_engine(family);
+        let mut seq = ids(&r["chat_ids"]);
+        for (step, &token) in want.iter().enumerate() {
+            let logits = engine.next_token_logits(&seq).unwrap();
+            let best = (0..logits.len())
+                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
+                .unwrap() as u32;
+            assert_eq!(best, token, "{family}: greedy step {step}");
+            seq.push(best);
+        }
+        let text = engine.decode(&want).unwrap();
+        drop(engine);
+
+        let opts = LoadOptions {
+            weights: WeightFormat::F32,
+            ..LoadOptions::default()
+        };
+        let backend = LocalBackend::load(&ModelSpec::HfDir(dir(family)), &opts)
+            .await
+            .unwrap();
+        let addr = serve_util::spawn_server(backend, family).await;
+        let body = serde_json::json!({
+            "model": family,
+            "messages": r["chat"],
+            "temperature": 0.0,
+            "max_tokens": want.len(),
+        });
+        let (status, reply) = serve_util::post_raw(addr, body.to_string()).await;
+        assert_eq!(status, 200, "{family}: {reply}");
+        let reply: serde_json::Value = serde_json::from_str(&reply).unwrap();
+        assert_eq!(
+            reply["choices"][0]["message"]["content"].as_str().unwrap(),
+            text,
+            "{family}: serve's greedy reply"
+        );
+    }
+}
+
+/// The trainable model: per-token log-probs of a sequence and one DPO step's loss and global
+/// gradient norm equal transformers' (float64 to 1e-4 relative; float32 to 1e-3).
+#[test]
+fn training_logps_and_dpo_gradients_match_transformers() {
+    one_thread();
+    let dev = Device::Cpu;
+    for family in FAMILIES {
+        let r = reference(family);
+        for (dtype, tol) in [(DType::F64, 1e-4), (DType::F32, 1e-3)] {
+            let what = format!("{family} {dtype:?}");
+            let model = TrainLlama::from_hf_dir(&dir(family), dtype, &dev).unwrap();
+            let seq = ids(&r["ids"]);
+            let input = Tensor::new(seq.as_slice(), &dev)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let logp = collabllm::train::model::log_softmax_last_dim(
+                &model.forward(&input, None).unwrap().squeeze(0).unwrap(),
+            )
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec2::<f64>()
+            .unwrap();
+            for (t, want) in floats(&r["token_logps"]).iter().enumerate() {
+                let got = logp[t][seq[t + 1] as usize];
+                assert!(
+                    (got - want).abs() <= tol * want.abs().max(1.0),
+                    "{what}: token {} log-prob {got} vs {want}",
+                    t + 1
+                );
+            }
+
+            let d = &r["dpo"];
+            let pair = TokenizedPair {
+                prompt: ids(&d["prompt"]),
+                chosen: ids(&d["chosen"]),
+                rejected: ids(&d["rejected"]),
+            };
+            let batch = PairBatch::new(&[pair], 0, &dev).unwrap();
+            let (pc, pr) = pair_logps(&model, &batch, false).unwrap();
+            let scalar = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()[0];
+            for (got, key) in [(&pc, "policy_chosen_logp"), (&pr, "policy_rejected_logp")] {
+                let (got, want) = (scalar(got), d[key].as_f64().unwrap());
+                assert!(
+                    (got - want).abs() <= tol * want.abs().max(1.0),
+                    "{what}: {key} {got} vs {want}"
+                );
+            }
+            let num = |k: &str| {
+                Tensor::new(&[d[k].as_f64().unwrap()], &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            };
+            let cfg = DpoConfig {
+                beta: d["beta"].as_f64().unwrap(),
+                ..DpoConfig::default()
+            };
+            let out = dpo_loss(
+                &pc,
+                &pr,
+                &num("ref_chosen_logp"),
+                &num("ref_rejected_logp"),
+                &cfg,
+            )
+            .unwrap();
+            let want_loss = d["loss"].as_f64().unwrap();
+            assert!(
+                (out.metrics.loss - want_loss).abs() <= tol * want_loss,
+                "{what}: loss {} vs {want_loss}",
+                out.metrics.loss
+            );
+            let grads = out.loss.backward().unwrap();
+            let mut total = 0f64;
+            for (name, var) in model.named_vars() {
+                let g = grads
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("{what}: no gradient for {name}"));
+                let g = g.to_dtype(DType::F64).unwrap();
+                total += g
+                    .sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+            }
+            let (norm, want) = (total.sqrt(), d["total_grad_norm"].as_f64().unwrap());
+            assert!(
+                (norm - want).abs() <= tol * want,
+                "{what}: gradient norm {norm} vs {want}"
+            );
+        }
+    }
+}
+
+/// The families llama.cpp writes under their own GGUF architecture (qwen2, qwen3; Mistral is
+/// written as `llama`): the GGUF of the same weights gives transformers' logits in the engine
+/// and its log-probs in the trainer, and its tokenizer and template (rebuilt from the GGUF
+/// metadata, `tokenizer.ggml.pre` `qwen2`) transformers' chat ids.
+#[test]
+fn gguf_files_of_qwen_families_match_transformers() {
+    one_thread();
+    let dev = Device::Cpu;
+    for family in ["qwen2", "qwen3"] {
+        let r = reference(family);
+        let path = dir(family).with_extension("gguf");
+        let opts = LoadOptions {
+            weights: WeightFormat::F32,
+            ..LoadOptions::default()
+        };
+        let engine = Engine::load(&LocalModelFiles::Gguf(path.clone()), &opts).unwrap();
+        assert_eq!(
+            engine.encode_chat(&chat(&r)).unwrap(),
+            ids(&r["chat_ids"]),
+            "{family}: GGUF tokenizer and template"
+        );
+        let got = engine.next_token_logits(&ids(&r["ids"])).unwrap();
+        let diff = got
+            .iter()
+            .zip(floats(&r["next_logits"]))
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        assert!(diff < 1e-4, "{family} GGUF: max |Δlogit| {diff:e}");
+
+        let model = TrainLlama::from_gguf(&path, DType::F64, &dev).unwrap();
+        assert_eq!(model.config().family.model_type(), family);
+        let seq = ids(&r["ids"]);
+        let input = Tensor::new(seq.as_slice(), &dev)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logp = collabllm::train::model::log_softmax_last_dim(
+            &model.forward(&input, None).unwrap().squeeze(0).unwrap(),
+        )
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
+        for (t, want) in floats(&r["token_logps"]).iter().enumerate() {
+            let got = logp[t][seq[t + 1] as usize];
+            assert!(
+                (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{family} GGUF: token {} log-prob {got} vs {want}",
+                t + 1
+            );
+        }
+    }
+}
+
+/// What the config reader refuses names the file and the field.
+#[test]
+fn unsupported_families_and_settings_are_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir("qwen2").join("config.json")).unwrap())
+            .unwrap();
+    let refused = |edit: &dyn Fn(&mut serde_json::Value)| -> String {
+        let mut cfg = base.clone();
+        edit(&mut cfg);
+        let path = tmp.path().join("config.json");
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        LlamaConfig::from_hf_json(&path).unwrap_err().to_string()
+    };
+    let e = refused(&|c| c["model_type"] = "gemma3_text".into());
+    assert!(e.contains("model_type") && e.contains("gemma3_text"), "{e}");
+    assert!(
+        e.contains("qwen2, qwen3, mistral"),
+        "names what is supported: {e}"
+    );
+    let e = refused(&|c| c["use_sliding_window"] = true.into());
+    assert!(e.contains("use_sliding_window"), "{e}");
+    let e =
+        refused(&|c| c["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]));
+    assert!(e.contains("layer_types"), "{e}");
+    let e = refused(&|c| {
+        c["model_type"] = "qwen3".into();
+        c["attention_bias"] = true.into();
+    });
+    assert!(e.contains("attention_bias"), "{e}");
+    // Mistral's window caps the context: within it attention is full.
+    let mut cfg = base.clone();
+    cfg["model_type"] = "mistral".into();
+    cfg["sliding_window"] = 100.into();
+    let path = tmp.path().join("config.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let c = LlamaConfig::from_hf_json(&path).unwrap();
+    assert_eq!((c.max_position_embeddings, c.context_length()), (256, 100));
+}
+
+/// The Qwen2.5 and Qwen3 chat templates, as the models ship them, render in the crate's
+/// template engine exactly as transformers renders them (`scripts/make_template_fixtures.py`):
+/// a system message or none, multi-turn, Qwen3's reasoning trace dropped from earlier turns,
+/// with and without the generation prompt.
+#[test]
+fn qwen_chat_templates_render_as_transformers_does() {
+    use collabllm::engine::chat_template::ChatTemplate;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
+    let cases: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(root.join("cases.json")).unwrap()).unwrap();
+    assert_eq!(cases.len(), 12);
+    for case in cases {
+        let name = case["template"].as_str().unwrap();
+        let source = std::fs::read_to_string(root.join(name)).unwrap();
+        let template = ChatTemplate::new(&source, name, "", "<|im_end|>").unwrap();
+        let messages: Vec<ChatMessage> = case["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+            .collect();
+        let gen = case["add_generation_prompt"].as_bool().unwrap();
+        assert_eq!(
+            template.render(&messages, gen).unwrap(),
+            case["rendered"].as_str().unwrap(),
+            "{name} {} (generation prompt: {gen})",
+            case["conversation"]
+        );
+    }
+}
