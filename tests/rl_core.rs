@@ -454,3 +454,34 @@ fn sync_serves_the_updated_weights() {
         assert!(max_diff(&last_logits(&q, &ids), &l1) < 0.5);
     }
 }
+
+/// With two mini-batches a step the second runs on weights the first changed: its ratio
+/// leaves 1 and, with a large enough step, the clip band, so the clip fractions it reports
+/// are non-zero (one optimizer step a batch would keep the ratio at exactly 1).
+#[test]
+fn a_second_mini_batch_moves_the_ratio_and_clips() {
+    let (_g, dir, codec) = setup();
+    let cfg = RlConfig {
+        lr: 5e-2,
+        mini_batch: 3,
+        micro_batch: 0,
+        ppo_epochs: 1,
+        seed: 5,
+        ..Default::default()
+    };
+    let mut t = RlTrainer::new(policy(&dir, false), cfg, codec.eos_ids[0]).unwrap();
+    let rep = t.update(&codec, &yes_groups()).unwrap();
+    assert_eq!(rep.optimizer_steps, 2);
+    let get = |step: usize, k: &str| {
+        let named = rep.steps[step].named();
+        named.iter().find(|(n, _)| *n == k).unwrap().1
+    };
+    assert!((get(0, "ratio_mean") - 1.0).abs() < 1e-5);
+    assert_eq!(get(0, "pg_clipfrac"), 0.0);
+    let (lo, hi) = (get(1, "ratio_min"), get(1, "ratio_max"));
+    assert!(
+        lo < 0.8 || hi > 1.2,
+        "ratio stayed in the band: [{lo}, {hi}]"
+    );
+    assert!(get(1, "pg_clipfrac") > 0.0, "{:?}", rep.steps[1].named());
+}
