@@ -184,6 +184,11 @@ struct Args {
     #[arg(long, value_name = "T", default_value = "auto", value_parser = ["auto", "f32", "bf16"])]
     dtype: String,
 
+    /// Float type of the saved checkpoints: auto (the source checkpoint's — a bf16 base is
+    /// saved in bf16; f32 for a GGUF), f32, bf16 or f16.
+    #[arg(long, value_name = "T", default_value = "auto", value_parser = ["auto", "f32", "bf16", "f16"])]
+    save_dtype: String,
+
     /// Recompute each layer's activations during the backward pass instead of keeping them
     /// (HF's gradient checkpointing): activation memory of one layer instead of all, for about
     /// one extra forward pass of compute.
@@ -245,6 +250,7 @@ impl Args {
         cfg.resume_override = self.resume_override;
         cfg.device = self.device;
         cfg.dtype = self.dtype;
+        cfg.save_dtype = self.save_dtype;
         cfg.ref_cache = !self.no_ref_cache;
         cfg.gradient_checkpointing = self.gradient_checkpointing;
         cfg

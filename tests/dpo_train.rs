@@ -1049,3 +1049,50 @@ fn every_model_family_trains_full_and_lora() {
         assert!(d < 1e-4, "{family}: engine on the adapter vs trainer: {d}");
     }
 }
+
+/// Checkpoints keep the float type the base came in (a bf16 base is saved in bf16, stated in
+/// config.json) unless `save_dtype` says otherwise.
+#[test]
+fn checkpoints_keep_the_base_dtype_unless_told() {
+    let f = fixture();
+    let bf16 = f.root.join("tiny-bf16");
+    std::fs::create_dir_all(&bf16).unwrap();
+    for entry in std::fs::read_dir(&f.model).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|e| e != "safetensors") {
+            std::fs::copy(&p, bf16.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let tensors: HashMap<String, Tensor> =
+        candle_core::safetensors::load(f.model.join("model.safetensors"), &Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .map(|(k, v)| (k, v.to_dtype(DType::BF16).unwrap()))
+            .collect();
+    collabllm::engine::weights::save_safetensors(&tensors, &bf16.join("model.safetensors"))
+        .unwrap();
+    for (save, want, name) in [
+        ("auto", DType::BF16, "bfloat16"),
+        ("f32", DType::F32, "float32"),
+    ] {
+        let mut cfg = config(&f, &format!("save-{save}"));
+        cfg.model = bf16.display().to_string();
+        cfg.max_steps = Some(1);
+        cfg.save_dtype = save.into();
+        train(&cfg, false).unwrap();
+        let fin = cfg.output.join("final");
+        let saved =
+            candle_core::safetensors::load(fin.join("model.safetensors"), &Device::Cpu).unwrap();
+        let dtypes: std::collections::BTreeSet<String> =
+            saved.values().map(|t| format!("{:?}", t.dtype())).collect();
+        assert!(
+            saved.values().all(|t| t.dtype() == want),
+            "--save-dtype {save}: {dtypes:?}"
+        );
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fin.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(config["torch_dtype"], name);
+        assert_eq!(config["dtype"], name);
+    }
+}

@@ -276,6 +276,9 @@ pub struct TrainLlama {
     dtype: DType,
     device: Device,
     lora: Option<LoraState>,
+    /// The float type checkpoints are written in: the source checkpoint's (f32 for GGUF)
+    /// unless [`TrainLlama::set_save_dtype`] says otherwise.
+    save_dtype: DType,
 }
 
 use crate::engine::checkpoint::expected_shape;
@@ -377,6 +380,7 @@ impl TrainLlama {
             dtype,
             device: device.clone(),
             lora: None,
+            save_dtype: DType::F32,
         })
     }
 
@@ -398,7 +402,15 @@ impl TrainLlama {
                     .map_err(|e| TrainError::input(f, e.to_string()))?,
             );
         }
-        Ok(Self::from_tensors(cfg, tensors, None, dtype, device)?)
+        // Checkpoints keep the float type the weights came in (a bf16 base stays bf16).
+        let source = tensors
+            .get("model.embed_tokens.weight")
+            .map(Tensor::dtype)
+            .filter(|d| matches!(d, DType::F32 | DType::BF16 | DType::F16))
+            .unwrap_or(DType::F32);
+        let mut model = Self::from_tensors(cfg, tensors, None, dtype, device)?;
+        model.save_dtype = source;
+        Ok(model)
     }
 
     /// Loads a llama GGUF file, dequantizing every tensor and converting the Q/K rows to the
@@ -424,6 +436,16 @@ impl TrainLlama {
             self.dtype,
             &self.device,
         )
+    }
+
+    /// The float type [`TrainLlama::save_hf`] writes weights in.
+    pub fn save_dtype(&self) -> DType {
+        self.save_dtype
+    }
+
+    /// Writes checkpoints in `dtype` (f32, bf16 or f16) instead of the source's float type.
+    pub fn set_save_dtype(&mut self, dtype: DType) {
+        self.save_dtype = dtype;
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -993,7 +1015,7 @@ impl TrainLlama {
         let mut obj = source
             .and_then(|v| v.as_object().cloned())
             .unwrap_or_default();
-        let dtype = match self.dtype {
+        let dtype = match self.save_dtype {
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
             DType::F64 => "float64",
@@ -1019,6 +1041,8 @@ impl TrainLlama {
         set("max_position_embeddings", c.max_position_embeddings.into());
         set("tie_word_embeddings", c.tie_word_embeddings.into());
         set("torch_dtype", dtype.into());
+        // transformers ≥ 5 names it `dtype`; keep the two in agreement.
+        set("dtype", dtype.into());
         if let Some(v) = &c.bos_token_id {
             set("bos_token_id", v.clone());
         }
@@ -1064,10 +1088,12 @@ impl TrainLlama {
         source_dir: Option<&Path>,
     ) -> std::result::Result<(), TrainError> {
         std::fs::create_dir_all(dir).map_err(TrainError::io("creating", dir))?;
-        crate::engine::weights::save_safetensors(
-            &self.hf_tensors()?,
-            &dir.join("model.safetensors"),
-        )?;
+        let tensors = self
+            .hf_tensors()?
+            .into_iter()
+            .map(|(k, v)| Ok((k, v.to_dtype(self.save_dtype)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        crate::engine::weights::save_safetensors(&tensors, &dir.join("model.safetensors"))?;
         let source_cfg = source_dir
             .map(|s| s.join("config.json"))
             .filter(|p| p.is_file())

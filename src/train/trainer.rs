@@ -125,6 +125,10 @@ pub struct TrainConfig {
     pub device: String,
     /// `f32`, `bf16` or `auto` (bf16 on CUDA, f32 on the CPU).
     pub dtype: String,
+    /// The float type of saved checkpoints: `auto` (the source checkpoint's: a bf16 base
+    /// stays bf16; f32 for GGUF), `f32`, `bf16` or `f16`.
+    #[serde(default = "default_save_dtype")]
+    pub save_dtype: String,
     pub resume: bool,
     pub merge: bool,
     /// Use (and write) the reference log-prob cache beside the data.
@@ -216,6 +220,7 @@ impl TrainConfig {
             save_steps: None,
             device: "cpu".into(),
             dtype: "auto".into(),
+            save_dtype: default_save_dtype(),
             resume: false,
             merge: false,
             ref_cache: true,
@@ -329,6 +334,23 @@ pub fn parse_device(s: &str) -> Result<Device> {
                 source,
             })
         }
+    }
+}
+
+fn default_save_dtype() -> String {
+    "auto".into()
+}
+
+/// `--save-dtype`: `None` keeps the source checkpoint's float type.
+fn parse_save_dtype(s: &str) -> Result<Option<DType>> {
+    match s {
+        "auto" => Ok(None),
+        "f32" => Ok(Some(DType::F32)),
+        "bf16" => Ok(Some(DType::BF16)),
+        "f16" => Ok(Some(DType::F16)),
+        _ => Err(TrainError::Setting(format!(
+            "unknown save dtype `{s}` (auto, f32, bf16 or f16)"
+        ))),
     }
 }
 
@@ -618,6 +640,9 @@ fn load_model(
             ))
         }
     };
+    if let Some(d) = parse_save_dtype(&cfg.save_dtype)? {
+        model.set_save_dtype(d);
+    }
     if let Some(l) = &cfg.lora {
         let base = adapter_base_name(&cfg.model, files);
         let targets: Vec<&str> = l.targets.iter().map(String::as_str).collect();
