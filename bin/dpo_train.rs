@@ -105,6 +105,13 @@ struct Args {
     #[arg(long, requires = "lora")]
     merge: bool,
 
+    /// With --lora: write the base model as loaded to <output>/base/ (an HF folder) and
+    /// record it as the adapters' base, so `AutoPeftModelForCausalLM` and `serve` load an
+    /// adapter from its folder alone, offline. Without it the base of `default` or a GGUF is
+    /// recorded by its Hub id, whose weights are not the dequantized ones trained on.
+    #[arg(long, requires = "lora")]
+    save_base: bool,
+
     /// Peak learning rate [default: 5e-6, or 2e-5 with --lora].
     #[arg(long, value_name = "X")]
     lr: Option<f64>,
@@ -233,6 +240,7 @@ impl Args {
         cfg.sft_min_score = self.sft_min_score;
         cfg.lora = lora;
         cfg.merge = self.merge;
+        cfg.save_base = self.save_base;
         cfg.epochs = self.epochs;
         cfg.max_steps = self.max_steps;
         cfg.batch_size = self.batch_size;

@@ -1096,3 +1096,55 @@ fn checkpoints_keep_the_base_dtype_unless_told() {
         assert_eq!(config["dtype"], name);
     }
 }
+
+/// `save_base` with LoRA on the embedded default (a GGUF): the base as trained on is written to
+/// `<output>/base/` and recorded as the adapter's base, so the adapter folder loads alone —
+/// resolved offline to that base, with the trainer's base + adapter logits.
+#[test]
+fn an_adapter_on_the_default_model_loads_alone_with_its_saved_base() {
+    let f = fixture();
+    let mut cfg = config(&f, "lora-default");
+    cfg.model = "default".into();
+    cfg.max_steps = Some(1);
+    cfg.lr = 1e-2;
+    cfg.lora = Some(LoraOptions {
+        r: 4,
+        alpha: 8.0,
+        ..Default::default()
+    });
+    cfg.save_base = true;
+    train(&cfg, false).unwrap();
+    let base = std::fs::canonicalize(cfg.output.join("base")).unwrap();
+    assert!(base.join("model.safetensors").is_file() && base.join("tokenizer.json").is_file());
+    let adapter_dir = cfg.output.join("final");
+    let acfg = AdapterConfig::read(&adapter_dir).unwrap();
+    assert_eq!(
+        acfg.base_model_name_or_path.as_deref(),
+        Some(base.display().to_string().as_str())
+    );
+
+    let files = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(resolve_local(&ModelSpec::HfDir(adapter_dir.clone())))
+        .unwrap();
+    let LocalModelFiles::Adapter { base: resolved, .. } = &files else {
+        panic!("not resolved as an adapter: {files:?}");
+    };
+    assert_eq!(**resolved, LocalModelFiles::HfDir(base.clone()));
+    let ids = codec(&base).encode("<|im_start|>user\nIs it?").unwrap();
+    let opts = LoadOptions {
+        weights: collabllm::engine::llama::WeightFormat::F32,
+        ..Default::default()
+    };
+    let engine = collabllm::engine::Engine::load(&files, &opts).unwrap();
+    let got = engine.next_token_logits(&ids).unwrap();
+    let adapter =
+        candle_core::safetensors::load(adapter_dir.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+    let mut trained = TrainLlama::from_hf_dir(&base, DType::F32, &Device::Cpu).unwrap();
+    trained.enable_lora(acfg, 0).unwrap();
+    trained.load_trainable(&adapter).unwrap();
+    let want = tokens_of(&trained, &ids);
+    let d = max_diff(&[got], &want[want.len() - 1..]);
+    assert!(d < 1e-3, "engine on the adapter vs trainer: {d}");
+}

@@ -133,6 +133,11 @@ pub struct TrainConfig {
     pub merge: bool,
     /// Use (and write) the reference log-prob cache beside the data.
     pub ref_cache: bool,
+    /// With LoRA: write the base model as loaded (an HF folder, `<output>/base/`) and record
+    /// that folder as the adapters' base, so an adapter loads alone, offline (the base of
+    /// `default` or a GGUF is otherwise named by its Hub id).
+    #[serde(default)]
+    pub save_base: bool,
     /// Recompute each layer's activations in the backward pass (less memory, ~1 extra
     /// forward of compute).
     #[serde(default)]
@@ -224,6 +229,7 @@ impl TrainConfig {
             resume: false,
             merge: false,
             ref_cache: true,
+            save_base: false,
             gradient_checkpointing: false,
             stop_after: None,
             resume_override: Vec::new(),
@@ -458,7 +464,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     let device = parse_device(&cfg.device)?;
     let dtype = parse_dtype(&cfg.dtype, &device)?;
     let mut data = load_data(cfg, &data_paths, &codec, &objective)?;
-    let model = load_model(cfg, &files, dtype, &device)?;
+    let model = load_model(cfg, &files, &codec, dtype, &device)?;
     let pad_id = codec.eos_ids.first().copied().unwrap_or(0);
 
     // Reference log-probs, before any weight changes (also before resuming weights).
@@ -627,6 +633,7 @@ fn load_data(
 fn load_model(
     cfg: &TrainConfig,
     files: &LocalModelFiles,
+    codec: &ChatCodec,
     dtype: DType,
     device: &Device,
 ) -> Result<TrainLlama> {
@@ -644,7 +651,11 @@ fn load_model(
         model.set_save_dtype(d);
     }
     if let Some(l) = &cfg.lora {
-        let base = adapter_base_name(&cfg.model, files);
+        let base = if cfg.save_base {
+            save_base(cfg, files, codec, &model)?
+        } else {
+            adapter_base_name(&cfg.model, files)
+        };
         let targets: Vec<&str> = l.targets.iter().map(String::as_str).collect();
         let acfg = AdapterConfig::lora(l.r, l.alpha, l.dropout, &targets, &base);
         model.enable_lora(acfg, cfg.seed)?;
@@ -811,6 +822,32 @@ fn train_steps(run: &mut Run, opt: &mut AdamW, start_step: usize, progress: bool
 /// `base_model_name_or_path` for the adapter, so that PEFT's auto classes load it from its
 /// directory alone: the Hub id (`default` is [`crate::llm::spec::DEFAULT_MODEL_HF_ID`]), local files as
 /// absolute paths (so the adapter loads from any working directory).
+/// Writes the base model as loaded into `<output>/base/` (once: a resumed run keeps it) and
+/// returns that folder's absolute path, the adapters' recorded base.
+fn save_base(
+    cfg: &TrainConfig,
+    files: &LocalModelFiles,
+    codec: &ChatCodec,
+    model: &TrainLlama,
+) -> Result<String> {
+    let dir = cfg.output.join("base");
+    if !dir.join("config.json").is_file() {
+        let tmp = cfg.output.join("base.partial");
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(TrainError::io("removing", &tmp))?;
+        }
+        let source = match files {
+            LocalModelFiles::HfDir(d) => Some(d.as_path()),
+            _ => None,
+        };
+        model.save_hf(&tmp, source)?;
+        codec.save_hf(&tmp)?;
+        std::fs::rename(&tmp, &dir).map_err(TrainError::io("renaming into place", &dir))?;
+    }
+    let abs = std::fs::canonicalize(&dir).map_err(TrainError::io("resolving", &dir))?;
+    Ok(abs.display().to_string())
+}
+
 pub(crate) fn adapter_base_name(spec: &str, files: &LocalModelFiles) -> String {
     if let Some(id) = spec
         .parse::<ModelSpec>()
