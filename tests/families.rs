@@ -58,6 +58,42 @@ fn chat(r: &serde_json::Value) -> Vec<ChatMessage> {
         .collect()
 }
 
+/// The largest |Δ| between the engine's next-token logits and transformers'.
+fn max_logit_diff(got: &[f32], r: &serde_json::Value) -> f64 {
+    let want = floats(&r["next_logits"]);
+    assert_eq!(got.len(), want.len(), "vocabulary");
+    got.iter()
+        .zip(&want)
+        .map(|(a, b)| (*a as f64 - b).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The trainable model's per-token log-probs of the reference sequence against
+/// transformers', each within `tol` relative (absolute below 1).
+fn check_token_logps(model: &TrainLlama, r: &serde_json::Value, tol: f64, what: &str) {
+    let seq = ids(&r["ids"]);
+    let input = Tensor::new(seq.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logp = collabllm::train::model::log_softmax_last_dim(
+        &model.forward(&input, None).unwrap().squeeze(0).unwrap(),
+    )
+    .unwrap()
+    .to_dtype(DType::F64)
+    .unwrap()
+    .to_vec2::<f64>()
+    .unwrap();
+    for (t, want) in floats(&r["token_logps"]).iter().enumerate() {
+        let got = logp[t][seq[t + 1] as usize];
+        assert!(
+            (got - want).abs() <= tol * want.abs().max(1.0),
+            "{what}: token {} log-prob {got} vs {want}",
+            t + 1
+        );
+    }
+}
+
 fn f32_engine(family: &str) -> Engine {
     let opts = LoadOptions {
         weights: WeightFormat::F32,
@@ -91,13 +127,7 @@ fn engine_logits_match_transformers() {
         let r = reference(family);
         let engine = f32_engine(family);
         let got = engine.next_token_logits(&ids(&r["ids"])).unwrap();
-        let want = floats(&r["next_logits"]);
-        assert_eq!(got.len(), want.len(), "{family}: vocabulary");
-        let diff = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (*a as f64 - b).abs())
-            .fold(0.0, f64::max);
+        let diff = max_logit_diff(&got, &r);
         assert!(
             diff < 1e-4,
             "{family}: max |Δlogit| {diff:e} vs transformers"
@@ -177,27 +207,7 @@ fn training_logps_and_dpo_gradients_match_transformers() {
         for (dtype, tol) in [(DType::F64, 1e-4), (DType::F32, 1e-3)] {
             let what = format!("{family} {dtype:?}");
             let model = TrainLlama::from_hf_dir(&dir(family), dtype, &dev).unwrap();
-            let seq = ids(&r["ids"]);
-            let input = Tensor::new(seq.as_slice(), &dev)
-                .unwrap()
-                .unsqueeze(0)
-                .unwrap();
-            let logp = collabllm::train::model::log_softmax_last_dim(
-                &model.forward(&input, None).unwrap().squeeze(0).unwrap(),
-            )
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_vec2::<f64>()
-            .unwrap();
-            for (t, want) in floats(&r["token_logps"]).iter().enumerate() {
-                let got = logp[t][seq[t + 1] as usize];
-                assert!(
-                    (got - want).abs() <= tol * want.abs().max(1.0),
-                    "{what}: token {} log-prob {got} vs {want}",
-                    t + 1
-                );
-            }
+            check_token_logps(&model, &r, tol, &what);
 
             let d = &r["dpo"];
             let pair = TokenizedPair {
@@ -285,34 +295,12 @@ fn gguf_files_of_qwen_families_match_transformers() {
             "{family}: GGUF tokenizer and template"
         );
         let got = engine.next_token_logits(&ids(&r["ids"])).unwrap();
-        let diff = got
-            .iter()
-            .zip(floats(&r["next_logits"]))
-            .map(|(a, b)| (*a as f64 - b).abs())
-            .fold(0.0, f64::max);
+        let diff = max_logit_diff(&got, &r);
         assert!(diff < 1e-4, "{family} GGUF: max |Δlogit| {diff:e}");
 
         let model = TrainLlama::from_gguf(&path, DType::F64, &dev).unwrap();
         assert_eq!(model.config().family.model_type(), family);
-        let seq = ids(&r["ids"]);
-        let input = Tensor::new(seq.as_slice(), &dev)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let logp = collabllm::train::model::log_softmax_last_dim(
-            &model.forward(&input, None).unwrap().squeeze(0).unwrap(),
-        )
-        .unwrap()
-        .to_vec2::<f64>()
-        .unwrap();
-        for (t, want) in floats(&r["token_logps"]).iter().enumerate() {
-            let got = logp[t][seq[t + 1] as usize];
-            assert!(
-                (got - want).abs() <= 1e-6 * want.abs().max(1.0),
-                "{family} GGUF: token {} log-prob {got} vs {want}",
-                t + 1
-            );
-        }
+        check_token_logps(&model, &r, 1e-6, &format!("{family} GGUF"));
     }
 }
 
