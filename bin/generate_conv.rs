@@ -195,7 +195,8 @@ struct Args {
     interactivity_scale: Option<InteractivityScale>,
     /// What token_amount count: policy (the model's own tokenizer; cl100k_base for endpoints),
     /// cl100k (OpenAI's cl100k_base for every model, comparable across models) or words
-    /// (whitespace words, as the verl recipe) [default: policy].
+    /// (the whitespace words of every message after the prompt, the simulated user's
+    /// included, as the verl recipe counts) [default: policy].
     #[arg(long, value_enum, value_name = "COUNTER")]
     token_counter: Option<collabllm::llm::tokens::TokenCounterKind>,
     /// Token cap of one reply, repeatable: ROLE=N with ROLE policy (candidates, and the future

@@ -6,13 +6,15 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use collabllm::cli::{EndpointArgs, TwentyQuestionsArgs};
+use collabllm::generate::compat::Compat;
+use collabllm::llm::tokens::TokenCounterKind;
 use collabllm::llm::ModelSpec;
-use collabllm::reward::judge::JudgeMode;
+use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::task::TaskType;
-use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig};
+use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig, TruncatedReward};
 use collabllm::train::rl::run::rl_train_until;
 use collabllm::train::trainer::Schedule;
 
@@ -164,6 +166,35 @@ struct Args {
     /// Responses per optimizer step; 0 = all of the step's [default: 0].
     #[arg(long, value_name = "M")]
     mini_batch: Option<usize>,
+    /// Prompts per optimizer step, as verl's ppo_mini_batch_size counts them (each brings
+    /// its --group-size responses), 1 to --batch-prompts; replaces --mini-batch. Two or
+    /// more mini-batches a step let the importance ratio move, so the clip acts.
+    #[arg(long, value_name = "P")]
+    ppo_mini_batch: Option<usize>,
+    /// Follow the verl CollabLLM recipe (recipe/collabllm/train_rl_collabllm.sh): GRPO, lr
+    /// 1e-6, low-variance KL loss 0.001, entropy 0, token-mean, 16 prompts × 8 responses in
+    /// mini-batches of 8 prompts, temperature 1 (top_p 1), 2048-token responses, S = 3,
+    /// W = 4, judge cap 2048, MR verl_clamp, its interactivity rubric, token_amount as
+    /// words of every message after the prompt, truncated responses scored 0 without
+    /// futures. Applied after --config and before the other flags (a flag still wins);
+    /// rl_config.json and rl_summary.json record every value it set.
+    #[arg(long, value_name = "PRESET")]
+    compat: Option<Compat>,
+    /// Interactivity judge scale: v2 (0 / 0.5 / 1, upstream CollabLLM), verl (mean of
+    /// understanding, clarification and suggestion, each in [0, 1]), v1, likert5
+    /// [default: v2].
+    #[arg(long, value_name = "SCALE")]
+    interactivity_scale: Option<InteractivityScale>,
+    /// What token_amount counts: policy (the trained model's tokens of the assistant
+    /// turns), cl100k, or words (the whitespace words of every message after the prompt,
+    /// the simulated user's included, as the verl recipe counts) [default: policy].
+    #[arg(long, value_enum, value_name = "COUNTER")]
+    token_counter: Option<TokenCounterKind>,
+    /// A response cut at --max-new-tokens: futures (played and scored like any other) or
+    /// zero (no futures, reward 0, as verl does, so running long never pays)
+    /// [default: futures].
+    #[arg(long, value_enum, value_name = "HOW")]
+    truncated: Option<TruncatedReward>,
     /// Responses (online DPO: pairs) per forward/backward pass; 0 = the whole mini-batch
     /// [default: 4].
     #[arg(long, value_name = "M")]
@@ -257,6 +288,10 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         Some(p) => RlRunConfig::from_toml_file(p)?,
         None => RlRunConfig::default(),
     };
+    // defaults ← --config ← --compat ← the other flags.
+    if let Some(c) = args.compat {
+        cfg.apply_compat(c)?;
+    }
     macro_rules! set {
         ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )* };
     }
@@ -301,8 +336,18 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         device,
         sampler_weights,
         concurrency,
-        judge_mode
+        judge_mode,
+        interactivity_scale,
+        token_counter,
+        truncated
     );
+    // One way to size mini-batches: the flag given wins over the preset's or file's other.
+    if args.mini_batch.is_some() {
+        cfg.ppo_mini_batch = None;
+    }
+    if let Some(p) = args.ppo_mini_batch {
+        (cfg.ppo_mini_batch, cfg.mini_batch) = (Some(p), 0);
+    }
     set_opt!(
         task_type,
         max_tasks,

@@ -43,6 +43,7 @@ fn group(task: &str, rewards: &[Option<f64>]) -> Group {
                 reward: *r,
                 metrics: Default::default(),
                 truncated: false,
+                token_ids: None,
             })
             .collect(),
     }

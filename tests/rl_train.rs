@@ -217,6 +217,19 @@ async fn trains_end_to_end_and_a_missing_score_leaves_its_group() {
         assert_eq!(l["actor/optimizer_steps"], 2.0, "two PPO epochs");
     }
     assert!(logs.iter().all(|l| l["kl"].as_f64().unwrap() >= 0.0));
+    // TRL's num_tokens: prompt + response tokens of every sampled response, cumulative.
+    let rollouts = jsonl(&out.join("rollouts.jsonl"));
+    let mut seen = 0;
+    for (i, l) in logs.iter().enumerate() {
+        for g in rollouts.iter().filter(|g| g["step"] == i as u64 + 1) {
+            let prompt = g["prompt_tokens"].as_u64().unwrap();
+            assert!(prompt > 0);
+            for r in g["responses"].as_array().unwrap() {
+                seen += prompt + r["tokens"].as_u64().unwrap();
+            }
+        }
+        assert_eq!(l["num_tokens"], seen, "step {}", i + 1);
+    }
     assert!(logs[2]["kl"].as_f64().unwrap() > 0.0, "the policy moved");
 
     let rollouts = jsonl(&out.join("rollouts.jsonl"));
@@ -352,6 +365,12 @@ async fn resume_after_a_checkpoint_takes_the_same_next_steps() {
         jsonl(&killed.join("logs.jsonl")),
     );
     assert_eq!(b.len(), 3, "steps after the checkpoint were redone once");
+    for step in 0..3 {
+        assert_eq!(
+            a[step]["num_tokens"], b[step]["num_tokens"],
+            "counted on from the checkpoint"
+        );
+    }
     for step in 1..3 {
         for k in ["loss", "grad_norm", "kl", "reward", "actor/ratio_mean"] {
             let (x, y) = (a[step][k].as_f64().unwrap(), b[step][k].as_f64().unwrap());
@@ -934,4 +953,194 @@ async fn every_model_family_runs_a_step() {
                 .unwrap();
         assert_eq!(config["model_type"], family);
     }
+}
+
+/// `--compat verl`: the recipe's values are recorded (a flag still wins), a response cut at
+/// the token cap scores 0 and plays no future (no simulated-user call for it), and the
+/// update trains on the token ids the sampler drew, which here do not all survive decoding
+/// and re-encoding.
+#[tokio::test(flavor = "multi_thread")]
+async fn compat_verl_zeroes_truncated_responses_and_trains_the_sampled_ids() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("verl");
+    let extra = [
+        "--compat",
+        "verl",
+        // Flags win over the preset: a small CPU run, the test server's judge scale.
+        "--interactivity-scale",
+        "v2",
+        "--ppo-mini-batch",
+        "1",
+        "--ppo-epochs",
+        "1",
+        "--max-length",
+        "1024",
+        "--max-new-tokens",
+        "40",
+        "--group-size",
+        "6",
+        "--max-steps",
+        "1",
+    ];
+    ok(&run_bin(&args(&server, &model, &out, &extra)).await);
+
+    let read = |f: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(out.join(f)).unwrap()).unwrap()
+    };
+    let summary = read("rl_summary.json");
+    assert_eq!(summary["compat"]["preset"], "verl", "{summary}");
+    for (k, v) in [
+        ("lr", serde_json::json!(1e-6)),
+        ("kl_coef", serde_json::json!(0.001)),
+        ("truncated", serde_json::json!("zero")),
+        ("token_counter", serde_json::json!("words")),
+        ("mr_formula", serde_json::json!("verl_clamp")),
+        ("ppo_mini_batch", serde_json::json!(8)),
+    ] {
+        assert_eq!(summary["compat"]["set"][k], v, "{k}");
+    }
+    let config = read("rl_config.json");
+    assert_eq!(config["compat"], summary["compat"]);
+    assert_eq!(config["interactivity_scale"], "v2", "the flag won");
+    assert_eq!(config["ppo_mini_batch"], 1);
+    assert_eq!(config["lr"], 1e-3, "the test's --lr won");
+    assert_eq!(config["mr_formula"], "verl_clamp");
+
+    let codec = collabllm::engine::ChatCodec::load(&collabllm::llm::spec::LocalModelFiles::HfDir(
+        model.clone(),
+    ))
+    .unwrap();
+    let (mut truncated, mut scored, mut sampled_tokens, mut re_encoded_tokens) = (0, 0, 0, 0);
+    let mut differs = false;
+    for g in jsonl(&out.join("rollouts.jsonl")) {
+        let prompt: Vec<ChatMessage> = serde_json::from_value(g["prompt"].clone()).unwrap();
+        let responses = g["responses"].as_array().unwrap();
+        let valid = responses.iter().filter(|r| r["reward"].is_number()).count();
+        for r in responses {
+            let ids: Vec<u32> = serde_json::from_value(r["token_ids"].clone()).unwrap();
+            assert_eq!(r["tokens"], ids.len(), "{r}");
+            let cut = r["finish_reason"] == "length";
+            if cut {
+                truncated += 1;
+                assert_eq!(r["reward"], 0.0, "{r}");
+                assert!(r["sessions"].as_array().unwrap().is_empty(), "no futures");
+            } else {
+                scored += 1;
+                assert_eq!(r["sessions"].as_array().unwrap().len(), 2, "{r}");
+                // verl's word count: every message after the prompt.
+                let s = &r["sessions"][0];
+                let mut words = r["text"].as_str().unwrap().split_whitespace().count();
+                for m in s["messages"].as_array().unwrap() {
+                    words += m["content"].as_str().unwrap().split_whitespace().count();
+                }
+                assert_eq!(s["scores"]["token_amount"]["detail"]["tokens"], words);
+            }
+            if r["reward"].is_number() && valid >= 2 {
+                let text = r["text"].as_str().unwrap();
+                let (_, again) =
+                    collabllm::train::rl::batch::tokenize_response(&codec, &prompt, text, cut)
+                        .unwrap();
+                differs |= again != ids;
+                sampled_tokens += ids.len();
+                re_encoded_tokens += again.len();
+            }
+        }
+    }
+    assert!(truncated > 0, "some response hit the 40-token cap");
+    assert!(scored > 0, "some response ended on its own");
+    let logs = jsonl(&out.join("logs.jsonl"));
+    let l = &logs[0];
+    assert_eq!(l["responses/truncated_zero"], truncated as f64, "{l}");
+    // The user opens 2 prompts, then plays the first turn of both futures of every response
+    // that finished in one call (n = 2); the truncated ones cost nothing.
+    assert_eq!(l["api/user/calls"], (2 + scored) as u64, "{l}");
+    assert!(
+        differs,
+        "some sampled reply does not round-trip through its text"
+    );
+    assert_ne!(sampled_tokens, re_encoded_tokens);
+    assert_eq!(
+        l["actor/response_tokens"], sampled_tokens as f64,
+        "the update trained the sampled ids: {l}"
+    );
+    assert_eq!(
+        l["actor/optimizer_steps"], 2.0,
+        "two mini-batches of one prompt"
+    );
+}
+
+/// The clip acts: on the default model, a step in two mini-batches (`--ppo-mini-batch 1` of
+/// 2 prompts) moves the weights between them, so the second mini-batch's importance ratio
+/// leaves 1, and where it leaves [0.8, 1.2] the clip fraction is above 0. verl's and TRL's
+/// names for both are logged.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_mini_batches_move_the_ratio_and_the_clip_acts_on_the_default_model() {
+    let server = server().await;
+    let spec = format!("openai:scripted@{}", server.base_url);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("clip");
+    let (tasks, out_s) = (data("math.jsonl"), out.display().to_string());
+    let flags = [
+        "--compat",
+        "verl",
+        "--tasks",
+        &tasks,
+        "--max-tasks",
+        "2",
+        "--output",
+        &out_s,
+        "--model",
+        "default",
+        "--user",
+        &spec,
+        "--judge",
+        &spec,
+        // A single-turn word-count reward needs no model call, and its differences are all
+        // this test needs to move the weights.
+        "--opening",
+        "task",
+        "--samples",
+        "0",
+        "--metric",
+        "token_amount=-1",
+        "--keep-length-only-groups",
+        "--truncated",
+        "futures",
+        "--batch-prompts",
+        "2",
+        "--ppo-mini-batch",
+        "1",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "24",
+        "--max-length",
+        "1024",
+        "--lr",
+        "1e-4",
+        "--max-steps",
+        "1",
+        "--threads",
+        "2",
+    ]
+    .map(String::from);
+    let mut c = command(&flags);
+    c.env_remove("CANDLE_NUM_THREADS");
+    ok(&c.output().await.unwrap());
+    let l = &jsonl(&out.join("logs.jsonl"))[0];
+    assert_eq!(l["actor/optimizer_steps"], 2.0, "{l}");
+    let (lo, hi) = (
+        l["actor/ratio_min"].as_f64().unwrap(),
+        l["actor/ratio_max"].as_f64().unwrap(),
+    );
+    assert!(lo < 1.0 && hi > 1.0, "the ratio moved: {lo} .. {hi}");
+    assert!(
+        lo < 0.8 || hi > 1.2,
+        "some ratio left the band: {lo} .. {hi}"
+    );
+    assert!(l["actor/pg_clipfrac"].as_f64().unwrap() > 0.0, "{l}");
+    assert!(l["clip_ratio/region_mean"].as_f64().unwrap() > 0.0, "{l}");
+    assert_eq!(server.requests(), 0, "no model call besides the policy");
 }

@@ -20,6 +20,9 @@ pub(crate) use crate::run::AtomicFile;
 pub(crate) fn writer_properties() -> parquet::file::properties::WriterProperties {
     parquet::file::properties::WriterProperties::builder()
         .set_compression(parquet::basic::Compression::SNAPPY)
+        // Lists as the Parquet spec and pyarrow name their items (`element`), so a file's
+        // schema equals the one Python tools write for the same data.
+        .set_coerce_types(true)
         .build()
 }
 

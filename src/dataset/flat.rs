@@ -68,11 +68,17 @@ fn json_text(values: &[&Value]) -> ArrayRef {
 /// One JSON-valued column: nested when the rows hold objects or lists, else JSON text.
 fn json_column(rows: &[FlatRow], f: impl Fn(&FlatRow) -> &Value) -> ArrayRef {
     let values: Vec<&Value> = rows.iter().map(f).collect();
+    json_values_array(&values)
+}
+
+/// JSON values as one arrow column, typed as upstream's flat files type them: nested
+/// (structs, lists) when the values hold objects or lists, else JSON text.
+pub(crate) fn json_values_array(values: &[&Value]) -> ArrayRef {
     let shape = JsonShape::of_values(values.iter().copied());
     if shape.is_nested() {
-        shape.array(&values)
+        shape.array(values)
     } else {
-        json_text(&values)
+        json_text(values)
     }
 }
 
@@ -268,7 +274,8 @@ mod tests {
                 "rewards"
             ]
         );
-        let list = |t: DataType| DataType::List(Arc::new(Field::new_list_field(t, true)));
+        // Lists name their items `element`, as pyarrow writes upstream's files.
+        let list = |t: DataType| DataType::List(Arc::new(Field::new("element", t, true)));
         let strukt = |fields: Vec<(&str, DataType)>| {
             DataType::Struct(
                 fields
@@ -278,7 +285,10 @@ mod tests {
             )
         };
         let ty = |name: &str| schema.field_with_name(name).unwrap().data_type().clone();
-        assert_eq!(ty("prompt"), columnar::messages_type());
+        assert_eq!(
+            ty("prompt"),
+            list(DataType::Struct(columnar::message_struct_fields()))
+        );
         assert_eq!(
             ty("single_turn_metadata"),
             strukt(vec![("level", DataType::Utf8), ("type", DataType::Utf8)])

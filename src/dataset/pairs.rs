@@ -250,8 +250,9 @@ mod tests {
         let builder = ParquetRecordBatchReaderBuilder::try_new(file).unwrap();
         let md = builder.metadata().clone();
         let schema = builder.schema().clone();
+        // Lists name their items `element`, as pyarrow (and so TRL's own files) write them.
         let msg = DataType::List(Arc::new(Field::new(
-            "item",
+            "element",
             DataType::Struct(Fields::from(vec![
                 Field::new("role", DataType::Utf8, true),
                 Field::new("content", DataType::Utf8, true),

@@ -5,8 +5,9 @@
 //! - `rl_{train,validation}.parquet`: one row per distinct conversation prefix — `prompt` (the
 //!   system prompt, then the prefix, ending with the user), `raw_prompt` (the same),
 //!   `ground_truth`, `reward_model` {style "rule", ground_truth}, `extra_info` (the row's other
-//!   fields, the prompt, and `interaction_kwargs` {name "collabllm", single_turn_prompt,
-//!   task_desc} for the recipe's simulated user), `data_source` "collabllm", `agent_name`
+//!   fields with upstream's arrow types — `single_turn_metadata` and `rewards` structs,
+//!   `sessions` a list of lists of messages — the prompt, and `interaction_kwargs` {name
+//!   "collabllm", single_turn_prompt, task_desc} for the recipe's simulated user), `data_source` "collabllm", `agent_name`
 //!   "collabllm_agent", `index` ("conv_id:turn_id").
 //! - `sft_{train,validation}.parquet`: one row per conversation, `prompt` only: the system
 //!   prompt, the last turn's prefix and its best-scored completion.
@@ -196,16 +197,18 @@ fn strings<'a>(values: impl Iterator<Item = &'a str>) -> ArrayRef {
     Arc::new(StringArray::from_iter_values(values))
 }
 
-fn json_strings<'a>(values: impl Iterator<Item = &'a serde_json::Value>) -> ArrayRef {
-    Arc::new(StringArray::from_iter_values(
-        values.map(|v| serde_json::to_string(v).unwrap_or_default()),
-    ))
+/// A JSON field of the flat rows with the arrow type upstream's files give it (structs and
+/// lists, not JSON text): the recipe's metrics index `extra_info["single_turn_metadata"]`.
+fn json_field(rows: &[&FlatRow], f: impl Fn(&FlatRow) -> &serde_json::Value) -> ArrayRef {
+    let values: Vec<&serde_json::Value> = rows.iter().map(|r| f(r)).collect();
+    super::flat::json_values_array(&values)
 }
 
 fn struct_array(path: &Path, columns: Vec<(&str, ArrayRef)>) -> Result<ArrayRef, DatasetError> {
     let fields: Fields = columns
         .iter()
-        .map(|(name, a)| Field::new(*name, a.data_type().clone(), false))
+        // Nullable, as pyarrow writes every field.
+        .map(|(name, a)| Field::new(*name, a.data_type().clone(), true))
         .collect();
     let arrays = columns.into_iter().map(|(_, a)| a).collect();
     StructArray::try_new(fields, arrays, None)
@@ -214,7 +217,9 @@ fn struct_array(path: &Path, columns: Vec<(&str, ArrayRef)>) -> Result<ArrayRef,
 }
 
 fn batch(path: &Path, columns: Vec<(&str, ArrayRef)>) -> Result<RecordBatch, DatasetError> {
-    RecordBatch::try_from_iter(columns).map_err(|e| Ctx { path }.parquet(e))
+    // Nullable columns, as pyarrow (and so the recipe's script) writes them.
+    RecordBatch::try_from_iter_with_nullable(columns.into_iter().map(|(n, a)| (n, a, true)))
+        .map_err(|e| Ctx { path }.parquet(e))
 }
 
 /// `system` then the prompt; a prompt that opens with its own system message (a run made
@@ -269,22 +274,23 @@ fn rl_batch(
             ),
             ("conv_id", strings(rows.iter().map(|r| r.conv_id.as_str()))),
             (
-                "turn_id",
-                Arc::new(Int64Array::from_iter_values(
-                    rows.iter().map(|r| i64::from(r.turn_id)),
-                )),
-            ),
-            (
                 "score",
                 Arc::new(Float64Array::from_iter_values(rows.iter().map(|r| r.score))),
             ),
             ("single_turn_completion", truth()),
             (
                 "single_turn_metadata",
-                json_strings(rows.iter().map(|r| &r.single_turn_metadata)),
+                json_field(rows, |r| &r.single_turn_metadata),
             ),
-            ("sessions", json_strings(rows.iter().map(|r| &r.sessions))),
-            ("rewards", json_strings(rows.iter().map(|r| &r.rewards))),
+            // The flat file's column order, as the recipe's script copies the columns.
+            (
+                "turn_id",
+                Arc::new(Int64Array::from_iter_values(
+                    rows.iter().map(|r| i64::from(r.turn_id)),
+                )),
+            ),
+            ("sessions", json_field(rows, |r| &r.sessions)),
+            ("rewards", json_field(rows, |r| &r.rewards)),
             ("prompt", messages()),
             ("interaction_kwargs", interaction),
         ],
@@ -341,7 +347,7 @@ fn sft_batch(
 mod tests {
     use super::*;
     use arrow::array::{Array, AsArray, ListArray};
-    use serde_json::{json, Value};
+    use serde_json::json;
 
     fn row(conv: &str, turn: u32, score: f64, prompt: Vec<ChatMessage>) -> FlatRow {
         FlatRow {
@@ -467,8 +473,15 @@ mod tests {
         assert_eq!(col(kwargs, "name", 0), "collabllm");
         assert_eq!(col(kwargs, "task_desc", 0), "solving math problems");
         assert!(col(kwargs, "single_turn_prompt", 0).starts_with("goal of c"));
-        let meta: Value = serde_json::from_str(&col(extra, "single_turn_metadata", 0)).unwrap();
-        assert_eq!(meta["level"], 3);
+        let meta = extra
+            .column_by_name("single_turn_metadata")
+            .unwrap()
+            .as_struct();
+        let level = meta.column_by_name("level").unwrap();
+        assert_eq!(
+            level.as_primitive::<arrow::datatypes::Int64Type>().value(0),
+            3
+        );
         let rm = rl.column_by_name("reward_model").unwrap().as_struct();
         assert_eq!(col(rm, "style", 0), "rule");
         assert_eq!(col(rm, "ground_truth", 0), "42");
@@ -497,5 +510,60 @@ mod tests {
         assert_eq!(conv.last().unwrap().0, "assistant");
         assert!(conv.last().unwrap().1.starts_with("answer c"), "{conv:?}");
         assert_eq!(conv.len(), 5, "system + 3 prefix messages + completion");
+    }
+
+    /// The recipe's metrics read `extra_info` fields as structures (`pass_rate` indexes
+    /// `single_turn_metadata["entry_point"]`; as JSON text that raised and the reward
+    /// manager scored 0): each nested field has the arrow type upstream's flat file gives
+    /// the same rows.
+    #[test]
+    fn extra_info_keeps_upstream_nested_types() {
+        let mut rows = Vec::new();
+        for c in 0..4 {
+            let ask = ChatMessage::user(format!("code {c}?"));
+            let mut r = row(&format!("c{c}"), 0, 0.5, vec![ask]);
+            r.single_turn_metadata = json!({"task_type": "code", "entry_point": "task_func",
+                "test": "import unittest", "libs": ["numpy"]});
+            r.sessions = json!([
+                [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "x"}],
+                [{"role": "user", "content": "ok"}]
+            ]);
+            r.rewards = json!({"MR": [0.5, 0.25], "pass_rate": [1.0, 0.0]});
+            rows.push(r);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        export_verl(&rows, dir.path(), &VerlOptions::default()).unwrap();
+        let flat_path = dir.path().join("flat.parquet");
+        crate::dataset::flat::write_flat_parquet(&flat_path, &rows).unwrap();
+        let flat = read(&flat_path);
+        let rl = read(&dir.path().join("rl_train.parquet"));
+        let extra = rl.column_by_name("extra_info").unwrap().as_struct();
+        for name in ["single_turn_metadata", "sessions", "rewards"] {
+            let ours = extra.column_by_name(name).unwrap().data_type();
+            let upstream = flat.column_by_name(name).unwrap().data_type();
+            assert_eq!(ours, upstream, "{name}");
+        }
+        assert!(matches!(
+            extra.column_by_name("sessions").unwrap().data_type(),
+            arrow::datatypes::DataType::List(f)
+                if matches!(f.data_type(), arrow::datatypes::DataType::List(g)
+                    if matches!(g.data_type(), arrow::datatypes::DataType::Struct(_)))
+        ));
+        let meta = extra
+            .column_by_name("single_turn_metadata")
+            .unwrap()
+            .as_struct();
+        let entry = meta
+            .column_by_name("entry_point")
+            .unwrap()
+            .as_string::<i32>();
+        assert_eq!(entry.value(0), "task_func");
+        let rewards = extra.column_by_name("rewards").unwrap().as_struct();
+        let mr = rewards.column_by_name("MR").unwrap().as_list::<i32>();
+        let mr0 = mr.value(0);
+        assert_eq!(
+            mr0.as_primitive::<arrow::datatypes::Float64Type>().values(),
+            &[0.5, 0.25]
+        );
     }
 }

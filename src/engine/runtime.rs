@@ -150,6 +150,9 @@ pub struct Generation {
     pub finish: FinishReason,
     /// Tokens generated, the end-of-turn token included.
     pub tokens: usize,
+    /// The sampled token ids, the end-of-turn token included when one was sampled: what an
+    /// RL trainer trains on (decoding then re-encoding `text` need not give them back).
+    pub token_ids: Vec<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -913,6 +916,7 @@ impl Engine {
                     base_seed.wrapping_add(i as u64),
                 ),
                 ids: Vec::new(),
+                end: None,
                 detok: IncrementalText::default(),
                 text: String::new(),
                 tokens: 0,
@@ -1022,6 +1026,7 @@ impl Engine {
             row.tokens += 1;
             state.generated += 1;
             let finish = if self.codec.eos_ids.contains(&tok) {
+                row.end = Some(tok);
                 Some(FinishReason::Stop)
             } else {
                 row.ids.push(tok);
@@ -1244,6 +1249,8 @@ struct Row {
     sample: usize,
     sampler: Sampler,
     ids: Vec<u32>,
+    /// The end-of-turn token that ended the sample, if one did (never part of `ids`).
+    end: Option<u32>,
     /// The text of `ids`, a token at a time.
     detok: IncrementalText,
     /// The text so far (once finished: cut at the stop string).
@@ -1259,6 +1266,7 @@ impl Row {
             text: self.text.clone(),
             finish,
             tokens: self.tokens,
+            token_ids: self.ids.iter().copied().chain(self.end).collect(),
         }
     }
 

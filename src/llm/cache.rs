@@ -544,6 +544,7 @@ impl<B: ChatBackend + ?Sized> ChatBackend for CachedBackend<B> {
             index: 0,
             content: serde_json::to_string(&p).unwrap_or_default(),
             finish_reason: crate::llm::FinishReason::Stop,
+            token_ids: None,
         };
         if let Err(e) = self.cache.insert_many(&[(key, stored)]) {
             tracing::warn!(error = %e, "could not write the request cache");
@@ -563,6 +564,7 @@ mod tests {
             index: i,
             content: s.into(),
             finish_reason: FinishReason::Stop,
+            token_ids: None,
         }
     }
 

@@ -251,6 +251,7 @@ impl LocalBackend {
                     index,
                     content: s.text,
                     finish_reason: s.finish,
+                    token_ids: Some(s.token_ids),
                 })
                 .collect(),
             usage: TokenUsage {

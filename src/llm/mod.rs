@@ -133,6 +133,10 @@ pub struct Choice {
     pub index: usize,
     pub content: String,
     pub finish_reason: FinishReason,
+    /// The sampled token ids (a local engine's; endpoints give none), the end-of-turn token
+    /// included when one was sampled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// Token counts of one call (summed over its `n` samples for completion tokens, as OpenAI does).

@@ -334,6 +334,7 @@ impl OpenAiBackend {
                 index,
                 content,
                 finish_reason,
+                token_ids: None,
             });
         }
         let usage = resp

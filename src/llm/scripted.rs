@@ -99,6 +99,7 @@ impl ChatBackend for ScriptedBackend {
                 index: i,
                 content: text,
                 finish_reason: finish,
+                token_ids: None,
             });
         }
         Ok(ChatResponse {

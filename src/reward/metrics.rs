@@ -20,7 +20,7 @@ use crate::task::{Task, TaskType};
 pub const METRICS: &[(&str, &str)] = &[
     ("accuracy", "{0,1}: LLM judge of the final answer (as upstream); for math an explicit final answer (boxed or stated) is checked programmatically as a second opinion, recorded in `detail` and used only when the judge gives no verdict"),
     ("interactivity", "LLM judge on --interactivity-scale: v2 {0,0.5,1}, verl [0,1] (mean of three sub-scores), v1 {-3,-1,1} ((x-2.5)*2 of 1-3), likert5 [0,1] ((x-1)/4 of 1-5)"),
-    ("token_amount", ">=0: thousands of assistant tokens in the candidate and its future"),
+    ("token_amount", ">=0: thousands of assistant tokens in the candidate and its future (words: every message's words, verl)"),
     ("reply_tokens", ">=0: thousands of tokens of the candidate reply alone (the future's own turns not counted)"),
     ("bleu", "[0,1]: token-level BLEU-4 (13a, exp smoothing) of the LLM-extracted final document against the reference"),
     ("bleu_char", "[0,1]: character-level BLEU-4 (NLTK sentence_bleu on raw strings, no smoothing: upstream CollabLLM's number) of the same extracted document"),
@@ -301,7 +301,15 @@ impl Scorer {
                 }
             }
             "token_amount" => {
-                let n = count_tokens(&self.tokens, candidate_and_future, "assistant");
+                // verl's recipe counts the words of every message after the prompt, the
+                // simulated user's included; a token count covers what the assistant wrote.
+                let n = match self.tokens {
+                    TokenCounter::Words => candidate_and_future
+                        .iter()
+                        .map(|m| self.tokens.count(&m.content))
+                        .sum(),
+                    _ => count_tokens(&self.tokens, candidate_and_future, "assistant"),
+                };
                 MetricScore {
                     value: Some(n as f64 / 1000.0),
                     method: format!("tokens:{}", self.tokens.name()),
@@ -755,5 +763,58 @@ mod accuracy_tests {
             gap.detail.as_ref().unwrap()["environment_missing"],
             "no_such_lib_for_tests"
         );
+    }
+}
+
+#[cfg(test)]
+mod token_amount_tests {
+    use super::*;
+    use crate::llm::roles::Role;
+    use crate::llm::scripted::ScriptedBackend;
+    use crate::reward::judge::{InteractivityScale, JudgeMode};
+    use crate::task::prompts::Prompts;
+
+    fn scorer(tokens: TokenCounter) -> Scorer {
+        let backend = ScriptedBackend::new("judge", |_, _| Ok("{}".to_string()));
+        Scorer {
+            judge: Arc::new(Judge {
+                role: Role::from_backend("judge", "scripted", backend, None, None),
+                prompts: Arc::new(Prompts::builtin().unwrap()),
+                mode: JudgeMode::Json,
+                retries: 0,
+                max_tokens: 512,
+                extract_max_tokens: 2048,
+                interactivity_scale: InteractivityScale::V2,
+            }),
+            tokens,
+            sandbox: SandboxLimits::default(),
+        }
+    }
+
+    /// verl's token_amount counts the words of every message after the prompt (the
+    /// simulated user's too); a tokenizer count covers the assistant's turns only. The
+    /// history before the candidate never counts.
+    #[tokio::test]
+    async fn words_count_every_post_prompt_message_tokens_only_the_assistant() {
+        let task: Task = serde_json::from_value(serde_json::json!({"id": "t",
+            "task_type": "math", "prompt": "p", "reference": "5"}))
+        .unwrap();
+        let history = [ChatMessage::user("one two three four five".to_string())];
+        let future = [
+            ChatMessage::assistant("six seven".to_string()),
+            ChatMessage::user("eight nine ten".to_string()),
+            ChatMessage::assistant("eleven".to_string()),
+        ];
+        let words = scorer(TokenCounter::Words)
+            .score("token_amount", &task, &history, &future, 0)
+            .await;
+        assert_eq!(words.detail.unwrap()["tokens"], 6);
+        assert!((words.value.unwrap() - 0.006).abs() < 1e-12);
+        let counter = TokenCounter::cl100k().unwrap();
+        let assistant = counter.count("six seven") + counter.count("eleven");
+        let cl100k = scorer(counter)
+            .score("token_amount", &task, &history, &future, 0)
+            .await;
+        assert_eq!(cl100k.detail.unwrap()["tokens"], assistant);
     }
 }

@@ -270,6 +270,7 @@ mod tests {
                     reward: *r,
                     metrics: Default::default(),
                     truncated: false,
+                    token_ids: None,
                 })
                 .collect(),
         }
@@ -313,6 +314,7 @@ mod tests {
             reward: Some(reward),
             metrics: metrics.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             truncated: false,
+            token_ids: None,
         }
     }
 

@@ -1,9 +1,15 @@
-//! Token batches for RL updates: each (prompt, response) is tokenized with the model's chat
-//! template exactly as DPO completions are ([`crate::train::data`]): the prompt rendered with
-//! the generation prompt must be a prefix of prompt + response rendered as a conversation,
-//! and the response tokens are what follows it, cut after the end-of-turn token (the template
-//! text after it was never sampled). A truncated response (it hit `max_new_tokens`) never
-//! sampled an end-of-turn either, so it trains on its text tokens only.
+//! Token batches for RL updates. A response trains on the token ids its sampler drew (kept
+//! from the engine through the rollout records), after the prompt rendered with the
+//! generation prompt: decoding and re-encoding text need not give the sampled ids back, and
+//! the log-probabilities that matter are those of what was sampled.
+//!
+//! Responses with no sampled ids (rollout files written before they were kept) are tokenized
+//! with the model's chat template exactly as DPO completions are ([`crate::train::data`]):
+//! the prompt rendered with the generation prompt must be a prefix of prompt + response
+//! rendered as a conversation, and the response tokens are what follows it, cut after the
+//! end-of-turn token (the template text after it was never sampled). A truncated response
+//! (it hit `max_new_tokens`) never sampled an end-of-turn either, so it trains on its text
+//! tokens only.
 //!
 //! Only the prompt and the sampled reply are in the sequence: the simulated future turns that
 //! scored the reply are never part of what the policy trains on.
@@ -34,7 +40,26 @@ pub struct RlSample {
     pub advantage: f32,
 }
 
-/// Prompt ids (with the generation prompt) and the loss-carrying response ids.
+/// Prompt ids (with the generation prompt) and the loss-carrying response ids: the sampled
+/// ids when there are some, else the re-tokenized text ([`tokenize_response`]).
+pub fn response_tokens(
+    codec: &ChatCodec,
+    prompt: &[ChatMessage],
+    response: &crate::train::rl::ScoredResponse,
+) -> std::result::Result<(Vec<u32>, Vec<u32>), String> {
+    let Some(ids) = &response.token_ids else {
+        return tokenize_response(codec, prompt, &response.text, response.truncated);
+    };
+    if prompt.last().is_none_or(|m| m.role != "user") {
+        return Err("the prompt must end with a user message".into());
+    }
+    if ids.is_empty() {
+        return Err("the response has no token to train on".into());
+    }
+    Ok((render_ids(codec, prompt, true)?, ids.clone()))
+}
+
+/// Prompt ids (with the generation prompt) and the loss-carrying response ids of `text`.
 pub fn tokenize_response(
     codec: &ChatCodec,
     prompt: &[ChatMessage],
@@ -189,6 +214,37 @@ mod tests {
             "truncated: no end-of-turn"
         );
         assert!(tokenize_response(&c, &[msg("assistant", "x")], "y", false).is_err());
+    }
+
+    /// The sampled ids train even where decoding and re-encoding the text gives other ids
+    /// (here the reply spelled a byte at a time, and one invalid UTF-8 byte).
+    #[test]
+    fn sampled_ids_train_not_the_re_encoded_text() {
+        let (_d, c) = codec();
+        let prompt = vec![msg("user", "hi")];
+        let eot = c.encode("<|im_end|>").unwrap();
+        let mut sampled: Vec<u32> = c.encode("ab").unwrap();
+        // The first byte of "é" alone: it decodes to U+FFFD, which re-encodes to 3 bytes.
+        sampled.push(c.encode("é").unwrap()[0]);
+        sampled.extend(&eot);
+        let text = "ab\u{FFFD}".to_string();
+        let resp = crate::train::rl::ScoredResponse {
+            text: text.clone(),
+            reward: Some(1.0),
+            metrics: Default::default(),
+            truncated: false,
+            token_ids: Some(sampled.clone()),
+        };
+        let (p, r) = response_tokens(&c, &prompt, &resp).unwrap();
+        assert_eq!(p, c.encode(&c.render(&prompt, true).unwrap()).unwrap());
+        assert_eq!(r, sampled);
+        let (_, re_encoded) = tokenize_response(&c, &prompt, &text, false).unwrap();
+        assert_ne!(re_encoded, sampled, "the text does not round-trip");
+        let old = crate::train::rl::ScoredResponse {
+            token_ids: None,
+            ..resp
+        };
+        assert_eq!(response_tokens(&c, &prompt, &old).unwrap().1, re_encoded);
     }
 
     fn sample(group: usize, prompt: &[u32], resp: &[u32], adv: f32) -> RlSample {

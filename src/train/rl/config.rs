@@ -18,10 +18,11 @@ use super::step::RlConfig;
 use crate::check::Range;
 use crate::engine::llama::WeightFormat;
 use crate::engine::peft::LORA_TARGETS;
-use crate::generate::config::ConfigError;
+use crate::generate::config::{Compat, CompatRecord, ConfigError};
 use crate::generate::GenerateConfig;
+use crate::llm::tokens::TokenCounterKind;
 use crate::llm::{EndpointOptions, ModelSpec, Price};
-use crate::reward::judge::JudgeMode;
+use crate::reward::judge::{InteractivityScale, JudgeMode};
 use crate::reward::mr::MrFormula;
 use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::twenty_questions::chat::OracleMode;
@@ -84,6 +85,27 @@ impl Algo {
             Self::Drgrpo => Some(Estimator::DrGrpo),
             Self::Rloo => Some(Estimator::Rloo),
             Self::OnlineDpo => None,
+        }
+    }
+}
+
+/// What a response cut at `--max-new-tokens` is worth.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum TruncatedReward {
+    /// Its futures are played and scored like any other response's.
+    #[default]
+    Futures,
+    /// No futures are played and its reward is 0 (the verl recipe: an unfinished reply
+    /// never earns by running long).
+    Zero,
+}
+
+impl TruncatedReward {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Futures => "futures",
+            Self::Zero => "zero",
         }
     }
 }
@@ -185,6 +207,10 @@ pub struct RlRunConfig {
     pub ppo_epochs: usize,
     /// Responses per optimizer step; 0: the whole step's responses.
     pub mini_batch: usize,
+    /// Prompts per optimizer step, as verl's `ppo_mini_batch_size` counts them (each brings
+    /// its group); when set it replaces `mini_batch`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ppo_mini_batch: Option<usize>,
     /// Responses per forward/backward pass; 0: the whole mini-batch.
     pub micro_batch: usize,
     pub weight_decay: f64,
@@ -236,6 +262,20 @@ pub struct RlRunConfig {
     /// Train on groups whose rewards differ only in token counts (skipped by default).
     #[serde(default)]
     pub keep_length_only_groups: bool,
+    /// The interactivity judge's scale (upstream v2 by default; the verl recipe's rubric).
+    #[serde(default)]
+    pub interactivity_scale: InteractivityScale,
+    /// How `token_amount` counts: the policy's tokens of the assistant turns, cl100k, or
+    /// verl's words of every message after the prompt.
+    #[serde(default)]
+    pub token_counter: TokenCounterKind,
+    /// What a response cut at `max_new_tokens` is worth: its futures' score, or 0 with no
+    /// futures (verl).
+    #[serde(default)]
+    pub truncated: TruncatedReward,
+    /// The `--compat` preset applied, and every value it set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compat: Option<CompatRecord>,
     /// SHA-256 of the loaded training (and evaluation) tasks, set by rl_train: `--resume`
     /// refuses a run whose task file changed under the same path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -309,6 +349,11 @@ impl Default for RlRunConfig {
             max_questions: gen.max_questions,
             midgame: 0,
             keep_length_only_groups: false,
+            interactivity_scale: InteractivityScale::default(),
+            token_counter: TokenCounterKind::default(),
+            truncated: TruncatedReward::default(),
+            compat: None,
+            ppo_mini_batch: None,
             tasks_sha256: None,
         }
     }
@@ -431,8 +476,78 @@ impl RlRunConfig {
             oracle: self.oracle,
             max_questions: self.max_questions,
             midgame: self.midgame,
+            interactivity_scale: self.interactivity_scale,
+            token_counter: self.token_counter,
             ..GenerateConfig::default()
         }
+    }
+
+    /// Sets the values of the `--compat` preset (applied after the config file and before
+    /// the other flags, so a flag still wins) and records every value it set.
+    pub fn apply_compat(&mut self, preset: Compat) -> Result<(), ConfigError> {
+        if preset != Compat::Verl {
+            return Err(invalid(
+                "compat",
+                format!(
+                    "{preset}: upstream CollabLLM trains offline (DPO); rl_train follows \
+                     only the verl recipe (--compat verl)"
+                ),
+            ));
+        }
+        let mut set = BTreeMap::new();
+        macro_rules! put {
+            ($($field:ident = $v:expr),* $(,)?) => {$(
+                self.$field = $v;
+                set.insert(
+                    stringify!($field).to_string(),
+                    serde_json::to_value(&self.$field).unwrap_or_default(),
+                );
+            )*};
+        }
+        // recipe/collabllm/train_rl_collabllm.sh and verl's actor defaults: GRPO with a
+        // low-variance KL loss, 16 prompts × 8 responses a step in mini-batches of 8
+        // prompts, sampling at temperature 1, 2048-token responses after prompts of up to
+        // 8196; the reward clamps each weighted metric to ±1, judges interactivity on the
+        // recipe's rubric and counts the words of everything after the prompt; a truncated
+        // response plays no futures and scores 0.
+        put!(
+            algo = Algo::Grpo,
+            lr = 1e-6,
+            kl_coef = 0.001,
+            entropy_coef = 0.0,
+            clip_ratio = 0.2,
+            clip_ratio_c = 3.0,
+            loss_agg = LossAgg::TokenMean.as_str().to_string(),
+            weight_decay = 0.01,
+            max_grad_norm = 1.0,
+            schedule = Schedule::Constant,
+            warmup_ratio = 0.0,
+            ppo_epochs = 1,
+            batch_prompts = 16,
+            group_size = 8,
+            ppo_mini_batch = Some(8),
+            mini_batch = 0,
+            temperature = 1.0,
+            top_p = 1.0,
+            max_new_tokens = 2048,
+            max_length = 8196 + 2048,
+            samples = 3,
+            window = 4,
+            judge_max_tokens = 2048,
+            mr_formula = MrFormula::VerlClamp,
+            interactivity_scale = InteractivityScale::Verl,
+            token_counter = TokenCounterKind::Words,
+            truncated = TruncatedReward::Zero,
+        );
+        self.compat = Some(CompatRecord { preset, set });
+        Ok(())
+    }
+
+    /// Responses per optimizer step (0: the whole step): `ppo_mini_batch` prompts' groups
+    /// when set, else `mini_batch`.
+    pub fn mini_batch_responses(&self) -> usize {
+        self.ppo_mini_batch
+            .map_or(self.mini_batch, |p| p * self.group_size)
     }
 
     /// The held-out tasks' view (same roles and metrics, other tasks).
@@ -475,7 +590,7 @@ impl RlRunConfig {
             },
             estimator: self.algo.estimator().unwrap_or_default(),
             ppo_epochs: self.ppo_epochs,
-            mini_batch: self.mini_batch,
+            mini_batch: self.mini_batch_responses(),
             micro_batch: self.micro_batch,
             lr: self.lr,
             weight_decay: self.weight_decay,
@@ -499,7 +614,7 @@ impl RlRunConfig {
     /// too long can make a step's count smaller; the schedule then ends a little early).
     pub fn optimizer_steps(&self) -> usize {
         let responses = self.batch_prompts * self.group_size;
-        let per_pass = match self.mini_batch {
+        let per_pass = match self.mini_batch_responses() {
             0 => 1,
             m => responses.div_ceil(m),
         };
@@ -540,6 +655,27 @@ impl RlRunConfig {
         }
         if let Some(r) = self.lora_r {
             in_range("lora_r", r, 1, MAX_LORA_R)?;
+        }
+        if let Some(m) = self.ppo_mini_batch {
+            if self.mini_batch != 0 {
+                return Err(invalid(
+                    "ppo_mini_batch",
+                    format!(
+                        "{m} prompts and mini_batch {} responses both set: give one",
+                        self.mini_batch
+                    ),
+                ));
+            }
+            if m == 0 || m > self.batch_prompts {
+                return Err(invalid(
+                    "ppo_mini_batch",
+                    format!(
+                        "{m}: must be between 1 and --batch-prompts ({}); verl likewise \
+                         needs ppo_mini_batch_size <= train_batch_size",
+                        self.batch_prompts
+                    ),
+                ));
+            }
         }
         check("lr", self.lr, LR)?;
         check("kl_coef", self.kl_coef, KL_COEF)?;
@@ -596,6 +732,15 @@ impl RlRunConfig {
             }
             if self.midgame == 0 {
                 o.remove("midgame");
+            }
+            if self.interactivity_scale == InteractivityScale::default() {
+                o.remove("interactivity_scale");
+            }
+            if self.token_counter == TokenCounterKind::default() {
+                o.remove("token_counter");
+            }
+            if self.truncated == TruncatedReward::default() {
+                o.remove("truncated");
             }
         }
         v
@@ -698,5 +843,69 @@ mod tests {
             ..Default::default()
         };
         assert_ne!(a.identity(), c.identity());
+    }
+
+    #[test]
+    fn compat_verl_sets_the_recipe_and_records_every_value() {
+        let mut cfg = RlRunConfig::default();
+        cfg.apply_compat(Compat::Verl).unwrap();
+        cfg.validate().unwrap();
+        let rec = cfg.compat.clone().unwrap();
+        assert_eq!(rec.preset, Compat::Verl);
+        for (k, v) in [
+            ("lr", serde_json::json!(1e-6)),
+            ("kl_coef", serde_json::json!(0.001)),
+            ("entropy_coef", serde_json::json!(0.0)),
+            ("ppo_mini_batch", serde_json::json!(8)),
+            ("batch_prompts", serde_json::json!(16)),
+            ("mr_formula", serde_json::json!("verl_clamp")),
+            ("interactivity_scale", serde_json::json!("verl")),
+            ("token_counter", serde_json::json!("words")),
+            ("truncated", serde_json::json!("zero")),
+            ("loss_agg", serde_json::json!("token-mean")),
+        ] {
+            assert_eq!(rec.set[k], v, "{k}");
+        }
+        // Every recorded value is the config's own.
+        let whole = serde_json::to_value(&cfg).unwrap();
+        for (k, v) in &rec.set {
+            assert_eq!(&whole[k], v, "{k}");
+        }
+        // 16 prompts × 8 responses in mini-batches of 8 prompts: two optimizer steps a batch.
+        assert_eq!(cfg.mini_batch_responses(), 64);
+        assert_eq!(cfg.rl_config().unwrap().mini_batch, 64);
+        assert_eq!(cfg.optimizer_steps(), cfg.max_steps * 2);
+        let view = cfg.rollout_view();
+        assert_eq!(view.token_counter, TokenCounterKind::Words);
+        assert_eq!(view.interactivity_scale, InteractivityScale::Verl);
+        assert!(RlRunConfig::default()
+            .apply_compat(Compat::UpstreamV2)
+            .unwrap_err()
+            .to_string()
+            .contains("verl"));
+    }
+
+    #[test]
+    fn ppo_mini_batch_is_checked_against_the_batch() {
+        let cfg = RlRunConfig {
+            ppo_mini_batch: Some(3),
+            ..Default::default()
+        };
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("ppo_mini_batch") && err.contains("3"), "{err}");
+        let both = RlRunConfig {
+            ppo_mini_batch: Some(1),
+            mini_batch: 4,
+            ..Default::default()
+        };
+        assert!(both.validate().is_err());
+        let ok = RlRunConfig {
+            ppo_mini_batch: Some(1),
+            ..Default::default()
+        };
+        ok.validate().unwrap();
+        assert_eq!(ok.mini_batch_responses(), ok.group_size);
+        // Old runs (no new keys) keep their identity.
+        assert!(RlRunConfig::default().identity().get("truncated").is_none());
     }
 }

@@ -25,6 +25,10 @@ pub struct ScoredResponse {
     pub metrics: std::collections::BTreeMap<String, f64>,
     /// Hit `max_new_tokens`.
     pub truncated: bool,
+    /// The token ids the sampler drew (the end-of-turn token included when sampled): what
+    /// trains. `None` (an old rollout file) re-tokenizes `text` with the chat template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// n responses to one prompt (a conversation prefix ending in a user turn).

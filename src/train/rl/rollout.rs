@@ -6,7 +6,10 @@
 //!
 //! A response whose futures failed, or that has no score for some weighted metric in any
 //! future, has no reward: it stays in `rollouts.jsonl` with `reward: null` and leaves its
-//! group (never scored 0).
+//! group (never scored 0). With `truncated = zero` (verl) a response cut at the token cap
+//! plays no futures and its reward is 0.
+//!
+//! Each response keeps the token ids its sampler drew, which are what the update trains on.
 //!
 //! Seeds derive from (run seed, task, purpose, split, step, prompt, response), so a resumed
 //! step draws the same samples and its cached calls are reused.
@@ -17,7 +20,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use super::config::{Opening, RlRunConfig};
+use super::config::{Opening, RlRunConfig, TruncatedReward};
 use super::{Group, ScoredResponse};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, FinishReason};
@@ -36,6 +39,9 @@ pub struct ResponseRecord {
     pub finish_reason: FinishReason,
     /// Tokens of the response (the policy's tokenizer).
     pub tokens: usize,
+    /// The sampled token ids (end-of-turn included when sampled): what trains.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
     /// The reward the update used: MR under the configured formula; `null` = no valid
     /// score, the response left its group.
     pub reward: Option<f64>,
@@ -60,6 +66,9 @@ pub struct GroupRecord {
     pub task_id: String,
     /// The conversation prefix the policy answered (ends with a user message).
     pub prompt: Vec<ChatMessage>,
+    /// Tokens of the prompt as the policy read it (chat template applied).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<usize>,
     pub weights: BTreeMap<String, f64>,
     pub responses: Vec<ResponseRecord>,
 }
@@ -78,6 +87,7 @@ impl GroupRecord {
                     reward: r.reward,
                     metrics: r.metrics.clone(),
                     truncated: r.finish_reason == FinishReason::Length,
+                    token_ids: r.token_ids.clone(),
                 })
                 .collect(),
         }
@@ -157,7 +167,9 @@ impl Rollout<'_> {
         let mut sampled = Vec::new();
         for (i, task, r) in opened {
             match r {
-                Ok(Opened::Sampled(prompt, choices)) => sampled.push((i, task, prompt, choices)),
+                Ok(Opened::Sampled(prompt, prompt_tokens, choices)) => {
+                    sampled.push((i, task, prompt, choices, prompt_tokens))
+                }
                 Ok(Opened::UserFailed(e)) => {
                     tracing::warn!(task = %task.id, error = %e, "the simulated user could not open this prompt; it is left out of the step");
                     out.failed_prompts.push((task.id.clone(), e.to_string()));
@@ -177,21 +189,28 @@ impl Rollout<'_> {
             window: self.cfg.window,
             run_seed: self.cfg.seed,
         };
+        // A response that plays no futures (verl: cut at the cap) costs no call.
+        let zero_truncated = self.cfg.truncated == TruncatedReward::Zero;
         let jobs: Vec<(usize, usize)> = sampled
             .iter()
             .enumerate()
-            .flat_map(|(g, s)| (0..s.3.len()).map(move |j| (g, j)))
+            .flat_map(|(g, s)| {
+                s.3.iter()
+                    .enumerate()
+                    .filter(move |(_, c)| !(zero_truncated && c.finish == FinishReason::Length))
+                    .map(move |(j, _)| (g, j))
+            })
             .collect();
         let scored: Vec<((usize, usize), Result<ScoredReply, SimError>)> =
             futures::stream::iter(jobs.into_iter().map(|(g, j)| {
                 let (runner, sampled, step_s) = (&runner, &sampled, &step_s);
                 async move {
-                    let (i, task, prompt, choices) = &sampled[g];
+                    let (i, task, prompt, choices, _) = &sampled[g];
                     let (i_s, j_s) = (i.to_string(), j.to_string());
                     let weights = self.weights_for(task);
                     let key = [split, step_s.as_str(), i_s.as_str(), j_s.as_str()];
                     let r = runner
-                        .score_reply(task, prompt, &choices[j].0, &weights, &key, false)
+                        .score_reply(task, prompt, &choices[j].text, &weights, &key, false)
                         .await;
                     ((g, j), r)
                 }
@@ -201,14 +220,14 @@ impl Rollout<'_> {
             .await;
         let mut by_key: BTreeMap<(usize, usize), Result<ScoredReply, SimError>> =
             scored.into_iter().collect();
-        for (g, (i, task, prompt, choices)) in sampled.into_iter().enumerate() {
+        for (g, (i, task, prompt, choices, prompt_tokens)) in sampled.into_iter().enumerate() {
             let weights = self.weights_for(task);
             let responses = choices
                 .into_iter()
                 .enumerate()
-                .map(|(j, (text, finish, tokens))| {
+                .map(|(j, sample)| {
                     let scored = by_key.remove(&(g, j));
-                    self.record(j, text, finish, tokens, &weights, scored)
+                    self.record(j, sample, &weights, scored)
                 })
                 .collect();
             out.groups.push(GroupRecord {
@@ -217,6 +236,7 @@ impl Rollout<'_> {
                 prompt_index: i,
                 task_id: task.id.clone(),
                 prompt,
+                prompt_tokens: Some(prompt_tokens),
                 weights,
                 responses,
             });
@@ -269,15 +289,21 @@ impl Rollout<'_> {
                 .and_then(|e| e.tokenizer().encode(t, false).ok())
                 .map_or(0, |enc| enc.len())
         };
+        let prompt_tokens = resp.usage.prompt_tokens as usize;
         let choices = resp
             .choices
             .into_iter()
-            .map(|c| {
-                let tokens = count(&c.content);
-                (c.content, c.finish_reason, tokens)
+            .map(|c| Sampled {
+                tokens: c
+                    .token_ids
+                    .as_ref()
+                    .map_or_else(|| count(&c.content), Vec::len),
+                text: c.content,
+                finish: c.finish_reason,
+                token_ids: c.token_ids,
             })
             .collect();
-        Ok(Opened::Sampled(prompt, choices))
+        Ok(Opened::Sampled(prompt, prompt_tokens, choices))
     }
 
     /// A 20 Questions prompt after a demonstrator prefix drawn for (task, split, step, prompt).
@@ -321,12 +347,25 @@ impl Rollout<'_> {
     fn record(
         &self,
         index: usize,
-        text: String,
-        finish_reason: FinishReason,
-        tokens: usize,
+        sample: Sampled,
         weights: &BTreeMap<String, f64>,
         scored: Option<Result<ScoredReply, SimError>>,
     ) -> ResponseRecord {
+        if self.cfg.truncated == TruncatedReward::Zero && sample.finish == FinishReason::Length {
+            return ResponseRecord {
+                index,
+                text: sample.text,
+                finish_reason: sample.finish,
+                tokens: sample.tokens,
+                token_ids: sample.token_ids,
+                reward: Some(0.0),
+                mr_mean: Some(0.0),
+                mr_verl_clamp: Some(0.0),
+                metrics: BTreeMap::new(),
+                sessions: Vec::new(),
+                error: None,
+            };
+        }
         let (scored, error) = match scored {
             Some(Ok(s)) => (Some(s), None),
             Some(Err(e)) => (None, Some(e.to_string())),
@@ -341,9 +380,10 @@ impl Rollout<'_> {
         let sessions = scored.map(|s| s.sessions).unwrap_or_default();
         ResponseRecord {
             index,
-            text,
-            finish_reason,
-            tokens,
+            text: sample.text,
+            finish_reason: sample.finish,
+            tokens: sample.tokens,
+            token_ids: sample.token_ids,
             reward,
             mr_mean,
             mr_verl_clamp,
@@ -354,8 +394,18 @@ impl Rollout<'_> {
     }
 }
 
+/// One sampled response before scoring.
+struct Sampled {
+    text: String,
+    finish: FinishReason,
+    /// Tokens (the sampled ids' count, else the policy tokenizer's count of the text).
+    tokens: usize,
+    token_ids: Option<Vec<u32>>,
+}
+
 enum Opened {
-    Sampled(Vec<ChatMessage>, Vec<(String, FinishReason, usize)>),
+    /// The prompt, its token count and the sampled responses.
+    Sampled(Vec<ChatMessage>, usize, Vec<Sampled>),
     UserFailed(SimError),
 }
 

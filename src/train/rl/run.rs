@@ -20,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,7 +45,7 @@ use crate::llm::cache::{CachedBackend, RequestCache};
 use crate::llm::local::{LoadOptions, LocalBackend};
 use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
-use crate::llm::tokens::TokenCounter;
+use crate::llm::tokens::{TokenCounter, TokenCounterKind};
 use crate::llm::usage::{MeteredBackend, UsageMeter};
 use crate::llm::{SharedBackend, UsageSnapshot};
 use crate::reward::judge::{Judge, JudgeMode};
@@ -80,6 +81,9 @@ pub struct RlSummary {
     pub cost_usd: Value,
     pub wall_s: f64,
     pub peak_rss_bytes: Option<u64>,
+    /// The `--compat` preset the run followed, and every value it set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compat: Option<crate::generate::config::CompatRecord>,
 }
 
 impl RlSummary {
@@ -102,6 +106,7 @@ impl RlSummary {
             cost_usd: Value::Null,
             wall_s: started.elapsed().as_secs_f64(),
             peak_rss_bytes: crate::run::peak_rss_bytes(),
+            compat: cfg.compat.clone(),
         }
     }
 }
@@ -143,6 +148,9 @@ impl std::fmt::Display for RlSummary {
                 "{role:<10} {} calls ({} cached), {} + {} tokens, {} failed",
                 u.calls, u.cache_hits, u.prompt_tokens, u.completion_tokens, u.failures
             )?;
+        }
+        if let Some(c) = &self.compat {
+            writeln!(f, "compat         {} ({} settings)", c.preset, c.set.len())?;
         }
         writeln!(f, "final model    {}", self.final_dir.display())?;
         write!(f, "wall time      {:.1} s", self.wall_s)
@@ -396,6 +404,10 @@ struct Run<'a> {
     judge: Arc<Judge>,
     user: UserSimulator,
     format: WeightFormat,
+    /// The token counter when it is not the policy's own tokenizer (cl100k, words).
+    fixed_counter: Option<TokenCounter>,
+    /// Prompt and response tokens of every sampled response so far (TRL's `num_tokens`).
+    tokens_seen: std::sync::atomic::AtomicU64,
 }
 
 impl<'a> Run<'a> {
@@ -424,8 +436,14 @@ impl<'a> Run<'a> {
             policy_meter: UsageMeter::new(),
             cache,
         };
+        let fixed_counter = match cfg.token_counter {
+            TokenCounterKind::Policy => None,
+            kind => Some(TokenCounter::of_kind(kind, None).map_err(anyhow::Error::msg)?),
+        };
         Ok(Run {
             cfg,
+            fixed_counter,
+            tokens_seen: Default::default(),
             format: cfg.weight_format()?,
             codec,
             judge: Arc::new(Judge {
@@ -435,8 +453,7 @@ impl<'a> Run<'a> {
                 retries: cfg.judge_retries,
                 max_tokens: cfg.judge_max_tokens,
                 extract_max_tokens: cfg.extractor_max_tokens,
-                // The generate_conv default (upstream v2 scale): rl_train has no flag for it yet.
-                interactivity_scale: crate::reward::judge::InteractivityScale::default(),
+                interactivity_scale: cfg.interactivity_scale,
             }),
             user: UserSimulator {
                 json: user.engine.is_none(),
@@ -498,6 +515,9 @@ impl<'a> Run<'a> {
         let (policy, sync_s) = self.sampler(trainer, step)?;
 
         let mut log = step_log(step, cfg, tasks.len(), &rollout, &report);
+        let step_tokens = rollout_tokens(&rollout);
+        let seen = self.tokens_seen.fetch_add(step_tokens, Ordering::Relaxed) + step_tokens;
+        log.insert("num_tokens".into(), json!(seen));
         let rollout_s = rollout.time_rollout + rollout.time_futures;
         log.insert("time/rollout".into(), json!(rollout.time_rollout));
         log.insert("time/futures".into(), json!(rollout.time_futures));
@@ -548,9 +568,10 @@ impl<'a> Run<'a> {
     }
 
     fn scorer(&self, policy: &Role) -> Scorer {
-        let tokens = match &policy.engine {
-            Some(e) => TokenCounter::Local(e.clone()),
-            None => unreachable!("the policy is always local"),
+        let tokens = match (&self.fixed_counter, &policy.engine) {
+            (Some(c), _) => c.clone(),
+            (None, Some(e)) => TokenCounter::Local(e.clone()),
+            (None, None) => unreachable!("the policy is always local"),
         };
         Scorer {
             judge: self.judge.clone(),
@@ -662,6 +683,10 @@ pub async fn rl_train_until(
     crate::run::write_json_atomic(&cfg.output.join(CONFIG_FILE), &cfg)?;
 
     let run = Run::build(&cfg, codec, prompts).await?;
+    run.tokens_seen.store(
+        last_num_tokens(&cfg.output.join(LOGS_FILE)),
+        Ordering::Relaxed,
+    );
     let (mut policy, sync_s) = run.sampler(&trainer, start)?;
     tracing::info!(
         "sampler ready ({} weights, {sync_s:.2} s)",
@@ -719,6 +744,7 @@ pub async fn rl_train_until(
         cost_usd,
         wall_s: started.elapsed().as_secs_f64(),
         peak_rss_bytes: crate::run::peak_rss_bytes(),
+        compat: cfg.compat.clone(),
     };
     crate::run::write_finished_summary(
         &cfg.output.join(SUMMARY_FILE),
@@ -764,6 +790,31 @@ fn std(v: &[f64]) -> Option<f64> {
     let m = mean(v)?;
     (v.len() >= 2)
         .then(|| (v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64).sqrt())
+}
+
+/// Prompt plus response tokens of every response of a step, the prompt counted once per
+/// response (TRL's `num_tokens` adds the attention mask of every sampled sequence).
+fn rollout_tokens(rollout: &StepRollout) -> u64 {
+    rollout
+        .groups
+        .iter()
+        .flat_map(|g| {
+            let prompt = g.prompt_tokens.unwrap_or(0);
+            g.responses.iter().map(move |r| (prompt + r.tokens) as u64)
+        })
+        .sum()
+}
+
+/// `num_tokens` of the last step kept in `logs.jsonl` (0 for a new run): a resumed run goes
+/// on counting from the checkpoint.
+fn last_num_tokens(logs: &Path) -> u64 {
+    std::fs::read_to_string(logs)
+        .ok()
+        .and_then(|text| {
+            let last = text.lines().rev().find(|l| !l.trim().is_empty())?;
+            serde_json::from_str::<Value>(last).ok()?["num_tokens"].as_u64()
+        })
+        .unwrap_or(0)
 }
 
 /// One `logs.jsonl` line: TRL GRPOTrainer names at the top level, verl's `actor/*` for the
@@ -885,6 +936,19 @@ fn step_log(
                     ))
                 })
                 .collect::<Vec<_>>(),
+        ),
+    );
+    // Responses cut at the cap that scored 0 without futures (`truncated = zero`, verl).
+    put(
+        "responses/truncated_zero",
+        Some(
+            responses
+                .iter()
+                .filter(|r| {
+                    cfg.truncated == super::config::TruncatedReward::Zero
+                        && r.finish_reason == crate::llm::FinishReason::Length
+                })
+                .count() as f64,
         ),
     );
     put(

@@ -21,7 +21,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use super::advantage::{self, AdvantageStats, Estimator};
-use super::batch::{tokenize_response, RlBatch, RlSample};
+use super::batch::{response_tokens, RlBatch, RlSample};
 use super::loss::{entropy_of_logits, ppo_loss, PpoConfig, PpoMetrics, TokenTerms};
 use super::Group;
 use crate::engine::ChatCodec;
@@ -308,8 +308,8 @@ impl RlTrainer {
         for a in adv {
             let g = &groups[a.group];
             let r = &g.responses[a.response];
-            let (prompt, response_ids) = tokenize_response(codec, &g.prompt, &r.text, r.truncated)
-                .map_err(|message| RlError::Response {
+            let (prompt, response_ids) =
+                response_tokens(codec, &g.prompt, r).map_err(|message| RlError::Response {
                     group: a.group,
                     task_id: g.task_id.clone(),
                     response: a.response,
@@ -697,15 +697,14 @@ impl RlTrainer {
             );
             for (c, r) in picked {
                 let tok = |i: usize| {
-                    let resp = &g.responses[i];
-                    tokenize_response(codec, &g.prompt, &resp.text, resp.truncated).map_err(
-                        |message| RlError::Response {
+                    response_tokens(codec, &g.prompt, &g.responses[i]).map_err(|message| {
+                        RlError::Response {
                             group: gi,
                             task_id: g.task_id.clone(),
                             response: i,
                             message,
-                        },
-                    )
+                        }
+                    })
                 };
                 let (prompt, chosen) = tok(c)?;
                 let (_, rejected) = tok(r)?;
