@@ -221,6 +221,7 @@ fn decode(
         seed: Some(0),
         n,
         ignore_eos: true,
+        logprobs: None,
     };
     engine.generate(&prompt, &params(1)).context("warm-up")?;
     let (mut pf, mut single, mut batched) = (Vec::new(), Vec::new(), Vec::new());

@@ -171,6 +171,7 @@ fn prefix_reuse_gives_the_tokens_of_a_cold_run() {
         seed: Some(11),
         n: 2,
         ignore_eos: false,
+        logprobs: None,
     };
     let mut cached = Vec::new();
     for (i, messages) in prompts.iter().enumerate() {

@@ -126,6 +126,7 @@ fn q8_batched_samples_equal_single_stream_samples() {
         seed: Some(seed),
         n,
         ignore_eos: false,
+        logprobs: None,
     };
     let batch = engine.generate(&prompt, &params(4, 11)).unwrap();
     let mut distinct = std::collections::HashSet::new();

@@ -495,3 +495,126 @@ async fn requests_over_the_kv_budget_are_refused() {
     let (status, reply) = post_raw(addr, body(64)).await;
     assert_eq!(status, 200, "{reply}");
 }
+
+/// `logprobs` / `top_logprobs`: each sampled token's log-probability is the model's own
+/// log-softmax (the trainer's, on the same token ids), the alternatives are the most likely
+/// tokens best first, and a streamed reply carries the same numbers.
+#[tokio::test]
+async fn logprobs_are_the_models_log_softmax_streamed_too() {
+    use candle_core::{DType, Device, Tensor};
+    use collabllm::engine::llama::WeightFormat;
+    use collabllm::llm::local::{LoadOptions, LocalBackend};
+    use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, ModelSpec};
+
+    model_util::one_thread();
+    let (_g, dir) = model_util::tiny_model_dir(&TinySpec::default());
+    let opts = LoadOptions {
+        weights: WeightFormat::F32,
+        ..LoadOptions::default()
+    };
+    let backend = LocalBackend::load(&ModelSpec::HfDir(dir.clone()), &opts)
+        .await
+        .unwrap();
+    let messages = vec![ChatMessage::user("Tell me about the sea.".to_string())];
+    let req = ChatRequest::new(messages.clone())
+        .temperature(1.0)
+        .seed(11)
+        .max_tokens(8)
+        .logprobs(3);
+    let resp = backend.chat(&req).await.unwrap();
+    let choice = &resp.choices[0];
+    let ids = choice.token_ids.clone().unwrap();
+    let lps = choice.logprobs.clone().unwrap();
+    assert_eq!(lps.len(), 8.min(ids.len()), "one per content token");
+
+    // The trainer's log-softmax over prompt + sampled ids.
+    let codec = collabllm::engine::ChatCodec::load(&collabllm::llm::spec::LocalModelFiles::HfDir(
+        dir.clone(),
+    ))
+    .unwrap();
+    let prompt = codec
+        .encode(&codec.render(&messages, true).unwrap())
+        .unwrap();
+    let seq: Vec<u32> = prompt.iter().chain(&ids).copied().collect();
+    let model =
+        collabllm::train::model::TrainLlama::from_hf_dir(&dir, DType::F32, &Device::Cpu).unwrap();
+    let input = Tensor::new(seq.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logp = collabllm::train::model::log_softmax_last_dim(
+        &model.forward(&input, None).unwrap().squeeze(0).unwrap(),
+    )
+    .unwrap()
+    .to_dtype(DType::F64)
+    .unwrap()
+    .to_vec2::<f64>()
+    .unwrap();
+    for (k, t) in lps.iter().enumerate() {
+        let row = &logp[prompt.len() + k - 1];
+        assert_eq!(t.id, ids[k]);
+        let want = row[t.id as usize];
+        assert!(
+            (f64::from(t.logprob) - want).abs() < 1e-4,
+            "token {k}: {} vs {want}",
+            t.logprob
+        );
+        assert_eq!(t.top.len(), 3);
+        let best = row
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap();
+        assert_eq!(
+            t.top[0].id as usize, best.0,
+            "token {k}: the most likely first"
+        );
+        assert!(t.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+        for a in &t.top {
+            assert!((f64::from(a.logprob) - row[a.id as usize]).abs() < 1e-4);
+        }
+    }
+
+    // Over HTTP, plain and streamed: the same values.
+    let addr = spawn_server(backend, "tiny").await;
+    let body = |stream: bool| {
+        json!({"messages": [{"role": "user", "content": "Tell me about the sea."}],
+            "temperature": 1.0, "seed": 11, "max_tokens": 8, "logprobs": true,
+            "top_logprobs": 3, "stream": stream})
+        .to_string()
+    };
+    let (status, text) = post_raw(addr, body(false)).await;
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(content.len(), lps.len());
+    for (c, t) in content.iter().zip(&lps) {
+        assert_eq!(c["logprob"].as_f64().unwrap() as f32, t.logprob);
+        assert_eq!(c["token"], t.token.as_str());
+        assert_eq!(c["top_logprobs"].as_array().unwrap().len(), 3);
+        assert_eq!(c["top_logprobs"][0]["token"], t.top[0].token.as_str());
+    }
+    let (status, text) = post_raw(addr, body(true)).await;
+    assert_eq!(status, 200, "{text}");
+    let streamed: Vec<serde_json::Value> = serve_util::sse_data(&text)
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let chunk = streamed
+        .iter()
+        .find(|c| c["choices"][0]["logprobs"].is_object())
+        .expect("a chunk with log-probs");
+    assert_eq!(chunk["choices"][0]["logprobs"]["content"], json!(content));
+    // Without the flag: null, as OpenAI sends it.
+    let (_, text) = post_raw(
+        addr,
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string(),
+    )
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(v["choices"][0]["logprobs"].is_null());
+}

@@ -242,6 +242,7 @@ fn engine_steps(
         seed: Some(0),
         n: 1,
         ignore_eos: true,
+        logprobs: None,
     };
     engine.generate(
         &prompts[0],

@@ -28,6 +28,26 @@ impl ChatMessage {
     }
 }
 
+/// One alternative at a sampled position: its token and log-probability.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TopLogprob {
+    pub id: u32,
+    /// The token's text on its own (a piece of a character decodes to U+FFFD).
+    pub token: String,
+    pub logprob: f32,
+}
+
+/// A sampled token's log-probability under the model (log-softmax of its logits, before
+/// temperature and nucleus cuts) and the most likely tokens at its position.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub token: String,
+    pub logprob: f32,
+    /// Most likely first; as many as asked (at most 20).
+    pub top: Vec<TopLogprob>,
+}
+
 /// Why a choice stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -30,7 +30,7 @@ pub(crate) mod test_util;
 pub mod tiny;
 pub mod weights;
 
-pub use messages::{ChatMessage, FinishReason, OptionProbs};
+pub use messages::{ChatMessage, FinishReason, OptionProbs, TokenLogprob, TopLogprob};
 pub use runtime::{
     base_hf_tensors, fingerprint, option_probs_after, CancelFlag, ChatCodec, Engine, EngineError,
     GenOutput, GenParams, GenState, Generation, LoadOptions, LocalModelFiles, Prefill, TokenSink,

@@ -19,7 +19,7 @@ use super::llama::{KvCache, LlamaConfig, LlamaModel, WeightFormat};
 use super::prefix_cache::{self, Hit, PrefixCache};
 use super::sampling::{restricted_probs, Sampler};
 use super::team;
-use super::{ChatMessage, FinishReason};
+use super::{ChatMessage, FinishReason, TokenLogprob, TopLogprob};
 
 /// Token strings that end a turn in common chat formats; those present in a vocabulary stop
 /// generation in addition to the declared EOS id.
@@ -142,6 +142,8 @@ pub struct GenParams {
     pub n: usize,
     /// Keep generating through end-of-turn tokens (fixed-length benchmarks only).
     pub ignore_eos: bool,
+    /// Record each sampled token's log-probability and this many alternatives (≤ 20).
+    pub logprobs: Option<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -153,6 +155,9 @@ pub struct Generation {
     /// The sampled token ids, the end-of-turn token included when one was sampled: what an
     /// RL trainer trains on (decoding then re-encoding `text` need not give them back).
     pub token_ids: Vec<u32>,
+    /// With `GenParams::logprobs`: each content token's log-probability (the end-of-turn
+    /// token is not content).
+    pub logprobs: Option<Vec<TokenLogprob>>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -601,6 +606,30 @@ impl Engine {
         Ok(ids)
     }
 
+    /// A sampled token's log-probability record, each token's text decoded on its own.
+    fn token_logprob(
+        &self,
+        id: u32,
+        logprob: f32,
+        top: &[(u32, f32)],
+    ) -> Result<TokenLogprob, EngineError> {
+        Ok(TokenLogprob {
+            id,
+            token: self.decode(&[id])?,
+            logprob,
+            top: top
+                .iter()
+                .map(|&(id, logprob)| {
+                    Ok(TopLogprob {
+                        id,
+                        token: self.decode(&[id])?,
+                        logprob,
+                    })
+                })
+                .collect::<Result<_, EngineError>>()?,
+        })
+    }
+
     pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
         self.codec
             .tokenizer
@@ -917,6 +946,7 @@ impl Engine {
                 ),
                 ids: Vec::new(),
                 end: None,
+                logprobs: params.logprobs.map(|_| Vec::new()),
                 detok: IncrementalText::default(),
                 text: String::new(),
                 tokens: 0,
@@ -928,6 +958,7 @@ impl Engine {
             cached_tokens,
             stop: params.stop.clone(),
             ignore_eos: params.ignore_eos,
+            logprobs: params.logprobs,
             max_new,
             step: 0,
             generated: 0,
@@ -1019,9 +1050,12 @@ impl Engine {
             } else {
                 &[]
             };
-            let tok = state
+            let (tok, scored) = state
                 .logits
-                .with_row(r, |logits| row.sampler.sample(logits, banned))
+                .with_row(r, |logits| {
+                    let tok = row.sampler.sample(logits, banned);
+                    (tok, state.logprobs.map(|k| log_softmax_at(logits, tok, k)))
+                })
                 .map_err(|e| self.gen_err(e))?;
             row.tokens += 1;
             state.generated += 1;
@@ -1029,6 +1063,9 @@ impl Engine {
                 row.end = Some(tok);
                 Some(FinishReason::Stop)
             } else {
+                if let (Some(list), Some((logprob, top))) = (row.logprobs.as_mut(), scored) {
+                    list.push(self.token_logprob(tok, logprob, &top)?);
+                }
                 row.ids.push(tok);
                 row.detok.update(&row.ids, |ids| self.decode(ids))?;
                 row.text.clear();
@@ -1209,6 +1246,7 @@ pub struct GenState {
     cached_tokens: usize,
     stop: Vec<String>,
     ignore_eos: bool,
+    logprobs: Option<usize>,
     max_new: usize,
     step: usize,
     generated: usize,
@@ -1251,6 +1289,8 @@ struct Row {
     ids: Vec<u32>,
     /// The end-of-turn token that ended the sample, if one did (never part of `ids`).
     end: Option<u32>,
+    /// The log-probabilities of `ids`, when asked for.
+    logprobs: Option<Vec<TokenLogprob>>,
     /// The text of `ids`, a token at a time.
     detok: IncrementalText,
     /// The text so far (once finished: cut at the stop string).
@@ -1267,6 +1307,7 @@ impl Row {
             finish,
             tokens: self.tokens,
             token_ids: self.ids.iter().copied().chain(self.end).collect(),
+            logprobs: self.logprobs.clone(),
         }
     }
 
@@ -1284,6 +1325,32 @@ impl Row {
             self.sent = settled;
         }
     }
+}
+
+/// `tok`'s log-softmax in `logits` and the `k` most likely (id, log-prob), best first;
+/// the normaliser is summed in f64.
+fn log_softmax_at(logits: &[f32], tok: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+    let lse = f64::from(max) + sum.ln();
+    let lp = |x: f32| (f64::from(x) - lse) as f32;
+    let mut top: Vec<u32> = Vec::with_capacity(k + 1);
+    for (i, &x) in logits.iter().enumerate() {
+        if top.len() < k || top.last().is_some_and(|&j| x > logits[j as usize]) {
+            let at = top.partition_point(|&j| logits[j as usize] >= x);
+            top.insert(at, i as u32);
+            top.truncate(k);
+        }
+    }
+    let chosen = logits
+        .get(tok as usize)
+        .map_or(f32::NEG_INFINITY, |&x| lp(x));
+    (
+        chosen,
+        top.into_iter()
+            .map(|j| (j, lp(logits[j as usize])))
+            .collect(),
+    )
 }
 
 /// Length of the prefix of `text` that no later token can change: trailing replacement
@@ -1425,6 +1492,7 @@ mod tests {
             seed: Some(1),
             n,
             ignore_eos: true,
+            logprobs: None,
         };
         let mut state = engine.start_prefilled(prefill, &params).unwrap();
         while !state.is_finished() {

@@ -595,6 +595,12 @@ pub fn model_card(dir: &Path, repo: &str, peft: bool, files: &[String]) -> Strin
                 .iter()
                 .find_map(|k| hub_model_id(&a[*k]))
         });
+    // An adapter whose base is a local folder (`dpo_train --save-base`): the weights it was
+    // trained on, which the Hub id (if any) only names.
+    let local_base = adapter.as_ref().is_some_and(|a| {
+        a["base_model_name_or_path"].is_string()
+            && hub_model_id(&a["base_model_name_or_path"]).is_none()
+    });
     let mut y = format!(
         "library_name: {}\n",
         if peft { "peft" } else { "transformers" }
@@ -619,6 +625,15 @@ pub fn model_card(dir: &Path, repo: &str, peft: bool, files: &[String]) -> Strin
             .map(|b| format!(" from `{b}`"))
             .unwrap_or_default()
     );
+    if local_base {
+        md.push_str(
+            "Its `adapter_config.json` names a local folder as the base: the weights the \
+             adapter was trained on, saved beside it by `dpo_train --save-base` (for the \
+             embedded default, its GGUF dequantized, which differs slightly from the Hub \
+             checkpoint). Load it with that folder present, or point \
+             `base_model_name_or_path` at another copy of the same weights.\n\n",
+        );
+    }
     let table = |title: &str, v: &Value, md: &mut String| {
         if let Some(o) = v.as_object() {
             md.push_str(&format!("## {title}\n\n| key | value |\n|---|---|\n"));
@@ -714,6 +729,7 @@ mod tests {
         )
         .unwrap();
         let card = model_card(dir, "alice/m", true, &[]);
+        assert!(!card.contains("saved beside it"), "a Hub base: {card}");
         let y = front_matter(&card);
         assert!(y.contains("library_name: peft\n"), "{y}");
         assert!(
@@ -744,5 +760,30 @@ mod tests {
             card.contains("| lr | 0.000005 |") || card.contains("| lr | 5e-6 |"),
             "{card}"
         );
+    }
+
+    /// An adapter saved with its base (`--save-base`) records that folder's absolute path;
+    /// the card says the base is the saved local copy, without printing the path.
+    #[test]
+    fn a_saved_base_is_named_without_its_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let base = dir.join("base").display().to_string();
+        std::fs::write(
+            dir.join("adapter_config.json"),
+            serde_json::json!({ "base_model_name_or_path": base }).to_string(),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("training_args.json"),
+            serde_json::json!({ "model": "default" }).to_string(),
+        )
+        .unwrap();
+        let card = model_card(dir, "alice/m", true, &[]);
+        assert!(
+            card.contains("saved beside it by `dpo_train --save-base`"),
+            "{card}"
+        );
+        assert!(!card.contains(&base), "{card}");
     }
 }

@@ -298,7 +298,7 @@ impl RequestCache {
             .iter()
             .map(|m: &ChatMessage| [m.role.as_str(), m.content.as_str()])
             .collect();
-        let canonical = serde_json::json!({
+        let mut canonical = serde_json::json!({
             "v": 1,
             "kind": id.kind,
             "model": id.model,
@@ -312,6 +312,10 @@ impl RequestCache {
             "json_mode": req.json_mode,
             "index": index,
         });
+        // Only when asked for, so the keys of every earlier entry stay as they were.
+        if let Some(k) = req.logprobs {
+            canonical["logprobs"] = serde_json::json!(k);
+        }
         hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
     }
 
@@ -545,6 +549,7 @@ impl<B: ChatBackend + ?Sized> ChatBackend for CachedBackend<B> {
             content: serde_json::to_string(&p).unwrap_or_default(),
             finish_reason: crate::llm::FinishReason::Stop,
             token_ids: None,
+            logprobs: None,
         };
         if let Err(e) = self.cache.insert_many(&[(key, stored)]) {
             tracing::warn!(error = %e, "could not write the request cache");
@@ -565,6 +570,7 @@ mod tests {
             content: s.into(),
             finish_reason: FinishReason::Stop,
             token_ids: None,
+            logprobs: None,
         }
     }
 
@@ -626,6 +632,7 @@ mod tests {
         assert_ne!(k, RequestCache::key(&id, &r.clone().temperature(0.5), 0));
         assert_ne!(k, RequestCache::key(&id, &r.clone().seed(1), 0));
         assert_ne!(k, RequestCache::key(&id, &r.clone().json_mode(true), 0));
+        assert_ne!(k, RequestCache::key(&id, &r.clone().logprobs(0), 0));
         let other = BackendId {
             model: "m2".into(),
             ..id.clone()

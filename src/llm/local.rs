@@ -180,6 +180,7 @@ impl LocalBackend {
             seed: req.seed,
             n: req.n,
             ignore_eos: false,
+            logprobs: req.logprobs,
         };
         let (reply, rx) = tokio::sync::oneshot::channel();
         let mut job = self.scheduled(params, Task::Generate(reply));
@@ -252,6 +253,7 @@ impl LocalBackend {
                     content: s.text,
                     finish_reason: s.finish,
                     token_ids: Some(s.token_ids),
+                    logprobs: s.logprobs,
                 })
                 .collect(),
             usage: TokenUsage {
@@ -348,6 +350,7 @@ impl ChatBackend for LocalBackend {
             seed: None,
             n: 1,
             ignore_eos: false,
+            logprobs: None,
         };
         let task = Task::Score {
             prompt,

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-pub use crate::engine::{ChatMessage, FinishReason, OptionProbs};
+pub use crate::engine::{ChatMessage, FinishReason, OptionProbs, TokenLogprob, TopLogprob};
 pub use cache::{CachedBackend, RequestCache};
 pub use openai::OpenAiBackend;
 pub use spec::{EndpointOptions, ModelSpec};
@@ -47,7 +47,14 @@ pub struct ChatRequest {
     /// tokens of context: a limit the client gave is a promise, a default one only a cap.
     #[serde(default)]
     pub strict_max_tokens: bool,
+    /// Return each sampled token's log-probability and this many most likely alternatives
+    /// (OpenAI's `logprobs: true` with `top_logprobs`, at most [`MAX_TOP_LOGPROBS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<usize>,
 }
+
+/// The most alternatives per token a request may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// Longest stop string a request may give, in bytes: the local engine looks for every stop
 /// string in each row's text after every token, so a megabyte-long one would slow the whole
@@ -66,6 +73,7 @@ impl ChatRequest {
             seed: None,
             json_mode: false,
             strict_max_tokens: false,
+            logprobs: None,
         }
     }
     pub fn temperature(mut self, t: f32) -> Self {
@@ -96,6 +104,11 @@ impl ChatRequest {
         self.json_mode = on;
         self
     }
+    /// Each sampled token's log-probability and `top` alternatives (local engines).
+    pub fn logprobs(mut self, top: usize) -> Self {
+        self.logprobs = Some(top);
+        self
+    }
 
     /// Checks the parameters every backend relies on; called before any work is queued.
     pub fn validate(&self) -> Result<(), LlmError> {
@@ -118,6 +131,11 @@ impl ChatRequest {
         if self.max_tokens == 0 {
             return bad("`max_tokens` must be at least 1".into());
         }
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return bad(format!(
+                "`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"
+            ));
+        }
         if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
             return bad(format!(
                 "a `stop` string may be at most {MAX_STOP_BYTES} bytes, got one of {}",
@@ -137,6 +155,9 @@ pub struct Choice {
     /// included when one was sampled.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// With `ChatRequest::logprobs`: each content token's log-probability (local engines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
 }
 
 /// Token counts of one call (summed over its `n` samples for completion tokens, as OpenAI does).

@@ -335,6 +335,7 @@ impl OpenAiBackend {
                 content,
                 finish_reason,
                 token_ids: None,
+                logprobs: None,
             });
         }
         let usage = resp

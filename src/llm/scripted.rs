@@ -100,6 +100,7 @@ impl ChatBackend for ScriptedBackend {
                 content: text,
                 finish_reason: finish,
                 token_ids: None,
+                logprobs: None,
             });
         }
         Ok(ChatResponse {

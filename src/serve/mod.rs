@@ -33,7 +33,8 @@ use serde_json::{json, Map, Value};
 pub use response_format::ResponseFormat;
 
 use crate::llm::{
-    ChatMessage, ChatRequest, ChatResponse, ContextLimits, LlmError, SharedBackend, MAX_STOP_BYTES,
+    ChatMessage, ChatRequest, ChatResponse, Choice, ContextLimits, LlmError, SharedBackend,
+    MAX_STOP_BYTES, MAX_TOP_LOGPROBS,
 };
 
 /// Largest `n` one request may ask for.
@@ -440,7 +441,7 @@ pub struct ParsedRequest {
 /// Parses an OpenAI chat-completion request body. Fields this server does not know are
 /// ignored, as OpenAI does; known fields of the wrong type or with invalid values are a 400
 /// naming the field, and known fields the server cannot honour (penalties, logit bias,
-/// logprobs, tools) are refused rather than silently ignored.
+/// tools) are refused rather than silently ignored.
 pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}"), None))?;
@@ -523,6 +524,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
         Some(_) => return Err(type_error("stream_options", "an object")),
         None => false,
     };
+    req.logprobs = parse_logprobs(&field)?;
     refuse_unhonoured(&field)?;
     req.validate().map_err(|e| ApiError::from_llm(&e))?;
     Ok(ParsedRequest {
@@ -532,6 +534,60 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
         include_usage,
         response_format,
     })
+}
+
+/// `logprobs` (a boolean) and `top_logprobs` (0 to 20; above 0 only with `logprobs: true`,
+/// as OpenAI requires): the number of alternatives per token, `None` when not asked.
+fn parse_logprobs<'a>(
+    field: &impl Fn(&str) -> Option<&'a Value>,
+) -> Result<Option<usize>, ApiError> {
+    let on = match field("logprobs") {
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| type_error("logprobs", "a boolean"))?,
+        None => false,
+    };
+    let top = match field("top_logprobs") {
+        Some(v) => {
+            let k = uint(v, "top_logprobs")?;
+            if k > MAX_TOP_LOGPROBS {
+                return Err(out_of_range(
+                    "top_logprobs",
+                    &format!("between 0 and {MAX_TOP_LOGPROBS}"),
+                    v,
+                ));
+            }
+            if k > 0 && !on {
+                return Err(ApiError::invalid(
+                    "`top_logprobs` needs `logprobs: true`",
+                    Some("top_logprobs"),
+                ));
+            }
+            k
+        }
+        None => 0,
+    };
+    Ok(on.then_some(top))
+}
+
+/// The OpenAI `logprobs` object of a choice: `null` unless asked for.
+fn logprobs_json(asked: bool, choice: &Choice) -> Value {
+    let entry = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    match (asked, &choice.logprobs) {
+        (true, Some(list)) => json!({
+            "content": list
+                .iter()
+                .map(|t| {
+                    let mut e = entry(&t.token, t.logprob);
+                    e["top_logprobs"] =
+                        Value::Array(t.top.iter().map(|a| entry(&a.token, a.logprob)).collect());
+                    e
+                })
+                .collect::<Vec<_>>(),
+            "refusal": null,
+        }),
+        _ => Value::Null,
+    }
 }
 
 /// Known fields whose silent omission would mislead the client: validated, and refused unless
@@ -555,24 +611,6 @@ fn refuse_unhonoured<'a>(field: &impl Fn(&str) -> Option<&'a Value>) -> Result<(
             return Err(unsupported(
                 "logit_bias",
                 "`logit_bias` is not supported by this server",
-            ));
-        }
-    }
-    if let Some(v) = field("logprobs") {
-        if v.as_bool()
-            .ok_or_else(|| type_error("logprobs", "a boolean"))?
-        {
-            return Err(unsupported(
-                "logprobs",
-                "`logprobs` is not supported by this server",
-            ));
-        }
-    }
-    if let Some(v) = field("top_logprobs") {
-        if uint(v, "top_logprobs")? > 0 {
-            return Err(unsupported(
-                "top_logprobs",
-                "`top_logprobs` is not supported by this server",
             ));
         }
     }
@@ -886,7 +924,8 @@ async fn chat_completions(
     if let Some(limits) = state.backend.context_limits() {
         check_context(&parsed, limits)?;
     }
-    if parsed.stream && !parsed.response_format.wants_json() {
+    // Log-probabilities come with the finished samples: such a stream is sent once they are.
+    if parsed.stream && !parsed.response_format.wants_json() && parsed.request.logprobs.is_none() {
         return live_stream(&state, &parsed).await;
     }
     // Dropping this future (the client disconnected) cancels the generation.
@@ -910,7 +949,14 @@ async fn chat_completions(
     let id = completion_id();
     let created = unix_now();
     let mut response = if parsed.stream {
-        stream_response(&id, created, state.names.id(), &resp, parsed.include_usage)
+        stream_response(
+            &id,
+            created,
+            state.names.id(),
+            &resp,
+            parsed.include_usage,
+            parsed.request.logprobs.is_some(),
+        )
     } else {
         let choices = resp
             .choices
@@ -921,7 +967,7 @@ async fn chat_completions(
                     "index": i,
                     "message": {"role": "assistant", "content": c.content, "refusal": null},
                     "finish_reason": c.finish_reason.as_str(),
-                    "logprobs": null,
+                    "logprobs": logprobs_json(parsed.request.logprobs.is_some(), c),
                 })
             })
             .collect();
@@ -964,15 +1010,17 @@ impl ChunkWriter {
 
     /// A piece of choice `index`'s text; the choice's first piece also carries the role.
     fn delta(&self, index: usize, text: &str, first: bool) -> Event {
+        self.event(vec![self.delta_choice(index, text, first)], None)
+    }
+
+    /// The choice object of [`ChunkWriter::delta`].
+    fn delta_choice(&self, index: usize, text: &str, first: bool) -> Value {
         let delta = if first {
             json!({"role": "assistant", "content": text})
         } else {
             json!({"content": text})
         };
-        self.event(
-            vec![json!({"index": index, "delta": delta, "finish_reason": null, "logprobs": null})],
-            None,
-        )
+        json!({"index": index, "delta": delta, "finish_reason": null, "logprobs": null})
     }
 
     fn finish(&self, index: usize, reason: &str) -> Event {
@@ -992,6 +1040,7 @@ fn stream_response(
     model: &str,
     resp: &ChatResponse,
     include_usage: bool,
+    logprobs: bool,
 ) -> Response {
     let w = ChunkWriter {
         id: id.to_string(),
@@ -1000,7 +1049,9 @@ fn stream_response(
     };
     let mut events = Vec::with_capacity(2 * resp.choices.len() + 2);
     for (i, c) in resp.choices.iter().enumerate() {
-        events.push(w.delta(i, &c.content, true));
+        let mut delta = w.delta_choice(i, &c.content, true);
+        delta["logprobs"] = logprobs_json(logprobs, c);
+        events.push(w.event(vec![delta], None));
         events.push(w.finish(i, c.finish_reason.as_str()));
     }
     if include_usage {
@@ -1340,6 +1391,10 @@ mod tests {
                 Some("top_logprobs"),
             ),
             (
+                json!({"messages": user, "logprobs": true, "top_logprobs": 21}),
+                Some("top_logprobs"),
+            ),
+            (
                 json!({"messages": user, "response_format": {"type": "json_schema",
                     "json_schema": {"name": "a", "schema": {"type": "string", "pattern": "x"}}}}),
                 Some("response_format.json_schema.schema.pattern"),
@@ -1351,6 +1406,15 @@ mod tests {
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
         }
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let lp = |body: Value| parse(body).unwrap().request.logprobs;
+        assert_eq!(lp(json!({"messages": user})), None);
+        assert_eq!(lp(json!({"messages": user, "logprobs": false})), None);
+        assert_eq!(lp(json!({"messages": user, "logprobs": true})), Some(0));
+        assert_eq!(
+            lp(json!({"messages": user, "logprobs": true, "top_logprobs": 20})),
+            Some(20)
+        );
         let e = parse_request(b"{not json").unwrap_err();
         assert_eq!(e.kind, "invalid_request_error");
         assert!(e.message.contains("not valid JSON"));

@@ -62,6 +62,7 @@ pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::engine::Engine
         seed: Some(seed),
         n,
         ignore_eos,
+        logprobs: None,
     };
     let cases = [
         (0, prompt("Tell me about the sea."), params(1, 0.0, 1, true)),
