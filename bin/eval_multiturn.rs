@@ -158,7 +158,8 @@ struct Args {
     interactivity_scale: Option<InteractivityScale>,
     /// What token counts (tokens_read_k, tokens_typed_k, token_amount) count: policy (the model's own tokenizer; cl100k_base for endpoints),
     /// cl100k (OpenAI's cl100k_base for every model, comparable across models) or words
-    /// (whitespace words, as the verl recipe) [default: cl100k].
+    /// (whitespace words; token_amount then counts every message after the prompt, as the
+    /// verl recipe) [default: cl100k].
     #[arg(long, value_enum, value_name = "COUNTER")]
     token_counter: Option<collabllm::llm::tokens::TokenCounterKind>,
     /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
@@ -324,4 +325,36 @@ fn main() -> ExitCode {
         collabllm::cli::remove_unused_output(&output, existed);
     }
     collabllm::cli::exit_on_error(result)
+}
+
+#[cfg(test)]
+mod help_tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every `[default: …]` in `--help` is the config's real default (or, for the few stated
+    /// in words, listed here).
+    #[test]
+    fn help_defaults_are_the_configs() {
+        let defaults = serde_json::to_value(collabllm::eval::EvalConfig::default()).unwrap();
+        // --temperature sets assistant_sampling.temperature: checked on its own below.
+        let cfg = collabllm::eval::EvalConfig::default();
+        assert_eq!(
+            cfg.assistant_sampling.temperature, 0.0,
+            "--temperature [default: 0]"
+        );
+        let described = [
+            "temperature",
+            "tasks",
+            "oracle",
+            "max_tokens",
+            "threads",
+            "api_key_env",
+            "max_concurrency",
+            "timeout",
+            "max_retries",
+        ];
+        let wrong = collabllm::cli::stale_help_defaults(&Args::command(), &defaults, &described);
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    }
 }

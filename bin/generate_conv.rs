@@ -465,3 +465,33 @@ fn main() -> ExitCode {
     }
     collabllm::cli::exit_on_error(result)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every `[default: …]` in `--help` is the config's real default (or, for the few stated
+    /// in words, listed here).
+    #[test]
+    fn help_defaults_are_the_configs() {
+        let defaults = serde_json::to_value(GenerateConfig::default()).unwrap();
+        // Stated in words (they depend on the task, the output, the environment), and the
+        // endpoint flags, whose texts `cli`'s own test checks against EndpointOptions.
+        let described = [
+            "task_type",
+            "export_dir",
+            "task_desc",
+            "assistant",
+            "metrics",
+            "max_tokens",
+            "threads",
+            "api_key_env",
+            "max_concurrency",
+            "timeout",
+            "max_retries",
+        ];
+        let wrong = collabllm::cli::stale_help_defaults(&Args::command(), &defaults, &described);
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    }
+}

@@ -264,7 +264,7 @@ pub fn stale_help_defaults(
             continue;
         }
         let stated = help[start + 10..]
-            .split([']', ' ', ','])
+            .split([']', ' ', ',', ';'])
             .next()
             .unwrap_or_default()
             .trim_end_matches('.');
