@@ -27,6 +27,8 @@ pub(crate) mod simd;
 pub mod team;
 #[cfg(test)]
 pub(crate) mod test_util;
+/// A tiny random llama for tests (`testing` feature).
+#[cfg(any(test, feature = "testing"))]
 pub mod tiny;
 pub mod weights;
 

@@ -8,6 +8,8 @@ pub(crate) mod openai;
 pub(crate) mod parse;
 pub mod pool;
 pub mod roles;
+/// A chat backend answering from a closure, for tests (`testing` feature).
+#[cfg(any(test, feature = "testing"))]
 pub mod scripted;
 pub mod spec;
 pub mod tokens;

@@ -143,7 +143,8 @@ pub struct TrainConfig {
     #[serde(default)]
     pub gradient_checkpointing: bool,
     /// Stop right after the checkpoint of this step, as if the process were killed there
-    /// (tests of `--resume`).
+    /// (tests of `--resume`; `testing` feature).
+    #[cfg(any(test, feature = "testing"))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_after: Option<usize>,
     /// Settings (names of [`RESUME_SETTINGS`]) that `--resume` may change from the run's.
@@ -231,6 +232,7 @@ impl TrainConfig {
             ref_cache: true,
             save_base: false,
             gradient_checkpointing: false,
+            #[cfg(any(test, feature = "testing"))]
             stop_after: None,
             resume_override: Vec::new(),
             resume_overrides: Vec::new(),
@@ -809,6 +811,7 @@ fn train_steps(run: &mut Run, opt: &mut AdamW, start_step: usize, progress: bool
                 done,
             )?;
         }
+        #[cfg(any(test, feature = "testing"))]
         if cfg.stop_after == Some(done) {
             bar.abandon();
             return Err(TrainError::Stopped(done));
