@@ -177,7 +177,7 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
         user: Role::from_backend("user", "scripted", scripted("user"), None, None),
         judge: Role::from_backend("judge", "scripted", scripted("judge"), None, None),
     };
-    let tasks = collabllm::generate::run::load_config_tasks(&cfg).unwrap();
+    let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
     let summary = generate_with_roles(cfg.clone(), tasks, roles)
         .await
         .unwrap();
@@ -926,7 +926,7 @@ async fn hostile_code_scores_zero_and_the_run_continues() {
         user: Role::from_backend("user", "scripted", scripted("user"), None, None),
         judge: Role::from_backend("judge", "scripted", judge, None, None),
     };
-    let tasks = collabllm::generate::run::load_config_tasks(&cfg).unwrap();
+    let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
     let started = std::time::Instant::now();
     let summary = generate_with_roles(cfg.clone(), tasks, roles)
         .await

@@ -21,9 +21,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("reward", &["check", "llm", "run", "task"]),
     ("rollout", &["check", "llm", "reward", "run", "task"]),
     ("dataset", &["check", "llm", "run"]),
+    // `hub::tasks` reads a rollout's `TaskSource` (files, flat datasets, the Hub).
     (
         "hub",
-        &["check", "dataset", "engine", "llm", "reward", "run", "task"],
+        &[
+            "check", "dataset", "engine", "llm", "reward", "rollout", "run", "task",
+        ],
     ),
     (
         "generate",
@@ -31,13 +34,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "check", "dataset", "hub", "llm", "reward", "rollout", "run", "task",
         ],
     ),
-    // rl_train validates its rollout half through generate_conv's config (one definition of
-    // the roles, futures and judge settings); nothing else in train touches generate.
+    // rl_train checks its rollout half with `rollout::config` and reads tasks with
+    // `hub::tasks`, as generate_conv does; train never imports generate.
     (
         "train",
         &[
-            "check", "dataset", "engine", "generate", "hub", "llm", "reward", "rollout", "run",
-            "task",
+            "check", "dataset", "engine", "hub", "llm", "reward", "rollout", "run", "task",
         ],
     ),
     (

@@ -9,52 +9,28 @@ use serde::{Deserialize, Serialize};
 use super::proactive::ProactiveStyle;
 use crate::check::Range;
 use crate::llm::tokens::TokenCounterKind;
-use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
+use crate::llm::{EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::{InteractivityScale, JudgeMode};
-use crate::reward::metrics::check_metric_name;
 use crate::reward::mr::MrFormula;
 use crate::reward::pairs::PairMode;
-use crate::rollout::user::{
-    Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
-};
+use crate::rollout::user::{Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS};
 use crate::task::prompts::SystemPromptSource;
-use crate::task::twenty_questions::chat::{ObjectSplit, OracleMode, DEFAULT_MAX_QUESTIONS};
+use crate::task::twenty_questions::chat::{OracleMode, DEFAULT_MAX_QUESTIONS};
 use crate::task::TaskType;
 
-pub use crate::reward::sandbox::SANDBOX_TIMEOUT_S;
+use crate::rollout::config::{
+    default_user_sampling, in_range, invalid, RolloutConfig, TaskSource, DEFAULT_CONCURRENCY,
+    DEFAULT_RETRIES, DEFAULT_SANDBOX_TIMEOUT_S, DEFAULT_TASKS, DEFAULT_TERMINATION,
+};
+pub use crate::rollout::config::{
+    twenty_questions_split, Compat, CompatRecord, ConfigError, Shard, METRIC_WEIGHT,
+    SANDBOX_TIMEOUT_S, TWENTY_QUESTIONS_SOURCE,
+};
 /// Share of candidates drawn with the proactive prompt.
 pub const PROACT_RATIO: Range = Range::closed(0.0, 1.0);
 /// Share of conversations in the test split.
 pub const TEST_FRACTION: Range = Range::closed_open(0.0, 1.0);
 pub use crate::reward::pairs::MIN_GAP;
-/// Metric weights (negative weights penalise, e.g. token_amount).
-pub const METRIC_WEIGHT: Range = Range::finite();
-const TEMPERATURE: Range = Sampling::TEMPERATURE;
-const TOP_P: Range = Sampling::TOP_P;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("config {path}: {message}")]
-    File { path: PathBuf, message: String },
-    #[error("invalid setting `{field}`: {message}")]
-    Invalid { field: String, message: String },
-}
-
-/// `field` must lie in `range`: `invalid setting `field`: value: must be a finite number ...`.
-fn in_range(field: &str, v: f64, range: Range) -> Result<(), ConfigError> {
-    if range.contains(v) {
-        Ok(())
-    } else {
-        Err(invalid(field, format!("{v:?}: {}", range.requirement())))
-    }
-}
-
-fn invalid(field: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.into(),
-        message: message.into(),
-    }
-}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -156,62 +132,10 @@ fn default_max_questions() -> usize {
     DEFAULT_MAX_QUESTIONS
 }
 
-/// The tasks source of the bundled 20 Questions objects: `20q:train`, `20q:test`, `20q:all`.
-pub const TWENTY_QUESTIONS_SOURCE: &str = "20q:";
-
-/// The split named by a `20q:<split>` tasks source; `None` for any other source.
-pub fn twenty_questions_split(tasks: &str) -> Option<Result<ObjectSplit, String>> {
-    tasks.strip_prefix(TWENTY_QUESTIONS_SOURCE).map(|s| {
-        s.parse::<ObjectSplit>()
-            .map_err(|e| format!("--tasks {tasks}: {e}"))
-    })
-}
-
-/// One of `count` disjoint shards of a task list: a task belongs to shard
-/// `hash(task id) mod count`, so its shard never changes when tasks are added.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Shard {
-    pub index: usize,
-    pub count: usize,
-}
-
-impl Shard {
-    /// Whether the task with this id is in the shard.
-    pub fn contains(&self, task_id: &str) -> bool {
-        use sha2::Digest as _;
-        let h = sha2::Sha256::digest(task_id.as_bytes());
-        let v = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
-        (v % self.count as u64) as usize == self.index
-    }
-}
-
-impl std::str::FromStr for Shard {
-    type Err = String;
-    /// `i/n` with `0 <= i < n`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("`{s}`: expected i/n with 0 <= i < n, e.g. 0/4");
-        let (i, n) = s.split_once('/').ok_or_else(bad)?;
-        let (index, count) = (
-            i.trim().parse().map_err(|_| bad())?,
-            n.trim().parse().map_err(|_| bad())?,
-        );
-        if count == 0 || index >= count {
-            return Err(bad());
-        }
-        Ok(Self { index, count })
-    }
-}
-
-impl std::fmt::Display for Shard {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.index, self.count)
-    }
-}
-
 impl Default for GenerateConfig {
     fn default() -> Self {
         Self {
-            tasks: "data/math.jsonl".into(),
+            tasks: DEFAULT_TASKS.into(),
             task_type: None,
             output: PathBuf::from("outputs/run"),
             policy: ModelSpec::Default,
@@ -232,25 +156,21 @@ impl Default for GenerateConfig {
             pairs: PairMode::Best,
             seed: 0,
             test_fraction: 0.1,
-            termination: "[[TERMINATE CHAT]]".into(),
-            concurrency: 8,
+            termination: DEFAULT_TERMINATION.into(),
+            concurrency: DEFAULT_CONCURRENCY,
             judge_mode: JudgeMode::Auto,
-            judge_retries: 3,
-            user_retries: 3,
+            judge_retries: DEFAULT_RETRIES,
+            user_retries: DEFAULT_RETRIES,
             judge_max_tokens: JUDGE_MAX_TOKENS,
             extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
             interactivity_scale: InteractivityScale::default(),
             policy_sampling: Sampling::default(),
-            user_sampling: Sampling {
-                temperature: 1.0,
-                top_p: 1.0,
-                max_tokens: USER_MAX_TOKENS,
-            },
+            user_sampling: default_user_sampling(),
             assistant_sampling: Sampling::default(),
             endpoint: EndpointOptions::default(),
             threads: None,
             prompts: None,
-            sandbox_timeout_s: 10.0,
+            sandbox_timeout_s: DEFAULT_SANDBOX_TIMEOUT_S,
             prices: BTreeMap::new(),
             shard: None,
             token_counter: TokenCounterKind::Policy,
@@ -276,98 +196,61 @@ impl GenerateConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.tasks.trim().is_empty() {
-            return Err(invalid("tasks", "a tasks file is required"));
-        }
         if self.candidates == 0 {
             return Err(invalid(
                 "candidates",
                 "must be at least 1 (2 or more to form pairs)",
             ));
         }
-        if self.samples == 0 {
-            return Err(invalid("samples", "must be at least 1"));
-        }
-        if let Some(s) = self.shard {
-            if s.count == 0 || s.index >= s.count {
-                return Err(invalid("shard", format!("{s}: expected 0 <= i < n")));
-            }
-        }
-        if self.window == 0 {
-            return Err(invalid("window", "must be at least 1"));
-        }
-        if self.max_questions == 0 {
-            return Err(invalid("max_questions", "must be at least 1"));
-        }
-        if let Some(Err(e)) = twenty_questions_split(&self.tasks) {
-            return Err(invalid("tasks", e));
-        }
-        if let Some(Err(e)) = crate::task::clarify::source_split(&self.tasks) {
-            return Err(invalid("tasks", e));
-        }
+        self.rollout().validate()?;
         if self.max_messages < 2 {
             return Err(invalid("max_messages", "must be at least 2"));
         }
-        // Upper bounds: far beyond any real run, far below what overflows an allocation.
         for (field, v, max) in [
             ("candidates", self.candidates, 1024),
-            ("samples", self.samples, 64),
-            ("window", self.window, 1024),
             ("max_messages", self.max_messages, 4096),
-            ("max_questions", self.max_questions, 1000),
-            ("concurrency", self.concurrency, 4096),
         ] {
             crate::check::in_range(field, v, 0, max).map_err(|m| invalid(field, m))?;
         }
         in_range("proact_ratio", self.proact_ratio, PROACT_RATIO)?;
         in_range("test_fraction", self.test_fraction, TEST_FRACTION)?;
         in_range("min_gap", self.min_gap, MIN_GAP)?;
-        if self.concurrency == 0 {
-            return Err(invalid("concurrency", "must be at least 1"));
-        }
-        if self.threads == Some(0) {
-            return Err(invalid("threads", "0: must be at least 1"));
-        }
-        if self.termination.trim().is_empty() {
-            return Err(invalid("termination", "must not be empty"));
-        }
-        in_range(
-            "sandbox_timeout_s",
-            self.sandbox_timeout_s,
-            SANDBOX_TIMEOUT_S,
-        )?;
-        self.endpoint
-            .validate()
-            .map_err(|e| invalid("endpoint", e))?;
-        check_prices(&self.prices).map_err(|e| invalid("prices", e))?;
-        for (name, w) in &self.metrics {
-            check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;
-            in_range(&format!("metrics.{name}"), *w, METRIC_WEIGHT)?;
-        }
-        for (field, n) in [
-            ("judge_max_tokens", self.judge_max_tokens),
-            ("extractor_max_tokens", self.extractor_max_tokens),
-        ] {
-            if n == 0 {
-                return Err(invalid(field, "0: must be at least 1"));
-            }
-        }
-        for (field, s) in [
-            ("policy_sampling", &self.policy_sampling),
-            ("user_sampling", &self.user_sampling),
-            ("assistant_sampling", &self.assistant_sampling),
-        ] {
-            in_range(
-                &format!("{field}.temperature"),
-                s.temperature as f64,
-                TEMPERATURE,
-            )?;
-            in_range(&format!("{field}.top_p"), s.top_p as f64, TOP_P)?;
-            if s.max_tokens == 0 {
-                return Err(invalid(field, "max_tokens 0: must be at least 1"));
-            }
-        }
         Ok(())
+    }
+
+    /// Where the tasks come from.
+    pub fn task_source(&self) -> TaskSource {
+        TaskSource {
+            tasks: self.tasks.clone(),
+            task_type: self.task_type,
+            max_tasks: self.max_tasks,
+            shard: self.shard,
+            metrics: self.metrics.clone(),
+        }
+    }
+
+    /// The settings every rollout shares, checked by [`RolloutConfig::validate`].
+    pub fn rollout(&self) -> RolloutConfig {
+        RolloutConfig {
+            tasks: self.task_source(),
+            samples: self.samples,
+            window: self.window,
+            max_questions: self.max_questions,
+            termination: self.termination.clone(),
+            concurrency: self.concurrency,
+            threads: self.threads,
+            sandbox_timeout_s: self.sandbox_timeout_s,
+            endpoint: self.endpoint.clone(),
+            prices: self.prices.clone(),
+            judge_max_tokens: self.judge_max_tokens,
+            extractor_max_tokens: self.extractor_max_tokens,
+            sampling: vec![
+                ("policy_sampling", self.policy_sampling.clone()),
+                ("user_sampling", self.user_sampling.clone()),
+                ("assistant_sampling", self.assistant_sampling.clone()),
+            ],
+            prompts: self.prompts.clone(),
+        }
     }
 
     /// Whether the tasks are 20 Questions games (the bundled objects or a task type given
@@ -448,43 +331,6 @@ impl GenerateConfig {
         }
         id
     }
-}
-
-/// Which defaults to follow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Compat {
-    /// Upstream CollabLLM v2 (`examples/build_dataset.py` and the library's defaults).
-    UpstreamV2,
-    /// The verl CollabLLM recipe (`recipe/collabllm/`).
-    Verl,
-}
-
-impl std::str::FromStr for Compat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "upstream-v2" => Ok(Compat::UpstreamV2),
-            "verl" => Ok(Compat::Verl),
-            other => Err(format!("`{other}`: expected upstream-v2 or verl")),
-        }
-    }
-}
-
-impl std::fmt::Display for Compat {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Compat::UpstreamV2 => "upstream-v2",
-            Compat::Verl => "verl",
-        })
-    }
-}
-
-/// What a preset did: its name and every setting it set, with the value.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CompatRecord {
-    pub preset: Compat,
-    pub set: BTreeMap<String, serde_json::Value>,
 }
 
 #[cfg(test)]

@@ -17,10 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde::Serialize;
 
-use super::config::{twenty_questions_split, GenerateConfig};
+use super::config::GenerateConfig;
 use super::conversation::Pipeline;
 use super::outputs::{self, DatasetStats, Scoring};
-use crate::hub::import;
 use crate::llm::cache::RequestCache;
 use crate::llm::local::LoadOptions;
 use crate::llm::roles::{roles_cost_usd, Role};
@@ -28,7 +27,7 @@ use crate::llm::tokens::TokenCounter;
 use crate::llm::usage::recorded_usage;
 use crate::llm::{add_usage, with_usage_scope, Price, UsageSnapshot};
 use crate::reward::judge::{Judge, JudgeMode};
-use crate::reward::metrics::{check_tasks_for_metrics, default_weights, Scorer};
+use crate::reward::metrics::{default_weights, Scorer};
 use crate::reward::pairs::select_pairs;
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::records::{now_secs, read_records, ConversationLog, ConversationRecord};
@@ -37,8 +36,7 @@ use crate::run::{
     changed_settings, drive_jobs, Interrupted, ManifestHeader, RunLock, RunStatus, Shutdown,
 };
 use crate::task::prompts::Prompts;
-use crate::task::twenty_questions::chat;
-use crate::task::{load_tasks, Task};
+use crate::task::Task;
 
 pub const MANIFEST_FILE: &str = "manifest.json";
 
@@ -192,74 +190,9 @@ impl std::fmt::Display for RunSummary {
     }
 }
 
-/// Loads and checks the tasks of a config (first `max_tasks`) from a local file: task JSONL or
-/// parquet, or a parquet file in the upstream flat schema. `hf:` sources need
-/// [`fetch_config_tasks`].
-pub fn load_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task>> {
-    if import::is_hub_source(&cfg.tasks) {
-        bail!(
-            "--tasks {}: a Hub dataset is fetched asynchronously (fetch_config_tasks)",
-            cfg.tasks
-        );
-    }
-    if let Some(split) = twenty_questions_split(&cfg.tasks) {
-        let split = split.map_err(anyhow::Error::msg)?;
-        let world = chat::default_world().map_err(anyhow::Error::msg)?;
-        return check_config_tasks(cfg, chat::object_tasks(world, split));
-    }
-    if let Some(split) = crate::task::clarify::source_split(&cfg.tasks) {
-        let split = split.map_err(anyhow::Error::msg)?;
-        return check_config_tasks(cfg, crate::task::clarify::tasks(split));
-    }
-    let path = Path::new(&cfg.tasks);
-    let tasks = if import::is_flat_parquet(path) {
-        let rows = import::read_flat_checked(path)?;
-        let name = path
-            .file_stem()
-            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
-        let fallback = cfg.task_type.or_else(|| import::task_type_from_name(&name));
-        import::tasks_from_flat(&rows, fallback, &name)?
-    } else {
-        load_tasks(path)?
-    };
-    check_config_tasks(cfg, tasks)
-}
-
-/// [`load_config_tasks`], and `hf:<org>/<name>` (the unique goals of a published flat dataset,
-/// downloaded into the HF cache).
+/// The tasks of a config, loaded and checked ([`crate::hub::tasks::fetch`]).
 pub async fn fetch_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task>> {
-    if import::is_hub_source(&cfg.tasks) {
-        let tasks = import::load_flat_tasks(&cfg.tasks, cfg.task_type, None).await?;
-        check_config_tasks(cfg, tasks)
-    } else {
-        load_config_tasks(cfg)
-    }
-}
-
-fn check_config_tasks(cfg: &GenerateConfig, mut tasks: Vec<Task>) -> anyhow::Result<Vec<Task>> {
-    if let Some(k) = cfg.max_tasks {
-        tasks.truncate(k);
-    }
-    if tasks.is_empty() {
-        bail!("--tasks {}: no tasks", cfg.tasks);
-    }
-    if let Some(shard) = cfg.shard {
-        let all = tasks.len();
-        tasks.retain(|t| shard.contains(&t.id));
-        tracing::info!("--shard {shard}: {} of {all} tasks", tasks.len());
-        if tasks.is_empty() {
-            bail!("--shard {shard}: none of the {all} tasks falls in this shard");
-        }
-    }
-    for t in &tasks {
-        let metrics: Vec<String> = if cfg.metrics.is_empty() {
-            default_weights(t.task_type).into_keys().collect()
-        } else {
-            cfg.metrics.keys().cloned().collect()
-        };
-        check_tasks_for_metrics(std::slice::from_ref(t), &metrics)?;
-    }
-    Ok(tasks)
+    crate::hub::tasks::fetch(&cfg.task_source()).await
 }
 
 fn load_prompts(cfg: &GenerateConfig) -> anyhow::Result<Prompts> {

@@ -1,5 +1,6 @@
 //! The Hugging Face Hub: publish a run's pairs or a checkpoint (`push_hf`, `--push-to-hub`),
-//! and import the public CollabLLM flat datasets (`generate_conv --import`, `--tasks hf:…`).
+//! import the public CollabLLM flat datasets (`generate_conv --import`, `--tasks hf:…`), and
+//! read a run's tasks from any source ([`tasks`]).
 //!
 //! Why our own HTTP code: hf-hub 1.0 can create repos and commit, but it uploads large files
 //! only through Xet; when a Hub answers the LFS batch call with the plain `basic` transfer it
@@ -18,6 +19,7 @@
 pub(crate) mod card;
 pub(crate) mod client;
 pub mod import;
+pub mod tasks;
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};

@@ -2,6 +2,7 @@
 //! conversation records (`conversations.jsonl`) that generation writes and evaluation and
 //! plots read.
 
+pub mod config;
 pub(crate) mod futures;
 pub mod records;
 pub mod user;

@@ -1,9 +1,9 @@
 //! The resolved configuration of an `rl_train` run: defaults ← `--config` TOML ← flags,
 //! validated once at start-up, before any model loads or any rollout starts.
 //!
-//! The rollout side reuses generate_conv's settings (tasks, roles, futures, judges,
-//! endpoints) through [`RlRunConfig::rollout_view`], so both binaries read tasks and build
-//! their simulated user and judges the same way.
+//! The rollout side is checked as generate_conv's is, through the shared
+//! [`RolloutConfig`] ([`RlRunConfig::rollout`]), and its tasks are read from the same
+//! [`TaskSource`] kinds, so both binaries read tasks and judge replies the same way.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,13 +18,16 @@ use super::step::RlConfig;
 use crate::check::Range;
 use crate::engine::llama::WeightFormat;
 use crate::engine::peft::LORA_TARGETS;
-use crate::generate::config::{Compat, CompatRecord, ConfigError};
-use crate::generate::GenerateConfig;
 use crate::llm::tokens::TokenCounterKind;
 use crate::llm::{EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::{InteractivityScale, JudgeMode};
 use crate::reward::mr::MrFormula;
-use crate::rollout::user::{Sampling, TokenRole};
+use crate::rollout::config::{
+    default_user_sampling, Compat, CompatRecord, ConfigError, RolloutConfig, TaskSource,
+    DEFAULT_CONCURRENCY, DEFAULT_RETRIES, DEFAULT_SANDBOX_TIMEOUT_S, DEFAULT_TASKS,
+    DEFAULT_TERMINATION,
+};
+use crate::rollout::user::{Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS};
 use crate::task::twenty_questions::chat::OracleMode;
 use crate::task::TaskType;
 use crate::train::loss::DpoConfig;
@@ -284,9 +287,8 @@ pub struct RlRunConfig {
 
 impl Default for RlRunConfig {
     fn default() -> Self {
-        let gen = GenerateConfig::default();
         Self {
-            tasks: gen.tasks,
+            tasks: DEFAULT_TASKS.into(),
             task_type: None,
             max_tasks: None,
             eval_tasks: None,
@@ -333,20 +335,20 @@ impl Default for RlRunConfig {
             threads: None,
             device: "cpu".into(),
             sampler_weights: "auto".into(),
-            user_sampling: gen.user_sampling,
-            judge_mode: gen.judge_mode,
-            judge_retries: gen.judge_retries,
-            user_retries: gen.user_retries,
-            judge_max_tokens: gen.judge_max_tokens,
-            extractor_max_tokens: gen.extractor_max_tokens,
-            termination: gen.termination,
-            concurrency: gen.concurrency,
-            endpoint: gen.endpoint,
+            user_sampling: default_user_sampling(),
+            judge_mode: JudgeMode::Auto,
+            judge_retries: DEFAULT_RETRIES,
+            user_retries: DEFAULT_RETRIES,
+            judge_max_tokens: JUDGE_MAX_TOKENS,
+            extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
+            termination: DEFAULT_TERMINATION.into(),
+            concurrency: DEFAULT_CONCURRENCY,
+            endpoint: EndpointOptions::default(),
             prompts: None,
-            sandbox_timeout_s: gen.sandbox_timeout_s,
+            sandbox_timeout_s: DEFAULT_SANDBOX_TIMEOUT_S,
             prices: BTreeMap::new(),
-            oracle: gen.oracle,
-            max_questions: gen.max_questions,
+            oracle: OracleMode::default(),
+            max_questions: crate::task::twenty_questions::MAX_QUESTIONS,
             midgame: 0,
             keep_length_only_groups: false,
             interactivity_scale: InteractivityScale::default(),
@@ -441,44 +443,48 @@ impl RlRunConfig {
         }
     }
 
-    /// The generate_conv settings of the rollout side (tasks, roles, futures, judges).
-    pub fn rollout_view(&self) -> GenerateConfig {
-        GenerateConfig {
+    /// Where the training tasks come from.
+    pub fn task_source(&self) -> TaskSource {
+        TaskSource {
             tasks: self.tasks.clone(),
             task_type: self.task_type,
-            output: self.output.clone(),
-            policy: self.model.parse().unwrap_or(ModelSpec::Default),
-            user: self.user.clone(),
-            judge: self.judge.clone(),
-            assistant: None,
-            candidates: self.group_size,
-            samples: self.samples,
-            window: self.window,
             max_tasks: self.max_tasks,
+            shard: None,
             metrics: self.metrics.clone(),
-            mr_formula: self.mr_formula,
-            seed: self.seed,
+        }
+    }
+
+    /// Where the held-out tasks come from (same metrics, other tasks), if any.
+    pub fn eval_task_source(&self) -> Option<TaskSource> {
+        Some(TaskSource {
+            tasks: self.eval_tasks.clone()?,
+            max_tasks: self.eval_max_tasks,
+            ..self.task_source()
+        })
+    }
+
+    /// The rollout settings, as generate_conv has them (the trained model plays the policy
+    /// and the assistant inside futures). `samples = 0` (no futures, the single-turn reward)
+    /// is rl_train's own, so the shared check sees at least 1.
+    pub fn rollout(&self) -> RolloutConfig {
+        RolloutConfig {
+            tasks: self.task_source(),
+            samples: self.samples.max(1),
+            window: self.window,
+            max_questions: self.max_questions,
             termination: self.termination.clone(),
             concurrency: self.concurrency,
-            judge_mode: self.judge_mode,
-            judge_retries: self.judge_retries,
-            user_retries: self.user_retries,
+            threads: self.threads,
+            sandbox_timeout_s: self.sandbox_timeout_s,
+            endpoint: self.endpoint.clone(),
+            prices: self.prices.clone(),
             judge_max_tokens: self.judge_max_tokens,
             extractor_max_tokens: self.extractor_max_tokens,
-            policy_sampling: self.policy_sampling(),
-            user_sampling: self.user_sampling.clone(),
-            assistant_sampling: self.policy_sampling(),
-            endpoint: self.endpoint.clone(),
-            threads: self.threads,
+            sampling: vec![
+                ("policy_sampling", self.policy_sampling()),
+                ("user_sampling", self.user_sampling.clone()),
+            ],
             prompts: self.prompts.clone(),
-            sandbox_timeout_s: self.sandbox_timeout_s,
-            prices: self.prices.clone(),
-            oracle: self.oracle,
-            max_questions: self.max_questions,
-            midgame: self.midgame,
-            interactivity_scale: self.interactivity_scale,
-            token_counter: self.token_counter,
-            ..GenerateConfig::default()
         }
     }
 
@@ -548,16 +554,6 @@ impl RlRunConfig {
     pub fn mini_batch_responses(&self) -> usize {
         self.ppo_mini_batch
             .map_or(self.mini_batch, |p| p * self.group_size)
-    }
-
-    /// The held-out tasks' view (same roles and metrics, other tasks).
-    pub fn eval_view(&self) -> Option<GenerateConfig> {
-        let tasks = self.eval_tasks.clone()?;
-        Some(GenerateConfig {
-            tasks,
-            max_tasks: self.eval_max_tasks,
-            ..self.rollout_view()
-        })
     }
 
     pub fn loss_agg(&self) -> Result<LossAgg, ConfigError> {
@@ -706,12 +702,9 @@ impl RlRunConfig {
         self.rl_config()?
             .validate()
             .map_err(|e| invalid("rl", e.to_string()))?;
-        // `samples = 0` (no futures) is ours, not generate_conv's: check the rest of the view.
-        let mut view = self.rollout_view();
-        view.samples = view.samples.max(1);
-        view.validate()?;
-        if let Some(v) = self.eval_view() {
-            v.validate()?;
+        self.rollout().validate()?;
+        if let Some(eval) = self.eval_task_source() {
+            eval.validate()?;
         }
         Ok(())
     }
@@ -775,12 +768,15 @@ mod tests {
             (TokenRole::Extractor, 300),
             (TokenRole::Assistant, 96),
         ]);
-        let view = cfg.rollout_view();
-        assert_eq!(view.user_sampling.max_tokens, 48);
+        let view = cfg.rollout();
         assert_eq!(view.judge_max_tokens, 200);
         assert_eq!(view.extractor_max_tokens, 300);
-        assert_eq!(view.policy_sampling.max_tokens, 96);
-        assert_eq!(view.assistant_sampling.max_tokens, 96);
+        let caps: Vec<(&str, usize)> = view
+            .sampling
+            .iter()
+            .map(|(n, s)| (*n, s.max_tokens))
+            .collect();
+        assert_eq!(caps, [("policy_sampling", 96), ("user_sampling", 48)]);
         let mut zero = cfg.clone();
         zero.user_sampling.max_tokens = 0;
         assert!(zero.validate().unwrap_err().to_string().contains("user"));
@@ -875,9 +871,8 @@ mod tests {
         assert_eq!(cfg.mini_batch_responses(), 64);
         assert_eq!(cfg.rl_config().unwrap().mini_batch, 64);
         assert_eq!(cfg.optimizer_steps(), cfg.max_steps * 2);
-        let view = cfg.rollout_view();
-        assert_eq!(view.token_counter, TokenCounterKind::Words);
-        assert_eq!(view.interactivity_scale, InteractivityScale::Verl);
+        assert_eq!(cfg.token_counter, TokenCounterKind::Words);
+        assert_eq!(cfg.interactivity_scale, InteractivityScale::Verl);
         assert!(RlRunConfig::default()
             .apply_compat(Compat::UpstreamV2)
             .unwrap_err()

@@ -39,7 +39,6 @@ use super::sync;
 use crate::engine::llama::WeightFormat;
 use crate::engine::peft::AdapterConfig;
 use crate::engine::ChatCodec;
-use crate::generate::run::fetch_config_tasks;
 use crate::hub::import;
 use crate::llm::cache::{CachedBackend, RequestCache};
 use crate::llm::local::{LoadOptions, LocalBackend};
@@ -83,7 +82,7 @@ pub struct RlSummary {
     pub peak_rss_bytes: Option<u64>,
     /// The `--compat` preset the run followed, and every value it set.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub compat: Option<crate::generate::config::CompatRecord>,
+    pub compat: Option<crate::rollout::config::CompatRecord>,
 }
 
 impl RlSummary {
@@ -622,9 +621,9 @@ pub async fn rl_train_until(
     let started = Instant::now();
     let mut cfg = cfg;
     cfg.validate()?;
-    let tasks = fetch_config_tasks(&cfg.rollout_view()).await?;
-    let eval_raw = match cfg.eval_view() {
-        Some(v) => Some((v.tasks.clone(), fetch_config_tasks(&v).await?)),
+    let tasks = crate::hub::tasks::fetch(&cfg.task_source()).await?;
+    let eval_raw = match cfg.eval_task_source() {
+        Some(v) => Some((v.tasks.clone(), crate::hub::tasks::fetch(&v).await?)),
         None => None,
     };
     cfg.tasks_sha256 = Some(tasks_sha256(&tasks, eval_raw.as_ref().map(|e| &e.1)));
