@@ -72,18 +72,7 @@ fn max_logit_diff(got: &[f32], r: &serde_json::Value) -> f64 {
 /// transformers', each within `tol` relative (absolute below 1).
 fn check_token_logps(model: &TrainLlama, r: &serde_json::Value, tol: f64, what: &str) {
     let seq = ids(&r["ids"]);
-    let input = Tensor::new(seq.as_slice(), &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let logp = collabllm::train::model::log_softmax_last_dim(
-        &model.forward(&input, None).unwrap().squeeze(0).unwrap(),
-    )
-    .unwrap()
-    .to_dtype(DType::F64)
-    .unwrap()
-    .to_vec2::<f64>()
-    .unwrap();
+    let logp = common::model_util::trainer_log_probs(model, &seq);
     for (t, want) in floats(&r["token_logps"]).iter().enumerate() {
         let got = logp[t][seq[t + 1] as usize];
         assert!(

@@ -501,7 +501,7 @@ async fn requests_over_the_kv_budget_are_refused() {
 /// tokens best first, and a streamed reply carries the same numbers.
 #[tokio::test]
 async fn logprobs_are_the_models_log_softmax_streamed_too() {
-    use candle_core::{DType, Device, Tensor};
+    use candle_core::{DType, Device};
     use collabllm::engine::llama::WeightFormat;
     use collabllm::llm::local::{LoadOptions, LocalBackend};
     use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, ModelSpec};
@@ -538,18 +538,7 @@ async fn logprobs_are_the_models_log_softmax_streamed_too() {
     let seq: Vec<u32> = prompt.iter().chain(&ids).copied().collect();
     let model =
         collabllm::train::model::TrainLlama::from_hf_dir(&dir, DType::F32, &Device::Cpu).unwrap();
-    let input = Tensor::new(seq.as_slice(), &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let logp = collabllm::train::model::log_softmax_last_dim(
-        &model.forward(&input, None).unwrap().squeeze(0).unwrap(),
-    )
-    .unwrap()
-    .to_dtype(DType::F64)
-    .unwrap()
-    .to_vec2::<f64>()
-    .unwrap();
+    let logp = model_util::trainer_log_probs(&model, &seq);
     for (k, t) in lps.iter().enumerate() {
         let row = &logp[prompt.len() + k - 1];
         assert_eq!(t.id, ids[k]);

@@ -221,11 +221,8 @@ impl GenerateConfig {
     /// Where the tasks come from.
     pub fn task_source(&self) -> TaskSource {
         TaskSource {
-            tasks: self.tasks.clone(),
-            task_type: self.task_type,
-            max_tasks: self.max_tasks,
             shard: self.shard,
-            metrics: self.metrics.clone(),
+            ..TaskSource::new(&self.tasks, self.task_type, self.max_tasks, &self.metrics)
         }
     }
 

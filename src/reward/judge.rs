@@ -380,11 +380,12 @@ fn missing(method: &str, raw: String, attempts: u32) -> Verdict {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::llm::scripted::ScriptedBackend;
 
-    fn judge(scale: InteractivityScale, reply: &'static str) -> Judge {
+    /// A JSON-mode judge whose every answer is `reply`.
+    pub(crate) fn judge(scale: InteractivityScale, reply: &'static str) -> Judge {
         let backend = ScriptedBackend::new("judge", move |_, _| Ok(reply.to_string()));
         Judge {
             role: Role::from_backend("judge", "scripted", backend, None, None),

@@ -607,24 +607,20 @@ mod tests {
 #[cfg(test)]
 mod accuracy_tests {
     use super::*;
-    use crate::llm::roles::Role;
-    use crate::llm::scripted::ScriptedBackend;
-    use crate::reward::judge::{InteractivityScale, JudgeMode};
-    use crate::task::prompts::Prompts;
+    use crate::reward::judge::InteractivityScale;
 
     fn scorer(judge_reply: &'static str) -> Scorer {
-        let backend = ScriptedBackend::new("judge", move |_, _| Ok(judge_reply.to_string()));
+        scorer_counting(judge_reply, TokenCounter::cl100k().unwrap())
+    }
+
+    /// A scorer whose judge always answers `judge_reply`, counting tokens with `tokens`.
+    pub(super) fn scorer_counting(judge_reply: &'static str, tokens: TokenCounter) -> Scorer {
         Scorer {
-            judge: Arc::new(Judge {
-                role: Role::from_backend("judge", "scripted", backend, None, None),
-                prompts: Arc::new(Prompts::builtin().unwrap()),
-                mode: JudgeMode::Json,
-                retries: 0,
-                max_tokens: 512,
-                extract_max_tokens: 2048,
-                interactivity_scale: InteractivityScale::V2,
-            }),
-            tokens: TokenCounter::cl100k().unwrap(),
+            judge: Arc::new(crate::reward::judge::tests::judge(
+                InteractivityScale::V2,
+                judge_reply,
+            )),
+            tokens,
             sandbox: SandboxLimits::default(),
         }
     }
@@ -768,27 +764,11 @@ mod accuracy_tests {
 
 #[cfg(test)]
 mod token_amount_tests {
+    use super::accuracy_tests::scorer_counting;
     use super::*;
-    use crate::llm::roles::Role;
-    use crate::llm::scripted::ScriptedBackend;
-    use crate::reward::judge::{InteractivityScale, JudgeMode};
-    use crate::task::prompts::Prompts;
 
     fn scorer(tokens: TokenCounter) -> Scorer {
-        let backend = ScriptedBackend::new("judge", |_, _| Ok("{}".to_string()));
-        Scorer {
-            judge: Arc::new(Judge {
-                role: Role::from_backend("judge", "scripted", backend, None, None),
-                prompts: Arc::new(Prompts::builtin().unwrap()),
-                mode: JudgeMode::Json,
-                retries: 0,
-                max_tokens: 512,
-                extract_max_tokens: 2048,
-                interactivity_scale: InteractivityScale::V2,
-            }),
-            tokens,
-            sandbox: SandboxLimits::default(),
-        }
+        scorer_counting("{}", tokens)
     }
 
     /// verl's token_amount counts the words of every message after the prompt (the

@@ -171,6 +171,22 @@ pub struct TaskSource {
 }
 
 impl TaskSource {
+    /// All of `tasks`' tasks (no shard), checked against `metrics`.
+    pub fn new(
+        tasks: &str,
+        task_type: Option<TaskType>,
+        max_tasks: Option<usize>,
+        metrics: &BTreeMap<String, f64>,
+    ) -> Self {
+        Self {
+            tasks: tasks.to_string(),
+            task_type,
+            max_tasks,
+            shard: None,
+            metrics: metrics.clone(),
+        }
+    }
+
     /// Checks the source's name and shard (reading happens in `hub::tasks`).
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.tasks.trim().is_empty() {

@@ -130,3 +130,23 @@ pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::engine::Engine
         assert_eq!(batched, alone, "request {i}");
     }
 }
+
+/// The trainable model's log-softmax at every position of `seq` (one row per position), in
+/// f64: row t scores the token at t + 1.
+pub fn trainer_log_probs(
+    model: &collabllm::train::model::TrainLlama,
+    seq: &[u32],
+) -> Vec<Vec<f64>> {
+    use candle_core::{DType, Device, Tensor};
+    let input = Tensor::new(seq, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = model.forward(&input, None).unwrap().squeeze(0).unwrap();
+    collabllm::train::model::log_softmax_last_dim(&logits)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap()
+}

@@ -445,13 +445,7 @@ impl RlRunConfig {
 
     /// Where the training tasks come from.
     pub fn task_source(&self) -> TaskSource {
-        TaskSource {
-            tasks: self.tasks.clone(),
-            task_type: self.task_type,
-            max_tasks: self.max_tasks,
-            shard: None,
-            metrics: self.metrics.clone(),
-        }
+        TaskSource::new(&self.tasks, self.task_type, self.max_tasks, &self.metrics)
     }
 
     /// Where the held-out tasks come from (same metrics, other tasks), if any.
