@@ -593,11 +593,31 @@ async fn logprobs_are_the_models_log_softmax_streamed_too() {
         .filter(|d| *d != "[DONE]")
         .map(|d| serde_json::from_str(d).unwrap())
         .collect();
-    let chunk = streamed
+    // Each chunk carries the log-probs of the tokens its text completes; together, all of
+    // them, in order.
+    let mut joined = Vec::new();
+    let mut text = String::new();
+    for c in &streamed {
+        let choice = &c["choices"][0];
+        if let Some(list) = choice["logprobs"]["content"].as_array() {
+            joined.extend(list.iter().cloned());
+        }
+        text.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(joined, content);
+    assert_eq!(
+        text,
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let with_logprobs = streamed
         .iter()
-        .find(|c| c["choices"][0]["logprobs"].is_object())
-        .expect("a chunk with log-probs");
-    assert_eq!(chunk["choices"][0]["logprobs"]["content"], json!(content));
+        .filter(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .is_some_and(|l| !l.is_empty())
+        })
+        .count();
+    assert!(with_logprobs > 1, "sent as generated, not in one piece");
     // Without the flag: null, as OpenAI sends it.
     let (_, text) = post_raw(
         addr,

@@ -947,6 +947,8 @@ impl Engine {
                 ids: Vec::new(),
                 end: None,
                 logprobs: params.logprobs.map(|_| Vec::new()),
+                token_ends: Vec::new(),
+                logprobs_sent: 0,
                 detok: IncrementalText::default(),
                 text: String::new(),
                 tokens: 0,
@@ -1070,6 +1072,9 @@ impl Engine {
                 row.detok.update(&row.ids, |ids| self.decode(ids))?;
                 row.text.clear();
                 row.text.push_str(row.detok.text());
+                if row.logprobs.is_some() {
+                    row.token_ends.push(row.text.len());
+                }
                 if first_stop(&row.text, &state.stop).is_some() {
                     Some(FinishReason::Stop)
                 } else if last {
@@ -1148,7 +1153,9 @@ const KV_GROWTH: usize = 256;
 
 /// Text as it is generated: sample index and the new text (the deltas of a sample
 /// concatenate to its final text).
-pub type TokenSink = Box<dyn FnMut(usize, &str) + Send>;
+/// Receives each sample's settled new text, with the log-probabilities of the tokens that
+/// text completes (empty unless they were asked for).
+pub type TokenSink = Box<dyn FnMut(usize, &str, &[TokenLogprob]) + Send>;
 
 /// A prompt being prefilled (see [`Engine::begin_prefill`] and [`Engine::prefill_chunk`]).
 pub struct Prefill {
@@ -1291,6 +1298,11 @@ struct Row {
     end: Option<u32>,
     /// The log-probabilities of `ids`, when asked for.
     logprobs: Option<Vec<TokenLogprob>>,
+    /// With log-probabilities: the length of `text` once each of `ids` was decoded, so a
+    /// stream sends a token's log-probability with the text that completes it.
+    token_ends: Vec<usize>,
+    /// Log-probabilities already sent to the stream.
+    logprobs_sent: usize,
     /// The text of `ids`, a token at a time.
     detok: IncrementalText,
     /// The text so far (once finished: cut at the stop string).
@@ -1320,9 +1332,32 @@ impl Row {
         };
         // The text decoded so far only ever grows at the end once settled; should a
         // tokenizer rewrite earlier text, nothing more is sent until the end.
-        if settled > self.sent && self.text.is_char_boundary(self.sent) {
-            sink(self.sample, &self.text[self.sent..settled]);
-            self.sent = settled;
+        let text_due = settled > self.sent && self.text.is_char_boundary(self.sent);
+        // The log-probabilities of the tokens whose text is settled (all of them at the end).
+        let lps: &[TokenLogprob] = match &self.logprobs {
+            Some(all) => {
+                let done = if ended {
+                    all.len()
+                } else if text_due {
+                    self.token_ends.partition_point(|&end| end <= settled)
+                } else {
+                    self.logprobs_sent
+                };
+                &all[self.logprobs_sent.min(done)..done]
+            }
+            None => &[],
+        };
+        if text_due || !lps.is_empty() {
+            let text = if text_due {
+                &self.text[self.sent..settled]
+            } else {
+                ""
+            };
+            sink(self.sample, text, lps);
+            self.logprobs_sent += lps.len();
+            if text_due {
+                self.sent = settled;
+            }
         }
     }
 }

@@ -22,7 +22,7 @@ use crate::engine::scheduler::{
 };
 pub use crate::engine::scheduler::{LocalStats, DEFAULT_MAX_BATCH, PREFILL_CHUNK};
 pub use crate::engine::LoadOptions;
-use crate::engine::{CancelFlag, Engine, EngineError, GenParams, TokenSink};
+use crate::engine::{CancelFlag, Engine, EngineError, GenParams, TokenLogprob, TokenSink};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LocalLoadError {
@@ -323,7 +323,11 @@ impl ChatBackend for LocalBackend {
         let sink = sink.clone();
         self.generate(
             req,
-            Some(Box::new(move |i: usize, text: &str| sink.send(i, text))),
+            Some(Box::new(
+                move |i: usize, text: &str, lps: &[TokenLogprob]| {
+                    sink.send_with_logprobs(i, text, lps)
+                },
+            )),
         )
         .await
     }

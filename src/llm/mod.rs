@@ -365,10 +365,14 @@ pub type SharedBackend = Arc<dyn ChatBackend>;
 /// Where [`ChatBackend::chat_stream`] sends text as it is generated: (choice index, new
 /// text); the pieces of a choice concatenate to its final content.
 #[derive(Clone, Debug)]
-pub struct DeltaSink(tokio::sync::mpsc::UnboundedSender<(usize, String)>);
+pub struct DeltaSink(tokio::sync::mpsc::UnboundedSender<Delta>);
+
+/// A piece of one choice's reply: its index, new text, and the log-probabilities of the
+/// tokens that text completes (empty unless asked for).
+pub type Delta = (usize, String, Vec<TokenLogprob>);
 
 impl DeltaSink {
-    pub fn channel() -> (Self, tokio::sync::mpsc::UnboundedReceiver<(usize, String)>) {
+    pub fn channel() -> (Self, tokio::sync::mpsc::UnboundedReceiver<Delta>) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         (Self(tx), rx)
     }
@@ -376,8 +380,14 @@ impl DeltaSink {
     /// Sends a piece of choice `index`'s text (nothing for an empty piece, or once the
     /// receiver is gone).
     pub fn send(&self, index: usize, text: &str) {
-        if !text.is_empty() {
-            let _ = self.0.send((index, text.to_string()));
+        self.send_with_logprobs(index, text, &[]);
+    }
+
+    /// Sends a piece of text with its tokens' log-probabilities (nothing when both are
+    /// empty, or once the receiver is gone).
+    pub fn send_with_logprobs(&self, index: usize, text: &str, logprobs: &[TokenLogprob]) {
+        if !text.is_empty() || !logprobs.is_empty() {
+            let _ = self.0.send((index, text.to_string(), logprobs.to_vec()));
         }
     }
 }

@@ -33,8 +33,8 @@ use serde_json::{json, Map, Value};
 pub use response_format::ResponseFormat;
 
 use crate::llm::{
-    ChatMessage, ChatRequest, ChatResponse, Choice, ContextLimits, LlmError, SharedBackend,
-    MAX_STOP_BYTES, MAX_TOP_LOGPROBS,
+    ChatMessage, ChatRequest, ChatResponse, Choice, ContextLimits, Delta, LlmError, SharedBackend,
+    TokenLogprob, MAX_STOP_BYTES, MAX_TOP_LOGPROBS,
 };
 
 /// Largest `n` one request may ask for.
@@ -572,22 +572,27 @@ fn parse_logprobs<'a>(
 
 /// The OpenAI `logprobs` object of a choice: `null` unless asked for.
 fn logprobs_json(asked: bool, choice: &Choice) -> Value {
-    let entry = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
     match (asked, &choice.logprobs) {
-        (true, Some(list)) => json!({
-            "content": list
-                .iter()
-                .map(|t| {
-                    let mut e = entry(&t.token, t.logprob);
-                    e["top_logprobs"] =
-                        Value::Array(t.top.iter().map(|a| entry(&a.token, a.logprob)).collect());
-                    e
-                })
-                .collect::<Vec<_>>(),
-            "refusal": null,
-        }),
+        (true, Some(list)) => logprobs_object(list),
         _ => Value::Null,
     }
+}
+
+/// `{"content": [...], "refusal": null}` of these tokens.
+fn logprobs_object(list: &[TokenLogprob]) -> Value {
+    let entry = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    json!({
+        "content": list
+            .iter()
+            .map(|t| {
+                let mut e = entry(&t.token, t.logprob);
+                e["top_logprobs"] =
+                    Value::Array(t.top.iter().map(|a| entry(&a.token, a.logprob)).collect());
+                e
+            })
+            .collect::<Vec<_>>(),
+        "refusal": null,
+    })
 }
 
 /// Known fields whose silent omission would mislead the client: validated, and refused unless
@@ -924,8 +929,7 @@ async fn chat_completions(
     if let Some(limits) = state.backend.context_limits() {
         check_context(&parsed, limits)?;
     }
-    // Log-probabilities come with the finished samples: such a stream is sent once they are.
-    if parsed.stream && !parsed.response_format.wants_json() && parsed.request.logprobs.is_none() {
+    if parsed.stream && !parsed.response_format.wants_json() {
         return live_stream(&state, &parsed).await;
     }
     // Dropping this future (the client disconnected) cancels the generation.
@@ -1008,12 +1012,8 @@ impl ChunkWriter {
         Event::default().data(serde_json::to_string(&c).expect("chunk serializes"))
     }
 
-    /// A piece of choice `index`'s text; the choice's first piece also carries the role.
-    fn delta(&self, index: usize, text: &str, first: bool) -> Event {
-        self.event(vec![self.delta_choice(index, text, first)], None)
-    }
-
-    /// The choice object of [`ChunkWriter::delta`].
+    /// The choice object of a piece of choice `index`'s text; the choice's first piece also
+    /// carries the role.
     fn delta_choice(&self, index: usize, text: &str, first: bool) -> Value {
         let delta = if first {
             json!({"role": "assistant", "content": text})
@@ -1069,27 +1069,38 @@ type ChatFuture = std::pin::Pin<Box<dyn Future<Output = Result<ChatResponse, Llm
 /// text it sends, and the chunks not yet written.
 struct LiveStream {
     gen: Option<ChatFuture>,
-    rx: tokio::sync::mpsc::UnboundedReceiver<(usize, String)>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Delta>,
     writer: ChunkWriter,
     include_usage: bool,
+    /// The client asked for log-probabilities.
+    logprobs: bool,
     /// Text sent so far, per choice.
     sent: Vec<String>,
+    /// Log-probabilities sent so far, per choice.
+    logprobs_sent: Vec<usize>,
     queue: std::collections::VecDeque<Event>,
 }
 
 impl LiveStream {
-    fn push_delta(&mut self, index: usize, text: &str) {
+    fn push_delta(&mut self, index: usize, text: &str, lps: &[TokenLogprob]) {
         let Some(sent) = self.sent.get_mut(index) else {
             return;
         };
         let first = sent.is_empty();
         sent.push_str(text);
-        self.queue.push_back(self.writer.delta(index, text, first));
+        let mut choice = self.writer.delta_choice(index, text, first);
+        if self.logprobs {
+            choice["logprobs"] = logprobs_object(lps);
+            if let Some(n) = self.logprobs_sent.get_mut(index) {
+                *n += lps.len();
+            }
+        }
+        self.queue.push_back(self.writer.event(vec![choice], None));
     }
 
     fn push_end(&mut self, result: Result<ChatResponse, LlmError>) {
-        while let Ok((i, text)) = self.rx.try_recv() {
-            self.push_delta(i, &text);
+        while let Ok((i, text, lps)) = self.rx.try_recv() {
+            self.push_delta(i, &text, &lps);
         }
         match result {
             Ok(resp) => {
@@ -1097,10 +1108,16 @@ impl LiveStream {
                     // What the pieces did not carry (a backend that sends nothing while it
                     // works): the rest of the final content.
                     let sent = self.sent.get(i).map_or("", String::as_str);
-                    let rest = c.content.strip_prefix(sent).unwrap_or("");
-                    if !rest.is_empty() || sent.is_empty() {
-                        let first = sent.is_empty();
-                        self.queue.push_back(self.writer.delta(i, rest, first));
+                    let rest = c.content.strip_prefix(sent).unwrap_or("").to_string();
+                    let nothing_sent = sent.is_empty();
+                    // Log-probabilities the pieces did not carry, likewise.
+                    let lps_sent = self.logprobs_sent.get(i).copied().unwrap_or(0);
+                    let lps_rest = c
+                        .logprobs
+                        .as_deref()
+                        .map_or(&[][..], |l| &l[lps_sent.min(l.len())..]);
+                    if !rest.is_empty() || nothing_sent || (self.logprobs && !lps_rest.is_empty()) {
+                        self.push_delta(i, &rest, lps_rest);
                     }
                     self.queue
                         .push_back(self.writer.finish(i, c.finish_reason.as_str()));
@@ -1137,7 +1154,7 @@ impl LiveStream {
             let gen = self.gen.as_mut()?;
             tokio::select! {
                 biased;
-                Some((i, text)) = self.rx.recv() => self.push_delta(i, &text),
+                Some((i, text, lps)) = self.rx.recv() => self.push_delta(i, &text, &lps),
                 result = gen => {
                     self.gen = None;
                     self.push_end(result);
@@ -1163,14 +1180,16 @@ async fn live_stream(state: &AppState, parsed: &ParsedRequest) -> Result<Respons
             model: state.names.id().to_string(),
         },
         include_usage: parsed.include_usage,
+        logprobs: parsed.request.logprobs.is_some(),
         sent: vec![String::new(); parsed.request.n],
+        logprobs_sent: vec![0; parsed.request.n],
         queue: Default::default(),
     };
     // Wait for the first piece of text (or the end) before answering with a status.
     if let Some(gen) = live.gen.as_mut() {
         tokio::select! {
             biased;
-            Some((i, text)) = live.rx.recv() => live.push_delta(i, &text),
+            Some((i, text, lps)) = live.rx.recv() => live.push_delta(i, &text, &lps),
             result = gen => {
                 live.gen = None;
                 match result {
