@@ -50,13 +50,18 @@ pub fn response_tokens(
     let Some(ids) = &response.token_ids else {
         return tokenize_response(codec, prompt, &response.text, response.truncated);
     };
-    if prompt.last().is_none_or(|m| m.role != "user") {
-        return Err("the prompt must end with a user message".into());
-    }
     if ids.is_empty() {
         return Err("the response has no token to train on".into());
     }
-    Ok((render_ids(codec, prompt, true)?, ids.clone()))
+    Ok((prompt_ids(codec, prompt)?, ids.clone()))
+}
+
+/// The prompt's ids with the generation prompt; it must end with the user's turn.
+fn prompt_ids(codec: &ChatCodec, prompt: &[ChatMessage]) -> std::result::Result<Vec<u32>, String> {
+    if prompt.last().is_none_or(|m| m.role != "user") {
+        return Err("the prompt must end with a user message".into());
+    }
+    render_ids(codec, prompt, true)
 }
 
 /// Prompt ids (with the generation prompt) and the loss-carrying response ids of `text`.
@@ -66,10 +71,7 @@ pub fn tokenize_response(
     text: &str,
     truncated: bool,
 ) -> std::result::Result<(Vec<u32>, Vec<u32>), String> {
-    if prompt.last().is_none_or(|m| m.role != "user") {
-        return Err("the prompt must end with a user message".into());
-    }
-    let prompt_ids = render_ids(codec, prompt, true)?;
+    let prompt_ids = prompt_ids(codec, prompt)?;
     let mut all = prompt.to_vec();
     all.push(ChatMessage {
         role: "assistant".into(),

@@ -105,6 +105,11 @@ pub enum TruncatedReward {
 }
 
 impl TruncatedReward {
+    /// Whether a response that ended this way scores 0 without futures.
+    pub fn zeroes(self, finish: crate::llm::FinishReason) -> bool {
+        self == Self::Zero && finish == crate::llm::FinishReason::Length
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Futures => "futures",

@@ -20,7 +20,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use super::config::{Opening, RlRunConfig, TruncatedReward};
+use super::config::{Opening, RlRunConfig};
 use super::{Group, ScoredResponse};
 use crate::llm::roles::Role;
 use crate::llm::{ChatMessage, FinishReason};
@@ -190,14 +190,14 @@ impl Rollout<'_> {
             run_seed: self.cfg.seed,
         };
         // A response that plays no futures (verl: cut at the cap) costs no call.
-        let zero_truncated = self.cfg.truncated == TruncatedReward::Zero;
+        let truncated = self.cfg.truncated;
         let jobs: Vec<(usize, usize)> = sampled
             .iter()
             .enumerate()
             .flat_map(|(g, s)| {
                 s.3.iter()
                     .enumerate()
-                    .filter(move |(_, c)| !(zero_truncated && c.finish == FinishReason::Length))
+                    .filter(move |(_, c)| !truncated.zeroes(c.finish))
                     .map(move |(j, _)| (g, j))
             })
             .collect();
@@ -351,7 +351,7 @@ impl Rollout<'_> {
         weights: &BTreeMap<String, f64>,
         scored: Option<Result<ScoredReply, SimError>>,
     ) -> ResponseRecord {
-        if self.cfg.truncated == TruncatedReward::Zero && sample.finish == FinishReason::Length {
+        if self.cfg.truncated.zeroes(sample.finish) {
             return ResponseRecord {
                 index,
                 text: sample.text,

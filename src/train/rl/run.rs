@@ -943,10 +943,7 @@ fn step_log(
         Some(
             responses
                 .iter()
-                .filter(|r| {
-                    cfg.truncated == super::config::TruncatedReward::Zero
-                        && r.finish_reason == crate::llm::FinishReason::Length
-                })
+                .filter(|r| cfg.truncated.zeroes(r.finish_reason))
                 .count() as f64,
         ),
     );
