@@ -81,10 +81,10 @@ struct Args {
     /// Tasks file (JSONL or parquet) for math/doc_edit/code [default: data/<task>.jsonl].
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
-    /// Simulated user model [default: default].
+    /// Simulated user model.
     #[arg(long, value_name = "SPEC")]
     user: Option<ModelSpec>,
-    /// Judge and extractor model [default: default].
+    /// Judge and extractor model.
     #[arg(long, value_name = "SPEC")]
     judge: Option<ModelSpec>,
     /// Evaluate only the first K tasks.
@@ -96,10 +96,10 @@ struct Args {
     /// Play every task (or object) this many times, with seeds seed, seed+1, ….
     #[arg(long, value_name = "K", default_value_t = 1)]
     repeats: usize,
-    /// Assistant replies per conversation at most [default: 7].
+    /// Assistant replies per conversation at most.
     #[arg(long, value_name = "T")]
     max_turns: Option<usize>,
-    /// Conversations (or games) in flight at once [default: 8].
+    /// Conversations (or games) in flight at once.
     #[arg(long, value_name = "C")]
     concurrency: Option<usize>,
     /// 20 Questions oracle: `table` (the attribute table; a question it cannot parse is
@@ -110,12 +110,12 @@ struct Args {
     #[arg(long, value_name = "ORACLE")]
     oracle: Option<OracleChoice>,
     /// 20 Questions objects: `all` (every object of --split in task order, once each) or N
-    /// (the first N of them) [default: all].
+    /// (the first N of them).
     #[arg(long, value_name = "all|N")]
     objects: Option<ObjectSelection>,
     /// 20 Questions objects by generate_conv's fixed object split: `test` (the held-out
     /// objects, ~20% of each category, that `--tasks 20q:train` never generates data for),
-    /// `train` or `all` [default: all].
+    /// `train` or `all`.
     #[arg(long, value_name = "SPLIT")]
     split: Option<ObjectSplit>,
     /// Evaluate every model row with this system prompt: `proactive` (the collaborative prompt
@@ -125,11 +125,11 @@ struct Args {
     system_prompt: Option<SystemPromptSource>,
     /// How local models hold their weights: `auto` (GGUF Q4_1/Q5_x re-quantized to Q8_0,
     /// safetensors in f32), `q8` (every linear layer in Q8_0: fastest, and puts a GGUF base and
-    /// a merged dpo_train checkpoint on the same footing), `native`, `f32` [default: auto].
+    /// a merged dpo_train checkpoint on the same footing), `native`, `f32`.
     #[arg(long, value_name = "FORMAT", value_parser = clap::builder::PossibleValuesParser::new(WeightFormat::NAMES)
               .try_map(|s| s.parse::<WeightFormat>()))]
     weights: Option<WeightFormat>,
-    /// 20 Questions question budget per game [default: 20].
+    /// 20 Questions question budget per game.
     #[arg(long, value_name = "Q")]
     max_questions: Option<usize>,
     /// A generate_conv run directory whose tasks must not be evaluated (repeatable): any
@@ -153,13 +153,13 @@ struct Args {
     #[arg(long = "max-tokens", value_name = "ROLE=N", value_parser = parse_eval_max_tokens)]
     max_tokens: Vec<(TokenRole, usize)>,
     /// Interactivity judge scale: v2 (0 / 0.5 / 1, upstream CollabLLM), verl, v1 (1–3
-    /// rescaled (x − 2.5)·2) or likert5 (1–5 mapped onto [0, 1]) [default: v2].
+    /// rescaled (x − 2.5)·2) or likert5 (1–5 mapped onto [0, 1]).
     #[arg(long, value_name = "SCALE")]
     interactivity_scale: Option<InteractivityScale>,
     /// What token counts (tokens_read_k, tokens_typed_k, token_amount) count: policy (the model's own tokenizer; cl100k_base for endpoints),
     /// cl100k (OpenAI's cl100k_base for every model, comparable across models) or words
     /// (whitespace words; token_amount then counts every message after the prompt, as the
-    /// verl recipe) [default: cl100k].
+    /// verl recipe).
     #[arg(long, value_enum, value_name = "COUNTER")]
     token_counter: Option<collabllm::llm::tokens::TokenCounterKind>,
     /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
@@ -295,7 +295,8 @@ fn transcripts(
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args: Args =
+        collabllm::cli::parse_with_config_defaults(&collabllm::eval::EvalConfig::default());
     collabllm::cli::init_logging();
     if !args.compare.is_empty() {
         return collabllm::cli::exit_on_error(compare(&args.compare, args.output.as_deref()));
@@ -337,11 +338,12 @@ mod help_tests {
     #[test]
     fn help_defaults_are_the_configs() {
         let cfg = collabllm::eval::EvalConfig::default();
-        assert_eq!(
-            cfg.assistant_sampling.temperature, 0.0,
-            "--temperature [default: 0]"
-        );
+        assert_eq!(cfg.assistant_sampling.temperature, 0.0, "--temperature");
         let described = ["temperature", "tasks", "oracle", "max_tokens", "threads"];
-        collabllm::cli::assert_help_defaults(&Args::command(), &cfg, &described);
+        collabllm::cli::assert_help_defaults(
+            &collabllm::cli::with_config_defaults(Args::command(), &cfg),
+            &cfg,
+            &described,
+        );
     }
 }

@@ -104,35 +104,35 @@ struct Args {
     /// (prompts/verl_system.txt), e.g. the recipe's own.
     #[arg(long, value_name = "FILE", requires = "export")]
     system_prompt: Option<PathBuf>,
-    /// Run directory [default: outputs/run].
+    /// Run directory.
     #[arg(long, value_name = "DIR")]
     output: Option<PathBuf>,
     /// TOML file with any of the settings below (flags override it).
     #[arg(long, value_name = "TOML")]
     config: Option<PathBuf>,
     /// Policy model proposing the candidates: `default`, a .gguf file, an HF directory or id,
-    /// or `openai:<model>[@<base_url>]` [default: default].
+    /// or `openai:<model>[@<base_url>]`.
     #[arg(long, value_name = "SPEC")]
     policy: Option<ModelSpec>,
-    /// Simulated user model [default: default].
+    /// Simulated user model.
     #[arg(long, value_name = "SPEC")]
     user: Option<ModelSpec>,
-    /// Judge and extractor model [default: default].
+    /// Judge and extractor model.
     #[arg(long, value_name = "SPEC")]
     judge: Option<ModelSpec>,
     /// Model for the assistant turns inside futures [default: the policy].
     #[arg(long, value_name = "SPEC")]
     assistant: Option<ModelSpec>,
-    /// Candidate replies per turn, N [default: 3].
+    /// Candidate replies per turn, N.
     #[arg(long, value_name = "N")]
     candidates: Option<usize>,
-    /// Simulated futures per candidate, S [default: 3].
+    /// Simulated futures per candidate, S.
     #[arg(long, value_name = "S")]
     samples: Option<usize>,
-    /// Messages per future (user, assistant, …), W [default: 4].
+    /// Messages per future (user, assistant, …), W.
     #[arg(long, value_name = "W")]
     window: Option<usize>,
-    /// Cap on the real conversation's length in messages [default: 14].
+    /// Cap on the real conversation's length in messages.
     #[arg(long, value_name = "M")]
     max_messages: Option<usize>,
     /// Follow upstream's defaults where ours differ (docs/fidelity.md): `upstream-v2`
@@ -158,31 +158,31 @@ struct Args {
     /// [default: per task type].
     #[arg(long = "metric", value_name = "NAME=WEIGHT", value_parser = parse_metric)]
     metrics: Vec<(String, f64)>,
-    /// MR formula: mean (Σ_m w_m·mean_k s) or verl_clamp (Σ_m clamp(w_m·mean_k s, −1, 1)) [default: mean].
+    /// MR formula: mean (Σ_m w_m·mean_k s) or verl_clamp (Σ_m clamp(w_m·mean_k s, −1, 1)).
     #[arg(long, value_name = "FORMULA")]
     mr_formula: Option<MrFormula>,
-    /// Minimum MR gap between chosen and rejected [default: 0.02].
+    /// Minimum MR gap between chosen and rejected.
     #[arg(long, value_name = "G", value_parser = config::MIN_GAP.parser())]
     min_gap: Option<f64>,
-    /// Pairs per turn: best (best vs worst) or all (every pair above the gap) [default: best].
+    /// Pairs per turn: best (best vs worst) or all (every pair above the gap).
     #[arg(long, value_name = "MODE")]
     pairs: Option<PairMode>,
-    /// Fraction of candidates drawn with the proactive prompt; int(N·R) of them, as upstream [default: 0.5].
+    /// Fraction of candidates drawn with the proactive prompt; int(N·R) of them, as upstream.
     #[arg(long, value_name = "R", value_parser = config::PROACT_RATIO.parser())]
     proact_ratio: Option<f64>,
     /// How proactive candidates are prompted: json (upstream's instruction: the conversation in
     /// one user message, a {current_problem, thought, response} answer of which the response is
     /// kept), system (a collaborator system prompt before the conversation), auto (json for
-    /// endpoint policies, system for local ones) [default: auto].
+    /// endpoint policies, system for local ones).
     #[arg(long, value_name = "STYLE")]
     proactive_style: Option<ProactiveStyle>,
-    /// Share of conversations in pairs/test.parquet [default: 0.1].
+    /// Share of conversations in pairs/test.parquet.
     #[arg(long, value_name = "F", value_parser = config::TEST_FRACTION.parser())]
     test_fraction: Option<f64>,
-    /// Seed of every sampling decision and of the train/test split [default: 0].
+    /// Seed of every sampling decision and of the train/test split.
     #[arg(long, value_name = "X")]
     seed: Option<u64>,
-    /// Conversations in flight at once [default: 8].
+    /// Conversations in flight at once.
     #[arg(long, value_name = "C")]
     concurrency: Option<usize>,
     /// Judge mode: auto (log-probabilities for local judges, JSON for endpoints), json, logprob.
@@ -190,13 +190,13 @@ struct Args {
     judge_mode: Option<JudgeMode>,
     /// Interactivity judge scale: v2 (0 / 0.5 / 1, upstream CollabLLM), verl (mean of
     /// understanding, clarification and suggestion, each in [0, 1]), v1 (1–3 rescaled
-    /// (x − 2.5)·2, the paper-era scripts), likert5 (1–5 mapped onto [0, 1]) [default: v2].
+    /// (x − 2.5)·2, the paper-era scripts), likert5 (1–5 mapped onto [0, 1]).
     #[arg(long, value_name = "SCALE")]
     interactivity_scale: Option<InteractivityScale>,
     /// What token_amount count: policy (the model's own tokenizer; cl100k_base for endpoints),
     /// cl100k (OpenAI's cl100k_base for every model, comparable across models) or words
     /// (the whitespace words of every message after the prompt, the simulated user's
-    /// included, as the verl recipe counts) [default: policy].
+    /// included, as the verl recipe counts).
     #[arg(long, value_enum, value_name = "COUNTER")]
     token_counter: Option<collabllm::llm::tokens::TokenCounterKind>,
     /// Token cap of one reply, repeatable: ROLE=N with ROLE policy (candidates, and the future
@@ -451,7 +451,7 @@ async fn push_at_end(args: &Args, cfg: &GenerateConfig) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args: Args = collabllm::cli::parse_with_config_defaults(&GenerateConfig::default());
     collabllm::cli::init_logging();
     let cfg = match resolve(&args) {
         Ok(c) => c,
@@ -485,7 +485,7 @@ mod tests {
             "threads",
         ];
         collabllm::cli::assert_help_defaults(
-            &Args::command(),
+            &collabllm::cli::with_config_defaults(Args::command(), &GenerateConfig::default()),
             &GenerateConfig::default(),
             &described,
         );

@@ -49,7 +49,7 @@ struct Args {
     /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}, an
     /// upstream CollabLLM flat parquet file, hf:<org>/<name>, or 20q:train | 20q:test |
     /// 20q:all (the bundled 20 Questions objects: the user is the oracle, rewards are exact)
-    /// [default: data/math.jsonl].
+    ///.
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
     /// Task type of imported flat-schema tasks without one in their metadata.
@@ -68,7 +68,7 @@ struct Args {
     /// Use only the first K held-out tasks.
     #[arg(long, value_name = "K")]
     eval_max_tasks: Option<usize>,
-    /// Run directory [default: outputs/rl].
+    /// Run directory.
     #[arg(long, value_name = "DIR")]
     output: Option<PathBuf>,
     /// TOML file with any of the settings (field names as in rl_config.json); flags override it.
@@ -79,46 +79,46 @@ struct Args {
     #[arg(long)]
     resume: bool,
     /// Model to train: `default`, a .gguf file, an HF directory (e.g. a dpo_train final/) or
-    /// an HF id [default: default].
+    /// an HF id.
     #[arg(long, value_name = "SPEC")]
     model: Option<String>,
-    /// Simulated user model: a local spec or openai:<model>[@<base_url>] [default: default].
+    /// Simulated user model: a local spec or openai:<model>[@<base_url>].
     #[arg(long, value_name = "SPEC")]
     user: Option<ModelSpec>,
-    /// Judge and extractor model [default: default].
+    /// Judge and extractor model.
     #[arg(long, value_name = "SPEC")]
     judge: Option<ModelSpec>,
-    /// Prompts per step, B (at most 65536) [default: 2].
+    /// Prompts per step, B (at most 65536).
     #[arg(long, value_name = "B")]
     batch_prompts: Option<usize>,
-    /// Responses sampled per prompt, n (2 to 1024) [default: 8].
+    /// Responses sampled per prompt, n (2 to 1024).
     #[arg(long, value_name = "N")]
     group_size: Option<usize>,
     /// Who writes each prompt: `user` (the simulated user opens the conversation from the
     /// task's hidden goal), `task` (the task's prompt verbatim: a fixed prompt set, no
     /// simulator call) or `dataset` (every conversation prefix of an upstream flat dataset,
-    /// as the verl recipe trains: multi-turn histories ending in a user turn) [default: user].
+    /// as the verl recipe trains: multi-turn histories ending in a user turn).
     #[arg(long, value_name = "FROM")]
     opening: Option<Opening>,
     /// Futures per response, S; 0 scores each response alone (the single-turn reward, as
-    /// TRL's GRPOTrainer optimises; at most 64) [default: 3].
+    /// TRL's GRPOTrainer optimises; at most 64).
     #[arg(long, value_name = "S")]
     samples: Option<usize>,
-    /// Messages per future (user, assistant, …), W [default: 4].
+    /// Messages per future (user, assistant, …), W.
     #[arg(long, value_name = "W")]
     window: Option<usize>,
     /// Longest sampled response and assistant turn in a future, in tokens (at most
-    /// --max-length) [default: 256].
+    /// --max-length).
     #[arg(long, value_name = "T")]
     max_new_tokens: Option<usize>,
     /// Sampling temperature of the policy, in (0, 10]; 0.7 suits small models, whose samples
-    /// at 1.0 are mostly off-task (the verl recipe samples at 1.0) [default: 0.7].
+    /// at 1.0 are mostly off-task (the verl recipe samples at 1.0).
     #[arg(long, value_name = "T", value_parser = rl::TEMPERATURE.parser())]
     temperature: Option<f64>,
-    /// Nucleus sampling mass of the policy, in (0, 1] [default: 0.9].
+    /// Nucleus sampling mass of the policy, in (0, 1].
     #[arg(long, value_name = "P", value_parser = rl::TOP_P.parser())]
     top_p: Option<f64>,
-    /// Steps (rollout batches) to train [default: 50].
+    /// Steps (rollout batches) to train.
     #[arg(long, value_name = "N")]
     max_steps: Option<usize>,
     /// Metric weight, repeatable: accuracy, interactivity, token_amount, bleu, pass_rate, and
@@ -129,11 +129,11 @@ struct Args {
     metrics: Vec<(String, f64)>,
     #[command(flatten)]
     twenty_questions: TwentyQuestionsArgs,
-    /// MR formula used as reward: mean or verl_clamp (both are recorded) [default: mean].
+    /// MR formula used as reward: mean or verl_clamp (both are recorded).
     #[arg(long, value_name = "FORMULA")]
     mr_formula: Option<MrFormula>,
     /// grpo ((R−mean)/(std+1e-6)), drgrpo (R−mean), rloo (leave-one-out), or online_dpo
-    /// (best vs worst of each group as a DPO pair) [default: grpo].
+    /// (best vs worst of each group as a DPO pair).
     #[arg(long, value_name = "ALGO")]
     algo: Option<Algo>,
     /// Peak learning rate (see --schedule) [default: 1e-6 (the verl recipe's, for all weights),
@@ -142,28 +142,28 @@ struct Args {
     #[arg(long, value_name = "X", value_parser = rl::LR.parser())]
     lr: Option<f64>,
     /// Coefficient of the k3 KL loss to the initial model; 0 turns the reference off
-    /// [default: 0.001].
+    ///.
     #[arg(long, value_name = "X", value_parser = rl::KL_COEF.parser())]
     kl_coef: Option<f64>,
-    /// PPO clip range ε: the ratio is clipped to [1−ε, 1+ε], ε in (0, 1] [default: 0.2].
+    /// PPO clip range ε: the ratio is clipped to [1−ε, 1+ε], ε in (0, 1].
     #[arg(long, value_name = "EPS", value_parser = rl::CLIP_RATIO.parser())]
     clip_ratio: Option<f64>,
-    /// Dual-clip bound c (> 1) for negative advantages [default: 3.0].
+    /// Dual-clip bound c (> 1) for negative advantages.
     #[arg(long, value_name = "C", value_parser = rl::CLIP_RATIO_C.parser())]
     clip_ratio_c: Option<f64>,
-    /// Entropy bonus coefficient [default: 0].
+    /// Entropy bonus coefficient.
     #[arg(long, value_name = "X", value_parser = rl::ENTROPY_COEF.parser())]
     entropy_coef: Option<f64>,
     /// How per-token losses become the step's loss, as verl's `loss_agg_mode` names them:
     /// token-mean (every response token of the mini-batch alike), seq-mean-token-sum,
     /// seq-mean-token-mean (the original GRPO), seq-mean-token-sum-norm (token sums over the
-    /// constant --max-new-tokens: Dr. GRPO) [default: token-mean].
+    /// constant --max-new-tokens: Dr. GRPO).
     #[arg(long, value_name = "MODE", value_parser = parse_loss_agg)]
     loss_agg: Option<String>,
-    /// Passes over each step's responses [default: 1].
+    /// Passes over each step's responses.
     #[arg(long, value_name = "E")]
     ppo_epochs: Option<usize>,
-    /// Responses per optimizer step; 0 = all of the step's [default: 0].
+    /// Responses per optimizer step; 0 = all of the step's.
     #[arg(long, value_name = "M")]
     mini_batch: Option<usize>,
     /// Prompts per optimizer step, as verl's ppo_mini_batch_size counts them (each brings
@@ -182,61 +182,61 @@ struct Args {
     compat: Option<Compat>,
     /// Interactivity judge scale: v2 (0 / 0.5 / 1, upstream CollabLLM), verl (mean of
     /// understanding, clarification and suggestion, each in [0, 1]), v1, likert5
-    /// [default: v2].
+    ///.
     #[arg(long, value_name = "SCALE")]
     interactivity_scale: Option<InteractivityScale>,
     /// What token_amount counts: policy (the trained model's tokens of the assistant
     /// turns), cl100k, or words (the whitespace words of every message after the prompt,
-    /// the simulated user's included, as the verl recipe counts) [default: policy].
+    /// the simulated user's included, as the verl recipe counts).
     #[arg(long, value_enum, value_name = "COUNTER")]
     token_counter: Option<TokenCounterKind>,
     /// A response cut at --max-new-tokens: futures (played and scored like any other) or
     /// zero (no futures, reward 0, as verl does, so running long never pays)
-    /// [default: futures].
+    ///.
     #[arg(long, value_enum, value_name = "HOW")]
     truncated: Option<TruncatedReward>,
     /// Responses (online DPO: pairs) per forward/backward pass; 0 = the whole mini-batch
-    /// [default: 4].
+    ///.
     #[arg(long, value_name = "M")]
     micro_batch: Option<usize>,
-    /// AdamW weight decay, in [0, 1) [default: 0.01].
+    /// AdamW weight decay, in [0, 1).
     #[arg(long, value_name = "W", value_parser = rl::WEIGHT_DECAY.parser())]
     weight_decay: Option<f64>,
-    /// Clip the global gradient norm to this [default: 1.0].
+    /// Clip the global gradient norm to this.
     #[arg(long, value_name = "N", value_parser = rl::MAX_GRAD_NORM.parser())]
     max_grad_norm: Option<f64>,
     /// Longest prompt + response that trains, in tokens (longer ones are dropped, counted)
-    /// [default: 2048].
+    ///.
     #[arg(long, value_name = "L")]
     max_length: Option<usize>,
-    /// Online DPO temperature β [default: 0.1].
+    /// Online DPO temperature β.
     #[arg(long, value_name = "B", value_parser = rl::BETA.parser())]
     beta: Option<f64>,
-    /// Online DPO: minimum MR gap between best and worst of a group [default: 0.02].
+    /// Online DPO: minimum MR gap between best and worst of a group.
     #[arg(long, value_name = "G", value_parser = rl::MIN_GAP.parser())]
     min_gap: Option<f64>,
     /// Train LoRA adapters of rank R (1 to 4096; PEFT layout) instead of all weights.
     #[arg(long, value_name = "R")]
     lora_r: Option<usize>,
-    /// LoRA α [default: 16].
+    /// LoRA α.
     #[arg(long, value_name = "A", value_parser = rl::LORA_ALPHA.parser())]
     lora_alpha: Option<f64>,
     /// Save a checkpoint every K steps (always final/ at the end).
     #[arg(long, value_name = "K")]
     save_steps: Option<usize>,
-    /// Seed of the data order, every sample and the LoRA initialisation [default: 0].
+    /// Seed of the data order, every sample and the LoRA initialisation.
     #[arg(long, value_name = "X")]
     seed: Option<u64>,
-    /// Trainer device: cpu, cuda or cuda:N (needs a build with --features cuda) [default: cpu].
+    /// Trainer device: cpu, cuda or cuda:N (needs a build with --features cuda).
     #[arg(long, value_name = "DEV")]
     device: Option<String>,
     /// How the sampler holds the synced weights: auto (q8 on the CPU), f32 or q8.
     #[arg(long, value_name = "FMT")]
     sampler_weights: Option<String>,
-    /// Responses scored at once [default: 8].
+    /// Responses scored at once.
     #[arg(long, value_name = "C")]
     concurrency: Option<usize>,
-    /// Judge mode: auto, json, logprob [default: auto].
+    /// Judge mode: auto, json, logprob.
     #[arg(long, value_name = "MODE")]
     judge_mode: Option<JudgeMode>,
     #[command(flatten)]
@@ -249,11 +249,11 @@ struct Args {
     #[arg(long, value_name = "DIR")]
     prompts: Option<PathBuf>,
     /// Learning-rate schedule over the run's optimizer steps: constant, linear or cosine
-    /// [default: constant].
+    ///.
     #[arg(long, value_enum, value_name = "SCHEDULE")]
     schedule: Option<Schedule>,
     /// Share of the optimizer steps that warm the rate up linearly from 0, in [0, 1]
-    /// [default: 0].
+    ///.
     #[arg(long, value_name = "R")]
     warmup_ratio: Option<f64>,
     /// Recompute each layer's activations in the backward pass: less memory, one more
@@ -382,7 +382,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args: Args = collabllm::cli::parse_with_config_defaults(&RlRunConfig::default());
     collabllm::cli::init_logging();
     let cfg = match resolve(&args) {
         Ok(c) => c,
@@ -420,6 +420,10 @@ mod tests {
     #[test]
     fn help_defaults_are_the_configs() {
         let described = ["metrics", "threads", "lr", "save_steps", "eval_every"];
-        collabllm::cli::assert_help_defaults(&Args::command(), &RlRunConfig::default(), &described);
+        collabllm::cli::assert_help_defaults(
+            &collabllm::cli::with_config_defaults(Args::command(), &RlRunConfig::default()),
+            &RlRunConfig::default(),
+            &described,
+        );
     }
 }

@@ -238,6 +238,81 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// Parses a binary's flags with `--help` stating each setting's default from `defaults` (the
+/// config's `Default`, serialized): a flag whose clap id is a config field with a number or
+/// text default gets `[default: …]` appended, so the default is written once, in the config.
+/// Flags that state their default by hand (in words, or from another field) keep their text;
+/// a binary's test checks those with [`assert_help_defaults`].
+pub fn parse_with_config_defaults<A: clap::Parser>(defaults: &impl serde::Serialize) -> A {
+    let command = with_config_defaults(A::command(), defaults);
+    let parsed = command
+        .try_get_matches()
+        .and_then(|m| A::from_arg_matches(&m));
+    parsed.unwrap_or_else(|e| e.exit())
+}
+
+/// `command` with `[default: …]` added to the help of every flag that has a config default
+/// and states none by hand (see [`parse_with_config_defaults`]).
+pub fn with_config_defaults(
+    mut command: clap::Command,
+    defaults: &impl serde::Serialize,
+) -> clap::Command {
+    let defaults = serde_json::to_value(defaults).unwrap_or_default();
+    let additions: Vec<(String, String)> = command
+        .get_arguments()
+        .filter(|arg| !help_text(arg).contains("[default: "))
+        .filter_map(|arg| {
+            let id = arg.get_id().as_str();
+            default_text(defaults.get(id)?).map(|text| (id.to_string(), text))
+        })
+        .collect();
+    for (id, text) in additions {
+        command = command.mut_arg(id, |arg| {
+            let with_default = |h: &clap::builder::StyledStr| {
+                let h = h.to_string();
+                let h = h.trim_end();
+                match h.strip_suffix('.') {
+                    Some(stem) => format!("{stem} [default: {text}]."),
+                    None => format!("{h} [default: {text}]"),
+                }
+            };
+            let help = arg.get_help().map(with_default);
+            let long = arg.get_long_help().map(with_default);
+            let arg = match help {
+                Some(h) => arg.help(h),
+                None => arg,
+            };
+            match long {
+                Some(h) => arg.long_help(h),
+                None => arg,
+            }
+        });
+    }
+    command
+}
+
+/// A flag's help as `--help` prints it (the long form where there is one).
+fn help_text(arg: &clap::Arg) -> String {
+    arg.get_long_help()
+        .or_else(|| arg.get_help())
+        .map(|h| h.to_string())
+        .unwrap_or_default()
+}
+
+/// How a config default reads in `--help`: numbers and non-empty texts; not switches
+/// (`false` goes without saying), absent values, lists or tables.
+fn default_text(value: &serde_json::Value) -> Option<String> {
+    match value {
+        // `16`, not `16.0`: a whole float reads as the integer the user would type.
+        serde_json::Value::Number(n) => Some(match n.as_f64() {
+            Some(f) if n.is_f64() && f.fract() == 0.0 && f.abs() < 1e15 => format!("{f:.0}"),
+            _ => n.to_string(),
+        }),
+        serde_json::Value::String(s) if !s.is_empty() => Some(s.clone()),
+        _ => None,
+    }
+}
+
 /// The `[default: …]` texts a binary's `--help` states by hand that disagree with the
 /// defaults its config really has (`defaults`: the config's `Default`, serialized; a flag's
 /// clap id is its field name). Numbers are compared as numbers (`1e-6` = `0.000001`), other
@@ -267,11 +342,7 @@ pub fn stale_help_defaults(
     let mut wrong = Vec::new();
     for arg in command.get_arguments() {
         let id = arg.get_id().as_str();
-        let help = arg
-            .get_long_help()
-            .or_else(|| arg.get_help())
-            .map(|h| h.to_string())
-            .unwrap_or_default();
+        let help = help_text(arg);
         let Some(start) = help.find("[default: ") else {
             continue;
         };
@@ -327,6 +398,69 @@ mod tests {
         );
         let plain = anyhow::anyhow!("disk full").context("writing out/manifest.json");
         assert_eq!(super::error_lines(&plain).len(), 2);
+    }
+
+    #[test]
+    fn help_states_the_configs_defaults_unless_the_flag_states_its_own() {
+        use clap::{CommandFactory, FromArgMatches, Parser};
+        #[derive(Parser)]
+        struct Cli {
+            /// Futures per reply.
+            #[arg(long)]
+            samples: Option<usize>,
+            /// Learning rate
+            #[arg(long)]
+            lr: Option<f64>,
+            /// LoRA α.
+            #[arg(long)]
+            alpha: Option<f64>,
+            /// Weights [default: per task type].
+            #[arg(long)]
+            metrics: Option<String>,
+            /// Skip the judge.
+            #[arg(long)]
+            no_judge: bool,
+            /// Threads.
+            #[arg(long)]
+            threads: Option<usize>,
+        }
+        #[derive(serde::Serialize)]
+        struct Config {
+            samples: usize,
+            lr: f64,
+            alpha: f64,
+            metrics: String,
+            no_judge: bool,
+            threads: Option<usize>,
+        }
+        let config = Config {
+            samples: 3,
+            lr: 1e-6,
+            alpha: 16.0,
+            metrics: "accuracy".into(),
+            no_judge: false,
+            threads: None,
+        };
+        let command = super::with_config_defaults(Cli::command(), &config);
+        let help = |id: &str| {
+            let arg = command.get_arguments().find(|a| a.get_id() == id).unwrap();
+            super::help_text(arg)
+        };
+        assert_eq!(help("samples"), "Futures per reply [default: 3]");
+        assert_eq!(help("lr"), "Learning rate [default: 1e-6]");
+        assert_eq!(help("alpha"), "LoRA α [default: 16]");
+        assert_eq!(help("metrics"), "Weights [default: per task type]");
+        assert_eq!(help("no_judge"), "Skip the judge");
+        assert_eq!(help("threads"), "Threads");
+        assert!(super::stale_help_defaults(
+            &command,
+            &serde_json::to_value(&config).unwrap(),
+            &["metrics"]
+        )
+        .is_empty());
+        // The flags parse as before: the defaults are help text, not values.
+        let parsed = Cli::from_arg_matches(&command.try_get_matches_from(["cli"]).unwrap());
+        assert_eq!(parsed.unwrap().samples, None);
     }
 
     #[test]
