@@ -12,6 +12,7 @@ use collabllm::engine::llama::WeightFormat;
 use collabllm::eval::{self, EvalConfig, EvalModel, ObjectSelection, OracleChoice};
 use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
+use collabllm::rollout::config::RolloutConfig;
 use collabllm::rollout::user::{parse_role_max_tokens, Sampling, TokenRole};
 use collabllm::task::prompts::SystemPromptSource;
 use collabllm::task::twenty_questions::chat::ObjectSplit;
@@ -204,28 +205,29 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         repeats: args.repeats,
         exclude_runs: args.exclude_runs,
         allow_overlap: args.allow_overlap,
-        threads: args.threads,
-        prompts: args.prompts,
-        prices: args.prices.into_iter().collect(),
         sft: args.sft,
+        rollout: RolloutConfig {
+            threads: args.threads,
+            prompts: args.prompts,
+            prices: args.prices.into_iter().collect(),
+            ..RolloutConfig::default()
+        },
         ..EvalConfig::default()
     };
     macro_rules! set {
-        ($($field:ident),*) => { $( if let Some(v) = args.$field { cfg.$field = v; } )* };
+        ($($field:ident),* $(; rollout: $($shared:ident),*)?) => {
+            $( if let Some(v) = args.$field { cfg.$field = v; } )*
+            $($( if let Some(v) = args.$shared { cfg.rollout.$shared = v; } )*)?
+        };
     }
     set!(
-        user,
-        judge,
         max_turns,
-        concurrency,
         oracle,
         weights,
         split,
         objects,
-        max_questions,
-        judge_mode,
-        interactivity_scale,
-        token_counter
+        token_counter;
+        rollout: user, judge, concurrency, max_questions, judge_mode, interactivity_scale
     );
     if args.system_prompt.is_some() {
         cfg.system_prompt = args.system_prompt.clone();
@@ -234,7 +236,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
     if let Some(t) = args.temperature {
         cfg.assistant_sampling.temperature = t as f32;
     }
-    args.endpoint.apply(&mut cfg.endpoint);
+    args.endpoint.apply(&mut cfg.rollout.endpoint);
     if cfg.task == TaskType::TwentyQuestions && !oracle_given {
         cfg.oracle = OracleChoice::default_for(&cfg.models);
     }
@@ -319,7 +321,7 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => return collabllm::cli::exit_on_error(Err(e)),
     };
-    collabllm::cli::set_compute_threads(cfg.threads);
+    collabllm::cli::set_compute_threads(cfg.rollout.threads);
     let (output, existed) = (cfg.output.clone(), cfg.output.exists());
     let result = collabllm::cli::block_on(run(cfg));
     if result.is_err() {

@@ -242,14 +242,15 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         cfg.compat = Some(c.apply(&mut cfg));
     }
     macro_rules! set {
-        ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )* };
+        ($($field:ident),* $(; rollout: $($shared:ident),*)?) => {
+            $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )*
+            $($( if let Some(v) = args.$shared.clone() { cfg.rollout.$shared = v; } )*)?
+        };
     }
     set!(
         tasks,
         output,
         policy,
-        user,
-        judge,
         candidates,
         samples,
         window,
@@ -260,11 +261,9 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         proact_ratio,
         test_fraction,
         seed,
-        concurrency,
-        judge_mode,
-        interactivity_scale,
         token_counter,
-        proactive_style
+        proactive_style;
+        rollout: user, judge, concurrency, judge_mode, interactivity_scale
     );
     cfg.set_max_tokens(&args.max_tokens);
     if args.task_type.is_some() {
@@ -280,16 +279,16 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         cfg.max_tasks = args.max_tasks;
     }
     if args.threads.is_some() {
-        cfg.threads = args.threads;
+        cfg.rollout.threads = args.threads;
     }
     if args.prompts.is_some() {
-        cfg.prompts = args.prompts.clone();
+        cfg.rollout.prompts = args.prompts.clone();
     }
     args.twenty_questions.apply(
         &args.metrics,
         &mut cfg.metrics,
         &mut cfg.oracle,
-        &mut cfg.max_questions,
+        &mut cfg.rollout.max_questions,
         &mut cfg.midgame,
     );
     if args.policy_system_prompt.is_some() {
@@ -305,7 +304,7 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         // A game's own length (the rules, then a question and its answer each), and a
         // question's length, unless given.
         if args.max_messages.is_none() && args.config.is_none() {
-            cfg.max_messages = 1 + 2 * cfg.max_questions;
+            cfg.max_messages = 1 + 2 * cfg.rollout.max_questions;
         }
         let capped = |r: TokenRole| args.max_tokens.iter().any(|(role, _)| *role == r);
         if args.config.is_none() && !capped(TokenRole::Policy) {
@@ -315,8 +314,8 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
             }
         }
     }
-    cfg.prices.extend(args.prices.iter().cloned());
-    args.endpoint.apply(&mut cfg.endpoint);
+    cfg.rollout.prices.extend(args.prices.iter().cloned());
+    args.endpoint.apply(&mut cfg.rollout.endpoint);
     cfg.validate()?;
     Ok(cfg)
 }
@@ -457,7 +456,7 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => return collabllm::cli::exit_on_error(Err(e)),
     };
-    collabllm::cli::set_compute_threads(cfg.threads);
+    collabllm::cli::set_compute_threads(cfg.rollout.threads);
     let (output, existed) = (cfg.output.clone(), cfg.output.exists());
     let result = collabllm::cli::block_on(run(args, cfg));
     if result.is_err() {

@@ -293,17 +293,21 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         cfg.apply_compat(c)?;
     }
     macro_rules! set {
-        ($($field:ident),*) => { $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )* };
+        ($($field:ident),* $(; rollout: $($shared:ident),*)?) => {
+            $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )*
+            $($( if let Some(v) = args.$shared.clone() { cfg.rollout.$shared = v; } )*)?
+        };
     }
     macro_rules! set_opt {
-        ($($field:ident),*) => { $( if args.$field.is_some() { cfg.$field = args.$field.clone(); } )* };
+        ($($field:ident),* $(; rollout: $($shared:ident),*)?) => {
+            $( if args.$field.is_some() { cfg.$field = args.$field.clone(); } )*
+            $($( if args.$shared.is_some() { cfg.rollout.$shared = args.$shared.clone(); } )*)?
+        };
     }
     set!(
         tasks,
         output,
         model,
-        user,
-        judge,
         batch_prompts,
         group_size,
         opening,
@@ -335,11 +339,9 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         seed,
         device,
         sampler_weights,
-        concurrency,
-        judge_mode,
-        interactivity_scale,
         token_counter,
-        truncated
+        truncated;
+        rollout: user, judge, concurrency, judge_mode, interactivity_scale
     );
     // One way to size mini-batches: the flag given wins over the preset's or file's other.
     if args.mini_batch.is_some() {
@@ -355,9 +357,8 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         eval_every,
         eval_max_tasks,
         lora_r,
-        save_steps,
-        threads,
-        prompts
+        save_steps;
+        rollout: threads, prompts
     );
     if args.lr.is_none() && cfg.lora_r.is_some() && cfg.lr == RlRunConfig::default().lr {
         cfg.lr = rl::LORA_LR;
@@ -373,10 +374,10 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         &args.metrics,
         &mut cfg.metrics,
         &mut cfg.oracle,
-        &mut cfg.max_questions,
+        &mut cfg.rollout.max_questions,
         &mut cfg.midgame,
     );
-    args.endpoint.apply(&mut cfg.endpoint);
+    args.endpoint.apply(&mut cfg.rollout.endpoint);
     cfg.validate()?;
     Ok(cfg)
 }
@@ -388,7 +389,7 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => return collabllm::cli::exit_on_error(Err(e)),
     };
-    collabllm::cli::set_compute_threads(cfg.threads);
+    collabllm::cli::set_compute_threads(cfg.rollout.threads);
     collabllm::cli::keep_freed_memory();
     let (output, existed) = (cfg.output.clone(), cfg.output.exists());
     let runtime = tokio::runtime::Builder::new_multi_thread()

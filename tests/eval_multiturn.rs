@@ -3,6 +3,7 @@
 //! transcripts, resume without model calls, overlap refusal, and the binary.
 
 mod common;
+use collabllm::rollout::config::RolloutConfig;
 use common::model_util;
 
 use std::path::Path;
@@ -92,11 +93,14 @@ fn math_cfg(out: &Path, tiny: &Path) -> EvalConfig {
         output: out.to_path_buf(),
         max_tasks: Some(3),
         max_turns: 3,
-        concurrency: 3,
         assistant_sampling: Sampling {
             temperature: 1.0,
             top_p: 1.0,
             max_tokens: 16,
+        },
+        rollout: RolloutConfig {
+            concurrency: 3,
+            ..RolloutConfig::default()
         },
         ..EvalConfig::default()
     }
@@ -282,7 +286,10 @@ async fn twenty_questions_five_games_summary_matches_games_and_resumes_free() {
         output: out.clone(),
         objects: ObjectSelection::First(5),
         question_max_tokens: 8,
-        concurrency: 4,
+        rollout: RolloutConfig {
+            concurrency: 4,
+            ..RolloutConfig::default()
+        },
         ..EvalConfig::default()
     };
     let report = evaluate_with_roles(cfg.clone(), twenty_roles(&out, &tiny).await)
@@ -576,7 +583,10 @@ async fn table_oracle_reports_unparsed_questions() {
         oracle: OracleChoice::Table,
         output: out.clone(),
         objects: ObjectSelection::First(1),
-        max_questions: 4,
+        rollout: RolloutConfig {
+            max_questions: 4,
+            ..RolloutConfig::default()
+        },
         ..EvalConfig::default()
     };
     let roles = EvalRoles {

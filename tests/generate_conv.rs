@@ -3,6 +3,7 @@
 //! re-scoring without model calls, bad input).
 
 mod common;
+use collabllm::rollout::config::RolloutConfig;
 use common::model_util;
 
 use std::collections::{HashMap, HashSet};
@@ -156,7 +157,6 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
         max_tasks: Some(6),
         min_gap: 0.05,
         test_fraction: 0.34,
-        concurrency: 3,
         policy_sampling: collabllm::rollout::user::Sampling {
             temperature: 1.0,
             top_p: 1.0,
@@ -166,6 +166,10 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
             temperature: 1.0,
             top_p: 1.0,
             max_tokens: 16,
+        },
+        rollout: RolloutConfig {
+            concurrency: 3,
+            ..RolloutConfig::default()
         },
         ..GenerateConfig::default()
     };
@@ -917,7 +921,10 @@ async fn hostile_code_scores_zero_and_the_run_continues() {
         window: 1,
         max_messages: 2,
         max_tasks: Some(2),
-        sandbox_timeout_s: 3.0,
+        rollout: RolloutConfig {
+            sandbox_timeout_s: 3.0,
+            ..RolloutConfig::default()
+        },
         ..GenerateConfig::default()
     };
     let roles = Roles {

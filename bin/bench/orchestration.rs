@@ -10,6 +10,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use collabllm::generate::{self, GenerateConfig};
 use collabllm::llm::ModelSpec;
+use collabllm::rollout::config::RolloutConfig;
 use serde_json::{json, Value};
 
 pub struct Params {
@@ -102,18 +103,21 @@ pub async fn run(p: Params) -> anyhow::Result<()> {
         tasks: concat!(env!("CARGO_MANIFEST_DIR"), "/data/math.jsonl").into(),
         output: tmp.join("run"),
         policy: spec.clone(),
-        user: spec.clone(),
-        judge: spec,
         candidates: p.candidates,
         samples: p.samples,
         window: p.window,
         max_messages: 1 + 2 * p.turns,
         max_tasks: Some(p.tasks),
-        concurrency: p.concurrency,
+        rollout: RolloutConfig {
+            user: spec.clone(),
+            judge: spec,
+            concurrency: p.concurrency,
+            ..RolloutConfig::default()
+        },
         ..GenerateConfig::default()
     };
-    cfg.endpoint.max_concurrency = p.cap;
-    cfg.endpoint.api_key_env = "COLLABLLM_BENCH_NO_KEY".into();
+    cfg.rollout.endpoint.max_concurrency = p.cap;
+    cfg.rollout.endpoint.api_key_env = "COLLABLLM_BENCH_NO_KEY".into();
     let started = Instant::now();
     let summary = generate::generate(cfg.clone()).await?;
     let wall = started.elapsed().as_secs_f64();

@@ -1,27 +1,19 @@
 //! The resolved settings of an `eval_multiturn` run, the models it compares and their labels.
 
 use crate::llm::tokens::TokenCounterKind;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::check::Range;
 use crate::engine::llama::WeightFormat;
 use crate::llm::spec::redact_credentials;
-use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
-use crate::reward::judge::{InteractivityScale, JudgeMode};
-use crate::reward::sandbox::SANDBOX_TIMEOUT_S;
-use crate::rollout::user::{
-    Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS, USER_MAX_TOKENS,
-};
+use crate::llm::ModelSpec;
+use crate::rollout::config::{check_sampling, RolloutConfig, UnknownKeys};
+use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::prompts::SystemPromptSource;
 use crate::task::twenty_questions::chat::ObjectSplit;
 use crate::task::TaskType;
-
-const TEMPERATURE: Range = Sampling::TEMPERATURE;
-const TOP_P: Range = Sampling::TOP_P;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EvalConfigError {
@@ -29,15 +21,8 @@ pub enum EvalConfigError {
     Invalid { field: String, message: String },
     #[error("--model {spec}: {message}")]
     Model { spec: String, message: String },
-}
-
-/// `field` must lie in `range`: `invalid setting `field`: value: must be a finite number ...`.
-fn in_range(field: &str, v: f64, range: Range) -> Result<(), EvalConfigError> {
-    if range.contains(v) {
-        Ok(())
-    } else {
-        Err(invalid(field, format!("{v:?}: {}", range.requirement())))
-    }
+    #[error(transparent)]
+    Rollout(#[from] crate::rollout::config::ConfigError),
 }
 
 fn invalid(field: &str, message: impl Into<String>) -> EvalConfigError {
@@ -371,7 +356,7 @@ impl ObjectSelection {
 
 /// Everything an evaluation run needs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 pub struct EvalConfig {
     pub task: TaskType,
     /// Models compared (same seeds, simulator, judge and oracle for all).
@@ -379,8 +364,6 @@ pub struct EvalConfig {
     pub output: PathBuf,
     /// Tasks file for math/doc_edit/code [default: the bundled data/<task>.jsonl].
     pub tasks: Option<String>,
-    pub user: ModelSpec,
-    pub judge: ModelSpec,
     /// Use only the first K tasks.
     pub max_tasks: Option<usize>,
     pub seed: u64,
@@ -388,41 +371,22 @@ pub struct EvalConfig {
     pub repeats: usize,
     /// Assistant replies per conversation at most (math/doc_edit/code).
     pub max_turns: usize,
-    /// Conversations (or games) in flight at once.
-    pub concurrency: usize,
     pub oracle: OracleChoice,
     /// 20 Questions: which objects, by generate_conv's fixed object split (`test`: the held-out
     /// objects no `20q:train` run generated data for).
     pub split: ObjectSplit,
     /// 20 Questions: all objects of the split, or the first N of them.
     pub objects: ObjectSelection,
-    pub max_questions: usize,
     /// generate_conv run directories whose tasks must not be evaluated.
     pub exclude_runs: Vec<PathBuf>,
     /// Overlap with `exclude_runs` is a warning instead of an error.
     pub allow_overlap: bool,
-    pub termination: String,
-    pub judge_mode: JudgeMode,
-    pub judge_retries: u32,
-    pub user_retries: u32,
-    pub judge_max_tokens: usize,
-    /// Token cap of one extraction (final document or code).
-    pub extractor_max_tokens: usize,
-    /// Rubric and rescaling of the interactivity judge.
-    pub interactivity_scale: InteractivityScale,
     /// What token counts count: cl100k_base for every model by default, so numbers compare
     /// across models; `policy` (each model's own tokenizer) or `words`.
     pub token_counter: TokenCounterKind,
     pub assistant_sampling: Sampling,
-    pub user_sampling: Sampling,
     /// Token cap of one 20 Questions question (model questioners).
     pub question_max_tokens: usize,
-    pub endpoint: EndpointOptions,
-    pub threads: Option<usize>,
-    pub prompts: Option<PathBuf>,
-    pub sandbox_timeout_s: f64,
-    /// Endpoint prices by model spec (USD per million tokens), for the manifest's `cost_usd`.
-    pub prices: BTreeMap<String, Price>,
     /// How local models hold their weights (`serve --weights`): `q8` puts a GGUF base and a
     /// merged safetensors checkpoint on the same footing.
     pub weights: WeightFormat,
@@ -433,6 +397,12 @@ pub struct EvalConfig {
     /// (`sft/<model>.parquet`, TRL's `messages` form: the rules, then each question and
     /// answer, ending at the winning question) for `dpo_train --loss sft`.
     pub sft: bool,
+    /// The settings every rollout shares (top-level keys, as all the others).
+    #[serde(flatten)]
+    pub rollout: RolloutConfig,
+    /// Keys of the config file that no setting has: an error at load.
+    #[serde(flatten, skip_serializing)]
+    pub unknown_keys: UnknownKeys,
 }
 
 impl Default for EvalConfig {
@@ -442,26 +412,15 @@ impl Default for EvalConfig {
             models: vec![EvalModel::Spec(ModelSpec::Default)],
             output: PathBuf::from("outputs/eval"),
             tasks: None,
-            user: ModelSpec::Default,
-            judge: ModelSpec::Default,
             max_tasks: None,
             seed: 0,
             repeats: 1,
             max_turns: 7,
-            concurrency: 8,
             oracle: OracleChoice::Table,
             split: ObjectSplit::All,
             objects: ObjectSelection::All,
-            max_questions: crate::task::twenty_questions::MAX_QUESTIONS,
             exclude_runs: Vec::new(),
             allow_overlap: false,
-            termination: "[[TERMINATE CHAT]]".into(),
-            judge_mode: JudgeMode::Auto,
-            judge_retries: 3,
-            user_retries: 3,
-            judge_max_tokens: JUDGE_MAX_TOKENS,
-            extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
-            interactivity_scale: InteractivityScale::default(),
             token_counter: TokenCounterKind::Cl100k,
             // Evaluation is greedy: a model is measured at its best guess, not at a draw.
             assistant_sampling: Sampling {
@@ -469,20 +428,12 @@ impl Default for EvalConfig {
                 top_p: 1.0,
                 ..Sampling::default()
             },
-            user_sampling: Sampling {
-                temperature: 1.0,
-                top_p: 1.0,
-                max_tokens: USER_MAX_TOKENS,
-            },
             question_max_tokens: 64,
-            endpoint: EndpointOptions::default(),
-            threads: None,
-            prompts: None,
-            sandbox_timeout_s: 10.0,
-            prices: BTreeMap::new(),
             weights: WeightFormat::Auto,
             system_prompt: None,
             sft: false,
+            rollout: RolloutConfig::default(),
+            unknown_keys: UnknownKeys::default(),
         }
     }
 }
@@ -509,55 +460,15 @@ impl EvalConfig {
         if self.max_turns == 0 {
             return Err(invalid("max_turns", "must be at least 1"));
         }
-        if self.concurrency == 0 {
-            return Err(invalid("concurrency", "must be at least 1"));
-        }
-        if self.threads == Some(0) {
-            return Err(invalid("threads", "0: must be at least 1"));
-        }
-        if self.max_questions == 0 {
-            return Err(invalid("max_questions", "must be at least 1"));
-        }
         if self.max_tasks == Some(0) {
             return Err(invalid("max_tasks", "must be at least 1"));
-        }
-        if self.termination.trim().is_empty() {
-            return Err(invalid("termination", "must not be empty"));
         }
         if self.question_max_tokens == 0 {
             return Err(invalid("question_max_tokens", "must be at least 1"));
         }
-        for (field, n) in [
-            ("judge_max_tokens", self.judge_max_tokens),
-            ("extractor_max_tokens", self.extractor_max_tokens),
-        ] {
-            if n == 0 {
-                return Err(invalid(field, "0: must be at least 1"));
-            }
-        }
-        check_prices(&self.prices).map_err(|e| invalid("prices", e))?;
-        in_range(
-            "sandbox_timeout_s",
-            self.sandbox_timeout_s,
-            SANDBOX_TIMEOUT_S,
-        )?;
-        self.endpoint
-            .validate()
-            .map_err(|e| invalid("endpoint", e))?;
-        for (field, s) in [
-            ("assistant_sampling", &self.assistant_sampling),
-            ("user_sampling", &self.user_sampling),
-        ] {
-            in_range(
-                &format!("{field}.temperature"),
-                s.temperature as f64,
-                TEMPERATURE,
-            )?;
-            in_range(&format!("{field}.top_p"), s.top_p as f64, TOP_P)?;
-            if s.max_tokens == 0 {
-                return Err(invalid(field, "max_tokens 0: must be at least 1"));
-            }
-        }
+        self.unknown_keys.check()?;
+        self.rollout.validate()?;
+        check_sampling("assistant_sampling", &self.assistant_sampling)?;
         Ok(())
     }
 
@@ -566,9 +477,9 @@ impl EvalConfig {
         for &(role, n) in caps {
             match role {
                 TokenRole::Policy | TokenRole::Assistant => self.assistant_sampling.max_tokens = n,
-                TokenRole::User => self.user_sampling.max_tokens = n,
-                TokenRole::Judge => self.judge_max_tokens = n,
-                TokenRole::Extractor => self.extractor_max_tokens = n,
+                TokenRole::User => self.rollout.user_sampling.max_tokens = n,
+                TokenRole::Judge => self.rollout.judge_max_tokens = n,
+                TokenRole::Extractor => self.rollout.extractor_max_tokens = n,
             }
         }
     }
@@ -598,21 +509,21 @@ impl EvalConfig {
         let mut id = serde_json::json!({
             "task": self.task,
             "tasks": (!twenty).then(|| self.tasks_path().display().to_string()),
-            "user": (!twenty).then(|| self.user.to_string()),
-            "judge": (!twenty).then(|| self.judge.to_string()),
+            "user": (!twenty).then(|| self.rollout.user.to_string()),
+            "judge": (!twenty).then(|| self.rollout.judge.to_string()),
             "seed": self.seed,
             "max_turns": (!twenty).then_some(self.max_turns),
             "oracle": twenty.then(|| self.oracle.to_string()),
-            "max_questions": twenty.then_some(self.max_questions),
-            "termination": self.termination,
-            "judge_mode": self.judge_mode,
+            "max_questions": twenty.then_some(self.rollout.max_questions),
+            "termination": self.rollout.termination,
+            "judge_mode": self.rollout.judge_mode,
             "assistant_sampling": self.assistant_sampling,
-            "user_sampling": self.user_sampling,
+            "user_sampling": self.rollout.user_sampling,
             "question_max_tokens": self.question_max_tokens,
-            "prompts": self.prompts,
-            "judge_max_tokens": self.judge_max_tokens,
-            "extractor_max_tokens": self.extractor_max_tokens,
-            "interactivity_scale": self.interactivity_scale,
+            "prompts": self.rollout.prompts,
+            "judge_max_tokens": self.rollout.judge_max_tokens,
+            "extractor_max_tokens": self.rollout.extractor_max_tokens,
+            "interactivity_scale": self.rollout.interactivity_scale,
         });
         // Only when not the default, so runs made before the setting existed still resume.
         if self.token_counter != TokenCounterKind::Cl100k {

@@ -68,7 +68,7 @@ impl EvalRoles {
         };
         let build = |name: String, spec| {
             let cache = cache.clone();
-            async move { Role::build(&name, spec, &cfg.endpoint, &load, cache).await }
+            async move { Role::build(&name, spec, &cfg.rollout.endpoint, &load, cache).await }
         };
         let mut models = Vec::new();
         // Named as the manifest's usage names them, so the cache log's usage records are too.
@@ -80,12 +80,12 @@ impl EvalRoles {
         }
         let dialogue = cfg.task != TaskType::TwentyQuestions;
         let user = if dialogue {
-            Some(build("user".into(), &cfg.user).await?)
+            Some(build("user".into(), &cfg.rollout.user).await?)
         } else {
             None
         };
         let judge = if dialogue {
-            Some(build("judge".into(), &cfg.judge).await?)
+            Some(build("judge".into(), &cfg.rollout.judge).await?)
         } else {
             None
         };
@@ -214,7 +214,7 @@ fn record_key(task: TaskType, rec: &serde_json::Value) -> Option<String> {
 /// output directory. Nothing here loads or calls a model.
 fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
     cfg.validate()?;
-    let prompts = Arc::new(match &cfg.prompts {
+    let prompts = Arc::new(match &cfg.rollout.prompts {
         Some(dir) => Prompts::from_dir(dir)?,
         None => Prompts::builtin()?,
     });
@@ -446,7 +446,7 @@ async fn run_prepared(
                 "warnings": warnings,
                 // This invocation, and every invocation on this directory.
                 "usage": now,
-                "cost_usd": cost(&roles, &labels, &total, &cfg.prices),
+                "cost_usd": cost(&roles, &labels, &total, &cfg.rollout.prices),
                 "usage_total": total,
         }));
         write_json_atomic(&cfg.output.join(MANIFEST_FILE), &manifest)?;
@@ -493,7 +493,7 @@ async fn run_prepared(
     });
     let mut failed = Vec::new();
     let mut done_now = 0;
-    let signal = drive_jobs(jobs, cfg.concurrency, shutdown, |(mi, key, result)| {
+    let signal = drive_jobs(jobs, cfg.rollout.concurrency, shutdown, |(mi, key, result)| {
         match result {
             Ok(rec) => {
                 logs[mi].append(&rec)?;
@@ -564,7 +564,7 @@ fn dialogue_jobs(
     let (Some(user), Some(judge_role)) = (&roles.user, &roles.judge) else {
         bail!("math/doc_edit/code evaluation needs a user simulator and a judge role");
     };
-    if cfg.judge_mode == JudgeMode::Logprob && judge_role.engine.is_none() {
+    if cfg.rollout.judge_mode == JudgeMode::Logprob && judge_role.engine.is_none() {
         bail!(
             "--judge-mode logprob needs a local judge model; {} is an endpoint",
             judge_role.spec
@@ -573,24 +573,24 @@ fn dialogue_jobs(
     let judge = Arc::new(Judge {
         role: judge_role.clone(),
         prompts: prompts.clone(),
-        mode: cfg.judge_mode,
-        retries: cfg.judge_retries,
-        max_tokens: cfg.judge_max_tokens,
-        extract_max_tokens: cfg.extractor_max_tokens,
-        interactivity_scale: cfg.interactivity_scale,
+        mode: cfg.rollout.judge_mode,
+        retries: cfg.rollout.judge_retries,
+        max_tokens: cfg.rollout.judge_max_tokens,
+        extract_max_tokens: cfg.rollout.extractor_max_tokens,
+        interactivity_scale: cfg.rollout.interactivity_scale,
     });
     let metric = task_metric(cfg.task).unwrap_or("accuracy");
     let runner = Arc::new(DialogueRunner {
         user: UserSimulator {
             role: user.clone(),
             prompts: prompts.clone(),
-            sampling: cfg.user_sampling.clone(),
-            termination: cfg.termination.clone(),
+            sampling: cfg.rollout.user_sampling.clone(),
+            termination: cfg.rollout.termination.clone(),
             json: user.engine.is_none(),
-            retries: cfg.user_retries,
+            retries: cfg.rollout.user_retries,
             // Dialogue tasks only: 20 Questions evaluation plays its games through `games`.
             oracle: Default::default(),
-            max_questions: cfg.max_questions,
+            max_questions: cfg.rollout.max_questions,
         },
         task_metric: metric,
         max_turns: cfg.max_turns,
@@ -611,7 +611,7 @@ fn dialogue_jobs(
                 judge: judge.clone(),
                 tokens,
                 sandbox: SandboxLimits {
-                    wall_timeout: Duration::from_secs_f64(cfg.sandbox_timeout_s),
+                    wall_timeout: Duration::from_secs_f64(cfg.rollout.sandbox_timeout_s),
                     ..SandboxLimits::default()
                 },
             },
@@ -649,7 +649,7 @@ fn game_jobs(
             max_tokens: cfg.question_max_tokens,
             ..cfg.assistant_sampling.clone()
         },
-        max_questions: cfg.max_questions,
+        max_questions: cfg.rollout.max_questions,
         seed: cfg.seed,
     };
     // `None`: a model spec without a backend (only possible with hand-built roles).
@@ -749,7 +749,8 @@ fn write_sft(
     items: &[Item],
     prompts: &Prompts,
 ) -> anyhow::Result<()> {
-    let intro = crate::task::twenty_questions::chat::intro_message(prompts, cfg.max_questions)?;
+    let intro =
+        crate::task::twenty_questions::chat::intro_message(prompts, cfg.rollout.max_questions)?;
     let keys: HashSet<&str> = items.iter().map(|it| it.key.as_str()).collect();
     let out = cfg.output.join(SFT_DIR);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;

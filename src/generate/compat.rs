@@ -41,10 +41,13 @@ impl Compat {
                 put("min_gap", json!(0.0));
                 cfg.token_counter = TokenCounterKind::Cl100k;
                 put("token_counter", json!(cfg.token_counter));
-                cfg.judge_max_tokens = UNCAPPED_JUDGE_TOKENS;
+                cfg.rollout.judge_max_tokens = UNCAPPED_JUDGE_TOKENS;
                 put("judge_max_tokens", json!(UNCAPPED_JUDGE_TOKENS));
-                cfg.interactivity_scale = InteractivityScale::V2;
-                put("interactivity_scale", json!(cfg.interactivity_scale));
+                cfg.rollout.interactivity_scale = InteractivityScale::V2;
+                put(
+                    "interactivity_scale",
+                    json!(cfg.rollout.interactivity_scale),
+                );
                 cfg.mr_formula = MrFormula::Mean;
                 put("mr_formula", json!(cfg.mr_formula));
             }
@@ -53,8 +56,11 @@ impl Compat {
                 // rubric, a word count (−1e-4 per word = the math default −0.1 per thousand).
                 cfg.mr_formula = MrFormula::VerlClamp;
                 put("mr_formula", json!(cfg.mr_formula));
-                cfg.interactivity_scale = InteractivityScale::Verl;
-                put("interactivity_scale", json!(cfg.interactivity_scale));
+                cfg.rollout.interactivity_scale = InteractivityScale::Verl;
+                put(
+                    "interactivity_scale",
+                    json!(cfg.rollout.interactivity_scale),
+                );
                 cfg.token_counter = TokenCounterKind::Words;
                 put("token_counter", json!(cfg.token_counter));
                 cfg.samples = 3;
@@ -90,7 +96,7 @@ mod tests {
         let mut cfg = GenerateConfig::default();
         let r = Compat::Verl.apply(&mut cfg);
         assert_eq!(cfg.mr_formula, MrFormula::VerlClamp);
-        assert_eq!(cfg.interactivity_scale, InteractivityScale::Verl);
+        assert_eq!(cfg.rollout.interactivity_scale, InteractivityScale::Verl);
         assert_eq!(cfg.token_counter, TokenCounterKind::Words);
         assert_eq!(r.set["mr_formula"], json!("verl_clamp"));
         cfg.validate().unwrap();

@@ -9,18 +9,17 @@ use serde::{Deserialize, Serialize};
 use super::proactive::ProactiveStyle;
 use crate::check::Range;
 use crate::llm::tokens::TokenCounterKind;
-use crate::llm::{EndpointOptions, ModelSpec, Price};
-use crate::reward::judge::{InteractivityScale, JudgeMode};
+use crate::llm::ModelSpec;
 use crate::reward::mr::MrFormula;
 use crate::reward::pairs::PairMode;
-use crate::rollout::user::{Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS};
+use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::prompts::SystemPromptSource;
-use crate::task::twenty_questions::chat::{OracleMode, DEFAULT_MAX_QUESTIONS};
+use crate::task::twenty_questions::chat::OracleMode;
 use crate::task::TaskType;
 
 use crate::rollout::config::{
-    default_user_sampling, in_range, invalid, RolloutConfig, TaskSource, DEFAULT_CONCURRENCY,
-    DEFAULT_RETRIES, DEFAULT_SANDBOX_TIMEOUT_S, DEFAULT_TASKS, DEFAULT_TERMINATION,
+    check_futures, check_sampling, in_range, invalid, RolloutConfig, TaskSource, UnknownKeys,
+    DEFAULT_TASKS,
 };
 pub use crate::rollout::config::{
     twenty_questions_split, Compat, CompatRecord, ConfigError, Shard, METRIC_WEIGHT,
@@ -33,7 +32,7 @@ pub const TEST_FRACTION: Range = Range::closed_open(0.0, 1.0);
 pub use crate::reward::pairs::MIN_GAP;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 pub struct GenerateConfig {
     /// Tasks: a JSONL or parquet file, a parquet file in the upstream flat schema, or
     /// `hf:<org>/<name>` (a published CollabLLM flat dataset, imported through the Hub).
@@ -44,8 +43,6 @@ pub struct GenerateConfig {
     /// Run directory (conversations, pairs, manifest, request cache).
     pub output: PathBuf,
     pub policy: ModelSpec,
-    pub user: ModelSpec,
-    pub judge: ModelSpec,
     /// Model for the assistant turns inside futures (default: the policy).
     pub assistant: Option<ModelSpec>,
     /// Candidate replies per turn (N).
@@ -73,35 +70,8 @@ pub struct GenerateConfig {
     pub seed: u64,
     /// Share of conversations in pairs/test.parquet.
     pub test_fraction: f64,
-    /// What the simulated user says to end the conversation.
-    pub termination: String,
-    /// Conversations in flight at once.
-    pub concurrency: usize,
-    pub judge_mode: JudgeMode,
-    /// Extra judge attempts when an answer is unusable.
-    pub judge_retries: u32,
-    /// Extra user-simulator attempts when an output is unusable.
-    pub user_retries: u32,
-    /// Token cap of one judge answer.
-    pub judge_max_tokens: usize,
-    /// Token cap of one extraction (final document or code).
-    pub extractor_max_tokens: usize,
-    /// Rubric and rescaling of the interactivity judge.
-    pub interactivity_scale: InteractivityScale,
     pub policy_sampling: Sampling,
-    pub user_sampling: Sampling,
     pub assistant_sampling: Sampling,
-    /// OpenAI-compatible endpoints: key variable, concurrency, timeout, retries, backoff.
-    pub endpoint: EndpointOptions,
-    /// Compute threads for local models.
-    pub threads: Option<usize>,
-    /// Folder replacing the built-in prompt templates.
-    pub prompts: Option<PathBuf>,
-    /// Seconds of wall time per sandboxed test run (pass_rate).
-    pub sandbox_timeout_s: f64,
-    /// Endpoint prices by model spec (USD per million tokens), for the manifest's `cost_usd`.
-    /// TOML: `[prices."openai:gpt-4o-mini"]` with `input = 0.15` and `output = 0.6`.
-    pub prices: BTreeMap<String, Price>,
     /// What `token_amount` counts: the policy's tokenizer (cl100k for endpoints), cl100k for
     /// all, or words (verl).
     #[serde(default)]
@@ -112,9 +82,6 @@ pub struct GenerateConfig {
     /// 20 Questions: who answers the questions (`table`, the user model `llm`, or `hybrid`).
     #[serde(default)]
     pub oracle: OracleMode,
-    /// 20 Questions: questions per game.
-    #[serde(default = "default_max_questions")]
-    pub max_questions: usize,
     /// 20 Questions: start each game after a demonstrator prefix of 0..=N questions (drawn
     /// per game), so pairs come from mid-game positions, not only the opening; 0 = off.
     #[serde(default)]
@@ -126,10 +93,12 @@ pub struct GenerateConfig {
     /// The `--compat` preset applied, and every value it set (recorded in the manifest).
     #[serde(default)]
     pub compat: Option<CompatRecord>,
-}
-
-fn default_max_questions() -> usize {
-    DEFAULT_MAX_QUESTIONS
+    /// The settings every rollout shares (top-level keys, as all the others).
+    #[serde(flatten)]
+    pub rollout: RolloutConfig,
+    /// Keys of the config file that no setting has: an error at load.
+    #[serde(flatten, skip_serializing)]
+    pub unknown_keys: UnknownKeys,
 }
 
 impl Default for GenerateConfig {
@@ -139,8 +108,6 @@ impl Default for GenerateConfig {
             task_type: None,
             output: PathBuf::from("outputs/run"),
             policy: ModelSpec::Default,
-            user: ModelSpec::Default,
-            judge: ModelSpec::Default,
             assistant: None,
             candidates: 3,
             samples: 3,
@@ -156,43 +123,23 @@ impl Default for GenerateConfig {
             pairs: PairMode::Best,
             seed: 0,
             test_fraction: 0.1,
-            termination: DEFAULT_TERMINATION.into(),
-            concurrency: DEFAULT_CONCURRENCY,
-            judge_mode: JudgeMode::Auto,
-            judge_retries: DEFAULT_RETRIES,
-            user_retries: DEFAULT_RETRIES,
-            judge_max_tokens: JUDGE_MAX_TOKENS,
-            extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
-            interactivity_scale: InteractivityScale::default(),
             policy_sampling: Sampling::default(),
-            user_sampling: default_user_sampling(),
             assistant_sampling: Sampling::default(),
-            endpoint: EndpointOptions::default(),
-            threads: None,
-            prompts: None,
-            sandbox_timeout_s: DEFAULT_SANDBOX_TIMEOUT_S,
-            prices: BTreeMap::new(),
             shard: None,
             token_counter: TokenCounterKind::Policy,
             oracle: OracleMode::Table,
-            max_questions: DEFAULT_MAX_QUESTIONS,
             midgame: 0,
             system_prompt: None,
             compat: None,
+            rollout: RolloutConfig::default(),
+            unknown_keys: UnknownKeys::default(),
         }
     }
 }
 
 impl GenerateConfig {
     pub fn from_toml_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        toml::from_str(&text).map_err(|e| ConfigError::File {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })
+        crate::rollout::config::from_toml_file(path, |c: &Self| &c.unknown_keys)
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -202,7 +149,12 @@ impl GenerateConfig {
                 "must be at least 1 (2 or more to form pairs)",
             ));
         }
-        self.rollout().validate()?;
+        self.unknown_keys.check()?;
+        self.task_source().validate()?;
+        check_futures(self.samples, self.window)?;
+        self.rollout.validate()?;
+        check_sampling("policy_sampling", &self.policy_sampling)?;
+        check_sampling("assistant_sampling", &self.assistant_sampling)?;
         if self.max_messages < 2 {
             return Err(invalid("max_messages", "must be at least 2"));
         }
@@ -223,30 +175,6 @@ impl GenerateConfig {
         TaskSource {
             shard: self.shard,
             ..TaskSource::new(&self.tasks, self.task_type, self.max_tasks, &self.metrics)
-        }
-    }
-
-    /// The settings every rollout shares, checked by [`RolloutConfig::validate`].
-    pub fn rollout(&self) -> RolloutConfig {
-        RolloutConfig {
-            tasks: self.task_source(),
-            samples: self.samples,
-            window: self.window,
-            max_questions: self.max_questions,
-            termination: self.termination.clone(),
-            concurrency: self.concurrency,
-            threads: self.threads,
-            sandbox_timeout_s: self.sandbox_timeout_s,
-            endpoint: self.endpoint.clone(),
-            prices: self.prices.clone(),
-            judge_max_tokens: self.judge_max_tokens,
-            extractor_max_tokens: self.extractor_max_tokens,
-            sampling: vec![
-                ("policy_sampling", self.policy_sampling.clone()),
-                ("user_sampling", self.user_sampling.clone()),
-                ("assistant_sampling", self.assistant_sampling.clone()),
-            ],
-            prompts: self.prompts.clone(),
         }
     }
 
@@ -286,9 +214,9 @@ impl GenerateConfig {
                     }
                 }
                 TokenRole::Assistant => self.assistant_sampling.max_tokens = n,
-                TokenRole::User => self.user_sampling.max_tokens = n,
-                TokenRole::Judge => self.judge_max_tokens = n,
-                TokenRole::Extractor => self.extractor_max_tokens = n,
+                TokenRole::User => self.rollout.user_sampling.max_tokens = n,
+                TokenRole::Judge => self.rollout.judge_max_tokens = n,
+                TokenRole::Extractor => self.rollout.extractor_max_tokens = n,
             }
         }
     }
@@ -298,18 +226,18 @@ impl GenerateConfig {
     pub fn generation_identity(&self) -> serde_json::Value {
         let mut id = serde_json::json!({
             "tasks": self.tasks,
-            "policy": self.policy, "user": self.user, "judge": self.judge,
+            "policy": self.policy, "user": self.rollout.user, "judge": self.rollout.judge,
             "assistant": self.assistant_spec(),
             "candidates": self.candidates, "samples": self.samples, "window": self.window,
             "max_messages": self.max_messages, "proact_ratio": self.proact_ratio,
-            "seed": self.seed, "termination": self.termination,
-            "policy_sampling": self.policy_sampling, "user_sampling": self.user_sampling,
-            "assistant_sampling": self.assistant_sampling, "judge_mode": self.judge_mode,
-            "prompts": self.prompts,
+            "seed": self.seed, "termination": self.rollout.termination,
+            "policy_sampling": self.policy_sampling, "user_sampling": self.rollout.user_sampling,
+            "assistant_sampling": self.assistant_sampling, "judge_mode": self.rollout.judge_mode,
+            "prompts": self.rollout.prompts,
             "proactive_style": self.proactive_style,
-            "judge_max_tokens": self.judge_max_tokens,
-            "extractor_max_tokens": self.extractor_max_tokens,
-            "interactivity_scale": self.interactivity_scale,
+            "judge_max_tokens": self.rollout.judge_max_tokens,
+            "extractor_max_tokens": self.rollout.extractor_max_tokens,
+            "interactivity_scale": self.rollout.interactivity_scale,
             "shard": self.shard,
         });
         // Only when not the default, so runs made before the setting existed still resume.
@@ -321,7 +249,7 @@ impl GenerateConfig {
         }
         if self.plays_twenty_questions() {
             id["oracle"] = serde_json::json!(self.oracle);
-            id["max_questions"] = serde_json::json!(self.max_questions);
+            id["max_questions"] = serde_json::json!(self.rollout.max_questions);
             if self.midgame > 0 {
                 id["midgame"] = serde_json::json!(self.midgame);
             }
@@ -333,6 +261,8 @@ impl GenerateConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reward::judge::InteractivityScale;
+    use crate::rollout::user::JUDGE_MAX_TOKENS;
 
     #[test]
     fn toml_round_trip_and_unknown_keys_rejected() {
@@ -344,8 +274,34 @@ mod tests {
         let text = toml::to_string(&cfg).unwrap();
         let back: GenerateConfig = toml::from_str(&text).unwrap();
         assert_eq!(back, cfg);
-        let err = toml::from_str::<GenerateConfig>("candidatez = 3").unwrap_err();
-        assert!(err.to_string().contains("candidatez"), "{err}");
+        // A shared setting is a top-level key like any other, and lands in `rollout`.
+        let cfg: GenerateConfig =
+            toml::from_str("candidates = 4\nconcurrency = 2\nuser_sampling.top_p = 0.5").unwrap();
+        assert_eq!((cfg.candidates, cfg.rollout.concurrency), (4, 2));
+        assert_eq!(cfg.rollout.user_sampling.top_p, 0.5);
+        assert_eq!(cfg.rollout.judge_max_tokens, JUDGE_MAX_TOKENS);
+        cfg.validate().unwrap();
+        // A misspelt key, top-level or in the shared part, is an error naming it and the file;
+        // one inside a table is still refused by that table.
+        let dir = tempfile::tempdir().unwrap();
+        for (text, key) in [
+            ("candidatez = 3", "candidatez"),
+            ("concurency = 3", "concurency"),
+            ("[user_sampling]\ntop_k = 3", "top_k"),
+        ] {
+            let path = dir.path().join("run.toml");
+            std::fs::write(&path, text).unwrap();
+            let err = GenerateConfig::from_toml_file(&path)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key) && err.contains("run.toml"), "{err}");
+        }
+        let parsed: GenerateConfig = toml::from_str("candidatez = 3").unwrap();
+        assert!(parsed
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("candidatez"));
     }
 
     #[test]
@@ -353,13 +309,16 @@ mod tests {
         let cfg = GenerateConfig::default();
         assert_eq!(cfg.policy_sampling.max_tokens, 2048);
         assert_eq!(cfg.assistant_sampling.max_tokens, 2048);
-        assert_eq!(cfg.user_sampling.max_tokens, 1024);
-        assert_eq!(cfg.user_sampling.temperature, 1.0);
+        assert_eq!(cfg.rollout.user_sampling.max_tokens, 1024);
+        assert_eq!(cfg.rollout.user_sampling.temperature, 1.0);
         assert_eq!(
-            (cfg.judge_max_tokens, cfg.extractor_max_tokens),
+            (
+                cfg.rollout.judge_max_tokens,
+                cfg.rollout.extractor_max_tokens
+            ),
             (512, 2048)
         );
-        assert_eq!(cfg.interactivity_scale, InteractivityScale::V2);
+        assert_eq!(cfg.rollout.interactivity_scale, InteractivityScale::V2);
 
         let parse = crate::rollout::user::parse_role_max_tokens;
         let mut cfg = GenerateConfig::default();
@@ -369,7 +328,7 @@ mod tests {
             cfg.assistant_sampling.max_tokens, 300,
             "policy caps future turns too"
         );
-        assert_eq!(cfg.user_sampling.max_tokens, 40);
+        assert_eq!(cfg.rollout.user_sampling.max_tokens, 40);
         cfg.set_max_tokens(&[
             parse("assistant=100").unwrap(),
             parse("policy=500").unwrap(),
@@ -381,14 +340,23 @@ mod tests {
             cfg.assistant_sampling.max_tokens, 100,
             "an explicit assistant cap wins"
         );
-        assert_eq!((cfg.judge_max_tokens, cfg.extractor_max_tokens), (64, 4096));
+        assert_eq!(
+            (
+                cfg.rollout.judge_max_tokens,
+                cfg.rollout.extractor_max_tokens
+            ),
+            (64, 4096)
+        );
         for bad in ["policy", "critic=5", "user=0", "user=-3", "judge=lots"] {
             assert!(parse(bad).is_err(), "{bad}");
         }
         assert!(parse("critic=5").unwrap_err().contains("critic"));
         assert!(parse("user=0").unwrap_err().contains("--max-tokens user 0"));
         let cfg = GenerateConfig {
-            extractor_max_tokens: 0,
+            rollout: RolloutConfig {
+                extractor_max_tokens: 0,
+                ..RolloutConfig::default()
+            },
             ..Default::default()
         };
         assert!(cfg

@@ -136,7 +136,7 @@ impl Pipeline {
         chat::task_prefix(
             task,
             intro,
-            self.cfg.max_questions,
+            self.cfg.rollout.max_questions,
             self.cfg.midgame,
             self.seed(task, &["midgame"]),
         )

@@ -58,11 +58,11 @@ impl Roles {
         let load = LoadOptions::default();
         let build = |name: &'static str, spec| {
             let cache = cache.clone();
-            async move { Role::build(name, spec, &cfg.endpoint, &load, cache).await }
+            async move { Role::build(name, spec, &cfg.rollout.endpoint, &load, cache).await }
         };
         let policy = build("policy", &cfg.policy).await?;
-        let user = build("user", &cfg.user).await?;
-        let judge = build("judge", &cfg.judge).await?;
+        let user = build("user", &cfg.rollout.user).await?;
+        let judge = build("judge", &cfg.rollout.judge).await?;
         let assistant = if cfg.assistant.is_some() {
             build("assistant", cfg.assistant_spec()).await?
         } else {
@@ -196,7 +196,7 @@ pub async fn fetch_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task
 }
 
 fn load_prompts(cfg: &GenerateConfig) -> anyhow::Result<Prompts> {
-    Ok(match &cfg.prompts {
+    Ok(match &cfg.rollout.prompts {
         Some(dir) => Prompts::from_dir(dir)?,
         None => Prompts::builtin()?,
     })
@@ -281,13 +281,13 @@ pub fn call_bounds(cfg: &GenerateConfig, tasks: &[Task]) -> BTreeMap<String, Cal
         let llm_metrics = weights.keys().filter(|m| *m != "token_amount").count() as u64;
         // The opening message; per turn, one call for each candidate's S+1 openers (every
         // sample redrawn alone when unusable) and the futures' later user messages.
-        let opener_reasks = turns * n * (s + 1) * u64::from(cfg.user_retries);
-        let mut user = CallBound::asks(1, cfg.user_retries);
+        let opener_reasks = turns * n * (s + 1) * u64::from(cfg.rollout.user_retries);
+        let mut user = CallBound::asks(1, cfg.rollout.user_retries);
         user += CallBound {
             calls: turns * n + opener_reasks,
             reasks: opener_reasks,
         };
-        user += CallBound::asks(turns * n * s * future_user, cfg.user_retries);
+        user += CallBound::asks(turns * n * s * future_user, cfg.rollout.user_retries);
         *out.entry("user".into()).or_default() += user;
         *out.entry("policy".into()).or_default() += CallBound {
             calls: turns * candidate_calls,
@@ -298,7 +298,7 @@ pub fn call_bounds(cfg: &GenerateConfig, tasks: &[Task]) -> BTreeMap<String, Cal
             reasks: 0,
         };
         *out.entry("judge".into()).or_default() +=
-            CallBound::asks(turns * n * s * llm_metrics, cfg.judge_retries);
+            CallBound::asks(turns * n * s * llm_metrics, cfg.rollout.judge_retries);
     }
     out
 }
@@ -336,8 +336,8 @@ pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
         tasks.len(),
         cfg.tasks,
         cfg.policy,
-        cfg.user,
-        cfg.judge,
+        cfg.rollout.user,
+        cfg.rollout.judge,
         cfg.assistant_spec(),
         cfg.candidates,
         cfg.proactive_count(),
@@ -351,8 +351,8 @@ pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
             format!("{:?}", cfg.metrics)
         },
         n * s * w.saturating_sub(1),
-        cfg.user_retries,
-        cfg.judge_retries,
+        cfg.rollout.user_retries,
+        cfg.rollout.judge_retries,
         total.calls,
         total.reasks,
     )
@@ -475,7 +475,7 @@ impl ManifestWriter<'_> {
             "usage_total": total,
             // This invocation's calls per endpoint, for roles on an endpoint pool.
             "endpoint_calls": self.roles.endpoint_calls(),
-            "cost_usd": self.roles.cost(&total, &self.cfg.prices),
+            "cost_usd": self.roles.cost(&total, &self.cfg.rollout.prices),
         }));
         outputs::write_json_atomic(&self.cfg.output.join(MANIFEST_FILE), &m)?;
         Ok(())
@@ -574,11 +574,11 @@ async fn run_prepared(
     let judge = Arc::new(Judge {
         role: roles.judge.clone(),
         prompts: prompts.clone(),
-        mode: cfg.judge_mode,
-        retries: cfg.judge_retries,
-        max_tokens: cfg.judge_max_tokens,
-        extract_max_tokens: cfg.extractor_max_tokens,
-        interactivity_scale: cfg.interactivity_scale,
+        mode: cfg.rollout.judge_mode,
+        retries: cfg.rollout.judge_retries,
+        max_tokens: cfg.rollout.judge_max_tokens,
+        extract_max_tokens: cfg.rollout.extractor_max_tokens,
+        interactivity_scale: cfg.rollout.interactivity_scale,
     });
     let pipeline = Arc::new(Pipeline {
         prompts: prompts.clone(),
@@ -587,19 +587,19 @@ async fn run_prepared(
         user: UserSimulator {
             role: roles.user.clone(),
             prompts: prompts.clone(),
-            sampling: cfg.user_sampling.clone(),
-            termination: cfg.termination.clone(),
+            sampling: cfg.rollout.user_sampling.clone(),
+            termination: cfg.rollout.termination.clone(),
             json: roles.user.engine.is_none(),
-            retries: cfg.user_retries,
+            retries: cfg.rollout.user_retries,
             oracle: cfg.oracle,
-            max_questions: cfg.max_questions,
+            max_questions: cfg.rollout.max_questions,
         },
         system_prompt: cfg.system_prompt.clone(),
         scorer: Scorer {
             judge,
             tokens,
             sandbox: SandboxLimits {
-                wall_timeout: Duration::from_secs_f64(cfg.sandbox_timeout_s),
+                wall_timeout: Duration::from_secs_f64(cfg.rollout.sandbox_timeout_s),
                 ..SandboxLimits::default()
             },
         },
@@ -613,7 +613,7 @@ async fn run_prepared(
         prompts.source.clone(),
     );
     manifest.write(RunStatus::Running, None, &[])?;
-    if cfg.judge_mode == JudgeMode::Logprob && roles.judge.engine.is_none() {
+    if cfg.rollout.judge_mode == JudgeMode::Logprob && roles.judge.engine.is_none() {
         bail!(
             "--judge-mode logprob needs a local judge model; {} is an endpoint",
             roles.judge.spec
@@ -635,7 +635,7 @@ async fn run_prepared(
             (task, r)
         }
     });
-    let interrupted = drive_jobs(jobs, cfg.concurrency, shutdown, |(task, result)| {
+    let interrupted = drive_jobs(jobs, cfg.rollout.concurrency, shutdown, |(task, result)| {
         match result {
             Ok(record) => {
                 log.append(&record)?;

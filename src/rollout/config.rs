@@ -1,8 +1,8 @@
-//! What every run that plays conversations shares — where its tasks come from, its
-//! simulated user, judges and futures — and the one check of those settings. generate_conv
-//! and rl_train build a [`RolloutConfig`] from their own settings and validate it once;
-//! [`TaskSource`] names the tasks (loaded by `hub::tasks`). Also the `--compat` presets'
-//! names and records, and the error every run configuration reports.
+//! What every run that plays conversations shares — its simulated user, judges, endpoints
+//! ([`RolloutConfig`], embedded by generate_conv's, eval_multiturn's and rl_train's configs)
+//! and where its tasks come from ([`TaskSource`], loaded by `hub::tasks`) — with the one
+//! check of those settings. Also the `--compat` presets' names and records, and the error
+//! every run configuration reports.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -11,30 +11,16 @@ use serde::{Deserialize, Serialize};
 
 use super::user::Sampling;
 use crate::check::Range;
-use crate::llm::{check_prices, EndpointOptions, Price};
+use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
+use crate::reward::judge::{InteractivityScale, JudgeMode};
 use crate::reward::metrics::check_metric_name;
 use crate::task::twenty_questions::chat::ObjectSplit;
 use crate::task::TaskType;
 
-/// The defaults generate_conv and rl_train share, defined here once.
+/// The tasks file of a run that names none.
 pub const DEFAULT_TASKS: &str = "data/math.jsonl";
 /// What the simulated user says to end the conversation (upstream's signal).
 pub const DEFAULT_TERMINATION: &str = "[[TERMINATE CHAT]]";
-/// Conversations (or replies) in flight at once.
-pub const DEFAULT_CONCURRENCY: usize = 8;
-/// Extra judge / simulated-user attempts when an answer is unusable.
-pub const DEFAULT_RETRIES: u32 = 3;
-/// Seconds of wall time per sandboxed test run.
-pub const DEFAULT_SANDBOX_TIMEOUT_S: f64 = 10.0;
-
-/// The simulated user's sampling: upstream's temperature 1, no nucleus cut, its token cap.
-pub fn default_user_sampling() -> Sampling {
-    Sampling {
-        temperature: 1.0,
-        top_p: 1.0,
-        max_tokens: super::user::USER_MAX_TOKENS,
-    }
-}
 
 /// Metric weights (negative weights penalise, e.g. token_amount).
 pub const METRIC_WEIGHT: Range = Range::finite();
@@ -211,48 +197,91 @@ impl TaskSource {
     }
 }
 
-/// The rollout settings of a run, as generate_conv and rl_train both have them.
-#[derive(Clone, Debug, PartialEq)]
+/// What every run that plays conversations with a simulated user shares: the user and judge
+/// models, their sampling, retries and token caps, how a conversation ends, how many run at
+/// once, the endpoints and their prices, the sandbox and the 20 Questions game length.
+///
+/// generate_conv, eval_multiturn and rl_train embed it flattened, so its settings are
+/// top-level keys of their TOML files and records, and each is defined and defaulted here
+/// once. A config that embeds it collects the keys no setting has in [`UnknownKeys`]
+/// (flattening rules out serde's `deny_unknown_fields`) and rejects them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct RolloutConfig {
-    pub tasks: TaskSource,
-    /// Futures per reply (S), at least 1.
-    pub samples: usize,
-    /// Messages per future.
-    pub window: usize,
-    /// 20 Questions: questions per game.
-    pub max_questions: usize,
+    /// Simulated user model.
+    pub user: ModelSpec,
+    /// Judge and extractor model.
+    pub judge: ModelSpec,
+    /// The simulated user's sampling (upstream's: temperature 1, no nucleus cut, its token
+    /// cap).
+    pub user_sampling: Sampling,
+    /// How judges answer: log-probabilities for local judges, JSON for endpoints.
+    pub judge_mode: JudgeMode,
+    /// Extra judge attempts when an answer is unusable.
+    pub judge_retries: u32,
+    /// Extra user-simulator attempts when an output is unusable.
+    pub user_retries: u32,
+    /// Token cap of one judge answer.
+    pub judge_max_tokens: usize,
+    /// Token cap of one extraction (final document or code).
+    pub extractor_max_tokens: usize,
+    /// Rubric and rescaling of the interactivity judge.
+    pub interactivity_scale: InteractivityScale,
     /// What the simulated user says to end the conversation.
     pub termination: String,
     /// Conversations (or replies) in flight at once.
     pub concurrency: usize,
+    /// Compute threads for local models (none: CANDLE_NUM_THREADS, else all cores).
     pub threads: Option<usize>,
-    pub sandbox_timeout_s: f64,
+    /// OpenAI-compatible endpoints: key variable, concurrency, timeout, retries, backoff.
     pub endpoint: EndpointOptions,
-    pub prices: BTreeMap<String, Price>,
-    pub judge_max_tokens: usize,
-    pub extractor_max_tokens: usize,
-    /// Every role's sampling, by the setting's name (`policy_sampling`, `user_sampling`, …).
-    pub sampling: Vec<(&'static str, Sampling)>,
+    /// Folder replacing the built-in prompt templates.
     pub prompts: Option<PathBuf>,
+    /// Seconds of wall time per sandboxed test run (pass_rate).
+    pub sandbox_timeout_s: f64,
+    /// Endpoint prices by model spec (USD per million tokens), for `cost_usd`.
+    /// TOML: `[prices."openai:gpt-4o-mini"]` with `input = 0.15` and `output = 0.6`.
+    pub prices: BTreeMap<String, Price>,
+    /// 20 Questions: questions per game.
+    pub max_questions: usize,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            user: ModelSpec::Default,
+            judge: ModelSpec::Default,
+            user_sampling: Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                max_tokens: super::user::USER_MAX_TOKENS,
+            },
+            judge_mode: JudgeMode::Auto,
+            judge_retries: 3,
+            user_retries: 3,
+            judge_max_tokens: super::user::JUDGE_MAX_TOKENS,
+            extractor_max_tokens: super::user::EXTRACTOR_MAX_TOKENS,
+            interactivity_scale: InteractivityScale::default(),
+            termination: DEFAULT_TERMINATION.into(),
+            concurrency: 8,
+            threads: None,
+            endpoint: EndpointOptions::default(),
+            prompts: None,
+            sandbox_timeout_s: 10.0,
+            prices: BTreeMap::new(),
+            max_questions: crate::task::twenty_questions::MAX_QUESTIONS,
+        }
+    }
 }
 
 impl RolloutConfig {
     /// Checks every setting once; the error names the setting and the value.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.tasks.validate()?;
-        if self.samples == 0 {
-            return Err(invalid("samples", "must be at least 1"));
-        }
-        if self.window == 0 {
-            return Err(invalid("window", "must be at least 1"));
-        }
         if self.max_questions == 0 {
             return Err(invalid("max_questions", "must be at least 1"));
         }
         // Upper bounds: far beyond any real run, far below what overflows an allocation.
         for (field, v, max) in [
-            ("samples", self.samples, 64),
-            ("window", self.window, 1024),
             ("max_questions", self.max_questions, 1000),
             ("concurrency", self.concurrency, 4096),
         ] {
@@ -284,17 +313,67 @@ impl RolloutConfig {
                 return Err(invalid(field, "0: must be at least 1"));
             }
         }
-        for (field, s) in &self.sampling {
-            in_range(
-                &format!("{field}.temperature"),
-                s.temperature as f64,
-                Sampling::TEMPERATURE,
-            )?;
-            in_range(&format!("{field}.top_p"), s.top_p as f64, Sampling::TOP_P)?;
-            if s.max_tokens == 0 {
-                return Err(invalid(field, "max_tokens 0: must be at least 1"));
-            }
-        }
-        Ok(())
+        check_sampling("user_sampling", &self.user_sampling)
     }
+}
+
+/// Futures per reply (S) and messages per future (W): at least 1, at most far beyond any
+/// real run.
+pub fn check_futures(samples: usize, window: usize) -> Result<(), ConfigError> {
+    for (field, v, max) in [("samples", samples, 64), ("window", window, 1024)] {
+        if v == 0 {
+            return Err(invalid(field, "must be at least 1"));
+        }
+        crate::check::in_range(field, v, 0, max).map_err(|m| invalid(field, m))?;
+    }
+    Ok(())
+}
+
+/// A role's sampling (`field`: the setting's name, e.g. `policy_sampling`): temperature and
+/// top_p in range, a token cap of at least 1.
+pub fn check_sampling(field: &str, s: &Sampling) -> Result<(), ConfigError> {
+    in_range(
+        &format!("{field}.temperature"),
+        s.temperature as f64,
+        Sampling::TEMPERATURE,
+    )?;
+    in_range(&format!("{field}.top_p"), s.top_p as f64, Sampling::TOP_P)?;
+    if s.max_tokens == 0 {
+        return Err(invalid(field, "max_tokens 0: must be at least 1"));
+    }
+    Ok(())
+}
+
+/// The keys of a config file that no setting has. Flattened last into a config that embeds
+/// [`RolloutConfig`], it receives exactly those (serde hands each flattened part only the
+/// keys still unclaimed); it is never written back.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(transparent)]
+pub struct UnknownKeys(BTreeMap<String, serde::de::IgnoredAny>);
+
+impl UnknownKeys {
+    /// The error a misspelt key deserves: `unknown setting `candidatez``.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        match self.0.keys().next() {
+            None => Ok(()),
+            Some(key) => Err(invalid(key, "unknown setting (misspelt?)")),
+        }
+    }
+}
+
+/// Reads a config embedding [`RolloutConfig`] from a TOML file, rejecting unknown keys.
+pub fn from_toml_file<T: serde::de::DeserializeOwned>(
+    path: &std::path::Path,
+    unknown_keys: impl Fn(&T) -> &UnknownKeys,
+) -> Result<T, ConfigError> {
+    let file_error = |message: String| ConfigError::File {
+        path: path.to_path_buf(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+    let config: T = toml::from_str(&text).map_err(|e| file_error(e.to_string()))?;
+    unknown_keys(&config)
+        .check()
+        .map_err(|e| file_error(e.to_string()))?;
+    Ok(config)
 }

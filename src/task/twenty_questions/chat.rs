@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{is_win, Object, World, WorldDataError, MAX_QUESTIONS};
+use super::{is_win, Object, World, WorldDataError};
 use crate::llm::{ChatMessage, ChatRequest};
 use crate::task::prompts::{Prompt, PromptError, Prompts};
 use crate::task::{Task, TaskType};
@@ -374,9 +374,6 @@ pub fn wins(world: &World, object: &Object, question: &str, yes: bool) -> bool {
 
 /// Token cap of one question (a questioner's reply) unless given.
 pub const QUESTION_MAX_TOKENS: usize = 64;
-
-/// The default question budget.
-pub const DEFAULT_MAX_QUESTIONS: usize = MAX_QUESTIONS;
 
 /// The model's reply as one question line: the first line with a question mark, cut after
 /// it, without speaker labels, list markers, quotes or a lead-in sentence ("Great! Is it …?"

@@ -1,9 +1,9 @@
 //! The resolved configuration of an `rl_train` run: defaults ← `--config` TOML ← flags,
 //! validated once at start-up, before any model loads or any rollout starts.
 //!
-//! The rollout side is checked as generate_conv's is, through the shared
-//! [`RolloutConfig`] ([`RlRunConfig::rollout`]), and its tasks are read from the same
-//! [`TaskSource`] kinds, so both binaries read tasks and judge replies the same way.
+//! The rollout side is generate_conv's: the same embedded [`RolloutConfig`] (user, judges,
+//! endpoints, sandbox) with its one check, and tasks read from the same [`TaskSource`] kinds,
+//! so both binaries read tasks and judge replies the same way.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -19,15 +19,14 @@ use crate::check::Range;
 use crate::engine::llama::WeightFormat;
 use crate::engine::peft::LORA_TARGETS;
 use crate::llm::tokens::TokenCounterKind;
-use crate::llm::{EndpointOptions, ModelSpec, Price};
-use crate::reward::judge::{InteractivityScale, JudgeMode};
+use crate::llm::ModelSpec;
+use crate::reward::judge::InteractivityScale;
 use crate::reward::mr::MrFormula;
 use crate::rollout::config::{
-    default_user_sampling, Compat, CompatRecord, ConfigError, RolloutConfig, TaskSource,
-    DEFAULT_CONCURRENCY, DEFAULT_RETRIES, DEFAULT_SANDBOX_TIMEOUT_S, DEFAULT_TASKS,
-    DEFAULT_TERMINATION,
+    check_futures, check_sampling, Compat, CompatRecord, ConfigError, RolloutConfig, TaskSource,
+    UnknownKeys, DEFAULT_TASKS,
 };
-use crate::rollout::user::{Sampling, TokenRole, EXTRACTOR_MAX_TOKENS, JUDGE_MAX_TOKENS};
+use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::twenty_questions::chat::OracleMode;
 use crate::task::TaskType;
 use crate::train::loss::DpoConfig;
@@ -169,7 +168,7 @@ impl FromStr for Algo {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(default)]
 pub struct RlRunConfig {
     /// Tasks (as generate_conv reads them: JSONL, parquet, upstream flat parquet, `hf:`).
     pub tasks: String,
@@ -185,8 +184,6 @@ pub struct RlRunConfig {
     pub output: PathBuf,
     /// The model trained (local weights: `default`, a .gguf file, an HF directory or id).
     pub model: String,
-    pub user: ModelSpec,
-    pub judge: ModelSpec,
     /// Prompts per step (B).
     pub batch_prompts: usize,
     /// Responses sampled per prompt (n).
@@ -241,28 +238,12 @@ pub struct RlRunConfig {
     pub lora_targets: Vec<String>,
     pub save_steps: Option<usize>,
     pub seed: u64,
-    pub threads: Option<usize>,
     /// Compute device of the trainer: cpu, cuda, cuda:N.
     pub device: String,
     /// How the sampler holds the synced weights: auto (q8 on the CPU, f32 elsewhere), f32, q8.
     pub sampler_weights: String,
-    pub user_sampling: Sampling,
-    pub judge_mode: JudgeMode,
-    pub judge_retries: u32,
-    pub user_retries: u32,
-    pub judge_max_tokens: usize,
-    pub extractor_max_tokens: usize,
-    pub termination: String,
-    /// Responses scored at once.
-    pub concurrency: usize,
-    pub endpoint: EndpointOptions,
-    pub prompts: Option<PathBuf>,
-    pub sandbox_timeout_s: f64,
-    pub prices: BTreeMap<String, Price>,
     /// 20 Questions tasks: who answers the questions (table, llm = the user model, hybrid).
     pub oracle: OracleMode,
-    /// 20 Questions tasks: questions per game.
-    pub max_questions: usize,
     /// 20 Questions tasks: each prompt is a game after a demonstrator prefix of 0..=N
     /// questions (drawn per prompt and step); 0 = the opening only.
     #[serde(default)]
@@ -270,9 +251,6 @@ pub struct RlRunConfig {
     /// Train on groups whose rewards differ only in token counts (skipped by default).
     #[serde(default)]
     pub keep_length_only_groups: bool,
-    /// The interactivity judge's scale (upstream v2 by default; the verl recipe's rubric).
-    #[serde(default)]
-    pub interactivity_scale: InteractivityScale,
     /// How `token_amount` counts: the policy's tokens of the assistant turns, cl100k, or
     /// verl's words of every message after the prompt.
     #[serde(default)]
@@ -288,6 +266,12 @@ pub struct RlRunConfig {
     /// refuses a run whose task file changed under the same path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks_sha256: Option<String>,
+    /// The settings every rollout shares (top-level keys, as all the others).
+    #[serde(flatten)]
+    pub rollout: RolloutConfig,
+    /// Keys of the config file that no setting has: an error at load.
+    #[serde(flatten, skip_serializing)]
+    pub unknown_keys: UnknownKeys,
 }
 
 impl Default for RlRunConfig {
@@ -301,8 +285,6 @@ impl Default for RlRunConfig {
             eval_max_tasks: None,
             output: PathBuf::from("outputs/rl"),
             model: "default".into(),
-            user: ModelSpec::Default,
-            judge: ModelSpec::Default,
             batch_prompts: 2,
             group_size: 8,
             opening: Opening::User,
@@ -337,31 +319,18 @@ impl Default for RlRunConfig {
             lora_targets: LORA_TARGETS.map(String::from).to_vec(),
             save_steps: None,
             seed: 0,
-            threads: None,
             device: "cpu".into(),
             sampler_weights: "auto".into(),
-            user_sampling: default_user_sampling(),
-            judge_mode: JudgeMode::Auto,
-            judge_retries: DEFAULT_RETRIES,
-            user_retries: DEFAULT_RETRIES,
-            judge_max_tokens: JUDGE_MAX_TOKENS,
-            extractor_max_tokens: EXTRACTOR_MAX_TOKENS,
-            termination: DEFAULT_TERMINATION.into(),
-            concurrency: DEFAULT_CONCURRENCY,
-            endpoint: EndpointOptions::default(),
-            prompts: None,
-            sandbox_timeout_s: DEFAULT_SANDBOX_TIMEOUT_S,
-            prices: BTreeMap::new(),
             oracle: OracleMode::default(),
-            max_questions: crate::task::twenty_questions::MAX_QUESTIONS,
             midgame: 0,
             keep_length_only_groups: false,
-            interactivity_scale: InteractivityScale::default(),
             token_counter: TokenCounterKind::default(),
             truncated: TruncatedReward::default(),
             compat: None,
             ppo_mini_batch: None,
             tasks_sha256: None,
+            rollout: RolloutConfig::default(),
+            unknown_keys: UnknownKeys::default(),
         }
     }
 }
@@ -416,14 +385,7 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
 
 impl RlRunConfig {
     pub fn from_toml_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        toml::from_str(&text).map_err(|e| ConfigError::File {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })
+        crate::rollout::config::from_toml_file(path, |c: &Self| &c.unknown_keys)
     }
 
     /// Per-role token caps (`--max-tokens ROLE=N`). The policy and the assistant inside
@@ -432,9 +394,9 @@ impl RlRunConfig {
         for &(role, n) in caps {
             match role {
                 TokenRole::Policy | TokenRole::Assistant => self.max_new_tokens = n,
-                TokenRole::User => self.user_sampling.max_tokens = n,
-                TokenRole::Judge => self.judge_max_tokens = n,
-                TokenRole::Extractor => self.extractor_max_tokens = n,
+                TokenRole::User => self.rollout.user_sampling.max_tokens = n,
+                TokenRole::Judge => self.rollout.judge_max_tokens = n,
+                TokenRole::Extractor => self.rollout.extractor_max_tokens = n,
             }
         }
     }
@@ -462,31 +424,6 @@ impl RlRunConfig {
         })
     }
 
-    /// The rollout settings, as generate_conv has them (the trained model plays the policy
-    /// and the assistant inside futures). `samples = 0` (no futures, the single-turn reward)
-    /// is rl_train's own, so the shared check sees at least 1.
-    pub fn rollout(&self) -> RolloutConfig {
-        RolloutConfig {
-            tasks: self.task_source(),
-            samples: self.samples.max(1),
-            window: self.window,
-            max_questions: self.max_questions,
-            termination: self.termination.clone(),
-            concurrency: self.concurrency,
-            threads: self.threads,
-            sandbox_timeout_s: self.sandbox_timeout_s,
-            endpoint: self.endpoint.clone(),
-            prices: self.prices.clone(),
-            judge_max_tokens: self.judge_max_tokens,
-            extractor_max_tokens: self.extractor_max_tokens,
-            sampling: vec![
-                ("policy_sampling", self.policy_sampling()),
-                ("user_sampling", self.user_sampling.clone()),
-            ],
-            prompts: self.prompts.clone(),
-        }
-    }
-
     /// Sets the values of the `--compat` preset (applied after the config file and before
     /// the other flags, so a flag still wins) and records every value it set.
     pub fn apply_compat(&mut self, preset: Compat) -> Result<(), ConfigError> {
@@ -500,12 +437,14 @@ impl RlRunConfig {
             ));
         }
         let mut set = BTreeMap::new();
+        // A setting is recorded by its name in the config file: the last part of its path.
         macro_rules! put {
-            ($($field:ident = $v:expr),* $(,)?) => {$(
-                self.$field = $v;
+            ($($($path:ident).+ = $v:expr),* $(,)?) => {$(
+                self.$($path).+ = $v;
+                let path = stringify!($($path).+);
                 set.insert(
-                    stringify!($field).to_string(),
-                    serde_json::to_value(&self.$field).unwrap_or_default(),
+                    path.rsplit('.').next().unwrap_or(path).trim().to_string(),
+                    serde_json::to_value(&self.$($path).+).unwrap_or_default(),
                 );
             )*};
         }
@@ -538,9 +477,9 @@ impl RlRunConfig {
             max_length = 8196 + 2048,
             samples = 3,
             window = 4,
-            judge_max_tokens = 2048,
+            rollout.judge_max_tokens = 2048,
             mr_formula = MrFormula::VerlClamp,
-            interactivity_scale = InteractivityScale::Verl,
+            rollout.interactivity_scale = InteractivityScale::Verl,
             token_counter = TokenCounterKind::Words,
             truncated = TruncatedReward::Zero,
         );
@@ -701,7 +640,14 @@ impl RlRunConfig {
         self.rl_config()?
             .validate()
             .map_err(|e| invalid("rl", e.to_string()))?;
-        self.rollout().validate()?;
+        // The trained model plays the policy and the assistant inside futures. `samples = 0`
+        // (no futures, the single-turn reward) is rl_train's own, so the shared check sees
+        // at least 1.
+        self.unknown_keys.check()?;
+        self.task_source().validate()?;
+        check_futures(self.samples.max(1), self.window)?;
+        self.rollout.validate()?;
+        check_sampling("policy_sampling", &self.policy_sampling())?;
         if let Some(eval) = self.eval_task_source() {
             eval.validate()?;
         }
@@ -719,13 +665,13 @@ impl RlRunConfig {
             if self.oracle == OracleMode::default() {
                 o.remove("oracle");
             }
-            if self.max_questions == crate::task::twenty_questions::MAX_QUESTIONS {
+            if self.rollout.max_questions == crate::task::twenty_questions::MAX_QUESTIONS {
                 o.remove("max_questions");
             }
             if self.midgame == 0 {
                 o.remove("midgame");
             }
-            if self.interactivity_scale == InteractivityScale::default() {
+            if self.rollout.interactivity_scale == InteractivityScale::default() {
                 o.remove("interactivity_scale");
             }
             if self.token_counter == TokenCounterKind::default() {
@@ -754,12 +700,27 @@ mod tests {
         let text = toml::to_string(&cfg).unwrap();
         let back: RlRunConfig = toml::from_str(&text).unwrap();
         assert_eq!(back, cfg);
-        let err = toml::from_str::<RlRunConfig>("group_sise = 3").unwrap_err();
-        assert!(err.to_string().contains("group_sise"), "{err}");
+        for (text, key) in [
+            ("group_sise = 3", "group_sise"),
+            ("judge_max_tokenz = 3", "judge_max_tokenz"),
+        ] {
+            let parsed: RlRunConfig = toml::from_str(text).unwrap();
+            let err = parsed.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
+        // Records of earlier runs (flat keys, the shared ones among them) still read.
+        let record = serde_json::to_value(&cfg).unwrap();
+        assert_eq!(
+            record["concurrency"], 8,
+            "the shared settings stay top-level keys"
+        );
+        assert!(record.get("rollout").is_none() && record.get("unknown_keys").is_none());
+        let back: RlRunConfig = serde_json::from_value(record).unwrap();
+        assert_eq!(back, cfg);
     }
 
     #[test]
-    fn role_caps_reach_the_rollout_view() {
+    fn role_caps_reach_the_roles_settings() {
         let mut cfg = RlRunConfig::default();
         cfg.set_max_tokens(&[
             (TokenRole::User, 48),
@@ -767,17 +728,17 @@ mod tests {
             (TokenRole::Extractor, 300),
             (TokenRole::Assistant, 96),
         ]);
-        let view = cfg.rollout();
-        assert_eq!(view.judge_max_tokens, 200);
-        assert_eq!(view.extractor_max_tokens, 300);
-        let caps: Vec<(&str, usize)> = view
-            .sampling
-            .iter()
-            .map(|(n, s)| (*n, s.max_tokens))
-            .collect();
-        assert_eq!(caps, [("policy_sampling", 96), ("user_sampling", 48)]);
+        assert_eq!(cfg.rollout.judge_max_tokens, 200);
+        assert_eq!(cfg.rollout.extractor_max_tokens, 300);
+        assert_eq!(
+            (
+                cfg.policy_sampling().max_tokens,
+                cfg.rollout.user_sampling.max_tokens
+            ),
+            (96, 48)
+        );
         let mut zero = cfg.clone();
-        zero.user_sampling.max_tokens = 0;
+        zero.rollout.user_sampling.max_tokens = 0;
         assert!(zero.validate().unwrap_err().to_string().contains("user"));
     }
 
@@ -829,7 +790,10 @@ mod tests {
         let a = RlRunConfig::default();
         let b = RlRunConfig {
             max_steps: 99,
-            concurrency: 1,
+            rollout: RolloutConfig {
+                concurrency: 1,
+                ..RolloutConfig::default()
+            },
             ..Default::default()
         };
         assert_eq!(a.identity(), b.identity());
@@ -871,7 +835,7 @@ mod tests {
         assert_eq!(cfg.rl_config().unwrap().mini_batch, 64);
         assert_eq!(cfg.optimizer_steps(), cfg.max_steps * 2);
         assert_eq!(cfg.token_counter, TokenCounterKind::Words);
-        assert_eq!(cfg.interactivity_scale, InteractivityScale::Verl);
+        assert_eq!(cfg.rollout.interactivity_scale, InteractivityScale::Verl);
         assert!(RlRunConfig::default()
             .apply_compat(Compat::UpstreamV2)
             .unwrap_err()

@@ -215,7 +215,7 @@ impl Rollout<'_> {
                     ((g, j), r)
                 }
             }))
-            .buffer_unordered(self.cfg.concurrency)
+            .buffer_unordered(self.cfg.rollout.concurrency)
             .collect()
             .await;
         let mut by_key: BTreeMap<(usize, usize), Result<ScoredReply, SimError>> =

@@ -419,12 +419,18 @@ impl<'a> Run<'a> {
     ) -> anyhow::Result<Run<'a>> {
         let cache = RequestCache::open(cfg.output.join("cache"))?;
         let load = LoadOptions::default();
-        let user =
-            Role::build("user", &cfg.user, &cfg.endpoint, &load, Some(cache.clone())).await?;
+        let user = Role::build(
+            "user",
+            &cfg.rollout.user,
+            &cfg.rollout.endpoint,
+            &load,
+            Some(cache.clone()),
+        )
+        .await?;
         let judge = Role::build(
             "judge",
-            &cfg.judge,
-            &cfg.endpoint,
+            &cfg.rollout.judge,
+            &cfg.rollout.endpoint,
             &load,
             Some(cache.clone()),
         )
@@ -448,21 +454,21 @@ impl<'a> Run<'a> {
             judge: Arc::new(Judge {
                 role: judge,
                 prompts: prompts.clone(),
-                mode: cfg.judge_mode,
-                retries: cfg.judge_retries,
-                max_tokens: cfg.judge_max_tokens,
-                extract_max_tokens: cfg.extractor_max_tokens,
-                interactivity_scale: cfg.interactivity_scale,
+                mode: cfg.rollout.judge_mode,
+                retries: cfg.rollout.judge_retries,
+                max_tokens: cfg.rollout.judge_max_tokens,
+                extract_max_tokens: cfg.rollout.extractor_max_tokens,
+                interactivity_scale: cfg.rollout.interactivity_scale,
             }),
             user: UserSimulator {
                 json: user.engine.is_none(),
                 role: user,
                 prompts,
-                sampling: cfg.user_sampling.clone(),
-                termination: cfg.termination.clone(),
-                retries: cfg.user_retries,
+                sampling: cfg.rollout.user_sampling.clone(),
+                termination: cfg.rollout.termination.clone(),
+                retries: cfg.rollout.user_retries,
                 oracle: cfg.oracle,
-                max_questions: cfg.max_questions,
+                max_questions: cfg.rollout.max_questions,
             },
             roles,
         })
@@ -576,7 +582,7 @@ impl<'a> Run<'a> {
             judge: self.judge.clone(),
             tokens,
             sandbox: SandboxLimits {
-                wall_timeout: Duration::from_secs_f64(self.cfg.sandbox_timeout_s),
+                wall_timeout: Duration::from_secs_f64(self.cfg.rollout.sandbox_timeout_s),
                 ..SandboxLimits::default()
             },
         }
@@ -632,14 +638,14 @@ pub async fn rl_train_until(
         Some((source, raw)) => Some(rl_prompts(&cfg, &source, raw).await?),
         None => None,
     };
-    let prompts = Arc::new(match &cfg.prompts {
+    let prompts = Arc::new(match &cfg.rollout.prompts {
         Some(dir) => Prompts::from_dir(dir)?,
         None => Prompts::builtin()?,
     });
-    if cfg.judge_mode == JudgeMode::Logprob && !cfg.judge.is_local() {
+    if cfg.rollout.judge_mode == JudgeMode::Logprob && !cfg.rollout.judge.is_local() {
         bail!(
             "--judge-mode logprob needs a local judge model; {} is an endpoint",
-            cfg.judge
+            cfg.rollout.judge
         );
     }
     std::fs::create_dir_all(&cfg.output)
@@ -730,7 +736,7 @@ pub async fn rl_train_until(
         (run.roles.user.name.clone(), &run.roles.user),
         (run.roles.judge.name.clone(), &run.roles.judge),
     ];
-    let cost_usd = roles_cost_usd(named, &usage, &cfg.prices);
+    let cost_usd = roles_cost_usd(named, &usage, &cfg.rollout.prices);
     let summary = RlSummary {
         output: cfg.output.clone(),
         steps: cfg.max_steps,
