@@ -79,7 +79,9 @@ struct Args {
     /// turns on a win, information gain per question, unparsed rate and McNemar's exact test.
     #[arg(long, value_name = "RUN", num_args = 1.., conflicts_with = "models")]
     compare: Vec<PathBuf>,
-    /// Tasks file (JSONL or parquet) for math/doc_edit/code [default: data/<task>.jsonl].
+    /// Tasks for math/doc_edit/code/clarify, read as generate_conv reads them: a JSONL or
+    /// parquet task file, an upstream flat parquet file, hf:<org>/<name> or clarify:<split>
+    /// [default: data/<task>.jsonl; clarify:test for clarify].
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
     /// Simulated user model.

@@ -116,6 +116,61 @@ async fn math_roles(out: &Path, tiny: &Path) -> EvalRoles {
     }
 }
 
+/// Tasks come from the sources generate_conv and rl_train read: here an upstream flat
+/// parquet file, whose unique single-turn goals are the tasks.
+#[tokio::test]
+async fn math_tasks_from_an_upstream_flat_file() {
+    use collabllm::dataset::{write_flat_parquet, FlatRow};
+    use collabllm::llm::ChatMessage;
+    model_util::one_thread();
+    let (_g, tiny) = model_util::tiny_model_dir(&TinySpec::default());
+    let tmp = tempfile::tempdir().unwrap();
+    let row = |conv: &str, turn: u32, goal: &str, answer: &str| FlatRow {
+        prompt: vec![ChatMessage::user("I need help with a sum.")],
+        completion: "Which numbers?".into(),
+        conv_id: conv.into(),
+        turn_id: turn,
+        score: 0.5,
+        single_turn_prompt: goal.into(),
+        single_turn_completion: answer.into(),
+        single_turn_metadata: serde_json::json!({"level": "Level 1"}),
+        sessions: serde_json::json!([[{"role": "user", "content": "2 and 3"}]]),
+        rewards: serde_json::json!({"MR": [0.5]}),
+    };
+    let flat = tmp.path().join("math-hard.parquet");
+    write_flat_parquet(
+        &flat,
+        &[
+            row("c1", 0, "What is 2+3?", "\\boxed{5}"),
+            row("c1", 1, "What is 2+3?", "\\boxed{5}"),
+            row("c2", 0, "What is 4+4?", "\\boxed{8}"),
+        ],
+    )
+    .unwrap();
+    let out = tmp.path().join("eval-flat");
+    let cfg = EvalConfig {
+        tasks: Some(flat.display().to_string()),
+        max_tasks: None,
+        max_turns: 1,
+        ..math_cfg(&out, &tiny)
+    };
+    let report = evaluate_with_roles(cfg.clone(), math_roles(&out, &tiny).await)
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.planned, report.done_now, report.failed.len()),
+        (2, 2, 0),
+        "{report}"
+    );
+    let label = report.summary.models[0].name.clone();
+    let recs = read_lines(&out.join(format!("conversations/{label}.jsonl")));
+    let ids: std::collections::BTreeSet<&str> = recs
+        .iter()
+        .map(|r| r["task_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 2, "one conversation per unique goal");
+}
+
 #[tokio::test]
 async fn math_with_the_tiny_model_summary_matches_transcripts_and_resumes_free() {
     model_util::one_thread();

@@ -42,10 +42,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "check", "dataset", "engine", "hub", "llm", "reward", "rollout", "run", "task",
         ],
     ),
+    // eval reads its dialogue tasks with `hub::tasks`, as generate_conv and rl_train do.
     (
         "eval",
         &[
-            "check", "dataset", "engine", "llm", "reward", "rollout", "run", "task",
+            "check", "dataset", "engine", "hub", "llm", "reward", "rollout", "run", "task",
         ],
     ),
     ("plot", &["check", "dataset", "reward", "rollout", "run"]),

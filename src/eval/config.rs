@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 use crate::engine::llama::WeightFormat;
 use crate::llm::spec::redact_credentials;
 use crate::llm::ModelSpec;
-use crate::rollout::config::{check_sampling, RolloutConfig, UnknownKeys};
+use crate::reward::metrics::task_metric;
+use crate::rollout::config::{check_sampling, RolloutConfig, TaskSource, UnknownKeys};
 use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::prompts::SystemPromptSource;
 use crate::task::twenty_questions::chat::ObjectSplit;
@@ -467,6 +468,9 @@ impl EvalConfig {
             return Err(invalid("question_max_tokens", "must be at least 1"));
         }
         self.unknown_keys.check()?;
+        if self.task != TaskType::TwentyQuestions {
+            self.task_source().validate()?;
+        }
         self.rollout.validate()?;
         check_sampling("assistant_sampling", &self.assistant_sampling)?;
         Ok(())
@@ -482,6 +486,22 @@ impl EvalConfig {
                 TokenRole::Extractor => self.rollout.extractor_max_tokens = n,
             }
         }
+    }
+
+    /// Where the tasks of a dialogue evaluation (math, doc_edit, code, clarify) come from:
+    /// the sources generate_conv and rl_train read (task files, upstream flat parquet, `hf:`,
+    /// `clarify:`), each task checked for what the task's metric needs.
+    pub fn task_source(&self) -> TaskSource {
+        let metrics = task_metric(self.task)
+            .map(|m| (m.to_string(), 1.0))
+            .into_iter()
+            .collect();
+        TaskSource::new(
+            &self.tasks_path().to_string_lossy(),
+            Some(self.task),
+            self.max_tasks,
+            &metrics,
+        )
     }
 
     /// The tasks file: `--tasks`, else `data/<task>.jsonl` (relative to the working directory

@@ -29,7 +29,7 @@ use crate::llm::tokens::TokenCounter;
 use crate::llm::usage::recorded_usage;
 use crate::llm::{add_usage, Price, UsageSnapshot};
 use crate::reward::judge::{Judge, JudgeMode};
-use crate::reward::metrics::{check_tasks_for_metrics, task_metric, Scorer};
+use crate::reward::metrics::{task_metric, Scorer};
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::user::{Sampling, UserSimulator};
 use crate::run::{
@@ -39,7 +39,7 @@ use crate::run::{
 use crate::task::prompts::{Prompts, SystemPromptSource};
 use crate::task::twenty_questions::chat::split_objects;
 use crate::task::twenty_questions::{lmrl_transcript, GameRecord, World};
-use crate::task::{load_tasks, Task, TaskType};
+use crate::task::{Task, TaskType};
 
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const CONVERSATIONS_DIR: &str = "conversations";
@@ -212,7 +212,7 @@ fn record_key(task: TaskType, rec: &serde_json::Value) -> Option<String> {
 
 /// Loads and checks the tasks (or objects), the prompts and the exclusion runs; prepares the
 /// output directory. Nothing here loads or calls a model.
-fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
+async fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
     cfg.validate()?;
     let prompts = Arc::new(match &cfg.rollout.prompts {
         Some(dir) => Prompts::from_dir(dir)?,
@@ -237,28 +237,16 @@ fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
             warnings,
         )
     } else {
-        let path = cfg.tasks_path();
-        let mut tasks = match crate::task::clarify::source_split(&path.to_string_lossy()) {
-            Some(split) => crate::task::clarify::tasks(split.map_err(anyhow::Error::msg)?),
-            None => load_tasks(&path)?,
-        };
+        let source = cfg.task_source();
+        let tasks = crate::hub::tasks::fetch(&source).await?;
         if let Some(t) = tasks.iter().find(|t| t.task_type != cfg.task) {
             bail!(
                 "{}: task {} is {}, not {} (--task)",
-                path.display(),
+                source.tasks,
                 t.id,
                 t.task_type,
                 cfg.task
             );
-        }
-        if let Some(k) = cfg.max_tasks {
-            tasks.truncate(k);
-        }
-        if tasks.is_empty() {
-            bail!("{}: no tasks", path.display());
-        }
-        if let Some(m) = task_metric(cfg.task) {
-            check_tasks_for_metrics(&tasks, &[m.to_string()])?;
         }
         let warnings = overlap::check(&cfg.exclude_runs, cfg.allow_overlap, |run| {
             overlap::shared_tasks(&tasks, run)
@@ -319,7 +307,7 @@ pub async fn evaluate(cfg: EvalConfig) -> anyhow::Result<EvalReport> {
 /// summaries of the finished conversations and an `interrupted` manifest are written. Either
 /// way it returns [`Interrupted`].
 pub async fn evaluate_until(cfg: EvalConfig, shutdown: &Shutdown) -> anyhow::Result<EvalReport> {
-    let prepared = prepare(&cfg)?;
+    let prepared = prepare(&cfg).await?;
     let cache = RequestCache::open(cfg.output.join("cache"))?;
     let roles = shutdown
         .guard(EvalRoles::from_config(&cfg, Some(cache.clone())))
@@ -329,7 +317,7 @@ pub async fn evaluate_until(cfg: EvalConfig, shutdown: &Shutdown) -> anyhow::Res
 
 /// Runs (or resumes) an evaluation with the given roles (tests inject scripted backends).
 pub async fn evaluate_with_roles(cfg: EvalConfig, roles: EvalRoles) -> anyhow::Result<EvalReport> {
-    let prepared = prepare(&cfg)?;
+    let prepared = prepare(&cfg).await?;
     run_prepared(cfg, prepared, roles, None, &Shutdown::never()).await
 }
 

@@ -32,6 +32,8 @@ pub enum ConfigError {
     File { path: PathBuf, message: String },
     #[error("invalid setting `{field}`: {message}")]
     Invalid { field: String, message: String },
+    #[error("unknown setting `{key}` (misspelt?)")]
+    Unknown { key: String },
 }
 
 /// `field` must lie in `range`: `invalid setting `field`: value: must be a finite number ...`.
@@ -352,11 +354,11 @@ pub fn check_sampling(field: &str, s: &Sampling) -> Result<(), ConfigError> {
 pub struct UnknownKeys(BTreeMap<String, serde::de::IgnoredAny>);
 
 impl UnknownKeys {
-    /// The error a misspelt key deserves: `unknown setting `candidatez``.
+    /// The error a misspelt key deserves: ``unknown setting `candidatez` (misspelt?)``.
     pub fn check(&self) -> Result<(), ConfigError> {
         match self.0.keys().next() {
             None => Ok(()),
-            Some(key) => Err(invalid(key, "unknown setting (misspelt?)")),
+            Some(key) => Err(ConfigError::Unknown { key: key.clone() }),
         }
     }
 }
