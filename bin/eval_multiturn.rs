@@ -350,4 +350,22 @@ mod help_tests {
             &described,
         );
     }
+    /// Every flag sets the config field of its name, but for these: actions, flags that set
+    /// fields of other names, and settings absent from a default config (their defaults are
+    /// stated by hand, or not at all).
+    #[test]
+    fn flags_are_named_as_their_settings() {
+        let cfg = collabllm::eval::EvalConfig::default();
+        let expected = [
+            "compare",
+            "max_tokens",
+            "study",
+            "temperature",
+            "transcripts",
+        ];
+        assert_eq!(
+            collabllm::cli::flags_without_setting(&Args::command(), &cfg),
+            expected
+        );
+    }
 }

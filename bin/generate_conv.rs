@@ -489,4 +489,30 @@ mod tests {
             &described,
         );
     }
+    /// Every flag sets the config field of its name, but for these: actions, flags that set
+    /// fields of other names, and settings absent from a default config (their defaults are
+    /// stated by hand, or not at all).
+    #[test]
+    fn flags_are_named_as_their_settings() {
+        let cfg = GenerateConfig::default();
+        let expected = [
+            "config",
+            "dry_run",
+            "export",
+            "export_dir",
+            "hub_public",
+            "import",
+            "max_tokens",
+            "merge",
+            "metric_preset",
+            "policy_system_prompt",
+            "push_to_hub",
+            "rescore",
+            "task_desc",
+        ];
+        assert_eq!(
+            collabllm::cli::flags_without_setting(&Args::command(), &cfg),
+            expected
+        );
+    }
 }

@@ -427,4 +427,23 @@ mod tests {
             &described,
         );
     }
+    /// Every flag sets the config field of its name, but for these: actions, flags that set
+    /// fields of other names, and settings absent from a default config (their defaults are
+    /// stated by hand, or not at all).
+    #[test]
+    fn flags_are_named_as_their_settings() {
+        let cfg = RlRunConfig::default();
+        let expected = [
+            "compat",
+            "config",
+            "max_tokens",
+            "metric_preset",
+            "ppo_mini_batch",
+            "resume",
+        ];
+        assert_eq!(
+            collabllm::cli::flags_without_setting(&Args::command(), &cfg),
+            expected
+        );
+    }
 }

@@ -323,6 +323,26 @@ fn default_text(value: &serde_json::Value) -> Option<String> {
 /// `EndpointOptions::default` by this module's own test, not against a binary's config.
 const ENDPOINT_FLAG_IDS: [&str; 4] = ["api_key_env", "max_concurrency", "timeout", "max_retries"];
 
+/// The flags of `command` that set no config field of the same name (`defaults`: the
+/// config's `Default`, serialized), sorted: a binary's test lists the ones it expects (actions
+/// such as `--resume`, flags that set a field of another name), so a renamed setting cannot
+/// silently lose its flag's derived `[default: …]`.
+pub fn flags_without_setting(
+    command: &clap::Command,
+    defaults: &impl serde::Serialize,
+) -> Vec<String> {
+    let defaults = serde_json::to_value(defaults).unwrap_or_default();
+    let mut ids: Vec<String> = command
+        .get_arguments()
+        .map(|arg| arg.get_id().as_str())
+        .filter(|id| !matches!(*id, "help" | "version") && !ENDPOINT_FLAG_IDS.contains(id))
+        .filter(|id| defaults.get(id).is_none())
+        .map(str::to_string)
+        .collect();
+    ids.sort();
+    ids
+}
+
 /// Panics, listing them, if [`stale_help_defaults`] finds any (a binary's unit test).
 pub fn assert_help_defaults(
     command: &clap::Command,
