@@ -192,6 +192,9 @@ fn parse_eval_max_tokens(s: &str) -> Result<(TokenRole, usize), String> {
     }
 }
 
+/// Flags that must be given: their config values are no defaults.
+const REQUIRED: &[&str] = &["task", "output"];
+
 fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
     let oracle_given = args.oracle.is_some();
     let (Some(task), Some(output)) = (args.task, args.output) else {
@@ -299,8 +302,10 @@ fn transcripts(
 }
 
 fn main() -> ExitCode {
-    let args: Args =
-        collabllm::cli::parse_with_config_defaults(&collabllm::eval::EvalConfig::default());
+    let args: Args = collabllm::cli::parse_with_config_defaults(
+        &collabllm::eval::EvalConfig::default(),
+        REQUIRED,
+    );
     collabllm::cli::init_logging();
     if !args.compare.is_empty() {
         return collabllm::cli::exit_on_error(compare(&args.compare, args.output.as_deref()));
@@ -345,7 +350,7 @@ mod help_tests {
         assert_eq!(cfg.assistant_sampling.temperature, 0.0, "--temperature");
         let described = ["temperature", "tasks", "oracle", "max_tokens", "threads"];
         collabllm::cli::assert_help_defaults(
-            &collabllm::cli::with_config_defaults(Args::command(), &cfg),
+            &collabllm::cli::with_config_defaults(Args::command(), &cfg, REQUIRED),
             &cfg,
             &described,
         );

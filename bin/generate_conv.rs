@@ -132,7 +132,8 @@ struct Args {
     /// Messages per future (user, assistant, …), W.
     #[arg(long, value_name = "W")]
     window: Option<usize>,
-    /// Cap on the real conversation's length in messages.
+    /// Cap on the real conversation's length in messages [default: 14; 1 + 2 × max_questions
+    /// for 20 Questions].
     #[arg(long, value_name = "M")]
     max_messages: Option<usize>,
     /// Follow upstream's defaults where ours differ (docs/fidelity.md): `upstream-v2`
@@ -450,7 +451,7 @@ async fn push_at_end(args: &Args, cfg: &GenerateConfig) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let args: Args = collabllm::cli::parse_with_config_defaults(&GenerateConfig::default());
+    let args: Args = collabllm::cli::parse_with_config_defaults(&GenerateConfig::default(), &[]);
     collabllm::cli::init_logging();
     let cfg = match resolve(&args) {
         Ok(c) => c,
@@ -482,9 +483,10 @@ mod tests {
             "metrics",
             "max_tokens",
             "threads",
+            "max_messages",
         ];
         collabllm::cli::assert_help_defaults(
-            &collabllm::cli::with_config_defaults(Args::command(), &GenerateConfig::default()),
+            &collabllm::cli::with_config_defaults(Args::command(), &GenerateConfig::default(), &[]),
             &GenerateConfig::default(),
             &described,
         );

@@ -48,8 +48,7 @@ use collabllm::train::trainer::Schedule;
 struct Args {
     /// Tasks: a JSONL or parquet file of {id, task_type, prompt, reference, metadata}, an
     /// upstream CollabLLM flat parquet file, hf:<org>/<name>, or 20q:train | 20q:test |
-    /// 20q:all (the bundled 20 Questions objects: the user is the oracle, rewards are exact)
-    ///.
+    /// 20q:all (the bundled 20 Questions objects: the user is the oracle, rewards are exact).
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
     /// Task type of imported flat-schema tasks without one in their metadata.
@@ -141,8 +140,7 @@ struct Args {
     /// default model 1–4 nats a token from its reference in a few steps)].
     #[arg(long, value_name = "X", value_parser = rl::LR.parser())]
     lr: Option<f64>,
-    /// Coefficient of the k3 KL loss to the initial model; 0 turns the reference off
-    ///.
+    /// Coefficient of the k3 KL loss to the initial model; 0 turns the reference off.
     #[arg(long, value_name = "X", value_parser = rl::KL_COEF.parser())]
     kl_coef: Option<f64>,
     /// PPO clip range ε: the ratio is clipped to [1−ε, 1+ε], ε in (0, 1].
@@ -181,8 +179,7 @@ struct Args {
     #[arg(long, value_name = "PRESET")]
     compat: Option<Compat>,
     /// Interactivity judge scale: v2 (0 / 0.5 / 1, upstream CollabLLM), verl (mean of
-    /// understanding, clarification and suggestion, each in [0, 1]), v1, likert5
-    ///.
+    /// understanding, clarification and suggestion, each in [0, 1]), v1, likert5.
     #[arg(long, value_name = "SCALE")]
     interactivity_scale: Option<InteractivityScale>,
     /// What token_amount counts: policy (the trained model's tokens of the assistant
@@ -191,12 +188,10 @@ struct Args {
     #[arg(long, value_enum, value_name = "COUNTER")]
     token_counter: Option<TokenCounterKind>,
     /// A response cut at --max-new-tokens: futures (played and scored like any other) or
-    /// zero (no futures, reward 0, as verl does, so running long never pays)
-    ///.
+    /// zero (no futures, reward 0, as verl does, so running long never pays).
     #[arg(long, value_enum, value_name = "HOW")]
     truncated: Option<TruncatedReward>,
-    /// Responses (online DPO: pairs) per forward/backward pass; 0 = the whole mini-batch
-    ///.
+    /// Responses (online DPO: pairs) per forward/backward pass; 0 = the whole mini-batch.
     #[arg(long, value_name = "M")]
     micro_batch: Option<usize>,
     /// AdamW weight decay, in [0, 1).
@@ -205,8 +200,7 @@ struct Args {
     /// Clip the global gradient norm to this.
     #[arg(long, value_name = "N", value_parser = rl::MAX_GRAD_NORM.parser())]
     max_grad_norm: Option<f64>,
-    /// Longest prompt + response that trains, in tokens (longer ones are dropped, counted)
-    ///.
+    /// Longest prompt + response that trains, in tokens (longer ones are dropped, counted).
     #[arg(long, value_name = "L")]
     max_length: Option<usize>,
     /// Online DPO temperature β.
@@ -248,12 +242,10 @@ struct Args {
     /// Folder of prompt templates replacing the built-in ones.
     #[arg(long, value_name = "DIR")]
     prompts: Option<PathBuf>,
-    /// Learning-rate schedule over the run's optimizer steps: constant, linear or cosine
-    ///.
+    /// Learning-rate schedule over the run's optimizer steps: constant, linear or cosine.
     #[arg(long, value_enum, value_name = "SCHEDULE")]
     schedule: Option<Schedule>,
-    /// Share of the optimizer steps that warm the rate up linearly from 0, in [0, 1]
-    ///.
+    /// Share of the optimizer steps that warm the rate up linearly from 0, in [0, 1].
     #[arg(long, value_name = "R")]
     warmup_ratio: Option<f64>,
     /// Recompute each layer's activations in the backward pass: less memory, one more
@@ -383,7 +375,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
 }
 
 fn main() -> ExitCode {
-    let args: Args = collabllm::cli::parse_with_config_defaults(&RlRunConfig::default());
+    let args: Args = collabllm::cli::parse_with_config_defaults(&RlRunConfig::default(), &[]);
     collabllm::cli::init_logging();
     let cfg = match resolve(&args) {
         Ok(c) => c,
@@ -422,7 +414,7 @@ mod tests {
     fn help_defaults_are_the_configs() {
         let described = ["metrics", "threads", "lr", "save_steps", "eval_every"];
         collabllm::cli::assert_help_defaults(
-            &collabllm::cli::with_config_defaults(Args::command(), &RlRunConfig::default()),
+            &collabllm::cli::with_config_defaults(Args::command(), &RlRunConfig::default(), &[]),
             &RlRunConfig::default(),
             &described,
         );

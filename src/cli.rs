@@ -241,10 +241,15 @@ pub fn keep_freed_memory() {
 /// Parses a binary's flags with `--help` stating each setting's default from `defaults` (the
 /// config's `Default`, serialized): a flag whose clap id is a config field with a number or
 /// text default gets `[default: …]` appended, so the default is written once, in the config.
-/// Flags that state their default by hand (in words, or from another field) keep their text;
-/// a binary's test checks those with [`assert_help_defaults`].
-pub fn parse_with_config_defaults<A: clap::Parser>(defaults: &impl serde::Serialize) -> A {
-    let command = with_config_defaults(A::command(), defaults);
+/// Flags that state their default by hand (in words, or from another field) keep their text,
+/// as do flags with a clap default; `required` names flags that must be given (required
+/// unless another flag is), whose config value is no default. A binary's test checks the
+/// hand-written texts with [`assert_help_defaults`].
+pub fn parse_with_config_defaults<A: clap::Parser>(
+    defaults: &impl serde::Serialize,
+    required: &[&str],
+) -> A {
+    let command = with_config_defaults(A::command(), defaults, required);
     let parsed = command
         .try_get_matches()
         .and_then(|m| A::from_arg_matches(&m));
@@ -256,11 +261,16 @@ pub fn parse_with_config_defaults<A: clap::Parser>(defaults: &impl serde::Serial
 pub fn with_config_defaults(
     mut command: clap::Command,
     defaults: &impl serde::Serialize,
+    required: &[&str],
 ) -> clap::Command {
     let defaults = serde_json::to_value(defaults).unwrap_or_default();
     let additions: Vec<(String, String)> = command
         .get_arguments()
-        .filter(|arg| !help_text(arg).contains("[default: "))
+        .filter(|arg| {
+            !help_text(arg).contains("[default: ")
+                && arg.get_default_values().is_empty()
+                && !required.contains(&arg.get_id().as_str())
+        })
         .filter_map(|arg| {
             let id = arg.get_id().as_str();
             default_text(defaults.get(id)?).map(|text| (id.to_string(), text))
@@ -443,6 +453,9 @@ mod tests {
             /// Threads.
             #[arg(long)]
             threads: Option<usize>,
+            /// Repeats.
+            #[arg(long, default_value_t = 1)]
+            repeats: usize,
         }
         #[derive(serde::Serialize)]
         struct Config {
@@ -452,6 +465,7 @@ mod tests {
             metrics: String,
             no_judge: bool,
             threads: Option<usize>,
+            repeats: usize,
         }
         let config = Config {
             samples: 3,
@@ -460,8 +474,9 @@ mod tests {
             metrics: "accuracy".into(),
             no_judge: false,
             threads: None,
+            repeats: 1,
         };
-        let command = super::with_config_defaults(Cli::command(), &config);
+        let command = super::with_config_defaults(Cli::command(), &config, &[]);
         let help = |id: &str| {
             let arg = command.get_arguments().find(|a| a.get_id() == id).unwrap();
             super::help_text(arg)
@@ -472,6 +487,12 @@ mod tests {
         assert_eq!(help("metrics"), "Weights [default: per task type]");
         assert_eq!(help("no_judge"), "Skip the judge");
         assert_eq!(help("threads"), "Threads");
+        // clap states its own default (once); a required flag states none.
+        let rendered = command.clone().render_long_help().to_string();
+        assert_eq!(rendered.matches("[default: 1]").count(), 1, "{rendered}");
+        let required = super::with_config_defaults(Cli::command(), &config, &["samples"]);
+        let samples = required.get_arguments().find(|a| a.get_id() == "samples");
+        assert_eq!(super::help_text(samples.unwrap()), "Futures per reply");
         assert!(super::stale_help_defaults(
             &command,
             &serde_json::to_value(&config).unwrap(),

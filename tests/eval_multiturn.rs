@@ -169,6 +169,21 @@ async fn math_tasks_from_an_upstream_flat_file() {
         .map(|r| r["task_id"].as_str().unwrap())
         .collect();
     assert_eq!(ids.len(), 2, "one conversation per unique goal");
+
+    // The file's name types its rows as math: evaluated as code, it is refused before any
+    // model call, with the mismatch named (not a missing-test error).
+    let as_code = EvalConfig {
+        task: TaskType::Code,
+        output: tmp.path().join("eval-code"),
+        ..cfg
+    };
+    let err = evaluate_with_roles(as_code, math_roles(&out, &tiny).await)
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("is math, not code (--task)"),
+        "{err:#}"
+    );
 }
 
 #[tokio::test]

@@ -490,18 +490,21 @@ impl EvalConfig {
 
     /// Where the tasks of a dialogue evaluation (math, doc_edit, code, clarify) come from:
     /// the sources generate_conv and rl_train read (task files, upstream flat parquet, `hf:`,
-    /// `clarify:`), each task checked for what the task's metric needs.
+    /// `clarify:`); every task must be of `task`'s type and carry what its metric needs.
     pub fn task_source(&self) -> TaskSource {
         let metrics = task_metric(self.task)
             .map(|m| (m.to_string(), 1.0))
             .into_iter()
             .collect();
-        TaskSource::new(
-            &self.tasks_path().to_string_lossy(),
-            Some(self.task),
-            self.max_tasks,
-            &metrics,
-        )
+        TaskSource {
+            expected_type: Some(self.task),
+            ..TaskSource::new(
+                &self.tasks_path().to_string_lossy(),
+                None,
+                self.max_tasks,
+                &metrics,
+            )
+        }
     }
 
     /// The tasks file: `--tasks`, else `data/<task>.jsonl` (relative to the working directory
@@ -565,6 +568,12 @@ impl EvalConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A flattened part takes its own Default, never the outer one's: they must agree.
+    #[test]
+    fn the_shared_settings_default_as_every_run_does() {
+        assert_eq!(EvalConfig::default().rollout, RolloutConfig::default());
+    }
 
     #[test]
     fn labels_are_unique_and_file_safe() {

@@ -237,17 +237,7 @@ async fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
             warnings,
         )
     } else {
-        let source = cfg.task_source();
-        let tasks = crate::hub::tasks::fetch(&source).await?;
-        if let Some(t) = tasks.iter().find(|t| t.task_type != cfg.task) {
-            bail!(
-                "{}: task {} is {}, not {} (--task)",
-                source.tasks,
-                t.id,
-                t.task_type,
-                cfg.task
-            );
-        }
+        let tasks = crate::hub::tasks::fetch(&cfg.task_source()).await?;
         let warnings = overlap::check(&cfg.exclude_runs, cfg.allow_overlap, |run| {
             overlap::shared_tasks(&tasks, run)
         })?;
@@ -307,7 +297,8 @@ pub async fn evaluate(cfg: EvalConfig) -> anyhow::Result<EvalReport> {
 /// summaries of the finished conversations and an `interrupted` manifest are written. Either
 /// way it returns [`Interrupted`].
 pub async fn evaluate_until(cfg: EvalConfig, shutdown: &Shutdown) -> anyhow::Result<EvalReport> {
-    let prepared = prepare(&cfg).await?;
+    // Reading the tasks may download them from the Hub: a signal stops that too.
+    let prepared = shutdown.guard(prepare(&cfg)).await??;
     let cache = RequestCache::open(cfg.output.join("cache"))?;
     let roles = shutdown
         .guard(EvalRoles::from_config(&cfg, Some(cache.clone())))

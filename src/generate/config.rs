@@ -296,12 +296,11 @@ mod tests {
                 .to_string();
             assert!(err.contains(key) && err.contains("run.toml"), "{err}");
         }
-        let parsed: GenerateConfig = toml::from_str("candidatez = 3").unwrap();
-        assert!(parsed
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("candidatez"));
+        let parsed: GenerateConfig = toml::from_str("candidatez = 3\nwindoww = 2").unwrap();
+        let err = parsed.validate().unwrap_err().to_string();
+        assert!(err.contains("`candidatez`, `windoww`"), "{err}");
+        // A flattened part takes its own Default, never the outer one's: they must agree.
+        assert_eq!(GenerateConfig::default().rollout, RolloutConfig::default());
     }
 
     #[test]

@@ -339,8 +339,8 @@ pub fn tasks_from_flat(
         let from_meta = r.single_turn_metadata["task_type"]
             .as_str()
             .and_then(|s| s.parse::<TaskType>().ok());
-        let task_type = fallback
-            .or(from_meta)
+        let task_type = from_meta
+            .or(fallback)
             .ok_or_else(|| ImportError::TaskType {
                 source_name: source_name.to_string(),
             })?;
@@ -478,17 +478,21 @@ pub async fn read_source(
     Ok((files, rows))
 }
 
-/// Tasks of a flat-schema source (for `generate_conv --tasks hf:…`).
+/// Tasks of a flat-schema source (for `generate_conv --tasks hf:…`). A row without a task
+/// type of its own gets `task_type`, else the one the dataset's name says, else `otherwise`.
 pub async fn load_flat_tasks(
     source: &str,
     task_type: Option<TaskType>,
+    otherwise: Option<TaskType>,
     endpoint: Option<&str>,
 ) -> Result<Vec<Task>, ImportError> {
     let (_, rows) = read_source(source, endpoint).await?;
     let name = source_name(source);
     tasks_from_flat(
         &rows,
-        task_type.or_else(|| task_type_from_name(&name)),
+        task_type
+            .or_else(|| task_type_from_name(&name))
+            .or(otherwise),
         &name,
     )
 }
@@ -630,6 +634,11 @@ mod tests {
             tasks_from_flat(&rows, None, "x"),
             Err(ImportError::TaskType { .. })
         ));
+        // A row's own task type wins over the flag or the dataset's name.
+        let mut typed = row("c", 0, 0.5, "g3");
+        typed.single_turn_metadata = serde_json::json!({"task_type": "code"});
+        let tasks = tasks_from_flat(&[typed], Some(TaskType::Math), "x").unwrap();
+        assert_eq!(tasks[0].task_type, TaskType::Code);
         assert_eq!(
             task_type_from_name("collabllm/collabllm-multiturn-math-hard"),
             Some(TaskType::Math)

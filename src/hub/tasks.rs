@@ -39,7 +39,8 @@ pub fn load(src: &TaskSource) -> anyhow::Result<Vec<Task>> {
             .map_or(String::new(), |s| s.to_string_lossy().into_owned());
         let fallback = src
             .task_type
-            .or_else(|| super::import::task_type_from_name(&name));
+            .or_else(|| super::import::task_type_from_name(&name))
+            .or(src.expected_type);
         super::import::tasks_from_flat(&rows, fallback, &name)?
     } else {
         load_tasks(path)?
@@ -51,7 +52,9 @@ pub fn load(src: &TaskSource) -> anyhow::Result<Vec<Task>> {
 /// downloaded into the HF cache).
 pub async fn fetch(src: &TaskSource) -> anyhow::Result<Vec<Task>> {
     if super::import::is_hub_source(&src.tasks) {
-        let tasks = super::import::load_flat_tasks(&src.tasks, src.task_type, None).await?;
+        let tasks =
+            super::import::load_flat_tasks(&src.tasks, src.task_type, src.expected_type, None)
+                .await?;
         check(src, tasks)
     } else {
         load(src)
@@ -59,6 +62,17 @@ pub async fn fetch(src: &TaskSource) -> anyhow::Result<Vec<Task>> {
 }
 
 fn check(src: &TaskSource, mut tasks: Vec<Task>) -> anyhow::Result<Vec<Task>> {
+    if let Some(want) = src.expected_type {
+        if let Some(t) = tasks.iter().find(|t| t.task_type != want) {
+            bail!(
+                "--tasks {}: task {} is {}, not {} (--task)",
+                src.tasks,
+                t.id,
+                t.task_type,
+                want
+            );
+        }
+    }
     if let Some(k) = src.max_tasks {
         tasks.truncate(k);
     }

@@ -32,8 +32,8 @@ pub enum ConfigError {
     File { path: PathBuf, message: String },
     #[error("invalid setting `{field}`: {message}")]
     Invalid { field: String, message: String },
-    #[error("unknown setting `{key}` (misspelt?)")]
-    Unknown { key: String },
+    #[error("unknown setting{} {keys} (misspelt?)", if keys.contains(", ") { "s" } else { "" })]
+    Unknown { keys: String },
 }
 
 /// `field` must lie in `range`: `invalid setting `field`: value: must be a finite number ...`.
@@ -149,6 +149,10 @@ pub struct TaskSource {
     pub tasks: String,
     /// Task type of flat-schema tasks whose metadata has none.
     pub task_type: Option<TaskType>,
+    /// Every task must be of this type (eval_multiturn's `--task`); also the type of
+    /// flat-schema tasks that neither their metadata, `task_type` nor the dataset's name
+    /// types.
+    pub expected_type: Option<TaskType>,
     /// Only the first K tasks.
     pub max_tasks: Option<usize>,
     /// Only this shard of them.
@@ -169,6 +173,7 @@ impl TaskSource {
         Self {
             tasks: tasks.to_string(),
             task_type,
+            expected_type: None,
             max_tasks,
             shard: None,
             metrics: metrics.clone(),
@@ -354,12 +359,16 @@ pub fn check_sampling(field: &str, s: &Sampling) -> Result<(), ConfigError> {
 pub struct UnknownKeys(BTreeMap<String, serde::de::IgnoredAny>);
 
 impl UnknownKeys {
-    /// The error a misspelt key deserves: ``unknown setting `candidatez` (misspelt?)``.
+    /// The error misspelt keys deserve: ``unknown setting `candidatez` (misspelt?)``, every
+    /// such key named.
     pub fn check(&self) -> Result<(), ConfigError> {
-        match self.0.keys().next() {
-            None => Ok(()),
-            Some(key) => Err(ConfigError::Unknown { key: key.clone() }),
+        if self.0.is_empty() {
+            return Ok(());
         }
+        let keys: Vec<String> = self.0.keys().map(|k| format!("`{k}`")).collect();
+        Err(ConfigError::Unknown {
+            keys: keys.join(", "),
+        })
     }
 }
 

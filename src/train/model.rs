@@ -953,26 +953,28 @@ impl TrainLlama {
     /// `x · Wᵀ`, plus `scale · dropout(x) · Aᵀ · Bᵀ` when the projection has an enabled
     /// adapter.
     fn proj(&self, x: &Tensor, p: &Proj) -> Result<Tensor> {
-        let base = linear(x, &p.w)?;
-        let base = match &p.bias {
-            Some(bias) => base.broadcast_add(bias)?,
-            None => base,
+        let base = |x: &Tensor| -> Result<Tensor> {
+            let base = linear(x, &p.w)?;
+            match &p.bias {
+                Some(bias) => base.broadcast_add(bias),
+                None => Ok(base),
+            }
         };
         let (Some(pair), Some(state)) = (&p.lora, &self.lora) else {
-            return Ok(base);
+            return base(x);
         };
         if !state.enabled.load(Ordering::Relaxed) {
-            return Ok(base);
+            return base(x);
         }
-        let drop = state.config.lora_dropout as f32;
-        let x = if drop > 0.0 && state.dropout_active.load(Ordering::Relaxed) {
-            candle_nn::ops::dropout(x, drop)?
-        } else {
-            x.clone()
-        };
         // The scale goes on B (out × r), not on the (tokens × out) update.
         let b = (pair.b.as_tensor() * state.config.scale())?;
-        base + linear(&linear(&x, pair.a.as_tensor())?, &b)?
+        let drop = state.config.lora_dropout as f32;
+        if drop > 0.0 && state.dropout_active.load(Ordering::Relaxed) {
+            // Dropout feeds the adapter another input than the base: the composed form.
+            let dropped = candle_nn::ops::dropout(x, drop)?;
+            return base(x)? + linear(&linear(&dropped, pair.a.as_tensor())?, &b)?;
+        }
+        super::ops::lora_linear(x, &p.w, p.bias.as_ref(), pair.a.as_tensor(), &b)
     }
 
     /// The weights under their HF names, LoRA adapters merged in (f32 unless the model runs

@@ -175,6 +175,123 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// LoRA projection
+
+/// `x · Wᵀ (+ bias) + (x · Aᵀ) · Bᵀ` over a frozen `W` as one op. The graph keeps the op's
+/// inputs (x, A, B: the first shared with the layer's other projections) and its output;
+/// the composed form also keeps the base output and the update, two more (tokens × out)
+/// tensors per projection — on a 4,864-wide MLP most of a LoRA step's activation memory,
+/// which PyTorch frees after the forward pass.
+struct LoraLinear {
+    w: Tensor,
+    bias: Option<Tensor>,
+}
+
+fn f32_vec(s: CpuStorage, what: &str) -> Result<Vec<f32>> {
+    match s {
+        CpuStorage::F32(v) => Ok(v),
+        _ => candle_core::bail!("{what}: expected f32"),
+    }
+}
+
+impl CustomOp3 for LoraLinear {
+    fn name(&self) -> &'static str {
+        "train-lora-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sa: &CpuStorage,
+        la: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (w_storage, lw) = self.w.storage_and_layout();
+        let candle_core::Storage::Cpu(sw) = &*w_storage else {
+            candle_core::bail!("lora linear: expected a CPU weight");
+        };
+        let (base, shape) = matmul_t(sx, lx, sw, lw)?;
+        let (xa, xa_shape) = matmul_t(sx, lx, sa, la)?;
+        let (update, _) = matmul_t(&xa, &Layout::contiguous(xa_shape), sb, lb)?;
+        let mut out = f32_vec(base, "lora linear")?;
+        let update = f32_vec(update, "lora update")?;
+        let bias = match &self.bias {
+            Some(b) => {
+                let (bs, bl) = b.storage_and_layout();
+                cpu_f32(&bs, bl, "lora linear bias")?.to_vec()
+            }
+            None => Vec::new(),
+        };
+        let width = shape.dims2()?.1;
+        par_rows(&mut out, width, |r, row| {
+            let upd = &update[r * width..(r + 1) * width];
+            for (o, u) in row.iter_mut().zip(upd) {
+                *o += u;
+            }
+            for (o, b) in row.iter_mut().zip(&bias) {
+                *o += b;
+            }
+        });
+        Ok((CpuStorage::F32(out), shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = g.detach().contiguous()?;
+        let (x, a, b) = (x.detach(), a.detach(), b.detach());
+        let gb = g.matmul(&b)?; // (m, r)
+        let gx = (g.matmul(&self.w)? + gb.matmul(&a)?)?;
+        let ga = gb.t()?.matmul(&x)?;
+        // x · Aᵀ again: (m, r), cheaper to recompute than to keep.
+        let xa = x.matmul(&a.t()?)?;
+        let gb_weight = g.t()?.matmul(&xa)?;
+        Ok((Some(gx), Some(ga), Some(gb_weight)))
+    }
+}
+
+/// `x (…, in) · Wᵀ (+ bias) + (x · Aᵀ) · Bᵀ` for `W (out, in)`, `A (r, in)`, `B (out, r)` (the
+/// LoRA scale already in `B`): one fused op where `W` and the bias are frozen f32 CPU
+/// tensors, else the composed ops.
+pub fn lora_linear(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+) -> Result<Tensor> {
+    let frozen = !w.track_op() && bias.is_none_or(|t| !t.track_op());
+    let operands: Vec<&Tensor> = [x, w, a, b].into_iter().chain(bias).collect();
+    if !frozen || !fused(&operands) {
+        let base = linear(x, w)?;
+        let base = match bias {
+            Some(bias) => base.broadcast_add(bias)?,
+            None => base,
+        };
+        return base + linear(&linear(x, a)?, b)?;
+    }
+    let dims = x.dims().to_vec();
+    let inner = dims[dims.len() - 1];
+    let rows = x.elem_count() / inner;
+    let op = LoraLinear {
+        w: w.contiguous()?,
+        bias: bias.map(Tensor::contiguous).transpose()?,
+    };
+    let y = x.reshape((rows, inner))?.apply_op3(a, b, op)?;
+    let mut out = dims;
+    let last = out.len() - 1;
+    out[last] = w.dim(0)?;
+    y.reshape(out)
+}
+
+// ---------------------------------------------------------------------------------------------
 // RMS norm
 
 struct RmsNorm {
@@ -971,6 +1088,28 @@ mod tests {
             |x| rope_composed(&x[0], &cos, &sin),
             1e-5,
         );
+    }
+
+    #[test]
+    fn lora_linear_matches_the_composed_ops() {
+        let (w, bias) = (rand(&[6, 8], 20), rand(&[6], 21));
+        for bias in [None, Some(&bias)] {
+            check(
+                &[rand(&[2, 5, 8], 22), rand(&[4, 8], 23), rand(&[6, 4], 24)],
+                |t| lora_linear(&t[0], &w, bias, &t[1], &t[2]),
+                |t| {
+                    let base = t[0].broadcast_matmul(&w.t()?)?;
+                    let base = match bias {
+                        Some(b) => base.broadcast_add(b)?,
+                        None => base,
+                    };
+                    base + t[0]
+                        .broadcast_matmul(&t[1].t()?)?
+                        .broadcast_matmul(&t[2].t()?)?
+                },
+                1e-5,
+            );
+        }
     }
 
     #[test]

@@ -717,6 +717,8 @@ mod tests {
         assert!(record.get("rollout").is_none() && record.get("unknown_keys").is_none());
         let back: RlRunConfig = serde_json::from_value(record).unwrap();
         assert_eq!(back, cfg);
+        // A flattened part takes its own Default, never the outer one's: they must agree.
+        assert_eq!(RlRunConfig::default().rollout, RolloutConfig::default());
     }
 
     #[test]
