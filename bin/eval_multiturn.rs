@@ -342,35 +342,30 @@ mod help_tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Every `[default: …]` in `--help` is the config's real default, but for the few
-    /// stated in words; --temperature sets assistant_sampling.temperature, checked here.
+    /// Every `[default: …]` in `--help` is the config's real default, but for the few stated
+    /// in words; every flag sets the config field of its name, but for the actions and flags
+    /// listed.
     #[test]
-    fn help_defaults_are_the_configs() {
+    fn help_matches_the_config() {
         let cfg = collabllm::eval::EvalConfig::default();
-        assert_eq!(cfg.assistant_sampling.temperature, 0.0, "--temperature");
-        let described = ["temperature", "tasks", "oracle", "max_tokens", "threads"];
-        collabllm::cli::assert_help_defaults(
-            &collabllm::cli::with_config_defaults(Args::command(), &cfg, REQUIRED),
-            &cfg,
-            &described,
+        assert_eq!(
+            cfg.assistant_sampling.temperature, 0.0,
+            "--temperature [default: 0]"
         );
-    }
-    /// Every flag sets the config field of its name, but for these: actions, flags that set
-    /// fields of other names, and settings absent from a default config (their defaults are
-    /// stated by hand, or not at all).
-    #[test]
-    fn flags_are_named_as_their_settings() {
-        let cfg = collabllm::eval::EvalConfig::default();
-        let expected = [
+        let described = ["temperature", "tasks", "oracle", "max_tokens", "threads"];
+        let without_setting = [
             "compare",
             "max_tokens",
             "study",
             "temperature",
             "transcripts",
         ];
-        assert_eq!(
-            collabllm::cli::flags_without_setting(&Args::command(), &cfg),
-            expected
+        collabllm::cli::assert_help_matches_config(
+            Args::command(),
+            &cfg,
+            REQUIRED,
+            &described,
+            &without_setting,
         );
     }
 }

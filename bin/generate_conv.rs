@@ -471,10 +471,12 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Every `[default: …]` in `--help` is the config's real default, but for the few
-    /// stated in words (they depend on the task, the output or the environment).
+    /// Every `[default: …]` in `--help` is the config's real default, but for the few stated
+    /// in words; every flag sets the config field of its name, but for the actions and flags
+    /// listed.
     #[test]
-    fn help_defaults_are_the_configs() {
+    fn help_matches_the_config() {
+        let cfg = GenerateConfig::default();
         let described = [
             "task_type",
             "export_dir",
@@ -485,19 +487,7 @@ mod tests {
             "threads",
             "max_messages",
         ];
-        collabllm::cli::assert_help_defaults(
-            &collabllm::cli::with_config_defaults(Args::command(), &GenerateConfig::default(), &[]),
-            &GenerateConfig::default(),
-            &described,
-        );
-    }
-    /// Every flag sets the config field of its name, but for these: actions, flags that set
-    /// fields of other names, and settings absent from a default config (their defaults are
-    /// stated by hand, or not at all).
-    #[test]
-    fn flags_are_named_as_their_settings() {
-        let cfg = GenerateConfig::default();
-        let expected = [
+        let without_setting = [
             "config",
             "dry_run",
             "export",
@@ -512,9 +502,12 @@ mod tests {
             "rescore",
             "task_desc",
         ];
-        assert_eq!(
-            collabllm::cli::flags_without_setting(&Args::command(), &cfg),
-            expected
+        collabllm::cli::assert_help_matches_config(
+            Args::command(),
+            &cfg,
+            &[],
+            &described,
+            &without_setting,
         );
     }
 }

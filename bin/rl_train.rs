@@ -408,24 +408,14 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Every `[default: …]` in `--help` is the config's real default, but for the few
-    /// stated in words (they depend on the task type, the environment or LoRA).
+    /// Every `[default: …]` in `--help` is the config's real default, but for the few stated
+    /// in words; every flag sets the config field of its name, but for the actions and flags
+    /// listed.
     #[test]
-    fn help_defaults_are_the_configs() {
-        let described = ["metrics", "threads", "lr", "save_steps", "eval_every"];
-        collabllm::cli::assert_help_defaults(
-            &collabllm::cli::with_config_defaults(Args::command(), &RlRunConfig::default(), &[]),
-            &RlRunConfig::default(),
-            &described,
-        );
-    }
-    /// Every flag sets the config field of its name, but for these: actions, flags that set
-    /// fields of other names, and settings absent from a default config (their defaults are
-    /// stated by hand, or not at all).
-    #[test]
-    fn flags_are_named_as_their_settings() {
+    fn help_matches_the_config() {
         let cfg = RlRunConfig::default();
-        let expected = [
+        let described = ["metrics", "threads", "lr", "save_steps", "eval_every"];
+        let without_setting = [
             "compat",
             "config",
             "max_tokens",
@@ -433,9 +423,12 @@ mod tests {
             "ppo_mini_batch",
             "resume",
         ];
-        assert_eq!(
-            collabllm::cli::flags_without_setting(&Args::command(), &cfg),
-            expected
+        collabllm::cli::assert_help_matches_config(
+            Args::command(),
+            &cfg,
+            &[],
+            &described,
+            &without_setting,
         );
     }
 }

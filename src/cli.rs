@@ -353,6 +353,24 @@ pub fn flags_without_setting(
     ids
 }
 
+/// A binary's `--help` against its config (the binary's unit test), as
+/// [`parse_with_config_defaults`] builds it: every `[default: …]`, derived or written by hand,
+/// is the config's real default but for the flags in `described` (defaults stated in words),
+/// and the flags that set no config field of their name are exactly `without_setting`
+/// (actions, flags of other names, settings absent from a default config), so a renamed
+/// setting cannot silently lose its derived default.
+pub fn assert_help_matches_config(
+    command: clap::Command,
+    defaults: &impl serde::Serialize,
+    required: &[&str],
+    described: &[&str],
+    without_setting: &[&str],
+) {
+    assert_eq!(flags_without_setting(&command, defaults), without_setting);
+    let command = with_config_defaults(command, defaults, required);
+    assert_help_defaults(&command, defaults, described);
+}
+
 /// Panics, listing them, if [`stale_help_defaults`] finds any (a binary's unit test).
 pub fn assert_help_defaults(
     command: &clap::Command,
