@@ -288,6 +288,9 @@ mod tests {
             ("candidatez = 3", "candidatez"),
             ("concurency = 3", "concurency"),
             ("[user_sampling]\ntop_k = 3", "top_k"),
+            // A shared setting of the wrong type: the error names the key.
+            ("candidates = 2\nconcurrency = \"8\"", "concurrency"),
+            ("judge_mode = \"jsn\"", "jsn"),
         ] {
             let path = dir.path().join("run.toml");
             std::fs::write(&path, text).unwrap();

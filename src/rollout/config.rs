@@ -382,7 +382,14 @@ pub fn from_toml_file<T: serde::de::DeserializeOwned>(
         message,
     };
     let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
-    let config: T = toml::from_str(&text).map_err(|e| file_error(e.to_string()))?;
+    let config: T = toml::from_str(&text).map_err(|e| {
+        // A shared setting is read through serde's flatten buffer, whose errors name neither
+        // the key nor the line; read on its own, the shared part's error names both.
+        match toml::from_str::<RolloutConfig>(&text) {
+            Err(shared) => file_error(shared.to_string()),
+            Ok(_) => file_error(e.to_string()),
+        }
+    })?;
     unknown_keys(&config)
         .check()
         .map_err(|e| file_error(e.to_string()))?;
