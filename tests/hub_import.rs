@@ -442,8 +442,8 @@ fn bigcodebench_rows_keep_their_tests_and_entry_point() {
         rewards: serde_json::json!({}),
     };
     let name = "collabllm-multiturn-bigcodebench";
-    let fallback = collabllm::hub::import::task_type_from_name(name);
-    let tasks = collabllm::hub::import::tasks_from_flat(&[row], fallback, name).unwrap();
+    // Typed by the dataset's name.
+    let tasks = collabllm::hub::import::tasks_from_flat(&[row], None, None, name).unwrap();
     assert_eq!(tasks[0].task_type, collabllm::task::TaskType::Code);
     assert_eq!(tasks[0].metadata["test"], test);
     assert_eq!(tasks[0].metadata["entry_point"], "task_func");

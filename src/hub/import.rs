@@ -323,13 +323,18 @@ fn task_id(goal: &str) -> String {
     format!("flat-{}", &hex::encode(h)[..16])
 }
 
-/// The unique single-turn goals as tasks, in first-seen order. Task type: `fallback` (the flag
-/// or the dataset's name) unless the metadata has its own `task_type`.
+/// The unique single-turn goals as tasks, in first-seen order. Task type: the row metadata's
+/// own `task_type`, else `flag`, else the one the dataset's name (`source_name`) says, else
+/// `otherwise`.
 pub fn tasks_from_flat(
     rows: &[FlatRow],
-    fallback: Option<TaskType>,
+    flag: Option<TaskType>,
+    otherwise: Option<TaskType>,
     source_name: &str,
 ) -> Result<Vec<Task>, ImportError> {
+    let fallback = flag
+        .or_else(|| task_type_from_name(source_name))
+        .or(otherwise);
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::new();
     for r in rows {
@@ -478,8 +483,8 @@ pub async fn read_source(
     Ok((files, rows))
 }
 
-/// Tasks of a flat-schema source (for `generate_conv --tasks hf:…`). A row without a task
-/// type of its own gets `task_type`, else the one the dataset's name says, else `otherwise`.
+/// Tasks of a flat-schema source (for `generate_conv --tasks hf:…`), typed as
+/// [`tasks_from_flat`] types them.
 pub async fn load_flat_tasks(
     source: &str,
     task_type: Option<TaskType>,
@@ -487,14 +492,7 @@ pub async fn load_flat_tasks(
     endpoint: Option<&str>,
 ) -> Result<Vec<Task>, ImportError> {
     let (_, rows) = read_source(source, endpoint).await?;
-    let name = source_name(source);
-    tasks_from_flat(
-        &rows,
-        task_type
-            .or_else(|| task_type_from_name(&name))
-            .or(otherwise),
-        &name,
-    )
+    tasks_from_flat(&rows, task_type, otherwise, &source_name(source))
 }
 
 /// Imports a source into `output`: `tasks.jsonl`, `pairs/{train,test}.parquet` (split by
@@ -508,11 +506,7 @@ pub async fn import(
     let started_at = now_secs();
     let (files, rows) = read_source(source, opts.endpoint.as_deref()).await?;
     let name = source_name(source);
-    let tasks = tasks_from_flat(
-        &rows,
-        opts.task_type.or_else(|| task_type_from_name(&name)),
-        &name,
-    )?;
+    let tasks = tasks_from_flat(&rows, opts.task_type, None, &name)?;
     let (pairs, turns, without) = pairs_from_flat(&rows, opts.min_gap, opts.pairs);
     let conversations = rows
         .iter()
@@ -610,7 +604,7 @@ mod tests {
         assert_eq!(skipped, 1);
         assert_eq!(prefixes.len(), 2);
         assert_eq!(prefixes[1].messages.len(), 3);
-        let tasks = tasks_from_flat(&rows, Some(TaskType::Math), "x").unwrap();
+        let tasks = tasks_from_flat(&rows, Some(TaskType::Math), None, "x").unwrap();
         assert!(prefixes.iter().all(|p| p.task_id == tasks[0].id));
     }
 
@@ -628,16 +622,16 @@ mod tests {
         assert_eq!((pairs.len(), turns, without), (1, 3, 2));
         assert_eq!(pairs[0].score_chosen, 0.9);
         assert_eq!(pairs[0].rejected[0].content, "c0.1");
-        let tasks = tasks_from_flat(&rows, Some(TaskType::Math), "x").unwrap();
+        let tasks = tasks_from_flat(&rows, Some(TaskType::Math), None, "x").unwrap();
         assert_eq!(tasks.len(), 2);
         assert!(matches!(
-            tasks_from_flat(&rows, None, "x"),
+            tasks_from_flat(&rows, None, None, "x"),
             Err(ImportError::TaskType { .. })
         ));
         // A row's own task type wins over the flag or the dataset's name.
         let mut typed = row("c", 0, 0.5, "g3");
         typed.single_turn_metadata = serde_json::json!({"task_type": "code"});
-        let tasks = tasks_from_flat(&[typed], Some(TaskType::Math), "x").unwrap();
+        let tasks = tasks_from_flat(&[typed], Some(TaskType::Math), None, "x").unwrap();
         assert_eq!(tasks[0].task_type, TaskType::Code);
         assert_eq!(
             task_type_from_name("collabllm/collabllm-multiturn-math-hard"),

@@ -37,11 +37,7 @@ pub fn load(src: &TaskSource) -> anyhow::Result<Vec<Task>> {
         let name = path
             .file_stem()
             .map_or(String::new(), |s| s.to_string_lossy().into_owned());
-        let fallback = src
-            .task_type
-            .or_else(|| super::import::task_type_from_name(&name))
-            .or(src.expected_type);
-        super::import::tasks_from_flat(&rows, fallback, &name)?
+        super::import::tasks_from_flat(&rows, src.task_type, src.expected_type, &name)?
     } else {
         load_tasks(path)?
     };

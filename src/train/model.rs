@@ -953,13 +953,7 @@ impl TrainLlama {
     /// `x · Wᵀ`, plus `scale · dropout(x) · Aᵀ · Bᵀ` when the projection has an enabled
     /// adapter.
     fn proj(&self, x: &Tensor, p: &Proj) -> Result<Tensor> {
-        let base = |x: &Tensor| -> Result<Tensor> {
-            let base = linear(x, &p.w)?;
-            match &p.bias {
-                Some(bias) => base.broadcast_add(bias),
-                None => Ok(base),
-            }
-        };
+        let base = |x: &Tensor| super::ops::linear_with_bias(x, &p.w, p.bias.as_ref());
         let (Some(pair), Some(state)) = (&p.lora, &self.lora) else {
             return base(x);
         };

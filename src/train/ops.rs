@@ -164,14 +164,28 @@ impl CustomOp2 for Linear {
 /// `x (…, in) · wᵀ` for `w (out, in)`; the weight's gradient is computed only when `w` is
 /// trainable.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
+    on_rows(x, w.dim(0)?, |rows| rows.apply_op2(w, Linear))
+}
+
+/// [`linear`], plus `bias (out,)` when there is one.
+pub fn linear_with_bias(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let y = linear(x, w)?;
+    match bias {
+        Some(bias) => y.broadcast_add(bias),
+        None => Ok(y),
+    }
+}
+
+/// `f` of `x (…, in)` seen as a (rows, in) matrix, its (rows, out) result given `x`'s leading
+/// dimensions back.
+fn on_rows(x: &Tensor, out: usize, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
     let inner = dims[dims.len() - 1];
     let rows = x.elem_count() / inner;
-    let y = x.reshape((rows, inner))?.apply_op2(w, Linear)?;
-    let mut out = dims;
-    let last = out.len() - 1;
-    out[last] = w.dim(0)?;
-    y.reshape(out)
+    let y = f(&x.reshape((rows, inner))?)?;
+    let last = dims.len() - 1;
+    dims[last] = out;
+    y.reshape(dims)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -270,25 +284,13 @@ pub fn lora_linear(
     let frozen = !w.track_op() && bias.is_none_or(|t| !t.track_op());
     let operands: Vec<&Tensor> = [x, w, a, b].into_iter().chain(bias).collect();
     if !frozen || !fused(&operands) {
-        let base = linear(x, w)?;
-        let base = match bias {
-            Some(bias) => base.broadcast_add(bias)?,
-            None => base,
-        };
-        return base + linear(&linear(x, a)?, b)?;
+        return linear_with_bias(x, w, bias)? + linear(&linear(x, a)?, b)?;
     }
-    let dims = x.dims().to_vec();
-    let inner = dims[dims.len() - 1];
-    let rows = x.elem_count() / inner;
     let op = LoraLinear {
         w: w.contiguous()?,
         bias: bias.map(Tensor::contiguous).transpose()?,
     };
-    let y = x.reshape((rows, inner))?.apply_op3(a, b, op)?;
-    let mut out = dims;
-    let last = out.len() - 1;
-    out[last] = w.dim(0)?;
-    y.reshape(out)
+    on_rows(x, w.dim(0)?, |rows| rows.apply_op3(a, b, op))
 }
 
 // ---------------------------------------------------------------------------------------------
