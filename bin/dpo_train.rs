@@ -124,6 +124,11 @@ struct Args {
     #[arg(long, value_name = "N")]
     max_steps: Option<usize>,
 
+    /// Train on at most N training pairs (SFT: conversations), a sample drawn with --seed and
+    /// kept in file order: matches arms whose data differ in size [default: all].
+    #[arg(long, value_name = "N")]
+    max_pairs: Option<usize>,
+
     /// Pairs per micro-batch (chosen and rejected run as one batch of 2B rows).
     #[arg(long, value_name = "B", default_value_t = 1)]
     batch_size: usize,
@@ -243,6 +248,7 @@ impl Args {
         cfg.save_base = self.save_base;
         cfg.epochs = self.epochs;
         cfg.max_steps = self.max_steps;
+        cfg.max_pairs = self.max_pairs;
         cfg.batch_size = self.batch_size;
         cfg.grad_accum = self.grad_accum;
         cfg.max_length = self.max_length;

@@ -49,7 +49,10 @@ struct Args {
     /// Questions also `reference` (greedy information gain), `random` (random distinct
     /// guesses) and `demonstrator` (a noisy halving questioner: one of the 3 questions of
     /// highest expected gain at random, guesses once 4 or fewer objects remain; with --sft its games
-    /// are SFT data).
+    /// are SFT data); for clarify also `demonstrator` (the mixed demonstrator: on a vague
+    /// request asks a short question with probability --ask-rate, else answers generically;
+    /// on a stated request answers with the detail, after a needless question with
+    /// probability --needless-ask-rate; with --sft its conversations are warm-start data).
     #[arg(
         long = "model",
         value_name = "SPEC",
@@ -61,10 +64,12 @@ struct Args {
     output: Option<PathBuf>,
     /// Statistics of a trained-arms study from finished evaluations: a TOML file naming the
     /// arms (each a list of eval outputs, one per seed, `DIR` or `DIR:label`), the primary
-    /// 0/1 outcome (`success`, `detail_used`), secondary metrics and the comparisons. Writes
-    /// study.json and study.md to --output: per-seed McNemar exact tests, and the pooled
-    /// difference with a 95% bootstrap interval that resamples objects (or requests), so the
-    /// seeds of one object are not counted as independent.
+    /// outcome (0/1: `success`, `detail_used`; or a number: clarify's `task_reward`), the
+    /// cluster (`task`, or `template` for clarify), secondary metrics and the comparisons.
+    /// Writes study.json and study.md to --output: per-seed exact sign tests (McNemar's for
+    /// 0/1), and the pooled difference with a 95% bootstrap interval that resamples clusters
+    /// (objects, requests or templates), so repeats of one unit are not counted as
+    /// independent.
     #[arg(long, value_name = "SPEC", conflicts_with_all = ["models", "compare", "transcripts"])]
     study: Option<PathBuf>,
     /// 20 Questions: re-score games in LMRL-Gym's offline form (JSON lines `{"lines":
@@ -80,8 +85,9 @@ struct Args {
     #[arg(long, value_name = "RUN", num_args = 1.., conflicts_with = "models")]
     compare: Vec<PathBuf>,
     /// Tasks for math/doc_edit/code/clarify, read as generate_conv reads them: a JSONL or
-    /// parquet task file, an upstream flat parquet file, hf:<org>/<name> or clarify:<split>
-    /// [default: data/<task>.jsonl; clarify:test for clarify].
+    /// parquet task file, an upstream flat parquet file, hf:<org>/<name>, or clarify:SPLIT
+    /// (the built-in templates: train, test or all) or clarify:FILE.jsonl[#SPLIT] (your own
+    /// templates; docs/formats.md) [default: data/<task>.jsonl; clarify:test for clarify].
     #[arg(long, value_name = "PATH")]
     tasks: Option<String>,
     /// Simulated user model.
@@ -145,11 +151,18 @@ struct Args {
     /// Sampling temperature of the evaluated models; 0 is greedy [default: 0].
     #[arg(long, value_name = "T", value_parser = Sampling::TEMPERATURE.parser())]
     temperature: Option<f64>,
-    /// 20 Questions: also write each questioner's won games as SFT conversations,
-    /// sft/<model>.parquet (TRL `messages` form: the rules, each question and answer, ending at
-    /// the winning question), for `dpo_train --loss sft --data <that file>`.
+    /// Also write SFT conversations, sft/<model>.parquet (TRL `messages` form), for
+    /// `dpo_train --loss sft --data <that file>`: for 20 Questions each questioner's won games
+    /// (the rules, each question and answer, ending at the winning question); for dialogue
+    /// tasks every conversation as played (the clarify demonstrator's warm-start data).
     #[arg(long)]
     sft: bool,
+    /// Clarify `demonstrator`: probability of a clarifying question on a vague request.
+    #[arg(long, value_name = "P", value_parser = parse_rate)]
+    ask_rate: Option<f64>,
+    /// Clarify `demonstrator`: probability of a needless question on a stated request.
+    #[arg(long, value_name = "Q", value_parser = parse_rate)]
+    needless_ask_rate: Option<f64>,
     /// Token cap of one reply, repeatable: ROLE=N with ROLE policy (the evaluated models), user,
     /// judge or extractor; a bare N caps the evaluated models [default: upstream's policy=2048
     /// user=1024 judge=512 extractor=2048].
@@ -192,6 +205,14 @@ fn parse_eval_max_tokens(s: &str) -> Result<(TokenRole, usize), String> {
     }
 }
 
+/// A probability: a finite number in [0, 1].
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}`: expected a probability in [0, 1]")),
+    }
+}
+
 /// Flags that must be given: their config values are no defaults.
 const REQUIRED: &[&str] = &["task", "output"];
 
@@ -227,6 +248,8 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
     }
     set!(
         max_turns,
+        ask_rate,
+        needless_ask_rate,
         oracle,
         weights,
         split,

@@ -126,7 +126,8 @@ struct Args {
     /// Candidate replies per turn, N.
     #[arg(long, value_name = "N")]
     candidates: Option<usize>,
-    /// Simulated futures per candidate, S.
+    /// Simulated futures per candidate, S; 0 scores each reply alone (the single-turn reward,
+    /// the paper's ablation: pairs from the same candidates without looking ahead).
     #[arg(long, value_name = "S")]
     samples: Option<usize>,
     /// Messages per future (user, assistant, …), W.

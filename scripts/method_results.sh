@@ -12,38 +12,63 @@
 #   every model evaluated greedily on the held-out objects (table oracle, strict win rule),
 #   with the reference and random questioners as anchors.
 #   Primary endpoint, fixed before the runs: success within 20 questions.
-# Study 2, clarify-or-answer on held-out requests: from the default model, three seeds each of
-#   GRPO with the multiturn-aware reward (one future of the scripted user and the policy) and
-#   with the single-turn reward (--samples 0, the reply scored alone). Primary: detail_used.
+# Study 2, the ablation: multiturn-aware reward (MR) against the single-turn reward on
+#   clarify-or-answer, held-out *templates* (request kinds and wordings no training request
+#   uses). From the default model:
+#     warm        SFT on the mixed demonstrator's conversations of training requests (asks on
+#                 vague requests with probability ASK_RATE, needlessly on stated ones with
+#                 NEEDLESS_ASK_RATE), so sampling explores both behaviours; its sampled ask
+#                 rate is measured before any preference or RL training;
+#   then from that one warm start, three seeds each (seeds share no generated data) of
+#     dpo_mr      DPO on generate_conv pairs ranked by MR (one future: the scripted user
+#                 answers, the warm start replies),
+#     dpo_st      DPO on pairs ranked by the single-turn reward (--samples 0), the same number
+#                 of pairs (--max-pairs), steps and learning rate,
+#     grpo_mr     Dr. GRPO with MR, and
+#     grpo_st     Dr. GRPO with the single-turn reward, same steps and settings;
+#   every arm (and the base) evaluated in f32 weights, greedy and sampled (T 0.7, several
+#   samples per request). Co-primary endpoints, fixed before the runs: the task reward
+#   (detail used − 0.3 × clarifying questions) and detail_used; secondary: ask rate on vague
+#   and on stated requests, turns, tokens. Intervals from a bootstrap that resamples
+#   templates; per-seed McNemar (detail_used) and sign tests (task reward).
 #
-# Each study's statistics (`eval_multiturn --study`): per-seed McNemar exact tests and the
-# pooled difference with a bootstrap interval that resamples objects (requests). The results
-# go to docs/results/method_results.json (--quick: method_results_quick.json) and the
-# figures to docs/figures/.
+# Each study's statistics come from `eval_multiturn --study`. The results go to
+# docs/results/method_results.json (--quick: method_results_quick.json; a study that is not
+# run keeps its section there) and the figures to docs/figures/.
 #
-# Usage: bash scripts/method_results.sh [--quick] [--out DIR]
-#   --quick  small sizes everywhere (a smoke run of the whole pipeline, ~20 min on 2 cores;
-#            its numbers mean nothing). Without it: the study (~2.5 h on 2 cores).
+# Usage: bash scripts/method_results.sh [--quick] [--only 20q|clarify] [--out DIR]
+#   --quick  small sizes everywhere (a smoke run of the whole pipeline, its numbers mean
+#            nothing): ~20 min on 2 cores for clarify alone.
+#            Without it: 20 Questions ~2.5 h, clarify ~3 h on 2 cores.
+#   --only   run one study.
 #   --out    working directory [default: outputs/method_results or outputs/method_results-quick]
 # Every stage resumes: rerun the same command after an interruption.
 # BIN_DIR=DIR uses the binaries in DIR instead of building target/release; THREADS=N sets
-# the compute threads.
+# the compute threads; SEEDS="1 2 3" the seeds; ASK_RATE / NEEDLESS_ASK_RATE the
+# demonstrator's rates.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 quick=0
 out=""
+only=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --quick) quick=1 ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
+    --only)
+      only="$2"; shift
+      [[ $only == 20q || $only == clarify ]] || { echo "--only: 20q or clarify" >&2; exit 2; }
+      ;;
+    -h|--help) sed -n 2,45p "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
-seeds=(1 2 3)
+read -r -a seeds <<< "${SEEDS:-1 2 3}"
+ask_rate="${ASK_RATE:-0.5}"
+needless_ask_rate="${NEEDLESS_ASK_RATE:-0.15}"
 if [[ $quick == 1 ]]; then
   out="${out:-outputs/method_results-quick}"
   results=docs/results/method_results_quick.json
@@ -52,7 +77,13 @@ if [[ $quick == 1 ]]; then
   gen=(--max-tasks 16 --max-messages 5)
   dpo=(--epochs 1)
   grpo=(--max-steps 3 --batch-prompts 2)
-  clarify=(--max-steps 3 --batch-prompts 2)
+  # Clarify: demonstrator repeats, warm-start SFT, probe and pair sizes, DPO epochs, GRPO,
+  # sampled evaluation repeats.
+  c_demo=(--repeats 1); c_sft=(--max-steps 10)
+  c_probe=(--max-tasks 40 --repeats 1)
+  c_gen=(--max-tasks 24); c_epochs=1
+  c_grpo=(--max-steps 3 --batch-prompts 2)
+  c_eval=(--max-tasks 24); c_sampled=1
 else
   out="${out:-outputs/method_results}"
   results=docs/results/method_results.json
@@ -61,7 +92,11 @@ else
   gen=(--max-messages 9)
   dpo=(--epochs 1)
   grpo=(--max-steps 30 --batch-prompts 4)
-  clarify=(--max-steps 30 --batch-prompts 4)
+  c_demo=(--repeats 2); c_sft=(--epochs 2)
+  c_probe=(--repeats 1)
+  c_gen=(); c_epochs=2
+  c_grpo=(--max-steps 30 --batch-prompts 4)
+  c_eval=(); c_sampled=4
 fi
 threads="${THREADS:-$(nproc)}"
 bin="${BIN_DIR:-target/release}"
@@ -99,74 +134,136 @@ print(math.ceil(dpo["num_tokens"] / (sft["num_tokens"] / sft["step"])))
 PY
 }
 
+study_20q() {
 # --- Study 1: 20 Questions -----------------------------------------------------------------
-q="$out/20q"
-run "$bin/eval_multiturn" --task twenty_questions --model demonstrator --split train \
-  --repeats "$demo_repeats" --sft --output "$q/demo"
-train "$q/sft" --loss sft --data "$q/demo/sft/demonstrator.parquet" --lr 1e-4 --batch-size 8 \
-  "${sft_steps[@]}"
-sft="$q/sft/final"
-for s in "${seeds[@]}"; do
-  run "$bin/generate_conv" --task-type twenty_questions --tasks 20q:train --policy "$sft" \
-    --candidates 4 --samples 1 --window 2 --midgame 10 "${gen[@]}" --seed "$s" \
-    --threads "$threads" --output "$q/pairs-s$s"
-  train "$q/dpo-s$s" --data "$q/pairs-s$s" --model "$sft" --lr 2e-5 --sft-weight 1 \
-    --batch-size 4 "${dpo[@]}" --seed "$s"
-  # Equal compute: the DPO arm's trained tokens, in SFT steps of 8 demonstrator games.
+  q="$out/20q"
   run "$bin/eval_multiturn" --task twenty_questions --model demonstrator --split train \
-    --repeats "$control_repeats" --seed "$((100 + s))" --sft --output "$q/demo-s$s"
-  train "$q/control-s$s" --loss sft --data "$q/demo-s$s/sft/demonstrator.parquet" \
-    --model "$sft" --lr 1e-4 --batch-size 8 --max-steps "$(equal_steps "$q/dpo-s$s" "$q/sft")" \
-    --seed "$s"
-  run "$bin/rl_train" --model "$sft" --tasks 20q:train --midgame 10 --samples 1 --window 2 \
-    --algo drgrpo --lr 1e-5 --kl-coef 0.01 --group-size 8 --micro-batch 8 \
-    --max-new-tokens 24 "${grpo[@]}" --seed "$s" --threads "$threads" \
-    --output "$q/grpo-s$s" --resume
-done
-evaluate20() {
-  run "$bin/eval_multiturn" --task twenty_questions --split test --oracle table --weights q8 \
-    --model "$2" --threads "$threads" --output "$q/eval/$1"
-}
-evaluate20 base default
-evaluate20 sft "$sft"
-evaluate20 reference reference
-evaluate20 random random
-for s in "${seeds[@]}"; do
-  for arm in control dpo; do evaluate20 "$arm-s$s" "$q/$arm-s$s/final"; done
-  evaluate20 "grpo-s$s" "$q/grpo-s$s/final"
-done
-
-# --- Study 2: clarify-or-answer ------------------------------------------------------------
-c="$out/clarify"
-for s in "${seeds[@]}"; do
-  for arm in multiturn single_turn; do
-    samples=1
-    [[ $arm == single_turn ]] && samples=0
-    run "$bin/rl_train" --tasks clarify:train --samples "$samples" --window 2 --algo drgrpo \
-      --lr 1e-5 --kl-coef 0.01 --group-size 8 --micro-batch 8 --max-new-tokens 48 \
-      "${clarify[@]}" --seed "$s" --threads "$threads" --output "$c/$arm-s$s" --resume
+    --repeats "$demo_repeats" --sft --output "$q/demo"
+  train "$q/sft" --loss sft --data "$q/demo/sft/demonstrator.parquet" --lr 1e-4 --batch-size 8 \
+    "${sft_steps[@]}"
+  sft="$q/sft/final"
+  for s in "${seeds[@]}"; do
+    run "$bin/generate_conv" --task-type twenty_questions --tasks 20q:train --policy "$sft" \
+      --candidates 4 --samples 1 --window 2 --midgame 10 "${gen[@]}" --seed "$s" \
+      --threads "$threads" --output "$q/pairs-s$s"
+    train "$q/dpo-s$s" --data "$q/pairs-s$s" --model "$sft" --lr 2e-5 --sft-weight 1 \
+      --batch-size 4 "${dpo[@]}" --seed "$s"
+    # Equal compute: the DPO arm's trained tokens, in SFT steps of 8 demonstrator games.
+    run "$bin/eval_multiturn" --task twenty_questions --model demonstrator --split train \
+      --repeats "$control_repeats" --seed "$((100 + s))" --sft --output "$q/demo-s$s"
+    train "$q/control-s$s" --loss sft --data "$q/demo-s$s/sft/demonstrator.parquet" \
+      --model "$sft" --lr 1e-4 --batch-size 8 --max-steps "$(equal_steps "$q/dpo-s$s" "$q/sft")" \
+      --seed "$s"
+    run "$bin/rl_train" --model "$sft" --tasks 20q:train --midgame 10 --samples 1 --window 2 \
+      --algo drgrpo --lr 1e-5 --kl-coef 0.01 --group-size 8 --micro-batch 8 \
+      --max-new-tokens 24 "${grpo[@]}" --seed "$s" --threads "$threads" \
+      --output "$q/grpo-s$s" --resume
   done
-done
-evaluate_clarify() {
-  run "$bin/eval_multiturn" --task clarify --tasks clarify:test --model "$2" \
-    --max-tokens 48 --threads "$threads" --output "$c/eval/$1"
+  evaluate20() {
+    run "$bin/eval_multiturn" --task twenty_questions --split test --oracle table --weights q8 \
+      --model "$2" --threads "$threads" --output "$q/eval/$1"
+  }
+  evaluate20 base default
+  evaluate20 sft "$sft"
+  evaluate20 reference reference
+  evaluate20 random random
+  for s in "${seeds[@]}"; do
+    for arm in control dpo; do evaluate20 "$arm-s$s" "$q/$arm-s$s/final"; done
+    evaluate20 "grpo-s$s" "$q/grpo-s$s/final"
+  done
 }
-evaluate_clarify base default
-for s in "${seeds[@]}"; do
-  for arm in multiturn single_turn; do evaluate_clarify "$arm-s$s" "$c/$arm-s$s/final"; done
-done
+
+# --- Study 2: the ablation on clarify-or-answer ---------------------------------------------
+# Evaluates model $2 as arm $1: greedy on every held-out request, and sampled (T 0.7,
+# c_sampled samples per request); f32 weights for every arm, the base included.
+evaluate_clarify() {
+  local common=(--task clarify --tasks clarify:test --weights f32 --max-tokens 48
+    --threads "$threads" "${c_eval[@]}")
+  run "$bin/eval_multiturn" "${common[@]}" --model "$2" --output "$c/eval/greedy/$1"
+  run "$bin/eval_multiturn" "${common[@]}" --model "$2" --temperature 0.7 \
+    --repeats "$c_sampled" --output "$c/eval/sampled/$1"
+}
+# The sampled ask rates of model $2 on training requests (T 0.7), as probe $1.
+probe_clarify() {
+  run "$bin/eval_multiturn" --task clarify --tasks clarify:train --weights f32 --max-tokens 48 \
+    --temperature 0.7 --seed 7 "${c_probe[@]}" --threads "$threads" --model "$2" \
+    --output "$c/probe/$1"
+}
+# Training pairs of a generate_conv run.
+pair_count() {
+  python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["counts"]["pairs_train"])' \
+    "$1/manifest.json"
+}
+# Optimizer steps in one epoch of $1 pairs at batch 4.
+epoch_steps() { echo $(( ($1 + 3) / 4 )); }
+
+study_clarify() {
+  c="$out/clarify"
+  # The warm start: SFT on the mixed demonstrator's conversations of training requests.
+  run "$bin/eval_multiturn" --task clarify --tasks clarify:train --model demonstrator \
+    --ask-rate "$ask_rate" --needless-ask-rate "$needless_ask_rate" "${c_demo[@]}" --sft \
+    --output "$c/demo"
+  train "$c/warm" --loss sft --data "$c/demo/sft/demonstrator.parquet" --lr 1e-4 \
+    --batch-size 8 "${c_sft[@]}"
+  warm="$c/warm/final"
+  # Exploration, measured before any preference or RL training: sampled ask rates.
+  probe_clarify warm "$warm"
+  for s in "${seeds[@]}"; do
+    # Offline DPO on generate_conv pairs: the same candidates' generator, MR or single-turn.
+    for reward in mr st; do
+      samples=1; [[ $reward == st ]] && samples=0
+      run "$bin/generate_conv" --task-type clarify --tasks clarify:train --policy "$warm" \
+        --assistant "$warm" --candidates 4 --samples "$samples" --window 2 --max-messages 5 \
+        --proact-ratio 0 --max-tokens policy=48 "${c_gen[@]}" --seed "$s" --threads "$threads" \
+        --output "$c/pairs-$reward-s$s"
+    done
+    # The same number of pairs for both rewards: the smaller count, sampled with the seed.
+    local n_mr n_st k
+    n_mr=$(pair_count "$c/pairs-mr-s$s"); n_st=$(pair_count "$c/pairs-st-s$s")
+    k=$(( n_mr < n_st ? n_mr : n_st ))
+    for reward in mr st; do
+      train "$c/dpo_$reward-s$s" --data "$c/pairs-$reward-s$s" --model "$warm" --lr 2e-5 \
+        --sft-weight 1 --batch-size 4 --epochs "$c_epochs" --max-pairs "$k" \
+        --save-steps "$(epoch_steps "$k")" --seed "$s"
+      # The ask rate after every epoch (the last one is final/).
+      for ((e = 1; e < c_epochs; e++)); do
+        probe_clarify "dpo_$reward-s$s-epoch$e" \
+          "$c/dpo_$reward-s$s/checkpoint-$(( e * $(epoch_steps "$k") ))"
+      done
+      probe_clarify "dpo_$reward-s$s-epoch$c_epochs" "$c/dpo_$reward-s$s/final"
+    done
+    # Online GRPO: MR (one future) against the single-turn reward; ask rates every step.
+    for reward in mr st; do
+      samples=1; [[ $reward == st ]] && samples=0
+      run "$bin/rl_train" --model "$warm" --tasks clarify:train --samples "$samples" \
+        --window 2 --algo drgrpo --lr 1e-5 --kl-coef 0.01 --group-size 8 --micro-batch 8 \
+        --max-new-tokens 48 "${c_grpo[@]}" --seed "$s" --threads "$threads" \
+        --output "$c/grpo_$reward-s$s" --resume
+    done
+  done
+  evaluate_clarify base default
+  evaluate_clarify warm "$warm"
+  for s in "${seeds[@]}"; do
+    for arm in dpo_mr dpo_st grpo_mr grpo_st; do
+      evaluate_clarify "$arm-s$s" "$c/$arm-s$s/final"
+    done
+  done
+}
 
 # --- Statistics, results file, figures -----------------------------------------------------
-wall=$(( $(date +%s) - started ))
 meta() {
+  local wall=$(( $(date +%s) - started ))
   printf '[meta]\nrevision = "%s"\nquick = %s\nwall_s = %s\ncommands = [\n' \
     "$revision" "$([[ $quick == 1 ]] && echo true || echo false)" "$wall"
   for c_ in "${commands[@]}"; do printf '  "%s",\n' "${c_//\"/\\\"}"; done
   printf ']\n'
 }
 runs() { local a=(); for s in "${seeds[@]}"; do a+=("\"$1-s$s\""); done; (IFS=,; echo "${a[*]}"); }
-{
-  cat <<EOF
+suffix=""; [[ $quick == 1 ]] && suffix="-quick"
+
+stats_20q() {
+  {
+    cat <<EOF
 title = "20 Questions, held-out objects: success within 20 questions (greedy, table oracle)"
 primary = "success"
 secondary = ["identified", "turns_on_win", "info_gain_per_question", "repeated", "inconsistent_guesses", "unparsed"]
@@ -177,44 +274,64 @@ comparisons = [
   { arm = "control", against = "sft" }, { arm = "sft", against = "base" },
 ]
 EOF
-  for a in base sft reference random; do
-    printf '[[arms]]\nname = "%s"\nruns = ["%s"]\n' "$a" "$q/eval/$a"
-  done
-  for a in control dpo grpo; do
-    printf '[[arms]]\nname = "%s"\nruns = [%s]\n' "$a" "$(runs "$q/eval/$a")"
-  done
-  meta
-} > "$out/study-20q.toml"
-{
+    for a in base sft reference random; do
+      printf '[[arms]]\nname = "%s"\nruns = ["%s"]\n' "$a" "$q/eval/$a"
+    done
+    for a in control dpo grpo; do
+      printf '[[arms]]\nname = "%s"\nruns = [%s]\n' "$a" "$(runs "$q/eval/$a")"
+    done
+    meta
+  } > "$out/study-20q.toml"
+  "$bin/eval_multiturn" --study "$out/study-20q.toml" --output "$out/study-20q"
+  "$bin/plot" study "$out/study-20q" --output "$out/figures"
+  cp "$out/figures/study-20q.png" "docs/figures/method_results_20q$suffix.png"
+}
+
+# One clarify study: evaluation mode $1 (greedy, sampled), primary outcome $2.
+clarify_spec() {
+  local mode="$1" primary="$2" e="$c/eval/$1"
   cat <<EOF
-title = "Clarify-or-answer, held-out requests: the final answer uses the detail"
-primary = "detail_used"
-secondary = ["detail_used_stated", "detail_used_vague", "asked_stated", "asked_vague", "clarifying_questions"]
+title = "Clarify-or-answer, held-out templates ($mode): $primary"
+primary = "$primary"
+cluster = "template"
+secondary = ["task_reward", "detail_used", "asked_vague", "asked_stated", "detail_used_vague", "detail_used_stated", "turns", "tokens_read_k"]
 seed = 0
 comparisons = [
-  { arm = "multiturn", against = "single_turn" }, { arm = "multiturn", against = "base" },
-  { arm = "single_turn", against = "base" },
+  { arm = "dpo_mr", against = "dpo_st" }, { arm = "grpo_mr", against = "grpo_st" },
+  { arm = "dpo_mr", against = "warm" }, { arm = "dpo_st", against = "warm" },
+  { arm = "grpo_mr", against = "warm" }, { arm = "grpo_st", against = "warm" },
+  { arm = "warm", against = "base" },
 ]
 EOF
-  printf '[[arms]]\nname = "base"\nruns = ["%s"]\n' "$c/eval/base"
-  for a in multiturn single_turn; do
-    printf '[[arms]]\nname = "%s"\nruns = [%s]\n' "$a" "$(runs "$c/eval/$a")"
+  for a in base warm; do printf '[[arms]]\nname = "%s"\nruns = ["%s"]\n' "$a" "$e/$a"; done
+  for a in dpo_mr dpo_st grpo_mr grpo_st; do
+    printf '[[arms]]\nname = "%s"\nruns = [%s]\n' "$a" "$(runs "$e/$a")"
   done
   meta
-} > "$out/study-clarify.toml"
-"$bin/eval_multiturn" --study "$out/study-20q.toml" --output "$out/study-20q"
-"$bin/eval_multiturn" --study "$out/study-clarify.toml" --output "$out/study-clarify"
-python3 - "$out" "$results" <<'EOF'
-import json, sys
-out, results = sys.argv[1], sys.argv[2]
-doc = {s: json.load(open(f"{out}/study-{s}/study.json")) for s in ("20q", "clarify")}
-with open(results, "w") as f:
-    json.dump({"twenty_questions": doc["20q"], "clarify": doc["clarify"]}, f, indent=1)
-    f.write("\n")
-EOF
-suffix=""; [[ $quick == 1 ]] && suffix="-quick"
-"$bin/plot" study "$out/study-20q" "$out/study-clarify" --output "$out/figures"
-for s in 20q clarify; do
-  cp "$out/figures/study-$s.png" "docs/figures/method_results_$s$suffix.png"
-done
+}
+
+stats_clarify() {
+  for mode in greedy sampled; do
+    for primary in task_reward detail_used; do
+      clarify_spec "$mode" "$primary" > "$out/study-clarify-$mode-$primary.toml"
+      "$bin/eval_multiturn" --study "$out/study-clarify-$mode-$primary.toml" \
+        --output "$out/study-clarify-$mode-$primary"
+    done
+  done
+  "$bin/plot" study "$out/study-clarify-greedy-task_reward" \
+    "$out/study-clarify-sampled-task_reward" --output "$out/figures"
+  "$bin/plot" rl "$c"/grpo_*-s* --output "$out/figures/clarify-grpo"
+  cp "$out/figures/study-clarify-greedy-task_reward.png" \
+    "docs/figures/method_results_clarify$suffix.png"
+  cp "$out/figures/study-clarify-sampled-task_reward.png" \
+    "docs/figures/method_results_clarify_sampled$suffix.png"
+  cp "$out/figures/clarify-grpo/rl_ask_rate.png" \
+    "docs/figures/method_results_clarify_ask_rate$suffix.png"
+}
+
+if [[ $only != clarify ]]; then study_20q; stats_20q; fi
+if [[ $only != 20q ]]; then study_clarify; stats_clarify; fi
+
+# The results file: the studies run now; a study not run keeps its section.
+python3 scripts/method_results_collect.py "$out" "$results" "$only"
 echo "finished in $(( $(date +%s) - started )) s; results: $results; tables: $out/study-*/study.md"

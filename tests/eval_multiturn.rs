@@ -1344,3 +1344,101 @@ fn study_compares_arms_of_finished_evaluations() {
     assert!(!res.status.success());
     assert!(String::from_utf8_lossy(&res.stderr).contains("unknown arm `a`"));
 }
+
+/// The clarify mixed demonstrator plays at its rates (asked_vague ≈ --ask-rate, asked_stated ≈
+/// --needless-ask-rate), always uses the detail after asking, and with --sft its
+/// conversations become SFT rows as played; the records carry the task reward and template.
+#[tokio::test]
+async fn clarify_demonstrator_plays_at_its_rates_and_writes_sft() {
+    use collabllm::dataset::sft::read_sft_parquet;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("demo");
+    let cfg = EvalConfig {
+        task: TaskType::Clarify,
+        models: vec![EvalModel::Demonstrator],
+        tasks: Some("clarify:train".into()),
+        output: out.clone(),
+        repeats: 4,
+        sft: true,
+        ask_rate: 0.6,
+        needless_ask_rate: 0.2,
+        ..EvalConfig::default()
+    };
+    cfg.validate().unwrap();
+    let roles = EvalRoles {
+        models: vec![None],
+        user: Some(scripted_role("user", None)),
+        judge: Some(scripted_role("judge", None)),
+        oracle: None,
+    };
+    let report = evaluate_with_roles(cfg.clone(), roles).await.unwrap();
+    assert!(report.failed.is_empty(), "{report}");
+    let recs = read_lines(&out.join("conversations/demonstrator.jsonl"));
+    let n = recs.len();
+    assert_eq!(
+        n,
+        4 * collabllm::task::clarify::tasks(collabllm::task::clarify::Split::Train).len()
+    );
+    let rate = |key: &str| {
+        let v: Vec<f64> = recs
+            .iter()
+            .filter_map(|r| r["metrics"][key].as_f64())
+            .collect();
+        v.iter().sum::<f64>() / v.len() as f64
+    };
+    // 616 draws of each kind: 4 standard errors are about ±0.08 and ±0.065.
+    assert!(
+        (rate("asked_vague") - 0.6).abs() < 0.08,
+        "{}",
+        rate("asked_vague")
+    );
+    assert!(
+        (rate("asked_stated") - 0.2).abs() < 0.065,
+        "{}",
+        rate("asked_stated")
+    );
+    assert_eq!(rate("detail_used_stated"), 1.0);
+    for r in &recs {
+        let m = &r["metrics"];
+        let want =
+            m["detail_used"].as_f64().unwrap() - 0.3 * m["clarifying_questions"].as_f64().unwrap();
+        assert!(
+            (m["task_reward"].as_f64().unwrap() - want).abs() < 1e-12,
+            "{r}"
+        );
+        assert!(r["template"].is_string(), "{r}");
+        // Asking always leads to the detail.
+        if m["clarifying_questions"] == 1.0 {
+            assert_eq!(m["detail_used"], 1.0, "{r}");
+        }
+    }
+    let rows = read_sft_parquet(&out.join("sft/demonstrator.parquet")).unwrap();
+    assert_eq!(rows.len(), n);
+    let turns: Vec<usize> = recs
+        .iter()
+        .map(|r| r["turns"].as_array().unwrap().len())
+        .collect();
+    assert_eq!(
+        rows.iter().map(|r| r.messages.len()).collect::<Vec<_>>(),
+        turns
+    );
+    assert!(rows
+        .iter()
+        .all(|r| r.messages.last().unwrap().role == "assistant"));
+    // The demonstrator makes no model call, and its rates are checked at start-up.
+    assert_eq!(total_calls(&report), (0, 0));
+    let bad = EvalConfig {
+        ask_rate: 1.5,
+        ..cfg.clone()
+    };
+    assert!(bad.validate().unwrap_err().to_string().contains("ask-rate"));
+    let other = EvalConfig {
+        task: TaskType::Math,
+        ..cfg
+    };
+    assert!(other
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("cannot play --task math"));
+}

@@ -1661,3 +1661,108 @@ async fn twenty_questions_midgame_prefixes_start_games_after_demonstrator_questi
         + read_pairs(&out.join("pairs/test.parquet")).len();
     assert!(pairs > 0);
 }
+
+/// The name a clarify birthday request or the user's answer gives (`… friend Maya.`, `My
+/// friend's name is Maya.`), if any.
+fn stated_name(text: &str) -> Option<String> {
+    let last = text.trim_end_matches('.').rsplit(' ').next()?;
+    last.starts_with(char::is_uppercase)
+        .then(|| last.to_string())
+}
+
+/// The ablation's mechanism on clarify-or-answer pairs: with one future (MR) a question on a
+/// vague request is chosen over a generic answer (0.7 against 0) and loses to a direct
+/// answer when the request states the detail (0.7 against 1); scored alone (`--samples 0`,
+/// the single-turn reward) the question costs 0.3 and never wins. The conversation goes on
+/// from the chosen reply either way.
+#[tokio::test]
+async fn clarify_pairs_rank_questions_by_their_future_or_alone() {
+    // Candidate 0 asks; candidate 1 answers, with the name when it was given.
+    let policy = ScriptedBackend::new("policy", |req, i| {
+        let last = req
+            .messages
+            .last()
+            .map(|m| m.content.as_str())
+            .unwrap_or("");
+        Ok(match (stated_name(last), i) {
+            (Some(name), _) if last.starts_with("My friend") => format!("Happy birthday, {name}!"),
+            (_, 0) => "What is your friend's name?".to_string(),
+            (Some(name), _) => format!("Happy birthday, {name}!"),
+            (None, _) => "Happy birthday!".to_string(),
+        })
+    });
+    let out = tempfile::tempdir().unwrap();
+    for samples in [1, 0] {
+        let cfg = GenerateConfig {
+            tasks: "clarify:train".into(),
+            output: out.path().join(format!("s{samples}")),
+            candidates: 2,
+            samples,
+            window: 2,
+            max_messages: 5,
+            max_tasks: Some(4),
+            proact_ratio: 0.0,
+            test_fraction: 0.0,
+            ..GenerateConfig::default()
+        };
+        cfg.validate().unwrap();
+        let roles = Roles {
+            policy: Role::from_backend("policy", "scripted", policy.clone(), None, None),
+            assistant: Role::from_backend("assistant", "scripted", policy.clone(), None, None),
+            user: Role::from_backend("user", "scripted", scripted("user"), None, None),
+            judge: Role::from_backend("judge", "scripted", scripted("judge"), None, None),
+        };
+        let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
+        let summary = generate_with_roles(cfg.clone(), tasks, roles)
+            .await
+            .unwrap();
+        assert_eq!(summary.tasks_done_now, 4, "{summary}");
+        let text = std::fs::read_to_string(cfg.output.join("conversations.jsonl")).unwrap();
+        let mut first_turns = 0;
+        for line in text.lines() {
+            let rec: Value = serde_json::from_str(line).unwrap();
+            let vague = rec["task_id"].as_str().unwrap().ends_with("-vague");
+            let turn = &rec["turns"][0];
+            let mr: Vec<f64> = turn["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["mr"].as_f64().unwrap())
+                .collect();
+            let want: [f64; 2] = match (samples, vague) {
+                (1, true) => [0.7, 0.0],
+                (1, false) => [0.7, 1.0],
+                (_, true) => [-0.3, 0.0],
+                (_, false) => [-0.3, 1.0],
+            };
+            for (got, want) in mr.iter().zip(want) {
+                assert!(
+                    (got - want).abs() < 1e-9,
+                    "samples {samples} vague {vague}: {mr:?}"
+                );
+            }
+            let sessions = turn["candidates"][0]["sessions"].as_array().unwrap();
+            assert_eq!(sessions.len(), 1);
+            assert_eq!(
+                sessions[0]["messages"].as_array().unwrap().is_empty(),
+                samples == 0
+            );
+            // The question wins only when it leads somewhere the request did not.
+            let asked_and_chose_it = samples == 1 && vague;
+            assert_eq!(turn["chosen"] == 0, asked_and_chose_it, "{turn}");
+            // After a chosen question the real conversation continues: the user answers.
+            assert_eq!(
+                rec["turns"].as_array().unwrap().len(),
+                1 + usize::from(asked_and_chose_it)
+            );
+            first_turns += 1;
+        }
+        assert_eq!(first_turns, 4);
+        let pairs = read_pairs(&cfg.output.join("pairs/train.parquet"));
+        assert_eq!(
+            pairs.len(),
+            4,
+            "one pair per request's first turn: {pairs:?}"
+        );
+    }
+}

@@ -7,6 +7,7 @@
 mod common;
 use common::model_util;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
@@ -880,6 +881,30 @@ async fn clarify_trains_with_the_scripted_user_and_both_rewards() {
             a.drain(i - 1..=i);
         }
         ok(&run_bin(&a).await);
+        // The ask rates of the step's sampled responses, vague and stated apart.
+        let mut asked: HashMap<bool, (usize, usize)> = HashMap::new();
+        for r in jsonl(&out.join("rollouts.jsonl")) {
+            let vague = r["task_id"].as_str().unwrap().ends_with("-vague");
+            let e = asked.entry(vague).or_default();
+            for resp in r["responses"].as_array().unwrap() {
+                e.0 += usize::from(resp["text"].as_str().unwrap().contains('?'));
+                e.1 += 1;
+            }
+        }
+        let logs = jsonl(&out.join("logs.jsonl"));
+        for (vague, (k, n)) in &asked {
+            let key = if *vague {
+                "clarify/asked_vague"
+            } else {
+                "clarify/asked_stated"
+            };
+            assert_eq!(
+                logs[0][key].as_f64(),
+                Some(*k as f64 / *n as f64),
+                "{}",
+                logs[0]
+            );
+        }
         for r in jsonl(&out.join("rollouts.jsonl")) {
             let request = r["prompt"][0]["content"].as_str().unwrap();
             assert!(request.starts_with("Write a "), "{request}");

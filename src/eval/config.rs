@@ -394,10 +394,16 @@ pub struct EvalConfig {
     /// A system prompt every model row is evaluated with (`proactive` rows always get the
     /// proactive one).
     pub system_prompt: Option<SystemPromptSource>,
-    /// 20 Questions: also write each questioner's won games as SFT conversations
-    /// (`sft/<model>.parquet`, TRL's `messages` form: the rules, then each question and
-    /// answer, ending at the winning question) for `dpo_train --loss sft`.
+    /// Also write each model's conversations as SFT data (`sft/<model>.parquet`, TRL's
+    /// `messages` form) for `dpo_train --loss sft`: for 20 Questions the won games (the rules,
+    /// then each question and answer, ending at the winning question); for dialogue tasks
+    /// every conversation as played (the clarify demonstrator's warm-start data).
     pub sft: bool,
+    /// Clarify-or-answer `demonstrator`: the chance it asks on a vague request.
+    pub ask_rate: f64,
+    /// Clarify-or-answer `demonstrator`: the chance it asks a needless question on a stated
+    /// request.
+    pub needless_ask_rate: f64,
     /// The settings every rollout shares (top-level keys, as all the others).
     #[serde(flatten)]
     pub rollout: RolloutConfig,
@@ -433,6 +439,8 @@ impl Default for EvalConfig {
             weights: WeightFormat::Auto,
             system_prompt: None,
             sft: false,
+            ask_rate: crate::task::clarify::Demonstrator::DEFAULT.ask_rate,
+            needless_ask_rate: crate::task::clarify::Demonstrator::DEFAULT.needless_ask_rate,
             rollout: RolloutConfig::default(),
             unknown_keys: UnknownKeys::default(),
         }
@@ -440,12 +448,23 @@ impl Default for EvalConfig {
 }
 
 impl EvalConfig {
+    /// The clarify-or-answer mixed demonstrator of this run.
+    pub fn clarify_demonstrator(&self) -> crate::task::clarify::Demonstrator {
+        crate::task::clarify::Demonstrator {
+            ask_rate: self.ask_rate,
+            needless_ask_rate: self.needless_ask_rate,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), EvalConfigError> {
         if self.models.is_empty() {
             return Err(invalid("models", "give at least one --model"));
         }
         if self.task != TaskType::TwentyQuestions {
-            if let Some(m) = self.models.iter().find(|m| m.is_builtin()) {
+            // Clarify-or-answer has a demonstrator of its own; the rest are 20 Questions'.
+            let allowed =
+                |m: &EvalModel| self.task == TaskType::Clarify && *m == EvalModel::Demonstrator;
+            if let Some(m) = self.models.iter().find(|m| m.is_builtin() && !allowed(m)) {
                 return Err(invalid(
                     "models",
                     format!(
@@ -455,6 +474,9 @@ impl EvalConfig {
                 ));
             }
         }
+        self.clarify_demonstrator()
+            .validate()
+            .map_err(|e| invalid("ask_rate", e))?;
         if self.repeats == 0 {
             return Err(invalid("repeats", "must be at least 1"));
         }

@@ -14,7 +14,7 @@ use crate::llm::roles::Role;
 use crate::llm::ChatMessage;
 use crate::reward::metrics::{count_tokens, MetricScore, Scorer};
 use crate::rollout::user::{derive_seed, Sampling, SimError, UserSimulator};
-use crate::task::{Task, TaskType};
+use crate::task::{clarify, Task, TaskType};
 
 /// Clarify-or-answer: success and asking on stated and on vague requests, each `null` on
 /// the other kind (so its mean is over that kind only).
@@ -34,16 +34,29 @@ fn clarify_views(
     } else {
         ("vague", "stated")
     };
+    let questions = scores.get("clarifying_questions").and_then(|s| s.value);
+    metrics.insert(
+        "task_reward".into(),
+        serde_json::json!(used.zip(questions).map(|(u, q)| clarify::task_reward(u, q))),
+    );
     metrics.insert(format!("detail_used_{mine}"), serde_json::json!(used));
     metrics.insert(format!("asked_{mine}"), serde_json::json!(asked));
     metrics.insert(format!("detail_used_{other}"), serde_json::Value::Null);
     metrics.insert(format!("asked_{other}"), serde_json::Value::Null);
 }
 
+/// Who writes the evaluated side of the conversation.
+pub enum Speaker {
+    /// An assistant model.
+    Model(Role),
+    /// The clarify-or-answer mixed demonstrator (scripted; its conversations are SFT data).
+    Demonstrator(clarify::Demonstrator),
+}
+
 /// One evaluated model with its own token counter (its tokenizer, or cl100k for endpoints).
 pub struct DialogueModel {
     pub label: String,
-    pub role: Role,
+    pub speaker: Speaker,
     pub scorer: Scorer,
 }
 
@@ -92,24 +105,28 @@ impl DialogueRunner {
         if !first.terminated {
             loop {
                 let t = turns.to_string();
-                let req = self
-                    .sampling
-                    .request(history.clone())
-                    .seed(seed(&["assistant", &t]));
-                let resp = model
-                    .role
-                    .backend
-                    .chat(&req)
-                    .await
-                    .map_err(|e| SimError::Model {
-                        role: format!("model {}", model.label),
-                        source: e,
-                    })?;
-                usage.calls += 1;
-                usage.cached += u64::from(resp.cached);
-                usage.prompt_tokens += resp.usage.prompt_tokens;
-                usage.completion_tokens += resp.usage.completion_tokens;
-                history.push(ChatMessage::assistant(resp.choices[0].content.clone()));
+                let reply = match &model.speaker {
+                    Speaker::Model(role) => {
+                        let req = self
+                            .sampling
+                            .request(history.clone())
+                            .seed(seed(&["assistant", &t]));
+                        let resp = role.backend.chat(&req).await.map_err(|e| SimError::Model {
+                            role: format!("model {}", model.label),
+                            source: e,
+                        })?;
+                        usage.calls += 1;
+                        usage.cached += u64::from(resp.cached);
+                        usage.prompt_tokens += resp.usage.prompt_tokens;
+                        usage.completion_tokens += resp.usage.completion_tokens;
+                        resp.choices[0].content.clone()
+                    }
+                    // One draw per conversation: whether it asks is decided by its seed.
+                    Speaker::Demonstrator(d) => d
+                        .reply(task, &history, seed(&["demonstrator"]))
+                        .map_err(SimError::Clarify)?,
+                };
+                history.push(ChatMessage::assistant(reply));
                 turns += 1;
                 if turns >= self.max_turns {
                     ended_by = "max_turns";
@@ -186,7 +203,7 @@ impl DialogueRunner {
             clarify_views(task, &scores, &mut metrics);
         }
         metrics.insert("judge_failures".into(), serde_json::json!(failures));
-        Ok(serde_json::json!({
+        let mut record = serde_json::json!({
             "model": model.label,
             "task_id": task.id,
             "repeat": repeat,
@@ -205,6 +222,11 @@ impl DialogueRunner {
             "ended_by": ended_by,
             "scores": scores,
             "user_raw": user_raw,
-        }))
+        });
+        // The unit that repeats across tasks (a clarify template), for clustered intervals.
+        if let Some(t) = clarify::template_of(task) {
+            record["template"] = serde_json::json!(t);
+        }
+        Ok(record)
     }
 }

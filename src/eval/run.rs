@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 
 use super::config::{model_labels, EvalConfig, EvalModel, OracleChoice};
-use super::dialogue::{DialogueModel, DialogueRunner};
+use super::dialogue::{DialogueModel, DialogueRunner, Speaker};
 use super::games::{play_game, won_games_as_sft, GameSettings, Player};
 use super::overlap;
 use super::records::{read_records, RecordLog};
@@ -499,7 +499,7 @@ async fn run_prepared(
 
     let summary = summarize(&cfg, &labels, &items, &work)?;
     summary.write(&cfg.output)?;
-    if cfg.sft && matches!(work, Work::Games { .. }) {
+    if cfg.sft {
         write_sft(&cfg, &labels, &items, &prompts)?;
     }
     let counts = serde_json::json!({
@@ -577,15 +577,19 @@ fn dialogue_jobs(
         seed: cfg.seed,
     });
     let mut models = Vec::new();
-    for (label, role) in labels.iter().zip(&roles.models) {
-        let Some(role) = role else {
-            bail!("model {label} has no backend");
+    for ((label, role), model) in labels.iter().zip(&roles.models).zip(&cfg.models) {
+        let (speaker, engine) = match (model, role) {
+            (EvalModel::Demonstrator, _) => {
+                (Speaker::Demonstrator(cfg.clarify_demonstrator()), None)
+            }
+            (_, Some(role)) => (Speaker::Model(role.clone()), role.engine.as_ref()),
+            (_, None) => bail!("model {label} has no backend"),
         };
-        let tokens = TokenCounter::of_kind(cfg.token_counter, role.engine.as_ref())
-            .map_err(anyhow::Error::msg)?;
+        let tokens =
+            TokenCounter::of_kind(cfg.token_counter, engine).map_err(anyhow::Error::msg)?;
         models.push(DialogueModel {
             label: label.clone(),
-            role: role.clone(),
+            speaker,
             scorer: Scorer {
                 judge: judge.clone(),
                 tokens,
@@ -721,15 +725,20 @@ fn summarize(
 }
 
 /// `sft/<model>.parquet`: each questioner's won games of the current selection as SFT
-/// conversations (see [`won_games_as_sft`]).
+/// conversations (see [`won_games_as_sft`]); for dialogue tasks (the clarify demonstrator)
+/// every conversation as it was played.
 fn write_sft(
     cfg: &EvalConfig,
     labels: &[String],
     items: &[Item],
     prompts: &Prompts,
 ) -> anyhow::Result<()> {
-    let intro =
-        crate::task::twenty_questions::chat::intro_message(prompts, cfg.rollout.max_questions)?;
+    let games = cfg.task == crate::task::TaskType::TwentyQuestions;
+    let intro = if games {
+        crate::task::twenty_questions::chat::intro_message(prompts, cfg.rollout.max_questions)?
+    } else {
+        String::new()
+    };
     let keys: HashSet<&str> = items.iter().map(|it| it.key.as_str()).collect();
     let out = cfg.output.join(SFT_DIR);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
@@ -741,17 +750,42 @@ fn write_sft(
                 record_key(cfg.task, r).is_some_and(|k| keys.contains(k.as_str()) && seen.insert(k))
             })
             .collect();
-        let rows = won_games_as_sft(label, &intro, &recs).map_err(anyhow::Error::msg)?;
+        let rows = if games {
+            won_games_as_sft(label, &intro, &recs).map_err(anyhow::Error::msg)?
+        } else {
+            conversations_as_sft(label, &recs)?
+        };
         let path = out.join(format!("{label}.parquet"));
         crate::dataset::sft::write_sft_parquet(&path, &rows)
             .with_context(|| format!("writing {}", path.display()))?;
-        tracing::info!(
-            "{}: {} won games as SFT conversations",
-            path.display(),
-            rows.len()
-        );
+        tracing::info!("{}: {} SFT conversations", path.display(), rows.len());
     }
     Ok(())
+}
+
+/// Dialogue records as SFT conversations: every message as played, scored by the task
+/// metric's value when the record has one.
+fn conversations_as_sft(
+    label: &str,
+    recs: &[serde_json::Value],
+) -> anyhow::Result<Vec<crate::dataset::sft::SftRow>> {
+    recs.iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let messages: Vec<crate::llm::ChatMessage> = serde_json::from_value(r["turns"].clone())
+                .with_context(|| format!("{label}: record {}: `turns`", i + 1))?;
+            let score = r["metrics"]["task_reward"].as_f64().unwrap_or(f64::NAN);
+            Ok(crate::dataset::sft::SftRow {
+                messages,
+                conv_id: format!(
+                    "{label}-{}-{}",
+                    r["task_id"].as_str().unwrap_or(""),
+                    r["repeat"].as_u64().unwrap_or(0)
+                ),
+                score,
+            })
+        })
+        .collect()
 }
 
 /// `lmrl/<model>.jsonl`: the games in LMRL-Gym's offline schema, in selection order.

@@ -4,15 +4,19 @@
 //! The spec names arms (each a list of evaluated runs, one per seed: an `eval_multiturn`
 //! output directory, optionally `DIR:label` when it holds several models) and the
 //! comparisons to make. Every record's primary outcome (`success` of a 20 Questions game,
-//! `detail_used` of a clarify conversation, or any metric named by `primary`) is read per
-//! *cluster* — the 20 Questions object or the task id — and repeat. For each comparison:
+//! `detail_used` or `task_reward` of a clarify conversation, or any metric named by
+//! `primary`: 0/1 or any number) is read per conversation (task or object, and repeat) and
+//! grouped into *clusters*: the 20 Questions object or the task id, or with
+//! `cluster = "template"` the clarify template a request was made from (the unit that
+//! repeats: every value of a template, stated or vague, moves together). For each
+//! comparison:
 //!
-//! - per seed, McNemar's exact test on the paired outcomes (seed k of the arm against seed k
-//!   of the other, or against its only run);
-//! - pooled over seeds, the difference of success rates with a percentile bootstrap interval
-//!   that resamples *clusters* (an object carries all its seeds' games with it, so the
-//!   interval does not pretend that three games of one object are three independent
-//!   objects), and the bootstrap's two-sided p (twice the smaller tail beyond 0).
+//! - per seed, an exact sign test on the paired outcomes (seed k of the arm against seed k of
+//!   the other, or against its only run): McNemar's exact test when the outcome is 0/1;
+//! - pooled over seeds, the difference of means with a percentile bootstrap interval that
+//!   resamples *clusters* (an object carries all its seeds' games with it, a template all
+//!   its requests, so the interval does not pretend that repeats of one unit are independent),
+//!   and the bootstrap's two-sided p (twice the smaller tail beyond 0).
 //!
 //! The output (`study.json`, `study.md`) holds every per-cluster outcome, so the numbers can be
 //! checked and recomputed, and whatever the spec carries under `[meta]` (commands, revision,
@@ -54,9 +58,13 @@ fn input_err(path: &Path, message: impl Into<String>) -> StudyError {
 pub struct StudySpec {
     /// Title of the tables.
     pub title: String,
-    /// The outcome compared: a 0/1 metric of each record (`success` for 20 Questions,
-    /// `detail_used` for clarify).
+    /// The outcome compared: a metric of each record, 0/1 (`success` for 20 Questions,
+    /// `detail_used` for clarify) or any number (clarify's `task_reward`).
     pub primary: String,
+    /// What the bootstrap resamples: `task` (the 20 Questions object or the task id, the
+    /// default) or `template` (the record's clarify template).
+    #[serde(default)]
+    pub cluster: ClusterBy,
     /// Further per-record metrics reported per arm (means over seeds' records); for 20
     /// Questions `identified` (one object left consistent at some point) is computed from
     /// the game.
@@ -70,6 +78,15 @@ pub struct StudySpec {
     /// Copied into the output as is (commands, revision, wall time, notes).
     #[serde(default)]
     pub meta: toml::Table,
+}
+
+/// The unit a bootstrap resamples.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClusterBy {
+    #[default]
+    Task,
+    Template,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -87,17 +104,25 @@ pub struct ComparisonSpec {
     pub against: String,
 }
 
-/// One run of an arm: outcomes by (cluster, repeat), and the secondary metrics' values.
+/// One run of an arm: outcomes by conversation, and the secondary metrics' values.
 #[derive(Clone, Debug, Serialize)]
 pub struct RunOutcomes {
     pub run: String,
     pub label: String,
     pub n: usize,
+    /// Outcomes of at least 0.5 (the successes of a 0/1 outcome).
     pub successes: usize,
+    /// The mean outcome (the success rate of a 0/1 outcome).
     pub rate: f64,
+    /// Wilson's interval for a 0/1 outcome; the normal interval of the mean otherwise.
     pub rate_ci95: (f64, f64),
-    /// `cluster#repeat` → outcome.
-    pub outcomes: BTreeMap<String, bool>,
+    /// Whether every outcome is 0 or 1.
+    pub binary: bool,
+    /// `task#repeat` (20 Questions: `object-NNN#repeat`) → outcome.
+    pub outcomes: BTreeMap<String, f64>,
+    /// `task#repeat` → its cluster, where the cluster is not the task.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub clusters: BTreeMap<String, String>,
     /// metric → mean over the records that have it.
     pub secondary: BTreeMap<String, Option<f64>>,
 }
@@ -106,7 +131,7 @@ pub struct RunOutcomes {
 pub struct ArmResult {
     pub name: String,
     pub seeds: Vec<RunOutcomes>,
-    /// Successes / records over every seed.
+    /// The mean outcome over every seed's records (the success rate of a 0/1 outcome).
     pub pooled_rate: f64,
     /// Bootstrap interval of the pooled rate, clusters resampled.
     pub pooled_ci95: (f64, f64),
@@ -119,10 +144,14 @@ pub struct SeedTest {
     pub arm_run: String,
     pub against_run: String,
     pub paired: usize,
-    /// Won only by `against` (b) and only by `arm` (c).
+    /// Better for `against` (b) and better for `arm` (c): for a 0/1 outcome, won only by
+    /// one of them.
     pub b: usize,
     pub c: usize,
+    /// The exact two-sided sign test of b against c (McNemar's exact test for 0/1).
     pub mcnemar_p: f64,
+    /// The arm's mean minus the other's on the paired conversations.
+    pub difference: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -147,8 +176,8 @@ pub struct StudyResult {
     pub meta: toml::Table,
 }
 
-/// A record's cluster (the 20 Questions object, else the task id) and repeat.
-fn cluster_of(rec: &serde_json::Value) -> Option<(String, u64)> {
+/// A record's unit (the 20 Questions object, else the task id) and repeat.
+fn unit_of(rec: &serde_json::Value) -> Option<(String, u64)> {
     let repeat = rec["repeat"].as_u64().unwrap_or(0);
     if let Some(o) = rec["game"]["object_index"].as_u64() {
         return Some((format!("object-{o:03}"), repeat));
@@ -215,21 +244,36 @@ fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
         return Err(input_err(&path, "no records"));
     }
     let mut outcomes = BTreeMap::new();
+    let mut clusters = BTreeMap::new();
     let mut sums: BTreeMap<String, (f64, usize)> = BTreeMap::new();
     for (i, r) in recs.iter().enumerate() {
-        let (cluster, repeat) = cluster_of(r)
+        let (unit, repeat) = unit_of(r)
             .ok_or_else(|| input_err(&path, format!("record {}: no object or task id", i + 1)))?;
-        let key = format!("{cluster}#{repeat}");
+        let key = format!("{unit}#{repeat}");
         if outcomes.contains_key(&key) {
             continue; // the first record of a game counts, as in the run's summary
         }
-        let y = metric_of(r, &spec.primary).ok_or_else(|| {
-            input_err(
-                &path,
-                format!("record {}: no `{}` outcome", i + 1, spec.primary),
-            )
-        })?;
-        outcomes.insert(key, y >= 0.5);
+        let y = metric_of(r, &spec.primary)
+            .filter(|y| y.is_finite())
+            .ok_or_else(|| {
+                input_err(
+                    &path,
+                    format!("record {}: no `{}` outcome", i + 1, spec.primary),
+                )
+            })?;
+        if spec.cluster == ClusterBy::Template {
+            let t = r["template"].as_str().ok_or_else(|| {
+                input_err(
+                    &path,
+                    format!(
+                        "record {}: no `template` to cluster by (cluster = \"template\" is for clarify runs)",
+                        i + 1
+                    ),
+                )
+            })?;
+            clusters.insert(key.clone(), t.to_string());
+        }
+        outcomes.insert(key, y);
         for m in &spec.secondary {
             if let Some(v) = metric_of(r, m) {
                 let e = sums.entry(m.clone()).or_default();
@@ -239,15 +283,27 @@ fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
         }
     }
     let n = outcomes.len();
-    let successes = outcomes.values().filter(|v| **v).count();
+    let successes = outcomes.values().filter(|v| **v >= 0.5).count();
+    let binary = outcomes.values().all(|v| *v == 0.0 || *v == 1.0);
+    let rate = outcomes.values().sum::<f64>() / n as f64;
+    let rate_ci95 = if binary {
+        wilson_interval(successes, n, Z95)
+    } else {
+        let var =
+            outcomes.values().map(|v| (v - rate).powi(2)).sum::<f64>() / (n.max(2) - 1) as f64;
+        let half = Z95 * (var / n as f64).sqrt();
+        (rate - half, rate + half)
+    };
     Ok(RunOutcomes {
         run: dir.display().to_string(),
         label,
         n,
         successes,
-        rate: successes as f64 / n as f64,
-        rate_ci95: wilson_interval(successes, n, Z95),
+        rate,
+        rate_ci95,
+        binary,
         outcomes,
+        clusters,
         secondary: spec
             .secondary
             .iter()
@@ -259,9 +315,13 @@ fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
     })
 }
 
-/// The cluster part of a `cluster#repeat` key.
-fn cluster_key(key: &str) -> &str {
-    key.rsplit_once('#').map_or(key, |(c, _)| c)
+/// The cluster of a conversation's key: its template where the run records one, else the
+/// unit part of `unit#repeat`.
+fn cluster_key<'a>(run: &'a RunOutcomes, key: &'a str) -> &'a str {
+    match run.clusters.get(key) {
+        Some(c) => c,
+        None => key.rsplit_once('#').map_or(key, |(c, _)| c),
+    }
 }
 
 /// Percentile interval of `values` (sorted in place).
@@ -281,10 +341,10 @@ fn cluster_table(runs: &[&RunOutcomes], keys: &BTreeSet<String>) -> ClusterTable
     let mut t: ClusterTable = BTreeMap::new();
     for k in keys {
         let row = t
-            .entry(cluster_key(k).to_string())
+            .entry(cluster_key(runs[0], k).to_string())
             .or_insert_with(|| vec![(0.0, 0.0); runs.len()]);
         for (s, r) in runs.iter().enumerate() {
-            row[s].0 += f64::from(u8::from(r.outcomes[k]));
+            row[s].0 += r.outcomes[k];
             row[s].1 += 1.0;
         }
     }
@@ -344,12 +404,20 @@ fn compare_arms(a: &ArmResult, b: &ArmResult, seed: u64) -> Result<ComparisonRes
         .map(|s| {
             let (ra, rb) = (&a.seeds[s], other(s));
             let (bb, cc) = keys.iter().fold((0, 0), |(bb, cc), key| {
-                match (rb.outcomes[key], ra.outcomes[key]) {
-                    (true, false) => (bb + 1, cc),
-                    (false, true) => (bb, cc + 1),
-                    _ => (bb, cc),
+                let (x, y) = (rb.outcomes[key], ra.outcomes[key]);
+                if x > y {
+                    (bb + 1, cc)
+                } else if y > x {
+                    (bb, cc + 1)
+                } else {
+                    (bb, cc)
                 }
             });
+            let difference = keys
+                .iter()
+                .map(|key| ra.outcomes[key] - rb.outcomes[key])
+                .sum::<f64>()
+                / keys.len() as f64;
             SeedTest {
                 arm_run: ra.run.clone(),
                 against_run: rb.run.clone(),
@@ -357,6 +425,7 @@ fn compare_arms(a: &ArmResult, b: &ArmResult, seed: u64) -> Result<ComparisonRes
                 b: bb,
                 c: cc,
                 mcnemar_p: mcnemar_exact(bb, cc),
+                difference,
             }
         })
         .collect();
@@ -423,7 +492,7 @@ fn arm_result(spec: &StudySpec, a: &ArmSpec, seed: u64) -> Result<ArmResult, Stu
         })
         .collect();
     let total: usize = seeds.iter().map(|s| s.n).sum();
-    let won: usize = seeds.iter().map(|s| s.successes).sum();
+    let sum: f64 = seeds.iter().map(|s| s.rate * s.n as f64).sum();
     let secondary = spec
         .secondary
         .iter()
@@ -435,7 +504,7 @@ fn arm_result(spec: &StudySpec, a: &ArmSpec, seed: u64) -> Result<ArmResult, Stu
         .collect();
     Ok(ArmResult {
         name: a.name.clone(),
-        pooled_rate: won as f64 / total.max(1) as f64,
+        pooled_rate: sum / total.max(1) as f64,
         pooled_ci95: if m == 0 {
             (0.0, 1.0)
         } else {
@@ -503,8 +572,29 @@ fn fmt_p(p: f64) -> String {
 }
 
 impl StudyResult {
+    /// Whether every record of every arm had a 0/1 outcome (rates and McNemar tests).
+    pub fn binary(&self) -> bool {
+        self.arms.iter().flat_map(|a| &a.seeds).all(|s| s.binary)
+    }
+
     /// The arms' table and the comparisons' table, as Markdown.
     pub fn table(&self) -> String {
+        let binary = self.binary();
+        // A rate in percent (differences in points); any other outcome as its mean.
+        let value = |x: f64| {
+            if binary {
+                pct(x)
+            } else {
+                format!("{x:.3}")
+            }
+        };
+        let diff = |x: f64| {
+            if binary {
+                format!("{:+.1}", 100.0 * x)
+            } else {
+                format!("{x:+.3}")
+            }
+        };
         let mut out = format!("### {}\n\n", self.title);
         let secondary: Vec<&String> = self
             .arms
@@ -525,14 +615,20 @@ impl StudyResult {
             let per: Vec<String> = a
                 .seeds
                 .iter()
-                .map(|s| format!("{}/{}", s.successes, s.n))
+                .map(|s| {
+                    if binary {
+                        format!("{}/{}", s.successes, s.n)
+                    } else {
+                        format!("{:.3}", s.rate)
+                    }
+                })
                 .collect();
             out.push_str(&format!(
                 "| {} | {} ({}–{}) | {} |",
                 a.name,
-                pct(a.pooled_rate),
-                pct(a.pooled_ci95.0),
-                pct(a.pooled_ci95.1),
+                value(a.pooled_rate),
+                value(a.pooled_ci95.0),
+                value(a.pooled_ci95.1),
                 per.join(", ")
             ));
             for m in &secondary {
@@ -543,9 +639,18 @@ impl StudyResult {
             }
             out.push('\n');
         }
-        out.push_str(
-            "\n| comparison | difference, pooled (95% bootstrap CI) | bootstrap p | per seed: b (only the baseline won) / c (only the arm won), McNemar p |\n|---|---|---|---|\n",
-        );
+        let (unit, test, b_c) = if binary {
+            (
+                " pts",
+                "McNemar p",
+                "b (only the baseline won) / c (only the arm won)",
+            )
+        } else {
+            ("", "sign-test p", "b (baseline better) / c (arm better)")
+        };
+        out.push_str(&format!(
+            "\n| comparison | difference, pooled (95% bootstrap CI) | bootstrap p | per seed: {b_c}, {test} |\n|---|---|---|---|\n"
+        ));
         for c in &self.comparisons {
             let seeds: Vec<String> = c
                 .per_seed
@@ -553,12 +658,12 @@ impl StudyResult {
                 .map(|s| format!("{} / {}, {}", s.b, s.c, fmt_p(s.mcnemar_p)))
                 .collect();
             out.push_str(&format!(
-                "| {} vs {} | {:+.1} pts ({:+.1} to {:+.1}) | {} | {} |\n",
+                "| {} vs {} | {}{unit} ({} to {}) | {} | {} |\n",
                 c.arm,
                 c.against,
-                100.0 * c.pooled_difference,
-                100.0 * c.ci95.0,
-                100.0 * c.ci95.1,
+                diff(c.pooled_difference),
+                diff(c.ci95.0),
+                diff(c.ci95.1),
                 fmt_p(c.p_bootstrap),
                 seeds.join("; ")
             ));
@@ -590,6 +695,7 @@ mod tests {
         StudySpec {
             title: "t".into(),
             primary: "detail_used".into(),
+            cluster: ClusterBy::Task,
             secondary: vec!["turns".into()],
             arms: arms
                 .into_iter()
@@ -648,6 +754,76 @@ mod tests {
             "{}",
             r.table()
         );
+    }
+
+    /// A clarify eval output: conversation i of template `tpl(i)` has task_reward `y(i)`.
+    fn clarify_dir(
+        root: &Path,
+        name: &str,
+        n: usize,
+        tpl: impl Fn(usize) -> &'static str,
+        y: impl Fn(usize) -> f64,
+    ) -> String {
+        let dir = root.join(name);
+        std::fs::create_dir_all(dir.join(CONVERSATIONS_DIR)).unwrap();
+        let lines: String = (0..n)
+            .map(|i| {
+                let rec = serde_json::json!({"task_id": format!("t{i}"), "repeat": 0,
+                    "template": tpl(i), "metrics": {"task_reward": y(i)}});
+                format!("{rec}\n")
+            })
+            .collect();
+        std::fs::write(dir.join(CONVERSATIONS_DIR).join("m.jsonl"), lines).unwrap();
+        dir.display().to_string()
+    }
+
+    #[test]
+    fn template_clusters_move_together_in_the_bootstrap() {
+        // Two templates of two requests each. The arm gains 0.7 on both requests of
+        // template A and nothing on B. Resampling the two templates gives AA, AB, BA, BB with
+        // probability 1/4 each: differences 0.7, 0.35, 0.35, 0 — so the interval is [0, 0.7]
+        // and the bootstrap p is 2 · P(d ≤ 0) = 0.5. Resampling the four requests as if
+        // independent would give P(d ≤ 0) = 1/16 and p = 0.125.
+        let tmp = tempfile::tempdir().unwrap();
+        let tpl = |i: usize| if i < 2 { "a" } else { "b" };
+        let base = clarify_dir(tmp.path(), "base", 4, tpl, |_| 0.0);
+        let arm = clarify_dir(tmp.path(), "arm", 4, tpl, |i| if i < 2 { 0.7 } else { 0.0 });
+        let mut sp = spec(
+            vec![("base", vec![base]), ("arm", vec![arm])],
+            &[("arm", "base")],
+        );
+        sp.primary = "task_reward".into();
+        sp.secondary.clear();
+        sp.cluster = ClusterBy::Template;
+        let r = run_study(&sp).unwrap();
+        let c = &r.comparisons[0];
+        assert_eq!(c.clusters, 2);
+        assert!((c.pooled_difference - 0.35).abs() < 1e-12, "{c:?}");
+        assert_eq!(c.ci95, (0.0, 0.7));
+        assert!((c.p_bootstrap - 0.5).abs() < 0.03, "{}", c.p_bootstrap);
+        // Per seed: the sign test of 0 against 2 requests better for the arm.
+        let t = &c.per_seed[0];
+        assert_eq!((t.b, t.c), (0, 2));
+        assert!((t.difference - 0.35).abs() < 1e-12);
+        assert!(!r.binary());
+        assert!(
+            r.table()
+                .contains("| arm vs base | +0.350 (+0.000 to +0.700) |"),
+            "{}",
+            r.table()
+        );
+        // By request instead, the same data looks four times as certain.
+        sp.cluster = ClusterBy::Task;
+        let by_request = run_study(&sp).unwrap();
+        let c = &by_request.comparisons[0];
+        assert_eq!(c.clusters, 4);
+        assert!((c.p_bootstrap - 0.125).abs() < 0.02, "{}", c.p_bootstrap);
+        // A run without templates cannot be clustered by template.
+        let plain = run_dir(tmp.path(), "plain", 4, |_| true);
+        let mut sp = spec(vec![("p", vec![plain])], &[]);
+        sp.cluster = ClusterBy::Template;
+        let err = run_study(&sp).unwrap_err().to_string();
+        assert!(err.contains("no `template` to cluster by"), "{err}");
     }
 
     #[test]

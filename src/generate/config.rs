@@ -47,7 +47,7 @@ pub struct GenerateConfig {
     pub assistant: Option<ModelSpec>,
     /// Candidate replies per turn (N).
     pub candidates: usize,
-    /// Simulated futures per candidate (S).
+    /// Simulated futures per candidate (S); 0 scores each reply alone (single-turn reward).
     pub samples: usize,
     /// Messages per future (user, assistant, user, …).
     pub window: usize,
@@ -151,7 +151,8 @@ impl GenerateConfig {
         }
         self.unknown_keys.check()?;
         self.task_source().validate()?;
-        check_futures(self.samples, self.window)?;
+        // 0 futures is the single-turn reward: each reply scored alone.
+        check_futures(self.samples.max(1), self.window)?;
         self.rollout.validate()?;
         check_sampling("policy_sampling", &self.policy_sampling)?;
         check_sampling("assistant_sampling", &self.assistant_sampling)?;

@@ -27,9 +27,9 @@ pub fn load(src: &TaskSource) -> anyhow::Result<Vec<Task>> {
         let world = chat::default_world().map_err(anyhow::Error::msg)?;
         return check(src, chat::object_tasks(world, split));
     }
-    if let Some(split) = crate::task::clarify::source_split(&src.tasks) {
-        let split = split.map_err(anyhow::Error::msg)?;
-        return check(src, crate::task::clarify::tasks(split));
+    if let Some(source) = crate::task::clarify::source_split(&src.tasks) {
+        let source = source.map_err(anyhow::Error::msg)?;
+        return check(src, crate::task::clarify::load(&source)?);
     }
     let path = Path::new(&src.tasks);
     let tasks = if super::import::is_flat_parquet(path) {

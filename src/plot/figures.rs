@@ -252,7 +252,40 @@ pub fn rl(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Vec<Figu
             panels: vec![Panel::xy("step (rollout batches)", &y, layers)],
         });
     }
+    figs.extend(ask_rate_figure(runs, palette, smooth));
     figs
+}
+
+/// Clarify-or-answer: the share of sampled responses that ask, on vague requests (solid)
+/// and on stated ones (dashed), per run: the behaviour the two rewards disagree on.
+fn ask_rate_figure(runs: &[TrainRun], palette: &Palette, smooth: Option<f64>) -> Option<Figure> {
+    let mut layers = Vec::new();
+    for r in runs {
+        let c = palette.color(&r.name);
+        for (key, kind, dashed) in [
+            ("clarify/asked_vague", "vague", false),
+            ("clarify/asked_stated", "stated", true),
+        ] {
+            if let Some(p) = r.train.get(key) {
+                layers.extend(train_curve(
+                    format!("{} ({kind})", r.name),
+                    c,
+                    p,
+                    smooth,
+                    dashed,
+                ));
+            }
+        }
+    }
+    (!layers.is_empty()).then(|| Figure {
+        name: "rl_ask_rate".into(),
+        title: "Clarifying questions asked (sampled responses; solid vague, dashed stated)".into(),
+        panels: vec![Panel::xy(
+            "step (rollout batches)",
+            "share of responses that ask",
+            layers,
+        )],
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

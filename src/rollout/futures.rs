@@ -91,10 +91,24 @@ impl FutureRunner<'_> {
         with_next_user: bool,
     ) -> Result<ScoredReply, SimError> {
         let reply = ChatMessage::assistant(reply.to_string());
-        if self.samples == 0 && !with_next_user {
-            return Ok(self.score_alone(task, history, reply, weights, key).await);
-        }
         let base: Vec<ChatMessage> = history.iter().cloned().chain([reply.clone()]).collect();
+        if self.samples == 0 {
+            let mut scored = self.score_alone(task, history, reply, weights, key).await;
+            // The real conversation still goes on from the chosen reply (generate_conv).
+            if with_next_user {
+                let next = self
+                    .user
+                    .next_messages(task, &base, 1, self.seed(task, "future-user", key))
+                    .await?
+                    .pop()
+                    .ok_or(SimError::NoUserMessage {
+                        attempts: 1,
+                        last: String::new(),
+                    })?;
+                scored.next_user = Some(next);
+            }
+            return Ok(scored);
+        }
         let extra = usize::from(with_next_user);
         let mut openers = self
             .user

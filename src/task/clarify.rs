@@ -14,23 +14,40 @@
 //!   when the detail is missing and less than a direct answer when it is given: ask exactly
 //!   when the request leaves the detail out.
 //!
-//! Tasks are built in (`clarify:train`, `clarify:test`, `clarify:all`): every template with
-//! every value of its detail's pool, stated and left out. Train and test use disjoint values,
-//! so held-out requests name people, days, times and cities no training request named.
+//! Requests come from *templates* (one kind of request, worded once with the detail and once
+//! without it) and the detail's values. The built-in set (`clarify:train`, `clarify:test`,
+//! `clarify:all`, from `data/clarify_templates.jsonl`) holds out whole templates: the test
+//! split's requests are of kinds and wordings that no training request uses (so a held-out
+//! vague request is new text, not a training prompt again), with values no training request
+//! names. Anyone can bring their own templates as a JSONL file: `clarify:PATH.jsonl` (every
+//! template) or `clarify:PATH.jsonl#train` / `#test` (one split); see [`TemplateRow`].
 
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 
 use super::{Task, TaskType};
 use crate::llm::ChatMessage;
 
-/// The tasks source of the built-in requests: `clarify:train`, `clarify:test`, `clarify:all`.
+/// The tasks source prefix: `clarify:train`, `clarify:test`, `clarify:all`, `clarify:PATH`.
 pub const SOURCE: &str = "clarify:";
 
 /// The default weights: the detail used, less 0.3 per clarifying question.
 pub const DEFAULT_WEIGHTS: &[(&str, f64)] = &[("detail_used", 1.0), ("clarifying_questions", -0.3)];
+
+/// The cost of one clarifying question in the task reward (the default weight's magnitude).
+pub const QUESTION_COST: f64 = 0.3;
+
+/// The placeholder of the detail in a template's texts.
+pub const PLACEHOLDER: &str = "{d}";
+
+/// The built-in templates (the file form of [`TemplateRow`], one per line).
+const BUILTIN: &str = include_str!("../../data/clarify_templates.jsonl");
 
 /// Which requests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -40,6 +57,20 @@ pub enum Split {
     Train,
     Test,
     All,
+}
+
+impl Split {
+    fn as_str(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Test => "test",
+            Split::All => "all",
+        }
+    }
+
+    fn holds(self, template_split: Split) -> bool {
+        self == Split::All || self == template_split
+    }
 }
 
 impl FromStr for Split {
@@ -54,195 +85,378 @@ impl FromStr for Split {
     }
 }
 
-/// The split named by a `clarify:<split>` tasks source; `None` for any other source.
-pub fn source_split(tasks: &str) -> Option<Result<Split, String>> {
-    tasks
-        .strip_prefix(SOURCE)
-        .map(|s| s.parse().map_err(|e| format!("--tasks {tasks}: {e}")))
+/// Where clarify-or-answer requests come from: the built-in templates or a file, and a split.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClarifySource {
+    /// `None`: the built-in templates.
+    pub file: Option<PathBuf>,
+    pub split: Split,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Pool {
-    Name,
-    Day,
-    Time,
-    City,
+/// The source named by a `clarify:...` tasks source; `None` for any other source.
+///
+/// `clarify:train|test|all` are the built-in templates; `clarify:PATH` every template of a
+/// JSONL file and `clarify:PATH#train|test|all` one split of it.
+pub fn source_split(tasks: &str) -> Option<Result<ClarifySource, String>> {
+    let rest = tasks.strip_prefix(SOURCE)?;
+    Some(parse_source(rest).map_err(|e| format!("--tasks {tasks}: {e}")))
 }
 
-impl Pool {
-    /// (training values, held-out values): disjoint.
-    fn values(self) -> (&'static [&'static str], &'static [&'static str]) {
-        match self {
-            Pool::Name => (
-                &[
-                    "Maya", "Liam", "Sofia", "Noah", "Emma", "Lucas", "Aria", "Omar", "Chloe",
-                    "Ethan", "Zara", "Hugo", "Nina", "Felix", "Iris", "Leo",
-                ],
-                &[
-                    "Priya", "Mateo", "Hana", "Tobias", "Elena", "Kwame", "Ingrid", "Rafael",
-                ],
-            ),
-            Pool::Day => (
-                &["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"],
-                &["Saturday", "Sunday"],
-            ),
-            Pool::Time => (
-                &["9 am", "10 am", "2 pm", "3 pm", "5 pm"],
-                &["11 am", "4 pm"],
-            ),
-            Pool::City => (
-                &["Lisbon", "Denver", "Osaka", "Nairobi", "Oslo", "Lima"],
-                &["Dublin", "Hanoi", "Quito"],
-            ),
+fn parse_source(rest: &str) -> Result<ClarifySource, String> {
+    if let Ok(split) = rest.parse::<Split>() {
+        return Ok(ClarifySource { file: None, split });
+    }
+    let (path, split) = match rest.rsplit_once('#') {
+        Some((p, s)) => (p, s.parse::<Split>()?),
+        None => (rest, Split::All),
+    };
+    if !path.ends_with(".jsonl") {
+        return Err(format!(
+            "`{rest}`: expected train, test, all, or a .jsonl file of templates (PATH or PATH#split)"
+        ));
+    }
+    Ok(ClarifySource {
+        file: Some(PathBuf::from(path)),
+        split,
+    })
+}
+
+/// A template file that cannot be used; names the file and the line (1-based).
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("{}: cannot read: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: line {line}: {message}", path.display())]
+    Line {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
+    #[error("{}: {message}", path.display())]
+    File { path: PathBuf, message: String },
+}
+
+/// One line of a template file.
+///
+/// ```json
+/// {"id": "birthday", "split": "train",
+///  "stated": "Write a birthday greeting for my friend {d}.",
+///  "vague": "Write a birthday greeting for my friend.",
+///  "user_answer": "My friend's name is {d}.", "values": ["Maya", "Liam"]}
+/// ```
+///
+/// `stated` and `user_answer` hold the placeholder `{d}`, `vague` does not and names no
+/// value; `values` is non-empty and has no repeats; `split` is `train` (the default) or
+/// `test`. The mixed demonstrator ([`Demonstrator`]) also needs `answer` (a reply that uses
+/// `{d}`), `generic` (the same reply without the detail) and optionally `question` (a short
+/// clarifying question): only on the templates it demonstrates.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateRow {
+    pub id: String,
+    #[serde(default)]
+    pub split: Option<String>,
+    pub stated: String,
+    pub vague: String,
+    pub user_answer: String,
+    pub values: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub question: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generic: Option<String>,
+}
+
+/// A checked template.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Template {
+    pub row: TemplateRow,
+    pub split: Split,
+}
+
+impl TemplateRow {
+    /// Every refusal names what is wrong; the caller adds the file and line.
+    fn check(self) -> Result<Template, String> {
+        let id_ok = !self.id.trim().is_empty()
+            && self
+                .id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'));
+        if !id_ok {
+            return Err(format!(
+                "`id` `{}`: use letters, digits, `_` or `-` (it names the template in task ids)",
+                self.id
+            ));
+        }
+        let split = match self.split.as_deref().unwrap_or("train") {
+            "train" => Split::Train,
+            "test" => Split::Test,
+            other => return Err(format!("`split` `{other}`: expected train or test")),
+        };
+        for (field, text) in [("stated", &self.stated), ("user_answer", &self.user_answer)] {
+            if !text.contains(PLACEHOLDER) {
+                return Err(format!("`{field}` has no detail placeholder {PLACEHOLDER}"));
+            }
+        }
+        if self.vague.trim().is_empty() {
+            return Err("`vague` is empty".into());
+        }
+        if self.vague.contains(PLACEHOLDER) {
+            return Err(format!(
+                "`vague` holds the placeholder {PLACEHOLDER}: the vague request leaves the detail out"
+            ));
+        }
+        if self.values.is_empty() {
+            return Err("`values` is empty: give the detail's values".into());
+        }
+        let mut seen = BTreeSet::new();
+        for v in &self.values {
+            if v.trim().is_empty() {
+                return Err("`values` holds an empty value".into());
+            }
+            if !seen.insert(v.to_lowercase()) {
+                return Err(format!("`values` repeats `{v}`"));
+            }
+            if uses_detail(&self.vague, v) {
+                return Err(format!("`vague` names the value `{v}`"));
+            }
+        }
+        if let Some(q) = &self.question {
+            if !is_question(q) {
+                return Err(
+                    "`question` has no `?`: the scripted user would not see a question".into(),
+                );
+            }
+        }
+        if let Some(a) = &self.answer {
+            if !a.contains(PLACEHOLDER) {
+                return Err(format!("`answer` has no detail placeholder {PLACEHOLDER}"));
+            }
+        }
+        for (field, text) in [("answer", &self.answer), ("generic", &self.generic)] {
+            if text.as_deref().is_some_and(is_question) {
+                return Err(format!("`{field}` has a `?`: it would count as a question"));
+            }
+        }
+        if self
+            .generic
+            .as_deref()
+            .is_some_and(|g| g.contains(PLACEHOLDER))
+        {
+            return Err(format!("`generic` holds the placeholder {PLACEHOLDER}"));
+        }
+        Ok(Template { row: self, split })
+    }
+}
+
+/// Parses a template file's text; `path` only names it in errors.
+pub fn parse_templates(path: &Path, text: &str) -> Result<Vec<Template>, TemplateError> {
+    let at = |line: usize, message: String| TemplateError::Line {
+        path: path.to_path_buf(),
+        line,
+        message,
+    };
+    let mut out: Vec<Template> = Vec::new();
+    let mut ids: std::collections::HashMap<String, usize> = Default::default();
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let row: TemplateRow =
+            serde_json::from_str(raw).map_err(|e| at(line, format!("malformed: {e}")))?;
+        let t = row.check().map_err(|m| at(line, m))?;
+        if let Some(first) = ids.insert(t.row.id.clone(), line) {
+            return Err(at(
+                line,
+                format!("`id` `{}` repeats line {first}", t.row.id),
+            ));
+        }
+        out.push(t);
+    }
+    if out.is_empty() {
+        return Err(TemplateError::File {
+            path: path.to_path_buf(),
+            message: "no templates".into(),
+        });
+    }
+    Ok(out)
+}
+
+/// The built-in templates.
+pub fn builtin_templates() -> Vec<Template> {
+    // Checked by this module's tests: the bundled file always parses.
+    parse_templates(Path::new("data/clarify_templates.jsonl"), BUILTIN).unwrap_or_default()
+}
+
+/// The templates of a source (every split).
+pub fn source_templates(src: &ClarifySource) -> Result<Vec<Template>, TemplateError> {
+    match &src.file {
+        None => Ok(builtin_templates()),
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|source| TemplateError::Read {
+                path: path.clone(),
+                source,
+            })?;
+            parse_templates(path, &text)
         }
     }
 }
 
-/// One kind of request. `{d}` stands for the detail.
-struct Template {
-    id: &'static str,
-    pool: Pool,
-    /// The request with the detail, and without it.
-    stated: &'static str,
-    vague: &'static str,
-    /// The user's answer to any clarifying question.
-    user_answer: &'static str,
+/// The requests of a source's split, in a fixed order: per template, per value, the stated
+/// request then the vague one.
+pub fn load(src: &ClarifySource) -> Result<Vec<Task>, TemplateError> {
+    let templates = source_templates(src)?;
+    let tasks = tasks_of(&templates, src.split);
+    if tasks.is_empty() {
+        return Err(TemplateError::File {
+            path: src
+                .file
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("data/clarify_templates.jsonl")),
+            message: format!("no template in split `{}`", src.split.as_str()),
+        });
+    }
+    Ok(tasks)
 }
 
-const TEMPLATES: &[Template] = &[
-    Template {
-        id: "birthday",
-        pool: Pool::Name,
-        stated: "Write a one-line birthday greeting for my friend {d}.",
-        vague: "Write a one-line birthday greeting for my friend.",
-        user_answer: "My friend's name is {d}.",
-    },
-    Template {
-        id: "thanks",
-        pool: Pool::Name,
-        stated: "Write a one-line thank-you note to my colleague {d}.",
-        vague: "Write a one-line thank-you note to my colleague.",
-        user_answer: "My colleague's name is {d}.",
-    },
-    Template {
-        id: "neighbor",
-        pool: Pool::Name,
-        stated: "Write a one-line welcome message for our new neighbor {d}.",
-        vague: "Write a one-line welcome message for our new neighbor.",
-        user_answer: "Our neighbor's name is {d}.",
-    },
-    Template {
-        id: "dog_caption",
-        pool: Pool::Name,
-        stated: "Write a short caption for a photo of my dog {d}.",
-        vague: "Write a short caption for a photo of my dog.",
-        user_answer: "My dog's name is {d}.",
-    },
-    Template {
-        id: "good_luck",
-        pool: Pool::Name,
-        stated: "Write a one-line good-luck message for my cousin {d} before the exam.",
-        vague: "Write a one-line good-luck message for my cousin before the exam.",
-        user_answer: "My cousin's name is {d}.",
-    },
-    Template {
-        id: "meeting",
-        pool: Pool::Day,
-        stated: "Write a one-line reminder that the team meeting is on {d}.",
-        vague: "Write a one-line reminder about the team meeting.",
-        user_answer: "The meeting is on {d}.",
-    },
-    Template {
-        id: "party",
-        pool: Pool::Day,
-        stated: "Write a one-line invitation to my party on {d}.",
-        vague: "Write a one-line invitation to my party.",
-        user_answer: "The party is on {d}.",
-    },
-    Template {
-        id: "bake_sale",
-        pool: Pool::Day,
-        stated: "Write a one-line announcement that the bake sale is on {d}.",
-        vague: "Write a one-line announcement for the bake sale.",
-        user_answer: "The bake sale is on {d}.",
-    },
-    Template {
-        id: "flight",
-        pool: Pool::Time,
-        stated: "Write a one-line text telling my mom my flight lands at {d}.",
-        vague: "Write a one-line text telling my mom when my flight lands.",
-        user_answer: "It lands at {d}.",
-    },
-    Template {
-        id: "dentist",
-        pool: Pool::Time,
-        stated: "Write a one-line reminder about my dentist appointment at {d}.",
-        vague: "Write a one-line reminder about my dentist appointment.",
-        user_answer: "The appointment is at {d}.",
-    },
-    Template {
-        id: "postcard",
-        pool: Pool::City,
-        stated: "Write a one-line postcard greeting from my trip to {d}.",
-        vague: "Write a one-line postcard greeting from my trip.",
-        user_answer: "I am in {d}.",
-    },
-    Template {
-        id: "moving",
-        pool: Pool::City,
-        stated: "Write a one-line message telling my sister I am moving to {d}.",
-        vague: "Write a one-line message telling my sister I am moving.",
-        user_answer: "I am moving to {d}.",
-    },
-];
+/// The built-in requests of a split.
+pub fn tasks(split: Split) -> Vec<Task> {
+    tasks_of(&builtin_templates(), split)
+}
 
 fn fill(text: &str, detail: &str) -> String {
-    text.replace("{d}", detail)
+    text.replace(PLACEHOLDER, detail)
 }
 
-/// The built-in requests of a split, in a fixed order: per template, per value, the stated
-/// request then the vague one.
-pub fn tasks(split: Split) -> Vec<Task> {
+fn slug(value: &str) -> String {
+    value
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect()
+}
+
+/// The requests of `templates` in `split`.
+pub fn tasks_of(templates: &[Template], split: Split) -> Vec<Task> {
     let mut out = Vec::new();
-    for t in TEMPLATES {
-        let (train, test) = t.pool.values();
-        let values: Vec<(&str, &str)> = match split {
-            Split::Train => train.iter().map(|v| (*v, "train")).collect(),
-            Split::Test => test.iter().map(|v| (*v, "test")).collect(),
-            Split::All => train
-                .iter()
-                .map(|v| (*v, "train"))
-                .chain(test.iter().map(|v| (*v, "test")))
-                .collect(),
-        };
-        for (value, in_split) in values {
+    for t in templates.iter().filter(|t| split.holds(t.split)) {
+        let r = &t.row;
+        for value in &r.values {
             for stated in [true, false] {
-                let slug: String = value
-                    .to_ascii_lowercase()
-                    .chars()
-                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-                    .collect();
+                let mut metadata = serde_json::json!({
+                    "template": r.id,
+                    "request": if stated { fill(&r.stated, value) } else { r.vague.clone() },
+                    "stated": stated,
+                    "user_answer": fill(&r.user_answer, value),
+                    "split": t.split.as_str(),
+                });
+                // What the mixed demonstrator says, where the template gives it.
+                for (key, text) in [
+                    ("question", r.question.clone()),
+                    ("answer", r.answer.as_ref().map(|a| fill(a, value))),
+                    ("generic", r.generic.clone()),
+                ] {
+                    if let Some(text) = text {
+                        metadata[key] = serde_json::json!(text);
+                    }
+                }
                 out.push(Task {
                     id: format!(
-                        "clarify-{}-{slug}-{}",
-                        t.id,
+                        "clarify-{}-{}-{}",
+                        r.id,
+                        slug(value),
                         if stated { "stated" } else { "vague" }
                     ),
                     task_type: TaskType::Clarify,
-                    prompt: fill(t.stated, value),
-                    reference: value.to_string(),
-                    metadata: serde_json::json!({
-                        "template": t.id,
-                        "request": if stated { fill(t.stated, value) } else { t.vague.to_string() },
-                        "stated": stated,
-                        "user_answer": fill(t.user_answer, value),
-                        "split": in_split,
-                    }),
+                    prompt: fill(&r.stated, value),
+                    reference: value.clone(),
+                    metadata,
                 });
             }
         }
     }
     out
+}
+
+/// Whether a clarify task's request states the detail.
+pub fn is_stated(task: &Task) -> bool {
+    task.metadata["stated"].as_bool().unwrap_or(false)
+}
+
+/// A clarify task's template id (the unit that repeats across values: what intervals
+/// resample).
+pub fn template_of(task: &Task) -> Option<&str> {
+    task.metadata["template"].as_str()
+}
+
+/// The task reward of one conversation: the detail used, less [`QUESTION_COST`] per
+/// clarifying question.
+pub fn task_reward(detail_used: f64, questions: f64) -> f64 {
+    detail_used - QUESTION_COST * questions
+}
+
+/// The mixed demonstrator: a scripted assistant whose conversations are SFT data for a warm
+/// start that explores. On a vague request it asks its short clarifying question with
+/// probability `ask_rate` (then answers with the detail the user gives), otherwise answers
+/// generically; on a stated request it answers with the detail, after a needless question
+/// with probability `needless_ask_rate`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Demonstrator {
+    pub ask_rate: f64,
+    pub needless_ask_rate: f64,
+}
+
+/// The demonstrator's question where a template gives none.
+pub const DEFAULT_QUESTION: &str = "Happy to help! What detail should I include?";
+
+impl Demonstrator {
+    pub const DEFAULT: Demonstrator = Demonstrator {
+        ask_rate: 0.5,
+        needless_ask_rate: 0.15,
+    };
+
+    /// Both rates in [0, 1].
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("ask-rate", self.ask_rate),
+            ("needless-ask-rate", self.needless_ask_rate),
+        ] {
+            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+                return Err(format!("--{name} {v}: must be in [0, 1]"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The demonstrator's reply after `history` (which ends with a user message). Whether it
+    /// asks is drawn once per conversation from `seed`, so a conversation's turns agree.
+    pub fn reply(&self, task: &Task, history: &[ChatMessage], seed: u64) -> Result<String, String> {
+        let asked_before = history
+            .iter()
+            .any(|m| m.role == "assistant" && is_question(&m.content));
+        if asked_before {
+            return field(task, "answer").map(str::to_string);
+        }
+        let rate = if is_stated(task) {
+            self.needless_ask_rate
+        } else {
+            self.ask_rate
+        };
+        let ask = StdRng::seed_from_u64(seed).random_bool(rate);
+        match (ask, is_stated(task)) {
+            (true, _) => Ok(task.metadata["question"]
+                .as_str()
+                .unwrap_or(DEFAULT_QUESTION)
+                .to_string()),
+            (false, true) => field(task, "answer").map(str::to_string),
+            (false, false) => field(task, "generic").map(str::to_string),
+        }
+    }
 }
 
 /// A reply that asks something: it has a question mark.
@@ -312,32 +526,241 @@ pub fn clarifying_questions(messages: &[ChatMessage]) -> f64 {
 mod tests {
     use super::*;
 
+    const GOOD: &str = r#"{"id": "birthday", "stated": "Greet my friend {d}.", "vague": "Greet my friend.", "user_answer": "My friend is {d}.", "values": ["Maya", "Liam"]}"#;
+
+    fn parse(text: &str) -> Result<Vec<Template>, TemplateError> {
+        parse_templates(Path::new("t.jsonl"), text)
+    }
+
     #[test]
-    fn splits_are_disjoint_and_half_the_requests_state_the_detail() {
-        let train = tasks(Split::Train);
-        let test = tasks(Split::Test);
-        assert_eq!(train.len() + test.len(), tasks(Split::All).len());
-        let values = |ts: &[Task]| {
+    fn the_builtin_file_parses_and_holds_out_whole_templates() {
+        let all = parse_templates(Path::new("builtin"), BUILTIN).unwrap();
+        assert_eq!(builtin_templates(), all);
+        let (train, test): (Vec<_>, Vec<_>) = all.iter().partition(|t| t.split == Split::Train);
+        assert!(test.len() >= 8, "{} held-out templates", test.len());
+        // No held-out request repeats a training request's text, stated or vague.
+        let train_tasks = tasks(Split::Train);
+        let test_tasks = tasks(Split::Test);
+        let texts = |ts: &[Task]| -> BTreeSet<String> {
             ts.iter()
-                .map(|t| t.reference.clone())
-                .collect::<std::collections::BTreeSet<_>>()
+                .map(|t| t.metadata["request"].as_str().unwrap().to_string())
+                .collect()
         };
-        assert!(values(&train).is_disjoint(&values(&test)));
-        for ts in [&train, &test] {
-            let stated = ts.iter().filter(|t| t.metadata["stated"] == true).count();
-            assert_eq!(2 * stated, ts.len());
+        assert!(texts(&train_tasks).is_disjoint(&texts(&test_tasks)));
+        let vague: BTreeSet<&str> = train.iter().map(|t| t.row.vague.as_str()).collect();
+        for t in &test {
+            assert!(!vague.contains(t.row.vague.as_str()), "{}", t.row.id);
         }
-        let ids: std::collections::BTreeSet<_> =
-            tasks(Split::All).into_iter().map(|t| t.id).collect();
-        assert_eq!(ids.len(), train.len() + test.len(), "ids are unique");
+        // Held-out values too: no held-out request names a value a training request names.
+        let values = |ts: &[Task]| -> BTreeSet<String> {
+            ts.iter().map(|t| t.reference.to_lowercase()).collect()
+        };
+        assert!(values(&train_tasks).is_disjoint(&values(&test_tasks)));
+        assert_eq!(
+            train_tasks.len() + test_tasks.len(),
+            tasks(Split::All).len()
+        );
+        for ts in [&train_tasks, &test_tasks] {
+            let stated = ts.iter().filter(|t| is_stated(t)).count();
+            assert_eq!(2 * stated, ts.len());
+            for t in ts.iter() {
+                let request = t.metadata["request"].as_str().unwrap();
+                assert_eq!(uses_detail(request, &t.reference), is_stated(t), "{t:?}");
+            }
+        }
+        let ids: BTreeSet<_> = tasks(Split::All).into_iter().map(|t| t.id).collect();
+        assert_eq!(
+            ids.len(),
+            train_tasks.len() + test_tasks.len(),
+            "ids are unique"
+        );
+        // Every training template can be demonstrated.
         for t in &train {
-            let request = t.metadata["request"].as_str().unwrap();
-            assert_eq!(
-                uses_detail(request, &t.reference),
-                t.metadata["stated"] == true,
-                "{t:?}"
+            assert!(
+                t.row.answer.is_some() && t.row.generic.is_some(),
+                "{}",
+                t.row.id
             );
         }
+    }
+
+    #[test]
+    fn a_template_file_is_a_source_and_its_split_selects() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mine.jsonl");
+        let held = GOOD
+            .replace("birthday", "held")
+            .replace(r#""values""#, r#""split": "test", "values""#);
+        std::fs::write(&path, format!("{GOOD}\n\n{held}\n")).unwrap();
+        let src = |s: &str| {
+            source_split(&format!("clarify:{}{s}", path.display()))
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(load(&src("")).unwrap().len(), 8);
+        let train = load(&src("#train")).unwrap();
+        assert_eq!(train.len(), 4);
+        assert_eq!(train[0].id, "clarify-birthday-maya-stated");
+        assert_eq!(train[1].metadata["request"], "Greet my friend.");
+        assert_eq!(train[1].metadata["user_answer"], "My friend is Maya.");
+        assert_eq!(template_of(&train[1]), Some("birthday"));
+        assert!(load(&src("#test"))
+            .unwrap()
+            .iter()
+            .all(|t| template_of(t) == Some("held")));
+        assert_eq!(
+            source_split("clarify:test").unwrap().unwrap(),
+            ClarifySource {
+                file: None,
+                split: Split::Test
+            }
+        );
+        assert!(source_split("clarify:mine.csv").unwrap().is_err());
+        assert!(source_split("clarify:mine.jsonl#dev").unwrap().is_err());
+        assert!(source_split("data/math.jsonl").is_none());
+        let missing = load(&source_split("clarify:/no/such.jsonl").unwrap().unwrap());
+        assert!(missing.unwrap_err().to_string().contains("/no/such.jsonl"));
+        std::fs::write(&path, format!("{GOOD}\n")).unwrap();
+        let err = load(&src("#test")).unwrap_err().to_string();
+        assert!(err.contains("no template in split `test`"), "{err}");
+    }
+
+    #[test]
+    fn bad_templates_are_refused_naming_the_line() {
+        let cases = [
+            (
+                GOOD.replace("friend {d}.", "friend."),
+                "`stated` has no detail placeholder",
+            ),
+            (
+                GOOD.replace("is {d}.", "is here."),
+                "`user_answer` has no detail placeholder",
+            ),
+            (
+                GOOD.replace("\"Greet my friend.\"", "\"Greet my friend {d}.\""),
+                "`vague` holds the placeholder",
+            ),
+            (
+                GOOD.replace("[\"Maya\", \"Liam\"]", "[]"),
+                "`values` is empty",
+            ),
+            (
+                GOOD.replace("\"Liam\"", "\"maya\""),
+                "`values` repeats `maya`",
+            ),
+            (
+                GOOD.replace("\"Liam\"", "\"friend\""),
+                "`vague` names the value `friend`",
+            ),
+            (GOOD.replace("\"birthday\"", "\"a b\""), "`id` `a b`"),
+            (
+                GOOD.replace("\"values\"", "\"split\": \"dev\", \"values\""),
+                "`split` `dev`",
+            ),
+            (
+                GOOD.replace("\"values\"", "\"valuse\": [], \"values\""),
+                "unknown field `valuse`",
+            ),
+            (
+                GOOD.replace("\"values\"", "\"question\": \"Who.\", \"values\""),
+                "`question` has no `?`",
+            ),
+            (
+                GOOD.replace("\"values\"", "\"generic\": \"Hi {d}.\", \"values\""),
+                "`generic` holds the placeholder",
+            ),
+            (
+                GOOD.replace("\"values\"", "\"answer\": \"Hi, {d}?\", \"values\""),
+                "`answer` has a `?`",
+            ),
+        ];
+        for (line, want) in cases {
+            let err = parse(&format!("{GOOD}\n{line}\n")).unwrap_err().to_string();
+            assert!(err.starts_with("t.jsonl: line 2: "), "{err}");
+            assert!(err.contains(want), "{err} (wanted {want})");
+        }
+        let err = parse(&format!("{GOOD}\n{GOOD}\n")).unwrap_err().to_string();
+        assert_eq!(err, "t.jsonl: line 2: `id` `birthday` repeats line 1");
+        assert!(parse("\n\n")
+            .unwrap_err()
+            .to_string()
+            .contains("no templates"));
+        assert!(parse("{")
+            .unwrap_err()
+            .to_string()
+            .contains("line 1: malformed"));
+    }
+
+    #[test]
+    fn the_mixed_demonstrator_asks_at_its_rates() {
+        let d = Demonstrator {
+            ask_rate: 0.6,
+            needless_ask_rate: 0.2,
+        };
+        let train = tasks(Split::Train);
+        let (mut asked, mut n) = ([0usize; 2], [0usize; 2]);
+        for (i, t) in train.iter().enumerate() {
+            for rep in 0..20u64 {
+                let h = vec![ChatMessage::user(t.metadata["request"].as_str().unwrap())];
+                let first = d.reply(t, &h, (i as u64) << 8 | rep).unwrap();
+                let k = usize::from(is_stated(t));
+                n[k] += 1;
+                if is_question(&first) {
+                    asked[k] += 1;
+                    // After the user's answer it answers with the detail.
+                    let mut h = h.clone();
+                    h.push(ChatMessage::assistant(first));
+                    h.push(ChatMessage::user(user_turn(t, &h).unwrap().unwrap()));
+                    let second = d.reply(t, &h, 7).unwrap();
+                    assert!(
+                        !is_question(&second) && uses_detail(&second, &t.reference),
+                        "{second}"
+                    );
+                } else {
+                    assert_eq!(uses_detail(&first, &t.reference), is_stated(t), "{first}");
+                }
+            }
+        }
+        let rate = |k: usize| asked[k] as f64 / n[k] as f64;
+        // 1540 draws each: 4 standard errors is about ±0.05.
+        assert!((rate(0) - 0.6).abs() < 0.05, "vague {}", rate(0));
+        assert!((rate(1) - 0.2).abs() < 0.05, "stated {}", rate(1));
+        // The same seed gives the same choice; the rates are checked.
+        let t = &train[1];
+        let h = [ChatMessage::user("x")];
+        assert_eq!(d.reply(t, &h, 5), d.reply(t, &h, 5));
+        assert!(Demonstrator {
+            ask_rate: 1.5,
+            needless_ask_rate: 0.0
+        }
+        .validate()
+        .is_err());
+        assert!(Demonstrator {
+            ask_rate: f64::NAN,
+            needless_ask_rate: 0.0
+        }
+        .validate()
+        .is_err());
+        // A held-out template has nothing to demonstrate with: an error, not a panic.
+        let held = tasks(Split::Test)
+            .into_iter()
+            .find(|t| is_stated(t))
+            .unwrap();
+        let never = Demonstrator {
+            ask_rate: 0.0,
+            needless_ask_rate: 0.0,
+        };
+        assert!(never
+            .reply(&held, &h, 1)
+            .unwrap_err()
+            .contains("metadata.answer"));
+    }
+
+    #[test]
+    fn the_task_reward_charges_each_question() {
+        assert_eq!(task_reward(1.0, 0.0), 1.0);
+        assert!((task_reward(1.0, 1.0) - 0.7).abs() < 1e-12);
+        assert!((task_reward(0.0, 2.0) + 0.6).abs() < 1e-12);
     }
 
     #[test]
@@ -353,7 +776,7 @@ mod tests {
     fn the_scripted_user_answers_questions_and_ends_after_an_answer() {
         let t = tasks(Split::Train)
             .into_iter()
-            .find(|t| t.metadata["stated"] == false)
+            .find(|t| !is_stated(t))
             .unwrap();
         let opening = user_turn(&t, &[]).unwrap().unwrap();
         assert_eq!(opening, t.metadata["request"].as_str().unwrap());

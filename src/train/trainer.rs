@@ -111,6 +111,10 @@ pub struct TrainConfig {
     pub lr: f64,
     pub epochs: usize,
     pub max_steps: Option<usize>,
+    /// Train on at most this many training examples (pairs, or SFT conversations): a seeded
+    /// sample of the file, in file order, so arms with different pair counts can be matched.
+    #[serde(default)]
+    pub max_pairs: Option<usize>,
     pub batch_size: usize,
     pub grad_accum: usize,
     pub max_length: usize,
@@ -174,6 +178,7 @@ pub const RESUME_SETTINGS: &[&str] = &[
     "lr",
     "epochs",
     "max-steps",
+    "max-pairs",
     "batch-size",
     "grad-accum",
     "max-length",
@@ -213,6 +218,7 @@ impl TrainConfig {
             lr: 5e-6,
             epochs: 1,
             max_steps: None,
+            max_pairs: None,
             batch_size: 1,
             grad_accum: 1,
             max_length: 1024,
@@ -292,6 +298,7 @@ impl TrainConfig {
             ("--logging-steps", Some(self.logging_steps)),
             ("--epochs", Some(self.epochs)),
             ("--max-steps", self.max_steps),
+            ("--max-pairs", self.max_pairs),
             ("--eval-steps", self.eval_steps),
             ("--save-steps", self.save_steps),
         ];
@@ -414,6 +421,34 @@ enum Examples {
 }
 
 impl Examples {
+    /// Keeps `k` examples drawn without replacement (seeded), in their original order.
+    fn keep_sample(&mut self, k: usize, seed: u64) {
+        let n = self.len();
+        if k >= n {
+            return;
+        }
+        let mut order: Vec<usize> = (0..n).collect();
+        order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        let mut keep = vec![false; n];
+        for &i in &order[..k] {
+            keep[i] = true;
+        }
+        fn retain_marked<T>(items: &mut Vec<T>, keep: &[bool]) {
+            let mut at = 0;
+            items.retain(|_| {
+                at += 1;
+                keep[at - 1]
+            });
+        }
+        match self {
+            Examples::Pairs { pairs, reference } => {
+                retain_marked(pairs, &keep);
+                reference.clear();
+            }
+            Examples::Seqs(s) => retain_marked(s, &keep),
+        }
+    }
+
     fn len(&self) -> usize {
         match self {
             Examples::Pairs { pairs, .. } => pairs.len(),
@@ -598,7 +633,15 @@ fn load_data(
     objective: &Objective,
 ) -> Result<TrainData> {
     let eval_path = cfg.eval_data.clone().or(files.eval.clone());
-    let (train, train_stats) = load_examples(codec, &files.train, cfg, objective)?;
+    let (mut train, train_stats) = load_examples(codec, &files.train, cfg, objective)?;
+    if let Some(k) = cfg.max_pairs {
+        let all = train.len();
+        train.keep_sample(k, cfg.seed);
+        tracing::info!(
+            "--max-pairs {k}: training on {} of {all} examples",
+            train.len()
+        );
+    }
     if train.len() == 0 {
         return Err(TrainError::input(
             &files.train,
@@ -1044,6 +1087,10 @@ fn ref_cache_key(
     h.update(fingerprint(&model_files)?);
     h.update(codec.template.source());
     h.update(format!("{}|{}", cfg.max_length, cfg.dtype));
+    // A sample of the pairs has reference values of its own.
+    if let Some(k) = cfg.max_pairs {
+        h.update(format!("|max_pairs={k}|seed={}", cfg.seed));
+    }
     Ok(hex::encode(h.finalize())[..16].to_string())
 }
 

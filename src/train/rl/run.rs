@@ -520,6 +520,7 @@ impl<'a> Run<'a> {
         let (policy, sync_s) = self.sampler(trainer, step)?;
 
         let mut log = step_log(step, cfg, tasks.len(), &rollout, &report);
+        clarify_ask_log(&mut log, "", &batch, &rollout);
         let step_tokens = rollout_tokens(&rollout);
         let seen = self.tokens_seen.fetch_add(step_tokens, Ordering::Relaxed) + step_tokens;
         log.insert("num_tokens".into(), json!(seen));
@@ -537,6 +538,7 @@ impl<'a> Run<'a> {
                     .await?;
                 self.append_rollouts(&r)?;
                 eval_log(&mut log, &r);
+                clarify_ask_log(&mut log, "eval/", eval, &r);
             }
         }
         usage_log(&mut log, &usage_before, &self.roles.usage());
@@ -985,6 +987,44 @@ fn step_log(
         put(&format!("actor/{k}"), Some(*v));
     }
     log
+}
+
+/// Clarify-or-answer: the share of sampled responses that ask a question, on vague and on
+/// stated requests (`clarify/asked_vague`, `clarify/asked_stated`; absent when the step held
+/// no such request): the mechanism the two rewards differ on, visible at every step.
+fn clarify_ask_log(
+    log: &mut Map<String, Value>,
+    prefix: &str,
+    prompts: &[RlPrompt],
+    rollout: &StepRollout,
+) {
+    use crate::task::clarify;
+    let stated: std::collections::HashMap<&str, bool> = prompts
+        .iter()
+        .filter(|p| p.task.task_type == crate::task::TaskType::Clarify)
+        .map(|p| (p.task.id.as_str(), clarify::is_stated(&p.task)))
+        .collect();
+    let mut counts = [(0usize, 0usize); 2];
+    for g in &rollout.groups {
+        let Some(&s) = stated.get(g.task_id.as_str()) else {
+            continue;
+        };
+        let c = &mut counts[usize::from(s)];
+        c.0 += g
+            .responses
+            .iter()
+            .filter(|r| clarify::is_question(&r.text))
+            .count();
+        c.1 += g.responses.len();
+    }
+    for (kind, (asked, n)) in ["vague", "stated"].iter().zip(counts) {
+        if n > 0 {
+            log.insert(
+                format!("{prefix}clarify/asked_{kind}"),
+                json!(asked as f64 / n as f64),
+            );
+        }
+    }
 }
 
 fn eval_log(log: &mut Map<String, Value>, r: &StepRollout) {

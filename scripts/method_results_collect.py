@@ -1,0 +1,59 @@
+"""Collects the studies of scripts/method_results.sh into one results file.
+
+Usage: python3 scripts/method_results_collect.py OUT RESULTS ONLY
+  OUT      the script's working directory
+  RESULTS  the results JSON (updated: a study not run keeps its section)
+  ONLY     "", "20q" or "clarify"
+"""
+import glob
+import json
+import os
+import sys
+
+
+def clarify(out):
+    c = {}
+    for mode in ("greedy", "sampled"):
+        c[mode] = {
+            p: json.load(open(f"{out}/study-clarify-{mode}-{p}/study.json"))
+            for p in ("task_reward", "detail_used")
+        }
+    # Sampled ask rates on training requests: the warm start before any training, and each
+    # DPO epoch's model. GRPO's are logged every step (clarify/asked_* in logs.jsonl).
+    probes = {}
+    for d in sorted(glob.glob(f"{out}/clarify/probe/*")):
+        metrics = json.load(open(f"{d}/summary.json"))["models"][0]["metrics"]
+        probes[os.path.basename(d)] = {
+            k: (metrics.get(k) or {}).get("mean")
+            for k in ("asked_vague", "asked_stated", "task_reward", "detail_used")
+        }
+    c["ask_rate_probes"] = probes
+    keys = ("step", "reward", "clarify/asked_vague", "clarify/asked_stated")
+    c["grpo_ask_rates"] = {
+        os.path.basename(d): [
+            {k: row.get(k) for k in keys}
+            for row in map(json.loads, open(f"{d}/logs.jsonl"))
+        ]
+        for d in sorted(glob.glob(f"{out}/clarify/grpo_*-s*"))
+    }
+    c["pairs"] = {
+        os.path.basename(d): json.load(open(f"{d}/manifest.json"))["counts"]
+        for d in sorted(glob.glob(f"{out}/clarify/pairs-*-s*"))
+    }
+    return c
+
+
+def main():
+    out, results, only = sys.argv[1:4]
+    doc = json.load(open(results)) if os.path.exists(results) else {}
+    if only != "clarify":
+        doc["twenty_questions"] = json.load(open(f"{out}/study-20q/study.json"))
+    if only != "20q":
+        doc["clarify"] = clarify(out)
+    with open(results, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
