@@ -39,6 +39,28 @@ fn check_png(path: &Path, width: u32) {
     // 150 dpi recorded.
     let dims = reader.info().pixel_dims.unwrap();
     assert_eq!(dims.xppu, 5906);
+    assert_clear_edges(path, &buf, w as usize, h as usize);
+}
+
+/// Nothing dark within `EDGE` pixels of the canvas edge: every title, label, legend and
+/// annotation stays inside the canvas with a margin (a clipped label or a title touching the
+/// top edge leaves dark pixels there).
+fn assert_clear_edges(path: &Path, rgb: &[u8], w: usize, h: usize) {
+    const EDGE: usize = 4;
+    let dark = |x: usize, y: usize| {
+        let i = 3 * (y * w + x);
+        rgb[i..i + 3].iter().any(|&c| c < 160)
+    };
+    for y in 0..h {
+        for x in 0..w {
+            let near = x < EDGE || y < EDGE || x >= w - EDGE || y >= h - EDGE;
+            assert!(
+                !(near && dark(x, y)),
+                "{}: dark pixel at ({x}, {y}), within {EDGE} px of the edge",
+                path.display()
+            );
+        }
+    }
 }
 
 /// Parses the SVG and returns all its text content.
@@ -190,6 +212,8 @@ fn eval_bars_and_cost_scatter() {
             "interactivity",
             "tokens per conversation (thousands, read + typed)",
             "fraction, 0–1 (mean ± s.e.)",
+            // A metric that is 0 for every model says so instead of drawing empty axes.
+            "0 for every model",
         ],
     );
 }
@@ -257,6 +281,15 @@ fn study_figures_name_every_arm_and_comparison() {
             "pooled differences",
         ],
     );
+    // The rows are named on a categorical axis: no numeric row ticks such as 1.5 or 2.5,
+    // and the rate axis runs to 1, not beyond.
+    let text = svg_text(&out.join("study-clarify.svg"));
+    for tick in ["1.5", "2.5", "1.2"] {
+        assert!(
+            !text.lines().any(|l| l.trim() == tick),
+            "tick {tick} in {text}"
+        );
+    }
     // A missing study.json is named.
     let err = plot::plot_study(&[tmp.path().join("nothing")], &opts(&out)).unwrap_err();
     assert!(err_text(err).contains("study.json"));
@@ -473,4 +506,54 @@ fn huge_logged_values_are_left_out_not_a_hang() {
         "ANSI codes on a pipe: {stderr:?}"
     );
     check_png(&out.join("train_loss.png"), 1200);
+}
+
+/// `plot rl` on clarify-or-answer runs adds the ask-rate figure: vague and stated requests
+/// per run, from the `clarify/asked_*` keys rl_train logs every step.
+#[test]
+fn rl_runs_of_clarify_draw_their_ask_rates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut dirs = Vec::new();
+    for (name, slope) in [("grpo_mr-s1", 0.02), ("grpo_st-s1", -0.02)] {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let lines: String = (1..=10)
+            .map(|step| {
+                let v = 0.5 + slope * step as f64;
+                format!(
+                    "{}\n",
+                    serde_json::json!({"step": step, "loss": 0.1, "reward": v,
+                        "clarify/asked_vague": v, "clarify/asked_stated": 0.2})
+                )
+            })
+            .collect();
+        std::fs::write(dir.join("logs.jsonl"), lines).unwrap();
+        dirs.push(dir);
+    }
+    let out = tmp.path().join("figs");
+    let w = plot::plot_rl(&dirs, &opts(&out)).unwrap();
+    assert!(
+        names(&w).contains(&"rl_ask_rate".to_string()),
+        "{:?}",
+        names(&w)
+    );
+    check_figures(
+        &out,
+        &["rl_ask_rate"],
+        &[
+            "grpo_mr-s1 (vague)",
+            "grpo_st-s1 (stated)",
+            "share of responses that ask",
+        ],
+    );
+    // Runs of other tasks log no ask rate and get no such figure.
+    let plain = tmp.path().join("plain");
+    std::fs::create_dir_all(&plain).unwrap();
+    std::fs::write(
+        plain.join("logs.jsonl"),
+        "{\"step\": 1, \"loss\": 0.1, \"reward\": 0.5}\n",
+    )
+    .unwrap();
+    let w = plot::plot_rl(&[plain], &opts(&tmp.path().join("figs2"))).unwrap();
+    assert!(!names(&w).contains(&"rl_ask_rate".to_string()));
 }

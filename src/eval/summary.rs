@@ -41,12 +41,14 @@ pub const DIALOGUE_METRICS: &[&str] = &[
 
 /// Second views of the task metric, reported right after it: math's judge-vs-programmatic
 /// disagreement (mean = rate over conversations with both), doc_edit's character-level BLEU
-/// (upstream's number), clarify's success and asking rate on stated and vague requests.
+/// (upstream's number), clarify's task reward, and success and asking rate on stated and
+/// vague requests.
 fn task_metric_companions(task: TaskType) -> &'static [&'static str] {
     match task {
         TaskType::Math => &["accuracy_disagree"],
         TaskType::DocEdit => &["bleu_char"],
         TaskType::Clarify => &[
+            "task_reward",
             "detail_used_stated",
             "detail_used_vague",
             "clarifying_questions",

@@ -111,6 +111,9 @@ pub struct BarGroup {
 pub enum PanelKind {
     Xy(Vec<Layer>),
     Bars(Bars),
+    /// No axes, a sentence in their place (e.g. "0 for every model": an empty chart would
+    /// read as missing data).
+    Note(String),
 }
 
 #[derive(Clone, Debug)]
@@ -125,6 +128,11 @@ pub struct Panel {
     pub legend: bool,
     /// Where the legend goes (inside the plotting area).
     pub legend_at: LegendAt,
+    /// A categorical y axis: these names, top to bottom, at y = k, …, 1 (forest plots).
+    /// Empty: a numeric axis.
+    pub y_categories: Vec<String>,
+    /// A fixed x range (e.g. [0, 1] for rates) that the data widens only if it must.
+    pub x_range: Option<(f64, f64)>,
 }
 
 /// Legend corner, chosen per figure where the data usually is not.
@@ -147,6 +155,17 @@ impl Panel {
             y_from_zero: false,
             legend: true,
             legend_at: LegendAt::UpperRight,
+            y_categories: Vec::new(),
+            x_range: None,
+        }
+    }
+
+    /// A panel that shows `note` instead of axes.
+    pub fn note(title: &str, note: &str) -> Panel {
+        Panel {
+            title: Some(title.to_string()),
+            kind: PanelKind::Note(note.to_string()),
+            ..Panel::xy("", "", Vec::new())
         }
     }
 }
@@ -258,8 +277,12 @@ fn draw_figure<DB: DrawingBackend>(
     let s = Scale(width as f64 / BASE_WIDTH as f64);
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(err)?;
-    let body = root
-        .titled(&fig.title, s.font(30.0).color(&BLACK))
+    // A white border: no title, label or legend may touch the canvas edge.
+    let m = s.int(CANVAS_MARGIN);
+    let inner = root.margin(m, m, m, m);
+    let title = fit_text(&fig.title, 30.0, BASE_WIDTH as f64 - 2.0 * CANVAS_MARGIN);
+    let body = inner
+        .titled(&title, s.font(title_size(&fig.title)).color(&BLACK))
         .map_err(err)?;
     let (rows, cols) = fig.grid();
     let areas = body.split_evenly((rows, cols));
@@ -267,6 +290,37 @@ fn draw_figure<DB: DrawingBackend>(
         draw_panel(area, panel, s)?;
     }
     Ok(())
+}
+
+/// Blank pixels (at the reference width) between the canvas edge and anything drawn.
+pub const CANVAS_MARGIN: f64 = 12.0;
+
+/// Approximate width of `text` in DejaVu Sans at `size` px (0.6 em per character: wide
+/// enough for its widest common letters, so an estimate errs toward more room).
+pub fn text_width(text: &str, size: f64) -> f64 {
+    text.chars().count() as f64 * size * 0.6
+}
+
+/// The title's font size: 30 px, smaller (down to 20) when a long title would not fit.
+fn title_size(title: &str) -> f64 {
+    let room = BASE_WIDTH as f64 - 2.0 * CANVAS_MARGIN;
+    (room / (title.chars().count().max(1) as f64 * 0.6)).clamp(20.0, 30.0)
+}
+
+/// `text` cut with an ellipsis where even the smallest title size would not fit `room`.
+fn fit_text(text: &str, size: f64, room: f64) -> String {
+    fit_to(text, title_size(text).min(size), room)
+}
+
+/// `text` at `size` px, cut with an ellipsis where it would not fit `room` px.
+fn fit_to(text: &str, size: f64, room: f64) -> String {
+    let max = (room / (size * 0.6)).floor() as usize;
+    if text.chars().count() <= max {
+        text.to_string()
+    } else {
+        let kept: String = text.chars().take(max.saturating_sub(1)).collect();
+        format!("{}…", kept.trim_end())
+    }
 }
 
 /// Largest magnitude a figure plots. Axis ticks need the range and its width to be finite
@@ -362,7 +416,31 @@ fn draw_panel<DB: DrawingBackend>(
     match &panel.kind {
         PanelKind::Xy(layers) => draw_xy(area, panel, layers, s),
         PanelKind::Bars(bars) => draw_bars(area, panel, bars, s),
+        PanelKind::Note(text) => draw_note(area, panel, text, s),
     }
+}
+
+fn draw_note<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    panel: &Panel,
+    text: &str,
+    s: Scale,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    let area = match &panel.title {
+        Some(t) => area.titled(t, s.font(24.0)).map_err(err)?,
+        None => area.clone(),
+    };
+    let (w, h) = area.dim_in_pixel();
+    let style =
+        s.font(20.0)
+            .color(&RGBColor(90, 90, 90))
+            .pos(plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Center,
+                plotters::style::text_anchor::VPos::Center,
+            ));
+    area.draw_text(text, &style, (w as i32 / 2, h as i32 / 2))
+        .map_err(err)
 }
 
 type Chart<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
@@ -374,10 +452,18 @@ fn build_chart<'a, DB: DrawingBackend>(
     s: Scale,
 ) -> Result<Chart<'a, DB>, String> {
     let mut builder = ChartBuilder::on(area);
+    // Category names need room for the longest one (tick text at 18 px, plus the tick and
+    // a gap); numbers fit the usual 105 px.
+    let longest = panel
+        .y_categories
+        .iter()
+        .map(|c| text_width(c, 18.0))
+        .fold(0.0, f64::max);
+    let y_area = (longest + 40.0).max(105.0);
     builder
         .margin(s.int(14.0))
         .x_label_area_size(s.int(70.0))
-        .y_label_area_size(s.int(105.0));
+        .y_label_area_size(s.int(y_area));
     if let Some(t) = &panel.title {
         builder.caption(t, s.font(24.0));
     }
@@ -390,19 +476,32 @@ fn draw_mesh<DB: DrawingBackend>(
     chart: &mut Chart<'_, DB>,
     panel: &Panel,
     x_fmt: &dyn Fn(&f64) -> String,
+    y_fmt: &dyn Fn(&f64) -> String,
     x_labels: usize,
+    y_labels: usize,
     s: Scale,
 ) -> Result<(), String> {
+    // Axis titles shrink (down to 14 px) and then shorten to fit their side of the panel:
+    // text that does not fit would cross into the next panel or off the canvas.
+    let (w, h) = chart.plotting_area().dim_in_pixel();
+    let fit = |text: &str, room: u32| {
+        let room = room as f64 / s.0;
+        let size = (room / (text.chars().count().max(1) as f64 * 0.6)).clamp(14.0, 22.0);
+        (fit_to(text, size, room), size)
+    };
+    let (x_desc, x_size) = fit(&panel.x_label, w);
+    let (y_desc, y_size) = fit(&panel.y_label, h);
+    let desc_size = x_size.min(y_size);
     chart
         .configure_mesh()
-        .x_desc(panel.x_label.as_str())
-        .y_desc(panel.y_label.as_str())
+        .x_desc(x_desc)
+        .y_desc(y_desc)
         .x_labels(x_labels)
-        .y_labels(8)
+        .y_labels(y_labels)
         .x_label_formatter(x_fmt)
-        .y_label_formatter(&|v| fmt_tick(*v))
+        .y_label_formatter(y_fmt)
         .label_style(s.font(18.0))
-        .axis_desc_style(s.font(22.0))
+        .axis_desc_style(s.font(desc_size))
         .light_line_style(TRANSPARENT)
         .bold_line_style(RGBColor(225, 225, 225))
         .draw()
@@ -439,6 +538,22 @@ fn draw_xy<DB: DrawingBackend>(
     s: Scale,
 ) -> Result<(), String> {
     let mut range = bounds(layers.iter().flat_map(layer_points), panel.y_from_zero);
+    if let Some((lo, hi)) = panel.x_range {
+        let data = layers.iter().flat_map(layer_points).map(|p| p.0);
+        let inside = data
+            .filter(|x| plottable(*x))
+            .all(|x| (lo..=hi).contains(&x));
+        // Just beyond the fixed range, so a dot at its end is not cut in half.
+        let pad = (hi - lo) * 0.02;
+        range.0 = if inside {
+            (lo - pad, hi + pad)
+        } else {
+            (range.0 .0.min(lo), range.0 .1.max(hi))
+        };
+    }
+    if !panel.y_categories.is_empty() {
+        range.1 = (0.5, panel.y_categories.len() as f64 + 0.5);
+    }
     // Keep vertical reference lines inside the box.
     for l in layers {
         if let Shape::VLine { x } = l.shape {
@@ -460,7 +575,31 @@ fn draw_xy<DB: DrawingBackend>(
         range.0 = (x0 - pad, x1 + 2.0 * pad);
     }
     let mut chart = build_chart(area, panel, range, s)?;
-    draw_mesh(&mut chart, panel, &|v| fmt_tick(*v), 8, s)?;
+    if panel.y_categories.is_empty() {
+        draw_mesh(
+            &mut chart,
+            panel,
+            &|v| fmt_tick(*v),
+            &|v| fmt_tick(*v),
+            8,
+            8,
+            s,
+        )?;
+    } else {
+        let cats = panel.y_categories.clone();
+        let k = cats.len();
+        // Row i (top to bottom) sits at y = k − i.
+        let name = move |v: &f64| {
+            let r = v.round();
+            if (v - r).abs() < 1e-6 && r >= 1.0 && (r as usize) <= k {
+                cats[k - r as usize].clone()
+            } else {
+                String::new()
+            }
+        };
+        // One tick per row: exactly k + 1 labels over a range of width k.
+        draw_mesh(&mut chart, panel, &|v| fmt_tick(*v), &name, 8, k + 1, s)?;
+    }
     let mut any_label = false;
     for layer in layers {
         any_label |= layer.label.is_some();
@@ -680,7 +819,7 @@ fn draw_bars<DB: DrawingBackend>(
         }
     };
     // One tick per category: ask for exactly n + 1 labels over a range of width n.
-    draw_mesh(&mut chart, panel, &fmt, n + 1, s)?;
+    draw_mesh(&mut chart, panel, &fmt, &|v| fmt_tick(*v), n + 1, 8, s)?;
     let k = if bars.dodge {
         bars.groups.len().max(1)
     } else {

@@ -509,6 +509,8 @@ pub fn data(runs: &[DataRun], palette: &Palette, min_gap: Option<f64>) -> Vec<Fi
             y_from_zero: true,
             legend: true,
             legend_at: LegendAt::UpperRight,
+            y_categories: Vec::new(),
+            x_range: None,
         }],
     });
     figs
@@ -574,6 +576,17 @@ pub fn eval(runs: &[EvalRun], palette: &Palette) -> Vec<Figure> {
     let categories: Vec<String> = models.iter().map(|(l, _)| (*l).clone()).collect();
     let mut panels = Vec::new();
     for metric in &metrics {
+        // A metric that is 0 for every model draws no bars: say so instead of empty axes,
+        // which read as missing data.
+        let all_zero = models.iter().all(|(_, m)| {
+            m.metrics
+                .get(*metric)
+                .is_some_and(|s| s.mean == 0.0 && s.se == 0.0)
+        });
+        if all_zero {
+            panels.push(Panel::note(metric, "0 for every model"));
+            continue;
+        }
         let groups = models
             .iter()
             .enumerate()
@@ -601,6 +614,8 @@ pub fn eval(runs: &[EvalRun], palette: &Palette) -> Vec<Figure> {
             y_from_zero: true,
             legend: false,
             legend_at: LegendAt::UpperRight,
+            y_categories: Vec::new(),
+            x_range: None,
         });
     }
     let mut figs = vec![Figure {
@@ -827,6 +842,8 @@ pub fn twenty_questions(
         y_from_zero: true,
         legend: true,
         legend_at: LegendAt::UpperLeft,
+        y_categories: Vec::new(),
+        x_range: None,
     };
     // Mean realised information gain by question index (games that reached it).
     let layers = models
@@ -943,13 +960,19 @@ pub fn study(studies: &[(String, super::inputs::Study)], palette: &Palette) -> V
                 seeds: a.seeds.iter().map(|x| x.rate).collect(),
             })
             .collect();
+        // A 0/1 outcome is a rate: its axis is [0, 1] whatever the data.
+        let rate = s.arms.iter().flat_map(|a| &a.seeds).all(|x| x.binary);
         let mut arm_panel = Panel::xy(
-            &format!("{} (pooled over seeds; 95% CI; rings: seeds)", s.primary),
-            "arm",
+            &format!("{}, pooled (95% CI; rings: seeds)", s.primary),
+            "",
             forest(&rows, None),
         );
         arm_panel.title = Some(format!("{} by arm", s.primary));
         arm_panel.legend = false;
+        arm_panel.y_categories = rows.iter().map(|r| r.label.clone()).collect();
+        if rate {
+            arm_panel.x_range = Some((0.0, 1.0));
+        }
         let rows: Vec<Row> = s
             .comparisons
             .iter()
@@ -962,12 +985,13 @@ pub fn study(studies: &[(String, super::inputs::Study)], palette: &Palette) -> V
             })
             .collect();
         let mut diff_panel = Panel::xy(
-            &format!("difference in {} (95% CI, clusters resampled)", s.primary),
-            "comparison",
+            &format!("difference in {} (95% CI)", s.primary),
+            "",
             forest(&rows, Some(0.0)),
         );
         diff_panel.title = Some("pooled differences".into());
         diff_panel.legend = false;
+        diff_panel.y_categories = rows.iter().map(|r| r.label.clone()).collect();
         figs.push(Figure {
             name: name.clone(),
             title: s.title.clone(),
@@ -986,8 +1010,9 @@ struct Row {
     seeds: Vec<f64>,
 }
 
-/// Rows top to bottom at y = k, …, 1: the interval as a line, the value as a dot, the seeds
-/// as rings just below, the label right of the interval; `reference` a dashed vertical line.
+/// Rows top to bottom at y = k, …, 1 (the panel names them on its categorical axis): the
+/// interval as a line, the value as a dot, the seeds as small rings on the same row;
+/// `reference` a dashed vertical line.
 fn forest(rows: &[Row], reference: Option<f64>) -> Vec<Layer> {
     let mut layers = Vec::new();
     if let Some(x) = reference {
@@ -1023,20 +1048,11 @@ fn forest(rows: &[Row], reference: Option<f64>) -> Vec<Layer> {
                 label: None,
                 color: r.color,
                 shape: Shape::Markers {
-                    points: r.seeds.iter().map(|&x| (x, y - 0.2)).collect(),
+                    points: r.seeds.iter().map(|&x| (x, y)).collect(),
                     marker: Marker::Circle { filled: false },
                 },
             });
         }
-        layers.push(Layer {
-            label: None,
-            color: r.color,
-            shape: Shape::Label {
-                x: r.ci.1,
-                y,
-                text: r.label.clone(),
-            },
-        });
     }
     layers
 }

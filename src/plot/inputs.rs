@@ -349,6 +349,13 @@ pub struct StudyArm {
 #[derive(Clone, Debug, Deserialize)]
 pub struct StudySeed {
     pub rate: f64,
+    /// Every outcome 0 or 1 (absent in older files: a rate).
+    #[serde(default = "yes")]
+    pub binary: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Clone, Debug, Deserialize)]

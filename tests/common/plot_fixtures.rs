@@ -134,11 +134,13 @@ pub fn write_math_eval(dir: &Path) {
             {"name": "default", "spec": "default", "metrics": metrics(&[
                 ("accuracy", 0.35, 0.08, 40), ("interactivity", 0.55, 0.04, 40),
                 ("tokens_read_k", 1.2, 0.1, 40), ("tokens_typed_k", 0.3, 0.02, 40),
-                ("turns", 3.1, 0.2, 40), ("judge_failures", 0.0, 0.0, 40)])},
+                ("turns", 3.1, 0.2, 40), ("judge_failures", 0.0, 0.0, 40),
+                ("accuracy_disagree", 0.0, 0.0, 40)])},
             {"name": "collabllm", "spec": "outputs/dpo/final", "metrics": metrics(&[
                 ("accuracy", 0.45, 0.08, 40), ("interactivity", 0.72, 0.03, 40),
                 ("tokens_read_k", 1.0, 0.1, 40), ("tokens_typed_k", 0.25, 0.02, 40),
-                ("turns", 2.7, 0.2, 40), ("judge_failures", 1.0, 0.5, 40)])},
+                ("turns", 2.7, 0.2, 40), ("judge_failures", 1.0, 0.5, 40),
+                ("accuracy_disagree", 0.0, 0.0, 40)])},
         ]
     });
     write(
