@@ -41,6 +41,25 @@ fn scripted(name: &str) -> std::sync::Arc<ScriptedBackend> {
     })
 }
 
+/// Runs `cfg` on its tasks with these policy and assistant roles and the scripted user and
+/// judge.
+async fn generate_scripted(
+    cfg: &GenerateConfig,
+    policy: Role,
+    assistant: Role,
+) -> collabllm::generate::RunSummary {
+    let roles = Roles {
+        policy,
+        assistant,
+        user: Role::from_backend("user", "scripted", scripted("user"), None, None),
+        judge: Role::from_backend("judge", "scripted", scripted("judge"), None, None),
+    };
+    let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
+    generate_with_roles(cfg.clone(), tasks, roles)
+        .await
+        .unwrap()
+}
+
 fn message_list_type() -> DataType {
     let fields = Fields::from(vec![
         Field::new("role", DataType::Utf8, true),
@@ -175,16 +194,7 @@ async fn tiny_policy_and_scripted_roles_write_trl_pairs() {
     };
     let engine = policy.engine().clone();
     let policy_role = Role::from_backend("policy", "tiny", policy, None, Some(engine));
-    let roles = Roles {
-        assistant: policy_role.clone(),
-        policy: policy_role,
-        user: Role::from_backend("user", "scripted", scripted("user"), None, None),
-        judge: Role::from_backend("judge", "scripted", scripted("judge"), None, None),
-    };
-    let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
-    let summary = generate_with_roles(cfg.clone(), tasks, roles)
-        .await
-        .unwrap();
+    let summary = generate_scripted(&cfg, policy_role.clone(), policy_role).await;
     assert_eq!(summary.tasks_done_now, 6, "{summary}");
     assert!(summary.tasks_failed.is_empty(), "{summary}");
 
@@ -1706,16 +1716,8 @@ async fn clarify_pairs_rank_questions_by_their_future_or_alone() {
             ..GenerateConfig::default()
         };
         cfg.validate().unwrap();
-        let roles = Roles {
-            policy: Role::from_backend("policy", "scripted", policy.clone(), None, None),
-            assistant: Role::from_backend("assistant", "scripted", policy.clone(), None, None),
-            user: Role::from_backend("user", "scripted", scripted("user"), None, None),
-            judge: Role::from_backend("judge", "scripted", scripted("judge"), None, None),
-        };
-        let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
-        let summary = generate_with_roles(cfg.clone(), tasks, roles)
-            .await
-            .unwrap();
+        let role = |name: &str| Role::from_backend(name, "scripted", policy.clone(), None, None);
+        let summary = generate_scripted(&cfg, role("policy"), role("assistant")).await;
         assert_eq!(summary.tasks_done_now, 4, "{summary}");
         let text = std::fs::read_to_string(cfg.output.join("conversations.jsonl")).unwrap();
         let mut first_turns = 0;

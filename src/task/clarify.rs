@@ -742,10 +742,7 @@ mod tests {
         .validate()
         .is_err());
         // A held-out template has nothing to demonstrate with: an error, not a panic.
-        let held = tasks(Split::Test)
-            .into_iter()
-            .find(|t| is_stated(t))
-            .unwrap();
+        let held = tasks(Split::Test).into_iter().find(is_stated).unwrap();
         let never = Demonstrator {
             ask_rate: 0.0,
             needless_ask_rate: 0.0,
