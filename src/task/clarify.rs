@@ -447,6 +447,10 @@ impl Demonstrator {
         } else {
             self.ask_rate
         };
+        // Checked by `validate`; a rate that skipped it is an error here, never a panic.
+        if !(0.0..=1.0).contains(&rate) {
+            return Err(format!("demonstrator rate {rate}: must be in [0, 1]"));
+        }
         let ask = StdRng::seed_from_u64(seed).random_bool(rate);
         match (ask, is_stated(task)) {
             (true, _) => Ok(task.metadata["question"]
@@ -741,6 +745,16 @@ mod tests {
         }
         .validate()
         .is_err());
+        // An unchecked rate is an error at the reply, not a panic.
+        let vague = train.iter().find(|t| !is_stated(t)).unwrap();
+        let bad = Demonstrator {
+            ask_rate: f64::NAN,
+            needless_ask_rate: 0.0,
+        };
+        assert!(bad
+            .reply(vague, &h, 1)
+            .unwrap_err()
+            .contains("must be in [0, 1]"));
         // A held-out template has nothing to demonstrate with: an error, not a panic.
         let held = tasks(Split::Test).into_iter().find(is_stated).unwrap();
         let never = Demonstrator {
