@@ -158,10 +158,10 @@ struct Args {
     #[arg(long)]
     sft: bool,
     /// Clarify `demonstrator`: probability of a clarifying question on a vague request.
-    #[arg(long, value_name = "P", value_parser = parse_rate)]
+    #[arg(long, value_name = "P", value_parser = collabllm::task::clarify::RATE.parser())]
     ask_rate: Option<f64>,
     /// Clarify `demonstrator`: probability of a needless question on a stated request.
-    #[arg(long, value_name = "Q", value_parser = parse_rate)]
+    #[arg(long, value_name = "Q", value_parser = collabllm::task::clarify::RATE.parser())]
     needless_ask_rate: Option<f64>,
     /// Token cap of one reply, repeatable: ROLE=N with ROLE policy (the evaluated models), user,
     /// judge or extractor; a bare N caps the evaluated models [default: upstream's policy=2048
@@ -202,14 +202,6 @@ fn parse_eval_max_tokens(s: &str) -> Result<(TokenRole, usize), String> {
     match s.trim().parse::<usize>() {
         Ok(n) => parse_role_max_tokens(&format!("policy={n}")),
         Err(_) => parse_role_max_tokens(s),
-    }
-}
-
-/// A probability: a finite number in [0, 1].
-fn parse_rate(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && (0.0..=1.0).contains(&v) => Ok(v),
-        _ => Err(format!("`{s}`: expected a probability in [0, 1]")),
     }
 }
 

@@ -411,6 +411,9 @@ pub struct Demonstrator {
     pub needless_ask_rate: f64,
 }
 
+/// The range of the demonstrator's rates: probabilities.
+pub const RATE: crate::check::Range = crate::check::Range::closed(0.0, 1.0);
+
 /// The demonstrator's question where a template gives none.
 pub const DEFAULT_QUESTION: &str = "Happy to help! What detail should I include?";
 
@@ -422,14 +425,8 @@ impl Demonstrator {
 
     /// Both rates in [0, 1].
     pub fn validate(&self) -> Result<(), String> {
-        for (name, v) in [
-            ("ask-rate", self.ask_rate),
-            ("needless-ask-rate", self.needless_ask_rate),
-        ] {
-            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
-                return Err(format!("--{name} {v}: must be in [0, 1]"));
-            }
-        }
+        RATE.check("--ask-rate", self.ask_rate)?;
+        RATE.check("--needless-ask-rate", self.needless_ask_rate)?;
         Ok(())
     }
 
@@ -448,7 +445,7 @@ impl Demonstrator {
             self.ask_rate
         };
         // Checked by `validate`; a rate that skipped it is an error here, never a panic.
-        if !(0.0..=1.0).contains(&rate) {
+        if !RATE.contains(rate) {
             return Err(format!("demonstrator rate {rate}: must be in [0, 1]"));
         }
         let ask = StdRng::seed_from_u64(seed).random_bool(rate);
