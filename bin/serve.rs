@@ -178,7 +178,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
     let mut router = collabllm::serve::router(backend, names);
     if let Some(key) = key {
-        router = collabllm::serve::require_api_key(router, key);
+        router = collabllm::serve::require_api_key(router, key)?;
     }
     collabllm::serve::serve_router(listener, router)
         .await
@@ -187,10 +187,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
 /// The key in environment variable `var`; its value is never printed.
 fn api_key(var: &str) -> anyhow::Result<String> {
-    match std::env::var(var) {
-        Ok(k) if !k.trim().is_empty() => Ok(k.trim().to_string()),
+    let key = match std::env::var(var) {
+        Ok(k) if !k.trim().is_empty() => k.trim().to_string(),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            anyhow::bail!("--api-key-env {var}: the environment variable is not valid UTF-8")
+        }
         _ => anyhow::bail!("--api-key-env {var}: the environment variable is unset or empty"),
-    }
+    };
+    collabllm::serve::check_api_key(&key).with_context(|| format!("--api-key-env {var}"))?;
+    Ok(key)
 }
 
 fn main() -> ExitCode {

@@ -197,10 +197,23 @@ async fn bodies_not_declared_as_json_are_refused() {
 /// configured with the key is served.
 #[tokio::test]
 async fn an_api_key_is_required_when_set() {
+    for bad in ["ключ", "two words", "tab\there", ""] {
+        let err = collabllm::serve::require_api_key(
+            collabllm::serve::router(ScriptedBackend::echo("echo"), MODEL),
+            bad.into(),
+        )
+        .expect_err(bad)
+        .to_string();
+        assert!(
+            err.contains("ASCII") && (bad.is_empty() || !err.contains(bad)),
+            "{err}"
+        );
+    }
     let router = collabllm::serve::require_api_key(
         collabllm::serve::router(ScriptedBackend::echo("echo"), MODEL),
         "s3cret".into(),
-    );
+    )
+    .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
@@ -211,6 +224,8 @@ async fn an_api_key_is_required_when_set() {
         Some("Bearer wrong"),
         Some("Bearer s3cre"),
         Some("s3cret"),
+        Some("Basic s3cret"),
+        Some("Bearers3cret"),
     ] {
         let mut req = client
             .post(format!("http://{addr}/v1/chat/completions"))
@@ -247,6 +262,18 @@ async fn an_api_key_is_required_when_set() {
     )
     .await;
     assert!(ok.is_ok(), "{ok:?}");
+    // The scheme is case-insensitive (RFC 7235).
+    for auth in ["bearer s3cret", "BEARER s3cret", "Bearer  s3cret"] {
+        let resp = client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .header("authorization", auth)
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200, "{auth}");
+    }
 }
 
 #[tokio::test]
@@ -453,6 +480,76 @@ async fn a_recursive_schema_neither_hangs_nor_starves_health() {
         );
     }
     assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
+
+/// A self-referring anyOf whose leaf is a large enum: every failed check used to copy and
+/// format the whole list (2,000 values: 2.6 s per request, /health frozen meanwhile, the enum
+/// echoed back). Now the work is bounded, /health answers, the message is short, and an enum
+/// over the limit is refused up front.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_with_a_large_enum_is_bounded_in_work_and_words() {
+    let backend = ScriptedBackend::cycle("c", vec!["\"not listed\"".to_string()]);
+    let addr = spawn_server(backend, MODEL).await;
+    let body = |n: usize| {
+        let values: Vec<String> = (0..n).map(|i| format!("value number {i}")).collect();
+        json!({
+            "messages": [{"role": "user", "content": "json please"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                "$ref": "#/$defs/n",
+                "$defs": {"n": {"anyOf": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/n"},
+                                          {"enum": values}]}}
+            }}}
+        })
+        .to_string()
+    };
+    let started = std::time::Instant::now();
+    let a = tokio::spawn(post_raw(addr, body(1_000)));
+    let b = tokio::spawn(post_raw(addr, body(1_000)));
+    let (status, _) = tokio::time::timeout(
+        std::time::Duration::from_millis(300),
+        get_raw(addr, "/health"),
+    )
+    .await
+    .expect("/health answered within 0.3 s");
+    assert_eq!(status, 200);
+    for r in [a, b] {
+        let (status, text) = r.await.unwrap();
+        assert_eq!(status, 500, "{}", &text[..text.len().min(500)]);
+        assert!(text.len() < 2_000, "{} bytes: {}", text.len(), &text[..500]);
+        let message = api_error(&text)["message"].as_str().unwrap().to_string();
+        assert!(message.contains("steps"), "{message}");
+    }
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // A failed enum names a few values, never the list.
+    let (status, text) = post_raw(
+        addr,
+        json!({
+            "messages": [{"role": "user", "content": "json please"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": {
+                "enum": (0..1_000).map(|i| format!("value number {i}")).collect::<Vec<_>>()
+            }}}
+        })
+        .to_string(),
+    )
+    .await;
+    assert_eq!(status, 500);
+    let message = api_error(&text)["message"].as_str().unwrap().to_string();
+    assert!(
+        message.contains("and 995 more") && message.len() < 600,
+        "{message}"
+    );
+    let (status, text) = post_raw(addr, body(2_000)).await;
+    assert_eq!(status, 400, "{text}");
+    let err = api_error(&text);
+    assert_eq!(err["code"], "unsupported_parameter", "{text}");
+    assert!(
+        err["message"].as_str().unwrap().contains("2000 values"),
+        "{text}"
+    );
 }
 
 #[tokio::test]

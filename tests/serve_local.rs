@@ -580,7 +580,19 @@ async fn logprobs_are_the_models_log_softmax_streamed_too() {
         .unwrap()
         .clone();
     assert_eq!(content.len(), lps.len());
+    // `bytes` joined rebuild the content (a token holding part of a character has its part,
+    // not U+FFFD's bytes).
+    let joined: Vec<u8> = content
+        .iter()
+        .flat_map(|c| c["bytes"].as_array().unwrap().clone())
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect();
+    assert_eq!(
+        String::from_utf8_lossy(&joined),
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
     for (c, t) in content.iter().zip(&lps) {
+        assert_eq!(c["bytes"], json!(t.bytes));
         assert_eq!(c["logprob"].as_f64().unwrap() as f32, t.logprob);
         assert_eq!(c["token"], t.token.as_str());
         assert_eq!(c["top_logprobs"].as_array().unwrap().len(), 3);
@@ -626,4 +638,78 @@ async fn logprobs_are_the_models_log_softmax_streamed_too() {
     .await;
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert!(v["choices"][0]["logprobs"].is_null());
+}
+
+/// The binary with `--api-key-env`: a key no header can carry is refused before the model
+/// loads; a refused request reaches the log (without the key), and the `Bearer` scheme is
+/// matched in any case.
+#[tokio::test]
+async fn the_binary_refuses_unsendable_keys_and_logs_refusals() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::{Command, Stdio};
+    let (_g, dir) = model_util::tiny_model_dir(&TinySpec::default());
+    let serve = |key: &str| {
+        Command::new(env!("CARGO_BIN_EXE_serve"))
+            .arg("--model")
+            .arg(&dir)
+            .args([
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                "--api-key-env",
+                "TEST_SERVE_KEY",
+            ])
+            .env("TEST_SERVE_KEY", key)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let out = serve("ключ").wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("TEST_SERVE_KEY") && err.contains("ASCII") && !err.contains("ключ"),
+        "{err}"
+    );
+
+    let mut child = serve("s3cret");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    let client = reqwest::Client::new();
+    let ask = |auth: &'static str| {
+        client
+            .post(format!("{base}/chat/completions"))
+            .header("content-type", "application/json")
+            .header("authorization", auth)
+            .body(
+                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                    .to_string(),
+            )
+            .send()
+    };
+    assert_eq!(ask("Bearer guess1").await.unwrap().status().as_u16(), 401);
+    assert_eq!(ask("bearer s3cret").await.unwrap().status().as_u16(), 200);
+    child.kill().unwrap();
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    child.wait().unwrap();
+    let refused: Vec<&str> = log.lines().filter(|l| l.contains("401")).collect();
+    assert_eq!(refused.len(), 1, "{log}");
+    assert!(refused[0].contains("/v1/chat/completions"), "{log}");
+    assert!(!log.contains("s3cret") && !log.contains("guess1"), "{log}");
 }

@@ -8,6 +8,12 @@
 //! when it does not end in a replacement character (a multi-byte character whose bytes are
 //! split across tokens, completed by a later one).
 
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::Tokenizer;
+
 /// The decoded text of a growing token sequence.
 #[derive(Debug, Default)]
 pub struct IncrementalText {
@@ -56,6 +62,87 @@ impl IncrementalText {
     }
 }
 
+/// The bytes a token stands for, as OpenAI's `bytes` field gives them: a token that holds
+/// part of a character has that part, so the bytes of a reply's tokens joined are its text
+/// exactly (decoding one such token alone gives U+FFFD). Read from the vocabulary: byte-level
+/// BPE writes each byte as one character of the GPT-2 table, SentencePiece writes `<0xNN>` for
+/// a byte and `▁` for a space; added tokens stand for their decoded text (nothing for special
+/// ones).
+pub(crate) fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
+    let decoded = || {
+        tokenizer
+            .decode(&[id], true)
+            .map(String::into_bytes)
+            .unwrap_or_default()
+    };
+    if tokenizer
+        .get_added_vocabulary()
+        .get_added_tokens_decoder()
+        .contains_key(&id)
+    {
+        return decoded();
+    }
+    let Some(piece) = tokenizer.id_to_token(id) else {
+        return decoded();
+    };
+    if let Some(byte) = byte_fallback(&piece) {
+        return vec![byte];
+    }
+    if is_byte_level(tokenizer.get_decoder()) {
+        let table = unicode_to_byte();
+        if let Some(bytes) = piece.chars().map(|c| table.get(&c).copied()).collect() {
+            return bytes;
+        }
+        return decoded();
+    }
+    piece.replace('\u{2581}', " ").into_bytes()
+}
+
+/// The byte of a SentencePiece byte-fallback piece (`<0x0A>`).
+fn byte_fallback(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
+}
+
+fn is_byte_level(decoder: Option<&DecoderWrapper>) -> bool {
+    match decoder {
+        Some(DecoderWrapper::ByteLevel(_)) => true,
+        Some(DecoderWrapper::Sequence(seq)) => {
+            seq.get_decoders().iter().any(|d| is_byte_level(Some(d)))
+        }
+        _ => false,
+    }
+}
+
+/// GPT-2's byte → printable-character table of byte-level BPE: printable bytes stand for
+/// themselves, the other 68 for the characters from U+0100 on, in byte order. (The tokenizers
+/// crate keeps its copy private.)
+pub(crate) fn byte_to_char() -> [char; 256] {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut shifted = 0u32;
+    std::array::from_fn(|b| {
+        let b = b as u8;
+        if printable(b) {
+            char::from(b)
+        } else {
+            shifted += 1;
+            char::from_u32(255 + shifted).unwrap_or(char::REPLACEMENT_CHARACTER)
+        }
+    })
+}
+
+/// [`byte_to_char`] inverted.
+fn unicode_to_byte() -> &'static HashMap<char, u8> {
+    static TABLE: OnceLock<HashMap<char, u8>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        byte_to_char()
+            .into_iter()
+            .enumerate()
+            .map(|(b, c)| (c, b as u8))
+            .collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,6 +163,62 @@ mod tests {
                 "{text:?} after {n} tokens"
             );
         }
+    }
+
+    /// Joined over a text's tokens, the tokens' bytes are the text exactly, also where a
+    /// token holds part of a character (decoded alone, such a token is U+FFFD).
+    fn token_bytes_rebuild(tok: &Tokenizer, text: &str) {
+        let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+        let joined: Vec<u8> = ids.iter().flat_map(|&id| token_bytes(tok, id)).collect();
+        assert_eq!(String::from_utf8_lossy(&joined), text, "{ids:?}");
+        let partial = ids
+            .iter()
+            .filter(|&&id| tok.decode(&[id], true).unwrap().contains('\u{FFFD}'))
+            .count();
+        assert!(partial > 0, "{text:?}: no token holds part of a character");
+    }
+
+    #[test]
+    fn token_bytes_of_byte_level_and_byte_fallback_tokenizers() {
+        let text = "日本語 🎉 café";
+        token_bytes_rebuild(&crate::engine::tiny::tiny_tokenizer().unwrap(), text);
+        let qwen = Tokenizer::from_file(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/families/qwen2/tokenizer.json"
+        ))
+        .unwrap();
+        token_bytes_rebuild(&qwen, text);
+        // SentencePiece with byte fallback: `▁` for spaces, `<0xNN>` for the bytes of
+        // characters not in the vocabulary.
+        use tokenizers::decoders::byte_fallback::ByteFallback;
+        use tokenizers::decoders::fuse::Fuse;
+        use tokenizers::decoders::sequence::Sequence;
+        use tokenizers::models::bpe::BPE;
+        use tokenizers::normalizers::replace::Replace;
+        let mut vocab: tokenizers::models::bpe::Vocab = (0..=255u8)
+            .map(|b| (format!("<0x{b:02X}>"), u32::from(b)))
+            .collect();
+        for (i, piece) in ["▁", "c", "a", "f", "é", "▁c", "af"].iter().enumerate() {
+            vocab.insert((*piece).to_string(), 256 + i as u32);
+        }
+        let merges = vec![
+            ("▁".to_string(), "c".to_string()),
+            ("a".to_string(), "f".to_string()),
+        ];
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .byte_fallback(true)
+            .build()
+            .unwrap();
+        let mut spm = Tokenizer::new(bpe);
+        spm.with_normalizer(Some(Replace::new(" ", "▁").unwrap()))
+            .unwrap();
+        spm.with_decoder(Some(Sequence::new(vec![
+            Replace::new("▁", " ").unwrap().into(),
+            ByteFallback::default().into(),
+            Fuse::default().into(),
+        ])));
+        token_bytes_rebuild(&spm, text);
     }
 
     #[test]

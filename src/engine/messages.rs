@@ -34,6 +34,9 @@ pub struct TopLogprob {
     pub id: u32,
     /// The token's text on its own (a piece of a character decodes to U+FFFD).
     pub token: String,
+    /// The bytes the token stands for (a piece of a character has its part).
+    #[serde(default)]
+    pub bytes: Vec<u8>,
     pub logprob: f32,
 }
 
@@ -42,7 +45,11 @@ pub struct TopLogprob {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TokenLogprob {
     pub id: u32,
+    /// The token's text on its own (a piece of a character decodes to U+FFFD).
     pub token: String,
+    /// The bytes the token stands for: joined over a reply's tokens, its text exactly.
+    #[serde(default)]
+    pub bytes: Vec<u8>,
     pub logprob: f32,
     /// Most likely first; as many as asked (at most 20).
     pub top: Vec<TopLogprob>,

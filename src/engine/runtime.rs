@@ -13,7 +13,7 @@ use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplate;
 use super::config::ConfigError;
-use super::detok::IncrementalText;
+use super::detok::{self, IncrementalText};
 use super::gguf_tokenizer::{meta_str, meta_u32, tokenizer_from_gguf};
 use super::llama::{KvCache, LlamaConfig, LlamaModel, WeightFormat};
 use super::prefix_cache::{self, Hit, PrefixCache};
@@ -606,23 +606,38 @@ impl Engine {
         Ok(ids)
     }
 
-    /// A sampled token's log-probability record, each token's text decoded on its own.
+    /// A sampled token's log-probability record, each token's text decoded on its own and
+    /// its bytes read from the vocabulary. `first`: the reply's first token, whose leading
+    /// space a SentencePiece decoder drops from the reply's text (so its bytes drop it too).
     fn token_logprob(
         &self,
         id: u32,
         logprob: f32,
         top: &[(u32, f32)],
+        first: bool,
     ) -> Result<TokenLogprob, EngineError> {
+        let text_and_bytes = |id: u32| -> Result<(String, Vec<u8>), EngineError> {
+            let text = self.decode(&[id])?;
+            let mut bytes = detok::token_bytes(&self.codec.tokenizer, id);
+            if first && bytes.first() == Some(&b' ') && !text.starts_with(' ') {
+                bytes.remove(0);
+            }
+            Ok((text, bytes))
+        };
+        let (token, bytes) = text_and_bytes(id)?;
         Ok(TokenLogprob {
             id,
-            token: self.decode(&[id])?,
+            token,
+            bytes,
             logprob,
             top: top
                 .iter()
                 .map(|&(id, logprob)| {
+                    let (token, bytes) = text_and_bytes(id)?;
                     Ok(TopLogprob {
                         id,
-                        token: self.decode(&[id])?,
+                        token,
+                        bytes,
                         logprob,
                     })
                 })
@@ -1066,7 +1081,8 @@ impl Engine {
                 Some(FinishReason::Stop)
             } else {
                 if let (Some(list), Some((logprob, top))) = (row.logprobs.as_mut(), scored) {
-                    list.push(self.token_logprob(tok, logprob, &top)?);
+                    let first = list.is_empty();
+                    list.push(self.token_logprob(tok, logprob, &top, first)?);
                 }
                 row.ids.push(tok);
                 row.detok.update(&row.ids, |ids| self.decode(ids))?;

@@ -51,30 +51,13 @@ impl Default for TinySpec {
     }
 }
 
-/// GPT-2's byte → printable-character table used by byte-level BPE.
-fn byte_to_char() -> Vec<char> {
-    let mut out = vec!['\0'; 256];
-    let mut extra = 0u32;
-    for b in 0..256u32 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        out[b as usize] = if printable {
-            char::from_u32(b).unwrap_or('?')
-        } else {
-            extra += 1;
-            char::from_u32(255 + extra).unwrap_or('?')
-        };
-    }
-    out
-}
-
 /// Vocabulary size of the tiny model: 256 bytes + the special tokens.
 pub fn tiny_vocab_size() -> usize {
     256 + TINY_SPECIAL_TOKENS.len()
 }
 
 pub(crate) fn tiny_tokenizer() -> anyhow::Result<Tokenizer> {
-    let mut vocab: tokenizers::models::bpe::Vocab = byte_to_char()
+    let mut vocab: tokenizers::models::bpe::Vocab = super::detok::byte_to_char()
         .into_iter()
         .enumerate()
         .map(|(i, c)| (c.to_string(), i as u32))

@@ -128,27 +128,62 @@ pub fn router(backend: SharedBackend, names: impl Into<ModelNames>) -> Router {
         .with_state(state)
 }
 
+/// An API key no client could send: HTTP header values carry printable ASCII only, so a key
+/// with other characters would start a server that refuses every request. The key itself is
+/// never part of the message.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the API key holds {0}; clients send it in an HTTP header, which carries printable ASCII \
+     without spaces only: choose a key of letters, digits and punctuation"
+)]
+pub struct InvalidApiKey(&'static str);
+
+/// Refuses a key that no `Authorization` header can carry (see [`InvalidApiKey`]).
+pub fn check_api_key(key: &str) -> Result<(), InvalidApiKey> {
+    if key.is_empty() {
+        return Err(InvalidApiKey("nothing"));
+    }
+    if !key.is_ascii() {
+        return Err(InvalidApiKey("non-ASCII characters"));
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(InvalidApiKey("spaces or control characters"));
+    }
+    Ok(())
+}
+
 /// `router` answering only requests that carry `Authorization: Bearer <key>` (OpenAI
-/// clients send their API key so); `/health` stays open for load balancers and probes.
-pub fn require_api_key(router: Router, key: String) -> Router {
+/// clients send their API key so; the scheme's case does not matter, RFC 7235); `/health`
+/// stays open for load balancers and probes. A refused request is logged (method, path,
+/// status; never the header), so guessing shows in the log.
+pub fn require_api_key(router: Router, key: String) -> Result<Router, InvalidApiKey> {
+    check_api_key(&key)?;
     let key: Arc<str> = key.into();
-    router.layer(middleware::from_fn(move |req: Request, next: Next| {
-        let key = key.clone();
-        async move {
-            let path = req.uri().path();
-            if path == "/health" || path == "/v1/health" || bearer_matches(&req, &key) {
-                return next.run(req).await;
+    Ok(
+        router.layer(middleware::from_fn(move |req: Request, next: Next| {
+            let key = key.clone();
+            async move {
+                let path = req.uri().path();
+                if path == "/health" || path == "/v1/health" || bearer_matches(&req, &key) {
+                    return next.run(req).await;
+                }
+                tracing::warn!(
+                    method = %req.method(),
+                    path,
+                    status = 401,
+                    "request rejected: missing or wrong API key"
+                );
+                ApiError {
+                    status: StatusCode::UNAUTHORIZED,
+                    message: "missing or wrong API key: send `Authorization: Bearer <key>`".into(),
+                    kind: "invalid_request_error",
+                    param: None,
+                    code: Some("invalid_api_key"),
+                }
+                .into_response()
             }
-            ApiError {
-                status: StatusCode::UNAUTHORIZED,
-                message: "missing or wrong API key: send `Authorization: Bearer <key>`".into(),
-                kind: "invalid_request_error",
-                param: None,
-                code: Some("invalid_api_key"),
-            }
-            .into_response()
-        }
-    }))
+        })),
+    )
 }
 
 /// Whether the request's bearer token is `key`, compared in time independent of where the
@@ -158,7 +193,9 @@ fn bearer_matches(req: &Request, key: &str) -> bool {
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim_start_matches(' '))
     else {
         return false;
     };
@@ -580,14 +617,18 @@ fn logprobs_json(asked: bool, choice: &Choice) -> Value {
 
 /// `{"content": [...], "refusal": null}` of these tokens.
 fn logprobs_object(list: &[TokenLogprob]) -> Value {
-    let entry = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    let entry = |token: &str, bytes: &[u8], logprob: f32| json!({"token": token, "logprob": logprob, "bytes": bytes});
     json!({
         "content": list
             .iter()
             .map(|t| {
-                let mut e = entry(&t.token, t.logprob);
-                e["top_logprobs"] =
-                    Value::Array(t.top.iter().map(|a| entry(&a.token, a.logprob)).collect());
+                let mut e = entry(&t.token, &t.bytes, t.logprob);
+                e["top_logprobs"] = Value::Array(
+                    t.top
+                        .iter()
+                        .map(|a| entry(&a.token, &a.bytes, a.logprob))
+                        .collect(),
+                );
                 e
             })
             .collect::<Vec<_>>(),
@@ -938,11 +979,8 @@ async fn chat_completions(
         .chat(&parsed.request)
         .await
         .map_err(|e| ApiError::from_llm(&e))?;
-    for (i, choice) in resp.choices.iter_mut().enumerate() {
-        choice.content = parsed
-            .response_format
-            .check(&choice.content)
-            .map_err(|why| ApiError::format_not_met(i, &parsed.response_format, &why))?;
+    if parsed.response_format.wants_json() {
+        check_format(&parsed.response_format, &mut resp.choices).await?;
     }
     let stats = ChatStats {
         n: parsed.request.n,
@@ -988,6 +1026,32 @@ async fn chat_completions(
     };
     response.extensions_mut().insert(stats);
     Ok(response)
+}
+
+/// Checks every choice against `response_format` off the async workers (a check may take up
+/// to its time budget; `/health` and other requests keep answering meanwhile), replacing each
+/// content with the checked JSON.
+async fn check_format(format: &ResponseFormat, choices: &mut [Choice]) -> Result<(), ApiError> {
+    let contents: Vec<String> = choices.iter().map(|c| c.content.clone()).collect();
+    let checker = format.clone();
+    let checked = tokio::task::spawn_blocking(move || {
+        contents
+            .iter()
+            .map(|c| checker.check(c))
+            .collect::<Vec<_>>()
+    })
+    .await
+    .map_err(|e| ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        message: format!("the response_format check did not finish: {e}"),
+        kind: "server_error",
+        param: Some("response_format".into()),
+        code: None,
+    })?;
+    for (i, (choice, result)) in choices.iter_mut().zip(checked).enumerate() {
+        choice.content = result.map_err(|why| ApiError::format_not_met(i, format, &why))?;
+    }
+    Ok(())
 }
 
 /// Writes the chunks of one streamed completion.

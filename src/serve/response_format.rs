@@ -12,6 +12,7 @@
 //! `$id`, `$comment`) are accepted and not checked.
 
 use std::cell::Cell;
+use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
@@ -72,19 +73,79 @@ const ANNOTATIONS: &[&str] = &[
 const TYPES: &[&str] = &[
     "object", "array", "string", "number", "integer", "boolean", "null",
 ];
-/// Schema nodes visited at most while checking one reply.
-const MAX_STEPS: u64 = 100_000;
+/// Work done at most while checking one reply, in units of one schema node visited or one
+/// value compared (an `enum` of 500 costs 500), so a large list cannot multiply the cost of
+/// every visit.
+pub const MAX_WORK: u64 = 200_000;
+/// Wall time spent at most checking one reply, whatever the schema.
+pub const MAX_CHECK_TIME: Duration = Duration::from_millis(100);
+/// Values in one `enum` at most.
+pub const MAX_ENUM_VALUES: usize = 1_024;
+/// Schema objects (and `enum`/`const` values) in one schema at most.
+pub const MAX_SCHEMA_NODES: usize = 20_000;
+/// Bytes of a failed check's message at most (the message goes back to the client and into
+/// the log; it never echoes a whole enum or reply).
+const MAX_MESSAGE_BYTES: usize = 1_000;
+/// Branch errors of an `anyOf` quoted at most.
+const MAX_QUOTED_BRANCHES: usize = 3;
 
-/// An error of one branch as quoted in its parent's: at most 300 bytes.
-fn shorten(e: &str) -> String {
-    if e.len() <= 300 {
+/// `e` cut to at most `max` bytes on a character boundary, marked with `…` when cut.
+fn shorten_to(e: &str, max: usize) -> String {
+    if e.len() <= max {
         return e.to_string();
     }
-    let mut end = 300;
+    let mut end = max;
     while !e.is_char_boundary(end) {
         end -= 1;
     }
     format!("{}…", &e[..end])
+}
+
+/// An error of one branch as quoted in its parent's: at most 300 bytes.
+fn shorten(e: &str) -> String {
+    shorten_to(e, 300)
+}
+
+/// A value as quoted in an error: at most 80 bytes of its JSON.
+fn quote(v: &Value) -> String {
+    shorten_to(&v.to_string(), 80)
+}
+
+/// What one reply's check may still spend: work units and a deadline.
+struct Budget {
+    work: Cell<u64>,
+    deadline: Instant,
+}
+
+impl Budget {
+    fn new() -> Self {
+        Self {
+            work: Cell::new(0),
+            deadline: Instant::now() + MAX_CHECK_TIME,
+        }
+    }
+
+    /// Spends `units`; an error names the limit that ran out.
+    fn spend(&self, units: u64, at: &str) -> Result<(), String> {
+        let before = self.work.get();
+        let after = before.saturating_add(units);
+        self.work.set(after);
+        if after > MAX_WORK {
+            return Err(format!(
+                "{at}: checking the reply against this schema takes more than {MAX_WORK} steps \
+                 (recursive anyOf/oneOf/allOf or large enums); simplify the schema"
+            ));
+        }
+        // Reading the clock every 1,024 units keeps its cost out of the check.
+        if before / 1024 != after / 1024 && Instant::now() > self.deadline {
+            return Err(format!(
+                "{at}: checking the reply against this schema took more than {} ms; simplify \
+                 the schema",
+                MAX_CHECK_TIME.as_millis()
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// `$ref` hops and nesting followed at most (a schema that refers to itself without
@@ -132,6 +193,7 @@ impl ResponseFormat {
                     .get("schema")
                     .cloned()
                     .unwrap_or(Value::Object(Map::new()));
+                check_schema_size(&schema)?;
                 check_schema(&schema, &schema, "response_format.json_schema.schema", 0)?;
                 Ok(Self::JsonSchema { name, schema })
             }
@@ -169,7 +231,8 @@ impl ResponseFormat {
                 }
             }
             Self::JsonSchema { schema, .. } => {
-                validate(&value, schema, schema, "$", 0, &Cell::new(0))?
+                validate(&value, schema, schema, "$", 0, &Budget::new())
+                    .map_err(|e| shorten_to(&e, MAX_MESSAGE_BYTES))?
             }
         }
         Ok(json.to_string())
@@ -320,6 +383,61 @@ fn resolve_ref<'a>(root: &'a Value, target: &str) -> Option<&'a Value> {
     root.get(section)?.get(name)
 }
 
+/// The error for a value outside an enum: the first few allowed values, never the whole list.
+fn enum_error(at: &str, value: &Value, options: &[Value]) -> String {
+    const SHOWN: usize = 5;
+    let shown: Vec<String> = options.iter().take(SHOWN).map(quote).collect();
+    let rest = match options.len().saturating_sub(SHOWN) {
+        0 => String::new(),
+        n => format!(", … and {n} more"),
+    };
+    format!(
+        "{at}: {} is not one of [{}{rest}]",
+        quote(value),
+        shown.join(", ")
+    )
+}
+
+/// Refuses a schema too large to check within the budget: more than [`MAX_SCHEMA_NODES`]
+/// objects and values in all, or an `enum` of more than [`MAX_ENUM_VALUES`].
+fn check_schema_size(schema: &Value) -> Result<(), FormatError> {
+    let at = "response_format.json_schema.schema";
+    let mut nodes = 0usize;
+    let mut stack = vec![schema];
+    while let Some(v) = stack.pop() {
+        nodes += 1;
+        if nodes > MAX_SCHEMA_NODES {
+            return Err(unsupported(
+                at,
+                format!(
+                    "`{at}` has more than {MAX_SCHEMA_NODES} objects and values; this server \
+                     checks schemas up to that size"
+                ),
+            ));
+        }
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::Array(options)) = o.get("enum") {
+                    if options.len() > MAX_ENUM_VALUES {
+                        return Err(unsupported(
+                            at,
+                            format!(
+                                "an `enum` in `{at}` lists {} values; this server checks \
+                                 enums of at most {MAX_ENUM_VALUES}",
+                                options.len()
+                            ),
+                        ));
+                    }
+                }
+                stack.extend(o.values());
+            }
+            Value::Array(a) => stack.extend(a.iter()),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -353,20 +471,14 @@ fn validate(
     root: &Value,
     at: &str,
     depth: usize,
-    steps: &Cell<u64>,
+    steps: &Budget,
 ) -> Result<(), String> {
     if depth > MAX_DEPTH {
         return Err(format!("{at}: the schema nests deeper than {MAX_DEPTH}"));
     }
     // A schema whose anyOf/oneOf branches refer back to it makes the checks exponential in
     // the depth; a budget keeps a hostile schema to milliseconds.
-    steps.set(steps.get() + 1);
-    if steps.get() > MAX_STEPS {
-        return Err(format!(
-            "{at}: checking the reply against this schema takes more than {MAX_STEPS} steps \
-             (recursive anyOf/oneOf/allOf); simplify the schema"
-        ));
-    }
+    steps.spend(1, at)?;
     let obj = match schema {
         Value::Bool(true) => return Ok(()),
         Value::Bool(false) => return Err(format!("{at}: no value is allowed here")),
@@ -392,16 +504,14 @@ fn validate(
         }
     }
     if let Some(options) = obj.get("enum").and_then(Value::as_array) {
+        steps.spend(options.len() as u64, at)?;
         if !options.contains(value) {
-            return Err(format!(
-                "{at}: {value} is not one of {}",
-                Value::Array(options.clone())
-            ));
+            return Err(enum_error(at, value, options));
         }
     }
     if let Some(c) = obj.get("const") {
         if c != value {
-            return Err(format!("{at}: expected {c}, got {value}"));
+            return Err(format!("{at}: expected {}, got {}", quote(c), quote(value)));
         }
     }
     check_bounds(value, obj, at)?;
@@ -467,7 +577,7 @@ fn check_object(
     root: &Value,
     at: &str,
     depth: usize,
-    steps: &Cell<u64>,
+    steps: &Budget,
 ) -> Result<(), String> {
     for key in obj
         .get("required")
@@ -503,7 +613,7 @@ fn check_combinators(
     root: &Value,
     at: &str,
     depth: usize,
-    steps: &Cell<u64>,
+    steps: &Budget,
 ) -> Result<(), String> {
     let subs = |k: &str| obj.get(k).and_then(Value::as_array);
     if let Some(all) = subs("allOf") {
@@ -512,23 +622,43 @@ fn check_combinators(
         }
     }
     if let Some(any) = subs("anyOf") {
-        let errors: Vec<String> = any
-            .iter()
-            .filter_map(|s| validate(value, s, root, at, depth + 1, steps).err())
-            .map(|e| shorten(&e))
-            .collect();
-        if errors.len() == any.len() {
+        let mut quoted = Vec::new();
+        let mut failed = 0;
+        for s in any {
+            match validate(value, s, root, at, depth + 1, steps) {
+                Ok(()) => break,
+                // An exhausted budget is the answer, not one branch's failure.
+                Err(e) if steps.work.get() > MAX_WORK => return Err(e),
+                Err(e) => {
+                    failed += 1;
+                    if quoted.len() < MAX_QUOTED_BRANCHES {
+                        quoted.push(shorten(&e));
+                    }
+                }
+            }
+        }
+        if failed == any.len() {
+            let more = failed - quoted.len();
+            let tail = if more > 0 {
+                format!("; and {more} more")
+            } else {
+                String::new()
+            };
             return Err(format!(
-                "{at}: matches none of anyOf ({})",
-                errors.join("; ")
+                "{at}: matches none of anyOf ({}{tail})",
+                quoted.join("; ")
             ));
         }
     }
     if let Some(one) = subs("oneOf") {
-        let matching = one
-            .iter()
-            .filter(|s| validate(value, s, root, at, depth + 1, steps).is_ok())
-            .count();
+        let mut matching = 0;
+        for s in one {
+            match validate(value, s, root, at, depth + 1, steps) {
+                Ok(()) => matching += 1,
+                Err(e) if steps.work.get() > MAX_WORK => return Err(e),
+                Err(_) => {}
+            }
+        }
         if matching != 1 {
             return Err(format!(
                 "{at}: matches {matching} of the oneOf schemas, not exactly one"
