@@ -27,6 +27,11 @@ pub enum TemplateError {
     },
 }
 
+/// Template instructions one render may execute: real templates spend about a hundred per
+/// message, so this bounds only a template that loops without end (nested `range` loops
+/// would otherwise hold a request for hours); it runs out in well under a second.
+pub const MAX_RENDER_FUEL: u64 = 10_000_000;
+
 /// A compiled chat template plus the special tokens it may refer to.
 #[derive(Clone)]
 pub struct ChatTemplate {
@@ -70,6 +75,7 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.set_fuel(Some(MAX_RENDER_FUEL));
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| TemplateError::Invalid {
                 source_name: source_name.into(),
@@ -160,9 +166,17 @@ impl ChatTemplate {
     }
 
     fn render_error(&self, e: minijinja::Error) -> TemplateError {
+        let message = if e.kind() == ErrorKind::OutOfFuel {
+            format!(
+                "rendering the chat template took more than {MAX_RENDER_FUEL} template \
+                 instructions and was stopped (a loop over a large range?)"
+            )
+        } else {
+            e.to_string()
+        };
         TemplateError::Render {
             source_name: self.source_name.clone(),
-            message: e.to_string(),
+            message,
         }
     }
 
@@ -186,6 +200,28 @@ mod tests {
 
     /// SmolLM2-135M-Instruct's template, as stored in its GGUF and tokenizer_config.json.
     pub const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    /// Nested loops over large ranges would render for hours: the fuel stops them quickly,
+    /// with an error naming the file, while a long real conversation renders.
+    #[test]
+    fn a_template_that_loops_without_end_is_stopped() {
+        let looping = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}\
+                       {% endfor %}";
+        let t = ChatTemplate::new(looping, "looping.jinja", "", "").unwrap();
+        let started = std::time::Instant::now();
+        let e = t.render(&[ChatMessage::user("hi")], true).unwrap_err();
+        assert!(started.elapsed() < std::time::Duration::from_secs(3));
+        let e = e.to_string();
+        assert!(
+            e.contains("looping.jinja") && e.contains("instructions"),
+            "{e}"
+        );
+        let t = ChatTemplate::new(SMOLLM2, "smollm2", "", "").unwrap();
+        let long: Vec<ChatMessage> = (0..5_000)
+            .map(|i| ChatMessage::user(format!("message {i}")))
+            .collect();
+        assert!(t.render(&long, true).is_ok());
+    }
 
     #[test]
     fn renders_smollm2_like_transformers() {

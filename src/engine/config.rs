@@ -541,8 +541,11 @@ impl LlamaConfig {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
     pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads)
+        self.head_dim.unwrap_or_else(|| {
+            self.hidden_size
+                .checked_div(self.num_attention_heads)
+                .unwrap_or(0)
+        })
     }
 
     /// Positions a sequence may hold: `max_position_embeddings`, or a shorter sliding window
@@ -619,7 +622,7 @@ impl LlamaConfig {
             bos_token_id: f.get("bos_token_id").cloned(),
             eos_token_id: f.get("eos_token_id").cloned(),
         };
-        if cfg.head_dim.is_none() && hidden_size % heads != 0 {
+        if cfg.head_dim.is_none() && heads != 0 && hidden_size % heads != 0 {
             return Err(f.err(
                 "hidden_size",
                 format!("{hidden_size} is not a multiple of num_attention_heads {heads}"),
@@ -635,8 +638,45 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
+    /// Every size is at least 1 and at most what any real model has, so that nothing is
+    /// allocated from a damaged or hostile number (a `max_position_embeddings` of 1e12 would
+    /// size the rotary tables at 16 TB and abort the process). Fields by their config.json
+    /// names.
+    fn check_sizes(&self) -> Result<(), (&'static str, String)> {
+        let sizes = [
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_attention_heads, MAX_HEADS),
+            ("num_key_value_heads", self.num_kv_heads(), MAX_HEADS),
+            ("head_dim", self.head_dim(), MAX_HEAD_DIM),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_POSITIONS,
+            ),
+        ];
+        for (field, value, max) in sizes {
+            if value == 0 {
+                return Err((field, "0: must be at least 1".into()));
+            }
+            if value > max {
+                return Err((
+                    field,
+                    format!(
+                        "{value} is larger than any model this engine loads (at most {max}); \
+                         is the file damaged?"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Head counts and the rotary dimension fit together (both sources).
     fn check_shape(&self) -> Result<(), (&'static str, String)> {
+        self.check_sizes()?;
         let (heads, kv) = (self.num_attention_heads, self.num_kv_heads());
         if heads % kv != 0 {
             return Err((
@@ -757,6 +797,12 @@ impl LlamaConfig {
         }
         cfg.check_shape().map_err(|(field, m)| {
             let k = match field {
+                "vocab_size" => key("vocab_size"),
+                "hidden_size" => key("embedding_length"),
+                "intermediate_size" => key("feed_forward_length"),
+                "num_hidden_layers" => key("block_count"),
+                "num_attention_heads" => key("attention.head_count"),
+                "max_position_embeddings" => key("context_length"),
                 "head_dim" => key("attention.key_length"),
                 _ => key("attention.head_count_kv"),
             };
@@ -764,7 +810,68 @@ impl LlamaConfig {
         })?;
         Ok(cfg)
     }
+
+    /// The GGUF file's tensors have the shapes its metadata states, layer by layer, and it
+    /// has no layers beyond `block_count` (as safetensors are checked against config.json):
+    /// a wrong head count or key length is refused at load, naming the tensor, instead of
+    /// failing every request.
+    pub fn check_gguf_tensors(&self, content: &gguf_file::Content) -> Result<(), String> {
+        let (h, hd) = (self.hidden_size, self.head_dim());
+        let (q, kv, im) = (
+            self.num_attention_heads * hd,
+            self.num_kv_heads() * hd,
+            self.intermediate_size,
+        );
+        let want = |name: &str, dims: &[usize]| -> Result<(), String> {
+            let info = content
+                .tensor_infos
+                .get(name)
+                .ok_or_else(|| format!("tensor `{name}` is missing"))?;
+            if info.shape.dims() != dims {
+                return Err(format!(
+                    "tensor `{name}` has shape {:?}, but the metadata implies {dims:?} (check \
+                     the head counts, key length and sizes)",
+                    info.shape.dims()
+                ));
+            }
+            Ok(())
+        };
+        want("token_embd.weight", &[self.vocab_size, h])?;
+        if content.tensor_infos.contains_key("output.weight") {
+            want("output.weight", &[self.vocab_size, h])?;
+        }
+        want("output_norm.weight", &[h])?;
+        for i in 0..self.num_hidden_layers {
+            let t = |n: &str| format!("blk.{i}.{n}.weight");
+            want(&t("attn_norm"), &[h])?;
+            want(&t("ffn_norm"), &[h])?;
+            want(&t("attn_q"), &[q, h])?;
+            want(&t("attn_k"), &[kv, h])?;
+            want(&t("attn_v"), &[kv, h])?;
+            want(&t("attn_output"), &[h, q])?;
+            want(&t("ffn_gate"), &[im, h])?;
+            want(&t("ffn_up"), &[im, h])?;
+            want(&t("ffn_down"), &[h, im])?;
+        }
+        let beyond = format!("blk.{}.", self.num_hidden_layers);
+        if let Some(name) = content.tensor_infos.keys().find(|n| n.starts_with(&beyond)) {
+            return Err(format!(
+                "tensor `{name}` lies beyond the {} layers `block_count` states",
+                self.num_hidden_layers
+            ));
+        }
+        Ok(())
+    }
 }
+
+/// Largest sizes a config may state (well above any released model's).
+const MAX_VOCAB: usize = 1 << 22;
+const MAX_WIDTH: usize = 1 << 18;
+const MAX_LAYERS: usize = 1_024;
+const MAX_HEADS: usize = 1_024;
+const MAX_HEAD_DIM: usize = 1_024;
+/// Qwen2.5-1M declares 1,010,000 positions.
+const MAX_POSITIONS: usize = 1 << 21;
 
 /// `<arch>.rope.scaling.type` (`none` | `linear`; llama.cpp's older `<arch>.rope.scale_linear`
 /// too). Llama 3 GGUFs carry their scaling as the `rope_freqs` tensor instead.
@@ -859,6 +966,109 @@ mod tests {
         assert_eq!(
             read(v).unwrap_err().field(),
             Some("rope_scaling.low_freq_factor")
+        );
+    }
+
+    /// Sizes no model has are refused by field before anything is allocated from them.
+    #[test]
+    fn absurd_sizes_are_refused_by_name() {
+        for (key, val) in [
+            ("max_position_embeddings", 1_000_000_000_000u64),
+            ("num_hidden_layers", 4_000_000_000),
+            ("vocab_size", 1 << 40),
+            ("num_attention_heads", 0),
+            ("max_position_embeddings", 0),
+            ("num_hidden_layers", 0),
+        ] {
+            let mut v = base();
+            v[key] = val.into();
+            let err = read(v).unwrap_err();
+            assert_eq!(err.field(), Some(key), "{err}");
+        }
+        use gguf_file::Value as V;
+        for (key, val) in [
+            ("llama.context_length", u32::MAX),
+            ("llama.block_count", 4_000_000_000),
+            ("llama.context_length", 0),
+            ("llama.block_count", 0),
+        ] {
+            let err = LlamaConfig::from_gguf(&gguf(&[(key, V::U32(val))])).unwrap_err();
+            assert!(err.starts_with(&format!("`{key}`")), "{err}");
+        }
+    }
+
+    /// A GGUF whose tensors do not match its metadata is refused at load, naming the tensor.
+    #[test]
+    fn gguf_tensor_shapes_are_checked_against_the_metadata() {
+        use candle_core::quantized::GgmlDType;
+        use gguf_file::Value as V;
+        let with_tensors = |content: &mut gguf_file::Content, layers: usize, q_rows: usize| {
+            let mut put = |name: String, dims: Vec<usize>| {
+                content.tensor_infos.insert(
+                    name,
+                    gguf_file::TensorInfo {
+                        ggml_dtype: GgmlDType::F32,
+                        shape: dims.into(),
+                        offset: 0,
+                    },
+                );
+            };
+            put("token_embd.weight".into(), vec![10, 8]);
+            put("output_norm.weight".into(), vec![8]);
+            for i in 0..layers {
+                for (n, dims) in [
+                    ("attn_norm", vec![8]),
+                    ("ffn_norm", vec![8]),
+                    ("attn_q", vec![q_rows, 8]),
+                    ("attn_k", vec![4, 8]),
+                    ("attn_v", vec![4, 8]),
+                    ("attn_output", vec![8, 8]),
+                    ("ffn_gate", vec![16, 8]),
+                    ("ffn_up", vec![16, 8]),
+                    ("ffn_down", vec![8, 16]),
+                ] {
+                    put(format!("blk.{i}.{n}.weight"), dims);
+                }
+            }
+        };
+        let mut good = gguf(&[]);
+        with_tensors(&mut good, 1, 8);
+        let cfg = LlamaConfig::from_gguf(&good).unwrap();
+        cfg.check_gguf_tensors(&good).unwrap();
+        // A head count or key length the tensors do not have.
+        for (meta, tensor) in [
+            (
+                ("llama.attention.head_count", V::U32(4)),
+                "blk.0.attn_k.weight",
+            ),
+            (
+                ("llama.attention.key_length", V::U32(2)),
+                "blk.0.attn_q.weight",
+            ),
+        ] {
+            let mut wrong = gguf(&[meta]);
+            with_tensors(&mut wrong, 1, 8);
+            let cfg = LlamaConfig::from_gguf(&wrong).unwrap();
+            let err = cfg.check_gguf_tensors(&wrong).unwrap_err();
+            assert!(err.contains(tensor), "{err}");
+        }
+        // More layers in the file than block_count says.
+        let mut extra = gguf(&[]);
+        with_tensors(&mut extra, 2, 8);
+        let cfg = LlamaConfig::from_gguf(&extra).unwrap();
+        let err = cfg.check_gguf_tensors(&extra).unwrap_err();
+        assert!(
+            err.contains("blk.1.") && err.contains("block_count"),
+            "{err}"
+        );
+        // Fewer.
+        let mut fewer = gguf(&[("llama.block_count", V::U32(2))]);
+        with_tensors(&mut fewer, 1, 8);
+        let cfg = LlamaConfig::from_gguf(&fewer).unwrap();
+        let err = cfg.check_gguf_tensors(&fewer).unwrap_err();
+        assert!(
+            err.contains("blk.1.attn_norm.weight") && err.contains("missing"),
+            "{err}"
         );
     }
 
