@@ -821,6 +821,19 @@ async fn broken_checkpoints_are_refused_before_any_upload() {
     wrong["intermediate_size"] = json!(v["intermediate_size"].as_u64().unwrap() + 8);
     std::fs::write(dir.join("config.json"), wrong.to_string()).unwrap();
     refused("config.json implies").await;
+
+    // With checksums.json: a file added afterwards is named and not published; a list made
+    // unreadable by one byte refuses the push instead of turning verification off.
+    std::fs::write(dir.join("config.json"), &config).unwrap();
+    collabllm::run::write_checksums(&dir).unwrap();
+    std::fs::write(dir.join("evil.py"), "import os").unwrap();
+    refused("evil.py").await;
+    std::fs::remove_file(dir.join("evil.py")).unwrap();
+    let list = dir.join(collabllm::run::CHECKSUMS_FILE);
+    let mut bytes = std::fs::read(&list).unwrap();
+    bytes[2] = 0xFF;
+    std::fs::write(&list, bytes).unwrap();
+    refused("damaged").await;
     assert!(hub.commits().is_empty(), "nothing was pushed");
     assert_eq!(hub.lfs_uploads(), 0);
 }

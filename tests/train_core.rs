@@ -173,6 +173,35 @@ fn logits_match_the_inference_model_tied_and_untied() {
     }
 }
 
+/// A weight finite in f32 but beyond f16's range is refused when saving as f16 (it would be
+/// written as inf), by name; f32 and bf16 save it.
+#[test]
+fn an_f16_save_refuses_weights_beyond_its_range() {
+    one_thread();
+    let (_g, dir) = tiny_model_dir(&TinySpec::default());
+    let mut train = TrainLlama::from_hf_dir(&dir, DType::F32, &cpu()).unwrap();
+    let var = train.vars().into_iter().next().unwrap();
+    let big = (var.as_tensor().ones_like().unwrap() * 1e6).unwrap();
+    var.set(&big).unwrap();
+    train.set_save_dtype(DType::F16);
+    let out = tempfile::tempdir().unwrap();
+    let err = train
+        .save_hf(&out.path().join("f16"), Some(&dir))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("F16") && err.contains("weight `") && err.contains("bf16 or f32"),
+        "{err}"
+    );
+    assert!(!out.path().join("f16/model.safetensors").exists());
+    for dtype in [DType::BF16, DType::F32] {
+        train.set_save_dtype(dtype);
+        train
+            .save_hf(&out.path().join(format!("{dtype:?}")), Some(&dir))
+            .unwrap();
+    }
+}
+
 #[test]
 fn hf_export_reloads_through_the_inference_path() {
     one_thread();

@@ -543,6 +543,7 @@ pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
     })?;
     let mut files = Vec::new();
     collect(dir, "", &mut files)?;
+    refuse_unlisted(dir, &files)?;
     // The optimizer state only serves `dpo_train --resume`; HF does not publish it either.
     // Nor the checksums of what `--resume` reads (they list the optimizer state too).
     files.retain(|f| {
@@ -556,6 +557,42 @@ pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
     let card = model_card(dir, repo, peft, &names);
     files.push(RepoFile::bytes("README.md", card.into_bytes()));
     Ok(files)
+}
+
+/// In a checkpoint with `checksums.json`, every file to publish must be one it lists: a file
+/// added after the checkpoint was saved (a script, a replaced config) is refused by name
+/// rather than uploaded unverified. The card is regenerated, so `README.md` may be anything.
+fn refuse_unlisted(dir: &Path, files: &[RepoFile]) -> Result<(), HubError> {
+    let listed = crate::run::recorded_checksums(dir).map_err(|message| HubError::Layout {
+        path: dir.to_path_buf(),
+        message,
+    })?;
+    let Some(listed) = listed else {
+        return Ok(());
+    };
+    let unlisted: Vec<&str> = files
+        .iter()
+        .map(|f| f.path_in_repo.as_str())
+        .filter(|p| !matches!(*p, "README.md" | crate::run::CHECKSUMS_FILE))
+        .filter(|p| !listed.contains_key(*p))
+        .collect();
+    if unlisted.is_empty() {
+        return Ok(());
+    }
+    Err(HubError::Layout {
+        path: dir.to_path_buf(),
+        message: format!(
+            "{} not listed in {} (added after the checkpoint was saved), so not published: \
+             {}; remove them, or push a copy of the directory without them",
+            if unlisted.len() == 1 {
+                "a file is"
+            } else {
+                "files are"
+            },
+            crate::run::CHECKSUMS_FILE,
+            unlisted.join(", ")
+        ),
+    })
 }
 
 fn collect(dir: &Path, prefix: &str, out: &mut Vec<RepoFile>) -> Result<(), HubError> {

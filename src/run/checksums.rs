@@ -35,25 +35,64 @@ pub fn write_checksums(dir: &Path) -> Result<(), super::WriteError> {
     )
 }
 
-/// Checks every file `checksums.json` lists; a checkpoint without one (written by an older
-/// version) passes. The error names the file.
-pub fn verify_checksums(dir: &Path) -> Result<(), String> {
+/// The digests `dir`'s `checksums.json` records, by file name; `None` when the directory has
+/// no list (a checkpoint written by an older version). A list that exists but cannot be read,
+/// is not UTF-8 JSON, or names anything but a plain file of the directory is an error: a
+/// damaged list must never turn verification off.
+pub fn recorded_checksums(dir: &Path) -> Result<Option<BTreeMap<String, String>>, String> {
     let list = dir.join(CHECKSUMS_FILE);
-    let Ok(text) = std::fs::read_to_string(&list) else {
+    let bytes = match std::fs::read(&list) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: cannot be read ({e})", list.display())),
+    };
+    let damaged = |why: String| {
+        format!(
+            "{}: {why}; the list is damaged, so the checkpoint cannot be verified (restore \
+             the list, or delete it to accept the files unverified)",
+            list.display()
+        )
+    };
+    let text = String::from_utf8(bytes).map_err(|_| damaged("not UTF-8 text".into()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| damaged(format!("not valid JSON ({e})")))?;
+    let sums = v["sha256"]
+        .as_object()
+        .ok_or_else(|| damaged("no `sha256` map".into()))?;
+    let mut out = BTreeMap::new();
+    for (name, want) in sums {
+        let plain = !name.is_empty()
+            && !name.contains(['/', '\\'])
+            && name != "."
+            && name != ".."
+            && name != CHECKSUMS_FILE;
+        let digest = want
+            .as_str()
+            .filter(|d| d.len() == 64 && d.bytes().all(|b| b.is_ascii_hexdigit()));
+        match (plain, digest) {
+            (true, Some(d)) => out.insert(name.clone(), d.to_ascii_lowercase()),
+            (false, _) => return Err(damaged(format!("`{name}` is not a file name"))),
+            (true, None) => return Err(damaged(format!("`{name}` has no SHA-256 digest"))),
+        };
+    }
+    Ok(Some(out))
+}
+
+/// Checks every file `checksums.json` lists; a checkpoint without one (written by an older
+/// version) passes, a damaged list does not. The error names the file.
+pub fn verify_checksums(dir: &Path) -> Result<(), String> {
+    let Some(sums) = recorded_checksums(dir)? else {
         return Ok(());
     };
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", list.display()))?;
-    let Some(sums) = v["sha256"].as_object() else {
-        return Err(format!("{}: no `sha256` map", list.display()));
-    };
     for (name, want) in sums {
-        let path = dir.join(name);
+        let path = dir.join(&name);
         let got = sha256_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        if Some(got.as_str()) != want.as_str() {
+        if got != want {
             return Err(format!(
-                "{}: its SHA-256 differs from the one recorded when the checkpoint was saved \
-                 (the file is corrupt or was replaced); resume from another checkpoint",
+                "{}: its SHA-256 differs from the one recorded in {CHECKSUMS_FILE} when the \
+                 checkpoint was saved, so the file is corrupt or was replaced. Resume from \
+                 another checkpoint; or, if you changed `{name}` on purpose, remove its entry \
+                 from {CHECKSUMS_FILE} to accept it unverified",
                 path.display()
             ));
         }
@@ -76,8 +115,35 @@ mod tests {
         std::fs::write(dir.path().join("model.safetensors"), b"weightS").unwrap();
         let e = verify_checksums(dir.path()).unwrap_err();
         assert!(
-            e.contains("model.safetensors") && e.contains("SHA-256"),
+            e.contains("model.safetensors") && e.contains("SHA-256") && e.contains("on purpose"),
             "{e}"
         );
+    }
+
+    /// A damaged list is an error, never "no checksums": one byte that makes it non-UTF-8,
+    /// truncated JSON, a path instead of a file name, a digest that is not one.
+    #[test]
+    fn a_damaged_list_refuses_instead_of_turning_checks_off() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("model.safetensors"), b"weights").unwrap();
+        write_checksums(dir.path()).unwrap();
+        let list = dir.path().join(CHECKSUMS_FILE);
+        let good = std::fs::read(&list).unwrap();
+        let mut non_utf8 = good.clone();
+        non_utf8[3] = 0xFF;
+        let digest = "a".repeat(64);
+        for damaged in [
+            non_utf8,
+            good[..good.len() / 2].to_vec(),
+            format!("{{\"sha256\": {{\"../x\": \"{digest}\"}}}}").into_bytes(),
+            b"{\"sha256\": {\"model.safetensors\": \"abc\"}}".to_vec(),
+            b"{\"files\": {}}".to_vec(),
+        ] {
+            std::fs::write(&list, &damaged).unwrap();
+            let e = verify_checksums(dir.path()).unwrap_err();
+            assert!(e.contains(CHECKSUMS_FILE) && e.contains("damaged"), "{e}");
+        }
+        std::fs::remove_file(&list).unwrap();
+        assert_eq!(recorded_checksums(dir.path()).unwrap(), None);
     }
 }

@@ -1074,6 +1074,39 @@ impl TrainLlama {
         })
     }
 
+    /// Refuses weights that became infinite in the save dtype (a weight of 1e6 is finite in
+    /// f32 but `inf` in f16, whose range ends at 65504): the finiteness check of training
+    /// runs on the f32 weights, so this one runs on what is written.
+    fn ensure_representable(
+        &self,
+        converted: &HashMap<String, Tensor>,
+        dir: &Path,
+    ) -> std::result::Result<(), TrainError> {
+        if self.save_dtype == DType::F32 || self.save_dtype == DType::F64 {
+            return Ok(());
+        }
+        let mut names: Vec<&String> = converted.keys().collect();
+        names.sort();
+        for name in names {
+            let largest = converted[name]
+                .to_dtype(DType::F32)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            if !largest.is_finite() {
+                return Err(TrainError::Setting(format!(
+                    "not saving {}: weight `{name}` holds values beyond the range of {:?} \
+                     (f16 ends at 65504); save in bf16 or f32 instead (`save_dtype`, \
+                     --save-dtype)",
+                    dir.display(),
+                    self.save_dtype
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Writes an HF checkpoint into `dir` (created if needed): `model.safetensors` and
     /// `config.json`; when `source_dir` is an HF directory, its `config.json` fields are kept
     /// and its tokenizer files (`tokenizer.json`, `tokenizer_config.json`,
@@ -1089,6 +1122,7 @@ impl TrainLlama {
             .into_iter()
             .map(|(k, v)| Ok((k, v.to_dtype(self.save_dtype)?)))
             .collect::<Result<HashMap<_, _>>>()?;
+        self.ensure_representable(&tensors, dir)?;
         crate::engine::weights::save_safetensors(&tensors, &dir.join("model.safetensors"))?;
         let source_cfg = source_dir
             .map(|s| s.join("config.json"))
