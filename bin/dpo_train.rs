@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use collabllm::hub;
-use collabllm::train::trainer::{train, LoraOptions, Schedule, TrainConfig};
+use collabllm::train::trainer::{train_until, LoraOptions, Schedule, TrainConfig};
 
 /// Train a chat model on preference pairs with DPO (TRL's losses and metrics), or SFT.
 ///
@@ -311,7 +311,14 @@ fn main() -> ExitCode {
     let existed = cfg.output.exists();
     let result = (|| {
         check_hub(repo.as_deref())?;
-        let s = train(&cfg, true)?;
+        // SIGINT/SIGTERM stop after the step in progress, which is saved; the listener runs
+        // on a runtime of its own beside the (synchronous) training loop.
+        let signals = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()?;
+        let shutdown = signals.block_on(async { collabllm::run::Shutdown::on_signals() })?;
+        let s = train_until(&cfg, true, &shutdown)?;
         let get = |k: &str| s.last_log.get(k).and_then(|v| v.as_f64());
         println!(
             "trained {} steps on {} pairs in {:.1} s ({:.0} tokens/s); final loss {:.4}{}",

@@ -1148,3 +1148,183 @@ fn an_adapter_on_the_default_model_loads_alone_with_its_saved_base() {
     let d = max_diff(&[got], &want[want.len() - 1..]);
     assert!(d < 1e-3, "engine on the adapter vs trainer: {d}");
 }
+
+/// A leftover of another run in `--output` is never adopted: a fresh run refuses any of it
+/// (naming what it found), and a `base/` without recorded settings is refused on `--resume`
+/// too. A run stopped after its base was written records its settings first, so resuming it
+/// with another model is refused as a changed setting.
+#[test]
+fn a_leftover_base_is_never_adopted_by_another_run() {
+    let f = fixture();
+    let lora = |cfg: &mut TrainConfig| {
+        cfg.lora = Some(LoraOptions {
+            r: 4,
+            alpha: 8.0,
+            ..Default::default()
+        });
+        cfg.save_base = true;
+    };
+    // Model A, stopped after its base/ exists.
+    let mut cfg = config(&f, "leftover");
+    lora(&mut cfg);
+    cfg.max_steps = Some(3);
+    cfg.stop_after = Some(1);
+    train(&cfg, false).unwrap_err();
+    assert!(cfg.output.join("base/config.json").is_file());
+    // Model B on the same output: a fresh run is refused, naming base.
+    let (_g2, other) = tiny_model_dir(&TinySpec {
+        seed: 99,
+        ..TinySpec::default()
+    });
+    let mut b = cfg.clone();
+    b.model = other.display().to_string();
+    b.stop_after = None;
+    let err = train(&b, false).unwrap_err().to_string();
+    assert!(err.contains("base") && err.contains("--resume"), "{err}");
+    // ... and resuming with it is another model.
+    b.resume = true;
+    let err = train(&b, false).unwrap_err().to_string();
+    assert!(err.contains("--model was"), "{err}");
+    // A base/ whose run recorded nothing (an older version, a copied folder).
+    std::fs::remove_file(cfg.output.join("training_args.json")).unwrap();
+    let err = train(&b, false).unwrap_err().to_string();
+    assert!(err.contains("base/") && err.contains("unknown"), "{err}");
+    // Only base/ left over: still refused for a fresh run.
+    let only_base = f.root.join("only_base");
+    std::fs::create_dir_all(&only_base).unwrap();
+    std::fs::rename(cfg.output.join("base"), only_base.join("base")).unwrap();
+    let mut fresh = config(&f, "only_base");
+    lora(&mut fresh);
+    let err = train(&fresh, false).unwrap_err().to_string();
+    assert!(err.contains("(base)"), "{err}");
+}
+
+/// kill -9 after `final/` was saved and before `merged/`: `--resume` finishes the merge and
+/// the summary (no step is trained again), and the half-written `merged.tmp` is gone.
+#[test]
+fn resume_finishes_an_interrupted_merge() {
+    let f = fixture();
+    let mut cfg = config(&f, "merge");
+    cfg.max_steps = Some(3);
+    cfg.lora = Some(LoraOptions {
+        r: 4,
+        alpha: 8.0,
+        ..Default::default()
+    });
+    cfg.merge = true;
+    train(&cfg, false).unwrap();
+    let merged_weights = std::fs::read(cfg.output.join("merged/model.safetensors")).unwrap();
+    let steps = train_lines(&cfg.output).len();
+    // What the kill leaves: final/, no summary, a partial merge.
+    std::fs::remove_dir_all(cfg.output.join("merged")).unwrap();
+    std::fs::remove_file(cfg.output.join("train_summary.json")).unwrap();
+    std::fs::create_dir_all(cfg.output.join("merged.tmp")).unwrap();
+    std::fs::write(cfg.output.join("merged.tmp/model.safetensors"), b"half").unwrap();
+    cfg.resume = true;
+    let summary = train(&cfg, false).unwrap();
+    assert_eq!(summary.merged_dir, Some(cfg.output.join("merged")));
+    assert_eq!(
+        std::fs::read(cfg.output.join("merged/model.safetensors")).unwrap(),
+        merged_weights
+    );
+    assert!(!cfg.output.join("merged.tmp").exists());
+    assert_eq!(
+        train_lines(&cfg.output).len(),
+        steps,
+        "no step trained again"
+    );
+    assert!(
+        summary.last_log.contains_key("loss"),
+        "{:?}",
+        summary.last_log
+    );
+    // Now it is finished.
+    let err = train(&cfg, false).unwrap_err().to_string();
+    assert!(err.contains("already finished"), "{err}");
+}
+
+/// SIGINT (or SIGTERM) stops dpo_train after the step in progress: it is saved as a
+/// checkpoint, train_summary.json says `interrupted`, the exit code is 128 + the signal, and
+/// `--resume` finishes the run from there.
+#[test]
+fn a_signal_saves_the_finished_step_and_resume_continues() {
+    let f = fixture();
+    let data = f.data.display().to_string();
+    let model = f.model.display().to_string();
+    for (signal, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
+        let out = f.root.join(format!("signal-{signal}"));
+        let out_s = out.display().to_string();
+        let args = |extra: &[&str]| -> Vec<String> {
+            [
+                "--data",
+                &data,
+                "--model",
+                &model,
+                "--output",
+                &out_s,
+                "--batch-size",
+                "1",
+                "--max-length",
+                "128",
+                "--logging-steps",
+                "1",
+            ]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+        };
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_dpo_train"))
+            .args(args(&["--max-steps", "100000"]))
+            .env("RUST_LOG", "warn")
+            .env("CANDLE_NUM_THREADS", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let logs = out.join("logs.jsonl");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while std::fs::read_to_string(&logs).map_or(0, |t| t.lines().count()) == 0 {
+            assert!(std::time::Instant::now() < deadline, "no step finished");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+        let done = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&done.stderr);
+        assert_eq!(done.status.code(), Some(code), "{stderr}");
+        assert!(
+            stderr.contains("interrupted by SIG") && stderr.contains("--resume"),
+            "{stderr}"
+        );
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("train_summary.json")).unwrap())
+                .unwrap();
+        assert_eq!(summary["status"], "interrupted", "{summary}");
+        let step = summary["steps"].as_u64().unwrap() as usize;
+        assert!((1..100000).contains(&step), "{summary}");
+        assert!(out.join(format!("checkpoint-{step}")).is_dir(), "{summary}");
+        assert!(!out.join("final").exists());
+
+        let more = (step + 2).to_string();
+        let resumed = dpo_train_bin(
+            &args(&[
+                "--max-steps",
+                &more,
+                "--resume",
+                "--resume-override",
+                "max-steps",
+            ])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+        );
+        assert!(
+            resumed.status.success(),
+            "{}",
+            String::from_utf8_lossy(&resumed.stderr)
+        );
+        assert!(out.join("final").is_dir());
+        assert_eq!(train_lines(&out).len(), step + 2);
+    }
+}

@@ -515,7 +515,7 @@ async fn run_prepared(
         signal,
     )?;
     if let Some(signal) = signal {
-        return Err(Interrupted { signal }.into());
+        return Err(Interrupted::new(signal).into());
     }
     let mut warnings = warnings;
     warnings.extend(super::games::unparsed_warnings(&cfg.oracle, &summary));

@@ -663,7 +663,7 @@ async fn run_prepared(
     let status = RunStatus::at_end(interrupted, failed.len());
     manifest.write_with(status, Some(&stats), &failed, interrupted)?;
     if let Some(signal) = interrupted {
-        return Err(Interrupted { signal }.into());
+        return Err(Interrupted::new(signal).into());
     }
     Ok(RunSummary {
         output: cfg.output.display().to_string(),

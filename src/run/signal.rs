@@ -29,9 +29,25 @@ impl Signal {
 
 /// A run stopped by a signal after recording what it finished.
 #[derive(Debug, thiserror::Error)]
-#[error("interrupted by {}: finished work is kept and recorded; rerun the same command to resume", .signal.name())]
+#[error("interrupted by {}: finished work is kept and recorded; {}", .signal.name(), .how_to_resume)]
 pub struct Interrupted {
     pub signal: Signal,
+    /// What the user does to continue.
+    pub how_to_resume: &'static str,
+}
+
+impl Interrupted {
+    /// A run that the same command resumes.
+    pub fn new(signal: Signal) -> Self {
+        Self::resume_with(signal, "rerun the same command to resume")
+    }
+
+    pub fn resume_with(signal: Signal, how_to_resume: &'static str) -> Self {
+        Self {
+            signal,
+            how_to_resume,
+        }
+    }
 }
 
 /// The exit code for an error that is (or wraps) [`Interrupted`].
@@ -109,7 +125,7 @@ impl Shutdown {
     ) -> Result<T, Interrupted> {
         tokio::select! {
             biased;
-            signal = self.wait() => Err(Interrupted { signal }),
+            signal = self.wait() => Err(Interrupted::new(signal)),
             out = work => Ok(out),
         }
     }

@@ -41,6 +41,9 @@ pub enum TrainError {
     /// A non-finite loss, gradient or weight; nothing was saved from the step.
     #[error("{0}")]
     Diverged(String),
+    /// SIGINT or SIGTERM: the finished steps are saved as a checkpoint.
+    #[error("{0}")]
+    Interrupted(#[source] crate::run::Interrupted),
     /// `stop_after` (tests of resume) ended the run on purpose.
     #[error("stopped after step {0} (stop_after)")]
     Stopped(usize),

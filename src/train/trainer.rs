@@ -483,6 +483,17 @@ fn dpo_named(m: &DpoMetrics) -> Metrics {
 
 /// Runs a whole training job. `progress` draws a progress bar on stderr.
 pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
+    train_until(cfg, progress, &crate::run::Shutdown::never())
+}
+
+/// [`train`] that stops on `shutdown`'s signal after the step in progress: the steps done
+/// are saved as `checkpoint-<step>`, `train_summary.json` records status `interrupted`, and
+/// the error is [`TrainError::Interrupted`]; `--resume` continues from there.
+pub fn train_until(
+    cfg: &TrainConfig,
+    progress: bool,
+    shutdown: &crate::run::Shutdown,
+) -> Result<TrainSummary> {
     cfg.validate()?;
     let objective = cfg.objective()?;
     let started = Instant::now();
@@ -504,6 +515,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
     let model = load_model(cfg, &files, &codec, dtype, &device)?;
     let pad_id = codec.eos_ids.first().copied().unwrap_or(0);
 
+    stop_if_signalled(cfg, shutdown, started, None)?;
     // Reference log-probs, before any weight changes (also before resuming weights).
     let ref_cache = match objective {
         Objective::Dpo(_) => {
@@ -511,6 +523,7 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
         }
         Objective::Sft => None,
     };
+    stop_if_signalled(cfg, shutdown, started, None)?;
 
     let per_epoch = data.train.len().div_ceil(cfg.batch_size * cfg.grad_accum);
     let total_steps = cfg.max_steps.unwrap_or(per_epoch * cfg.epochs);
@@ -541,12 +554,26 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainSummary> {
         last_eval: None,
     };
     let loop_started = Instant::now();
-    train_steps(&mut run, &mut opt, resumed.step, progress)?;
+    train_steps(
+        &mut run,
+        &mut opt,
+        resumed.step,
+        progress,
+        shutdown,
+        started,
+    )?;
     if run.eval.is_some() && total_steps > resumed.step {
         run.evaluate(total_steps)?;
     }
     let final_dir = cfg.output.join("final");
-    save_checkpoint(&run, &opt, &final_dir, total_steps)?;
+    // A run resumed from its final checkpoint (stopped during the merge or the summary)
+    // only finishes those steps.
+    if resumed.step < total_steps || !final_dir.join("trainer_state.json").is_file() {
+        save_checkpoint(&run, &opt, &final_dir, total_steps)?;
+    }
+    if run.last_log.is_empty() {
+        run.last_log = last_logged(&cfg.output.join("logs.jsonl"));
+    }
     let merged_dir = if cfg.merge && cfg.lora.is_some() {
         let dir = cfg.output.join("merged");
         save_full_model(&run, &dir)?;
@@ -697,6 +724,9 @@ fn load_model(
     }
     if let Some(l) = &cfg.lora {
         let base = if cfg.save_base {
+            // The run's identity first: a run stopped while its base is written is then a
+            // run (`--resume` compares its model), never a leftover a new run adopts.
+            write_json_atomic(&cfg.output.join("training_args.json"), cfg)?;
             save_base(cfg, files, codec, &model)?
         } else {
             adapter_base_name(&cfg.model, files)
@@ -791,7 +821,14 @@ fn restore_latest(
 
 /// The optimizer steps from `start_step` to the end: log, evaluate and checkpoint on their
 /// schedules; a non-finite loss, gradient or weight stops before anything is saved from it.
-fn train_steps(run: &mut Run, opt: &mut AdamW, start_step: usize, progress: bool) -> Result<()> {
+fn train_steps(
+    run: &mut Run,
+    opt: &mut AdamW,
+    start_step: usize,
+    progress: bool,
+    shutdown: &crate::run::Shutdown,
+    started: Instant,
+) -> Result<()> {
     let cfg = run.cfg;
     let total_steps = run.total_steps;
     let warmup = warmup_steps(total_steps, cfg.warmup_ratio);
@@ -846,13 +883,19 @@ fn train_steps(run: &mut Run, opt: &mut AdamW, start_step: usize, progress: bool
         if cfg.eval_steps.is_some_and(|k| done % k == 0) && done != total_steps {
             run.evaluate(done)?;
         }
-        if cfg.save_steps.is_some_and(|k| done % k == 0) && done != total_steps {
+        let signalled = shutdown.received().is_some() && done != total_steps;
+        let scheduled = cfg.save_steps.is_some_and(|k| done % k == 0);
+        if (scheduled || signalled) && done != total_steps {
             save_checkpoint(
                 run,
                 opt,
                 &cfg.output.join(format!("checkpoint-{done}")),
                 done,
             )?;
+        }
+        if signalled {
+            bar.abandon();
+            stop_if_signalled(cfg, shutdown, started, Some(done))?;
         }
         #[cfg(any(test, feature = "testing"))]
         if cfg.stop_after == Some(done) {
@@ -863,6 +906,53 @@ fn train_steps(run: &mut Run, opt: &mut AdamW, start_step: usize, progress: bool
     }
     bar.finish();
     Ok(())
+}
+
+/// After a signal: records the run as interrupted in `train_summary.json` (after `step`, whose
+/// checkpoint is saved; `None` before the first step) and returns the error that ends it.
+fn stop_if_signalled(
+    cfg: &TrainConfig,
+    shutdown: &crate::run::Shutdown,
+    started: Instant,
+    step: Option<usize>,
+) -> Result<()> {
+    use crate::run::{Interrupted, ManifestHeader, RunStatus};
+    let Some(signal) = shutdown.received() else {
+        return Ok(());
+    };
+    let wall_s = started.elapsed().as_secs_f64();
+    let header = ManifestHeader::now(
+        "collabllm-rs dpo_train",
+        crate::run::now_secs() - wall_s,
+        RunStatus::Interrupted,
+        Some(signal),
+    );
+    let fields = serde_json::json!({
+        "output": cfg.output,
+        "steps": step.unwrap_or(0),
+        "checkpoint": step.map(|s| cfg.output.join(format!("checkpoint-{s}"))),
+        "seconds": wall_s,
+    });
+    write_json_atomic(
+        &cfg.output.join("train_summary.json"),
+        &header.with_fields(fields),
+    )?;
+    Err(TrainError::Interrupted(Interrupted::resume_with(
+        signal,
+        "add --resume to the same command to continue",
+    )))
+}
+
+/// The last line of a run's `logs.jsonl` with a training loss (a run resumed after its last
+/// step reports the metrics it ended with).
+fn last_logged(path: &Path) -> serde_json::Map<String, serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .rev()
+        .filter_map(|l| serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(l).ok())
+        .find(|m| m.contains_key("loss"))
+        .unwrap_or_default()
 }
 
 /// `base_model_name_or_path` for the adapter, so that PEFT's auto classes load it from its
@@ -982,29 +1072,78 @@ fn compare_resume_settings(
     Ok(out)
 }
 
-/// Locks the output directory for this process, and refuses to write a fresh run over a
-/// finished or interrupted one.
+/// What a run writes into its output directory: a fresh run starts only where none of it is
+/// (a leftover `base/` adopted by another run's adapter would point it at the wrong weights).
+const RUN_ENTRIES: &[&str] = &[
+    "logs.jsonl",
+    "training_args.json",
+    "train_summary.json",
+    "final",
+    "final.tmp",
+    "base",
+    "base.partial",
+    "merged",
+    "merged.tmp",
+];
+
+/// The entries of a run (see [`RUN_ENTRIES`], and `checkpoint-*`) in `output`.
+fn run_entries(output: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(output) else {
+        return Vec::new();
+    };
+    let mut found: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| RUN_ENTRIES.contains(&n.as_str()) || n.starts_with("checkpoint-"))
+        .collect();
+    found.sort();
+    found
+}
+
+/// Locks the output directory for this process, and refuses to write a fresh run over any
+/// part of another (finished, interrupted or stopped before its first step), and `--resume`
+/// of a run that finished every step after training too.
 fn prepare_output(cfg: &TrainConfig) -> Result<crate::run::RunLock> {
     std::fs::create_dir_all(&cfg.output)
         .map_err(TrainError::io("creating --output", &cfg.output))?;
     let lock = crate::run::RunLock::acquire(&cfg.output)?;
-    let has_run = ["logs.jsonl", "training_args.json", "final"]
-        .iter()
-        .any(|f| cfg.output.join(f).exists());
-    if has_run && !cfg.resume {
+    let found = run_entries(&cfg.output);
+    if !found.is_empty() && !cfg.resume {
         return Err(TrainError::run(
             &cfg.output,
-            "already holds a training run (training_args.json, logs.jsonl or final/); pass \
-             --resume to continue it or choose another --output",
+            format!(
+                "already holds a training run ({}); pass --resume to continue it or choose \
+                 another --output",
+                found.join(", ")
+            ),
         ));
     }
-    if cfg.resume && cfg.output.join("final").is_dir() {
+    if cfg.resume
+        && found.iter().any(|f| f == "base")
+        && !cfg.output.join("training_args.json").is_file()
+    {
         return Err(TrainError::run(
             &cfg.output,
-            "this run already finished (final/ exists); nothing to resume",
+            "base/ was left by a run that recorded no settings, so whose weights it holds is \
+             unknown; remove it or choose another --output",
+        ));
+    }
+    if cfg.resume && run_finished(&cfg.output) {
+        return Err(TrainError::run(
+            &cfg.output,
+            "this run already finished (train_summary.json says complete); nothing to resume",
         ));
     }
     Ok(lock)
+}
+
+/// Whether the run in `output` finished every step, training and after (its summary says
+/// `complete`).
+fn run_finished(output: &Path) -> bool {
+    matches!(
+        crate::run::Manifest::read(&output.join("train_summary.json")),
+        Ok(Some(m)) if m.header.status == crate::run::RunStatus::Complete
+    )
 }
 
 fn load_examples(
@@ -1590,10 +1729,15 @@ fn latest_checkpoint(output: &Path) -> Result<Option<(PathBuf, TrainerState)>> {
     };
     for e in entries.filter_map(|e| e.ok()) {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(n) = name
-            .strip_prefix("checkpoint-")
-            .and_then(|n| n.parse::<usize>().ok())
-        else {
+        // final/ of a run stopped after training (during the merge or the summary) is its
+        // latest checkpoint.
+        let n = if name == "final" {
+            Some(usize::MAX)
+        } else {
+            name.strip_prefix("checkpoint-")
+                .and_then(|n| n.parse::<usize>().ok())
+        };
+        let Some(n) = n else {
             continue;
         };
         if e.path().join("trainer_state.json").is_file() && best.as_ref().is_none_or(|b| n > b.0) {

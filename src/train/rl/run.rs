@@ -720,7 +720,7 @@ pub async fn rl_train_until(
         if let Some(signal) = signal.filter(|_| step != cfg.max_steps as u64) {
             bar.abandon();
             write_interrupted_summary(&cfg, step, started, signal)?;
-            return Err(crate::run::Interrupted { signal }.into());
+            return Err(crate::run::Interrupted::new(signal).into());
         }
     }
     bar.finish();
