@@ -842,7 +842,7 @@ fn compare_refuses_runs_of_different_question_budgets() {
     let err = String::from_utf8_lossy(&res.stderr);
     assert!(!res.status.success(), "{err}");
     assert!(
-        err.contains("question budgets") && err.contains("random: 5"),
+        err.contains("`max_questions`") && err.contains("q5 has 5"),
         "{err}"
     );
     let res = run_bin(&[
@@ -854,6 +854,38 @@ fn compare_refuses_runs_of_different_question_budgets() {
         res.status.success(),
         "{}",
         String::from_utf8_lossy(&res.stderr)
+    );
+    // Other settings that change what a game measures are refused by name too: here the
+    // weights format (a table-oracle run against an LLM-oracle one, the training split
+    // against the held-out one, alike).
+    let f32_run = tmp.path().join("q20-f32");
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "random",
+        "--objects",
+        "4",
+        "--weights",
+        "f32",
+        "--output",
+        f32_run.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let res = run_bin(&[
+        "--compare",
+        twenty.to_str().unwrap(),
+        f32_run.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(
+        err.contains("`weights`") && err.contains("\"f32\""),
+        "{err}"
     );
 }
 
@@ -1289,6 +1321,45 @@ fn study_compares_arms_of_finished_evaluations() {
     let random: Vec<String> = (1..=3)
         .map(|s| eval(&format!("random-{s}"), "random", &s.to_string()))
         .collect();
+    // A seed played with another question budget is not a seed of the same arm.
+    let short = tmp.path().join("random-short");
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "random",
+        "--split",
+        "test",
+        "--max-questions",
+        "10",
+        "--output",
+        short.to_str().unwrap(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let mixed = format!(
+        "title = \"t\"\nprimary = \"success\"\ncomparisons = []\n[[arms]]\n\
+         name = \"random\"\nruns = [\"{}\", \"{}\"]\n",
+        random[0],
+        short.display()
+    );
+    let mixed_path = tmp.path().join("mixed.toml");
+    std::fs::write(&mixed_path, mixed).unwrap();
+    let res = run_bin(&[
+        "--study",
+        mixed_path.to_str().unwrap(),
+        "--output",
+        tmp.path().join("mixed").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(
+        err.contains("`max_questions`") && err.contains("10"),
+        "{err}"
+    );
     let spec = format!(
         "title = \"t\"\nprimary = \"success\"\nsecondary = [\"identified\"]\n\
          comparisons = [{{ arm = \"random\", against = \"reference\" }}]\n\
@@ -1441,4 +1512,92 @@ async fn clarify_demonstrator_plays_at_its_rates_and_writes_sft() {
         .unwrap_err()
         .to_string()
         .contains("cannot play --task math"));
+}
+
+/// A flag the chosen task does not read is refused by name, never ignored (`--max-tasks 3`
+/// with 20 Questions played every game and recorded `max_tasks: 3`); `--sft` with nothing
+/// to write writes no empty file and says why.
+#[test]
+fn flags_the_task_does_not_read_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let out = out.to_str().unwrap();
+    for (args, flag) in [
+        (
+            &[
+                "--task",
+                "twenty_questions",
+                "--model",
+                "random",
+                "--max-tasks",
+                "3",
+            ][..],
+            "--max-tasks",
+        ),
+        (
+            &[
+                "--task",
+                "twenty_questions",
+                "--model",
+                "random",
+                "--tasks",
+                "clarify:test",
+            ][..],
+            "--tasks",
+        ),
+        (
+            &[
+                "--task",
+                "clarify",
+                "--model",
+                "demonstrator",
+                "--objects",
+                "4",
+            ][..],
+            "--objects",
+        ),
+        (
+            &[
+                "--task",
+                "clarify",
+                "--model",
+                "demonstrator",
+                "--split",
+                "test",
+            ][..],
+            "--split",
+        ),
+    ] {
+        let res = run_bin(&[args, &["--output", out]].concat());
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(!res.status.success(), "{args:?}: {err}");
+        assert!(
+            err.contains(flag) && err.contains("not used"),
+            "{args:?}: {err}"
+        );
+        assert!(!Path::new(out).join("manifest.json").exists(), "{args:?}");
+    }
+    // A questioner that wins nothing: no empty SFT file.
+    let res = run_bin(&[
+        "--task",
+        "twenty_questions",
+        "--model",
+        "random",
+        "--objects",
+        "2",
+        "--max-questions",
+        "1",
+        "--sft",
+        "--output",
+        out,
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{err}");
+    let summary = read_json(&Path::new(out).join("summary.json"));
+    assert_eq!(
+        summary["models"][0]["metrics"]["success_rate"]["mean"], 0.0,
+        "{summary}"
+    );
+    assert!(!Path::new(out).join("sft/random.parquet").exists());
+    assert!(err.contains("won no game"), "{err}");
 }

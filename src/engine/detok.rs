@@ -8,9 +8,6 @@
 //! when it does not end in a replacement character (a multi-byte character whose bytes are
 //! split across tokens, completed by a later one).
 
-use std::collections::HashMap;
-use std::sync::OnceLock;
-
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::Tokenizer;
 
@@ -89,7 +86,7 @@ pub(crate) fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
         return vec![byte];
     }
     if is_byte_level(tokenizer.get_decoder()) {
-        let table = unicode_to_byte();
+        let table = super::byte_level::unicode_to_byte();
         if let Some(bytes) = piece.chars().map(|c| table.get(&c).copied()).collect() {
             return bytes;
         }
@@ -112,35 +109,6 @@ fn is_byte_level(decoder: Option<&DecoderWrapper>) -> bool {
         }
         _ => false,
     }
-}
-
-/// GPT-2's byte → printable-character table of byte-level BPE: printable bytes stand for
-/// themselves, the other 68 for the characters from U+0100 on, in byte order. (The tokenizers
-/// crate keeps its copy private.)
-pub(crate) fn byte_to_char() -> [char; 256] {
-    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut shifted = 0u32;
-    std::array::from_fn(|b| {
-        let b = b as u8;
-        if printable(b) {
-            char::from(b)
-        } else {
-            shifted += 1;
-            char::from_u32(255 + shifted).unwrap_or(char::REPLACEMENT_CHARACTER)
-        }
-    })
-}
-
-/// [`byte_to_char`] inverted.
-fn unicode_to_byte() -> &'static HashMap<char, u8> {
-    static TABLE: OnceLock<HashMap<char, u8>> = OnceLock::new();
-    TABLE.get_or_init(|| {
-        byte_to_char()
-            .into_iter()
-            .enumerate()
-            .map(|(b, c)| (c, b as u8))
-            .collect()
-    })
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 //! `llm::local` puts it behind the chat-backend interface, `serve` behind HTTP, and `train`
 //! shares its config reader, checkpoint checks and kernels.
 
+pub(crate) mod byte_level;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;

@@ -57,7 +57,7 @@ pub fn tiny_vocab_size() -> usize {
 }
 
 pub(crate) fn tiny_tokenizer() -> anyhow::Result<Tokenizer> {
-    let mut vocab: tokenizers::models::bpe::Vocab = super::detok::byte_to_char()
+    let mut vocab: tokenizers::models::bpe::Vocab = super::byte_level::byte_to_char()
         .into_iter()
         .enumerate()
         .map(|(i, c)| (c.to_string(), i as u32))

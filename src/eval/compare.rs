@@ -29,6 +29,9 @@ pub enum CompareError {
     TooFew(usize),
     #[error("the compared runs share no game (object and repeat); nothing to pair")]
     NothingPaired,
+    /// Runs made with different oracles, budgets, splits, tasks or weights.
+    #[error("{0}")]
+    Incomparable(String),
     /// Games under different question budgets are not comparable (a loss counts the budget).
     #[error("the runs played with different question budgets ({0}): compare runs of one --max-questions")]
     Budgets(String),
@@ -342,6 +345,7 @@ pub fn compare(inputs: &[CompareInput]) -> Result<Comparison, CompareError> {
 
 /// Reads the runs and compares them; with `output`, writes `compare.json` and `compare.md`.
 pub fn compare_runs(runs: &[PathBuf], output: Option<&Path>) -> Result<Comparison, CompareError> {
+    super::comparable::check_comparable(runs).map_err(CompareError::Incomparable)?;
     let mut inputs = Vec::new();
     let mut dirs = Vec::new();
     for r in runs {

@@ -486,6 +486,7 @@ impl EvalConfig {
         if self.max_tasks == Some(0) {
             return Err(invalid("max_tasks", "must be at least 1"));
         }
+        self.refuse_settings_of_the_other_kind()?;
         if self.question_max_tokens == 0 {
             return Err(invalid("question_max_tokens", "must be at least 1"));
         }
@@ -495,6 +496,46 @@ impl EvalConfig {
         }
         self.rollout.validate()?;
         check_sampling("assistant_sampling", &self.assistant_sampling)?;
+        Ok(())
+    }
+
+    /// A setting that only the other kind of task reads (20 Questions' games vs dialogue
+    /// tasks) is refused by name rather than ignored: `--max-tasks 3` with 20 Questions
+    /// would otherwise play every game and record `max_tasks: 3`.
+    fn refuse_settings_of_the_other_kind(&self) -> Result<(), EvalConfigError> {
+        let ignored = |field: &str, flag: &str, instead: &str| {
+            invalid(
+                field,
+                format!("{flag} is not used by --task {}; {instead}", self.task),
+            )
+        };
+        if self.task == TaskType::TwentyQuestions {
+            if self.max_tasks.is_some() {
+                return Err(ignored(
+                    "max_tasks",
+                    "--max-tasks",
+                    "20 Questions plays the games --objects, --split and --repeats choose",
+                ));
+            }
+            if self.tasks.is_some() {
+                return Err(ignored(
+                    "tasks",
+                    "--tasks",
+                    "20 Questions plays its bundled objects (--objects, --split)",
+                ));
+            }
+            return Ok(());
+        }
+        let dialogue = "it is a 20 Questions setting";
+        if self.objects != ObjectSelection::All {
+            return Err(ignored("objects", "--objects", dialogue));
+        }
+        if self.split != ObjectSplit::All {
+            return Err(ignored("split", "--split", dialogue));
+        }
+        if self.oracle != OracleChoice::Table {
+            return Err(ignored("oracle", "--oracle", dialogue));
+        }
         Ok(())
     }
 

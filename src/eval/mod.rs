@@ -16,6 +16,7 @@
 //!   `study`: a trained-arms study over seeds (per-seed McNemar, pooled differences with a
 //!   bootstrap that resamples objects or requests).
 
+pub(crate) mod comparable;
 pub mod compare;
 pub(crate) mod config;
 pub(crate) mod dialogue;

@@ -756,6 +756,21 @@ fn write_sft(
             conversations_as_sft(label, &recs)?
         };
         let path = out.join(format!("{label}.parquet"));
+        if rows.is_empty() {
+            // An empty file would train on nothing without a word; a stale one from an
+            // earlier selection must not stand in for this one either.
+            let _ = std::fs::remove_file(&path);
+            tracing::warn!(
+                "--sft: {label} {} no SFT data; {} not written",
+                if games {
+                    "won no game, so it has"
+                } else {
+                    "has"
+                },
+                path.display()
+            );
+            continue;
+        }
         crate::dataset::sft::write_sft_parquet(&path, &rows)
             .with_context(|| format!("writing {}", path.display()))?;
         tracing::info!("{}: {} SFT conversations", path.display(), rows.len());

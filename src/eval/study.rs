@@ -202,12 +202,21 @@ fn metric_of(rec: &serde_json::Value, metric: &str) -> Option<f64> {
     }
 }
 
-/// Reads one run (`DIR` or `DIR:label`) of an arm.
-fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
-    let (dir, label) = match run.rsplit_once(':') {
+/// A run's directory and its model label: `DIR` or `DIR:label`.
+fn split_run(run: &str) -> (PathBuf, Option<String>) {
+    match run.rsplit_once(':') {
         Some((d, l)) if Path::new(d).is_dir() => (PathBuf::from(d), Some(l.to_string())),
         _ => (PathBuf::from(run), None),
-    };
+    }
+}
+
+fn run_dir(run: &str) -> PathBuf {
+    split_run(run).0
+}
+
+/// Reads one run (`DIR` or `DIR:label`) of an arm.
+fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
+    let (dir, label) = split_run(run);
     let conv = dir.join(CONVERSATIONS_DIR);
     let label = match label {
         Some(l) => l,
@@ -523,6 +532,13 @@ pub fn run_study(spec: &StudySpec) -> Result<StudyResult, StudyError> {
             return Err(StudyError::Spec(format!("arm `{}` is named twice", a.name)));
         }
     }
+    let dirs: Vec<PathBuf> = spec
+        .arms
+        .iter()
+        .flat_map(|a| &a.runs)
+        .map(|r| run_dir(r))
+        .collect();
+    super::comparable::check_comparable(&dirs).map_err(StudyError::Spec)?;
     let arms = spec
         .arms
         .iter()
