@@ -12,6 +12,7 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::element::{DashedPathElement, PathElement};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::{FontStyle, RGBColor};
 
 /// The embedded font (DejaVu Sans, Bitstream Vera licence: assets/fonts/LICENSE-DejaVu.txt).
@@ -280,10 +281,20 @@ fn draw_figure<DB: DrawingBackend>(
     // A white border: no title, label or legend may touch the canvas edge.
     let m = s.int(CANVAS_MARGIN);
     let inner = root.margin(m, m, m, m);
-    let title = fit_text(&fig.title, 30.0, BASE_WIDTH as f64 - 2.0 * CANVAS_MARGIN);
-    let body = inner
-        .titled(&title, s.font(title_size(&fig.title)).color(&BLACK))
-        .map_err(err)?;
+    let size = title_size(&fig.title);
+    let lines = wrap_title(&fig.title, size, BASE_WIDTH as f64 - 2.0 * CANVAS_MARGIN);
+    let line_height = s.px(size * 1.25);
+    let title_height = (line_height * lines.len() as f64 + s.px(size * 0.4)).round() as u32;
+    let (head, body) = inner.split_vertically(title_height);
+    let centre = head.dim_in_pixel().0 as i32 / 2;
+    let style = s
+        .font(size)
+        .color(&BLACK)
+        .pos(Pos::new(HPos::Center, VPos::Top));
+    for (i, line) in lines.iter().enumerate() {
+        let top = (line_height * i as f64).round() as i32;
+        head.draw_text(line, &style, (centre, top)).map_err(err)?;
+    }
     let (rows, cols) = fig.grid();
     let areas = body.split_evenly((rows, cols));
     for (panel, area) in fig.panels.iter().zip(areas.iter()) {
@@ -307,9 +318,36 @@ fn title_size(title: &str) -> f64 {
     (room / (title.chars().count().max(1) as f64 * 0.6)).clamp(20.0, 30.0)
 }
 
-/// `text` cut with an ellipsis where even the smallest title size would not fit `room`.
-fn fit_text(text: &str, size: f64, room: f64) -> String {
-    fit_to(text, title_size(text).min(size), room)
+/// The title's lines at `size` px within `room` px: one line when it fits, else broken
+/// between words into two (the second cut with an ellipsis only if even two do not hold it).
+fn wrap_title(text: &str, size: f64, room: f64) -> Vec<String> {
+    let max = (room / (size * 0.6)).floor() as usize;
+    if text.chars().count() <= max {
+        return vec![text.to_string()];
+    }
+    let mut first = String::new();
+    let mut words = text.split(' ').peekable();
+    while let Some(w) = words.peek() {
+        let next = if first.is_empty() {
+            w.chars().count()
+        } else {
+            first.chars().count() + 1 + w.chars().count()
+        };
+        if next > max {
+            break;
+        }
+        if !first.is_empty() {
+            first.push(' ');
+        }
+        first.push_str(w);
+        words.next();
+    }
+    if first.is_empty() {
+        // One word longer than the line: cut it.
+        return vec![fit_to(text, size, room)];
+    }
+    let rest: Vec<&str> = words.collect();
+    vec![first, fit_to(&rest.join(" "), size, room)]
 }
 
 /// `text` at `size` px, cut with an ellipsis where it would not fit `room` px.
@@ -875,6 +913,25 @@ mod tests {
         assert!(y0 < 2e-6 && y1 > 2e-6);
         let ((x0, x1), (y0, y1)) = bounds(std::iter::once((0.0, 0.0)), false);
         assert!(x1 - x0 > 0.0 && y1 - y0 > 0.0);
+    }
+
+    /// A title too long for one line breaks between words into two, all of it kept; only a
+    /// title longer than two lines loses its end.
+    #[test]
+    fn long_titles_wrap_between_words() {
+        let room = 400.0;
+        let size = 20.0; // 33 characters a line
+        assert_eq!(wrap_title("Short title", size, room), ["Short title"]);
+        let long = "Clarify-or-answer ablation: ask rates during GRPO";
+        let lines = wrap_title(long, size, room);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines.iter().all(|l| l.chars().count() <= 33), "{lines:?}");
+        assert!(!lines[1].ends_with('…'), "{lines:?}");
+        let mut words: Vec<&str> = lines[0].split(' ').collect();
+        words.extend(lines[1].split(' '));
+        assert_eq!(words.join(" "), long);
+        let huge = "word ".repeat(40);
+        assert!(wrap_title(huge.trim(), size, room)[1].ends_with('…'));
     }
 
     #[test]
