@@ -6,14 +6,14 @@
 //! `engine` (the local inference engine: kernels, the llama-family forward pass, tokenizers,
 //! chat templates, the batching scheduler) → `llm` (the chat-backend interface every role
 //! talks through: the local engine, OpenAI-compatible endpoints, pools, the request cache,
-//! usage) → `task` (task types, task files, prompts) → `reward` (metrics, judges, the
-//! multiturn-aware reward, pair selection) → `rollout` (the simulated user, futures) →
-//! `dataset` (parquet, verl export) → `hub` (Hugging Face Hub) → `generate` (the
-//! generate_conv pipeline) → `train` (DPO/SFT/LoRA and online RL with candle) → `eval`
-//! (multi-turn evaluation, 20 Questions, studies) → `plot` (figures). `serve` is an HTTP
-//! front over `llm` and `engine`; `check` (range checks of user-given numbers), `run` (run
-//! directories: locks, atomic writes, checksums, signals) and `cli` (what the binaries share)
-//! are leaf utilities.
+//! usage) → `dataset` (parquet in and out, verl export) → `task` (task types, task files,
+//! prompts) → `reward` (metrics, judges, the multiturn-aware reward, pair selection) →
+//! `rollout` (the simulated user, futures) → `hub` (Hugging Face Hub, task sources) →
+//! `generate` (the generate_conv pipeline) → `train` (DPO/SFT/LoRA and online RL with
+//! candle) → `eval` (multi-turn evaluation, 20 Questions, studies) → `plot` (figures).
+//! `serve` is an HTTP front over `llm` and `engine`; `check` (range checks of user-given
+//! numbers), `run` (run directories: locks, atomic writes, checksums, signals) and `cli`
+//! (what the binaries share) are leaf utilities.
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 

@@ -442,3 +442,74 @@ fn at_most_two_loose_files_beside_lib() {
         .collect();
     assert!(loose.len() <= 2, "loose files in src/: {loose:?}");
 }
+
+/// The module order ARCHITECTURE.md and lib.rs state ("`a` → `b` → …") is the order of the
+/// table above: each module imports only modules before it in the stated order (or the leaf
+/// utilities), so the map a newcomer reads is the one this test enforces.
+#[test]
+fn the_stated_layer_order_is_the_enforced_one() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let leaves = ["check", "run", "cli", "serve"];
+    for doc in ["ARCHITECTURE.md", "src/lib.rs"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        let flat = text.replace("//!", " ").replace('\n', " ");
+        let start = flat.find("`engine`").expect("the order starts at `engine`");
+        let order: Vec<&str> = flat[start..]
+            .split('→')
+            .map_while(|part| {
+                let part = part.trim_start();
+                let name = part.strip_prefix('`')?.split('`').next()?;
+                Some(name)
+            })
+            .collect();
+        let stated: BTreeSet<&str> = order.iter().copied().collect();
+        for (module, deps) in ALLOWED {
+            if leaves.contains(module) {
+                continue;
+            }
+            let pos = order.iter().position(|m| m == module).unwrap_or_else(|| {
+                panic!("{doc}: `{module}` is missing from the stated order {order:?}")
+            });
+            for dep in deps.iter().filter(|d| !leaves.contains(d)) {
+                let before = order.iter().position(|m| m == dep);
+                assert!(
+                    before.is_some_and(|b| b < pos),
+                    "{doc}: `{module}` imports `{dep}`, which the stated order {order:?} does \
+                     not put before it"
+                );
+            }
+        }
+        assert!(stated.len() >= 10, "{doc}: {order:?}");
+    }
+}
+
+/// Code comments say why, in words: no file of the library or the binaries points a reader
+/// at an issue number (the tracker is not part of the product).
+#[test]
+fn no_source_file_names_an_issue_number() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    rust_files(&root.join("bin"), &mut files);
+    let mut found = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let lower = line.to_lowercase();
+            let mut rest = lower.as_str();
+            while let Some(i) = rest.find("issue") {
+                let after = rest[i + 5..].trim_start_matches(['s', ' ', '#']);
+                if after.starts_with(|c: char| c.is_ascii_digit()) {
+                    found.push(format!("{}:{}: {}", f.display(), n + 1, line.trim()));
+                    break;
+                }
+                rest = &rest[i + 5..];
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "issue numbers in source:\n{}",
+        found.join("\n")
+    );
+}

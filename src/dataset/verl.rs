@@ -1,6 +1,6 @@
 //! Export of flat rows (a `generate_conv` run or an imported upstream dataset) for verl's
 //! CollabLLM recipe, so the data trains on a GPU cluster with the engine people already run
-//! there (issue 20, docs/formats.md):
+//! there (docs/formats.md):
 //!
 //! - `rl_{train,validation}.parquet`: one row per distinct conversation prefix — `prompt` (the
 //!   system prompt, then the prefix, ending with the user), `raw_prompt` (the same),

@@ -1049,7 +1049,7 @@ impl AggregateMetrics {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Rewards of a future (issue 19 item 2), exact under the table.
+// Rewards of a future, exact under the table.
 
 /// The exact rewards of a 20 Questions future: the questions asked after a history (the
 /// candidate question first), with the oracle's answers, up to a win or the future's end.

@@ -1,4 +1,4 @@
-//! 20 Questions as a conversation (issue 19): the form in which `generate_conv` and `rl_train`
+//! 20 Questions as a conversation: the form in which `generate_conv` and `rl_train`
 //! play it and `eval_multiturn`'s model questioner is asked, so a model is evaluated in the
 //! form it was trained on.
 //!

@@ -1,4 +1,4 @@
-//! On-policy RL training core (issue 18): the training half of `rl_train`.
+//! On-policy RL training core: the training half of `rl_train`.
 //! The rollout half samples [`Group`]s of responses and scores them with the multiturn-aware
 //! reward; this half turns groups into advantages ([`advantage`]), token batches
 //! ([`batch`]), PPO/GRPO updates ([`loss`], [`step`]), weights for the sampler ([`sync`]) and

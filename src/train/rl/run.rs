@@ -1,4 +1,4 @@
-//! A whole `rl_train` run (issue 18): the step loop over B prompts.
+//! A whole `rl_train` run: the step loop over B prompts.
 //!
 //! Each step: the current policy's sampler (the trainer's weights synced into an inference
 //! engine) answers B prompts n times; every response is scored by its futures
