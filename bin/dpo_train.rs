@@ -1,12 +1,14 @@
 //! `dpo_train`: DPO (or SFT) training of a local chat model on preference pairs.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use collabllm::hub;
-use collabllm::train::trainer::{train_until, LoraOptions, Schedule, TrainConfig};
+use collabllm::train::trainer::{train_until, LoraOptions, Schedule, TrainConfig, DEFAULT_OUTPUT};
 
 /// Train a chat model on preference pairs with DPO (TRL's losses and metrics), or SFT.
 ///
@@ -30,10 +32,17 @@ use collabllm::train::trainer::{train_until, LoraOptions, Schedule, TrainConfig}
     allow_negative_numbers = true
 )]
 struct Args {
+    /// TOML file with any of the settings (keys as in training_args.json, e.g. `beta = 0.2`,
+    /// `[lora]` with r, alpha, dropout, targets); a flag given on the command line wins over
+    /// the file (the LoRA flags over its whole `[lora]` table).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+
     /// Training pairs: a parquet file, a directory with train.parquet (test.parquet there is
-    /// the evaluation split), or a generate_conv run directory (uses its pairs/).
+    /// the evaluation split), or a generate_conv run directory (uses its pairs/). Required,
+    /// here or as `data` in --config.
     #[arg(long, value_name = "PATH")]
-    data: PathBuf,
+    data: Option<PathBuf>,
 
     /// Evaluation pairs [default: test.parquet beside the training file, if present].
     #[arg(long, value_name = "PARQUET")]
@@ -46,7 +55,7 @@ struct Args {
 
     /// Output directory (logs, checkpoints, final model). Refuses to overwrite a finished or
     /// interrupted run unless --resume.
-    #[arg(long, value_name = "DIR", default_value = "outputs/dpo")]
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_OUTPUT)]
     output: PathBuf,
 
     /// Loss: sigmoid (DPO), ipo, hinge, robust (label-smoothed DPO), or sft (supervised
@@ -229,14 +238,16 @@ struct Args {
 
 impl Args {
     fn into_config(self) -> TrainConfig {
-        let mut cfg = TrainConfig::new(self.data, &self.model, self.output);
+        let mut cfg = TrainConfig::new(self.data.unwrap_or_default(), &self.model, self.output);
         let lora = self.lora.then(|| LoraOptions {
             r: self.lora_r,
             alpha: self.lora_alpha,
             dropout: self.lora_dropout,
             targets: self.lora_targets.clone(),
         });
-        cfg.lr = self.lr.unwrap_or(if lora.is_some() { 2e-5 } else { 5e-6 });
+        cfg.lr = self
+            .lr
+            .unwrap_or(if lora.is_some() { LORA_LR } else { FULL_LR });
         cfg.eval_data = self.eval_data;
         cfg.loss = self.loss;
         cfg.beta = self.beta;
@@ -271,6 +282,37 @@ impl Args {
     }
 }
 
+/// Default peak learning rates: full fine-tuning, and LoRA.
+const FULL_LR: f64 = 5e-6;
+const LORA_LR: f64 = 2e-5;
+
+/// The config keys the command line set explicitly (a flag wins over --config).
+fn keys_from_flags(matches: &clap::ArgMatches) -> BTreeSet<String> {
+    matches
+        .ids()
+        .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+        .map(|id| match id.as_str() {
+            "lora" | "lora_r" | "lora_alpha" | "lora_dropout" | "lora_targets" => "lora".into(),
+            "no_ref_cache" => "ref_cache".into(),
+            other => other.to_string(),
+        })
+        .collect()
+}
+
+/// Defaults ← --config ← the flags given.
+fn resolve(matches: &clap::ArgMatches) -> anyhow::Result<TrainConfig> {
+    let args = Args::from_arg_matches(matches)?;
+    let config = args.config.clone();
+    let mut cfg = args.into_config();
+    if let Some(path) = config {
+        cfg = cfg.with_file(&path, &keys_from_flags(matches), (FULL_LR, LORA_LR))?;
+    }
+    if cfg.data.as_os_str().is_empty() {
+        anyhow::bail!("--data is required (or `data` in --config)");
+    }
+    Ok(cfg)
+}
+
 /// Checks the repository name and token before training, so a typo fails in seconds.
 fn check_hub(repo: Option<&str>) -> anyhow::Result<()> {
     let Some(repo) = repo else {
@@ -302,12 +344,19 @@ fn push(dir: &std::path::Path, repo: &str, public: bool) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let matches = Args::command().get_matches();
+    let args = match Args::from_arg_matches(&matches) {
+        Ok(a) => a,
+        Err(e) => e.exit(),
+    };
     collabllm::cli::init_logging();
     collabllm::cli::set_compute_threads(args.threads);
     collabllm::cli::keep_freed_memory();
     let (repo, public) = (args.push_to_hub.clone(), args.hub_public);
-    let cfg = args.into_config();
+    let cfg = match resolve(&matches) {
+        Ok(cfg) => cfg,
+        Err(e) => return collabllm::cli::exit_on_error(Err(e)),
+    };
     let existed = cfg.output.exists();
     let result = (|| {
         check_hub(repo.as_deref())?;
@@ -344,4 +393,39 @@ fn main() -> ExitCode {
         collabllm::cli::remove_unused_output(&cfg.output, existed);
     }
     collabllm::cli::exit_on_error(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `[default: …]` in `--help` is the library's real default (TrainConfig's, and
+    /// LoraOptions' for the LoRA flags), but for those stated in words.
+    #[test]
+    fn help_defaults_are_the_configs() {
+        let cfg = TrainConfig::new(PathBuf::new(), "default", DEFAULT_OUTPUT.into());
+        let mut defaults = serde_json::to_value(&cfg).unwrap();
+        let lora = LoraOptions::default();
+        defaults["lora_r"] = lora.r.into();
+        defaults["lora_alpha"] = lora.alpha.into();
+        defaults["lora_dropout"] = lora.dropout.into();
+        assert_eq!(cfg.lr, FULL_LR);
+        collabllm::cli::assert_help_defaults(
+            &Args::command(),
+            &defaults,
+            &["eval_data", "lr", "threads", "lora_targets", "max_pairs"],
+        );
+        assert_eq!(
+            Args::command()
+                .get_arguments()
+                .find(|a| a.get_id() == "lora_targets")
+                .unwrap()
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(","),
+            lora.targets.join(",")
+        );
+    }
 }

@@ -1328,3 +1328,68 @@ fn a_signal_saves_the_finished_step_and_resume_continues() {
         assert_eq!(train_lines(&out).len(), step + 2);
     }
 }
+
+/// `dpo_train --config FILE`: the file's settings (keys of training_args.json), a flag given
+/// on the command line winning over the file, the LoRA learning rate when the file turns
+/// LoRA on and names no lr; unknown keys and command-line-only keys refused by name.
+#[test]
+fn a_config_file_sets_what_the_flags_do_not() {
+    let f = fixture();
+    let out = f.root.join("from-config");
+    let config = f.root.join("train.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "data = \"{}\"\nmodel = \"{}\"\noutput = \"{}\"\nbeta = 0.3\nmax_steps = 2\n\
+             batch_size = 1\nmax_length = 128\nlogging_steps = 1\n\
+             [lora]\nr = 4\nalpha = 8.0\ndropout = 0.0\ntargets = [\"q_proj\", \"v_proj\"]\n",
+            f.data.display(),
+            f.model.display(),
+            out.display()
+        ),
+    )
+    .unwrap();
+    let res = dpo_train_bin(&["--config", config.to_str().unwrap(), "--beta", "0.2"]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let args = read_args(&out);
+    assert_eq!(args["beta"], 0.2, "the flag wins");
+    assert_eq!(args["max_steps"], 2, "the file's");
+    assert_eq!(args["lora"]["r"], 4);
+    assert_eq!(
+        args["lora"]["targets"],
+        serde_json::json!(["q_proj", "v_proj"])
+    );
+    assert_eq!(args["lr"], 2e-5, "LoRA's default learning rate");
+    assert_eq!(train_lines(&out).len(), 2);
+
+    for (text, key) in [
+        ("betta = 0.3\n", "betta"),
+        ("resume = true\n", "resume"),
+        ("beta = \"high\"\n", "wrong type"),
+    ] {
+        let bad = f.root.join("bad.toml");
+        std::fs::write(&bad, format!("data = \"{}\"\n{text}", f.data.display())).unwrap();
+        let res = dpo_train_bin(&[
+            "--config",
+            bad.to_str().unwrap(),
+            "--output",
+            f.root.join("bad-out").to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(!res.status.success(), "{text}");
+        assert!(
+            err.contains("bad.toml") && err.contains(key),
+            "{text}: {err}"
+        );
+    }
+    let res = dpo_train_bin(&["--model", "default"]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        !res.status.success() && err.contains("--data is required"),
+        "{err}"
+    );
+}

@@ -89,6 +89,9 @@ impl Default for LoraOptions {
     }
 }
 
+/// `dpo_train`'s default output directory.
+pub const DEFAULT_OUTPUT: &str = "outputs/dpo";
+
 /// Everything a run needs; `dpo_train`'s flags map onto it one to one.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
@@ -244,6 +247,70 @@ impl TrainConfig {
             resume_overrides: Vec::new(),
             data_sha256: None,
         }
+    }
+
+    /// Settings a `--config` file may not give: the run's history and the per-invocation
+    /// actions (flags only).
+    pub const NOT_IN_FILES: &'static [&'static str] = &[
+        "resume",
+        "resume_override",
+        "resume_overrides",
+        "data_sha256",
+        "stop_after",
+    ];
+
+    /// `self` with the settings of a TOML file (keys as in `training_args.json`) laid over it,
+    /// except those in `from_flags` (set on the command line: a flag wins over the file). An
+    /// unknown key, a key of [`Self::NOT_IN_FILES`] or a value of the wrong type is an error
+    /// naming the file and the key. With no `lr` anywhere, the learning rate follows the
+    /// final LoRA choice (`lora_lr` with LoRA, `full_lr` without).
+    pub fn with_file(
+        &self,
+        path: &Path,
+        from_flags: &std::collections::BTreeSet<String>,
+        (full_lr, lora_lr): (f64, f64),
+    ) -> Result<TrainConfig> {
+        let text = std::fs::read_to_string(path).map_err(TrainError::io("reading", path))?;
+        let file: toml::Table = toml::from_str(&text)
+            .map_err(|e| TrainError::input(path, format!("not valid TOML: {e}")))?;
+        let mut merged = serde_json::to_value(self)?;
+        let known: Vec<String> = merged
+            .as_object()
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default();
+        for (key, value) in &file {
+            if Self::NOT_IN_FILES.contains(&key.as_str()) {
+                return Err(TrainError::input(
+                    path,
+                    format!("`{key}` is given on the command line only, not in a config file"),
+                ));
+            }
+            let settable = known.contains(key)
+                || [
+                    "eval_data",
+                    "max_steps",
+                    "max_pairs",
+                    "sft_min_score",
+                    "lora",
+                ]
+                .contains(&key.as_str());
+            if !settable {
+                return Err(TrainError::input(
+                    path,
+                    format!("unknown setting `{key}` (the keys are those of training_args.json)"),
+                ));
+            }
+            if !from_flags.contains(key) {
+                let v = serde_json::to_value(value)?;
+                merged[key.as_str()] = v;
+            }
+        }
+        let mut cfg: TrainConfig = serde_json::from_value(merged)
+            .map_err(|e| TrainError::input(path, format!("a setting has the wrong type: {e}")))?;
+        if !from_flags.contains("lr") && !file.contains_key("lr") {
+            cfg.lr = if cfg.lora.is_some() { lora_lr } else { full_lr };
+        }
+        Ok(cfg)
     }
 
     pub fn objective(&self) -> Result<Objective> {
