@@ -81,6 +81,15 @@ fn config(f: &Fixture, out: &str) -> TrainConfig {
     cfg
 }
 
+/// LoRA of rank 4 (α 8) on every target: small enough for the tiny model's tests.
+fn small_lora() -> Option<LoraOptions> {
+    Some(LoraOptions {
+        r: 4,
+        alpha: 8.0,
+        ..Default::default()
+    })
+}
+
 fn logs(dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(dir.join("logs.jsonl"))
         .unwrap()
@@ -1021,11 +1030,7 @@ fn every_model_family_trains_full_and_lora() {
         cfg.model = model.display().to_string();
         cfg.max_steps = Some(2);
         cfg.lr = 1e-2;
-        cfg.lora = Some(LoraOptions {
-            r: 4,
-            alpha: 8.0,
-            ..Default::default()
-        });
+        cfg.lora = small_lora();
         train(&cfg, false).unwrap();
         let adapter_dir = cfg.output.join("final");
         let acfg = AdapterConfig::read(&adapter_dir).unwrap();
@@ -1107,11 +1112,7 @@ fn an_adapter_on_the_default_model_loads_alone_with_its_saved_base() {
     cfg.model = "default".into();
     cfg.max_steps = Some(1);
     cfg.lr = 1e-2;
-    cfg.lora = Some(LoraOptions {
-        r: 4,
-        alpha: 8.0,
-        ..Default::default()
-    });
+    cfg.lora = small_lora();
     cfg.save_base = true;
     train(&cfg, false).unwrap();
     let base = std::fs::canonicalize(cfg.output.join("base")).unwrap();
@@ -1157,11 +1158,7 @@ fn an_adapter_on_the_default_model_loads_alone_with_its_saved_base() {
 fn a_leftover_base_is_never_adopted_by_another_run() {
     let f = fixture();
     let lora = |cfg: &mut TrainConfig| {
-        cfg.lora = Some(LoraOptions {
-            r: 4,
-            alpha: 8.0,
-            ..Default::default()
-        });
+        cfg.lora = small_lora();
         cfg.save_base = true;
     };
     // Model A, stopped after its base/ exists.
@@ -1206,11 +1203,7 @@ fn resume_finishes_an_interrupted_merge() {
     let f = fixture();
     let mut cfg = config(&f, "merge");
     cfg.max_steps = Some(3);
-    cfg.lora = Some(LoraOptions {
-        r: 4,
-        alpha: 8.0,
-        ..Default::default()
-    });
+    cfg.lora = small_lora();
     cfg.merge = true;
     train(&cfg, false).unwrap();
     let merged_weights = std::fs::read(cfg.output.join("merged/model.safetensors")).unwrap();
@@ -1282,12 +1275,7 @@ fn a_signal_saves_the_finished_step_and_resume_continues() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let logs = out.join("logs.jsonl");
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-        while std::fs::read_to_string(&logs).map_or(0, |t| t.lines().count()) == 0 {
-            assert!(std::time::Instant::now() < deadline, "no step finished");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        common::wait_for_first_log_line(&out.join("logs.jsonl"));
         // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
         assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
         let done = child.wait_with_output().unwrap();

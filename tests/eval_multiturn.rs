@@ -812,80 +812,52 @@ const REFERENCE_INFO_GAIN_PER_GAME: f64 = 7.291_122_520_329_011;
 #[test]
 fn compare_refuses_runs_of_different_question_budgets() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = |name: &str, budget: &str| {
+    let run = |name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
-        let res = run_bin(&[
+        let o = out.to_str().unwrap();
+        let base = [
             "--task",
             "twenty_questions",
             "--model",
             "random",
             "--objects",
             "4",
-            "--max-questions",
-            budget,
-            "--output",
-            out.to_str().unwrap(),
-        ]);
-        assert!(
-            res.status.success(),
-            "{}",
-            String::from_utf8_lossy(&res.stderr)
-        );
+        ];
+        assert_ok(&run_bin(&[&base[..], extra, &["--output", o]].concat()));
         out
     };
-    let (twenty, five, again) = (run("q20", "20"), run("q5", "5"), run("q20b", "20"));
-    let res = run_bin(&[
-        "--compare",
-        twenty.to_str().unwrap(),
-        five.to_str().unwrap(),
-    ]);
+    let twenty = run("q20", &["--max-questions", "20"]);
+    let five = run("q5", &["--max-questions", "5"]);
+    let again = run("q20b", &["--max-questions", "20"]);
+    let compare =
+        |a: &Path, b: &Path| run_bin(&["--compare", a.to_str().unwrap(), b.to_str().unwrap()]);
+    let res = compare(&twenty, &five);
     let err = String::from_utf8_lossy(&res.stderr);
     assert!(!res.status.success(), "{err}");
     assert!(
         err.contains("`max_questions`") && err.contains("q5 has 5"),
         "{err}"
     );
-    let res = run_bin(&[
-        "--compare",
-        twenty.to_str().unwrap(),
-        again.to_str().unwrap(),
-    ]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&compare(&twenty, &again));
     // Other settings that change what a game measures are refused by name too: here the
     // weights format (a table-oracle run against an LLM-oracle one, the training split
     // against the held-out one, alike).
-    let f32_run = tmp.path().join("q20-f32");
-    let res = run_bin(&[
-        "--task",
-        "twenty_questions",
-        "--model",
-        "random",
-        "--objects",
-        "4",
-        "--weights",
-        "f32",
-        "--output",
-        f32_run.to_str().unwrap(),
-    ]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
-    let res = run_bin(&[
-        "--compare",
-        twenty.to_str().unwrap(),
-        f32_run.to_str().unwrap(),
-    ]);
+    let f32_run = run("q20-f32", &["--max-questions", "20", "--weights", "f32"]);
+    let res = compare(&twenty, &f32_run);
     let err = String::from_utf8_lossy(&res.stderr);
     assert!(!res.status.success(), "{err}");
     assert!(
         err.contains("`weights`") && err.contains("\"f32\""),
         "{err}"
+    );
+}
+
+/// Fails with the run's stderr unless it succeeded.
+fn assert_ok(res: &std::process::Output) {
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
     );
 }
 

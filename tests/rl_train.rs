@@ -715,11 +715,10 @@ async fn sigint_saves_the_finished_step_and_resume_continues_from_it() {
         .spawn()
         .unwrap();
     let logs = out.join("logs.jsonl");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while std::fs::read_to_string(&logs).map_or(0, |t| t.lines().count()) == 0 {
-        assert!(std::time::Instant::now() < deadline, "no step finished");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let waited = logs.clone();
+    tokio::task::spawn_blocking(move || common::wait_for_first_log_line(&waited))
+        .await
+        .unwrap();
     let pid = child.id().unwrap() as i32;
     // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);

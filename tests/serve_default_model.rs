@@ -6,7 +6,7 @@
 mod common;
 use common::model_util;
 
-use std::io::{BufRead, BufReader};
+use common::serve_util;
 use std::process::{Child, Command, Stdio};
 
 use candle_core::{DType, Device, Tensor};
@@ -125,18 +125,9 @@ async fn the_binary_serves_f32_weights_under_its_names() {
         .unwrap();
     let stdout = child.stdout.take().unwrap();
     let server = Server(child);
-    let line = tokio::task::spawn_blocking(move || {
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).unwrap();
-        line
-    })
-    .await
-    .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let base = tokio::task::spawn_blocking(move || serve_util::listening_url(stdout))
+        .await
+        .unwrap();
 
     let ask = |model: &str| {
         let body = json!({"model": model, "temperature": 0, "max_tokens": MAX_TOKENS,

@@ -645,7 +645,7 @@ async fn logprobs_are_the_models_log_softmax_streamed_too() {
 /// matched in any case.
 #[tokio::test]
 async fn the_binary_refuses_unsendable_keys_and_logs_refusals() {
-    use std::io::{BufRead, BufReader, Read};
+    use std::io::Read;
     use std::process::{Command, Stdio};
     let (_g, dir) = model_util::tiny_model_dir(&TinySpec::default());
     let serve = |key: &str| {
@@ -676,15 +676,7 @@ async fn the_binary_refuses_unsendable_keys_and_logs_refusals() {
     );
 
     let mut child = serve("s3cret");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let base = serve_util::listening_url(child.stdout.take().unwrap());
     let client = reqwest::Client::new();
     let ask = |auth: &'static str| {
         client

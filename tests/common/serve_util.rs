@@ -88,3 +88,16 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .map(|d| d.trim().to_string())
         .collect()
 }
+
+/// The base URL (`http://…/v1`) a `serve` binary prints on its first stdout line.
+pub fn listening_url(stdout: impl std::io::Read) -> String {
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("reading serve's first line");
+    line.split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string()
+}
