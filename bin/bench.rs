@@ -20,6 +20,10 @@ struct Args {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Adaptive future sampling replayed over finished generate_conv runs (fixed S): the
+    /// futures the racing rule would play, as a share of the run's, and how often its pair is
+    /// the fixed-S pair, per interval width. No model is called.
+    AdaptiveReplay(adaptive_replay::Params),
     /// Local decoding speed: prompt tokens/s, generated tokens/s for one stream, aggregate
     /// generated tokens/s for `--n` samples of one prompt, and peak RSS.
     Decode {
@@ -137,6 +141,8 @@ fn at_least_one(s: &str) -> Result<usize, String> {
     usize::try_from(at_least_one_u64(s)?).map_err(|e| e.to_string())
 }
 
+#[path = "bench/adaptive_replay.rs"]
+mod adaptive_replay;
 #[path = "bench/kernels.rs"]
 mod kernels;
 #[path = "bench/orchestration.rs"]
@@ -298,6 +304,7 @@ fn main() -> ExitCode {
                 checkpointing: gradient_checkpointing,
             })
         }
+        Command::AdaptiveReplay(p) => adaptive_replay::run(p),
         Command::Kernels(p) => on_runtime(p.threads, kernels::run(p)),
         Command::PrefillStall(p) => on_runtime(p.local.threads, prefill_stall::run(p)),
         Command::ServeThroughput(p) => on_runtime(p.local.threads, serve_throughput::run(p)),
