@@ -97,6 +97,24 @@ impl ManifestHeader {
     }
 }
 
+/// Writes the summary of a run that `signal` stopped after `wall_s` seconds: an interrupted
+/// run's header, then `fields` (what it finished, where it resumes).
+pub fn write_interrupted_summary(
+    path: &Path,
+    tool: &str,
+    wall_s: f64,
+    signal: super::Signal,
+    fields: Value,
+) -> Result<(), super::WriteError> {
+    let header = ManifestHeader::now(
+        tool,
+        super::now_secs() - wall_s,
+        RunStatus::Interrupted,
+        Some(signal),
+    );
+    super::write_json_atomic(path, &header.with_fields(fields))
+}
+
 /// Writes the summary of a run that finished after `wall_s` seconds (`train_summary.json`,
 /// `rl_summary.json`): a complete run's header, then the summary's own fields.
 pub fn write_finished_summary(

@@ -40,8 +40,8 @@ pub use jobs::drive_jobs;
 pub use lock::{LockError, RunLock, LOCK_FILE};
 pub use log::{read_log, AppendLog, LogError};
 pub use manifest::{
-    changed_keys, changed_settings, write_finished_summary, Manifest, ManifestError,
-    ManifestHeader, RunStatus,
+    changed_keys, changed_settings, write_finished_summary, write_interrupted_summary, Manifest,
+    ManifestError, ManifestHeader, RunStatus,
 };
 pub use signal::{interrupted_exit_code, Interrupted, Shutdown, Signal};
 

@@ -983,26 +983,23 @@ fn stop_if_signalled(
     started: Instant,
     step: Option<usize>,
 ) -> Result<()> {
-    use crate::run::{Interrupted, ManifestHeader, RunStatus};
+    use crate::run::Interrupted;
     let Some(signal) = shutdown.received() else {
         return Ok(());
     };
-    let wall_s = started.elapsed().as_secs_f64();
-    let header = ManifestHeader::now(
-        "collabllm-rs dpo_train",
-        crate::run::now_secs() - wall_s,
-        RunStatus::Interrupted,
-        Some(signal),
-    );
+    let seconds = started.elapsed().as_secs_f64();
     let fields = serde_json::json!({
         "output": cfg.output,
         "steps": step.unwrap_or(0),
         "checkpoint": step.map(|s| cfg.output.join(format!("checkpoint-{s}"))),
-        "seconds": wall_s,
+        "seconds": seconds,
     });
-    write_json_atomic(
+    crate::run::write_interrupted_summary(
         &cfg.output.join("train_summary.json"),
-        &header.with_fields(fields),
+        "collabllm-rs dpo_train",
+        seconds,
+        signal,
+        fields,
     )?;
     Err(TrainError::Interrupted(Interrupted::resume_with(
         signal,

@@ -769,14 +769,7 @@ fn write_interrupted_summary(
     started: Instant,
     signal: crate::run::Signal,
 ) -> anyhow::Result<()> {
-    use crate::run::{ManifestHeader, RunStatus};
     let wall_s = started.elapsed().as_secs_f64();
-    let header = ManifestHeader::now(
-        "collabllm-rs rl_train",
-        crate::run::now_secs() - wall_s,
-        RunStatus::Interrupted,
-        Some(signal),
-    );
     let fields = json!({
         "output": cfg.output,
         "steps": step,
@@ -784,7 +777,13 @@ fn write_interrupted_summary(
         "checkpoint": cfg.output.join(format!("checkpoint-{step}")),
         "wall_s": wall_s,
     });
-    crate::run::write_json_atomic(&cfg.output.join(SUMMARY_FILE), &header.with_fields(fields))?;
+    crate::run::write_interrupted_summary(
+        &cfg.output.join(SUMMARY_FILE),
+        "collabllm-rs rl_train",
+        wall_s,
+        signal,
+        fields,
+    )?;
     Ok(())
 }
 
