@@ -811,6 +811,14 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
+    /// [`LlamaConfig::from_gguf`], then [`LlamaConfig::check_gguf_tensors`]: what loading a
+    /// GGUF file reads.
+    pub fn from_gguf_checked(content: &gguf_file::Content) -> Result<Self, String> {
+        let cfg = Self::from_gguf(content)?;
+        cfg.check_gguf_tensors(content)?;
+        Ok(cfg)
+    }
+
     /// The GGUF file's tensors have the shapes its metadata states, layer by layer, and it
     /// has no layers beyond `block_count` (as safetensors are checked against config.json):
     /// a wrong head count or key length is refused at load, naming the tensor, instead of

@@ -1836,9 +1836,7 @@ pub fn hf_tensors_from_gguf(path: &Path, device: &Device) -> std::result::Result
     let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
     let mut file = std::fs::File::open(path).map_err(|e| err(&e))?;
     let content = gguf_file::Content::read(&mut file).map_err(|e| err(&e))?;
-    let mut cfg = LlamaConfig::from_gguf(&content)
-        .and_then(|cfg| cfg.check_gguf_tensors(&content).map(|()| cfg))
-        .map_err(|e| err(&e))?;
+    let mut cfg = LlamaConfig::from_gguf_checked(&content).map_err(|e| err(&e))?;
     let meta_id = |k: &str| meta_u32(&content, k).map(|v| serde_json::Value::from(v as u64));
     cfg.bos_token_id = meta_id("tokenizer.ggml.bos_token_id");
     cfg.eos_token_id = meta_id("tokenizer.ggml.eos_token_id");

@@ -434,9 +434,7 @@ impl Engine {
 
     fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<Engine, EngineError> {
         let (mut file, content) = read_gguf(path)?;
-        let cfg = LlamaConfig::from_gguf(&content)
-            .and_then(|cfg| cfg.check_gguf_tensors(&content).map(|()| cfg))
-            .map_err(|e| load_err(path, e))?;
+        let cfg = LlamaConfig::from_gguf_checked(&content).map_err(|e| load_err(path, e))?;
         let codec = ChatCodec::from_gguf(path, &content)?;
         let context_length = cfg.context_length();
         let model = LlamaModel::from_gguf(&content, &mut file, cfg, opts.weights, device)

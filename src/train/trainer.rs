@@ -274,10 +274,6 @@ impl TrainConfig {
         let file: toml::Table = toml::from_str(&text)
             .map_err(|e| TrainError::input(path, format!("not valid TOML: {e}")))?;
         let mut merged = serde_json::to_value(self)?;
-        let known: Vec<String> = merged
-            .as_object()
-            .map(|o| o.keys().cloned().collect())
-            .unwrap_or_default();
         for (key, value) in &file {
             if Self::NOT_IN_FILES.contains(&key.as_str()) {
                 return Err(TrainError::input(
@@ -285,16 +281,9 @@ impl TrainConfig {
                     format!("`{key}` is given on the command line only, not in a config file"),
                 ));
             }
-            let settable = known.contains(key)
-                || [
-                    "eval_data",
-                    "max_steps",
-                    "max_pairs",
-                    "sft_min_score",
-                    "lora",
-                ]
-                .contains(&key.as_str());
-            if !settable {
+            // Every setting serializes (None as null), so the config's own keys are the
+            // file's.
+            if merged.get(key.as_str()).is_none() {
                 return Err(TrainError::input(
                     path,
                     format!("unknown setting `{key}` (the keys are those of training_args.json)"),
@@ -951,8 +940,8 @@ fn train_steps(
             run.evaluate(done)?;
         }
         let signalled = shutdown.received().is_some() && done != total_steps;
-        let scheduled = cfg.save_steps.is_some_and(|k| done % k == 0);
-        if (scheduled || signalled) && done != total_steps {
+        let scheduled = cfg.save_steps.is_some_and(|k| done % k == 0) && done != total_steps;
+        if scheduled || signalled {
             save_checkpoint(
                 run,
                 opt,
@@ -1182,10 +1171,8 @@ fn prepare_output(cfg: &TrainConfig) -> Result<crate::run::RunLock> {
             ),
         ));
     }
-    if cfg.resume
-        && found.iter().any(|f| f == "base")
-        && !cfg.output.join("training_args.json").is_file()
-    {
+    let has = |entry: &str| found.iter().any(|f| f == entry);
+    if cfg.resume && has("base") && !has("training_args.json") {
         return Err(TrainError::run(
             &cfg.output,
             "base/ was left by a run that recorded no settings, so whose weights it holds is \
