@@ -8,7 +8,8 @@ use anyhow::Context;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use collabllm::hub;
-use collabllm::train::trainer::{train_until, LoraOptions, Schedule, TrainConfig, DEFAULT_OUTPUT};
+use collabllm::train::dpo::{train_until, TrainConfig, DEFAULT_OUTPUT};
+use collabllm::train::settings::{DpoDefaults, LoraOptions, Schedule, TrainerDefaults, LORA_LR};
 
 /// Train a chat model on preference pairs with DPO (TRL's losses and metrics), or SFT.
 ///
@@ -151,24 +152,24 @@ struct Args {
     max_length: usize,
 
     /// Learning-rate schedule after warmup.
-    #[arg(long, value_enum, default_value_t = Schedule::Cosine)]
+    #[arg(long, value_enum, default_value_t = DpoDefaults::SCHEDULE)]
     schedule: Schedule,
 
     /// Fraction of the steps spent warming the learning rate up linearly.
-    #[arg(long, value_name = "R", default_value_t = 0.1)]
+    #[arg(long, value_name = "R", default_value_t = DpoDefaults::WARMUP_RATIO)]
     warmup_ratio: f64,
 
     /// Clip the global gradient norm to this (the pre-clip norm is logged as grad_norm);
     /// 0 turns clipping off.
-    #[arg(long, value_name = "N", default_value_t = 1.0)]
+    #[arg(long, value_name = "N", default_value_t = DpoDefaults::MAX_GRAD_NORM)]
     max_grad_norm: f64,
 
     /// AdamW decoupled weight decay.
-    #[arg(long, value_name = "W", default_value_t = 0.0)]
+    #[arg(long, value_name = "W", default_value_t = DpoDefaults::WEIGHT_DECAY)]
     weight_decay: f64,
 
     /// Seed for data order and LoRA initialisation.
-    #[arg(long, value_name = "S", default_value_t = 42)]
+    #[arg(long, value_name = "S", default_value_t = DpoDefaults::SEED)]
     seed: u64,
 
     /// Write a log line every K optimizer steps (metrics averaged over them).
@@ -245,7 +246,7 @@ impl Args {
             dropout: self.lora_dropout,
             targets: self.lora_targets.clone(),
         });
-        cfg.lr = self
+        cfg.optim.lr = self
             .lr
             .unwrap_or(if lora.is_some() { LORA_LR } else { FULL_LR });
         cfg.eval_data = self.eval_data;
@@ -263,28 +264,27 @@ impl Args {
         cfg.batch_size = self.batch_size;
         cfg.grad_accum = self.grad_accum;
         cfg.max_length = self.max_length;
-        cfg.schedule = self.schedule;
-        cfg.warmup_ratio = self.warmup_ratio;
-        cfg.max_grad_norm = self.max_grad_norm;
-        cfg.weight_decay = self.weight_decay;
-        cfg.seed = self.seed;
+        cfg.optim.schedule = self.schedule;
+        cfg.optim.warmup_ratio = self.warmup_ratio;
+        cfg.optim.max_grad_norm = self.max_grad_norm;
+        cfg.optim.weight_decay = self.weight_decay;
+        cfg.optim.seed = self.seed;
         cfg.logging_steps = self.logging_steps;
         cfg.eval_steps = self.eval_steps;
-        cfg.save_steps = self.save_steps;
+        cfg.optim.save_steps = self.save_steps;
         cfg.resume = self.resume;
         cfg.resume_override = self.resume_override;
-        cfg.device = self.device;
+        cfg.optim.device = self.device;
         cfg.dtype = self.dtype;
         cfg.save_dtype = self.save_dtype;
         cfg.ref_cache = !self.no_ref_cache;
-        cfg.gradient_checkpointing = self.gradient_checkpointing;
+        cfg.optim.gradient_checkpointing = self.gradient_checkpointing;
         cfg
     }
 }
 
-/// Default peak learning rates: full fine-tuning, and LoRA.
-const FULL_LR: f64 = 5e-6;
-const LORA_LR: f64 = 2e-5;
+/// Default peak learning rate of full fine-tuning (LoRA's is [`LORA_LR`]).
+const FULL_LR: f64 = DpoDefaults::LR;
 
 /// The config keys the command line set explicitly (a flag wins over --config).
 fn keys_from_flags(matches: &clap::ArgMatches) -> BTreeSet<String> {
@@ -409,7 +409,7 @@ mod tests {
         defaults["lora_r"] = lora.r.into();
         defaults["lora_alpha"] = lora.alpha.into();
         defaults["lora_dropout"] = lora.dropout.into();
-        assert_eq!(cfg.lr, FULL_LR);
+        assert_eq!(cfg.optim.lr, FULL_LR);
         collabllm::cli::assert_help_defaults(
             &Args::command(),
             &defaults,

@@ -16,7 +16,7 @@ use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::task::TaskType;
 use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig, TruncatedReward};
 use collabllm::train::rl::run::rl_train_until;
-use collabllm::train::trainer::Schedule;
+use collabllm::train::settings::{self, Schedule};
 
 /// Online RL with the multiturn-aware reward (CollabLLM's verl recipe: GRPO; also Dr. GRPO,
 /// RLOO and online DPO), on our own trainer and sampler.
@@ -138,7 +138,7 @@ struct Args {
     /// Peak learning rate (see --schedule) [default: 1e-6 (the verl recipe's, for all weights),
     /// or 2e-5 with --lora-r (as dpo_train: adapters need a larger rate; 3e-4 drifted the
     /// default model 1–4 nats a token from its reference in a few steps)].
-    #[arg(long, value_name = "X", value_parser = rl::LR.parser())]
+    #[arg(long, value_name = "X", value_parser = settings::LR.parser())]
     lr: Option<f64>,
     /// Coefficient of the k3 KL loss to the initial model; 0 turns the reference off.
     #[arg(long, value_name = "X", value_parser = rl::KL_COEF.parser())]
@@ -194,11 +194,11 @@ struct Args {
     /// Responses (online DPO: pairs) per forward/backward pass; 0 = the whole mini-batch.
     #[arg(long, value_name = "M")]
     micro_batch: Option<usize>,
-    /// AdamW weight decay, in [0, 1).
-    #[arg(long, value_name = "W", value_parser = rl::WEIGHT_DECAY.parser())]
+    /// AdamW weight decay, >= 0.
+    #[arg(long, value_name = "W", value_parser = settings::WEIGHT_DECAY.parser())]
     weight_decay: Option<f64>,
-    /// Clip the global gradient norm to this.
-    #[arg(long, value_name = "N", value_parser = rl::MAX_GRAD_NORM.parser())]
+    /// Clip the global gradient norm to this; 0: no clipping.
+    #[arg(long, value_name = "N", value_parser = settings::MAX_GRAD_NORM.parser())]
     max_grad_norm: Option<f64>,
     /// Longest prompt + response that trains, in tokens (longer ones are dropped, counted).
     #[arg(long, value_name = "L")]
@@ -213,7 +213,7 @@ struct Args {
     #[arg(long, value_name = "R")]
     lora_r: Option<usize>,
     /// LoRA α.
-    #[arg(long, value_name = "A", value_parser = rl::LORA_ALPHA.parser())]
+    #[arg(long, value_name = "A", value_parser = settings::LORA_ALPHA.parser())]
     lora_alpha: Option<f64>,
     /// Save a checkpoint every K steps (always final/ at the end).
     #[arg(long, value_name = "K")]
@@ -285,15 +285,17 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         cfg.apply_compat(c)?;
     }
     macro_rules! set {
-        ($($field:ident),* $(; rollout: $($shared:ident),*)?) => {
+        ($($field:ident),*; optim: $($trainer:ident),*; rollout: $($shared:ident),*) => {
             $( if let Some(v) = args.$field.clone() { cfg.$field = v; } )*
-            $($( if let Some(v) = args.$shared.clone() { cfg.rollout.$shared = v; } )*)?
+            $( if let Some(v) = args.$trainer.clone() { cfg.optim.$trainer = v; } )*
+            $( if let Some(v) = args.$shared.clone() { cfg.rollout.$shared = v; } )*
         };
     }
     macro_rules! set_opt {
-        ($($field:ident),* $(; rollout: $($shared:ident),*)?) => {
+        ($($field:ident),*; optim: $($trainer:ident),*; rollout: $($shared:ident),*) => {
             $( if args.$field.is_some() { cfg.$field = args.$field.clone(); } )*
-            $($( if args.$shared.is_some() { cfg.rollout.$shared = args.$shared.clone(); } )*)?
+            $( if args.$trainer.is_some() { cfg.optim.$trainer = args.$trainer.clone(); } )*
+            $( if args.$shared.is_some() { cfg.rollout.$shared = args.$shared.clone(); } )*
         };
     }
     set!(
@@ -311,7 +313,6 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         max_steps,
         mr_formula,
         algo,
-        lr,
         kl_coef,
         clip_ratio,
         clip_ratio_c,
@@ -320,19 +321,14 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         ppo_epochs,
         mini_batch,
         micro_batch,
-        weight_decay,
-        max_grad_norm,
-        schedule,
-        warmup_ratio,
         max_length,
         beta,
         min_gap,
         lora_alpha,
-        seed,
-        device,
         sampler_weights,
         token_counter,
         truncated;
+        optim: lr, weight_decay, max_grad_norm, schedule, warmup_ratio, seed, device;
         rollout: user, judge, concurrency, judge_mode, interactivity_scale
     );
     // One way to size mini-batches: the flag given wins over the preset's or file's other.
@@ -348,14 +344,15 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         eval_tasks,
         eval_every,
         eval_max_tasks,
-        lora_r,
-        save_steps;
+        lora_r;
+        optim: save_steps;
         rollout: threads, prompts
     );
-    if args.lr.is_none() && cfg.lora_r.is_some() && cfg.lr == RlRunConfig::default().lr {
-        cfg.lr = rl::LORA_LR;
+    if args.lr.is_none() && cfg.lora_r.is_some() && cfg.optim.lr == RlRunConfig::default().optim.lr
+    {
+        cfg.optim.lr = settings::LORA_LR;
     }
-    cfg.gradient_checkpointing |= args.gradient_checkpointing;
+    cfg.optim.gradient_checkpointing |= args.gradient_checkpointing;
     cfg.keep_length_only_groups |= args.keep_length_only_groups;
     cfg.set_max_tokens(&args.max_tokens);
     if let Some(v) = args.max_new_tokens {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Baseline for `bench`'s RL step figure (BENCHMARKS.md, issue 18): TRL's GRPOTrainer on the
+"""Baseline for `bench`'s RL step figure (BENCHMARKS.md, "rl_train step vs TRL GRPOTrainer"): TRL's GRPOTrainer on the
 default model (read from the same GGUF, dequantized to f32), one optimizer step per
 2 prompts x n generations, a fixed number of new tokens, a programmatic length reward and the
 recipe's settings (KL coefficient 0.001 against a reference model, 1 PPO epoch, lr 1e-6).

@@ -21,8 +21,9 @@ use collabllm::train::data::{
     drop_oldest_turn, tokenize_conversation, tokenize_pairs, tokenize_sft,
     tokenize_sft_conversations, TokenizeStats,
 };
+use collabllm::train::dpo::{train, TrainConfig};
 use collabllm::train::model::TrainLlama;
-use collabllm::train::trainer::{train, LoraOptions, TrainConfig};
+use collabllm::train::settings::LoraOptions;
 use model_util::*;
 
 fn row(i: usize, prompt: Vec<ChatMessage>, chosen: &str, rejected: &str) -> PairRow {
@@ -77,7 +78,7 @@ fn config(f: &Fixture, out: &str) -> TrainConfig {
     );
     cfg.batch_size = 2;
     cfg.max_length = 128;
-    cfg.warmup_ratio = 0.0;
+    cfg.optim.warmup_ratio = 0.0;
     cfg
 }
 
@@ -137,7 +138,7 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 fn dpo_learns_the_toy_preference_with_trl_metrics() {
     let f = fixture();
     let mut cfg = config(&f, "full");
-    cfg.lr = 1e-3;
+    cfg.optim.lr = 1e-3;
     cfg.max_steps = Some(30);
     let summary = train(&cfg, false).unwrap();
     let lines = train_lines(&cfg.output);
@@ -216,7 +217,7 @@ fn dpo_learns_the_toy_preference_with_trl_metrics() {
 fn lora_learns_saves_reloads_and_merges() {
     let f = fixture();
     let mut cfg = config(&f, "lora");
-    cfg.lr = 1e-2;
+    cfg.optim.lr = 1e-2;
     cfg.max_steps = Some(30);
     cfg.lora = Some(LoraOptions {
         r: 8,
@@ -313,9 +314,9 @@ fn lora_learns_saves_reloads_and_merges() {
 fn resume_continues_with_the_same_state() {
     let f = fixture();
     let mut straight = config(&f, "straight");
-    straight.lr = 1e-3;
+    straight.optim.lr = 1e-3;
     straight.max_steps = Some(6);
-    straight.save_steps = Some(3);
+    straight.optim.save_steps = Some(3);
     straight.batch_size = 1;
     straight.grad_accum = 2;
     train(&straight, false).unwrap();
@@ -383,9 +384,9 @@ fn resume_continues_with_the_same_state() {
 fn divergence_stops_before_the_bad_update_and_keeps_the_last_checkpoint() {
     let f = fixture();
     let mut cfg = config(&f, "diverge");
-    cfg.lr = 1e30; // the first update throws every weight to about ±1e30
+    cfg.optim.lr = 1e30; // the first update throws every weight to about ±1e30
     cfg.max_steps = Some(6);
-    cfg.save_steps = Some(1);
+    cfg.optim.save_steps = Some(1);
     cfg.batch_size = 1;
     let err = train(&cfg, false).unwrap_err().to_string();
     assert!(err.contains("non-finite"), "{err}");
@@ -445,7 +446,7 @@ fn sft_mode_trains_on_assistant_tokens_only() {
     let f = fixture();
     let mut cfg = config(&f, "sft");
     cfg.loss = "sft".into();
-    cfg.lr = 1e-3;
+    cfg.optim.lr = 1e-3;
     cfg.max_steps = Some(20);
     train(&cfg, false).unwrap();
     let lines = train_lines(&cfg.output);
@@ -794,9 +795,9 @@ fn max_grad_norm_zero_turns_clipping_off() {
     let f = fixture();
     let run = |name: &str, max_norm: f64| {
         let mut cfg = config(&f, name);
-        cfg.lr = 1e-3;
+        cfg.optim.lr = 1e-3;
         cfg.max_steps = Some(2);
-        cfg.max_grad_norm = max_norm;
+        cfg.optim.max_grad_norm = max_norm;
         train(&cfg, false).unwrap();
         train_lines(&cfg.output)
     };
@@ -820,9 +821,9 @@ fn a_non_finite_weight_stops_the_run_before_any_save() {
     let mut cfg = config(&f, "overflow");
     // lr / (1 - β1) overflows f32: the first update makes every touched weight ±inf or NaN
     // while the loss and gradient norm of step 1 are finite.
-    cfg.lr = 1e39;
+    cfg.optim.lr = 1e39;
     cfg.max_steps = Some(3);
-    cfg.save_steps = Some(1);
+    cfg.optim.save_steps = Some(1);
     cfg.batch_size = 1;
     let err = train(&cfg, false).unwrap_err().to_string();
     assert!(err.starts_with("step 1:"), "{err}");
@@ -843,7 +844,7 @@ fn read_args(dir: &Path) -> serde_json::Value {
 fn stopped_after_two_steps(f: &Fixture, out: &str) -> TrainConfig {
     let mut cfg = config(f, out);
     cfg.max_steps = Some(4);
-    cfg.save_steps = Some(1);
+    cfg.optim.save_steps = Some(1);
     cfg.batch_size = 1;
     cfg.stop_after = Some(2);
     train(&cfg, false).unwrap_err();
@@ -899,9 +900,9 @@ fn resume_refuses_data_that_changed_under_the_same_path() {
 fn resume_refuses_changed_settings_unless_overridden() {
     let f = fixture();
     let mut cfg = config(&f, "changed");
-    cfg.lr = 1e-3;
+    cfg.optim.lr = 1e-3;
     cfg.max_steps = Some(4);
-    cfg.save_steps = Some(1);
+    cfg.optim.save_steps = Some(1);
     cfg.batch_size = 1;
     cfg.stop_after = Some(2);
     train(&cfg, false).unwrap_err();
@@ -911,7 +912,7 @@ fn resume_refuses_changed_settings_unless_overridden() {
     let logs_before = std::fs::read(cfg.output.join("logs.jsonl")).unwrap();
 
     let mut changed = cfg.clone();
-    changed.lr = 2e-3;
+    changed.optim.lr = 2e-3;
     changed.beta = 0.2;
     changed.data = f.data.join("train.parquet");
     let err = format!("{:#}", train(&changed, false).unwrap_err());
@@ -1006,7 +1007,7 @@ fn every_model_family_trains_full_and_lora() {
         let mut cfg = config(&f, &format!("{family}-full"));
         cfg.model = model.display().to_string();
         cfg.max_steps = Some(2);
-        cfg.lr = 1e-2;
+        cfg.optim.lr = 1e-2;
         train(&cfg, false).unwrap();
         let full = cfg.output.join("final");
         let written: serde_json::Value =
@@ -1029,7 +1030,7 @@ fn every_model_family_trains_full_and_lora() {
         let mut cfg = config(&f, &format!("{family}-lora"));
         cfg.model = model.display().to_string();
         cfg.max_steps = Some(2);
-        cfg.lr = 1e-2;
+        cfg.optim.lr = 1e-2;
         cfg.lora = small_lora();
         train(&cfg, false).unwrap();
         let adapter_dir = cfg.output.join("final");
@@ -1111,7 +1112,7 @@ fn an_adapter_on_the_default_model_loads_alone_with_its_saved_base() {
     let mut cfg = config(&f, "lora-default");
     cfg.model = "default".into();
     cfg.max_steps = Some(1);
-    cfg.lr = 1e-2;
+    cfg.optim.lr = 1e-2;
     cfg.lora = small_lora();
     cfg.save_base = true;
     train(&cfg, false).unwrap();

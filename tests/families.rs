@@ -16,8 +16,8 @@ use collabllm::engine::llama::{LlamaConfig, WeightFormat};
 use collabllm::engine::{ChatCodec, Engine, LoadOptions, LocalModelFiles};
 use collabllm::llm::local::LocalBackend;
 use collabllm::llm::{ChatMessage, ModelSpec};
+use collabllm::train::dpo::loss::{dpo_loss, DpoConfig};
 use collabllm::train::logps::{pair_logps, PairBatch, TokenizedPair};
-use collabllm::train::loss::{dpo_loss, DpoConfig};
 use collabllm::train::model::TrainLlama;
 
 const FAMILIES: [&str; 3] = ["qwen2", "qwen3", "mistral"];

@@ -64,6 +64,27 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// Every file under `dir`, build outputs aside.
+fn project_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_dir() {
+            project_files(&p, out);
+        } else {
+            out.push(p);
+        }
+    }
+}
+
+/// A `YYYY-MM-DD` date anywhere in `line`.
+fn has_iso_date(line: &str) -> bool {
+    let b = line.as_bytes();
+    b.windows(10).any(|w| {
+        let digits = |r: std::ops::Range<usize>| w[r].iter().all(u8::is_ascii_digit);
+        digits(0..4) && w[4] == b'-' && digits(5..7) && w[7] == b'-' && digits(8..10)
+    })
+}
+
 /// module → (imported module → first file that imports it).
 fn import_graph(src: &Path) -> BTreeMap<String, BTreeMap<String, PathBuf>> {
     let mut files = Vec::new();
@@ -483,17 +504,24 @@ fn the_stated_layer_order_is_the_enforced_one() {
     }
 }
 
-/// Code comments say why, in words: no file of the library or the binaries points a reader
-/// at an issue number (the tracker is not part of the product).
+/// Code comments and docs say why, in words: no file of the library, the binaries, the tests,
+/// the scripts or the docs points a reader at an issue number (the tracker is not part of the
+/// product), and no doc is a dated diary (git history keeps when things happened).
 #[test]
 fn no_source_file_names_an_issue_number() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    rust_files(&root.join("src"), &mut files);
-    rust_files(&root.join("bin"), &mut files);
+    for dir in ["src", "bin", "tests", "scripts", "docs"] {
+        project_files(&root.join(dir), &mut files);
+    }
+    for doc in ["README.md", "ARCHITECTURE.md", "BENCHMARKS.md"] {
+        files.push(root.join(doc));
+    }
     let mut found = Vec::new();
     for f in files {
-        let text = std::fs::read_to_string(&f).unwrap();
+        let Ok(text) = std::fs::read_to_string(&f) else {
+            continue; // figures and other binary files
+        };
         for (n, line) in text.lines().enumerate() {
             let lower = line.to_lowercase();
             let mut rest = lower.as_str();
@@ -505,11 +533,14 @@ fn no_source_file_names_an_issue_number() {
                 }
                 rest = &rest[i + 5..];
             }
+            if f.extension().is_some_and(|e| e == "md") && has_iso_date(line) {
+                found.push(format!("{}:{}: dated: {}", f.display(), n + 1, line.trim()));
+            }
         }
     }
     assert!(
         found.is_empty(),
-        "issue numbers in source:\n{}",
+        "issue numbers or dated diary lines:\n{}",
         found.join("\n")
     );
 }

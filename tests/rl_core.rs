@@ -3,6 +3,7 @@
 //! stop, resume after a checkpoint, and weight sync into an inference engine.
 
 mod common;
+use collabllm::train::settings::{RlDefaults, TrainerSettings};
 use common::model_util;
 
 use std::path::Path;
@@ -73,11 +74,18 @@ fn policy(dir: &Path, lora: bool) -> TrainLlama {
 
 fn config(lr: f64) -> RlConfig {
     RlConfig {
-        lr,
+        optim: optim(lr, 5),
         mini_batch: 3,
         micro_batch: 2,
         ppo_epochs: 2,
-        seed: 5,
+        ..Default::default()
+    }
+}
+
+fn optim(lr: f64, seed: u64) -> TrainerSettings<RlDefaults> {
+    TrainerSettings {
+        lr,
+        seed,
         ..Default::default()
     }
 }
@@ -167,7 +175,6 @@ fn the_fused_head_gives_the_composed_update() {
         let run = |composed: bool| {
             collabllm::train::ops::force_composed_ops(composed);
             let cfg = RlConfig {
-                lr: 1e-3,
                 ppo: PpoConfig {
                     entropy_coef: 0.01,
                     ..Default::default()
@@ -223,7 +230,7 @@ fn micro_batches_match(agg: LossAgg) {
             micro_batch: micro,
             mini_batch: 0,
             ppo_epochs: 1,
-            lr: 1e-3,
+            optim: optim(1e-3, 0),
             ppo: PpoConfig {
                 agg,
                 entropy_coef: 0.01,
@@ -384,7 +391,7 @@ fn resume_after_a_checkpoint_takes_the_same_next_step() {
         let mut d = RlTrainer::new(
             policy(&dir, lora),
             RlConfig {
-                seed: 6,
+                optim: optim(3e-3, 6),
                 ..config(3e-3)
             },
             codec.eos_ids[0],
@@ -463,11 +470,10 @@ fn sync_serves_the_updated_weights() {
 fn a_second_mini_batch_moves_the_ratio_and_clips() {
     let (_g, dir, codec) = setup();
     let cfg = RlConfig {
-        lr: 5e-2,
+        optim: optim(5e-2, 5),
         mini_batch: 3,
         micro_batch: 0,
         ppo_epochs: 1,
-        seed: 5,
         ..Default::default()
     };
     let mut t = RlTrainer::new(policy(&dir, false), cfg, codec.eos_ids[0]).unwrap();

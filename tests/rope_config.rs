@@ -18,8 +18,8 @@ use collabllm::engine::tiny::TinySpec;
 use collabllm::engine::{Engine, LoadOptions};
 use collabllm::llm::spec::LocalModelFiles;
 use collabllm::llm::ChatMessage;
+use collabllm::train::dpo::{train, TrainConfig};
 use collabllm::train::model::{log_softmax_last_dim, TrainLlama};
-use collabllm::train::trainer::{train, TrainConfig};
 use model_util::*;
 use serde_json::{json, Value};
 
@@ -364,8 +364,8 @@ fn checkpoints_keep_the_rope_settings_they_were_loaded_with() {
     let mut tc = TrainConfig::new(data, &src.display().to_string(), root.join("run"));
     tc.batch_size = 2;
     tc.max_length = 128;
-    tc.warmup_ratio = 0.0;
-    tc.lr = 1e-12;
+    tc.optim.warmup_ratio = 0.0;
+    tc.optim.lr = 1e-12;
     tc.max_steps = Some(1);
     train(&tc, false).unwrap();
     let out = root.join("run/final");

@@ -12,8 +12,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use collabllm::engine::llama::{LlamaConfig, LlamaModel, WeightFormat};
 use collabllm::engine::tiny::TinySpec;
+use collabllm::train::dpo::loss::{dpo_loss, dpo_losses, DpoConfig, LossType};
 use collabllm::train::logps::{pair_logps, sequence_logps, PairBatch, TokenizedPair};
-use collabllm::train::loss::{dpo_loss, dpo_losses, DpoConfig, LossType};
 use collabllm::train::model::{permute_hf_qk, unpermute_gguf_qk, TrainLlama};
 use model_util::*;
 

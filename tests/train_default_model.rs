@@ -10,8 +10,8 @@ use candle_core::backprop::GradStore;
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use collabllm::engine::llama::{LlamaConfig, LlamaModel, WeightFormat};
+use collabllm::train::dpo::loss::{dpo_loss, DpoConfig};
 use collabllm::train::logps::{pair_logps, PairBatch, TokenizedPair};
-use collabllm::train::loss::{dpo_loss, DpoConfig};
 use collabllm::train::model::TrainLlama;
 use model_util::*;
 

@@ -280,7 +280,7 @@ fn win_rule_vectors_multi_word_variants_pairs_and_two_objects() {
     assert!(yes.len() + no.len() >= 50);
 }
 
-/// LMRL-Gym's rule counts any other noun, not only other objects' names (issue 19 item 3).
+/// LMRL-Gym's rule counts any other noun, not only other objects' names.
 #[test]
 fn win_rule_rejects_any_other_noun_as_lmrl_gym() {
     let no = [
@@ -872,7 +872,7 @@ fn random_distinct_guesses_match_the_anchor() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Rewards of a future (issue 19 item 2).
+// Rewards of a future.
 
 fn h_vehicle() -> Vec<(String, bool)> {
     turns(&[("Is it a vehicle?", true)])

@@ -8,8 +8,8 @@ use candle_core::{DType, Device};
 use collabllm::engine::peft::{AdapterConfig, LORA_TARGETS};
 use collabllm::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
 use collabllm::train::adamw::{AdamW, AdamWParams};
+use collabllm::train::dpo::loss::{dpo_loss, DpoConfig};
 use collabllm::train::logps::{completion_logps, pair_logps_full, PairBatch, TokenizedPair};
-use collabllm::train::loss::{dpo_loss, DpoConfig};
 use collabllm::train::model::TrainLlama;
 use collabllm::train::optim::clip_grad_norm;
 

@@ -2,7 +2,7 @@
 //! step (~96 MB for the default model): on 4 KiB pages that is ~24 000 TLB misses a step,
 //! and glibc's malloc never asks for transparent huge pages where the system leaves them to
 //! `madvise` (the common default). A one-request decode step is memory-bound, so it runs
-//! faster on huge pages (the measurement: docs/perf-notes.md, "The weights on 2 MiB pages").
+//! faster on huge pages (the measurement: BENCHMARKS.md, "Weights on 2 MiB pages").
 
 use std::collections::BTreeSet;
 

@@ -1,16 +1,16 @@
-//! Training core for DPO and SFT: a trainable llama ([`model::TrainLlama`]) built
-//! from ops with explicit backward passes ([`ops`]), sequence log-probs of preference pairs
-//! packed one pair per row ([`logps`]), TRL's DPO losses and metrics ([`loss`]), AdamW with
-//! open state ([`adamw`]), HF/TRL schedule and clipping ([`optim`]), TRL-format data
-//! ([`data`]) and the training loop with checkpoints and resume ([`trainer`]); the training
-//! half of online RL (GRPO/PPO updates from scored groups) is in [`rl`].
+//! Training: a trainable llama ([`model::TrainLlama`]) built from ops with explicit backward
+//! passes ([`ops`]), sequence log-probs packed one pair per row ([`logps`]), AdamW with open
+//! state ([`adamw`]), HF/TRL schedule and clipping ([`optim`]), TRL-format data and chat
+//! rendering ([`data`]) and the settings both trainers share ([`settings`]); on top of them
+//! DPO/SFT with TRL's losses, checkpoints and resume ([`dpo`]) and online RL (GRPO/PPO updates
+//! from scored groups, [`rl`]).
 //!
 //! A step, in outline:
 //! ```no_run
 //! # fn main() -> anyhow::Result<()> {
 //! use candle_core::{DType, Device};
 //! use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-//! use collabllm::train::{logps::*, loss::*, model::TrainLlama};
+//! use collabllm::train::{dpo::loss::*, logps::*, model::TrainLlama};
 //! let dev = Device::Cpu;
 //! let policy = TrainLlama::from_hf_dir("model".as_ref(), DType::F32, &dev)?;
 //! let pairs = vec![TokenizedPair { prompt: vec![1, 2], chosen: vec![3], rejected: vec![4] }];
@@ -29,14 +29,14 @@
 
 pub mod adamw;
 pub mod data;
+pub mod dpo;
 pub(crate) mod error;
 pub mod head;
 pub mod logps;
-pub mod loss;
 pub mod model;
 pub mod ops;
 pub mod optim;
 pub mod rl;
-pub mod trainer;
+pub mod settings;
 
 pub use error::TrainError;

@@ -1188,6 +1188,34 @@ fn safetensors_files(dir: &Path) -> std::result::Result<Vec<PathBuf>, TrainError
     Ok(files)
 }
 
+/// The name an adapter records as its base: the Hub id the spec names, else the resolved
+/// local path of the weights.
+pub(crate) fn adapter_base_name(spec: &str, files: &crate::llm::spec::LocalModelFiles) -> String {
+    use crate::llm::spec::ModelSpec;
+    if let Some(id) = spec
+        .parse::<ModelSpec>()
+        .ok()
+        .as_ref()
+        .and_then(ModelSpec::hub_id)
+    {
+        return id.to_string();
+    }
+    std::fs::canonicalize(files.path())
+        .unwrap_or_else(|_| files.path().to_path_buf())
+        .display()
+        .to_string()
+}
+
+/// The first trainable weight holding a NaN or an infinity, by name.
+pub(crate) fn non_finite_weight(model: &TrainLlama) -> Result<Option<String>> {
+    for (name, var) in model.named_vars() {
+        if !super::optim::squared_norm(var.as_tensor())?.is_finite() {
+            return Ok(Some(name));
+        }
+    }
+    Ok(None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,11 +29,11 @@ use crate::rollout::config::{
 use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::twenty_questions::chat::OracleMode;
 use crate::task::TaskType;
-use crate::train::loss::DpoConfig;
-use crate::train::trainer::Schedule;
+use crate::train::dpo::loss::DpoConfig;
+use crate::train::settings::{
+    Invalid, LoraOptions, RlDefaults, Schedule, Spelling, TrainerSettings,
+};
 
-/// Learning rate: positive.
-pub const LR: Range = Range::above(0.0);
 /// KL coefficient (0 turns the reference model off).
 pub const KL_COEF: Range = Range::closed(0.0, 1e3);
 /// PPO clip range ε (ratio clipped to [1 − ε, 1 + ε]).
@@ -41,19 +41,13 @@ pub const CLIP_RATIO: Range = Range::open_closed(0.0, 1.0);
 /// Dual-clip bound c for negative advantages.
 pub const CLIP_RATIO_C: Range = Range::above(1.0);
 pub const ENTROPY_COEF: Range = Range::closed(0.0, 1e3);
-pub const WEIGHT_DECAY: Range = Range::closed_open(0.0, 1.0);
-pub const MAX_GRAD_NORM: Range = Range::above(0.0);
-pub const WARMUP_RATIO: Range = Range::closed(0.0, 1.0);
 /// Sampling temperature of the policy: positive (greedy responses of a group are identical
 /// and carry no signal).
 pub const TEMPERATURE: Range = Range::open_closed(0.0, 10.0);
-/// The learning rate of LoRA runs that give none (dpo_train's LoRA default).
-pub const LORA_LR: f64 = 2e-5;
 pub const TOP_P: Range = Sampling::TOP_P;
 /// Online DPO: β and the minimum MR gap of a pair.
 pub const BETA: Range = Range::above(0.0);
 pub use crate::reward::pairs::MIN_GAP;
-pub const LORA_ALPHA: Range = Range::above(0.0);
 
 /// What the update does with a group of scored responses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -203,7 +197,6 @@ pub struct RlRunConfig {
     pub metrics: BTreeMap<String, f64>,
     pub mr_formula: MrFormula,
     pub algo: Algo,
-    pub lr: f64,
     pub kl_coef: f64,
     pub clip_ratio: f64,
     pub clip_ratio_c: f64,
@@ -218,15 +211,6 @@ pub struct RlRunConfig {
     pub ppo_mini_batch: Option<usize>,
     /// Responses per forward/backward pass; 0: the whole mini-batch.
     pub micro_batch: usize,
-    pub weight_decay: f64,
-    pub max_grad_norm: f64,
-    /// Learning-rate schedule over the run's optimizer steps (verl: constant).
-    pub schedule: Schedule,
-    /// Share of the run's optimizer steps spent warming the rate up linearly from 0.
-    pub warmup_ratio: f64,
-    /// Per-layer activation checkpointing in the backward pass: less memory, one more
-    /// forward pass per micro-batch.
-    pub gradient_checkpointing: bool,
     /// Longest prompt + response that trains, in tokens.
     pub max_length: usize,
     /// Online DPO: β and the minimum MR gap between best and worst.
@@ -236,10 +220,6 @@ pub struct RlRunConfig {
     pub lora_r: Option<usize>,
     pub lora_alpha: f64,
     pub lora_targets: Vec<String>,
-    pub save_steps: Option<usize>,
-    pub seed: u64,
-    /// Compute device of the trainer: cpu, cuda, cuda:N.
-    pub device: String,
     /// How the sampler holds the synced weights: auto (q8 on the CPU, f32 elsewhere), f32, q8.
     pub sampler_weights: String,
     /// 20 Questions tasks: who answers the questions (table, llm = the user model, hybrid).
@@ -266,6 +246,10 @@ pub struct RlRunConfig {
     /// refuses a run whose task file changed under the same path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks_sha256: Option<String>,
+    /// Optimizer, schedule, clipping, device, seed and checkpoint settings, shared with
+    /// dpo_train (top-level keys, as all the others).
+    #[serde(flatten)]
+    pub optim: TrainerSettings<RlDefaults>,
     /// The settings every rollout shares (top-level keys, as all the others).
     #[serde(flatten)]
     pub rollout: RolloutConfig,
@@ -297,7 +281,6 @@ impl Default for RlRunConfig {
             metrics: BTreeMap::new(),
             mr_formula: MrFormula::Mean,
             algo: Algo::Grpo,
-            lr: 1e-6,
             kl_coef: 0.001,
             clip_ratio: 0.2,
             clip_ratio_c: 3.0,
@@ -306,20 +289,12 @@ impl Default for RlRunConfig {
             ppo_epochs: 1,
             mini_batch: 0,
             micro_batch: 4,
-            weight_decay: 0.01,
-            max_grad_norm: 1.0,
-            schedule: Schedule::Constant,
-            warmup_ratio: 0.0,
-            gradient_checkpointing: false,
             max_length: 2048,
             beta: 0.1,
             min_gap: 0.02,
             lora_r: None,
             lora_alpha: 16.0,
             lora_targets: LORA_TARGETS.map(String::from).to_vec(),
-            save_steps: None,
-            seed: 0,
-            device: "cpu".into(),
             sampler_weights: "auto".into(),
             oracle: OracleMode::default(),
             midgame: 0,
@@ -329,6 +304,7 @@ impl Default for RlRunConfig {
             compat: None,
             ppo_mini_batch: None,
             tasks_sha256: None,
+            optim: TrainerSettings::default(),
             rollout: RolloutConfig::default(),
             unknown_keys: UnknownKeys::default(),
         }
@@ -367,7 +343,6 @@ const MAX_GROUP: usize = 1024;
 const MAX_BATCH_PROMPTS: usize = 65_536;
 const MAX_SAMPLES: usize = 64;
 const MAX_LENGTH: usize = 1 << 20;
-const MAX_LORA_R: usize = 4096;
 const MAX_EPOCHS: usize = 1000;
 
 /// Settings that may change when a run resumes: they decide how long it runs, where it
@@ -385,7 +360,18 @@ pub const RESUMABLE_CHANGES: &[&str] = &[
 
 impl RlRunConfig {
     pub fn from_toml_file(path: &Path) -> Result<Self, ConfigError> {
-        crate::rollout::config::from_toml_file(path, |c: &Self| &c.unknown_keys)
+        crate::rollout::config::from_toml_file(path, |c: &Self| &c.unknown_keys).map_err(|e| {
+            // The trainer settings are read through serde's flatten buffer too: read on their
+            // own, their error names the key and the line.
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            match toml::from_str::<TrainerSettings<RlDefaults>>(&text) {
+                Err(own) => ConfigError::File {
+                    path: path.to_path_buf(),
+                    message: own.to_string(),
+                },
+                Ok(_) => e,
+            }
+        })
     }
 
     /// Per-role token caps (`--max-tokens ROLE=N`). The policy and the assistant inside
@@ -456,16 +442,16 @@ impl RlRunConfig {
         // response plays no futures and scores 0.
         put!(
             algo = Algo::Grpo,
-            lr = 1e-6,
+            optim.lr = 1e-6,
             kl_coef = 0.001,
             entropy_coef = 0.0,
             clip_ratio = 0.2,
             clip_ratio_c = 3.0,
             loss_agg = LossAgg::TokenMean.as_str().to_string(),
-            weight_decay = 0.01,
-            max_grad_norm = 1.0,
-            schedule = Schedule::Constant,
-            warmup_ratio = 0.0,
+            optim.weight_decay = 0.01,
+            optim.max_grad_norm = 1.0,
+            optim.schedule = Schedule::Constant,
+            optim.warmup_ratio = 0.0,
             ppo_epochs = 1,
             batch_prompts = 16,
             group_size = 8,
@@ -487,6 +473,16 @@ impl RlRunConfig {
         Ok(())
     }
 
+    /// The LoRA adapters trained (`lora_r` set), in the shared form.
+    pub fn lora(&self) -> Option<LoraOptions> {
+        self.lora_r.map(|r| LoraOptions {
+            r,
+            alpha: self.lora_alpha,
+            dropout: 0.0,
+            targets: self.lora_targets.clone(),
+        })
+    }
+
     /// Responses per optimizer step (0: the whole step): `ppo_mini_batch` prompts' groups
     /// when set, else `mini_batch`.
     pub fn mini_batch_responses(&self) -> usize {
@@ -500,7 +496,7 @@ impl RlRunConfig {
 
     pub fn weight_format(&self) -> Result<WeightFormat, ConfigError> {
         match self.sampler_weights.as_str() {
-            "auto" if self.device == "cpu" => Ok(WeightFormat::Q8_0),
+            "auto" if self.optim.device == "cpu" => Ok(WeightFormat::Q8_0),
             "auto" | "f32" => Ok(WeightFormat::F32),
             "q8" => Ok(WeightFormat::Q8_0),
             other => Err(invalid(
@@ -526,15 +522,9 @@ impl RlRunConfig {
             ppo_epochs: self.ppo_epochs,
             mini_batch: self.mini_batch_responses(),
             micro_batch: self.micro_batch,
-            lr: self.lr,
-            weight_decay: self.weight_decay,
-            max_grad_norm: self.max_grad_norm,
-            schedule: self.schedule,
-            warmup_ratio: self.warmup_ratio,
+            optim: self.optim.clone(),
             total_steps: self.optimizer_steps(),
             max_length: self.max_length,
-            seed: self.seed,
-            gradient_checkpointing: self.gradient_checkpointing,
             skip_length_only: !self.keep_length_only_groups,
             dpo: (self.algo == Algo::OnlineDpo).then_some(DpoConfig {
                 beta: self.beta,
@@ -578,17 +568,16 @@ impl RlRunConfig {
         // A response is dropped when prompt + response exceed max_length: a longer cap only
         // wastes generation.
         in_range("max_new_tokens", self.max_new_tokens, 1, self.max_length)?;
-        if self.save_steps == Some(0) {
-            return Err(invalid("save_steps", "0: must be at least 1"));
-        }
         if self.eval_every == Some(0) {
             return Err(invalid("eval_every", "0: must be at least 1"));
         }
         if self.eval_every.is_some() && self.eval_tasks.is_none() {
             return Err(invalid("eval_every", "needs held-out tasks (--eval-tasks)"));
         }
-        if let Some(r) = self.lora_r {
-            in_range("lora_r", r, 1, MAX_LORA_R)?;
+        let settings = |e: Invalid| invalid(&e.setting, e.message);
+        self.optim.validate(Spelling::Key).map_err(settings)?;
+        if let Some(lora) = self.lora() {
+            lora.validate(|k| format!("lora_{k}")).map_err(settings)?;
         }
         if let Some(m) = self.ppo_mini_batch {
             if self.mini_batch != 0 {
@@ -611,19 +600,14 @@ impl RlRunConfig {
                 ));
             }
         }
-        check("lr", self.lr, LR)?;
         check("kl_coef", self.kl_coef, KL_COEF)?;
         check("clip_ratio", self.clip_ratio, CLIP_RATIO)?;
         check("clip_ratio_c", self.clip_ratio_c, CLIP_RATIO_C)?;
         check("entropy_coef", self.entropy_coef, ENTROPY_COEF)?;
-        check("weight_decay", self.weight_decay, WEIGHT_DECAY)?;
-        check("max_grad_norm", self.max_grad_norm, MAX_GRAD_NORM)?;
-        check("warmup_ratio", self.warmup_ratio, WARMUP_RATIO)?;
         check("temperature", self.temperature, TEMPERATURE)?;
         check("top_p", self.top_p, TOP_P)?;
         check("beta", self.beta, BETA)?;
         check("min_gap", self.min_gap, MIN_GAP)?;
-        check("lora_alpha", self.lora_alpha, LORA_ALPHA)?;
         let spec: ModelSpec = self
             .model
             .parse()
@@ -634,8 +618,6 @@ impl RlRunConfig {
                 format!("{spec}: training needs local weights, not an API endpoint"),
             ));
         }
-        crate::train::trainer::parse_device(&self.device)
-            .map_err(|e| invalid("device", e.to_string()))?;
         self.weight_format()?;
         self.rl_config()?
             .validate()
@@ -719,6 +701,22 @@ mod tests {
         assert_eq!(back, cfg);
         // A flattened part takes its own Default, never the outer one's: they must agree.
         assert_eq!(RlRunConfig::default().rollout, RolloutConfig::default());
+        assert_eq!(RlRunConfig::default().optim, TrainerSettings::default());
+        let record = serde_json::to_value(&cfg).unwrap();
+        assert!(record.get("optim").is_none() && record["lr"] == 1e-6);
+    }
+
+    #[test]
+    fn trainer_settings_in_a_file_are_top_level_keys_with_rl_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rl.toml");
+        std::fs::write(&path, "seed = 3\nweight_decay = 0.1").unwrap();
+        let cfg = RlRunConfig::from_toml_file(&path).unwrap();
+        assert_eq!((cfg.optim.seed, cfg.optim.weight_decay), (3, 0.1));
+        assert_eq!(cfg.optim.lr, 1e-6, "a missing key takes rl_train's default");
+        std::fs::write(&path, "group_size = 4\nlr = \"fast\"").unwrap();
+        let err = RlRunConfig::from_toml_file(&path).unwrap_err().to_string();
+        assert!(err.contains("lr = ") && err.contains("rl.toml"), "{err}");
     }
 
     #[test]
@@ -766,7 +764,10 @@ mod tests {
         );
         bad(
             RlRunConfig {
-                lr: f64::NAN,
+                optim: TrainerSettings {
+                    lr: f64::NAN,
+                    ..Default::default()
+                },
                 ..Default::default()
             },
             "lr",
@@ -800,7 +801,10 @@ mod tests {
         };
         assert_eq!(a.identity(), b.identity());
         let c = RlRunConfig {
-            lr: 2e-6,
+            optim: TrainerSettings {
+                lr: 2e-6,
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_ne!(a.identity(), c.identity());

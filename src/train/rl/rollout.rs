@@ -130,7 +130,7 @@ impl Rollout<'_> {
     fn seed(&self, task: &Task, parts: &[&str]) -> u64 {
         let mut all = vec![task.id.as_str()];
         all.extend_from_slice(parts);
-        derive_seed(self.cfg.seed, &all)
+        derive_seed(self.cfg.optim.seed, &all)
     }
 
     /// The metric weights of a task: the configured ones or its type's defaults.
@@ -187,7 +187,7 @@ impl Rollout<'_> {
             scorer,
             samples: self.cfg.samples,
             window: self.cfg.window,
-            run_seed: self.cfg.seed,
+            run_seed: self.cfg.optim.seed,
         };
         // A response that plays no futures (verl: cut at the cap) costs no call.
         let truncated = self.cfg.truncated;

@@ -37,7 +37,6 @@ use super::state::{self, RlState, RL_STATE};
 use super::step::{RlTrainer, UpdateReport};
 use super::sync;
 use crate::engine::llama::WeightFormat;
-use crate::engine::peft::AdapterConfig;
 use crate::engine::ChatCodec;
 use crate::hub::import;
 use crate::llm::cache::{CachedBackend, RequestCache};
@@ -53,8 +52,9 @@ use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::user::{derive_seed, UserSimulator};
 use crate::task::prompts::Prompts;
 use crate::task::Task;
+use crate::train::model::adapter_base_name;
 use crate::train::model::TrainLlama;
-use crate::train::trainer::{adapter_base_name, parse_device};
+use crate::train::settings::parse_device;
 use crate::train::TrainError;
 
 pub const CONFIG_FILE: &str = "rl_config.json";
@@ -374,7 +374,7 @@ fn check_output(cfg: &RlRunConfig, resume: bool) -> Result<(), TrainError> {
 
 /// The trained model and its files (for the tokenizer and the sampler's codec).
 fn load_policy(cfg: &RlRunConfig, files: &LocalModelFiles) -> Result<TrainLlama, TrainError> {
-    let device = parse_device(&cfg.device)?;
+    let device = parse_device(&cfg.optim.device)?;
     // f32 on every device: old and reference log-probs must be f32.
     let mut model = match files {
         LocalModelFiles::Gguf(p) => TrainLlama::from_gguf(p, DType::F32, &device)?,
@@ -386,11 +386,9 @@ fn load_policy(cfg: &RlRunConfig, files: &LocalModelFiles) -> Result<TrainLlama,
             })
         }
     };
-    if let Some(r) = cfg.lora_r {
+    if let Some(lora) = cfg.lora() {
         let base = adapter_base_name(&cfg.model, files);
-        let targets: Vec<&str> = cfg.lora_targets.iter().map(String::as_str).collect();
-        let acfg = AdapterConfig::lora(r, cfg.lora_alpha, 0.0, &targets, &base);
-        model.enable_lora(acfg, cfg.seed)?;
+        model.enable_lora(lora.adapter_config(&base), cfg.optim.seed)?;
     }
     Ok(model)
 }
@@ -487,7 +485,7 @@ impl<'a> Run<'a> {
         let cfg = self.cfg;
         let step_started = Instant::now();
         let usage_before = self.roles.usage();
-        let batch = step_tasks(tasks, cfg.seed, step, cfg.batch_prompts);
+        let batch = step_tasks(tasks, cfg.optim.seed, step, cfg.batch_prompts);
         let scorer = self.scorer(&policy);
         let rollout = self
             .rollout()
@@ -711,7 +709,7 @@ pub async fn rl_train_until(
         bar.set_position(step);
         last_log = log;
         let rollout_state = json!({"step": step, "tasks_seen": step as usize * cfg.batch_prompts});
-        let scheduled = cfg.save_steps.is_some_and(|k| step % k as u64 == 0);
+        let scheduled = cfg.optim.save_steps.is_some_and(|k| step % k as u64 == 0);
         let signal = shutdown.received();
         if (scheduled || signal.is_some()) && step != cfg.max_steps as u64 {
             let dir = cfg.output.join(format!("checkpoint-{step}"));

@@ -49,7 +49,7 @@ pub fn save(
     std::fs::create_dir_all(&tmp).map_err(|e| state_err(&tmp, e))?;
     let policy = trainer.policy();
     if let Some(name) =
-        crate::train::trainer::non_finite_weight(policy).map_err(|e| state_err(dir, e))?
+        crate::train::model::non_finite_weight(policy).map_err(|e| state_err(dir, e))?
     {
         return Err(state_err(
             dir,
@@ -72,7 +72,7 @@ pub fn save(
     let state = RlState {
         updates: trainer.updates(),
         optimizer_steps: trainer.optimizer().step_count(),
-        seed: trainer.config().seed,
+        seed: trainer.config().optim.seed,
         rollout,
     };
     let state_path = tmp.join(RL_STATE);
@@ -91,13 +91,13 @@ pub fn load(trainer: &mut RlTrainer, dir: &Path) -> Result<RlState, RlError> {
     let state_path = dir.join(RL_STATE);
     let text = std::fs::read_to_string(&state_path).map_err(|e| state_err(&state_path, e))?;
     let state: RlState = serde_json::from_str(&text).map_err(|e| state_err(&state_path, e))?;
-    if state.seed != trainer.config().seed {
+    if state.seed != trainer.config().optim.seed {
         return Err(state_err(
             &state_path,
             format!(
                 "saved with --seed {} but this run has --seed {}",
                 state.seed,
-                trainer.config().seed
+                trainer.config().optim.seed
             ),
         ));
     }

@@ -26,15 +26,15 @@ use super::loss::{entropy_of_logits, ppo_loss, PpoConfig, PpoMetrics, TokenTerms
 use super::Group;
 use crate::engine::ChatCodec;
 use crate::train::adamw::{AdamW, AdamWParams};
+use crate::train::dpo::loss::{dpo_loss, DpoConfig, DpoMetrics};
 use crate::train::head;
 use crate::train::logps::{
     completion_logps, target_states, target_token_logps_host, PairBatch, Targets, TokenizedPair,
 };
-use crate::train::loss::{dpo_loss, DpoConfig, DpoMetrics};
 use crate::train::model::TrainLlama;
 use crate::train::ops::token_logps;
 use crate::train::optim::{accumulate_grads, clip_grad_norm};
-use crate::train::trainer::Schedule;
+use crate::train::settings::{RlDefaults, Spelling, TrainerSettings};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RlError {
@@ -80,22 +80,15 @@ pub struct RlConfig {
     pub mini_batch: usize,
     /// Responses per forward/backward pass; 0: the whole mini-batch.
     pub micro_batch: usize,
-    pub lr: f64,
-    pub weight_decay: f64,
-    pub max_grad_norm: f64,
-    pub schedule: Schedule,
-    pub warmup_ratio: f64,
+    /// Rate, decay, clipping, schedule, seed and activation checkpointing.
+    pub optim: TrainerSettings<RlDefaults>,
     /// Optimizer steps of the whole run, for the schedule (0: constant rate).
     pub total_steps: usize,
     /// Longest prompt + response in tokens; longer responses are dropped (counted).
     pub max_length: usize,
-    pub seed: u64,
     /// Online DPO (`--algo online_dpo`): the loss of its pairs. Keeps a frozen reference
     /// (the initial weights) whatever the KL coefficient.
     pub dpo: Option<DpoConfig>,
-    /// Per-layer activation checkpointing in the backward pass (less memory, one more
-    /// forward pass; TRL's and dpo_train's default is off).
-    pub gradient_checkpointing: bool,
     /// Zero the advantages of groups whose rewards differ only in token counts.
     pub skip_length_only: bool,
 }
@@ -108,16 +101,10 @@ impl Default for RlConfig {
             ppo_epochs: 1,
             mini_batch: 0,
             micro_batch: 4,
-            lr: 1e-6,
-            weight_decay: 0.01,
-            max_grad_norm: 1.0,
-            schedule: Schedule::Constant,
-            warmup_ratio: 0.0,
+            optim: TrainerSettings::default(),
             total_steps: 0,
             max_length: 2048,
-            seed: 0,
             dpo: None,
-            gradient_checkpointing: false,
             skip_length_only: true,
         }
     }
@@ -128,27 +115,9 @@ impl RlConfig {
     pub fn validate(&self) -> Result<(), RlError> {
         self.ppo.validate().map_err(RlError::Config)?;
         let bad = |m: String| Err(RlError::Config(m));
-        if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(format!("--lr must be a positive number, got {}", self.lr));
-        }
-        if !(self.weight_decay.is_finite() && (0.0..1.0).contains(&self.weight_decay)) {
-            return bad(format!(
-                "--weight-decay must be in [0, 1), got {}",
-                self.weight_decay
-            ));
-        }
-        if !(self.max_grad_norm.is_finite() && self.max_grad_norm > 0.0) {
-            return bad(format!(
-                "--max-grad-norm must be > 0, got {}",
-                self.max_grad_norm
-            ));
-        }
-        if !(self.warmup_ratio.is_finite() && (0.0..=1.0).contains(&self.warmup_ratio)) {
-            return bad(format!(
-                "--warmup-ratio must be in [0, 1], got {}",
-                self.warmup_ratio
-            ));
-        }
+        self.optim
+            .validate(Spelling::Flag)
+            .map_err(|e| RlError::Config(e.message))?;
         if self.ppo_epochs == 0 {
             return bad("--ppo-epochs must be at least 1, got 0".into());
         }
@@ -166,13 +135,9 @@ impl RlConfig {
 
     fn lr_at(&self, step: u64) -> f64 {
         if self.total_steps == 0 {
-            return self.lr;
+            return self.optim.lr;
         }
-        let warmup = crate::train::optim::warmup_steps(self.total_steps, self.warmup_ratio);
-        self.lr
-            * self
-                .schedule
-                .factor(step as usize, self.total_steps, warmup)
+        self.optim.lr_at(step as usize, self.total_steps)
     }
 }
 
@@ -259,7 +224,7 @@ impl RlTrainer {
         let opt = AdamW::new(
             policy.named_vars(),
             AdamWParams {
-                weight_decay: cfg.weight_decay,
+                weight_decay: cfg.optim.weight_decay,
                 ..Default::default()
             },
         )?;
@@ -391,6 +356,7 @@ impl RlTrainer {
         let mut order: Vec<usize> = (0..n).collect();
         let seed = self
             .cfg
+            .optim
             .seed
             .wrapping_mul(0x9E37_79B9_7F4A_7C15)
             .wrapping_add(self.updates.wrapping_mul(1_000_003))
@@ -486,13 +452,13 @@ impl RlTrainer {
         if !loss_sum.is_finite() {
             return Err(non_finite("loss", loss_sum));
         }
-        let norm = clip_grad_norm(&mut grads, &vars, self.cfg.max_grad_norm)?;
+        let norm = clip_grad_norm(&mut grads, &vars, self.cfg.optim.max_grad_norm)?;
         if !norm.is_finite() {
             return Err(non_finite("gradient norm", norm));
         }
         self.opt.step(&grads, self.cfg.lr_at(step))?;
         // A finite gradient times a huge rate can still overflow a weight (`--lr 1e300`).
-        if let Some(name) = crate::train::trainer::non_finite_weight(&self.policy)? {
+        if let Some(name) = crate::train::model::non_finite_weight(&self.policy)? {
             return Err(RlError::NonFiniteWeight {
                 update: self.updates,
                 step: step + 1,
@@ -540,7 +506,7 @@ impl RlTrainer {
         let cfg = self.cfg.ppo;
         let policy = &self.policy;
         let weight = policy.head_weight();
-        let checkpoint = self.cfg.gradient_checkpointing;
+        let checkpoint = self.cfg.optim.gradient_checkpointing;
         let terms = PerToken {
             old: old_t.as_ref(),
             reference: ref_t.as_ref(),
@@ -812,7 +778,7 @@ impl RlTrainer {
             let ref_r = Tensor::new(refs.iter().map(|r| r.1).collect::<Vec<_>>(), &dev)?;
             let share = b as f64 / pairs.len() as f64;
             let policy = &self.policy;
-            let checkpoint = self.cfg.gradient_checkpointing;
+            let checkpoint = self.cfg.optim.gradient_checkpointing;
             let (g, (m, l)) =
                 policy.grads(&batch.input_ids, &batch.layout, checkpoint, |hidden| {
                     let (sums, _) = completion_logps(policy, hidden, &batch.targets)?;

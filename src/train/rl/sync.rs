@@ -23,7 +23,7 @@ use crate::train::model::TrainLlama;
 /// the source model, if it had any (the trainable model does not keep them). Its int8
 /// weights stay on 4 KiB pages, unlike a model loaded to serve: moving them costs 0.07–0.6 s
 /// each update, more than the whole sync, and the rollouts decode many rows at once, where
-/// huge pages gain little (docs/perf-notes.md, "The weights on 2 MiB pages").
+/// huge pages gain little (BENCHMARKS.md, "Weights on 2 MiB pages").
 pub fn policy_model(
     policy: &TrainLlama,
     factors: Option<Vec<f32>>,

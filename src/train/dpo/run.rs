@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::error::{read_json, Result, TrainError};
+use crate::train::error::{read_json, Result, TrainError};
 use candle_core::{DType, Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -19,423 +19,27 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::dataset::sft::{is_sft_parquet, read_sft_parquet};
-use crate::engine::peft::{AdapterConfig, ADAPTER_WEIGHTS, LORA_TARGETS};
+use crate::engine::peft::ADAPTER_WEIGHTS;
 use crate::engine::{fingerprint, ChatCodec};
 use crate::llm::spec::{redact_credentials, resolve_local, LocalModelFiles, ModelSpec};
 use crate::llm::ChatMessage;
 use crate::run::{write_atomic, write_json_atomic};
 
-use super::adamw::{AdamW, AdamWParams};
-use super::data::{
+use super::config::{parse_dtype, parse_save_dtype};
+use super::config::{Objective, ResumeOverride, TrainConfig, RESUME_SETTINGS};
+use super::loss::{dpo_loss, DpoMetrics};
+use crate::train::adamw::{AdamW, AdamWParams};
+use crate::train::data::{
     locate_data, locate_sft_data, read_pairs, tokenize_pairs, tokenize_sft,
     tokenize_sft_conversations, DataFiles, TokenizeStats, TokenizedSeq,
 };
-use super::logps::{pair_logps_full, PairBatch, SeqBatch, Targets, TokenizedPair};
-use super::loss::{dpo_loss, DpoConfig, DpoMetrics, LossType};
-use super::model::{BatchLayout, TrainLlama};
-use super::optim::{clip_grad_norm, warmup_steps};
+use crate::train::logps::{pair_logps_full, PairBatch, SeqBatch, Targets, TokenizedPair};
+use crate::train::model::{adapter_base_name, non_finite_weight, BatchLayout, TrainLlama};
+use crate::train::optim::{clip_grad_norm, warmup_steps};
+use crate::train::settings::parse_device;
 
 /// Bumped whenever tokenization changes what ids a row gets (invalidates reference caches).
 const TOKENIZATION_VERSION: &str = "1";
-
-/// What to optimise.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Objective {
-    Dpo(DpoConfig),
-    /// Supervised fine-tuning on prompt + chosen (loss on assistant tokens only).
-    Sft,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Schedule {
-    Cosine,
-    Linear,
-    Constant,
-}
-
-impl Schedule {
-    /// Learning-rate multiplier for the update after `step` completed updates (HF schedules
-    /// with linear warmup).
-    pub fn factor(self, step: usize, total: usize, warmup: usize) -> f64 {
-        if step < warmup {
-            return step as f64 / warmup.max(1) as f64;
-        }
-        let progress = (step - warmup) as f64 / total.saturating_sub(warmup).max(1) as f64;
-        match self {
-            Schedule::Cosine => super::optim::cosine_with_warmup(step, total, warmup),
-            Schedule::Linear => (1.0 - progress).max(0.0),
-            Schedule::Constant => 1.0,
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct LoraOptions {
-    pub r: usize,
-    pub alpha: f64,
-    pub dropout: f64,
-    pub targets: Vec<String>,
-}
-
-impl Default for LoraOptions {
-    fn default() -> Self {
-        Self {
-            r: 32,
-            alpha: 16.0,
-            dropout: 0.0,
-            targets: LORA_TARGETS.iter().map(|t| t.to_string()).collect(),
-        }
-    }
-}
-
-/// `dpo_train`'s default output directory.
-pub const DEFAULT_OUTPUT: &str = "outputs/dpo";
-
-/// Everything a run needs; `dpo_train`'s flags map onto it one to one.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TrainConfig {
-    pub data: PathBuf,
-    /// Evaluation pairs; default: `test.parquet` beside the training file, if any.
-    pub eval_data: Option<PathBuf>,
-    pub model: String,
-    pub output: PathBuf,
-    /// `sigmoid`, `ipo`, `hinge`, `robust` or `sft`.
-    pub loss: String,
-    pub beta: f64,
-    pub label_smoothing: f64,
-    /// Weight of an SFT (NLL) term on the chosen completion, TRL's `rpo_alpha`.
-    pub sft_weight: f64,
-    /// `--loss sft` on conversations (`sft.parquet`): keep only those whose closing reply
-    /// scored at least this (its MR); `None` keeps all.
-    #[serde(default)]
-    pub sft_min_score: Option<f64>,
-    pub lora: Option<LoraOptions>,
-    pub lr: f64,
-    pub epochs: usize,
-    pub max_steps: Option<usize>,
-    /// Train on at most this many training examples (pairs, or SFT conversations): a seeded
-    /// sample of the file, in file order, so arms with different pair counts can be matched.
-    #[serde(default)]
-    pub max_pairs: Option<usize>,
-    pub batch_size: usize,
-    pub grad_accum: usize,
-    pub max_length: usize,
-    pub warmup_ratio: f64,
-    pub schedule: Schedule,
-    pub max_grad_norm: f64,
-    pub weight_decay: f64,
-    pub seed: u64,
-    pub logging_steps: usize,
-    pub eval_steps: Option<usize>,
-    pub save_steps: Option<usize>,
-    pub device: String,
-    /// `f32`, `bf16` or `auto` (bf16 on CUDA, f32 on the CPU).
-    pub dtype: String,
-    /// The float type of saved checkpoints: `auto` (the source checkpoint's: a bf16 base
-    /// stays bf16; f32 for GGUF), `f32`, `bf16` or `f16`.
-    #[serde(default = "default_save_dtype")]
-    pub save_dtype: String,
-    pub resume: bool,
-    pub merge: bool,
-    /// Use (and write) the reference log-prob cache beside the data.
-    pub ref_cache: bool,
-    /// With LoRA: write the base model as loaded (an HF folder, `<output>/base/`) and record
-    /// that folder as the adapters' base, so an adapter loads alone, offline (the base of
-    /// `default` or a GGUF is otherwise named by its Hub id).
-    #[serde(default)]
-    pub save_base: bool,
-    /// Recompute each layer's activations in the backward pass (less memory, ~1 extra
-    /// forward of compute).
-    #[serde(default)]
-    pub gradient_checkpointing: bool,
-    /// Stop right after the checkpoint of this step, as if the process were killed there
-    /// (tests of `--resume`; `testing` feature).
-    #[cfg(any(test, feature = "testing"))]
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop_after: Option<usize>,
-    /// Settings (names of [`RESUME_SETTINGS`]) that `--resume` may change from the run's.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub resume_override: Vec<String>,
-    /// Every setting a resume changed, oldest first (kept across resumes).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub resume_overrides: Vec<ResumeOverride>,
-    /// SHA-256 of the training data file, set by [`train`]: `--resume` refuses data whose
-    /// content changed under the same path (`--resume-override data-sha256` accepts it).
-    #[serde(default)]
-    pub data_sha256: Option<String>,
-}
-
-/// The settings that change a run's math, by flag name: `--resume` refuses to change any of
-/// them unless named in `--resume-override`. (Output, device, logging, evaluation, saving and
-/// memory settings may change freely.)
-pub const RESUME_SETTINGS: &[&str] = &[
-    "data",
-    "model",
-    "loss",
-    "beta",
-    "label-smoothing",
-    "sft-weight",
-    "sft-min-score",
-    "lora",
-    "lr",
-    "epochs",
-    "max-steps",
-    "max-pairs",
-    "batch-size",
-    "grad-accum",
-    "max-length",
-    "warmup-ratio",
-    "schedule",
-    "max-grad-norm",
-    "weight-decay",
-    "seed",
-    "dtype",
-    "data-sha256",
-];
-
-/// One setting a `--resume --resume-override` changed, as recorded in `training_args.json`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ResumeOverride {
-    /// The checkpoint step the run resumed from.
-    pub step: usize,
-    pub setting: String,
-    pub previous: serde_json::Value,
-    pub now: serde_json::Value,
-}
-
-impl TrainConfig {
-    /// The project's defaults for `data`, `model` and `output`.
-    pub fn new(data: PathBuf, model: &str, output: PathBuf) -> Self {
-        Self {
-            data,
-            eval_data: None,
-            model: model.to_string(),
-            output,
-            loss: "sigmoid".into(),
-            beta: 0.1,
-            label_smoothing: 0.0,
-            sft_weight: 0.0,
-            sft_min_score: None,
-            lora: None,
-            lr: 5e-6,
-            epochs: 1,
-            max_steps: None,
-            max_pairs: None,
-            batch_size: 1,
-            grad_accum: 1,
-            max_length: 1024,
-            warmup_ratio: 0.1,
-            schedule: Schedule::Cosine,
-            max_grad_norm: 1.0,
-            weight_decay: 0.0,
-            seed: 42,
-            logging_steps: 1,
-            eval_steps: None,
-            save_steps: None,
-            device: "cpu".into(),
-            dtype: "auto".into(),
-            save_dtype: default_save_dtype(),
-            resume: false,
-            merge: false,
-            ref_cache: true,
-            save_base: false,
-            gradient_checkpointing: false,
-            #[cfg(any(test, feature = "testing"))]
-            stop_after: None,
-            resume_override: Vec::new(),
-            resume_overrides: Vec::new(),
-            data_sha256: None,
-        }
-    }
-
-    /// Settings a `--config` file may not give: the run's history and the per-invocation
-    /// actions (flags only).
-    pub const NOT_IN_FILES: &'static [&'static str] = &[
-        "resume",
-        "resume_override",
-        "resume_overrides",
-        "data_sha256",
-        "stop_after",
-    ];
-
-    /// `self` with the settings of a TOML file (keys as in `training_args.json`) laid over it,
-    /// except those in `from_flags` (set on the command line: a flag wins over the file). An
-    /// unknown key, a key of [`Self::NOT_IN_FILES`] or a value of the wrong type is an error
-    /// naming the file and the key. With no `lr` anywhere, the learning rate follows the
-    /// final LoRA choice (`lora_lr` with LoRA, `full_lr` without).
-    pub fn with_file(
-        &self,
-        path: &Path,
-        from_flags: &std::collections::BTreeSet<String>,
-        (full_lr, lora_lr): (f64, f64),
-    ) -> Result<TrainConfig> {
-        let text = std::fs::read_to_string(path).map_err(TrainError::io("reading", path))?;
-        let file: toml::Table = toml::from_str(&text)
-            .map_err(|e| TrainError::input(path, format!("not valid TOML: {e}")))?;
-        let mut merged = serde_json::to_value(self)?;
-        for (key, value) in &file {
-            if Self::NOT_IN_FILES.contains(&key.as_str()) {
-                return Err(TrainError::input(
-                    path,
-                    format!("`{key}` is given on the command line only, not in a config file"),
-                ));
-            }
-            // Every setting serializes (None as null), so the config's own keys are the
-            // file's.
-            if merged.get(key.as_str()).is_none() {
-                return Err(TrainError::input(
-                    path,
-                    format!("unknown setting `{key}` (the keys are those of training_args.json)"),
-                ));
-            }
-            if !from_flags.contains(key) {
-                let v = serde_json::to_value(value)?;
-                merged[key.as_str()] = v;
-            }
-        }
-        let mut cfg: TrainConfig = serde_json::from_value(merged)
-            .map_err(|e| TrainError::input(path, format!("a setting has the wrong type: {e}")))?;
-        if !from_flags.contains("lr") && !file.contains_key("lr") {
-            cfg.lr = if cfg.lora.is_some() { lora_lr } else { full_lr };
-        }
-        Ok(cfg)
-    }
-
-    pub fn objective(&self) -> Result<Objective> {
-        if self.loss == "sft" {
-            return Ok(Objective::Sft);
-        }
-        let loss_type: LossType = self.loss.parse().map_err(|e: String| {
-            TrainError::Setting(format!("{e}; or `sft` for supervised fine-tuning"))
-        })?;
-        let cfg = DpoConfig {
-            loss_type,
-            beta: self.beta,
-            label_smoothing: self.label_smoothing,
-        };
-        cfg.validate().map_err(TrainError::Setting)?;
-        Ok(Objective::Dpo(cfg))
-    }
-
-    /// Checks every number once, before any work; errors name the flag and the value.
-    fn validate(&self) -> Result<()> {
-        use crate::check::{at_least, Range};
-        let floats = [
-            ("--beta", self.beta, Range::above(0.0)),
-            (
-                "--label-smoothing",
-                self.label_smoothing,
-                Range::closed_open(0.0, 0.5),
-            ),
-            ("--sft-weight", self.sft_weight, Range::at_least(0.0)),
-            (
-                "--sft-min-score",
-                self.sft_min_score.unwrap_or(0.0),
-                Range::finite(),
-            ),
-            ("--lr", self.lr, Range::above(0.0)),
-            (
-                "--warmup-ratio",
-                self.warmup_ratio,
-                Range::closed_open(0.0, 1.0),
-            ),
-            // 0 turns clipping off (documented on the flag).
-            ("--max-grad-norm", self.max_grad_norm, Range::at_least(0.0)),
-            ("--weight-decay", self.weight_decay, Range::at_least(0.0)),
-        ];
-        for (flag, v, range) in floats {
-            range.check(flag, v).map_err(TrainError::Setting)?;
-        }
-        let counts = [
-            ("--batch-size", Some(self.batch_size)),
-            ("--grad-accum", Some(self.grad_accum)),
-            ("--max-length", Some(self.max_length)),
-            ("--logging-steps", Some(self.logging_steps)),
-            ("--epochs", Some(self.epochs)),
-            ("--max-steps", self.max_steps),
-            ("--max-pairs", self.max_pairs),
-            ("--eval-steps", self.eval_steps),
-            ("--save-steps", self.save_steps),
-        ];
-        for (flag, v) in counts {
-            if let Some(v) = v {
-                at_least(flag, v, 1).map_err(TrainError::Setting)?;
-            }
-        }
-        if let Some(l) = &self.lora {
-            at_least("--lora-r", l.r, 1).map_err(TrainError::Setting)?;
-            Range::above(0.0)
-                .check("--lora-alpha", l.alpha)
-                .map_err(TrainError::Setting)?;
-            Range::closed_open(0.0, 1.0)
-                .check("--lora-dropout", l.dropout)
-                .map_err(TrainError::Setting)?;
-        }
-        self.objective()?;
-        for name in &self.resume_override {
-            if !RESUME_SETTINGS.contains(&name.as_str()) {
-                return Err(TrainError::Setting(format!(
-                    "--resume-override {name}: not a setting of the run's math (one of {})",
-                    RESUME_SETTINGS.join(", ")
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `cpu`, `cuda` or `cuda:N`.
-pub fn parse_device(s: &str) -> Result<Device> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0).map_err(|source| TrainError::Device {
-            device: s.to_string(),
-            source,
-        }),
-        _ => {
-            let n = s
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse::<usize>().ok())
-                .ok_or_else(|| {
-                    TrainError::Setting(format!("unknown device `{s}` (cpu, cuda or cuda:N)"))
-                })?;
-            Device::new_cuda(n).map_err(|source| TrainError::Device {
-                device: s.to_string(),
-                source,
-            })
-        }
-    }
-}
-
-fn default_save_dtype() -> String {
-    "auto".into()
-}
-
-/// `--save-dtype`: `None` keeps the source checkpoint's float type.
-fn parse_save_dtype(s: &str) -> Result<Option<DType>> {
-    match s {
-        "auto" => Ok(None),
-        "f32" => Ok(Some(DType::F32)),
-        "bf16" => Ok(Some(DType::BF16)),
-        "f16" => Ok(Some(DType::F16)),
-        _ => Err(TrainError::Setting(format!(
-            "unknown save dtype `{s}` (auto, f32, bf16 or f16)"
-        ))),
-    }
-}
-
-fn parse_dtype(s: &str, device: &Device) -> Result<DType> {
-    match s {
-        "f32" => Ok(DType::F32),
-        "bf16" => Ok(DType::BF16),
-        "auto" if device.is_cuda() => Ok(DType::BF16),
-        "auto" => Ok(DType::F32),
-        _ => Err(TrainError::Setting(format!(
-            "unknown dtype `{s}` (f32, bf16 or auto)"
-        ))),
-    }
-}
 
 /// The final state of a run (also written as `train_summary.json`).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -565,7 +169,7 @@ pub fn train_until(
 
     let files = local_model_files(cfg)?;
     let codec = ChatCodec::load(&files)?;
-    let device = parse_device(&cfg.device)?;
+    let device = parse_device(&cfg.optim.device)?;
     let dtype = parse_dtype(&cfg.dtype, &device)?;
     let mut data = load_data(cfg, &data_paths, &codec, &objective)?;
     let model = load_model(cfg, &files, &codec, dtype, &device)?;
@@ -586,7 +190,7 @@ pub fn train_until(
     let mut opt = AdamW::new(
         model.named_vars(),
         AdamWParams {
-            weight_decay: cfg.weight_decay,
+            weight_decay: cfg.optim.weight_decay,
             ..AdamWParams::default()
         },
     )?;
@@ -719,7 +323,7 @@ fn load_data(
     let (mut train, train_stats) = load_examples(codec, &files.train, cfg, objective)?;
     if let Some(k) = cfg.max_pairs {
         let all = train.len();
-        train.keep_sample(k, cfg.seed);
+        train.keep_sample(k, cfg.optim.seed);
         tracing::info!(
             "--max-pairs {k}: training on {} of {all} examples",
             train.len()
@@ -787,9 +391,7 @@ fn load_model(
         } else {
             adapter_base_name(&cfg.model, files)
         };
-        let targets: Vec<&str> = l.targets.iter().map(String::as_str).collect();
-        let acfg = AdapterConfig::lora(l.r, l.alpha, l.dropout, &targets, &base);
-        model.enable_lora(acfg, cfg.seed)?;
+        model.enable_lora(l.adapter_config(&base), cfg.optim.seed)?;
     }
     Ok(model)
 }
@@ -887,15 +489,15 @@ fn train_steps(
 ) -> Result<()> {
     let cfg = run.cfg;
     let total_steps = run.total_steps;
-    let warmup = warmup_steps(total_steps, cfg.warmup_ratio);
+    let warmup = warmup_steps(total_steps, cfg.optim.warmup_ratio);
     let bar = progress_bar(progress, total_steps, start_step);
     let loop_started = Instant::now();
     let mut window: Vec<Metrics> = Vec::new();
     for step in start_step..total_steps {
-        let lr = cfg.lr * cfg.schedule.factor(step, total_steps, warmup);
+        let lr = cfg.optim.lr * cfg.optim.schedule.factor(step, total_steps, warmup);
         let (mut grads, metrics) = run.accumulate(step)?;
         let vars = run.model.vars();
-        let norm = clip_grad_norm(&mut grads, &vars, cfg.max_grad_norm)?;
+        let norm = clip_grad_norm(&mut grads, &vars, cfg.optim.max_grad_norm)?;
         let loss = metrics.first().map(|m| m.1).unwrap_or(f64::NAN);
         if !loss.is_finite() || !norm.is_finite() {
             bar.abandon();
@@ -940,7 +542,7 @@ fn train_steps(
             run.evaluate(done)?;
         }
         let signalled = shutdown.received().is_some() && done != total_steps;
-        let scheduled = cfg.save_steps.is_some_and(|k| done % k == 0) && done != total_steps;
+        let scheduled = cfg.optim.save_steps.is_some_and(|k| done % k == 0) && done != total_steps;
         if scheduled || signalled {
             save_checkpoint(
                 run,
@@ -1035,21 +637,6 @@ fn save_base(
     }
     let abs = std::fs::canonicalize(&dir).map_err(TrainError::io("resolving", &dir))?;
     Ok(abs.display().to_string())
-}
-
-pub(crate) fn adapter_base_name(spec: &str, files: &LocalModelFiles) -> String {
-    if let Some(id) = spec
-        .parse::<ModelSpec>()
-        .ok()
-        .as_ref()
-        .and_then(ModelSpec::hub_id)
-    {
-        return id.to_string();
-    }
-    std::fs::canonicalize(files.path())
-        .unwrap_or_else(|_| files.path().to_path_buf())
-        .display()
-        .to_string()
 }
 
 /// The settings to record in `training_args.json`: `cfg` itself for a fresh run; for
@@ -1279,7 +866,7 @@ fn ref_cache_key(
     h.update(format!("{}|{}", cfg.max_length, cfg.dtype));
     // A sample of the pairs has reference values of its own.
     if let Some(k) = cfg.max_pairs {
-        h.update(format!("|max_pairs={k}|seed={}", cfg.seed));
+        h.update(format!("|max_pairs={k}|seed={}", cfg.optim.seed));
     }
     Ok(hex::encode(h.finalize())[..16].to_string())
 }
@@ -1417,7 +1004,8 @@ impl Run<'_> {
         let epoch = k / per_epoch_micro;
         let within = k % per_epoch_micro;
         let mut order: Vec<usize> = (0..n).collect();
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.cfg.seed.wrapping_add(epoch as u64));
+        let mut rng =
+            rand::rngs::StdRng::seed_from_u64(self.cfg.optim.seed.wrapping_add(epoch as u64));
         order.shuffle(&mut rng);
         let start = within * self.cfg.batch_size;
         order[start..(start + self.cfg.batch_size).min(n)].to_vec()
@@ -1443,7 +1031,7 @@ impl Run<'_> {
             let (grads, metrics) = self.model.grads(
                 &prepared.input_ids,
                 &prepared.layout,
-                self.cfg.gradient_checkpointing,
+                self.cfg.optim.gradient_checkpointing,
                 |hidden| {
                     let (loss, metrics) = self.loss_from_hidden(&prepared, hidden)?;
                     Ok(((loss * scale)?, metrics))
@@ -1451,7 +1039,7 @@ impl Run<'_> {
             )?;
             match acc.as_mut() {
                 None => acc = Some(grads),
-                Some(a) => super::optim::accumulate_grads(a, grads, &vars)?,
+                Some(a) => crate::train::optim::accumulate_grads(a, grads, &vars)?,
             }
             all.push(metrics);
         }
@@ -1512,11 +1100,11 @@ impl Run<'_> {
         hidden: &Tensor,
     ) -> candle_core::Result<(Tensor, Metrics)> {
         let (sums, counts, stats) =
-            super::logps::completion_logps_stats(self.model, hidden, &p.targets)?;
+            crate::train::logps::completion_logps_stats(self.model, hidden, &p.targets)?;
         let all = 0..p.targets.num_rows;
         match (self.objective, &p.reference) {
             (Objective::Sft, _) => {
-                let loss = super::logps::token_mean_nll(&sums, &counts)?;
+                let loss = crate::train::logps::token_mean_nll(&sums, &counts)?;
                 let v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 Ok((
                     loss,
@@ -1532,7 +1120,7 @@ impl Run<'_> {
             }
             (Objective::Dpo(dpo), Some((rc, rr))) => {
                 let b = p.pairs;
-                let lp = super::logps::PairLogps {
+                let lp = crate::train::logps::PairLogps {
                     chosen: sums.narrow(0, 0, b)?,
                     rejected: sums.narrow(0, b, b)?,
                     chosen_tokens: counts.narrow(0, 0, b)?,
@@ -1726,16 +1314,6 @@ fn save_full_model(run: &Run, dir: &Path) -> Result<()> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir).map_err(TrainError::io("saving", dir))?;
     Ok(())
-}
-
-/// The first trainable weight holding a NaN or an infinity, by name.
-pub(crate) fn non_finite_weight(model: &TrainLlama) -> candle_core::Result<Option<String>> {
-    for (name, var) in model.named_vars() {
-        if !super::optim::squared_norm(var.as_tensor())?.is_finite() {
-            return Ok(Some(name));
-        }
-    }
-    Ok(None)
 }
 
 /// Refuses to save a model with a non-finite weight (whatever produced it).
