@@ -257,7 +257,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         cfg.assistant_sampling.temperature = t as f32;
     }
     args.endpoint.apply(&mut cfg.rollout.endpoint);
-    if cfg.task == TaskType::TwentyQuestions && !oracle_given {
+    if cfg.task.is_game() && !oracle_given {
         cfg.oracle = OracleChoice::default_for(&cfg.models);
     }
     cfg.validate()?;
@@ -302,7 +302,7 @@ fn transcripts(
     file: &std::path::Path,
     output: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
-    if task != Some(TaskType::TwentyQuestions) {
+    if !task.is_some_and(TaskType::is_game) {
         anyhow::bail!("--transcripts needs --task twenty_questions");
     }
     let output = output.context("--transcripts needs --output")?;

@@ -9,9 +9,10 @@ use clap::Parser;
 use collabllm::cli::{EndpointArgs, TwentyQuestionsArgs};
 use collabllm::dataset::verl;
 use collabllm::generate::config::TWENTY_QUESTIONS_SOURCE;
+use collabllm::generate::import;
 use collabllm::generate::proactive::ProactiveStyle;
 use collabllm::generate::{self, config, GenerateConfig};
-use collabllm::hub::{self, import};
+use collabllm::hub;
 use collabllm::llm::{parse_price, ModelSpec, Price};
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::reward::metrics::parse_metric_weight;
@@ -296,9 +297,7 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     if args.policy_system_prompt.is_some() {
         cfg.system_prompt = args.policy_system_prompt.clone();
     }
-    if cfg.task_type == Some(TaskType::TwentyQuestions)
-        && args.tasks.is_none()
-        && args.config.is_none()
+    if cfg.task_type.is_some_and(TaskType::is_game) && args.tasks.is_none() && args.config.is_none()
     {
         cfg.tasks = format!("{TWENTY_QUESTIONS_SOURCE}train");
     }

@@ -6,10 +6,11 @@
 //! `engine` (the local inference engine: kernels, the llama-family forward pass, tokenizers,
 //! chat templates, the batching scheduler) → `llm` (the chat-backend interface every role
 //! talks through: the local engine, OpenAI-compatible endpoints, pools, the request cache,
-//! usage) → `dataset` (parquet in and out, verl export) → `task` (task types, task files,
-//! prompts) → `reward` (metrics, judges, the multiturn-aware reward, pair selection) →
-//! `rollout` (the simulated user, futures) → `hub` (Hugging Face Hub, task sources) →
-//! `generate` (the generate_conv pipeline) → `train` (DPO/SFT/LoRA and online RL with
+//! usage) → `dataset` (parquet in and out, verl export) → `hub` (the Hugging Face Hub client:
+//! uploads, cards, dataset downloads) → `task` (task types and their facts, task files and
+//! sources, prompts) → `reward` (metrics, judges, the multiturn-aware reward, pair
+//! selection) → `rollout` (the simulated user, futures, a run's tasks checked against its
+//! metrics) → `generate` (the generate_conv pipeline and `--import`) → `train` (DPO/SFT/LoRA and online RL with
 //! candle) → `eval` (multi-turn evaluation, 20 Questions, studies) → `plot` (figures).
 //! `serve` is an HTTP front over `llm` and `engine`; `check` (range checks of user-given
 //! numbers), `run` (run directories: locks, atomic writes, checksums, signals) and `cli`

@@ -708,7 +708,7 @@ async fn scripted_generate_run(dir: &Path) {
         user: scripted_role("user", None),
         judge: scripted_role("judge", None),
     };
-    let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
+    let tasks = cfg.task_source().load().unwrap();
     let s = generate_with_roles(cfg, tasks, roles).await.unwrap();
     assert_eq!(s.tasks_done_now, 2);
 }

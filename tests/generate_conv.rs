@@ -54,7 +54,7 @@ async fn generate_scripted(
         user: Role::from_backend("user", "scripted", scripted("user"), None, None),
         judge: Role::from_backend("judge", "scripted", scripted("judge"), None, None),
     };
-    let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
+    let tasks = cfg.task_source().load().unwrap();
     generate_with_roles(cfg.clone(), tasks, roles)
         .await
         .unwrap()
@@ -943,7 +943,7 @@ async fn hostile_code_scores_zero_and_the_run_continues() {
         user: Role::from_backend("user", "scripted", scripted("user"), None, None),
         judge: Role::from_backend("judge", "scripted", judge, None, None),
     };
-    let tasks = collabllm::hub::tasks::load(&cfg.task_source()).unwrap();
+    let tasks = cfg.task_source().load().unwrap();
     let started = std::time::Instant::now();
     let summary = generate_with_roles(cfg.clone(), tasks, roles)
         .await

@@ -12,7 +12,8 @@ use arrow::array::{
 use arrow::buffer::OffsetBuffer;
 use arrow::datatypes::{DataType, Field, Fields};
 use collabllm::dataset::read_pairs_parquet;
-use collabllm::hub::import::{self, ImportError, ImportOptions};
+use collabllm::generate::import::{self, ImportOptions};
+use collabllm::task::source::{read_flat_checked, SourceError as ImportError};
 use collabllm::task::{load_tasks, TaskType};
 use parquet::arrow::ArrowWriter;
 
@@ -247,7 +248,7 @@ async fn missing_and_unknown_columns_are_named() {
     }
     let file = tmp.path().join("extra.parquet");
     write_fixture(&file, None, Some("chosen_model"));
-    let e = import::read_flat_checked(&file).unwrap_err();
+    let e = read_flat_checked(&file).unwrap_err();
     assert!(
         matches!(&e, ImportError::UnknownColumn { column, .. } if column == "chosen_model"),
         "{e}"
@@ -255,7 +256,7 @@ async fn missing_and_unknown_columns_are_named() {
     // Optional columns may be absent.
     let file = tmp.path().join("no-sessions.parquet");
     write_fixture(&file, Some("sessions"), None);
-    assert_eq!(import::read_flat_checked(&file).unwrap().len(), 12);
+    assert_eq!(read_flat_checked(&file).unwrap().len(), 12);
 
     // The binary prints the named error.
     let file = tmp.path().join("no-score.parquet");
@@ -443,7 +444,7 @@ fn bigcodebench_rows_keep_their_tests_and_entry_point() {
     };
     let name = "collabllm-multiturn-bigcodebench";
     // Typed by the dataset's name.
-    let tasks = collabllm::hub::import::tasks_from_flat(&[row], None, None, name).unwrap();
+    let tasks = collabllm::task::source::tasks_from_flat(&[row], None, None, name).unwrap();
     assert_eq!(tasks[0].task_type, collabllm::task::TaskType::Code);
     assert_eq!(tasks[0].metadata["test"], test);
     assert_eq!(tasks[0].metadata["entry_point"], "task_func");

@@ -13,40 +13,36 @@ const ALLOWED: &[(&str, &[&str])] = &[
     // The local inference engine: kernels, the llama-family forward pass, tokenizers and
     // templates, the runtime, the prefix cache and the scheduler.
     ("engine", &["check", "run"]),
-    // Task types, task files (read with the parquet helpers of `dataset`, which never
-    // imports task) and the prompt templates of each task type.
-    ("task", &["check", "dataset", "llm", "run"]),
+    // Task types and their facts, task files and sources (read with the parquet helpers of
+    // `dataset`, which never imports task; a Hub dataset downloaded by `hub::download`) and
+    // the prompt templates of each task type.
+    ("task", &["check", "dataset", "hub", "llm", "run"]),
     ("llm", &["check", "engine", "run"]),
     ("serve", &["check", "engine", "llm", "run", "task"]),
     ("reward", &["check", "llm", "run", "task"]),
     ("rollout", &["check", "llm", "reward", "run", "task"]),
     ("dataset", &["check", "llm", "run"]),
-    // `hub::tasks` reads a rollout's `TaskSource` (files, flat datasets, the Hub).
+    // The Hub client: uploads, cards and dataset downloads; what the files mean is not its
+    // business.
+    ("hub", &["check", "engine", "llm", "run"]),
     (
-        "hub",
+        "generate",
+        &[
+            "check", "dataset", "llm", "reward", "rollout", "run", "task",
+        ],
+    ),
+    // rl_train checks its rollout half and reads its tasks with `rollout::config`, as
+    // generate_conv does; train never imports generate, and none of the three imports hub.
+    (
+        "train",
         &[
             "check", "dataset", "engine", "llm", "reward", "rollout", "run", "task",
         ],
     ),
     (
-        "generate",
-        &[
-            "check", "dataset", "hub", "llm", "reward", "rollout", "run", "task",
-        ],
-    ),
-    // rl_train checks its rollout half with `rollout::config` and reads tasks with
-    // `hub::tasks`, as generate_conv does; train never imports generate.
-    (
-        "train",
-        &[
-            "check", "dataset", "engine", "hub", "llm", "reward", "rollout", "run", "task",
-        ],
-    ),
-    // eval reads its dialogue tasks with `hub::tasks`, as generate_conv and rl_train do.
-    (
         "eval",
         &[
-            "check", "dataset", "engine", "hub", "llm", "reward", "rollout", "run", "task",
+            "check", "dataset", "engine", "llm", "reward", "rollout", "run", "task",
         ],
     ),
     ("plot", &["check", "dataset", "reward", "rollout", "run"]),

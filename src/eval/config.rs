@@ -10,9 +10,10 @@ use crate::engine::llama::WeightFormat;
 use crate::llm::spec::redact_credentials;
 use crate::llm::ModelSpec;
 use crate::reward::metrics::task_metric;
-use crate::rollout::config::{check_sampling, RolloutConfig, TaskSource, UnknownKeys};
+use crate::rollout::config::{check_sampling, check_task_source, RolloutConfig, UnknownKeys};
 use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::prompts::SystemPromptSource;
+use crate::task::source::TaskSource;
 use crate::task::twenty_questions::chat::ObjectSplit;
 use crate::task::TaskType;
 
@@ -460,10 +461,10 @@ impl EvalConfig {
         if self.models.is_empty() {
             return Err(invalid("models", "give at least one --model"));
         }
-        if self.task != TaskType::TwentyQuestions {
-            // Clarify-or-answer has a demonstrator of its own; the rest are 20 Questions'.
+        if !self.task.is_game() {
+            // A dialogue type may have a demonstrator of its own; the rest are 20 Questions'.
             let allowed =
-                |m: &EvalModel| self.task == TaskType::Clarify && *m == EvalModel::Demonstrator;
+                |m: &EvalModel| self.task.facts().has_demonstrator && *m == EvalModel::Demonstrator;
             if let Some(m) = self.models.iter().find(|m| m.is_builtin() && !allowed(m)) {
                 return Err(invalid(
                     "models",
@@ -491,8 +492,8 @@ impl EvalConfig {
             return Err(invalid("question_max_tokens", "must be at least 1"));
         }
         self.unknown_keys.check()?;
-        if self.task != TaskType::TwentyQuestions {
-            self.task_source().validate()?;
+        if !self.task.is_game() {
+            check_task_source(&self.task_source())?;
         }
         self.rollout.validate()?;
         check_sampling("assistant_sampling", &self.assistant_sampling)?;
@@ -509,7 +510,7 @@ impl EvalConfig {
                 format!("{flag} is not used by --task {}; {instead}", self.task),
             )
         };
-        if self.task == TaskType::TwentyQuestions {
+        if self.task.is_game() {
             if self.max_tasks.is_some() {
                 return Err(ignored(
                     "max_tasks",
@@ -576,9 +577,8 @@ impl EvalConfig {
         if let Some(t) = &self.tasks {
             return PathBuf::from(t);
         }
-        if self.task == TaskType::Clarify {
-            // The built-in held-out requests (no training source ever names their details).
-            return PathBuf::from("clarify:test");
+        if let Some(builtin) = self.task.facts().builtin_eval_tasks {
+            return PathBuf::from(builtin);
         }
         let rel = PathBuf::from(format!("data/{}.jsonl", self.task));
         if rel.is_file() {
@@ -591,7 +591,7 @@ impl EvalConfig {
     /// Settings that decide what the model calls and metrics are; an output directory can only
     /// be reused with the same ones (models, task count, objects and repeats may change).
     pub fn identity(&self) -> serde_json::Value {
-        let twenty = self.task == TaskType::TwentyQuestions;
+        let twenty = self.task.is_game();
         let mut id = serde_json::json!({
             "task": self.task,
             "tasks": (!twenty).then(|| self.tasks_path().display().to_string()),

@@ -144,14 +144,7 @@ impl DialogueRunner {
                 history.push(ChatMessage::user(next.text));
             }
         }
-        // Clarify-or-answer is scored by rule: its second metric is the questions asked, not
-        // a judge's interactivity.
-        let second = if task.task_type == TaskType::Clarify {
-            "clarifying_questions"
-        } else {
-            "interactivity"
-        };
-        let judged = [self.task_metric, second];
+        let judged = [self.task_metric, task.task_type.facts().interaction_metric];
         let scores: BTreeMap<String, MetricScore> = join_all(judged.iter().map(|m| {
             let history = &history;
             async move {

@@ -78,7 +78,7 @@ pub fn shared_tasks(eval: &[Task], run: &[RunTask]) -> Vec<String> {
 pub fn shared_objects(world: &World, objects: &[usize], run: &[RunTask]) -> Vec<String> {
     let used: HashSet<usize> = run
         .iter()
-        .filter(|t| t.task_type == TaskType::TwentyQuestions)
+        .filter(|t| t.task_type.is_game())
         .filter_map(|t| {
             [&t.reference, &t.goal, &t.id]
                 .iter()

@@ -78,7 +78,7 @@ impl EvalRoles {
                 None => None,
             });
         }
-        let dialogue = cfg.task != TaskType::TwentyQuestions;
+        let dialogue = !cfg.task.is_game();
         let user = if dialogue {
             Some(build("user".into(), &cfg.rollout.user).await?)
         } else {
@@ -201,7 +201,7 @@ fn game_key(object: usize, repeat: usize) -> String {
 /// The resume key of a stored record.
 fn record_key(task: TaskType, rec: &serde_json::Value) -> Option<String> {
     let repeat = rec["repeat"].as_u64().unwrap_or(0) as usize;
-    if task == TaskType::TwentyQuestions {
+    if task.is_game() {
         rec["game"]["object_index"]
             .as_u64()
             .map(|o| game_key(o as usize, repeat))
@@ -222,7 +222,7 @@ async fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
     if let Some(source) = &cfg.system_prompt {
         source.text(&prompts, cfg.task)?;
     }
-    let (work, warnings) = if cfg.task == TaskType::TwentyQuestions {
+    let (work, warnings) = if cfg.task.is_game() {
         let world = World::load_default()?;
         let mut objects = split_objects(&world, cfg.split);
         objects.truncate(cfg.objects.count(objects.len())?);
@@ -237,7 +237,7 @@ async fn prepare(cfg: &EvalConfig) -> anyhow::Result<Prepared> {
             warnings,
         )
     } else {
-        let tasks = crate::hub::tasks::fetch(&cfg.task_source()).await?;
+        let tasks = crate::rollout::config::load_tasks(&cfg.task_source()).await?;
         let warnings = overlap::check(&cfg.exclude_runs, cfg.allow_overlap, |run| {
             overlap::shared_tasks(&tasks, run)
         })?;
@@ -733,7 +733,7 @@ fn write_sft(
     items: &[Item],
     prompts: &Prompts,
 ) -> anyhow::Result<()> {
-    let games = cfg.task == crate::task::TaskType::TwentyQuestions;
+    let games = cfg.task.is_game();
     let intro = if games {
         crate::task::twenty_questions::chat::intro_message(prompts, cfg.rollout.max_questions)?
     } else {

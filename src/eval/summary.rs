@@ -44,19 +44,7 @@ pub const DIALOGUE_METRICS: &[&str] = &[
 /// (upstream's number), clarify's task reward, and success and asking rate on stated and
 /// vague requests.
 fn task_metric_companions(task: TaskType) -> &'static [&'static str] {
-    match task {
-        TaskType::Math => &["accuracy_disagree"],
-        TaskType::DocEdit => &["bleu_char"],
-        TaskType::Clarify => &[
-            "task_reward",
-            "detail_used_stated",
-            "detail_used_vague",
-            "clarifying_questions",
-            "asked_stated",
-            "asked_vague",
-        ],
-        _ => &[],
-    }
+    task.facts().task_metric_companions
 }
 
 /// Metric names reported for a task, in order.

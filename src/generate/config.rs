@@ -18,13 +18,13 @@ use crate::task::twenty_questions::chat::OracleMode;
 use crate::task::TaskType;
 
 use crate::rollout::config::{
-    check_futures, check_sampling, in_range, invalid, RolloutConfig, TaskSource, UnknownKeys,
-    DEFAULT_TASKS,
+    check_futures, check_sampling, check_task_source, in_range, invalid, RolloutConfig,
+    UnknownKeys, DEFAULT_TASKS,
 };
 pub use crate::rollout::config::{
-    twenty_questions_split, Compat, CompatRecord, ConfigError, Shard, METRIC_WEIGHT,
-    SANDBOX_TIMEOUT_S, TWENTY_QUESTIONS_SOURCE,
+    Compat, CompatRecord, ConfigError, METRIC_WEIGHT, SANDBOX_TIMEOUT_S,
 };
+pub use crate::task::source::{twenty_questions_split, Shard, TaskSource, TWENTY_QUESTIONS_SOURCE};
 /// Share of candidates drawn with the proactive prompt.
 pub const PROACT_RATIO: Range = Range::closed(0.0, 1.0);
 /// Share of conversations in the test split.
@@ -150,7 +150,7 @@ impl GenerateConfig {
             ));
         }
         self.unknown_keys.check()?;
-        self.task_source().validate()?;
+        check_task_source(&self.task_source())?;
         // 0 futures is the single-turn reward: each reply scored alone.
         check_futures(self.samples.max(1), self.window)?;
         self.rollout.validate()?;
@@ -183,7 +183,7 @@ impl GenerateConfig {
     /// as twenty_questions).
     pub fn plays_twenty_questions(&self) -> bool {
         twenty_questions_split(&self.tasks).is_some()
-            || self.task_type == Some(TaskType::TwentyQuestions)
+            || self.task_type.is_some_and(TaskType::is_game)
     }
 
     pub fn assistant_spec(&self) -> &ModelSpec {

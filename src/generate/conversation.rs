@@ -21,7 +21,7 @@ use crate::rollout::records::{now_secs, CandidateRecord, ConversationRecord, Tur
 use crate::rollout::user::{derive_seed, SimError, UserSimulator};
 use crate::task::prompts::{Prompts, SystemPromptSource};
 use crate::task::twenty_questions::chat;
-use crate::task::{Task, TaskType};
+use crate::task::Task;
 
 /// Everything a conversation needs; shared by all conversations of a run.
 pub struct Pipeline {
@@ -98,7 +98,7 @@ impl Pipeline {
                 ended_by = "user_terminated";
                 // The oracle's answer that ends a 20 Questions game (a win, or the last
                 // question) is part of the game.
-                if task.task_type == TaskType::TwentyQuestions {
+                if task.task_type.is_game() {
                     history.push(ChatMessage::user(next_user.text));
                 }
                 break;
@@ -130,7 +130,7 @@ impl Pipeline {
         task: &Task,
         intro: &str,
     ) -> Result<Option<Vec<ChatMessage>>, SimError> {
-        if self.cfg.midgame == 0 || task.task_type != TaskType::TwentyQuestions {
+        if self.cfg.midgame == 0 || !task.task_type.is_game() {
             return Ok(None);
         }
         chat::task_prefix(

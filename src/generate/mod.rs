@@ -3,6 +3,7 @@
 pub mod compat;
 pub mod config;
 pub(crate) mod conversation;
+pub mod import;
 pub mod merge;
 pub(crate) mod outputs;
 pub mod proactive;

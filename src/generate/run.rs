@@ -190,9 +190,9 @@ impl std::fmt::Display for RunSummary {
     }
 }
 
-/// The tasks of a config, loaded and checked ([`crate::hub::tasks::fetch`]).
+/// The tasks of a config, loaded and checked ([`crate::rollout::config::load_tasks`]).
 pub async fn fetch_config_tasks(cfg: &GenerateConfig) -> anyhow::Result<Vec<Task>> {
-    crate::hub::tasks::fetch(&cfg.task_source()).await
+    crate::rollout::config::load_tasks(&cfg.task_source()).await
 }
 
 fn load_prompts(cfg: &GenerateConfig) -> anyhow::Result<Prompts> {

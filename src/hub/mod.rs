@@ -1,6 +1,7 @@
-//! The Hugging Face Hub: publish a run's pairs or a checkpoint (`push_hf`, `--push-to-hub`),
-//! import the public CollabLLM flat datasets (`generate_conv --import`, `--tasks hf:…`), and
-//! read a run's tasks from any source ([`tasks`]).
+//! The Hugging Face Hub client: publish a run's pairs or a checkpoint (`push_hf`,
+//! `--push-to-hub`), with its dataset or model card, and download a Hub dataset's parquet
+//! files ([`download`], for `--tasks hf:…` and `generate_conv --import`). What those files
+//! mean is `task::source`'s business, not this module's.
 //!
 //! Why our own HTTP code: hf-hub 1.0 can create repos and commit, but it uploads large files
 //! only through Xet; when a Hub answers the LFS batch call with the plain `basic` transfer it
@@ -18,8 +19,7 @@
 
 pub(crate) mod card;
 pub(crate) mod client;
-pub mod import;
-pub mod tasks;
+pub mod download;
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -46,6 +46,8 @@ pub enum HubError {
         "invalid repository id `{repo}`: expected <org>/<name> with letters, digits, '-', '_', '.'"
     )]
     InvalidRepo { repo: String },
+    #[error("hf:{repo}: {message}")]
+    Download { repo: String, message: String },
     #[error("{url}: HTTP {status}: the token was rejected or lacks write access to this repository (check HF_TOKEN or the token file; no retry)")]
     Auth { url: String, status: u16 },
     #[error("{url}: HTTP {status}: {body}")]

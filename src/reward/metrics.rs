@@ -131,35 +131,20 @@ pub fn weights_from_flags(
     Some(w)
 }
 
-/// The default weights: math accuracy=1, interactivity=1, token_amount=−0.1; document
-/// editing bleu=1, token_amount=−0.1; code pass_rate=1, token_amount=−0.5; 20 Questions the
-/// exact `20q-infogain` preset (success=1, info_gain=1, reply_tokens=−0.5: no judge needed);
-/// clarify detail_used=1, clarifying_questions=−0.3.
+/// The default weights of a task type (its row of [`TaskType::facts`]): math accuracy=1,
+/// interactivity=1, token_amount=−0.1; document editing bleu=1, token_amount=−0.1; code
+/// pass_rate=1, token_amount=−0.5; 20 Questions the exact `20q-infogain` preset (success=1,
+/// info_gain=1, reply_tokens=−0.5: no judge needed); clarify detail_used=1,
+/// clarifying_questions=−0.3.
 pub fn default_weights(task_type: TaskType) -> BTreeMap<String, f64> {
-    let w: &[(&str, f64)] = match task_type {
-        TaskType::Math => &[
-            ("accuracy", 1.0),
-            ("interactivity", 1.0),
-            ("token_amount", -0.1),
-        ],
-        TaskType::DocEdit => &[("bleu", 1.0), ("token_amount", -0.1)],
-        TaskType::Code => &[("pass_rate", 1.0), ("token_amount", -0.5)],
-        TaskType::TwentyQuestions => twenty_questions::metric_preset("20q-infogain").unwrap_or(&[]),
-        TaskType::Clarify => crate::task::clarify::DEFAULT_WEIGHTS,
-    };
+    let w = task_type.facts().default_weights;
     w.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
 /// The task-success metric of a task type (what evaluation reports first): `accuracy`,
-/// `bleu` or `pass_rate`; 20 Questions has its own game metrics.
+/// `bleu`, `pass_rate` or `detail_used`; 20 Questions has its own game metrics.
 pub fn task_metric(task_type: TaskType) -> Option<&'static str> {
-    match task_type {
-        TaskType::Math => Some("accuracy"),
-        TaskType::DocEdit => Some("bleu"),
-        TaskType::Code => Some("pass_rate"),
-        TaskType::TwentyQuestions => None,
-        TaskType::Clarify => Some("detail_used"),
-    }
+    task_type.facts().task_metric
 }
 
 /// Checks up front that every task has what the chosen metrics need.

@@ -1,7 +1,7 @@
 //! What every run that plays conversations shares — its simulated user, judges, endpoints
 //! ([`RolloutConfig`], embedded by generate_conv's, eval_multiturn's and rl_train's configs)
-//! and where its tasks come from ([`TaskSource`], loaded by `hub::tasks`) — with the one
-//! check of those settings. Also the `--compat` presets' names and records, and the error
+//! — with the one check of those settings, and of a run's task source with its metric
+//! weights ([`check_task_source`], [`load_tasks`]). Also the `--compat` presets' names and records, and the error
 //! every run configuration reports.
 
 use std::collections::BTreeMap;
@@ -14,8 +14,8 @@ use crate::check::Range;
 use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::{InteractivityScale, JudgeMode};
 use crate::reward::metrics::check_metric_name;
-use crate::task::twenty_questions::chat::ObjectSplit;
-use crate::task::TaskType;
+use crate::task::source::TaskSource;
+use crate::task::Task;
 
 /// The tasks file of a run that names none.
 pub const DEFAULT_TASKS: &str = "data/math.jsonl";
@@ -49,58 +49,6 @@ pub(crate) fn invalid(field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field: field.into(),
         message: message.into(),
-    }
-}
-
-/// The tasks source of the bundled 20 Questions objects: `20q:train`, `20q:test`, `20q:all`.
-pub const TWENTY_QUESTIONS_SOURCE: &str = "20q:";
-
-/// The split named by a `20q:<split>` tasks source; `None` for any other source.
-pub fn twenty_questions_split(tasks: &str) -> Option<Result<ObjectSplit, String>> {
-    tasks.strip_prefix(TWENTY_QUESTIONS_SOURCE).map(|s| {
-        s.parse::<ObjectSplit>()
-            .map_err(|e| format!("--tasks {tasks}: {e}"))
-    })
-}
-
-/// One of `count` disjoint shards of a task list: a task belongs to shard
-/// `hash(task id) mod count`, so its shard never changes when tasks are added.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Shard {
-    pub index: usize,
-    pub count: usize,
-}
-
-impl Shard {
-    /// Whether the task with this id is in the shard.
-    pub fn contains(&self, task_id: &str) -> bool {
-        use sha2::Digest as _;
-        let h = sha2::Sha256::digest(task_id.as_bytes());
-        let v = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
-        (v % self.count as u64) as usize == self.index
-    }
-}
-
-impl std::str::FromStr for Shard {
-    type Err = String;
-    /// `i/n` with `0 <= i < n`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("`{s}`: expected i/n with 0 <= i < n, e.g. 0/4");
-        let (i, n) = s.split_once('/').ok_or_else(bad)?;
-        let (index, count) = (
-            i.trim().parse().map_err(|_| bad())?,
-            n.trim().parse().map_err(|_| bad())?,
-        );
-        if count == 0 || index >= count {
-            return Err(bad());
-        }
-        Ok(Self { index, count })
-    }
-}
-
-impl std::fmt::Display for Shard {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.index, self.count)
     }
 }
 
@@ -141,67 +89,37 @@ pub struct CompatRecord {
     pub set: BTreeMap<String, serde_json::Value>,
 }
 
-/// Where a run's tasks come from and which of them it takes.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TaskSource {
-    /// A JSONL or parquet file, an upstream flat parquet file, `hf:<org>/<name>`, `20q:<split>`
-    /// or `clarify:<split>`.
-    pub tasks: String,
-    /// Task type of flat-schema tasks whose metadata has none.
-    pub task_type: Option<TaskType>,
-    /// Every task must be of this type (eval_multiturn's `--task`); also the type of
-    /// flat-schema tasks that neither their metadata, `task_type` nor the dataset's name
-    /// types.
-    pub expected_type: Option<TaskType>,
-    /// Only the first K tasks.
-    pub max_tasks: Option<usize>,
-    /// Only this shard of them.
-    pub shard: Option<Shard>,
-    /// The weighted metrics (empty: each task type's defaults): every task must carry what
-    /// they need.
-    pub metrics: BTreeMap<String, f64>,
+/// Checks a run's task source (its name and shard) and its metric weights, before anything
+/// is read.
+pub fn check_task_source(src: &TaskSource) -> Result<(), ConfigError> {
+    src.validate()
+        .map_err(|(field, message)| invalid(field, message))?;
+    for (name, w) in &src.metrics {
+        check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;
+        in_range(&format!("metrics.{name}"), *w, METRIC_WEIGHT)?;
+    }
+    Ok(())
 }
 
-impl TaskSource {
-    /// All of `tasks`' tasks (no shard), checked against `metrics`.
-    pub fn new(
-        tasks: &str,
-        task_type: Option<TaskType>,
-        max_tasks: Option<usize>,
-        metrics: &BTreeMap<String, f64>,
-    ) -> Self {
-        Self {
-            tasks: tasks.to_string(),
-            task_type,
-            expected_type: None,
-            max_tasks,
-            shard: None,
-            metrics: metrics.clone(),
-        }
-    }
+/// A run's tasks: read from their source ([`TaskSource::fetch`]), then checked to carry what
+/// the weighted metrics need (each task type's defaults when none are given).
+pub async fn load_tasks(src: &TaskSource) -> anyhow::Result<Vec<Task>> {
+    let tasks = src.fetch().await?;
+    check_tasks_carry_metrics(src, &tasks)?;
+    Ok(tasks)
+}
 
-    /// Checks the source's name and shard (reading happens in `hub::tasks`).
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.tasks.trim().is_empty() {
-            return Err(invalid("tasks", "a tasks file is required"));
-        }
-        if let Some(s) = self.shard {
-            if s.count == 0 || s.index >= s.count {
-                return Err(invalid("shard", format!("{s}: expected 0 <= i < n")));
-            }
-        }
-        if let Some(Err(e)) = twenty_questions_split(&self.tasks) {
-            return Err(invalid("tasks", e));
-        }
-        if let Some(Err(e)) = crate::task::clarify::source_split(&self.tasks) {
-            return Err(invalid("tasks", e));
-        }
-        for (name, w) in &self.metrics {
-            check_metric_name(name).map_err(|e| invalid("metrics", e.to_string()))?;
-            in_range(&format!("metrics.{name}"), *w, METRIC_WEIGHT)?;
-        }
-        Ok(())
+fn check_tasks_carry_metrics(src: &TaskSource, tasks: &[Task]) -> anyhow::Result<()> {
+    use crate::reward::metrics::{check_tasks_for_metrics, default_weights};
+    for t in tasks {
+        let metrics: Vec<String> = if src.metrics.is_empty() {
+            default_weights(t.task_type).into_keys().collect()
+        } else {
+            src.metrics.keys().cloned().collect()
+        };
+        check_tasks_for_metrics(std::slice::from_ref(t), &metrics)?;
     }
+    Ok(())
 }
 
 /// What every run that plays conversations with a simulated user shares: the user and judge

@@ -12,7 +12,7 @@ use crate::llm::{ChatMessage, ChatRequest, LlmError};
 use crate::task::clarify;
 use crate::task::prompts::{transcript, Prompt, PromptError, Prompts};
 use crate::task::twenty_questions::chat::{self, OracleMode};
-use crate::task::{Task, TaskType};
+use crate::task::{Task, UserKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
@@ -184,7 +184,7 @@ impl UserSimulator {
             serde_json::json!({
                 "goal": task.prompt,
                 "reference": task.reference,
-                "show_reference": task.task_type == TaskType::DocEdit,
+                "show_reference": task.task_type.facts().user_sees_reference,
                 "task_type": task.task_type.to_string(),
                 "conversation": transcript(history),
                 "termination": self.termination,
@@ -203,11 +203,10 @@ impl UserSimulator {
         n: usize,
         seed: u64,
     ) -> Result<Vec<UserTurn>, SimError> {
-        if task.task_type == TaskType::TwentyQuestions {
-            return self.oracle_turns(task, history, n, seed).await;
-        }
-        if task.task_type == TaskType::Clarify {
-            return self.clarify_turns(task, history, n);
+        match task.task_type.facts().user {
+            UserKind::Oracle => return self.oracle_turns(task, history, n, seed).await,
+            UserKind::Scripted => return self.clarify_turns(task, history, n),
+            UserKind::Simulated => {}
         }
         let prompt = self.prompt(task, history)?;
         let req = self

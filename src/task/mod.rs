@@ -16,7 +16,6 @@ use std::fmt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 
 use arrow::array::{Array as _, RecordBatchReader as _};
 use serde::{Deserialize, Serialize};
@@ -25,70 +24,12 @@ use serde_json::Value;
 use crate::dataset::columnar::{self, AtomicFile};
 
 pub mod clarify;
+mod kind;
 pub mod prompts;
+pub mod source;
 pub mod twenty_questions;
 
-/// The kind of task, which decides the metrics and the user-simulator prompt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TaskType {
-    Math,
-    DocEdit,
-    Code,
-    TwentyQuestions,
-    /// Clarify-or-answer ([`clarify`]): a request that may leave out the one detail the
-    /// reply needs.
-    Clarify,
-}
-
-impl TaskType {
-    pub const ALL: [TaskType; 5] = [
-        TaskType::Math,
-        TaskType::DocEdit,
-        TaskType::Code,
-        TaskType::TwentyQuestions,
-        TaskType::Clarify,
-    ];
-
-    /// The snake_case name used in files and on the command line.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TaskType::Math => "math",
-            TaskType::DocEdit => "doc_edit",
-            TaskType::Code => "code",
-            TaskType::TwentyQuestions => "twenty_questions",
-            TaskType::Clarify => "clarify",
-        }
-    }
-
-    /// `"math, doc_edit, code, twenty_questions, clarify"`.
-    pub fn valid_names() -> String {
-        Self::ALL.map(Self::as_str).join(", ")
-    }
-}
-
-impl fmt::Display for TaskType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// The error of [`TaskType::from_str`]: the rejected text.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown task type `{0}` (valid: math, doc_edit, code, twenty_questions, clarify)")]
-pub struct UnknownTaskType(pub String);
-
-impl FromStr for TaskType {
-    type Err = UnknownTaskType;
-    /// Exact snake_case names, ignoring surrounding whitespace and ASCII case.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let t = s.trim().to_ascii_lowercase();
-        Self::ALL
-            .into_iter()
-            .find(|k| k.as_str() == t)
-            .ok_or_else(|| UnknownTaskType(s.to_string()))
-    }
-}
+pub use kind::{TaskFacts, TaskType, UnknownTaskType, UserKind};
 
 /// One task: hidden goal `prompt` (= q), `reference` (= a: answer, target document, reference
 /// solution), and free-form `metadata` (e.g. `tests` for code tasks).

@@ -122,10 +122,7 @@ pub enum Prompt {
 impl Prompt {
     pub fn file(self) -> &'static str {
         match self {
-            Prompt::User(TaskType::Math) => "user_math.j2",
-            Prompt::User(TaskType::DocEdit) => "user_doc_edit.j2",
-            Prompt::User(TaskType::Code) => "user_code.j2",
-            Prompt::User(_) => "user_base.j2",
+            Prompt::User(task_type) => task_type.facts().user_template,
             Prompt::Proactive => "assistant_proactive.j2",
             Prompt::ProactiveJson => "assistant_proactive_json.j2",
             Prompt::JudgeAccuracy => "judge_accuracy.j2",

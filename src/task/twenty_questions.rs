@@ -1151,11 +1151,12 @@ pub const METRIC_PRESETS: &[(&str, &[(&str, f64)])] = &[
             ("reply_tokens", -0.5),
         ],
     ),
-    (
-        "20q-infogain",
-        &[("success", 1.0), ("info_gain", 1.0), ("reply_tokens", -0.5)],
-    ),
+    ("20q-infogain", DEFAULT_WEIGHTS),
 ];
+
+/// The default weights of 20 Questions tasks: the `20q-infogain` preset (no judge needed).
+pub const DEFAULT_WEIGHTS: &[(&str, f64)] =
+    &[("success", 1.0), ("info_gain", 1.0), ("reply_tokens", -0.5)];
 
 /// The weights of a preset by name.
 pub fn metric_preset(name: &str) -> Option<&'static [(&'static str, f64)]> {

@@ -82,7 +82,7 @@ pub struct TrainConfig {
     /// Every setting a resume changed, oldest first (kept across resumes).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub resume_overrides: Vec<ResumeOverride>,
-    /// SHA-256 of the training data file, set by [`train`]: `--resume` refuses data whose
+    /// SHA-256 of the training data file, set by [`train`](super::train): `--resume` refuses data whose
     /// content changed under the same path (`--resume-override data-sha256` accepts it).
     #[serde(default)]
     pub data_sha256: Option<String>,

@@ -23,10 +23,11 @@ use crate::llm::ModelSpec;
 use crate::reward::judge::InteractivityScale;
 use crate::reward::mr::MrFormula;
 use crate::rollout::config::{
-    check_futures, check_sampling, Compat, CompatRecord, ConfigError, RolloutConfig, TaskSource,
-    UnknownKeys, DEFAULT_TASKS,
+    check_futures, check_sampling, check_task_source, Compat, CompatRecord, ConfigError,
+    RolloutConfig, UnknownKeys, DEFAULT_TASKS,
 };
 use crate::rollout::user::{Sampling, TokenRole};
+use crate::task::source::TaskSource;
 use crate::task::twenty_questions::chat::OracleMode;
 use crate::task::TaskType;
 use crate::train::dpo::loss::DpoConfig;
@@ -626,12 +627,12 @@ impl RlRunConfig {
         // (no futures, the single-turn reward) is rl_train's own, so the shared check sees
         // at least 1.
         self.unknown_keys.check()?;
-        self.task_source().validate()?;
+        check_task_source(&self.task_source())?;
         check_futures(self.samples.max(1), self.window)?;
         self.rollout.validate()?;
         check_sampling("policy_sampling", &self.policy_sampling())?;
         if let Some(eval) = self.eval_task_source() {
-            eval.validate()?;
+            check_task_source(&eval)?;
         }
         Ok(())
     }

@@ -29,7 +29,7 @@ use crate::reward::mr::MrFormula;
 use crate::rollout::futures::{FutureRunner, ScoredReply, SessionRecord};
 use crate::rollout::user::{derive_seed, SimError, UserSimulator};
 use crate::task::twenty_questions::chat;
-use crate::task::{Task, TaskType};
+use crate::task::Task;
 
 /// One sampled response, its futures and its scores.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -258,7 +258,7 @@ impl Rollout<'_> {
         let task = &p.task;
         let prompt = match (&p.prefix, self.cfg.opening) {
             (Some(prefix), _) => prefix.clone(),
-            (None, _) if self.cfg.midgame > 0 && task.task_type == TaskType::TwentyQuestions => {
+            (None, _) if self.cfg.midgame > 0 && task.task_type.is_game() => {
                 match self.midgame_prefix(task, split, step, i) {
                     Ok(prefix) => prefix,
                     Err(e) => return Ok(Opened::UserFailed(e)),

@@ -38,7 +38,7 @@ use super::step::{RlTrainer, UpdateReport};
 use super::sync;
 use crate::engine::llama::WeightFormat;
 use crate::engine::ChatCodec;
-use crate::hub::import;
+
 use crate::llm::cache::{CachedBackend, RequestCache};
 use crate::llm::local::{LoadOptions, LocalBackend};
 use crate::llm::roles::{roles_cost_usd, Role};
@@ -206,13 +206,13 @@ async fn rl_prompts(
     if cfg.opening != Opening::Dataset {
         return Ok(tasks.into_iter().map(RlPrompt::of_task).collect());
     }
-    if !(import::is_hub_source(source) || import::is_flat_parquet(Path::new(source))) {
+    if !crate::task::source::is_flat_source(source) {
         bail!(
             "--opening dataset needs an upstream CollabLLM flat dataset (a parquet file with \
              `single_turn_prompt`, or hf:<org>/<name>); {source} is not one"
         );
     }
-    let (prefixes, skipped) = import::load_flat_prefixes(source, None).await?;
+    let (prefixes, skipped) = crate::task::source::load_flat_prefixes(source, None).await?;
     if skipped > 0 {
         tracing::warn!(
             "{source}: {skipped} conversation prefix(es) do not end with a user message and \
@@ -627,9 +627,12 @@ pub async fn rl_train_until(
     let started = Instant::now();
     let mut cfg = cfg;
     cfg.validate()?;
-    let tasks = crate::hub::tasks::fetch(&cfg.task_source()).await?;
+    let tasks = crate::rollout::config::load_tasks(&cfg.task_source()).await?;
     let eval_raw = match cfg.eval_task_source() {
-        Some(v) => Some((v.tasks.clone(), crate::hub::tasks::fetch(&v).await?)),
+        Some(v) => Some((
+            v.tasks.clone(),
+            crate::rollout::config::load_tasks(&v).await?,
+        )),
         None => None,
     };
     cfg.tasks_sha256 = Some(tasks_sha256(&tasks, eval_raw.as_ref().map(|e| &e.1)));
