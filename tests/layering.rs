@@ -540,3 +540,35 @@ fn no_source_file_names_an_issue_number() {
         found.join("\n")
     );
 }
+
+/// The docs stay a map a reader can hold: the README and BENCHMARKS within their sizes (one
+/// current table per benchmark, history in git), ARCHITECTURE one page of recipes.
+#[test]
+fn the_docs_stay_within_their_sizes() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (doc, most) in [
+        ("README.md", 250),
+        ("BENCHMARKS.md", 300),
+        ("ARCHITECTURE.md", 160),
+    ] {
+        let lines = std::fs::read_to_string(root.join(doc))
+            .unwrap()
+            .lines()
+            .count();
+        assert!(lines <= most, "{doc} has {lines} lines (at most {most})");
+    }
+    let architecture = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    for recipe in [
+        "A model family",
+        "A task type",
+        "A metric",
+        "An RL loss",
+        "A setting",
+        "A binary flag",
+    ] {
+        assert!(
+            architecture.contains(&format!("**{recipe}")),
+            "ARCHITECTURE.md lacks the recipe `{recipe}`"
+        );
+    }
+}
