@@ -202,18 +202,7 @@ mod tests {
     use super::*;
 
     fn row(conv: &str, turn: u32, score: f64) -> FlatRow {
-        FlatRow {
-            prompt: vec![ChatMessage::user("hi")],
-            completion: format!("c{score}"),
-            conv_id: conv.into(),
-            turn_id: turn,
-            score,
-            single_turn_prompt: "goal".into(),
-            single_turn_completion: "ref".into(),
-            single_turn_metadata: json!({"level": 1}),
-            sessions: Value::Null,
-            rewards: Value::Null,
-        }
+        crate::task::source::tests::row(conv, turn, score, "goal")
     }
 
     #[test]

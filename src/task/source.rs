@@ -453,10 +453,11 @@ pub async fn load_flat_tasks(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::{json, Value};
 
+    /// A flat row of conversation `conv`, turn `turn`, scored `score`, for goal `goal`.
     pub(crate) fn row(conv: &str, turn: u32, score: f64, goal: &str) -> FlatRow {
         FlatRow {
             prompt: vec![ChatMessage::user("hi")],

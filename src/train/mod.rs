@@ -40,3 +40,21 @@ pub mod rl;
 pub mod settings;
 
 pub use error::TrainError;
+
+/// The progress bar of a training run's optimizer steps (hidden when `enabled` is false),
+/// starting at `start` with its estimate counted from there.
+pub(crate) fn steps_bar(enabled: bool, total: usize, start: u64) -> indicatif::ProgressBar {
+    if !enabled {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(start);
+    bar.reset_eta();
+    bar
+}

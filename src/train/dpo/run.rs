@@ -490,7 +490,7 @@ fn train_steps(
     let cfg = run.cfg;
     let total_steps = run.total_steps;
     let warmup = warmup_steps(total_steps, cfg.optim.warmup_ratio);
-    let bar = progress_bar(progress, total_steps, start_step);
+    let bar = crate::train::steps_bar(progress, total_steps, start_step as u64);
     let loop_started = Instant::now();
     let mut window: Vec<Metrics> = Vec::new();
     for step in start_step..total_steps {
@@ -1405,24 +1405,8 @@ fn restore_checkpoint(
     Ok(())
 }
 
-fn progress_bar(enabled: bool, total: usize, start: usize) -> indicatif::ProgressBar {
-    if !enabled {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(total as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar.set_position(start as u64);
-    bar.reset_eta();
-    bar
-}
-
 fn progress_bar_named(enabled: bool, total: usize, what: &str) -> indicatif::ProgressBar {
-    let bar = progress_bar(enabled, total, 0);
+    let bar = crate::train::steps_bar(enabled, total, 0);
     bar.set_message(what.to_string());
     bar
 }

@@ -701,7 +701,7 @@ pub async fn rl_train_until(
         cfg.sampler_weights
     );
 
-    let bar = progress_bar(progress, cfg.max_steps, start);
+    let bar = crate::train::steps_bar(progress, cfg.max_steps, start);
     let mut last_log = Map::new();
     for step in start + 1..=cfg.max_steps as u64 {
         let log;
@@ -1070,22 +1070,6 @@ fn usage_log(
     }
     log.insert("api/calls".into(), json!(calls));
     log.insert("api/tokens".into(), json!(tokens));
-}
-
-fn progress_bar(enabled: bool, total: usize, start: u64) -> indicatif::ProgressBar {
-    if !enabled {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(total as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} steps [{elapsed_precise} < {eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar.set_position(start);
-    bar.reset_eta();
-    bar
 }
 
 fn bar_message(log: &Map<String, Value>) -> String {
