@@ -572,3 +572,27 @@ fn the_docs_stay_within_their_sizes() {
         );
     }
 }
+
+/// A task type is a row of facts in `task/kind.rs`, not a branch in every stage: outside their
+/// tests, at most 8 files of the library and binaries name a `TaskType` variant.
+#[test]
+fn few_files_branch_on_a_task_type() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    rust_files(&root.join("bin"), &mut files);
+    let variants = ["Math", "DocEdit", "Code", "TwentyQuestions", "Clarify"];
+    let naming: Vec<String> = files
+        .iter()
+        .filter(|f| {
+            let text = std::fs::read_to_string(f).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            variants.iter().any(|v| {
+                code.match_indices(&format!("TaskType::{v}"))
+                    .any(|(i, m)| !code[i + m.len()..].starts_with(char::is_alphanumeric))
+            })
+        })
+        .map(|f| f.strip_prefix(root).unwrap_or(f).display().to_string())
+        .collect();
+    assert!(naming.len() <= 8, "{} files: {naming:?}", naming.len());
+}

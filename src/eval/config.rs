@@ -416,7 +416,7 @@ pub struct EvalConfig {
 impl Default for EvalConfig {
     fn default() -> Self {
         Self {
-            task: TaskType::Math,
+            task: TaskType::default(),
             models: vec![EvalModel::Spec(ModelSpec::Default)],
             output: PathBuf::from("outputs/eval"),
             tasks: None,

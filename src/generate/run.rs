@@ -539,10 +539,7 @@ fn prepare(cfg: &GenerateConfig) -> anyhow::Result<(RunLock, Arc<Prompts>)> {
     let prompts = Arc::new(load_prompts(cfg)?);
     // A missing or empty system prompt file fails here, before any model loads.
     if let Some(source) = &cfg.system_prompt {
-        source.text(
-            &prompts,
-            cfg.task_type.unwrap_or(crate::task::TaskType::Math),
-        )?;
+        source.text(&prompts, cfg.task_type.unwrap_or_default())?;
     }
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating {}", cfg.output.display()))?;

@@ -22,6 +22,14 @@ pub enum TaskType {
     Clarify,
 }
 
+/// The task type of a run that names none: math, as the bundled default tasks
+/// (`data/math.jsonl`) and upstream's examples.
+impl Default for TaskType {
+    fn default() -> Self {
+        TaskType::Math
+    }
+}
+
 /// Who answers the assistant in a conversation of this type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UserKind {
