@@ -1,4 +1,4 @@
-//! OpenAI-compatible HTTP front over any [`ChatBackend`]: `POST /v1/chat/completions`
+//! OpenAI-compatible HTTP front over any [`ChatBackend`](crate::llm::ChatBackend): `POST /v1/chat/completions`
 //! (plain and SSE streaming), `GET /v1/models`, `GET /health`. Single-model server: a request's
 //! `model` must be the served id or one of its aliases (else 404 `model_not_found`), and
 //! responses report the served id. Errors are OpenAI-shaped JSON
