@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use collabllm::cli::{EndpointArgs, TwentyQuestionsArgs};
+use collabllm::cli::{EndpointArgs, TwentyQuestionsArgs, TwentyQuestionsTargets};
 use collabllm::dataset::verl;
 use collabllm::generate::config::TWENTY_QUESTIONS_SOURCE;
 use collabllm::generate::import;
@@ -289,10 +289,15 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     }
     args.twenty_questions.apply(
         &args.metrics,
-        &mut cfg.metrics,
-        &mut cfg.oracle,
-        &mut cfg.rollout.max_questions,
-        &mut cfg.midgame,
+        args.window.is_some(),
+        TwentyQuestionsTargets {
+            metrics: &mut cfg.metrics,
+            oracle: &mut cfg.oracle,
+            max_questions: &mut cfg.rollout.max_questions,
+            midgame: &mut cfg.midgame,
+            future_questioner: &mut cfg.rollout.future_questioner,
+            window: &mut cfg.window,
+        },
     );
     if args.policy_system_prompt.is_some() {
         cfg.system_prompt = args.policy_system_prompt.clone();

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use collabllm::cli::{EndpointArgs, TwentyQuestionsArgs};
+use collabllm::cli::{EndpointArgs, TwentyQuestionsArgs, TwentyQuestionsTargets};
 use collabllm::generate::compat::Compat;
 use collabllm::llm::tokens::TokenCounterKind;
 use collabllm::llm::ModelSpec;
@@ -361,10 +361,15 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
     }
     args.twenty_questions.apply(
         &args.metrics,
-        &mut cfg.metrics,
-        &mut cfg.oracle,
-        &mut cfg.rollout.max_questions,
-        &mut cfg.midgame,
+        args.window.is_some(),
+        TwentyQuestionsTargets {
+            metrics: &mut cfg.metrics,
+            oracle: &mut cfg.oracle,
+            max_questions: &mut cfg.rollout.max_questions,
+            midgame: &mut cfg.midgame,
+            future_questioner: &mut cfg.rollout.future_questioner,
+            window: &mut cfg.window,
+        },
     );
     args.endpoint.apply(&mut cfg.rollout.endpoint);
     cfg.validate()?;

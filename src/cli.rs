@@ -7,16 +7,22 @@ use std::process::ExitCode;
 
 use crate::llm::EndpointOptions;
 use crate::task::twenty_questions::chat::OracleMode;
+use crate::task::twenty_questions::future::FutureQuestioner;
+use crate::task::twenty_questions::GAME_PRESET;
 
 /// The 20 Questions and reward-preset flags of `generate_conv` and `rl_train`, defined once
 /// (flattened into each binary's arguments).
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct TwentyQuestionsArgs {
     /// Named metric weights: `20q-infogain` (success=1, info_gain=1, reply_tokens=-0.5:
-    /// exact, no judge; the 20 Questions default) or `20q-interactive` (success=1,
-    /// interactivity=1, reply_tokens=-0.5), the two reward variants of the 20 Questions
-    /// study. info_gain is the candidate question's expected gain under the table;
-    /// reply_tokens counts the candidate alone. --metric flags add to or override its weights.
+    /// exact, no judge; the 20 Questions default), `20q-interactive` (success=1,
+    /// interactivity=1, reply_tokens=-0.5), or `20q-game` (success=1, lmrl_return=0.04,
+    /// reply_tokens=-0.5, and futures that play the game out: the window becomes the whole
+    /// game, 2 × max_questions messages, and the demonstrator asks the later questions,
+    /// unless --window or --future-questioner say otherwise). info_gain is the candidate
+    /// question's expected gain under the table; lmrl_return is −1 per question and +1 for a
+    /// win over the candidate and its future; reply_tokens counts the candidate alone.
+    /// --metric flags add to or override its weights.
     #[arg(long, value_name = "NAME", value_parser = crate::reward::metrics::parse_metric_preset)]
     pub metric_preset: Option<String>,
     /// 20 Questions: who answers the questions. `table`: the attribute table, exact (a
@@ -34,32 +40,59 @@ pub struct TwentyQuestionsArgs {
     /// question [default: 0, the opening only].
     #[arg(long, value_name = "N")]
     pub midgame: Option<usize>,
+    /// 20 Questions: who asks the questions after the candidate inside a future. `policy`:
+    /// the futures' assistant (the policy unless --assistant names another model);
+    /// `demonstrator`: the built-in noisy halving questioner, a fixed competent continuation,
+    /// so a question is valued by how the game goes from the state it leaves (no model call)
+    /// [default: policy; demonstrator with --metric-preset 20q-game].
+    #[arg(long, value_name = "WHO")]
+    pub future_questioner: Option<FutureQuestioner>,
+}
+
+/// The settings [`TwentyQuestionsArgs::apply`] may set.
+pub struct TwentyQuestionsTargets<'a> {
+    pub metrics: &'a mut std::collections::BTreeMap<String, f64>,
+    pub oracle: &'a mut OracleMode,
+    pub max_questions: &'a mut usize,
+    pub midgame: &'a mut usize,
+    pub future_questioner: &'a mut FutureQuestioner,
+    /// Messages per future.
+    pub window: &'a mut usize,
 }
 
 impl TwentyQuestionsArgs {
     /// Sets what was given: the weights (preset, then `--metric` flags) when either was
-    /// given, the oracle, the question budget.
+    /// given, the oracle, the question budget, the future questioner; the `20q-game` preset
+    /// also sets the whole-game window (unless `window_given`) and the demonstrator (unless
+    /// --future-questioner was given).
     pub fn apply(
         &self,
         metric_flags: &[(String, f64)],
-        metrics: &mut std::collections::BTreeMap<String, f64>,
-        oracle: &mut OracleMode,
-        max_questions: &mut usize,
-        midgame: &mut usize,
+        window_given: bool,
+        t: TwentyQuestionsTargets<'_>,
     ) {
         if let Some(w) =
             crate::reward::metrics::weights_from_flags(self.metric_preset.as_deref(), metric_flags)
         {
-            *metrics = w;
+            *t.metrics = w;
         }
         if let Some(o) = self.oracle {
-            *oracle = o;
+            *t.oracle = o;
         }
         if let Some(q) = self.max_questions {
-            *max_questions = q;
+            *t.max_questions = q;
         }
         if let Some(n) = self.midgame {
-            *midgame = n;
+            *t.midgame = n;
+        }
+        if self.metric_preset.as_deref() == Some(GAME_PRESET) {
+            *t.future_questioner = FutureQuestioner::Demonstrator;
+            if !window_given {
+                *t.window = 2 * *t.max_questions;
+            }
+        }
+        if let Some(q) = self.future_questioner {
+            *t.future_questioner = q;
         }
     }
 }

@@ -1672,6 +1672,85 @@ async fn twenty_questions_midgame_prefixes_start_games_after_demonstrator_questi
     assert!(pairs > 0);
 }
 
+/// `--metric-preset 20q-game`: futures play the game out with the demonstrator asking (no
+/// model call inside a future), and the reward is the game's: a non-winning opening question
+/// with a budget of 5 leaves 4 demonstrator questions, none of which can find one of 158
+/// objects, so every such future is the whole budget, lost: success 0, 5 questions,
+/// lmrl_return −5; the winning guess's future is its own "Yes." (lmrl_return −1 + 1 = 0).
+#[tokio::test]
+async fn twenty_questions_game_preset_plays_futures_out_with_the_demonstrator() {
+    let (name, q0, q1) = twenty_questions_target();
+    let server = questioner_server(name, q0, q1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = twenty_questions_args(&server, &out);
+    let i = args.iter().position(|a| a == "--window").unwrap();
+    args.drain(i..i + 2);
+    args.extend(["--metric-preset".into(), "20q-game".into()]);
+    let output = run_bin(&args).await;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // Only the candidates' requests (n = 3) reach the model; the futures ask no model.
+    let bodies: Vec<Value> = server.received().into_iter().map(|r| r.body).collect();
+    assert!(
+        !bodies.is_empty() && bodies.iter().all(|b| b["n"] == 3),
+        "{bodies:?}"
+    );
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    let text = manifest.to_string();
+    assert!(
+        text.contains("\"future_questioner\":\"demonstrator\""),
+        "{text}"
+    );
+
+    let world = collabllm::task::twenty_questions::chat::default_world().unwrap();
+    let rec: Value = serde_json::from_str(
+        std::fs::read_to_string(out.join("conversations.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    let weights: std::collections::BTreeMap<String, f64> =
+        serde_json::from_value(rec["weights"].clone()).unwrap();
+    assert_eq!(
+        weights,
+        [
+            ("lmrl_return".to_string(), 0.04),
+            ("reply_tokens".to_string(), -0.5),
+            ("success".to_string(), 1.0),
+        ]
+        .into()
+    );
+    let cands = rec["turns"][0]["candidates"].as_array().unwrap().clone();
+    let value = |s: &Value, m: &str| s["scores"][m]["value"].as_f64().unwrap();
+    for s in cands[0]["sessions"].as_array().unwrap() {
+        assert_eq!(s["messages"].as_array().unwrap().len(), 1);
+        assert_eq!((value(s, "success"), value(s, "lmrl_return")), (1.0, 0.0));
+    }
+    for c in &cands[1..] {
+        for s in c["sessions"].as_array().unwrap() {
+            let m = s["messages"].as_array().unwrap();
+            // The answer, then 4 × (demonstrator question, answer): the whole budget.
+            assert_eq!(m.len(), 9, "{m:?}");
+            assert_eq!(s["terminated"], true);
+            for q in m.iter().skip(1).step_by(2) {
+                assert_eq!(q["role"], "assistant");
+                let q = q["content"].as_str().unwrap();
+                assert!(world.parse(q).is_some(), "a demonstrator question: {q}");
+            }
+            assert_eq!(value(s, "success"), 0.0);
+            assert_eq!(value(s, "lmrl_return"), -5.0);
+        }
+    }
+    assert_eq!(rec["turns"][0]["chosen"], 0);
+}
+
 /// The name a clarify birthday request or the user's answer gives (`… friend Maya.`, `My
 /// friend's name is Maya.`), if any.
 fn stated_name(text: &str) -> Option<String> {

@@ -15,11 +15,12 @@ use crate::reward::pairs::PairMode;
 use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::prompts::SystemPromptSource;
 use crate::task::twenty_questions::chat::OracleMode;
+use crate::task::twenty_questions::future::FutureQuestioner;
 use crate::task::TaskType;
 
 use crate::rollout::config::{
-    check_futures, check_sampling, check_task_source, in_range, invalid, RolloutConfig,
-    UnknownKeys, DEFAULT_TASKS,
+    check_future_questioner, check_futures, check_sampling, check_task_source, in_range, invalid,
+    RolloutConfig, UnknownKeys, DEFAULT_TASKS,
 };
 pub use crate::rollout::config::{
     Compat, CompatRecord, ConfigError, METRIC_WEIGHT, SANDBOX_TIMEOUT_S,
@@ -168,7 +169,11 @@ impl GenerateConfig {
         in_range("proact_ratio", self.proact_ratio, PROACT_RATIO)?;
         in_range("test_fraction", self.test_fraction, TEST_FRACTION)?;
         in_range("min_gap", self.min_gap, MIN_GAP)?;
-        Ok(())
+        check_future_questioner(
+            self.rollout.future_questioner,
+            self.plays_twenty_questions(),
+            self.assistant.is_some(),
+        )
     }
 
     /// Where the tasks come from.
@@ -253,6 +258,9 @@ impl GenerateConfig {
             id["max_questions"] = serde_json::json!(self.rollout.max_questions);
             if self.midgame > 0 {
                 id["midgame"] = serde_json::json!(self.midgame);
+            }
+            if self.rollout.future_questioner != FutureQuestioner::default() {
+                id["future_questioner"] = serde_json::json!(self.rollout.future_questioner);
             }
         }
         id

@@ -30,6 +30,7 @@ use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{default_weights, Scorer};
 use crate::reward::pairs::select_pairs;
 use crate::reward::sandbox::SandboxLimits;
+use crate::rollout::futures::future_questioner_role;
 use crate::rollout::records::{now_secs, read_records, ConversationLog, ConversationRecord};
 use crate::rollout::user::UserSimulator;
 use crate::run::{
@@ -63,10 +64,12 @@ impl Roles {
         let policy = build("policy", &cfg.policy).await?;
         let user = build("user", &cfg.rollout.user).await?;
         let judge = build("judge", &cfg.rollout.judge).await?;
-        let assistant = if cfg.assistant.is_some() {
-            build("assistant", cfg.assistant_spec()).await?
-        } else {
-            policy.clone()
+        let assistant = match future_questioner_role(cfg.rollout.future_questioner)
+            .map_err(anyhow::Error::msg)?
+        {
+            Some(demonstrator) => demonstrator,
+            None if cfg.assistant.is_some() => build("assistant", cfg.assistant_spec()).await?,
+            None => policy.clone(),
         };
         Ok(Roles {
             policy,

@@ -15,6 +15,7 @@ use crate::llm::{check_prices, EndpointOptions, ModelSpec, Price};
 use crate::reward::judge::{InteractivityScale, JudgeMode};
 use crate::reward::metrics::check_metric_name;
 use crate::task::source::TaskSource;
+use crate::task::twenty_questions::future::FutureQuestioner;
 use crate::task::Task;
 
 /// The tasks file of a run that names none.
@@ -169,6 +170,9 @@ pub struct RolloutConfig {
     pub prices: BTreeMap<String, Price>,
     /// 20 Questions: questions per game.
     pub max_questions: usize,
+    /// 20 Questions: who asks the questions after the candidate inside a future, the
+    /// futures' assistant (`policy`) or the built-in `demonstrator`.
+    pub future_questioner: FutureQuestioner,
 }
 
 impl Default for RolloutConfig {
@@ -195,6 +199,7 @@ impl Default for RolloutConfig {
             sandbox_timeout_s: 10.0,
             prices: BTreeMap::new(),
             max_questions: crate::task::twenty_questions::MAX_QUESTIONS,
+            future_questioner: FutureQuestioner::default(),
         }
     }
 }
@@ -240,6 +245,30 @@ impl RolloutConfig {
         }
         check_sampling("user_sampling", &self.user_sampling)
     }
+}
+
+/// The demonstrator asks questions only in 20 Questions futures, and only where no assistant
+/// model was named for them.
+pub fn check_future_questioner(
+    questioner: FutureQuestioner,
+    plays_twenty_questions: bool,
+    assistant_given: bool,
+) -> Result<(), ConfigError> {
+    if questioner == FutureQuestioner::Demonstrator {
+        if !plays_twenty_questions {
+            return Err(invalid(
+                "future_questioner",
+                "`demonstrator` asks 20 Questions questions; these tasks are not 20 Questions games",
+            ));
+        }
+        if assistant_given {
+            return Err(invalid(
+                "future_questioner",
+                "`demonstrator` plays the futures' assistant turns; leave `assistant` unset",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Futures per reply (S) and messages per future (W): at least 1, at most far beyond any

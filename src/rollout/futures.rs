@@ -16,7 +16,26 @@ use crate::llm::roles::Role;
 use crate::llm::ChatMessage;
 use crate::reward::metrics::{MetricScore, Scorer};
 use crate::reward::mr::{multiturn_reward, MrFormula, SessionScores};
+use crate::task::twenty_questions::future::{DemonstratorBackend, FutureQuestioner};
 use crate::task::Task;
+
+/// The role that asks the later questions of 20 Questions futures when it is not the futures'
+/// assistant model: the built-in demonstrator (no model call), metered as the assistant.
+pub fn future_questioner_role(questioner: FutureQuestioner) -> Result<Option<Role>, String> {
+    match questioner {
+        FutureQuestioner::Policy => Ok(None),
+        FutureQuestioner::Demonstrator => {
+            let backend = std::sync::Arc::new(DemonstratorBackend::new()?);
+            Ok(Some(Role::from_backend(
+                "assistant",
+                "20q-demonstrator",
+                backend,
+                None,
+                None,
+            )))
+        }
+    }
+}
 
 /// One scored future of a reply.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

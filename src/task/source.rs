@@ -93,6 +93,13 @@ pub struct TaskSource {
 }
 
 impl TaskSource {
+    /// Whether these are 20 Questions games: the bundled objects, or tasks typed as a game.
+    pub fn plays_twenty_questions(&self) -> bool {
+        twenty_questions_split(&self.tasks).is_some()
+            || self.task_type.is_some_and(TaskType::is_game)
+            || self.expected_type.is_some_and(TaskType::is_game)
+    }
+
     /// All of `tasks`' tasks (no shard), checked against `metrics`.
     pub fn new(
         tasks: &str,

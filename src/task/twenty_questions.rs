@@ -17,6 +17,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 pub mod chat;
+pub mod future;
 pub mod parse;
 
 use rand::rngs::StdRng;
@@ -1152,6 +1153,21 @@ pub const METRIC_PRESETS: &[(&str, &[(&str, f64)])] = &[
         ],
     ),
     ("20q-infogain", DEFAULT_WEIGHTS),
+    (GAME_PRESET, GAME_WEIGHTS),
+];
+
+/// The preset whose futures play the game out: besides its weights it makes the window the
+/// whole game and the demonstrator the future questioner, unless those are given.
+pub const GAME_PRESET: &str = "20q-game";
+
+/// `20q-game`: the game the candidate leads to. `success` (won within the budget) dominates;
+/// `lmrl_return` (−1 per question, +1 for a win) at 0.04 ranks wins by questions used and
+/// can never outweigh a win (20 questions × 0.04 < 1); the candidate's own tokens cost as in
+/// the other presets.
+pub const GAME_WEIGHTS: &[(&str, f64)] = &[
+    ("success", 1.0),
+    ("lmrl_return", 0.04),
+    ("reply_tokens", -0.5),
 ];
 
 /// The default weights of 20 Questions tasks: the `20q-infogain` preset (no judge needed).

@@ -23,12 +23,13 @@ use crate::llm::ModelSpec;
 use crate::reward::judge::InteractivityScale;
 use crate::reward::mr::MrFormula;
 use crate::rollout::config::{
-    check_futures, check_sampling, check_task_source, Compat, CompatRecord, ConfigError,
-    RolloutConfig, UnknownKeys, DEFAULT_TASKS,
+    check_future_questioner, check_futures, check_sampling, check_task_source, Compat,
+    CompatRecord, ConfigError, RolloutConfig, UnknownKeys, DEFAULT_TASKS,
 };
 use crate::rollout::user::{Sampling, TokenRole};
 use crate::task::source::TaskSource;
 use crate::task::twenty_questions::chat::OracleMode;
+use crate::task::twenty_questions::future::FutureQuestioner;
 use crate::task::TaskType;
 use crate::train::dpo::loss::DpoConfig;
 use crate::train::settings::{
@@ -629,6 +630,12 @@ impl RlRunConfig {
         self.unknown_keys.check()?;
         check_task_source(&self.task_source())?;
         check_futures(self.samples.max(1), self.window)?;
+        // The trained policy plays the futures' assistant unless the demonstrator asks.
+        check_future_questioner(
+            self.rollout.future_questioner,
+            self.task_source().plays_twenty_questions(),
+            false,
+        )?;
         self.rollout.validate()?;
         check_sampling("policy_sampling", &self.policy_sampling())?;
         if let Some(eval) = self.eval_task_source() {
@@ -653,6 +660,9 @@ impl RlRunConfig {
             }
             if self.midgame == 0 {
                 o.remove("midgame");
+            }
+            if self.rollout.future_questioner == FutureQuestioner::default() {
+                o.remove("future_questioner");
             }
             if self.rollout.interactivity_scale == InteractivityScale::default() {
                 o.remove("interactivity_scale");

@@ -124,6 +124,8 @@ impl RlPrompt {
 pub struct Rollout<'a> {
     pub cfg: &'a RlRunConfig,
     pub user: &'a UserSimulator,
+    /// Asks the later questions of 20 Questions futures instead of the policy, when set.
+    pub future_questioner: Option<&'a Role>,
 }
 
 impl Rollout<'_> {
@@ -182,7 +184,7 @@ impl Rollout<'_> {
         let started = Instant::now();
         let runner = FutureRunner {
             user: self.user,
-            assistant: policy,
+            assistant: self.future_questioner.unwrap_or(policy),
             assistant_sampling: &self.cfg.policy_sampling(),
             scorer,
             samples: self.cfg.samples,

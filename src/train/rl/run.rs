@@ -49,6 +49,7 @@ use crate::llm::{SharedBackend, UsageSnapshot};
 use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::Scorer;
 use crate::reward::sandbox::SandboxLimits;
+use crate::rollout::futures::future_questioner_role;
 use crate::rollout::user::{derive_seed, UserSimulator};
 use crate::task::prompts::Prompts;
 use crate::task::Task;
@@ -400,6 +401,8 @@ struct Run<'a> {
     roles: Roles,
     judge: Arc<Judge>,
     user: UserSimulator,
+    /// Who asks the later questions of 20 Questions futures when not the policy.
+    future_questioner: Option<Role>,
     format: WeightFormat,
     /// The token counter when it is not the policy's own tokenizer (cl100k, words).
     fixed_counter: Option<TokenCounter>,
@@ -445,6 +448,8 @@ impl<'a> Run<'a> {
         };
         Ok(Run {
             cfg,
+            future_questioner: future_questioner_role(cfg.rollout.future_questioner)
+                .map_err(anyhow::Error::msg)?,
             fixed_counter,
             tokens_seen: Default::default(),
             format: cfg.weight_format()?,
@@ -592,6 +597,7 @@ impl<'a> Run<'a> {
         Rollout {
             cfg: self.cfg,
             user: &self.user,
+            future_questioner: self.future_questioner.as_ref(),
         }
     }
 }
