@@ -157,6 +157,14 @@ struct Args {
     /// tasks every conversation as played (the clarify demonstrator's warm-start data).
     #[arg(long)]
     sft: bool,
+    /// 20 Questions, DAgger: label every state of each questioner's games (won or lost) with
+    /// the demonstrator's question at that state and merge them into this pairs parquet
+    /// (`prompt` = the state as the questioner saw it, `chosen` = the demonstrator's question,
+    /// `rejected` = the questioner's own, scores = their expected gains). A questioner's
+    /// earlier rows in FILE are replaced, others' kept, so DAgger rounds grow one file;
+    /// `dpo_train --loss sft --data FILE` trains on the labels only.
+    #[arg(long, value_name = "FILE")]
+    dagger: Option<PathBuf>,
     /// Clarify `demonstrator`: probability of a clarifying question on a vague request.
     #[arg(long, value_name = "P", value_parser = collabllm::task::clarify::RATE.parser())]
     ask_rate: Option<f64>,
@@ -224,6 +232,7 @@ fn resolve(args: Args) -> anyhow::Result<EvalConfig> {
         exclude_runs: args.exclude_runs,
         allow_overlap: args.allow_overlap,
         sft: args.sft,
+        dagger: args.dagger,
         rollout: RolloutConfig {
             threads: args.threads,
             prompts: args.prompts,

@@ -475,6 +475,22 @@ fn sft_mode_trains_on_assistant_tokens_only() {
         .collect();
     let text = c.tokenizer.decode(&masked, false).unwrap();
     assert_eq!(text, "Hello!<|im_end|>\nCiao<|im_end|>\n");
+
+    // From a pair row (prompt + chosen) only the chosen reply trains: the prompt's assistant
+    // turn is context (a DAgger state holds the model's own earlier questions).
+    let pair = row(0, conv[..3].to_vec(), "Ciao", "no");
+    let (seqs, _) = tokenize_sft(&c, &[pair], 128, Path::new("pairs.parquet")).unwrap();
+    let masked: Vec<u32> = seqs[0]
+        .ids
+        .iter()
+        .zip(&seqs[0].loss_mask)
+        .filter(|(_, &m)| m)
+        .map(|(&t, _)| t)
+        .collect();
+    assert_eq!(
+        c.tokenizer.decode(&masked, false).unwrap(),
+        "Ciao<|im_end|>\n"
+    );
 }
 
 /// `--loss sft --data RUN`: the run's `sft.parquet` (whole conversations), not its pairs;

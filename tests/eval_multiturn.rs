@@ -1573,3 +1573,113 @@ fn flags_the_task_does_not_read_are_refused() {
     assert!(!Path::new(out).join("sft/random.parquet").exists());
     assert!(err.contains("won no game"), "{err}");
 }
+
+/// `--dagger FILE`: every state a questioner asked at, labelled with the demonstrator's
+/// question on that same state (its seed from the game's), beside what the questioner asked;
+/// the prompt is the state as the questioner saw it (its raw questions). Labelling again
+/// replaces a questioner's rows and keeps the others'.
+#[tokio::test]
+async fn dagger_labels_every_state_with_the_demonstrators_question() {
+    use collabllm::dataset::pairs::read_pairs_parquet;
+    use collabllm::eval::{dagger_seed, game_seed};
+    use collabllm::task::twenty_questions::chat::{answered_questions, default_world};
+    use collabllm::task::twenty_questions::{DemonstratorQuestioner, Questioner};
+    let world = default_world().unwrap();
+    // A chatty questioner: the n-th question of a game is attribute n, with a preamble the
+    // game cleans away.
+    let chatty = ScriptedBackend::new("chatty", move |req, _| {
+        let asked = req
+            .messages
+            .iter()
+            .filter(|m| m.role == "assistant")
+            .count();
+        Ok(format!(
+            "Good. {}",
+            default_world().unwrap().attribute_question(asked).unwrap()
+        ))
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eval");
+    let file = tmp.path().join("dagger.parquet");
+    let cfg = EvalConfig {
+        task: TaskType::TwentyQuestions,
+        models: vec![
+            EvalModel::Spec("openai:chatty".parse().unwrap()),
+            EvalModel::Random,
+        ],
+        output: out.clone(),
+        objects: ObjectSelection::First(3),
+        dagger: Some(file.clone()),
+        seed: 5,
+        ..EvalConfig::default()
+    };
+    let roles = || EvalRoles {
+        models: vec![
+            Some(Role::from_backend(
+                "model",
+                "chatty",
+                chatty.clone(),
+                None,
+                None,
+            )),
+            None,
+        ],
+        user: None,
+        judge: None,
+        oracle: None,
+    };
+    evaluate_with_roles(cfg.clone(), roles()).await.unwrap();
+    let rows = read_pairs_parquet(&file).unwrap();
+    let games_questions: usize = std::fs::read_dir(out.join("conversations"))
+        .unwrap()
+        .map(|e| {
+            read_lines(&e.unwrap().path())
+                .iter()
+                .map(|r| r["game"]["turns"].as_array().unwrap().len())
+                .sum::<usize>()
+        })
+        .sum();
+    assert_eq!(rows.len(), games_questions);
+    let mut chatty_rows = 0;
+    for row in &rows {
+        let (prefix, game) = row.conv_id.rsplit_once(':').unwrap();
+        let object: usize = game.split('-').next().unwrap().parse().unwrap();
+        let k = row.turn_id as usize;
+        let state = answered_questions(&row.prompt);
+        assert_eq!(state.len(), k, "{row:?}");
+        let label = DemonstratorQuestioner::new(world, dagger_seed(game_seed(5, 0, object), k))
+            .next_question(&state);
+        assert_eq!(row.chosen[0].content, label);
+        if prefix.contains("chatty") {
+            chatty_rows += 1;
+            let asked = world.attribute_question(k).unwrap();
+            assert_eq!(row.rejected[0].content, format!("Good. {asked}"));
+            // The state as the questioner saw it: its own raw questions.
+            assert!(row
+                .prompt
+                .iter()
+                .filter(|m| m.role == "assistant")
+                .all(|m| m.content.starts_with("Good. ")));
+        }
+    }
+    assert!(chatty_rows >= 3, "{chatty_rows}");
+    // Labelling the chatty questioner again (the games resume) replaces its rows.
+    let again = EvalConfig {
+        models: vec![EvalModel::Spec("openai:chatty".parse().unwrap())],
+        ..cfg
+    };
+    let one = EvalRoles {
+        models: vec![Some(Role::from_backend(
+            "model",
+            "chatty",
+            chatty.clone(),
+            None,
+            None,
+        ))],
+        user: None,
+        judge: None,
+        oracle: None,
+    };
+    evaluate_with_roles(again, one).await.unwrap();
+    assert_eq!(read_pairs_parquet(&file).unwrap().len(), rows.len());
+}

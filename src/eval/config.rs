@@ -400,6 +400,10 @@ pub struct EvalConfig {
     /// then each question and answer, ending at the winning question); for dialogue tasks
     /// every conversation as played (the clarify demonstrator's warm-start data).
     pub sft: bool,
+    /// 20 Questions: label every state of each questioner's games with the demonstrator's
+    /// question and merge the rows into this pairs file (DAgger; a questioner's earlier
+    /// rows there are replaced, other questioners' kept).
+    pub dagger: Option<PathBuf>,
     /// Clarify-or-answer `demonstrator`: the chance it asks on a vague request.
     pub ask_rate: f64,
     /// Clarify-or-answer `demonstrator`: the chance it asks a needless question on a stated
@@ -440,6 +444,7 @@ impl Default for EvalConfig {
             weights: WeightFormat::Auto,
             system_prompt: None,
             sft: false,
+            dagger: None,
             ask_rate: crate::task::clarify::Demonstrator::DEFAULT.ask_rate,
             needless_ask_rate: crate::task::clarify::Demonstrator::DEFAULT.needless_ask_rate,
             rollout: RolloutConfig::default(),
@@ -488,6 +493,12 @@ impl EvalConfig {
             return Err(invalid("max_tasks", "must be at least 1"));
         }
         self.refuse_settings_of_the_other_kind()?;
+        if self.dagger.is_some() && !self.task.is_game() {
+            return Err(invalid(
+                "dagger",
+                "labels 20 Questions states with the demonstrator's questions; use --task twenty_questions",
+            ));
+        }
         if self.question_max_tokens == 0 {
             return Err(invalid("question_max_tokens", "must be at least 1"));
         }

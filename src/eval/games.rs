@@ -188,3 +188,76 @@ pub fn won_games_as_sft(
     }
     Ok(out)
 }
+
+/// The demonstrator's seed at question `k` of a game played with `game_seed` (DAgger labels).
+pub fn dagger_seed(game_seed: u64, k: usize) -> u64 {
+    derive_seed(game_seed, &["dagger", &k.to_string()])
+}
+
+/// The `conv_id` prefix of a questioner's DAgger rows (its rows are replaced as a whole when
+/// it is labelled again).
+pub fn dagger_conv_prefix(label: &str) -> String {
+    format!("dagger:{label}:")
+}
+
+/// DAgger rows from the games of `recs` (records of `conversations/<model>.jsonl`, won or
+/// lost): every state at which the questioner asked — the rules and the questions and answers
+/// before, as the questioner wrote and read them — labelled with the demonstrator's question
+/// at that state (`chosen`, a draw among its top questions by expected gain, seeded by
+/// [`dagger_seed`]) beside the questioner's own (`rejected`); the scores are the two
+/// questions' expected gains. `dpo_train --loss sft` trains on the labels alone.
+pub fn games_as_dagger_rows(
+    world: &World,
+    label: &str,
+    intro: &str,
+    recs: &[serde_json::Value],
+) -> Result<Vec<crate::dataset::pairs::PairRow>, String> {
+    use crate::llm::ChatMessage;
+    use crate::task::twenty_questions::{
+        chat::questioner_messages, consistent_after, expected_gain, GameRecord,
+    };
+    let mut out = Vec::new();
+    for (i, r) in recs.iter().enumerate() {
+        let game: GameRecord = serde_json::from_value(r["game"].clone())
+            .map_err(|e| format!("{label}: record {i}: `game`: {e}"))?;
+        let raw: Vec<String> = serde_json::from_value(r["questioner_raw"].clone())
+            .unwrap_or_else(|_| game.turns.iter().map(|t| t.question.clone()).collect());
+        let repeat = r["repeat"].as_u64().unwrap_or(0) as usize;
+        let seed = game_seed(
+            r["seed"].as_u64().unwrap_or(0).wrapping_sub(repeat as u64),
+            repeat,
+            game.object_index,
+        );
+        let history: Vec<(String, bool)> = game
+            .turns
+            .iter()
+            .map(|t| (t.question.clone(), t.yes))
+            .collect();
+        for (k, turn) in game.turns.iter().enumerate() {
+            let state = &history[..k];
+            let label_q =
+                DemonstratorQuestioner::new(world, dagger_seed(seed, k)).next_question(state);
+            let consistent = consistent_after(world, state);
+            let gain = |q: &str| {
+                world
+                    .parse(q)
+                    .map_or(0.0, |p| expected_gain(world, &p, &consistent))
+            };
+            let asked = raw.get(k).cloned().unwrap_or_else(|| turn.question.clone());
+            out.push(crate::dataset::pairs::PairRow {
+                prompt: questioner_messages(intro, state, &raw[..k.min(raw.len())]),
+                score_chosen: gain(&label_q),
+                score_rejected: gain(&turn.question),
+                chosen: vec![ChatMessage::assistant(label_q)],
+                rejected: vec![ChatMessage::assistant(asked)],
+                conv_id: format!(
+                    "{}{}-{repeat}",
+                    dagger_conv_prefix(label),
+                    game.object_index
+                ),
+                turn_id: k as u32,
+            });
+        }
+    }
+    Ok(out)
+}

@@ -30,4 +30,5 @@ pub(crate) mod summary;
 pub mod transcripts;
 
 pub use config::{EvalConfig, EvalModel, ObjectSelection, OracleChoice};
+pub use games::{dagger_seed, game_seed};
 pub use run::{evaluate, evaluate_until, evaluate_with_roles, EvalReport, EvalRoles};

@@ -18,7 +18,9 @@ use anyhow::{bail, Context};
 
 use super::config::{model_labels, EvalConfig, EvalModel, OracleChoice};
 use super::dialogue::{DialogueModel, DialogueRunner, Speaker};
-use super::games::{play_game, won_games_as_sft, GameSettings, Player};
+use super::games::{
+    dagger_conv_prefix, games_as_dagger_rows, play_game, won_games_as_sft, GameSettings, Player,
+};
 use super::overlap;
 use super::records::{read_records, RecordLog};
 use super::summary::{summarize_dialogues, summarize_games, write_atomic, Summary};
@@ -502,6 +504,9 @@ async fn run_prepared(
     if cfg.sft {
         write_sft(&cfg, &labels, &items, &prompts)?;
     }
+    if let Some(path) = &cfg.dagger {
+        write_dagger(&cfg, path, &labels, &items, &prompts)?;
+    }
     let counts = serde_json::json!({
         "planned": items.len() * labels.len(),
         "done_before": done_before,
@@ -775,6 +780,49 @@ fn write_sft(
             .with_context(|| format!("writing {}", path.display()))?;
         tracing::info!("{}: {} SFT conversations", path.display(), rows.len());
     }
+    Ok(())
+}
+
+/// `--dagger FILE`: every state of each questioner's games of the current selection labelled
+/// with the demonstrator's question ([`games_as_dagger_rows`]), merged into FILE: a
+/// questioner's rows replace its earlier ones there (a rerun adds nothing twice), the other
+/// questioners' rows stay, so rounds of DAgger grow one file. Written atomically.
+fn write_dagger(
+    cfg: &EvalConfig,
+    path: &Path,
+    labels: &[String],
+    items: &[Item],
+    prompts: &Prompts,
+) -> anyhow::Result<()> {
+    use crate::dataset::pairs::{read_pairs_parquet, write_pairs_parquet};
+    let world = crate::task::twenty_questions::chat::default_world().map_err(anyhow::Error::msg)?;
+    let intro =
+        crate::task::twenty_questions::chat::intro_message(prompts, cfg.rollout.max_questions)?;
+    let keys: HashSet<&str> = items.iter().map(|it| it.key.as_str()).collect();
+    let mut rows = if path.is_file() {
+        read_pairs_parquet(path).with_context(|| format!("reading {}", path.display()))?
+    } else {
+        Vec::new()
+    };
+    for label in labels {
+        let mut seen = HashSet::new();
+        let recs: Vec<serde_json::Value> = read_records(&conversations_path(&cfg.output, label))?
+            .into_iter()
+            .filter(|r| {
+                record_key(cfg.task, r).is_some_and(|k| keys.contains(k.as_str()) && seen.insert(k))
+            })
+            .collect();
+        let prefix = dagger_conv_prefix(label);
+        rows.retain(|r| !r.conv_id.starts_with(&prefix));
+        let new = games_as_dagger_rows(world, label, &intro, &recs).map_err(anyhow::Error::msg)?;
+        tracing::info!("--dagger: {label}: {} labelled states", new.len());
+        rows.extend(new);
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    write_pairs_parquet(path, &rows).with_context(|| format!("writing {}", path.display()))?;
+    tracing::info!("{}: {} DAgger rows in all", path.display(), rows.len());
     Ok(())
 }
 

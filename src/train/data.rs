@@ -299,9 +299,19 @@ pub fn tokenize_conversation(
     codec: &ChatCodec,
     messages: &[ChatMessage],
 ) -> Result<TokenizedSeq, String> {
+    tokenize_trained_from(codec, messages, 0)
+}
+
+/// [`tokenize_conversation`] with the loss on the assistant messages from index `first` on:
+/// a completion after a prompt trains, the prompt's own assistant turns do not.
+fn tokenize_trained_from(
+    codec: &ChatCodec,
+    messages: &[ChatMessage],
+    first: usize,
+) -> Result<TokenizedSeq, String> {
     let ids = render_ids(codec, messages, false)?;
     let mut loss_mask = vec![false; ids.len()];
-    for (i, m) in messages.iter().enumerate() {
+    for (i, m) in messages.iter().enumerate().skip(first) {
         if m.role != "assistant" {
             continue;
         }
@@ -321,7 +331,10 @@ pub fn tokenize_conversation(
     Ok(TokenizedSeq { ids, loss_mask })
 }
 
-/// SFT examples from pair rows: prompt + chosen, with the same turn truncation as DPO.
+/// SFT examples from pair rows: prompt + chosen with the loss on the chosen messages only
+/// (TRL's completion-only loss for prompt–completion data: earlier assistant turns of a
+/// multi-turn prompt are context, possibly another model's, not targets), with the same turn
+/// truncation as DPO.
 pub fn tokenize_sft(
     codec: &ChatCodec,
     rows: &[PairRow],
@@ -388,7 +401,8 @@ pub fn tokenize_sft_conversations(
 }
 
 /// `head + tail` tokenized, dropping `head`'s oldest turns until it fits; `None` when even
-/// the last turn is too long. The flag says whether a turn was dropped.
+/// the last turn is too long. The flag says whether a turn was dropped. With a `tail` only
+/// its assistant messages carry the loss; without one, every assistant message of `head`.
 fn fit_conversation(
     codec: &ChatCodec,
     mut head: Vec<ChatMessage>,
@@ -408,7 +422,8 @@ fn fit_conversation(
     loop {
         let mut conv = head.clone();
         conv.extend_from_slice(tail);
-        let seq = tokenize_conversation(codec, &conv)?;
+        let first = if tail.is_empty() { 0 } else { head.len() };
+        let seq = tokenize_trained_from(codec, &conv, first)?;
         if seq.ids.len() <= max_length {
             return Ok(Some((seq, truncated)));
         }
