@@ -21,6 +21,7 @@ pub mod compare;
 pub(crate) mod config;
 pub(crate) mod dialogue;
 pub(crate) mod games;
+pub mod matched;
 pub(crate) mod overlap;
 pub(crate) mod players;
 pub(crate) mod records;

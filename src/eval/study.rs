@@ -30,6 +30,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::compare::{mcnemar_exact, wilson_interval, Z95};
+use super::matched::{check_matched, read_trained_run, TrainedRun};
 use super::records::read_records;
 use super::run::CONVERSATIONS_DIR;
 use super::summary::write_atomic;
@@ -72,6 +73,11 @@ pub struct StudySpec {
     pub secondary: Vec<String>,
     pub arms: Vec<ArmSpec>,
     pub comparisons: Vec<ComparisonSpec>,
+    /// Arms that must have trained alike (each names its `trained` runs): per seed the same
+    /// optimizer steps, learning rate, schedule and warm-up, and trained tokens within 10%;
+    /// a study whose matched arms differ is refused.
+    #[serde(default)]
+    pub matched: Vec<String>,
     /// Seed of the bootstrap.
     #[serde(default)]
     pub seed: u64,
@@ -95,6 +101,10 @@ pub struct ArmSpec {
     pub name: String,
     /// One evaluated run per seed: `DIR` or `DIR:label`.
     pub runs: Vec<String>,
+    /// The training run (`dpo_train` or `rl_train` output directory) of each seed's model,
+    /// in the order of `runs`: read for `matched` and reported.
+    #[serde(default)]
+    pub trained: Vec<String>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -173,6 +183,9 @@ pub struct StudyResult {
     pub bootstrap_resamples: usize,
     pub arms: Vec<ArmResult>,
     pub comparisons: Vec<ComparisonResult>,
+    /// Arm → what each seed's training run did (the arms that name `trained` runs).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub training: BTreeMap<String, Vec<TrainedRun>>,
     pub meta: toml::Table,
 }
 
@@ -539,6 +552,7 @@ pub fn run_study(spec: &StudySpec) -> Result<StudyResult, StudyError> {
         .map(|r| run_dir(r))
         .collect();
     super::comparable::check_comparable(&dirs).map_err(StudyError::Spec)?;
+    let training = check_training(spec)?;
     let arms = spec
         .arms
         .iter()
@@ -555,8 +569,49 @@ pub fn run_study(spec: &StudySpec) -> Result<StudyResult, StudyError> {
         bootstrap_resamples: BOOTSTRAP_RESAMPLES,
         arms,
         comparisons,
+        training,
         meta: spec.meta.clone(),
     })
+}
+
+/// Reads every arm's `trained` runs and refuses matched arms that did not train alike.
+fn check_training(spec: &StudySpec) -> Result<BTreeMap<String, Vec<TrainedRun>>, StudyError> {
+    let mut training = BTreeMap::new();
+    for a in spec.arms.iter().filter(|a| !a.trained.is_empty()) {
+        if a.trained.len() != a.runs.len() {
+            return Err(StudyError::Spec(format!(
+                "arm `{}` names {} trained runs for {} evaluated runs",
+                a.name,
+                a.trained.len(),
+                a.runs.len()
+            )));
+        }
+        let runs = a
+            .trained
+            .iter()
+            .map(|d| read_trained_run(d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(StudyError::Spec)?;
+        training.insert(a.name.clone(), runs);
+    }
+    let mut seeds = 0;
+    for name in &spec.matched {
+        let runs = training.get(name).ok_or_else(|| {
+            StudyError::Spec(format!(
+                "matched arm `{name}` is not an arm with `trained` runs"
+            ))
+        })?;
+        seeds = seeds.max(runs.len());
+    }
+    for k in 0..seeds {
+        let of_seed: Vec<(&str, &TrainedRun)> = spec
+            .matched
+            .iter()
+            .filter_map(|name| Some((name.as_str(), training[name].get(k)?)))
+            .collect();
+        check_matched(k, &of_seed).map_err(StudyError::Spec)?;
+    }
+    Ok(training)
 }
 
 /// Reads the spec file, runs the study and writes `study.json` and `study.md` to `output`.
@@ -684,6 +739,18 @@ impl StudyResult {
                 seeds.join("; ")
             ));
         }
+        if !self.training.is_empty() {
+            out.push_str(
+                "\n| arm | training per seed: optimizer steps, trained tokens, lr |\n|---|---|\n",
+            );
+            for (arm, runs) in &self.training {
+                let per: Vec<String> = runs
+                    .iter()
+                    .map(|r| format!("{}, {}, {:e}", r.steps, r.num_tokens, r.lr))
+                    .collect();
+                out.push_str(&format!("| {arm} | {} |\n", per.join("; ")));
+            }
+        }
         out
     }
 }
@@ -718,6 +785,7 @@ mod tests {
                 .map(|(name, runs)| ArmSpec {
                     name: name.into(),
                     runs,
+                    trained: Vec::new(),
                 })
                 .collect(),
             comparisons: comparisons
@@ -728,6 +796,7 @@ mod tests {
                 })
                 .collect(),
             seed: 1,
+            matched: Vec::new(),
             meta: toml::Table::new(),
         }
     }
@@ -840,6 +909,59 @@ mod tests {
         sp.cluster = ClusterBy::Template;
         let err = run_study(&sp).unwrap_err().to_string();
         assert!(err.contains("no `template` to cluster by"), "{err}");
+    }
+
+    /// A training output directory as `dpo_train` leaves it.
+    fn trained_dir(root: &Path, name: &str, steps: u64, tokens: u64) -> String {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let summary = serde_json::json!({"steps": steps, "last_log": {"num_tokens": tokens}});
+        let args = serde_json::json!({"lr": 1e-5, "schedule": "linear", "warmup_ratio": 0.1});
+        std::fs::write(dir.join("train_summary.json"), summary.to_string()).unwrap();
+        std::fs::write(dir.join("training_args.json"), args.to_string()).unwrap();
+        dir.display().to_string()
+    }
+
+    /// Matched arms are refused when one seed's runs took different step counts, and
+    /// reported with their steps and tokens when they match.
+    #[test]
+    fn matched_arms_with_different_step_counts_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let runs = |arm: &str| -> Vec<String> {
+            (0..2)
+                .map(|s| run_dir(root, &format!("{arm}-e{s}"), 6, |i| i % 2 == 0))
+                .collect()
+        };
+        let mut s = spec(
+            vec![("control", runs("control")), ("dpo", runs("dpo"))],
+            &[("dpo", "control")],
+        );
+        s.matched = vec!["control".into(), "dpo".into()];
+        s.arms[0].trained = (0..2)
+            .map(|k| trained_dir(root, &format!("control-t{k}"), 30, 1000))
+            .collect();
+        s.arms[1].trained = vec![
+            trained_dir(root, "dpo-t0", 30, 1050),
+            trained_dir(root, "dpo-t1", 28, 1000),
+        ];
+        let e = run_study(&s).unwrap_err().to_string();
+        assert!(e.contains("seed 2") && e.contains("optimizer steps"), "{e}");
+        s.arms[1].trained[1] = trained_dir(root, "dpo-t1b", 30, 990);
+        let r = run_study(&s).unwrap();
+        assert_eq!(r.training["dpo"][1].steps, 30);
+        assert!(
+            r.table()
+                .contains("| dpo | 30, 1050, 1e-5; 30, 990, 1e-5 |"),
+            "{}",
+            r.table()
+        );
+        // A matched arm must name its training runs.
+        s.arms[1].trained.clear();
+        assert!(run_study(&s)
+            .unwrap_err()
+            .to_string()
+            .contains("matched arm `dpo`"));
     }
 
     #[test]
