@@ -11,8 +11,8 @@
 #     dpo_mr   DPO (with an NLL term on the chosen question, weight 1) on pairs ranked by the
 #              multiturn-aware reward with futures that play the game out (`20q-game`: the
 #              demonstrator asks the later questions; success, then questions to a win);
-#     dpo_st   the same trainer on pairs from the same candidates ranked by the single-turn
-#              reward (--samples 0: the candidate question alone);
+#     dpo_st   the same trainer on pairs from the same start ranked by the single-turn reward
+#              (--samples 0: the candidate question alone, by its expected information gain);
 #   every model evaluated greedily on the held-out objects (table oracle, strict win rule),
 #   with the reference and random questioners as anchors.
 #   Primary endpoint, fixed before the runs: success within 20 questions.
@@ -80,6 +80,8 @@ if [[ $quick == 1 ]]; then
   results=docs/results/method_results_quick.json
   demo_repeats=1; sft_steps=(--max-steps 12)
   dagger_games=(--objects 12)
+  # A few steps cannot average batches out: --quick states a looser match.
+  token_tolerance=0.3
   gen=(--max-tasks 16 --max-messages 5)
   # Clarify: demonstrator repeats, warm-start SFT, probe and pair sizes, DPO epochs, GRPO,
   # sampled evaluation repeats.
@@ -93,6 +95,7 @@ else
   results=docs/results/method_results.json
   demo_repeats=5; sft_steps=(--epochs 1)
   dagger_games=()
+  token_tolerance=0.1
   gen=(--max-messages 9)
   c_demo=(--repeats 2); c_sft=(--epochs 2)
   c_probe=(--repeats 1)
@@ -145,12 +148,16 @@ study_20q() {
     run "$bin/eval_multiturn" --task twenty_questions --model "$sft" --split train \
       --weights q8 --seed "$((1000 * s + 1))" "${dagger_games[@]}" --dagger "$d/dagger.parquet" \
       --threads "$threads" --output "$d/dagger-games"
-    # Pairs from the same start: full-game futures (MR) or the candidate alone (single-turn).
+    # Pairs from the same start: full-game futures (MR), or the candidate alone (single-turn)
+    # under the strongest single-turn reward, the question's expected information gain (the
+    # 20q-game weights scored alone tell no two non-winning questions apart: 2 pairs against
+    # 22 from the same 16 games in the --quick run).
     for reward in mr st; do
-      local samples=1; [[ $reward == st ]] && samples=0
+      local scoring=(--samples 1 --metric-preset 20q-game)
+      [[ $reward == st ]] && scoring=(--samples 0 --metric-preset 20q-infogain)
       run "$bin/generate_conv" --task-type twenty_questions --tasks 20q:train --policy "$sft" \
-        --candidates 4 --samples "$samples" --metric-preset 20q-game --midgame 10 "${gen[@]}" \
-        --seed "$s" --threads "$threads" --output "$d/pairs-$reward"
+        --candidates 4 "${scoring[@]}" --midgame 10 "${gen[@]}" --seed "$s" --threads "$threads" \
+        --output "$d/pairs-$reward"
     done
     # Matched: one epoch of the smaller pair set, the same steps for every arm.
     local n_mr n_st k steps
@@ -160,9 +167,15 @@ study_20q() {
       train "$d/dpo_$reward" --data "$d/pairs-$reward" --model "$sft" --lr "$lr" --sft-weight 1 \
         --batch-size 4 --max-pairs "$k" --max-steps "$steps" --seed "$s"
     done
-    # A DPO step reads 4 prompts twice (chosen, rejected); an SFT step of 8 rows as many.
+    # The DAgger arm reads as many tokens a step as the DPO arms: its batch is their mean
+    # tokens a step over its rows' mean tokens (every row is tokenized before the first step,
+    # so a one-step probe measures the mean); the study checks the totals within 10%.
+    train "$d/dagger-probe" --loss sft --data "$d/dagger.parquet" --model "$sft" --lr "$lr" \
+      --batch-size 1 --max-steps 1 --seed "$s"
+    local batch
+    batch=$(sft_batch_matching "$d/dagger-probe" "$d/dpo_mr" "$d/dpo_st")
     train "$d/dagger" --loss sft --data "$d/dagger.parquet" --model "$sft" --lr "$lr" \
-      --batch-size 8 --max-steps "$steps" --seed "$s"
+      --batch-size "$batch" --max-steps "$steps" --seed "$s"
   done
   evaluate20() {
     run "$bin/eval_multiturn" --task twenty_questions --split test --oracle table --weights q8 \
@@ -192,6 +205,18 @@ probe_clarify() {
   run "$bin/eval_multiturn" --task clarify --tasks clarify:train --weights f32 --max-tokens 48 \
     --temperature 0.7 --seed 7 "${c_probe[@]}" --threads "$threads" --model "$2" \
     --output "$c/probe/$1"
+}
+# The SFT batch size whose steps read as many tokens as the DPO runs $2, $3 did on average,
+# from the rows' mean tokens in the SFT run $1's tokenization.
+sft_batch_matching() {
+  python3 - "$@" <<'PY'
+import json, sys
+summary = lambda d: json.load(open(f"{d}/train_summary.json"))
+t = summary(sys.argv[1])["train_tokenization"]
+per_row = t["tokens"] / t["kept"]
+per_step = [s["last_log"]["num_tokens"] / s["steps"] for s in map(summary, sys.argv[2:])]
+print(max(1, round(sum(per_step) / len(per_step) / per_row)))
+PY
 }
 # Training pairs of a generate_conv run.
 pair_count() {
@@ -276,6 +301,7 @@ primary = "success"
 secondary = ["identified", "turns_on_win", "info_gain_per_question", "repeated", "inconsistent_guesses", "unparsed"]
 seed = 0
 matched = ["dagger", "dpo_mr", "dpo_st"]
+token_tolerance = $token_tolerance
 comparisons = [
   { arm = "dpo_mr", against = "dagger" }, { arm = "dpo_mr", against = "dpo_st" },
   { arm = "dpo_st", against = "dagger" }, { arm = "dpo_mr", against = "sft" },

@@ -622,7 +622,8 @@ fn tokenization_checks_prefix_eos_and_truncates_whole_turns() {
             rows: 1,
             kept: 1,
             truncated: 1,
-            dropped_too_long: 0
+            dropped_too_long: 0,
+            tokens: pairs[0].prompt.len() + pairs[0].chosen.len() + pairs[0].rejected.len(),
         }
     );
     // Still too long with only the last turn: dropped and counted, never cut.

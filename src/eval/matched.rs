@@ -8,7 +8,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-/// Largest allowed ratio of trained tokens between matched arms of one seed, minus 1.
+/// Default largest ratio of trained tokens between matched arms of one seed, minus 1.
 pub const TOKEN_TOLERANCE: f64 = 0.10;
 
 /// What one training run did, read from its output directory.
@@ -67,9 +67,13 @@ pub fn read_trained_run(dir: &str) -> Result<TrainedRun, String> {
     })
 }
 
-/// Checks that the runs of one seed (arm name, run) trained alike; the error names the arms
-/// and what differs.
-pub fn check_matched(seed: usize, runs: &[(&str, &TrainedRun)]) -> Result<(), String> {
+/// Checks that the runs of one seed (arm name, run) trained alike, their tokens within
+/// `tolerance`; the error names the arms and what differs.
+pub fn check_matched(
+    seed: usize,
+    runs: &[(&str, &TrainedRun)],
+    tolerance: f64,
+) -> Result<(), String> {
     let Some((first_arm, first)) = runs.first() else {
         return Ok(());
     };
@@ -102,7 +106,7 @@ pub fn check_matched(seed: usize, runs: &[(&str, &TrainedRun)]) -> Result<(), St
     }
     let tokens = runs.iter().map(|(_, r)| r.num_tokens);
     let (lo, hi) = (tokens.clone().min().unwrap_or(0), tokens.max().unwrap_or(0));
-    if lo == 0 || hi as f64 > lo as f64 * (1.0 + TOKEN_TOLERANCE) {
+    if lo == 0 || hi as f64 > lo as f64 * (1.0 + tolerance) {
         let all: Vec<String> = runs
             .iter()
             .map(|(arm, r)| format!("`{arm}` {}", r.num_tokens))
@@ -110,7 +114,7 @@ pub fn check_matched(seed: usize, runs: &[(&str, &TrainedRun)]) -> Result<(), St
         return Err(format!(
             "matched arms differ at seed {} in trained tokens by more than {:.0}%: {}",
             seed + 1,
-            100.0 * TOKEN_TOLERANCE,
+            100.0 * tolerance,
             all.join(", ")
         ));
     }
@@ -135,18 +139,31 @@ mod tests {
     #[test]
     fn arms_must_match_in_steps_schedule_and_tokens() {
         let (a, b) = (run(30, 1000), run(30, 1090));
-        assert!(check_matched(0, &[("control", &a), ("dpo", &b)]).is_ok());
-        let e = check_matched(0, &[("control", &a), ("dpo", &run(31, 1000))]).unwrap_err();
+        assert!(check_matched(0, &[("control", &a), ("dpo", &b)], TOKEN_TOLERANCE).is_ok());
+        let e = check_matched(
+            0,
+            &[("control", &a), ("dpo", &run(31, 1000))],
+            TOKEN_TOLERANCE,
+        )
+        .unwrap_err();
         assert!(
             e.contains("optimizer steps: 30") && e.contains("`dpo` 31"),
             "{e}"
         );
-        let e = check_matched(2, &[("control", &a), ("dpo", &run(30, 1200))]).unwrap_err();
+        let e = check_matched(
+            2,
+            &[("control", &a), ("dpo", &run(30, 1200))],
+            TOKEN_TOLERANCE,
+        )
+        .unwrap_err();
         assert!(e.contains("seed 3") && e.contains("trained tokens"), "{e}");
+        assert!(check_matched(2, &[("control", &a), ("dpo", &run(30, 1200))], 0.25).is_ok());
         let mut c = run(30, 1000);
         c.lr = 2e-5;
-        assert!(check_matched(0, &[("control", &a), ("dpo", &c)])
-            .unwrap_err()
-            .contains("learning rate"));
+        assert!(
+            check_matched(0, &[("control", &a), ("dpo", &c)], TOKEN_TOLERANCE)
+                .unwrap_err()
+                .contains("learning rate")
+        );
     }
 }

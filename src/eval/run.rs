@@ -729,6 +729,22 @@ fn summarize(
     })
 }
 
+/// The records of `label`'s conversations that belong to the current selection (`keys`),
+/// once each.
+fn selected_records(
+    cfg: &EvalConfig,
+    label: &str,
+    keys: &HashSet<&str>,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut seen = HashSet::new();
+    Ok(read_records(&conversations_path(&cfg.output, label))?
+        .into_iter()
+        .filter(|r| {
+            record_key(cfg.task, r).is_some_and(|k| keys.contains(k.as_str()) && seen.insert(k))
+        })
+        .collect())
+}
+
 /// `sft/<model>.parquet`: each questioner's won games of the current selection as SFT
 /// conversations (see [`won_games_as_sft`]); for dialogue tasks (the clarify demonstrator)
 /// every conversation as it was played.
@@ -748,13 +764,7 @@ fn write_sft(
     let out = cfg.output.join(SFT_DIR);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     for label in labels {
-        let mut seen = HashSet::new();
-        let recs: Vec<serde_json::Value> = read_records(&conversations_path(&cfg.output, label))?
-            .into_iter()
-            .filter(|r| {
-                record_key(cfg.task, r).is_some_and(|k| keys.contains(k.as_str()) && seen.insert(k))
-            })
-            .collect();
+        let recs = selected_records(cfg, label, &keys)?;
         let rows = if games {
             won_games_as_sft(label, &intro, &recs).map_err(anyhow::Error::msg)?
         } else {
@@ -805,13 +815,7 @@ fn write_dagger(
         Vec::new()
     };
     for label in labels {
-        let mut seen = HashSet::new();
-        let recs: Vec<serde_json::Value> = read_records(&conversations_path(&cfg.output, label))?
-            .into_iter()
-            .filter(|r| {
-                record_key(cfg.task, r).is_some_and(|k| keys.contains(k.as_str()) && seen.insert(k))
-            })
-            .collect();
+        let recs = selected_records(cfg, label, &keys)?;
         let prefix = dagger_conv_prefix(label);
         rows.retain(|r| !r.conv_id.starts_with(&prefix));
         let new = games_as_dagger_rows(world, label, &intro, &recs).map_err(anyhow::Error::msg)?;

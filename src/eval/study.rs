@@ -30,7 +30,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::compare::{mcnemar_exact, wilson_interval, Z95};
-use super::matched::{check_matched, read_trained_run, TrainedRun};
+use super::matched::{check_matched, read_trained_run, TrainedRun, TOKEN_TOLERANCE};
 use super::records::read_records;
 use super::run::CONVERSATIONS_DIR;
 use super::summary::write_atomic;
@@ -78,12 +78,20 @@ pub struct StudySpec {
     /// a study whose matched arms differ is refused.
     #[serde(default)]
     pub matched: Vec<String>,
+    /// How far matched arms' trained tokens may differ: the largest over the smallest, minus
+    /// 1 (default 0.10).
+    #[serde(default = "default_token_tolerance")]
+    pub token_tolerance: f64,
     /// Seed of the bootstrap.
     #[serde(default)]
     pub seed: u64,
     /// Copied into the output as is (commands, revision, wall time, notes).
     #[serde(default)]
     pub meta: toml::Table,
+}
+
+fn default_token_tolerance() -> f64 {
+    TOKEN_TOLERANCE
 }
 
 /// The unit a bootstrap resamples.
@@ -594,6 +602,12 @@ fn check_training(spec: &StudySpec) -> Result<BTreeMap<String, Vec<TrainedRun>>,
             .map_err(StudyError::Spec)?;
         training.insert(a.name.clone(), runs);
     }
+    if !(spec.token_tolerance.is_finite() && (0.0..=1.0).contains(&spec.token_tolerance)) {
+        return Err(StudyError::Spec(format!(
+            "token_tolerance must be in [0, 1], got {}",
+            spec.token_tolerance
+        )));
+    }
     let mut seeds = 0;
     for name in &spec.matched {
         let runs = training.get(name).ok_or_else(|| {
@@ -609,7 +623,7 @@ fn check_training(spec: &StudySpec) -> Result<BTreeMap<String, Vec<TrainedRun>>,
             .iter()
             .filter_map(|name| Some((name.as_str(), training[name].get(k)?)))
             .collect();
-        check_matched(k, &of_seed).map_err(StudyError::Spec)?;
+        check_matched(k, &of_seed, spec.token_tolerance).map_err(StudyError::Spec)?;
     }
     Ok(training)
 }
@@ -797,6 +811,7 @@ mod tests {
                 .collect(),
             seed: 1,
             matched: Vec::new(),
+            token_tolerance: TOKEN_TOLERANCE,
             meta: toml::Table::new(),
         }
     }

@@ -97,14 +97,19 @@ pub struct TokenizeStats {
     pub truncated: usize,
     /// Rows that do not fit even with the shortest history.
     pub dropped_too_long: usize,
+    /// Tokens of the kept examples (an SFT sequence; a pair's prompt, chosen and rejected):
+    /// with `kept`, the mean an optimizer step reads per example, to match arms' compute.
+    #[serde(default)]
+    pub tokens: usize,
 }
 
 impl TokenizeStats {
-    /// Counts one row: kept (truncated or not) or dropped as too long.
-    fn count(&mut self, kept_truncated: Option<bool>) {
-        match kept_truncated {
-            Some(truncated) => {
+    /// Counts one row: kept (its tokens, whether truncated) or dropped as too long.
+    fn count(&mut self, kept: Option<(usize, bool)>) {
+        match kept {
+            Some((tokens, truncated)) => {
                 self.kept += 1;
+                self.tokens += tokens;
                 self.truncated += usize::from(truncated);
             }
             None => self.dropped_too_long += 1,
@@ -265,6 +270,7 @@ pub fn tokenize_pairs(
             let pair = tokenize_once(codec, &prompt, row).map_err(row_err)?;
             let longest = pair.prompt.len() + pair.chosen.len().max(pair.rejected.len());
             if longest <= max_length {
+                stats.tokens += pair.prompt.len() + pair.chosen.len() + pair.rejected.len();
                 out.push(pair);
                 stats.kept += 1;
                 stats.truncated += usize::from(truncated);
@@ -362,10 +368,12 @@ pub fn tokenize_sft(
             token_bytes,
         )
         .map_err(row_err)?;
-        stats.count(seq.map(|(s, truncated)| {
+        let kept = seq.map(|(s, truncated)| {
+            let tokens = s.ids.len();
             out.push(s);
-            truncated
-        }));
+            (tokens, truncated)
+        });
+        stats.count(kept);
     }
     Ok((out, stats))
 }
@@ -392,10 +400,12 @@ pub fn tokenize_sft_conversations(
                 message,
             },
         )?;
-        stats.count(seq.map(|(s, truncated)| {
+        let kept = seq.map(|(s, truncated)| {
+            let tokens = s.ids.len();
             out.push(s);
-            truncated
-        }));
+            (tokens, truncated)
+        });
+        stats.count(kept);
     }
     Ok((out, stats))
 }
