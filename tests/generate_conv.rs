@@ -1300,6 +1300,19 @@ async fn questioner_server(name: String, q0: String, q1: String) -> FaultServer 
     server
 }
 
+/// The first record of a run's `conversations.jsonl` and its metric weights.
+fn first_conversation(out: &Path) -> (Value, std::collections::BTreeMap<String, f64>) {
+    let text = std::fs::read_to_string(out.join("conversations.jsonl")).unwrap();
+    let rec: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let weights = serde_json::from_value(rec["weights"].clone()).unwrap();
+    (rec, weights)
+}
+
+/// Metric weights from (name, weight) pairs.
+fn weights_of(pairs: &[(&str, f64)]) -> std::collections::BTreeMap<String, f64> {
+    pairs.iter().map(|(m, w)| (m.to_string(), *w)).collect()
+}
+
 fn twenty_questions_args(server: &FaultServer, out: &Path) -> Vec<String> {
     let spec = format!("openai:scripted@{}", server.base_url);
     [
@@ -1361,20 +1374,12 @@ async fn twenty_questions_pairs_rank_questions_by_exact_rewards() {
         "a question is capped at 64 tokens by default"
     );
 
-    let text = std::fs::read_to_string(out.join("conversations.jsonl")).unwrap();
-    let rec: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let (rec, weights) = first_conversation(&out);
     assert_eq!(rec["task_type"], "twenty_questions");
     assert_eq!(rec["reference"], name.as_str());
-    let weights: std::collections::BTreeMap<String, f64> =
-        serde_json::from_value(rec["weights"].clone()).unwrap();
     assert_eq!(
         weights,
-        [
-            ("info_gain".to_string(), 1.0),
-            ("reply_tokens".to_string(), -0.5),
-            ("success".to_string(), 1.0),
-        ]
-        .into()
+        weights_of(&[("info_gain", 1.0), ("reply_tokens", -0.5), ("success", 1.0)])
     );
     // The first question wins: the game ends on the oracle's "Yes.".
     let messages = rec["messages"].as_array().unwrap();
@@ -1708,24 +1713,14 @@ async fn twenty_questions_game_preset_plays_futures_out_with_the_demonstrator() 
     );
 
     let world = collabllm::task::twenty_questions::chat::default_world().unwrap();
-    let rec: Value = serde_json::from_str(
-        std::fs::read_to_string(out.join("conversations.jsonl"))
-            .unwrap()
-            .lines()
-            .next()
-            .unwrap(),
-    )
-    .unwrap();
-    let weights: std::collections::BTreeMap<String, f64> =
-        serde_json::from_value(rec["weights"].clone()).unwrap();
+    let (rec, weights) = first_conversation(&out);
     assert_eq!(
         weights,
-        [
-            ("lmrl_return".to_string(), 0.04),
-            ("reply_tokens".to_string(), -0.5),
-            ("success".to_string(), 1.0),
-        ]
-        .into()
+        weights_of(&[
+            ("lmrl_return", 0.04),
+            ("reply_tokens", -0.5),
+            ("success", 1.0)
+        ])
     );
     let cands = rec["turns"][0]["candidates"].as_array().unwrap().clone();
     let value = |s: &Value, m: &str| s["scores"][m]["value"].as_f64().unwrap();
