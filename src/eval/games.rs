@@ -40,10 +40,12 @@ pub struct GameSettings {
 
 /// The seed of one game: from (run seed + repeat, object), never from the model.
 pub fn game_seed(seed: u64, repeat: usize, object: usize) -> u64 {
-    derive_seed(
-        seed.wrapping_add(repeat as u64),
-        &["game", &object.to_string()],
-    )
+    repeat_game_seed(seed.wrapping_add(repeat as u64), object)
+}
+
+/// [`game_seed`] from the repeat's seed (run seed + repeat), the `seed` a game record stores.
+fn repeat_game_seed(repeat_seed: u64, object: usize) -> u64 {
+    derive_seed(repeat_seed, &["game", &object.to_string()])
 }
 
 /// Plays object `object` (repeat `repeat`); `Err` when a model call failed (the game is not
@@ -222,12 +224,11 @@ pub fn games_as_dagger_rows(
             .map_err(|e| format!("{label}: record {i}: `game`: {e}"))?;
         let raw: Vec<String> = serde_json::from_value(r["questioner_raw"].clone())
             .unwrap_or_else(|_| game.turns.iter().map(|t| t.question.clone()).collect());
-        let repeat = r["repeat"].as_u64().unwrap_or(0) as usize;
-        let seed = game_seed(
-            r["seed"].as_u64().unwrap_or(0).wrapping_sub(repeat as u64),
-            repeat,
-            game.object_index,
-        );
+        let repeat = r["repeat"].as_u64().unwrap_or(0);
+        let repeat_seed = r["seed"]
+            .as_u64()
+            .ok_or_else(|| format!("{label}: record {i}: no `seed`"))?;
+        let seed = repeat_game_seed(repeat_seed, game.object_index);
         let history: Vec<(String, bool)> = game
             .turns
             .iter()
