@@ -43,8 +43,9 @@
 # Usage: bash scripts/method_results.sh [--quick] [--only 20q|clarify] [--out DIR]
 #   --quick  small sizes everywhere (a smoke run of the whole pipeline, its numbers mean
 #            nothing): ~17 min on 2 cores for clarify alone.
-#            Without it: 20 Questions ~2.5 h (an estimate for this design: the futures
-#            cost no model call), clarify ~80 min on 2 cores (warm start 5 min, per seed
+#            Without it: 20 Questions ~90 min (per seed: SFT start 13 min, DAgger games
+#            and pairs 4, three matched arms 13; evaluation of 15 models 8 min; the
+#            futures cost no model call), clarify ~80 min on 2 cores (warm start 5 min, per seed
 #            pairs 4, DPO 2, GRPO 8 min; evaluation of 14 models 28 min).
 #   --only   run one study.
 #   --out    working directory [default: outputs/method_results or outputs/method_results-quick]
@@ -93,10 +94,12 @@ if [[ $quick == 1 ]]; then
 else
   out="${out:-outputs/method_results}"
   results=docs/results/method_results.json
-  demo_repeats=5; sft_steps=(--epochs 1)
-  dagger_games=()
+  # Sized so the 20 Questions part fits its old budget (~90 min on 2 cores): training
+  # dominates (an SFT step of 8 rows ~24 s, a DPO step ~16 s, a matched DAgger step ~35 s).
+  demo_repeats=2; sft_steps=(--epochs 1)
+  dagger_games=(--objects 40)
   token_tolerance=0.1
-  gen=(--max-messages 9)
+  gen=(--max-messages 9 --max-tasks 64)
   c_demo=(--repeats 2); c_sft=(--epochs 2)
   c_probe=(--repeats 1)
   c_gen=(); c_epochs=1
