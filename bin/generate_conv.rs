@@ -128,9 +128,22 @@ struct Args {
     #[arg(long, value_name = "N")]
     candidates: Option<usize>,
     /// Simulated futures per candidate, S; 0 scores each reply alone (the single-turn reward,
-    /// the paper's ablation: pairs from the same candidates without looking ahead).
-    #[arg(long, value_name = "S")]
-    samples: Option<usize>,
+    /// the paper's ablation: pairs from the same candidates without looking ahead);
+    /// `adaptive`: every candidate gets --adaptive-min futures, then more only while its
+    /// place as best or worst is in doubt (intervals of --adaptive-z standard errors), up to
+    /// --adaptive-max (docs/generate_conv.md#adaptive-futures).
+    #[arg(long, value_name = "S|adaptive")]
+    samples: Option<SamplesArg>,
+    /// With --samples adaptive: futures every candidate gets first [default: 2].
+    #[arg(long, value_name = "N")]
+    adaptive_min: Option<usize>,
+    /// With --samples adaptive: futures a candidate gets at most [default: 8].
+    #[arg(long, value_name = "N")]
+    adaptive_max: Option<usize>,
+    /// With --samples adaptive: interval width in standard errors; smaller stops sooner and
+    /// agrees less often with the fixed-S pair [default: 1.96].
+    #[arg(long, value_name = "Z")]
+    adaptive_z: Option<f64>,
     /// Messages per future (user, assistant, …), W.
     #[arg(long, value_name = "W")]
     window: Option<usize>,
@@ -235,6 +248,57 @@ fn parse_metric(s: &str) -> Result<(String, f64), String> {
     parse_metric_weight(s).map_err(|e| e.to_string())
 }
 
+/// `--samples`: a number of futures, or `adaptive`.
+#[derive(Clone, Copy, Debug)]
+enum SamplesArg {
+    Fixed(usize),
+    Adaptive,
+}
+
+impl std::str::FromStr for SamplesArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "adaptive" {
+            return Ok(Self::Adaptive);
+        }
+        s.parse()
+            .map(Self::Fixed)
+            .map_err(|_| format!("`{s}`: expected a number of futures (0 or more) or `adaptive`"))
+    }
+}
+
+/// `--samples` and the `--adaptive-*` settings (which need adaptive sampling, from the flag
+/// or the config's `[adaptive]` table).
+fn apply_samples(args: &Args, cfg: &mut GenerateConfig) -> anyhow::Result<()> {
+    match args.samples {
+        Some(SamplesArg::Fixed(s)) => {
+            cfg.samples = s;
+            cfg.adaptive = None;
+        }
+        Some(SamplesArg::Adaptive) => cfg.adaptive = Some(cfg.adaptive.unwrap_or_default()),
+        None => {}
+    }
+    let given =
+        args.adaptive_min.is_some() || args.adaptive_max.is_some() || args.adaptive_z.is_some();
+    let Some(rule) = cfg.adaptive.as_mut() else {
+        anyhow::ensure!(
+            !given,
+            "--adaptive-min, --adaptive-max and --adaptive-z need --samples adaptive"
+        );
+        return Ok(());
+    };
+    if let Some(n) = args.adaptive_min {
+        rule.min_futures = n;
+    }
+    if let Some(n) = args.adaptive_max {
+        rule.max_futures = n;
+    }
+    if let Some(z) = args.adaptive_z {
+        rule.z = z;
+    }
+    Ok(())
+}
+
 fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     let mut cfg = match &args.config {
         Some(p) => GenerateConfig::from_toml_file(p)?,
@@ -255,7 +319,6 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         output,
         policy,
         candidates,
-        samples,
         window,
         max_messages,
         mr_formula,
@@ -268,6 +331,7 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         proactive_style;
         rollout: user, judge, concurrency, judge_mode, interactivity_scale
     );
+    apply_samples(args, &mut cfg)?;
     cfg.set_max_tokens(&args.max_tokens);
     if args.task_type.is_some() {
         cfg.task_type = args.task_type;

@@ -393,6 +393,137 @@ fn task_ids(out: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Starts generate_conv with `args` and kills it (-9) once `dir` holds two finished
+/// conversations (or after a minute); returns how many it holds then.
+async fn kill_after_two_conversations(args: &[String], dir: &Path) -> usize {
+    let mut child = tokio::process::Command::new(bin())
+        .args(args)
+        .env("OPENAI_API_KEY", "test-key")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while task_ids(dir).len() < 2 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    task_ids(dir).len()
+}
+
+/// Each conversation's turns (candidates, futures, scores, choices) by task id.
+fn turns_by_task(out: &Path) -> std::collections::BTreeMap<String, Value> {
+    std::fs::read_to_string(out.join("conversations.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let r: Value = serde_json::from_str(l).unwrap();
+            (
+                r["task_id"].as_str().unwrap().to_string(),
+                r["turns"].clone(),
+            )
+        })
+        .collect()
+}
+
+/// Adaptive futures: every candidate has between the minimum and the maximum futures, the
+/// counts differ where the ranking was in doubt, the MR is the mean over the futures it had,
+/// and a run killed and resumed writes the same conversations as one left alone.
+#[tokio::test]
+async fn adaptive_futures_resume_to_the_same_conversations() {
+    let server = collab_server().await;
+    server.set_fault_rate(1.0, 1, vec![Fault::Delay(Duration::from_millis(5))]);
+    let tmp = tempfile::tempdir().unwrap();
+    let tasks = data("math.jsonl");
+    let adaptive_args = |dir: &Path| {
+        let mut args = endpoint_args(&server, dir, &tasks);
+        let s = args.iter().position(|a| a == "--samples").unwrap();
+        args[s + 1] = "adaptive".into();
+        args.extend(
+            [
+                "--adaptive-min",
+                "2",
+                "--adaptive-max",
+                "5",
+                "--adaptive-z",
+                "0.2",
+                "--max-tasks",
+                "6",
+            ]
+            .map(String::from),
+        );
+        args
+    };
+    let full = tmp.path().join("full");
+    let out = run_bin(&adaptive_args(&full)).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let full_turns = turns_by_task(&full);
+    assert_eq!(full_turns.len(), 6);
+    let mut counts = Vec::new();
+    let text = std::fs::read_to_string(full.join("conversations.jsonl")).unwrap();
+    let records: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for rec in &records {
+        let weights = rec["weights"].as_object().unwrap();
+        for c in rec["turns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|t| t["candidates"].as_array().unwrap())
+        {
+            let sessions = c["sessions"].as_array().unwrap();
+            counts.push(sessions.len());
+            let values: Vec<f64> = sessions
+                .iter()
+                .map(|s| {
+                    weights
+                        .iter()
+                        .map(|(m, w)| {
+                            w.as_f64().unwrap() * s["scores"][m]["value"].as_f64().unwrap()
+                        })
+                        .sum()
+                })
+                .collect();
+            let mean = values.iter().sum::<f64>() / values.len() as f64;
+            assert!((c["mr"].as_f64().unwrap() - mean).abs() < 1e-9, "{c}");
+        }
+    }
+    assert!(counts.iter().all(|n| (2..=5).contains(n)), "{counts:?}");
+    assert!(
+        counts.contains(&2) && counts.iter().any(|&n| n > 2),
+        "{counts:?}"
+    );
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(full.join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        manifest["config"]["adaptive"]["max_futures"], 5,
+        "{manifest}"
+    );
+
+    let killed = tmp.path().join("killed");
+    let after_kill = kill_after_two_conversations(&adaptive_args(&killed), &killed).await;
+    assert!(
+        (2..6).contains(&after_kill),
+        "killed after {after_kill} tasks"
+    );
+    let out = run_bin(&adaptive_args(&killed)).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(turns_by_task(&killed), full_turns);
+}
+
 #[tokio::test]
 async fn killed_run_resumes_to_the_same_tasks() {
     let server = collab_server().await;
@@ -417,26 +548,7 @@ async fn killed_run_resumes_to_the_same_tasks() {
     let killed = tmp.path().join("killed");
     let mut args = endpoint_args(&server, &killed, &tasks);
     args.extend(["--max-tasks".into(), "8".into()]);
-    let mut child = tokio::process::Command::new(bin())
-        .args(&args)
-        .env("OPENAI_API_KEY", "test-key")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Kill -9 once some, but not all, conversations are on disk.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let n = task_ids(&killed).len();
-        if n >= 2 || std::time::Instant::now() > deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    child.start_kill().unwrap();
-    let _ = child.wait().await;
-    let after_kill = task_ids(&killed).len();
+    let after_kill = kill_after_two_conversations(&args, &killed).await;
     assert!(
         (2..8).contains(&after_kill),
         "killed after {after_kill} tasks"

@@ -10,6 +10,7 @@ use super::proactive::ProactiveStyle;
 use crate::check::Range;
 use crate::llm::tokens::TokenCounterKind;
 use crate::llm::ModelSpec;
+use crate::reward::adaptive::AdaptiveRule;
 use crate::reward::mr::MrFormula;
 use crate::reward::pairs::PairMode;
 use crate::rollout::user::{Sampling, TokenRole};
@@ -49,7 +50,12 @@ pub struct GenerateConfig {
     /// Candidate replies per turn (N).
     pub candidates: usize,
     /// Simulated futures per candidate (S); 0 scores each reply alone (single-turn reward).
+    /// Not used with `adaptive`, whose `max_futures` is the cap.
     pub samples: usize,
+    /// Adaptive futures (`--samples adaptive`): futures go to the candidates whose place as
+    /// best or worst is still in doubt; `None` plays `samples` futures for every candidate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<AdaptiveRule>,
     /// Messages per future (user, assistant, user, …).
     pub window: usize,
     /// Cap on the real conversation's length, in messages.
@@ -112,6 +118,7 @@ impl Default for GenerateConfig {
             assistant: None,
             candidates: 3,
             samples: 3,
+            adaptive: None,
             window: 4,
             max_messages: 14,
             max_tasks: None,
@@ -153,7 +160,10 @@ impl GenerateConfig {
         self.unknown_keys.check()?;
         check_task_source(&self.task_source())?;
         // 0 futures is the single-turn reward: each reply scored alone.
-        check_futures(self.samples.max(1), self.window)?;
+        check_futures(self.future_cap().max(1), self.window)?;
+        if let Some(rule) = &self.adaptive {
+            rule.validate().map_err(|m| invalid("adaptive", m))?;
+        }
         self.rollout.validate()?;
         check_sampling("policy_sampling", &self.policy_sampling)?;
         check_sampling("assistant_sampling", &self.assistant_sampling)?;
@@ -189,6 +199,11 @@ impl GenerateConfig {
     pub fn plays_twenty_questions(&self) -> bool {
         twenty_questions_split(&self.tasks).is_some()
             || self.task_type.is_some_and(TaskType::is_game)
+    }
+
+    /// The most futures one candidate gets: S, or the adaptive rule's maximum.
+    pub fn future_cap(&self) -> usize {
+        self.adaptive.map_or(self.samples, |r| r.max_futures)
     }
 
     pub fn assistant_spec(&self) -> &ModelSpec {
@@ -252,6 +267,11 @@ impl GenerateConfig {
         }
         if let Some(sp) = &self.system_prompt {
             id["system_prompt"] = serde_json::json!(sp);
+        }
+        if let Some(rule) = &self.adaptive {
+            // Which futures are played depends on the rule; S is not used.
+            id["samples"] = serde_json::json!("adaptive");
+            id["adaptive"] = serde_json::json!(rule);
         }
         if self.plays_twenty_questions() {
             id["oracle"] = serde_json::json!(self.oracle);

@@ -154,32 +154,58 @@ impl Pipeline {
         let t = turn_id.to_string();
         let candidates = self.candidates(task, history, &t).await?;
         let runner = self.futures();
-        let scored = try_join_all(candidates.iter().enumerate().map(|(i, c)| {
-            let (runner, t) = (&runner, &t);
-            async move {
-                let i = i.to_string();
-                runner
-                    .score_reply(task, history, &c.text, weights, &[t, &i], true)
-                    .await
+        let (scored, mut next_users) = match &self.cfg.adaptive {
+            Some(rule) => {
+                let texts: Vec<&str> = candidates.iter().map(|c| c.text.as_str()).collect();
+                let scored = runner
+                    .score_replies_adaptive(
+                        task,
+                        history,
+                        &texts,
+                        weights,
+                        self.cfg.mr_formula,
+                        rule,
+                        &[&t],
+                    )
+                    .await?;
+                (scored, None)
             }
-        }))
-        .await?;
-        let mut records = Vec::with_capacity(scored.len());
-        let mut next_users = Vec::with_capacity(scored.len());
-        for (i, (c, scored)) in candidates.into_iter().zip(scored).enumerate() {
-            records.push(CandidateRecord {
+            None => {
+                let mut scored = try_join_all(candidates.iter().enumerate().map(|(i, c)| {
+                    let (runner, t) = (&runner, &t);
+                    async move {
+                        let i = i.to_string();
+                        runner
+                            .score_reply(task, history, &c.text, weights, &[t, &i], true)
+                            .await
+                    }
+                }))
+                .await?;
+                let next_users = scored
+                    .iter_mut()
+                    .map(|s| {
+                        s.next_user.take().ok_or(SimError::NoUserMessage {
+                            attempts: 1,
+                            last: String::new(),
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                (scored, Some(next_users))
+            }
+        };
+        let records: Vec<CandidateRecord> = candidates
+            .into_iter()
+            .zip(scored)
+            .enumerate()
+            .map(|(i, (c, scored))| CandidateRecord {
                 index: i,
                 variant: c.variant,
                 text: c.text,
                 finish_reason: c.finish,
                 mr: scored.mr(weights, self.cfg.mr_formula),
                 sessions: scored.sessions,
-            });
-            next_users.push(scored.next_user.ok_or(SimError::NoUserMessage {
-                attempts: 1,
-                last: String::new(),
-            })?);
-        }
+            })
+            .collect();
         // The best MR continues; without any MR (every judge failed) the first candidate does.
         let chosen = records
             .iter()
@@ -190,7 +216,17 @@ impl Pipeline {
                 _ => Some((i, m)),
             })
             .map_or(0, |(i, _)| i);
-        let next_user = next_users.swap_remove(chosen);
+        // Fixed S draws every candidate's next user message with its futures (no extra round
+        // trip); adaptive futures draw only the chosen one's, once the ranking is known.
+        let next_user = match next_users.as_mut() {
+            Some(all) => all.swap_remove(chosen),
+            None => {
+                let i = chosen.to_string();
+                runner
+                    .next_user(task, history, &records[chosen].text, &[&t, &i])
+                    .await?
+            }
+        };
         Ok((
             TurnRecord {
                 turn_id,
@@ -283,7 +319,7 @@ impl Pipeline {
             assistant: &self.assistant,
             assistant_sampling: &self.cfg.assistant_sampling,
             scorer: &self.scorer,
-            samples: self.cfg.samples,
+            samples: self.cfg.future_cap(),
             window: self.cfg.window,
             run_seed: self.cfg.seed,
         }

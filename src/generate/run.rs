@@ -259,7 +259,7 @@ impl CallBound {
 /// the bound is what an empty cache could cost).
 pub fn call_bounds(cfg: &GenerateConfig, tasks: &[Task]) -> BTreeMap<String, CallBound> {
     let n = cfg.candidates as u64;
-    let s = cfg.samples as u64;
+    let s = cfg.future_cap() as u64;
     let w = cfg.window as u64;
     // A future holds W messages: its opener, then assistant and user messages in turn.
     let (future_assistant, future_user) = (w / 2, w.saturating_sub(1) / 2);
@@ -283,11 +283,17 @@ pub fn call_bounds(cfg: &GenerateConfig, tasks: &[Task]) -> BTreeMap<String, Cal
         };
         let llm_metrics = weights.keys().filter(|m| *m != "token_amount").count() as u64;
         // The opening message; per turn, one call for each candidate's S+1 openers (every
-        // sample redrawn alone when unusable) and the futures' later user messages.
+        // sample redrawn alone when unusable) — adaptive: one call per future and one for the
+        // next user message — and the futures' later user messages.
+        let opener_calls = if cfg.adaptive.is_some() {
+            turns * (n * s + 1)
+        } else {
+            turns * n
+        };
         let opener_reasks = turns * n * (s + 1) * u64::from(cfg.rollout.user_retries);
         let mut user = CallBound::asks(1, cfg.rollout.user_retries);
         user += CallBound {
-            calls: turns * n + opener_reasks,
+            calls: opener_calls + opener_reasks,
             reasks: opener_reasks,
         };
         user += CallBound::asks(turns * n * s * future_user, cfg.rollout.user_retries);
@@ -310,7 +316,7 @@ pub fn call_bounds(cfg: &GenerateConfig, tasks: &[Task]) -> BTreeMap<String, Cal
 /// included (endpoint retries are not; cached calls are free).
 pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
     let n = cfg.candidates as u64;
-    let s = cfg.samples as u64;
+    let s = cfg.future_cap() as u64;
     let w = cfg.window as u64;
     let turns = (cfg.max_messages as u64)
         .saturating_sub(1)
@@ -329,7 +335,7 @@ pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
     }
     format!(
         "tasks {} from {}\nroles: policy {}, user {}, judge {}, assistant {}\n\
-         N={} candidates ({} proactive), S={} futures, window {}, max {} messages (up to {} turns)\n\
+         N={} candidates ({} proactive), S={} futures{}, window {}, max {} messages (up to {} turns)\n\
          metrics {}\n\
          per turn: {candidate_calls} candidate call(s), {n} simulator call(s) opening {s} future(s) each, \
          {} future message call(s), one judge/extraction call per future and model-scored metric\n\
@@ -344,7 +350,14 @@ pub fn plan(cfg: &GenerateConfig, tasks: &[Task]) -> String {
         cfg.assistant_spec(),
         cfg.candidates,
         cfg.proactive_count(),
-        cfg.samples,
+        cfg.future_cap(),
+        match &cfg.adaptive {
+            Some(r) => format!(
+                " at most (adaptive: {} each, more while best or worst is in doubt at z {})",
+                r.min_futures, r.z
+            ),
+            None => String::new(),
+        },
         cfg.window,
         cfg.max_messages,
         turns,

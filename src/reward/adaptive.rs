@@ -11,11 +11,14 @@
 
 use rand::seq::SliceRandom;
 use rand::Rng;
+use serde::{Deserialize, Serialize};
 
 use super::pairs::{select_pairs, PairMode};
 
-/// When to stop giving futures to the candidates of one turn.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// When to stop giving futures to the candidates of one turn (the `[adaptive]` table of a
+/// generate_conv config; `--samples adaptive`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct AdaptiveRule {
     /// Futures every candidate gets before any is compared (at least 2: one future has no
     /// spread).
@@ -25,6 +28,11 @@ pub struct AdaptiveRule {
     /// Width of the intervals in standard errors (1.96 ≈ 95 % each).
     pub z: f64,
 }
+
+/// The most futures a candidate may get (the same cap as a fixed S).
+pub const MAX_FUTURES: usize = 1024;
+/// The widest interval accepted, in standard errors.
+pub const MAX_Z: f64 = 10.0;
 
 impl Default for AdaptiveRule {
     fn default() -> Self {
@@ -51,8 +59,14 @@ impl AdaptiveRule {
                 self.max_futures, self.min_futures
             ));
         }
-        if !(self.z.is_finite() && self.z > 0.0) {
-            return Err(format!("z {}: must be a finite number > 0", self.z));
+        if self.max_futures > MAX_FUTURES {
+            return Err(format!(
+                "max_futures {}: must be at most {MAX_FUTURES}",
+                self.max_futures
+            ));
+        }
+        if !(self.z.is_finite() && self.z > 0.0 && self.z <= MAX_Z) {
+            return Err(format!("z {}: must be a number in (0, {MAX_Z}]", self.z));
         }
         Ok(())
     }

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::user::{derive_seed, rollout_future, Sampling, SimError, UserSimulator, UserTurn};
 use crate::llm::roles::Role;
 use crate::llm::ChatMessage;
+use crate::reward::adaptive::AdaptiveRule;
 use crate::reward::metrics::{MetricScore, Scorer};
 use crate::reward::mr::{multiturn_reward, MrFormula, SessionScores};
 use crate::task::twenty_questions::future::{DemonstratorBackend, FutureQuestioner};
@@ -115,16 +116,7 @@ impl FutureRunner<'_> {
             let mut scored = self.score_alone(task, history, reply, weights, key).await;
             // The real conversation still goes on from the chosen reply (generate_conv).
             if with_next_user {
-                let next = self
-                    .user
-                    .next_messages(task, &base, 1, self.seed(task, "future-user", key))
-                    .await?
-                    .pop()
-                    .ok_or(SimError::NoUserMessage {
-                        attempts: 1,
-                        last: String::new(),
-                    })?;
-                scored.next_user = Some(next);
+                scored.next_user = Some(self.one_user_message(task, &base, key).await?);
             }
             return Ok(scored);
         }
@@ -152,28 +144,8 @@ impl FutureRunner<'_> {
                 let k = k.to_string();
                 let mut future_key = key.to_vec();
                 future_key.push(&k);
-                let future = rollout_future(
-                    self.user,
-                    (self.assistant, self.assistant_sampling),
-                    task,
-                    base,
-                    opener,
-                    self.window,
-                    self.seed(task, "future", &future_key),
-                )
-                .await?;
-                let after: Vec<ChatMessage> = std::iter::once(reply.clone())
-                    .chain(future.messages.iter().cloned())
-                    .collect();
-                let scores = self
-                    .score_session(task, history, &after, weights, &future_key)
-                    .await;
-                Ok::<_, SimError>(SessionRecord {
-                    messages: future.messages,
-                    terminated: future.terminated,
-                    user_raw: future.user_raw,
-                    scores,
-                })
+                self.play_future(task, history, base, reply, opener, weights, &future_key)
+                    .await
             }
         }))
         .await?;
@@ -181,6 +153,149 @@ impl FutureRunner<'_> {
             sessions,
             next_user,
         })
+    }
+
+    /// One future after `base` (`history` + `reply`) opened by `opener`, scored on every
+    /// metric of `weights`; `future_key` ends with the future's index.
+    #[allow(clippy::too_many_arguments)]
+    async fn play_future(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        base: &[ChatMessage],
+        reply: &ChatMessage,
+        opener: UserTurn,
+        weights: &BTreeMap<String, f64>,
+        future_key: &[&str],
+    ) -> Result<SessionRecord, SimError> {
+        let future = rollout_future(
+            self.user,
+            (self.assistant, self.assistant_sampling),
+            task,
+            base,
+            opener,
+            self.window,
+            self.seed(task, "future", future_key),
+        )
+        .await?;
+        let after: Vec<ChatMessage> = std::iter::once(reply.clone())
+            .chain(future.messages.iter().cloned())
+            .collect();
+        let scores = self
+            .score_session(task, history, &after, weights, future_key)
+            .await;
+        Ok(SessionRecord {
+            messages: future.messages,
+            terminated: future.terminated,
+            user_raw: future.user_raw,
+            scores,
+        })
+    }
+
+    /// One simulated user message after `base`, drawn alone at `key`.
+    async fn one_user_message(
+        &self,
+        task: &Task,
+        base: &[ChatMessage],
+        key: &[&str],
+    ) -> Result<UserTurn, SimError> {
+        self.user
+            .next_messages(task, base, 1, self.seed(task, "future-user", key))
+            .await?
+            .pop()
+            .ok_or(SimError::NoUserMessage {
+                attempts: 1,
+                last: String::new(),
+            })
+    }
+
+    /// The real next user message after `reply` (an independent draw, not a future), as
+    /// [`Self::score_reply`] returns it with `with_next_user` and `samples == 0`.
+    pub async fn next_user(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        reply: &str,
+        key: &[&str],
+    ) -> Result<UserTurn, SimError> {
+        let base: Vec<ChatMessage> = history
+            .iter()
+            .cloned()
+            .chain([ChatMessage::assistant(reply.to_string())])
+            .collect();
+        self.one_user_message(task, &base, key).await
+    }
+
+    /// Adaptive futures for the candidates of one turn (`replies`): each gets
+    /// `rule.min_futures`, then one more per round while `rule` says its place (best, worst)
+    /// is in doubt, up to `rule.max_futures` (see [`AdaptiveRule`]). Future k of candidate i
+    /// is opened by its own simulator request at key `key + [i, k]`, so which futures a
+    /// candidate had never changes the others' draws, and a rerun draws the same futures. A
+    /// future with no reward (a metric missing) counts against the maximum but tells the
+    /// rule nothing. `next_user` is not drawn (see [`Self::next_user`]).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn score_replies_adaptive(
+        &self,
+        task: &Task,
+        history: &[ChatMessage],
+        replies: &[&str],
+        weights: &BTreeMap<String, f64>,
+        formula: MrFormula,
+        rule: &AdaptiveRule,
+        key: &[&str],
+    ) -> Result<Vec<ScoredReply>, SimError> {
+        let mut sessions: Vec<Vec<SessionRecord>> = vec![Vec::new(); replies.len()];
+        let mut rewards: Vec<Vec<f64>> = vec![Vec::new(); replies.len()];
+        loop {
+            let wanted: Vec<usize> = rule
+                .wanted(&rewards)
+                .into_iter()
+                .filter(|&i| sessions[i].len() < rule.max_futures)
+                .collect();
+            if wanted.is_empty() {
+                break;
+            }
+            // Candidates below the minimum get all their first futures in one round.
+            let jobs: Vec<(usize, usize)> = wanted
+                .iter()
+                .flat_map(|&i| {
+                    let have = sessions[i].len();
+                    let upto = if have < rule.min_futures {
+                        rule.min_futures
+                    } else {
+                        have + 1
+                    };
+                    (have..upto).map(move |k| (i, k))
+                })
+                .collect();
+            let played = try_join_all(jobs.iter().map(|&(i, k)| {
+                let (i_s, k_s) = (i.to_string(), k.to_string());
+                async move {
+                    let mut future_key = key.to_vec();
+                    future_key.extend([i_s.as_str(), k_s.as_str()]);
+                    let reply = ChatMessage::assistant(replies[i].to_string());
+                    let base: Vec<ChatMessage> =
+                        history.iter().cloned().chain([reply.clone()]).collect();
+                    let opener = self.one_user_message(task, &base, &future_key).await?;
+                    self.play_future(task, history, &base, &reply, opener, weights, &future_key)
+                        .await
+                }
+            }))
+            .await?;
+            for (&(i, _), session) in jobs.iter().zip(played) {
+                let reward =
+                    multiturn_reward(std::slice::from_ref(&session.values()), weights, formula);
+                rewards[i].extend(reward);
+                sessions[i].push(session);
+            }
+        }
+        Ok(sessions
+            .into_iter()
+            .map(|sessions| ScoredReply {
+                sessions,
+                next_user: None,
+            })
+            .collect())
     }
 
     /// `samples == 0`: the single-turn reward (the ablation of the paper and what TRL's
