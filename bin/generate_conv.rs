@@ -141,7 +141,8 @@ struct Args {
     #[arg(long, value_name = "N")]
     adaptive_max: Option<usize>,
     /// With --samples adaptive: interval width in standard errors; smaller stops sooner and
-    /// agrees less often with the fixed-S pair [default: 1.96].
+    /// agrees less often with the fixed-S pair (1 was the smallest width that kept it in 95 %
+    /// of replays on math, 20 Questions and clarify) [default: 1].
     #[arg(long, value_name = "Z")]
     adaptive_z: Option<f64>,
     /// Messages per future (user, assistant, …), W.

@@ -1,5 +1,5 @@
 //! `plot`: publication figures (PNG + SVG) from dpo_train logs, generate_conv runs and
-//! eval_multiturn evaluations. `plot <train|rl|data|eval|20q|study|all> <dir>... --output <dir>`.
+//! eval_multiturn evaluations. `plot <train|rl|data|eval|20q|study|adaptive|all> <dir>... --output <dir>`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -82,6 +82,15 @@ enum Command {
         /// eval_multiturn --study output directories.
         #[arg(required = true)]
         studies: Vec<PathBuf>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Adaptive futures from `bench adaptive-replay --json` files: futures played (share of
+    /// fixed S) against pairs equal to fixed S's, one curve per file (named by its stem).
+    Adaptive {
+        /// Replay files (JSON).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
         #[command(flatten)]
         common: Common,
     },
@@ -171,6 +180,9 @@ fn run(args: Args) -> anyhow::Result<()> {
         Command::TwentyQ { evals, common } => plot::plot_20q(&evals, &options(common, None, None))?,
         Command::Study { studies, common } => {
             plot::plot_study(&studies, &options(common, None, None))?
+        }
+        Command::Adaptive { files, common } => {
+            plot::plot_adaptive(&files, &options(common, None, None))?
         }
         Command::All {
             dirs,

@@ -251,6 +251,47 @@ fn twenty_questions_figures_from_played_games() {
 
 /// `plot study` draws an `eval_multiturn --study` result: one forest-plot figure per study,
 /// named after its directory, with every arm and comparison named.
+/// The calls-vs-agreement curve of adaptive futures: one curve per replay file, named by
+/// its stem, settings on one point sharing a label; a file without points is named.
+#[test]
+fn adaptive_curve_from_replay_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let point = |z: f64, share: f64, agree: f64| serde_json::json!({"z": z, "futures_share": share, "agreement": agree});
+    let math = tmp.path().join("math.json");
+    let clarify = tmp.path().join("clarify.json");
+    let doc = |points: Vec<serde_json::Value>| {
+        serde_json::json!({"turns": 13, "max_futures": 8, "points": points}).to_string()
+    };
+    std::fs::write(
+        &math,
+        doc(vec![point(0.5, 0.59, 0.76), point(1.0, 0.85, 0.96)]),
+    )
+    .unwrap();
+    std::fs::write(
+        &clarify,
+        doc(vec![point(1.0, 0.25, 1.0), point(1.96, 0.25, 1.0)]),
+    )
+    .unwrap();
+    let out = tmp.path().join("figs");
+    let w = plot::plot_adaptive(&[math, clarify], &opts(&out)).unwrap();
+    assert_eq!(names(&w), ["adaptive_futures"]);
+    check_figures(
+        &out,
+        &["adaptive_futures"],
+        &[
+            "math (13 turns, S = 8)",
+            "clarify",
+            "z 1, 1.96",
+            "z 0.5",
+            "futures played / fixed S",
+        ],
+    );
+    let empty = tmp.path().join("empty.json");
+    std::fs::write(&empty, doc(Vec::new())).unwrap();
+    let err = plot::plot_adaptive(&[empty], &opts(&out)).unwrap_err();
+    assert!(err_text(err).contains("empty.json"));
+}
+
 #[test]
 fn study_figures_name_every_arm_and_comparison() {
     let tmp = tempfile::tempdir().unwrap();

@@ -1096,3 +1096,58 @@ mod tests {
         assert!(e[0] < 2.0 && *e.last().unwrap() > 2.0);
     }
 }
+
+/// Adaptive futures: the share of the fixed-S futures played against how often the pair is
+/// one the fixed-S run could have made, one curve per replay (task), each point labelled
+/// with its interval width z.
+pub fn adaptive(replays: &[(String, super::inputs::Replay)], palette: &Palette) -> Vec<Figure> {
+    let mut layers = Vec::new();
+    for (name, r) in replays {
+        let color = palette.color(name);
+        let mut points: Vec<(f64, f64)> = r
+            .points
+            .iter()
+            .map(|p| (p.futures_share, p.agreement))
+            .collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        layers.push(Layer {
+            label: Some(format!("{name} ({} turns, S = {})", r.turns, r.max_futures)),
+            color,
+            shape: Shape::Line {
+                points,
+                dashed: false,
+                faint: false,
+                markers: true,
+            },
+        });
+        // Settings that land on one point share one label.
+        let mut labels: Vec<((f64, f64), Vec<String>)> = Vec::new();
+        for p in &r.points {
+            let at = (p.futures_share, p.agreement);
+            let near = |(x, y): (f64, f64)| (x - at.0).abs() < 5e-3 && (y - at.1).abs() < 5e-3;
+            match labels.iter_mut().find(|(xy, _)| near(*xy)) {
+                Some((_, zs)) => zs.push(p.z.to_string()),
+                None => labels.push((at, vec![p.z.to_string()])),
+            }
+        }
+        for ((x, y), zs) in labels {
+            layers.push(Layer {
+                label: None,
+                color,
+                shape: Shape::Label {
+                    x,
+                    y,
+                    text: format!("z {}", zs.join(", ")),
+                },
+            });
+        }
+    }
+    let mut panel = Panel::xy("futures played / fixed S", "pair = a fixed-S pair", layers);
+    panel.legend_at = LegendAt::LowerRight;
+    panel.x_range = Some((0.0, 1.0));
+    vec![Figure {
+        name: "adaptive_futures".into(),
+        title: "Adaptive futures, replayed over fixed-S runs".into(),
+        panels: vec![panel],
+    }]
+}

@@ -375,3 +375,37 @@ pub fn read_study(dir: &Path) -> Result<Study, PlotError> {
         message: e.to_string(),
     })
 }
+
+/// One setting of an adaptive-futures replay (`bench adaptive-replay --json`).
+#[derive(Clone, Debug, Deserialize)]
+pub struct ReplayPoint {
+    pub z: f64,
+    /// Futures played as a share of the fixed-S run's.
+    pub futures_share: f64,
+    /// Share of pairs the fixed-S run could have made.
+    pub agreement: f64,
+}
+
+/// A replay file: its points (the label is the file's stem).
+#[derive(Clone, Debug, Deserialize)]
+pub struct Replay {
+    pub turns: usize,
+    pub max_futures: usize,
+    pub points: Vec<ReplayPoint>,
+}
+
+/// A `bench adaptive-replay --json` file.
+pub fn read_replay(path: &Path) -> Result<Replay, PlotError> {
+    let replay: Replay = serde_json::from_str(&read_text(path)?).map_err(|e| PlotError::Json {
+        path: path.to_path_buf(),
+        line: None,
+        message: e.to_string(),
+    })?;
+    if replay.points.is_empty() {
+        return Err(PlotError::Empty {
+            path: path.to_path_buf(),
+            what: "no replayed setting (`points` is empty)".into(),
+        });
+    }
+    Ok(replay)
+}

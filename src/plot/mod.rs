@@ -291,6 +291,27 @@ pub fn plot_study(dirs: &[PathBuf], opts: &Options) -> Result<Vec<Written>, Plot
     write_figures(&figures::study(&studies, &palette), opts)
 }
 
+/// `plot adaptive`: replays of adaptive futures (`bench adaptive-replay --json` files), one
+/// curve each.
+pub fn plot_adaptive(files: &[PathBuf], opts: &Options) -> Result<Vec<Written>, PlotError> {
+    opts.check()?;
+    if files.is_empty() {
+        return Err(PlotError::Option("no replay file given".into()));
+    }
+    let replays = files
+        .iter()
+        .map(|f| {
+            let name = f.file_stem().map_or_else(
+                || f.display().to_string(),
+                |s| s.to_string_lossy().into_owned(),
+            );
+            Ok((name, inputs::read_replay(f)?))
+        })
+        .collect::<Result<Vec<_>, PlotError>>()?;
+    let palette = Palette::new(replays.iter().map(|(n, _)| n.clone()));
+    write_figures(&figures::adaptive(&replays, &palette), opts)
+}
+
 /// Games of each eval run (which must be a 20 Questions evaluation).
 fn read_20q(
     runs: &[inputs::EvalRun],
