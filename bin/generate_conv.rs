@@ -143,7 +143,7 @@ struct Args {
     /// With --samples adaptive: interval width in standard errors; smaller stops sooner and
     /// agrees less often with the fixed-S pair (1 was the smallest width that kept it in 95 %
     /// of replays on math, 20 Questions and clarify) [default: 1].
-    #[arg(long, value_name = "Z")]
+    #[arg(long, value_name = "Z", value_parser = collabllm::reward::adaptive::Z.parser())]
     adaptive_z: Option<f64>,
     /// Messages per future (user, assistant, …), W.
     #[arg(long, value_name = "W")]

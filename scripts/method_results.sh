@@ -43,8 +43,8 @@
 # Usage: bash scripts/method_results.sh [--quick] [--only 20q|clarify] [--out DIR]
 #   --quick  small sizes everywhere (a smoke run of the whole pipeline, its numbers mean
 #            nothing): ~17 min on 2 cores for clarify alone.
-#            Without it: 20 Questions ~90 min (per seed: SFT start 13 min, DAgger games
-#            and pairs 4, three matched arms 13; evaluation of 15 models 8 min; the
+#            Without it: 20 Questions ~2.5 h (per seed: SFT start 13 min, DAgger games 5,
+#            pairs 12, three matched arms of 16 steps 15; evaluation of 15 models 10 min; the
 #            futures cost no model call), clarify ~80 min on 2 cores (warm start 5 min, per seed
 #            pairs 4, DPO 2, GRPO 8 min; evaluation of 14 models 28 min).
 #   --only   run one study.
@@ -80,7 +80,7 @@ if [[ $quick == 1 ]]; then
   out="${out:-outputs/method_results-quick}"
   results=docs/results/method_results_quick.json
   demo_repeats=1; sft_steps=(--max-steps 12)
-  dagger_games=(--objects 12)
+  dagger_games=(--objects 12); max_pairs_20q=1000000
   # A few steps cannot average batches out: --quick states a looser match.
   token_tolerance=0.3
   gen=(--max-tasks 16 --max-messages 5)
@@ -94,10 +94,10 @@ if [[ $quick == 1 ]]; then
 else
   out="${out:-outputs/method_results}"
   results=docs/results/method_results.json
-  # Sized so the 20 Questions part fits its old budget (~90 min on 2 cores): training
-  # dominates (an SFT step of 8 rows ~24 s, a DPO step ~16 s, a matched DAgger step ~35 s).
+  # Sizes for 2 cores (an SFT step of 8 rows ~24 s, a DPO step ~16 s, a matched DAgger step
+  # ~35 s; pairs from 64 games ~12 min): ~45 min a seed.
   demo_repeats=2; sft_steps=(--epochs 1)
-  dagger_games=(--objects 40)
+  dagger_games=(--objects 40); max_pairs_20q=64
   token_tolerance=0.1
   gen=(--max-messages 9 --max-tasks 64)
   c_demo=(--repeats 2); c_sft=(--epochs 2)
@@ -162,10 +162,12 @@ study_20q() {
         --candidates 4 "${scoring[@]}" --midgame 10 "${gen[@]}" --seed "$s" --threads "$threads" \
         --output "$d/pairs-$reward"
     done
-    # Matched: one epoch of the smaller pair set, the same steps for every arm.
+    # Matched: one epoch of the smaller pair set (at most max_pairs_20q), the same steps for
+    # every arm.
     local n_mr n_st k steps
     n_mr=$(pair_count "$d/pairs-mr"); n_st=$(pair_count "$d/pairs-st")
-    k=$(( n_mr < n_st ? n_mr : n_st )); steps=$(epoch_steps "$k")
+    k=$(( n_mr < n_st ? n_mr : n_st )); k=$(( k < max_pairs_20q ? k : max_pairs_20q ))
+    steps=$(epoch_steps "$k")
     for reward in mr st; do
       train "$d/dpo_$reward" --data "$d/pairs-$reward" --model "$sft" --lr "$lr" --sft-weight 1 \
         --batch-size 4 --max-pairs "$k" --max-steps "$steps" --seed "$s"

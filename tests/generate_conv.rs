@@ -859,6 +859,21 @@ async fn out_of_range_numbers_are_refused_at_start_up() {
             "'-1' for '--min-gap <G>': must be a finite number >= 0",
         ),
         (None, base(&["--metric", "accuracy=inf"]), "accuracy=inf"),
+        (
+            None,
+            base(&["--samples", "adaptive", "--adaptive-z", "NaN"]),
+            "'NaN' for '--adaptive-z <Z>': must be a finite number in (0, 10]",
+        ),
+        (
+            Some("[adaptive]\nmax_futures = 65"),
+            base(&config_arg),
+            "max_futures 65: must be at most 64",
+        ),
+        (
+            None,
+            base(&["--samples", "many"]),
+            "expected a number of futures (0 or more) or `adaptive`",
+        ),
         (None, base(&["--metric", "accuracy=1e300"]), "at most"),
         (
             Some("candidates = 99999999999"),
@@ -885,6 +900,11 @@ async fn out_of_range_numbers_are_refused_at_start_up() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+    // A setting of adaptive sampling without it is refused, not ignored.
+    let out = run_bin(&base(&["--adaptive-max", "4"])).await;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("--adaptive-min, --adaptive-max and --adaptive-z need --samples adaptive"));
     assert!(!out_dir.exists(), "a refused run created its output");
 }
 

@@ -160,10 +160,10 @@ impl GenerateConfig {
         self.unknown_keys.check()?;
         check_task_source(&self.task_source())?;
         // 0 futures is the single-turn reward: each reply scored alone.
-        check_futures(self.future_cap().max(1), self.window)?;
         if let Some(rule) = &self.adaptive {
             rule.validate().map_err(|m| invalid("adaptive", m))?;
         }
+        check_futures(self.future_cap().max(1), self.window)?;
         self.rollout.validate()?;
         check_sampling("policy_sampling", &self.policy_sampling)?;
         check_sampling("assistant_sampling", &self.assistant_sampling)?;
@@ -431,5 +431,47 @@ mod tests {
             ..Default::default()
         };
         assert!(cfg.validate().unwrap_err().to_string().contains("vibes"));
+    }
+
+    /// `[adaptive]` in a config: its maximum caps the futures and joins the run's identity
+    /// (S does not); a bad setting or a misspelt key is named.
+    #[test]
+    fn adaptive_table_sets_the_cap_and_the_identity() {
+        let cfg: GenerateConfig = toml::from_str(
+            "samples = 3
+[adaptive]
+max_futures = 6
+z = 1.5",
+        )
+        .unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.future_cap(), 6);
+        let id = cfg.generation_identity();
+        assert_eq!(id["samples"], "adaptive");
+        assert_eq!(id["adaptive"]["max_futures"], 6);
+        assert_eq!(
+            id["adaptive"]["min_futures"], 2,
+            "unset keys keep their defaults"
+        );
+        let fixed = GenerateConfig::default().generation_identity();
+        assert!(
+            fixed.get("adaptive").is_none(),
+            "runs without it still resume"
+        );
+        let bad: GenerateConfig = toml::from_str(
+            "[adaptive]
+min_futures = 1",
+        )
+        .unwrap();
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("adaptive") && err.contains("min_futures"),
+            "{err}"
+        );
+        assert!(toml::from_str::<GenerateConfig>(
+            "[adaptive]
+zz = 1"
+        )
+        .is_err());
     }
 }

@@ -13,6 +13,8 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::check::Range;
+
 use super::pairs::{select_pairs, PairMode};
 
 /// When to stop giving futures to the candidates of one turn (the `[adaptive]` table of a
@@ -30,9 +32,9 @@ pub struct AdaptiveRule {
 }
 
 /// The most futures a candidate may get (the same cap as a fixed S).
-pub const MAX_FUTURES: usize = 1024;
-/// The widest interval accepted, in standard errors.
-pub const MAX_Z: f64 = 10.0;
+pub const MAX_FUTURES: usize = 64;
+/// Interval widths accepted, in standard errors.
+pub const Z: Range = Range::open_closed(0.0, 10.0);
 
 impl Default for AdaptiveRule {
     fn default() -> Self {
@@ -67,9 +69,7 @@ impl AdaptiveRule {
                 self.max_futures
             ));
         }
-        if !(self.z.is_finite() && self.z > 0.0 && self.z <= MAX_Z) {
-            return Err(format!("z {}: must be a number in (0, {MAX_Z}]", self.z));
-        }
+        Z.check("z", self.z)?;
         Ok(())
     }
 
