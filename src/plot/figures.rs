@@ -1057,46 +1057,6 @@ fn forest(rows: &[Row], reference: Option<f64>) -> Vec<Layer> {
     layers
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn least_squares_fits_and_reports_r2() {
-        let (a, b, r2) = least_squares(&[(0.0, 1.0), (1.0, 3.0), (2.0, 5.0)]).unwrap();
-        assert!((a - 1.0).abs() < 1e-12 && (b - 2.0).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
-        // y = 0, 1, 0, 1 at x = 0..3: sxx 5, sxy 1, syy 1: slope 0.2, r² = 1/5.
-        let (_, b, r2) = least_squares(&[(0.0, 0.0), (1.0, 1.0), (2.0, 0.0), (3.0, 1.0)]).unwrap();
-        assert!(
-            (b - 0.2).abs() < 1e-12 && (r2 - 0.2).abs() < 1e-12,
-            "{b} {r2}"
-        );
-        assert!(least_squares(&[(1.0, 0.0), (1.0, 1.0)]).is_none());
-        assert!(least_squares(&[]).is_none());
-    }
-
-    #[test]
-    fn ema_weight_zero_is_raw_and_smooths_otherwise() {
-        let p = [(0.0, 0.0), (1.0, 1.0), (2.0, 1.0)];
-        assert_eq!(ema(&p, 0.0), p.to_vec());
-        let s = ema(&p, 0.5);
-        assert_eq!(s[1], (1.0, 0.5));
-        assert_eq!(s[2], (2.0, 0.75));
-    }
-
-    #[test]
-    fn histogram_counts_every_value_once() {
-        let v = [0.0, 0.1, 0.5, 1.0, 1.0];
-        let e = bin_edges(std::iter::once(&v[..]));
-        let steps = hist_steps(&v, &e);
-        let total: f64 = steps.iter().skip(1).step_by(2).map(|p| p.1).sum();
-        assert_eq!(total, 5.0);
-        // One value: a real range around it.
-        let e = bin_edges(std::iter::once(&[2.0][..]));
-        assert!(e[0] < 2.0 && *e.last().unwrap() > 2.0);
-    }
-}
-
 /// Adaptive futures: the share of the fixed-S futures played against how often the pair is
 /// one the fixed-S run could have made, one curve per replay (task), each point labelled
 /// with its interval width z.
@@ -1150,4 +1110,44 @@ pub fn adaptive(replays: &[(String, super::inputs::Replay)], palette: &Palette) 
         title: "Adaptive futures, replayed over fixed-S runs".into(),
         panels: vec![panel],
     }]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn least_squares_fits_and_reports_r2() {
+        let (a, b, r2) = least_squares(&[(0.0, 1.0), (1.0, 3.0), (2.0, 5.0)]).unwrap();
+        assert!((a - 1.0).abs() < 1e-12 && (b - 2.0).abs() < 1e-12 && (r2 - 1.0).abs() < 1e-12);
+        // y = 0, 1, 0, 1 at x = 0..3: sxx 5, sxy 1, syy 1: slope 0.2, r² = 1/5.
+        let (_, b, r2) = least_squares(&[(0.0, 0.0), (1.0, 1.0), (2.0, 0.0), (3.0, 1.0)]).unwrap();
+        assert!(
+            (b - 0.2).abs() < 1e-12 && (r2 - 0.2).abs() < 1e-12,
+            "{b} {r2}"
+        );
+        assert!(least_squares(&[(1.0, 0.0), (1.0, 1.0)]).is_none());
+        assert!(least_squares(&[]).is_none());
+    }
+
+    #[test]
+    fn ema_weight_zero_is_raw_and_smooths_otherwise() {
+        let p = [(0.0, 0.0), (1.0, 1.0), (2.0, 1.0)];
+        assert_eq!(ema(&p, 0.0), p.to_vec());
+        let s = ema(&p, 0.5);
+        assert_eq!(s[1], (1.0, 0.5));
+        assert_eq!(s[2], (2.0, 0.75));
+    }
+
+    #[test]
+    fn histogram_counts_every_value_once() {
+        let v = [0.0, 0.1, 0.5, 1.0, 1.0];
+        let e = bin_edges(std::iter::once(&v[..]));
+        let steps = hist_steps(&v, &e);
+        let total: f64 = steps.iter().skip(1).step_by(2).map(|p| p.1).sum();
+        assert_eq!(total, 5.0);
+        // One value: a real range around it.
+        let e = bin_edges(std::iter::once(&[2.0][..]));
+        assert!(e[0] < 2.0 && *e.last().unwrap() > 2.0);
+    }
 }
