@@ -95,7 +95,7 @@ else
   out="${out:-outputs/method_results}"
   results=docs/results/method_results.json
   # Sizes for 2 cores (an SFT step of 8 rows ~24 s, a DPO step ~16 s, a matched DAgger step
-  # ~35 s; pairs from 64 games ~12 min): ~45 min a seed.
+  # ~35 s; pairs from 64 games ~12 min): ~55 min a seed.
   demo_repeats=2; sft_steps=(--epochs 1)
   dagger_games=(--objects 40); max_pairs_20q=64
   token_tolerance=0.1
