@@ -547,7 +547,15 @@ mod tests {
     #[test]
     fn help_matches_the_config() {
         let cfg = GenerateConfig::default();
+        // The adaptive flags state their defaults by hand: they must be the rule's.
+        let rule = collabllm::reward::adaptive::AdaptiveRule::default();
+        assert_eq!((rule.min_futures, rule.max_futures, rule.z), (2, 8, 1.0));
+        // The adaptive rule's defaults live in `reward::adaptive::AdaptiveRule`, a table
+        // that is absent from a default config.
         let described = [
+            "adaptive_max",
+            "adaptive_min",
+            "adaptive_z",
             "task_type",
             "export_dir",
             "task_desc",
@@ -558,6 +566,9 @@ mod tests {
             "max_messages",
         ];
         let without_setting = [
+            "adaptive_max",
+            "adaptive_min",
+            "adaptive_z",
             "config",
             "dry_run",
             "export",
