@@ -38,6 +38,14 @@ pub fn future_questioner_role(questioner: FutureQuestioner) -> Result<Option<Rol
     }
 }
 
+/// The reply as an assistant message, and the conversation it ends (`history` + reply): what
+/// the simulated user answers.
+fn after_reply(history: &[ChatMessage], reply: &str) -> (ChatMessage, Vec<ChatMessage>) {
+    let reply = ChatMessage::assistant(reply.to_string());
+    let base = history.iter().cloned().chain([reply.clone()]).collect();
+    (reply, base)
+}
+
 /// One scored future of a reply.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SessionRecord {
@@ -110,8 +118,7 @@ impl FutureRunner<'_> {
         key: &[&str],
         with_next_user: bool,
     ) -> Result<ScoredReply, SimError> {
-        let reply = ChatMessage::assistant(reply.to_string());
-        let base: Vec<ChatMessage> = history.iter().cloned().chain([reply.clone()]).collect();
+        let (reply, base) = after_reply(history, reply);
         if self.samples == 0 {
             let mut scored = self.score_alone(task, history, reply, weights, key).await;
             // The real conversation still goes on from the chosen reply (generate_conv).
@@ -218,12 +225,8 @@ impl FutureRunner<'_> {
         reply: &str,
         key: &[&str],
     ) -> Result<UserTurn, SimError> {
-        let base: Vec<ChatMessage> = history
-            .iter()
-            .cloned()
-            .chain([ChatMessage::assistant(reply.to_string())])
-            .collect();
-        self.one_user_message(task, &base, key).await
+        self.one_user_message(task, &after_reply(history, reply).1, key)
+            .await
     }
 
     /// Adaptive futures for the candidates of one turn (`replies`): each gets
@@ -244,6 +247,8 @@ impl FutureRunner<'_> {
         rule: &AdaptiveRule,
         key: &[&str],
     ) -> Result<Vec<ScoredReply>, SimError> {
+        let bases: Vec<(ChatMessage, Vec<ChatMessage>)> =
+            replies.iter().map(|r| after_reply(history, r)).collect();
         let mut sessions: Vec<Vec<SessionRecord>> = vec![Vec::new(); replies.len()];
         let mut rewards: Vec<Vec<f64>> = vec![Vec::new(); replies.len()];
         loop {
@@ -270,14 +275,12 @@ impl FutureRunner<'_> {
                 .collect();
             let played = try_join_all(jobs.iter().map(|&(i, k)| {
                 let (i_s, k_s) = (i.to_string(), k.to_string());
+                let (reply, base) = &bases[i];
                 async move {
                     let mut future_key = key.to_vec();
                     future_key.extend([i_s.as_str(), k_s.as_str()]);
-                    let reply = ChatMessage::assistant(replies[i].to_string());
-                    let base: Vec<ChatMessage> =
-                        history.iter().cloned().chain([reply.clone()]).collect();
-                    let opener = self.one_user_message(task, &base, &future_key).await?;
-                    self.play_future(task, history, &base, &reply, opener, weights, &future_key)
+                    let opener = self.one_user_message(task, base, &future_key).await?;
+                    self.play_future(task, history, base, reply, opener, weights, &future_key)
                         .await
                 }
             }))
