@@ -143,6 +143,13 @@ struct Args {
     #[arg(long, value_name = "B", default_value_t = 1)]
     batch_size: usize,
 
+    /// Instead of --batch-size: fill each micro-batch (from the epoch's seeded order) while the
+    /// next example brings its tokens nearer T (a pair counts its prompt twice and both
+    /// replies, as `num_tokens` in the logs; at least one example a batch). Arms whose
+    /// examples differ in length then read the same tokens in the same steps [default: off].
+    #[arg(long, value_name = "T", conflicts_with = "batch_size")]
+    batch_tokens: Option<usize>,
+
     /// Micro-batches per optimizer step (gradient accumulation).
     #[arg(long, value_name = "K", default_value_t = 1)]
     grad_accum: usize,
@@ -262,6 +269,7 @@ impl Args {
         cfg.max_steps = self.max_steps;
         cfg.max_pairs = self.max_pairs;
         cfg.batch_size = self.batch_size;
+        cfg.batch_tokens = self.batch_tokens;
         cfg.grad_accum = self.grad_accum;
         cfg.max_length = self.max_length;
         cfg.optim.schedule = self.schedule;
@@ -413,7 +421,14 @@ mod tests {
         collabllm::cli::assert_help_defaults(
             &Args::command(),
             &defaults,
-            &["eval_data", "lr", "threads", "lora_targets", "max_pairs"],
+            &[
+                "eval_data",
+                "lr",
+                "threads",
+                "lora_targets",
+                "max_pairs",
+                "batch_tokens",
+            ],
         );
         assert_eq!(
             Args::command()

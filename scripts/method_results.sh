@@ -80,7 +80,7 @@ if [[ $quick == 1 ]]; then
   out="${out:-outputs/method_results-quick}"
   results=docs/results/method_results_quick.json
   demo_repeats=1; sft_steps=(--max-steps 12)
-  dagger_games=(--objects 12); max_pairs_20q=1000000
+  dagger_games=(--objects 12); max_pairs_20q=1000000; batch_tokens_20q=2048
   # A few steps cannot average batches out: --quick states a looser match.
   token_tolerance=0.3
   gen=(--max-tasks 16 --max-messages 5)
@@ -97,7 +97,7 @@ else
   # Sizes for 2 cores (an SFT step of 8 rows ~24 s, a DPO step ~16 s, a matched DAgger step
   # ~35 s; pairs from 64 games ~12 min): ~55 min a seed.
   demo_repeats=2; sft_steps=(--epochs 1)
-  dagger_games=(--objects 40); max_pairs_20q=64
+  dagger_games=(--objects 40); max_pairs_20q=64; batch_tokens_20q=2048
   token_tolerance=0.1
   gen=(--max-messages 9 --max-tasks 64)
   c_demo=(--repeats 2); c_sft=(--epochs 2)
@@ -162,25 +162,21 @@ study_20q() {
         --candidates 4 "${scoring[@]}" --midgame 10 "${gen[@]}" --seed "$s" --threads "$threads" \
         --output "$d/pairs-$reward"
     done
-    # Matched: one epoch of the smaller pair set (at most max_pairs_20q), the same steps for
-    # every arm.
+    # Matched: every arm runs as many steps as one epoch of the smaller pair set at 4 pairs a
+    # step (at most max_pairs_20q pairs), and every step reads about batch_tokens_20q tokens
+    # (`--batch-tokens` fills a batch with examples while they bring it nearer the target), so
+    # arms whose pairs or rows differ in length read the same tokens; the study checks the
+    # totals within token_tolerance.
     local n_mr n_st k steps
     n_mr=$(pair_count "$d/pairs-mr"); n_st=$(pair_count "$d/pairs-st")
     k=$(( n_mr < n_st ? n_mr : n_st )); k=$(( k < max_pairs_20q ? k : max_pairs_20q ))
     steps=$(epoch_steps "$k")
     for reward in mr st; do
       train "$d/dpo_$reward" --data "$d/pairs-$reward" --model "$sft" --lr "$lr" --sft-weight 1 \
-        --batch-size 4 --max-pairs "$k" --max-steps "$steps" --seed "$s"
+        --batch-tokens "$batch_tokens_20q" --max-steps "$steps" --seed "$s"
     done
-    # The DAgger arm reads as many tokens a step as the DPO arms: its batch is their mean
-    # tokens a step over its rows' mean tokens (every row is tokenized before the first step,
-    # so a one-step probe measures the mean); the study checks the totals within 10%.
-    train "$d/dagger-probe" --loss sft --data "$d/dagger.parquet" --model "$sft" --lr "$lr" \
-      --batch-size 1 --max-steps 1 --seed "$s"
-    local batch
-    batch=$(sft_batch_matching "$d/dagger-probe" "$d/dpo_mr" "$d/dpo_st")
     train "$d/dagger" --loss sft --data "$d/dagger.parquet" --model "$sft" --lr "$lr" \
-      --batch-size "$batch" --max-steps "$steps" --seed "$s"
+      --batch-tokens "$batch_tokens_20q" --max-steps "$steps" --seed "$s"
   done
   evaluate20() {
     run "$bin/eval_multiturn" --task twenty_questions --split test --oracle table --weights q8 \
@@ -210,18 +206,6 @@ probe_clarify() {
   run "$bin/eval_multiturn" --task clarify --tasks clarify:train --weights f32 --max-tokens 48 \
     --temperature 0.7 --seed 7 "${c_probe[@]}" --threads "$threads" --model "$2" \
     --output "$c/probe/$1"
-}
-# The SFT batch size whose steps read as many tokens as the DPO runs $2, $3 did on average,
-# from the rows' mean tokens in the SFT run $1's tokenization.
-sft_batch_matching() {
-  python3 - "$@" <<'PY'
-import json, sys
-summary = lambda d: json.load(open(f"{d}/train_summary.json"))
-t = summary(sys.argv[1])["train_tokenization"]
-per_row = t["tokens"] / t["kept"]
-per_step = [s["last_log"]["num_tokens"] / s["steps"] for s in map(summary, sys.argv[2:])]
-print(max(1, round(sum(per_step) / len(per_step) / per_row)))
-PY
 }
 # Training pairs of a generate_conv run.
 pair_count() {

@@ -759,6 +759,11 @@ fn out_of_range_flags_are_refused_naming_flag_and_value() {
             "0",
             "--logging-steps 0: must be at least 1",
         ),
+        (
+            "--batch-tokens",
+            "0",
+            "--batch-tokens 0: must be at least 1",
+        ),
     ] {
         let o = dpo_train_bin(&[
             "--data",
@@ -803,6 +808,65 @@ fn out_of_range_flags_are_refused_naming_flag_and_value() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("'0' for '--threads <N>'"), "{stderr}");
+}
+
+/// `--batch-tokens` matches arms whose pairs differ in length: the same steps read about the
+/// same tokens, where a fixed `--batch-size` reads three times as many from the long pairs.
+#[test]
+fn batch_tokens_match_arms_whose_pairs_differ_in_length() {
+    let f = fixture();
+    let words = |w: &str, n: usize| vec![w; n].join(" ");
+    let rows = |reply_words: usize| -> Vec<PairRow> {
+        (0..24)
+            .map(|i| {
+                let q = format!("Question {i}?");
+                let (c, r) = (words("yes", reply_words), words("no", reply_words));
+                row(i, vec![ChatMessage::user(q)], &c, &r)
+            })
+            .collect()
+    };
+    let run = |name: &str, reply_words: usize, batch_tokens: Option<usize>| -> Vec<f64> {
+        let data = f.root.join(format!("{name}-pairs"));
+        std::fs::create_dir_all(&data).unwrap();
+        write_pairs_parquet(&data.join("train.parquet"), &rows(reply_words)).unwrap();
+        let mut cfg = config(&f, name);
+        cfg.data = data;
+        cfg.eval_data = None;
+        cfg.max_steps = Some(3);
+        cfg.max_length = 1024;
+        cfg.logging_steps = 1;
+        cfg.batch_size = if batch_tokens.is_some() { 1 } else { 2 };
+        cfg.batch_tokens = batch_tokens;
+        train(&cfg, false).unwrap();
+        let seen: Vec<f64> = train_lines(&cfg.output)
+            .iter()
+            .map(|l| l["num_tokens"].as_f64().unwrap())
+            .collect();
+        // `num_tokens` counts from the start of the run: each step's own is the difference.
+        std::iter::once(seen[0])
+            .chain(seen.windows(2).map(|w| w[1] - w[0]))
+            .collect()
+    };
+    let total = |steps: &[f64]| steps.iter().sum::<f64>();
+    let (short, long) = (run("short", 1, None), run("long", 30, None));
+    assert!(total(&long) > 2.0 * total(&short), "{short:?} vs {long:?}");
+
+    // Two long pairs a step, or many short ones.
+    let target = (total(&long) / 3.0).round() as usize;
+    let (short, long) = (
+        run("short-t", 1, Some(target)),
+        run("long-t", 30, Some(target)),
+    );
+    for step in short.iter().chain(&long) {
+        assert!(
+            (step - target as f64).abs() < 0.5 * target as f64,
+            "{step} per step"
+        );
+    }
+    let ratio = total(&long) / total(&short);
+    assert!((0.8..1.25).contains(&ratio), "{short:?} vs {long:?}");
+    // The recorded setting is what `--resume` compares.
+    assert_eq!(read_args(&f.root.join("long-t"))["batch_tokens"], target);
 }
 
 /// `--max-grad-norm 0` is documented as "off": the update is the unclipped one (before, a

@@ -48,6 +48,11 @@ pub struct TrainConfig {
     #[serde(default)]
     pub max_pairs: Option<usize>,
     pub batch_size: usize,
+    /// Fill each micro-batch with examples until its tokens come nearest this many, instead
+    /// of a fixed `batch_size` count: arms whose examples differ in length then train on the
+    /// same tokens in the same steps.
+    #[serde(default)]
+    pub batch_tokens: Option<usize>,
     pub grad_accum: usize,
     pub max_length: usize,
     pub logging_steps: usize,
@@ -105,6 +110,7 @@ pub const RESUME_SETTINGS: &[&str] = &[
     "max-steps",
     "max-pairs",
     "batch-size",
+    "batch-tokens",
     "grad-accum",
     "max-length",
     "warmup-ratio",
@@ -143,6 +149,7 @@ impl TrainConfig {
             epochs: 1,
             max_steps: None,
             max_pairs: None,
+            batch_tokens: None,
             batch_size: 1,
             grad_accum: 1,
             max_length: 1024,
@@ -260,12 +267,19 @@ impl TrainConfig {
             ("--epochs", Some(self.epochs)),
             ("--max-steps", self.max_steps),
             ("--max-pairs", self.max_pairs),
+            ("--batch-tokens", self.batch_tokens),
             ("--eval-steps", self.eval_steps),
         ];
         for (flag, v) in counts {
             if let Some(v) = v {
                 at_least(flag, v, 1).map_err(TrainError::Setting)?;
             }
+        }
+        if self.batch_tokens.is_some() && self.batch_size != 1 {
+            return Err(TrainError::Setting(format!(
+                "--batch-tokens and --batch-size {} both size the batch: give one",
+                self.batch_size
+            )));
         }
         let invalid = |e: Invalid| TrainError::Setting(e.message);
         self.optim.validate(Spelling::Flag).map_err(invalid)?;

@@ -6,6 +6,7 @@
 //! AdamW steps with accumulation, clipping and a warmup schedule, logs, evaluation,
 //! checkpoints (HF or PEFT layout, optimizer state included) and `--resume`.
 
+pub(crate) mod batches;
 pub mod config;
 pub mod loss;
 pub mod run;

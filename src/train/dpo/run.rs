@@ -25,6 +25,7 @@ use crate::llm::spec::{redact_credentials, resolve_local, LocalModelFiles, Model
 use crate::llm::ChatMessage;
 use crate::run::{write_atomic, write_json_atomic};
 
+use super::batches::{BatchBy, BatchPlan};
 use super::config::{parse_dtype, parse_save_dtype};
 use super::config::{Objective, ResumeOverride, TrainConfig, RESUME_SETTINGS};
 use super::loss::{dpo_loss, DpoMetrics};
@@ -115,6 +116,20 @@ impl Examples {
             Examples::Seqs(s) => s.len(),
         }
     }
+
+    /// Each example's tokens as the step logs' `num_tokens` counts them.
+    fn token_counts(&self) -> Vec<usize> {
+        match self {
+            Examples::Pairs { pairs, .. } => pairs.iter().map(pair_tokens).collect(),
+            Examples::Seqs(s) => s.iter().map(|r| r.ids.len()).collect(),
+        }
+    }
+}
+
+/// A pair's tokens counted as TRL's 2B rows hold them (the packed rows hold the prompt once),
+/// so that tokens/s compare.
+fn pair_tokens(p: &TokenizedPair) -> usize {
+    2 * p.prompt.len() + p.chosen.len() + p.rejected.len()
 }
 
 /// Metrics of one optimizer step or one evaluation, under TRL's names.
@@ -185,7 +200,15 @@ pub fn train_until(
     };
     stop_if_signalled(cfg, shutdown, started, None)?;
 
-    let per_epoch = data.train.len().div_ceil(cfg.batch_size * cfg.grad_accum);
+    let plan = BatchPlan::new(
+        data.train.token_counts(),
+        match cfg.batch_tokens {
+            Some(t) => BatchBy::Tokens(t),
+            None => BatchBy::Count(cfg.batch_size),
+        },
+        cfg.optim.seed,
+    );
+    let per_epoch = plan.per_epoch().div_ceil(cfg.grad_accum);
     let total_steps = cfg.max_steps.unwrap_or(per_epoch * cfg.epochs);
     let mut opt = AdamW::new(
         model.named_vars(),
@@ -205,6 +228,7 @@ pub fn train_until(
         pad_id,
         total_steps,
         per_epoch,
+        plan,
         examples: &data.train,
         eval: data.eval.as_ref(),
         log: open_log(&cfg.output.join("logs.jsonl"))?,
@@ -983,6 +1007,7 @@ struct Run<'a> {
     pad_id: u32,
     total_steps: usize,
     per_epoch: usize,
+    plan: BatchPlan,
     examples: &'a Examples,
     eval: Option<&'a Examples>,
     log: std::fs::File,
@@ -996,21 +1021,6 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// Example indices of micro-batch `k` (global count): epochs are seeded permutations, so a
-    /// resumed run sees exactly the batches the interrupted one would have.
-    fn micro_batch(&self, k: usize) -> Vec<usize> {
-        let n = self.examples.len();
-        let per_epoch_micro = n.div_ceil(self.cfg.batch_size);
-        let epoch = k / per_epoch_micro;
-        let within = k % per_epoch_micro;
-        let mut order: Vec<usize> = (0..n).collect();
-        let mut rng =
-            rand::rngs::StdRng::seed_from_u64(self.cfg.optim.seed.wrapping_add(epoch as u64));
-        order.shuffle(&mut rng);
-        let start = within * self.cfg.batch_size;
-        order[start..(start + self.cfg.batch_size).min(n)].to_vec()
-    }
-
     fn epoch_at(&self, step: usize) -> f64 {
         step as f64 / self.per_epoch.max(1) as f64
     }
@@ -1024,7 +1034,7 @@ impl Run<'_> {
         let mut all = Vec::with_capacity(k);
         self.model.set_training(true);
         for j in 0..k {
-            let idx = self.micro_batch(step * k + j);
+            let idx = self.plan.micro_batch(step * k + j);
             let prepared = self.prepare(&idx, true)?;
             self.tokens += prepared.tokens;
             let scale = 1.0 / k as f64;
@@ -1077,12 +1087,7 @@ impl Run<'_> {
                 let average =
                     matches!(self.objective, Objective::Dpo(d) if d.loss_type.average_logps());
                 Ok(Prepared {
-                    // Counted as TRL's 2B rows hold them (the packed rows hold the prompt
-                    // once), so that tokens/s compare.
-                    tokens: rows
-                        .iter()
-                        .map(|p| 2 * p.prompt.len() + p.chosen.len() + p.rejected.len())
-                        .sum(),
+                    tokens: rows.iter().map(pair_tokens).sum(),
                     reference: Some(self.reference_tensors(&rows, idx, reference, average)?),
                     pairs: rows.len(),
                     input_ids: batch.input_ids,
