@@ -524,6 +524,140 @@ async fn adaptive_futures_resume_to_the_same_conversations() {
     assert_eq!(turns_by_task(&killed), full_turns);
 }
 
+/// An adaptive run's shards merge to the unsharded run (a shard with another rule refuses),
+/// and re-scoring keeps each candidate's futures: its MR is the mean over the futures it had,
+/// under the new weights, with no model call.
+#[tokio::test]
+async fn adaptive_runs_merge_and_rescore_without_calls() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let tasks = data("math.jsonl");
+    let args = |dir: &str, extra: &[&str]| {
+        let mut a = endpoint_args(&server, &tmp.path().join(dir), &tasks);
+        let s = a.iter().position(|x| x == "--samples").unwrap();
+        a[s + 1] = "adaptive".into();
+        if !extra.contains(&"--adaptive-min") {
+            a.extend(["--adaptive-min", "2"].map(String::from));
+        }
+        a.extend(
+            [
+                "--adaptive-max",
+                "4",
+                "--adaptive-z",
+                "0.2",
+                "--max-tasks",
+                "4",
+                "--min-gap",
+                "0",
+            ]
+            .map(String::from),
+        );
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    for (dir, extra) in [
+        ("all", vec![]),
+        ("s0", vec!["--shard", "0/2"]),
+        ("s1", vec!["--shard", "1/2"]),
+        ("s1-wide", vec!["--shard", "1/2", "--adaptive-min", "3"]),
+    ] {
+        let out = run_bin(&args(dir, &extra)).await;
+        assert!(
+            out.status.success(),
+            "{dir}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let calls = server.requests();
+    let merge = |shards: &[&str], out: &str| {
+        let mut a: Vec<String> = vec!["--merge".into()];
+        a.extend(
+            shards
+                .iter()
+                .map(|s| tmp.path().join(s).display().to_string()),
+        );
+        a.extend([
+            "--output".into(),
+            tmp.path().join(out).display().to_string(),
+        ]);
+        a
+    };
+    let out = run_bin(&merge(&["s0", "s1-wide"], "mixed")).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "shards with two rules merged");
+    assert!(stderr.contains("different settings"), "{stderr}");
+    let out = run_bin(&merge(&["s0", "s1"], "merged")).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (all, merged) = (tmp.path().join("all"), tmp.path().join("merged"));
+    assert_eq!(turns_by_task(&merged), turns_by_task(&all));
+
+    let futures_per_candidate = |dir: &Path| -> Vec<usize> {
+        turns_by_task(dir)
+            .values()
+            .flat_map(|turns| turns.as_array().unwrap().clone())
+            .flat_map(|t| t["candidates"].as_array().unwrap().clone())
+            .map(|c| c["sessions"].as_array().unwrap().len())
+            .collect()
+    };
+    let before = futures_per_candidate(&merged);
+    assert!(before.iter().any(|&n| n > 2), "{before:?}");
+    let out = run_bin(
+        &[
+            "--output",
+            merged.to_str().unwrap(),
+            "--rescore",
+            "--metric",
+            "interactivity=1",
+            "--min-gap",
+            "0",
+        ]
+        .map(String::from),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        server.requests(),
+        calls,
+        "merging and re-scoring made calls"
+    );
+    assert_eq!(futures_per_candidate(&merged), before);
+    // The new MR of every candidate: the mean interactivity of the futures it had.
+    let means: Vec<f64> = turns_by_task(&merged)
+        .values()
+        .flat_map(|turns| turns.as_array().unwrap().clone())
+        .flat_map(|t| t["candidates"].as_array().unwrap().clone())
+        .map(|c| {
+            let sessions = c["sessions"].as_array().unwrap();
+            sessions
+                .iter()
+                .map(|s| s["scores"]["interactivity"]["value"].as_f64().unwrap())
+                .sum::<f64>()
+                / sessions.len() as f64
+        })
+        .collect();
+    let pairs: Vec<_> = ["train", "test"]
+        .iter()
+        .flat_map(|split| read_pairs(&merged.join(format!("pairs/{split}.parquet"))))
+        .collect();
+    assert!(!pairs.is_empty());
+    let is_a_mean = |v: f64| means.iter().any(|m| (m - v).abs() < 1e-9);
+    for (_, chosen, rejected) in &pairs {
+        assert!(chosen > rejected, "{chosen} {rejected}");
+        assert!(
+            is_a_mean(*chosen) && is_a_mean(*rejected),
+            "{chosen} {rejected} {means:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn killed_run_resumes_to_the_same_tasks() {
     let server = collab_server().await;
