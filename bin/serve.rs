@@ -12,8 +12,9 @@ use collabllm::serve::ModelNames;
 
 /// Serve a local model over an OpenAI-compatible HTTP API.
 ///
-/// Endpoints: POST /v1/chat/completions (with `stream: true` for SSE), GET /v1/models,
-/// GET /health. Any OpenAI client works with base URL http://HOST:PORT/v1 and any API key.
+/// Endpoints: POST /v1/chat/completions and POST /v1/completions (raw text or token ids, no
+/// chat template; `echo` with `logprobs` scores the prompt; `stream: true` for SSE on both),
+/// GET /v1/models, GET /health. Any OpenAI client works with base URL http://HOST:PORT/v1 and any API key.
 /// One model per server: a request's `model` must be the reported id (--model-id), the
 /// --model value as given, or an --alias; any other name is a 404 `model_not_found`.
 ///
@@ -105,6 +106,12 @@ struct Args {
     #[arg(long, value_name = "MIB",
           value_parser = clap::value_parser!(u64).range(1..=16_777_216).map(|v| v as usize))]
     kv_cache_mb: Option<usize>,
+
+    /// A Jinja chat template (HF's format: `messages`, `add_generation_prompt`, `bos_token`,
+    /// `eos_token`) to use instead of the model's own. A model whose files carry none (a base
+    /// model) answers /v1/completions, and refuses chat completions (400) unless given one.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<std::path::PathBuf>,
 }
 
 fn parse_name(s: &str) -> Result<String, String> {
@@ -132,7 +139,10 @@ async fn load_backend(args: &Args) -> anyhow::Result<(SharedBackend, String)> {
         prefix_cache_mb: Some(args.prefix_cache_mb),
         ..LoadOptions::default()
     };
-    let backend = LocalBackend::load(&args.model, &opts).await?;
+    let backend = match &args.chat_template {
+        Some(file) => LocalBackend::load_with_chat_template(&args.model, &opts, file).await?,
+        None => LocalBackend::load(&args.model, &opts).await?,
+    };
     backend.set_max_batch(args.max_batch);
     backend.set_prefill_chunk(args.prefill_chunk);
     if let Some(mib) = args.kv_cache_mb {

@@ -13,7 +13,10 @@ const TEMPLATE_NAME: &str = "chat_template";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
-    #[error("{source_name}: no chat template (expected a `chat_template` entry)")]
+    #[error(
+        "{source_name}: the model has no chat template (a base model): give one \
+         (`serve --chat-template FILE`) or send raw text to /v1/completions"
+    )]
     Missing { source_name: String },
     #[error("{source_name}: {message}")]
     Invalid {
@@ -35,7 +38,8 @@ pub const MAX_RENDER_FUEL: u64 = 10_000_000;
 /// A compiled chat template plus the special tokens it may refer to.
 #[derive(Clone)]
 pub struct ChatTemplate {
-    env: Environment<'static>,
+    /// `None` for a model whose files carry no template: it renders nothing, it refuses.
+    env: Option<Environment<'static>>,
     source: String,
     source_name: String,
     bos_token: String,
@@ -82,12 +86,34 @@ impl ChatTemplate {
                 message: format!("chat template does not compile: {e}"),
             })?;
         Ok(Self {
-            env,
+            env: Some(env),
             source: source.to_string(),
             source_name: source_name.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
+    }
+
+    /// The template of a model whose files (`source_name`) carry none: every render is a
+    /// [`TemplateError::Missing`] naming them, never a guessed format.
+    pub fn absent(source_name: &str, bos_token: &str, eos_token: &str) -> Self {
+        Self {
+            env: None,
+            source: String::new(),
+            source_name: source_name.to_string(),
+            bos_token: bos_token.to_string(),
+            eos_token: eos_token.to_string(),
+        }
+    }
+
+    /// Whether the model's files carried a template.
+    pub fn is_present(&self) -> bool {
+        self.env.is_some()
+    }
+
+    /// This template's special tokens with another template source (`--chat-template FILE`).
+    pub fn replaced(&self, source: &str, source_name: &str) -> Result<Self, TemplateError> {
+        Self::new(source, source_name, &self.bos_token, &self.eos_token)
     }
 
     /// Reads `chat_template`, `bos_token` and `eos_token` from an HF `tokenizer_config.json`
@@ -136,9 +162,17 @@ impl ChatTemplate {
                 .ok_or_else(|| TemplateError::Missing {
                     source_name: name.clone(),
                 })?,
+            serde_json::Value::Null => {
+                return Ok(Self::absent(
+                    &name,
+                    &token("bos_token"),
+                    &token("eos_token"),
+                ))
+            }
             _ => {
-                return Err(TemplateError::Missing {
+                return Err(TemplateError::Invalid {
                     source_name: name.clone(),
+                    message: "`chat_template` must be a string or a list of named templates".into(),
                 })
             }
         };
@@ -152,8 +186,10 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
-        let tmpl = self
-            .env
+        let env = self.env.as_ref().ok_or_else(|| TemplateError::Missing {
+            source_name: self.source_name.clone(),
+        })?;
+        let tmpl = env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| self.render_error(e))?;
         tmpl.render(RenderContext {
@@ -261,8 +297,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("tokenizer_config.json");
         std::fs::write(&p, r#"{"eos_token": "</s>"}"#).unwrap();
-        let err = ChatTemplate::from_tokenizer_config(&p).unwrap_err();
+        // A base model loads; it refuses to chat, naming its files and the way out.
+        let t = ChatTemplate::from_tokenizer_config(&p).unwrap();
+        assert!(!t.is_present());
+        let err = t.render(&[ChatMessage::user("hi")], true).unwrap_err();
         assert!(matches!(err, TemplateError::Missing { .. }));
         assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
+        assert!(err.to_string().contains("--chat-template"), "{err}");
+        let given = t.replaced("{{ messages[0].content }}!", "t.jinja").unwrap();
+        assert_eq!(
+            given.render(&[ChatMessage::user("hi")], true).unwrap(),
+            "hi!"
+        );
+        assert_eq!(given.eos_token(), "</s>");
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::gguf_file;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
@@ -87,6 +87,12 @@ pub enum EngineError {
         max_tokens: usize,
         context: usize,
     },
+    /// A chat request to a model without a chat template.
+    #[error("{0}")]
+    NoChatTemplate(String),
+    /// A prompt the model cannot read (no tokens, ids outside the vocabulary).
+    #[error("{model}: {message}")]
+    InvalidPrompt { model: String, message: String },
     #[error("{model}: generation cancelled after {tokens} tokens")]
     Cancelled { model: String, tokens: usize },
     #[error(
@@ -306,19 +312,17 @@ impl ChatCodec {
                 .and_then(|id| tokenizer.id_to_token(id))
                 .unwrap_or_default()
         };
-        let source = meta_str(content, "tokenizer.chat_template").ok_or_else(|| {
-            load_err(
-                path,
-                "no chat template (GGUF key `tokenizer.chat_template`)",
-            )
-        })?;
-        let template = ChatTemplate::new(
-            source,
-            &path.display().to_string(),
-            &token_str("tokenizer.ggml.bos_token_id"),
-            &token_str("tokenizer.ggml.eos_token_id"),
-        )
-        .map_err(|e| load_err(path, e))?;
+        let (bos, eos) = (
+            token_str("tokenizer.ggml.bos_token_id"),
+            token_str("tokenizer.ggml.eos_token_id"),
+        );
+        let name = path.display().to_string();
+        let template = match meta_str(content, "tokenizer.chat_template") {
+            Some(source) => {
+                ChatTemplate::new(source, &name, &bos, &eos).map_err(|e| load_err(path, e))?
+            }
+            None => ChatTemplate::absent(&name, &bos, &eos),
+        };
         let eos_ids = end_ids(
             &tokenizer,
             meta_u32(content, "tokenizer.ggml.eos_token_id").into_iter(),
@@ -401,8 +405,13 @@ impl ChatCodec {
         self.tokenizer
             .save(&tok_path, false)
             .map_err(|e| load_err(&tok_path, e))?;
+        // A base model's checkpoint stays without a template (never an empty one).
+        let template = match self.template.is_present() {
+            true => serde_json::json!(self.template.source()),
+            false => serde_json::Value::Null,
+        };
         let mut cfg = serde_json::json!({
-            "chat_template": self.template.source(),
+            "chat_template": template,
             "bos_token": self.template.bos_token(),
             "eos_token": self.template.eos_token(),
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -527,6 +536,18 @@ impl Engine {
         }
     }
 
+    /// Uses the Jinja chat template in `path` instead of the model's own (a base model has
+    /// none): what `serve --chat-template FILE` loads.
+    pub fn set_chat_template(&mut self, path: &Path) -> Result<(), EngineError> {
+        let source = std::fs::read_to_string(path).map_err(|e| load_err(path, e))?;
+        self.codec.template = self
+            .codec
+            .template
+            .replaced(&source, &path.display().to_string())
+            .map_err(|e| load_err(path, e))?;
+        Ok(())
+    }
+
     /// Display name: the file stem or directory name.
     pub fn name(&self) -> &str {
         &self.name
@@ -570,7 +591,12 @@ impl Engine {
         self.codec
             .template
             .render(messages, true)
-            .map_err(|e| self.gen_err(e))
+            .map_err(|e| match e {
+                super::chat_template::TemplateError::Missing { .. } => {
+                    EngineError::NoChatTemplate(e.to_string())
+                }
+                e => self.gen_err(e),
+            })
     }
 
     /// Token ids of a text whose special tokens are written out (as a rendered template is);
@@ -581,6 +607,85 @@ impl Engine {
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| self.gen_err(format!("tokenizing: {e}")))
+    }
+
+    /// Token ids of raw prompt text as the tokenizer itself encodes it (`tokenizer(text)` in
+    /// transformers: with the BOS a model's tokenizer adds), refused when it cannot fit.
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        if text.len() > self.context_length.saturating_mul(self.max_token_bytes) {
+            return Err(EngineError::PromptTooManyBytes {
+                model: self.name.clone(),
+                bytes: text.len(),
+                context: self.context_length,
+                max_token_bytes: self.max_token_bytes,
+            });
+        }
+        let ids = self
+            .codec
+            .tokenizer
+            .encode(text, true)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| self.gen_err(format!("tokenizing: {e}")))?;
+        self.check_prompt_ids(&ids)?;
+        Ok(ids)
+    }
+
+    /// Refuses token ids outside the vocabulary, an empty prompt, or one that fills the context.
+    pub fn check_prompt_ids(&self, ids: &[u32]) -> Result<(), EngineError> {
+        if ids.is_empty() {
+            return Err(EngineError::InvalidPrompt {
+                model: self.name.clone(),
+                message: "the prompt has no tokens".into(),
+            });
+        }
+        if ids.len() >= self.context_length {
+            return Err(EngineError::PromptTooLong {
+                model: self.name.clone(),
+                prompt: ids.len(),
+                context: self.context_length,
+            });
+        }
+        let vocab = self.model.config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::InvalidPrompt {
+                model: self.name.clone(),
+                message: format!("token id {bad} is outside the vocabulary (0..{vocab})"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Each prompt token's log-probability given the tokens before it, from the second token
+    /// on, with the `top` most likely alternatives (`echo` with `logprobs`). The prompt runs
+    /// in pieces so that only one piece's vocabulary logits are held at once.
+    pub fn prompt_logprobs(
+        &self,
+        ids: &[u32],
+        top: usize,
+    ) -> Result<Vec<TokenLogprob>, EngineError> {
+        const PIECE: usize = 128;
+        self.check_prompt_ids(ids)?;
+        let mut cache = self.model.new_cache(ids.len());
+        let mut out = Vec::with_capacity(ids.len() - 1);
+        let err = |e: candle_core::Error| self.gen_err(format!("scoring the prompt: {e}"));
+        for (p, piece) in ids.chunks(PIECE).enumerate() {
+            let t = Tensor::new(piece, self.model.device())
+                .and_then(|t| t.unsqueeze(0))
+                .map_err(err)?;
+            let logits: Vec<Vec<f32>> = self
+                .model
+                .forward_all(&t, &mut cache)
+                .and_then(|l| l.squeeze(0)?.to_dtype(DType::F32)?.to_vec2())
+                .map_err(err)?;
+            for (j, row) in logits.iter().enumerate() {
+                let Some(&next) = ids.get(p * PIECE + j + 1) else {
+                    break;
+                };
+                let (lp, alts) = log_softmax_at(row, next, top);
+                out.push(self.token_logprob(next, lp, &alts, false)?);
+            }
+        }
+        Ok(out)
     }
 
     /// The token ids of the chat prompt for `messages`, refused before tokenizing when its

@@ -26,6 +26,8 @@ pub(crate) enum Job {
 pub(crate) struct GenJob {
     pub(crate) engine: Arc<Engine>,
     pub(crate) messages: Vec<ChatMessage>,
+    /// Token ids to continue as they are, instead of the chat prompt of `messages`.
+    pub(crate) prompt_ids: Option<Vec<u32>>,
     pub(crate) params: GenParams,
     pub(crate) strict_max_tokens: bool,
     pub(crate) cancel: CancelFlag,
@@ -486,7 +488,10 @@ fn begin(job: &GenJob) -> Result<Prefill, EngineError> {
     if let Task::Score { prompt, .. } = &job.task {
         return engine.begin_prefill(prompt);
     }
-    let prompt = engine.encode_chat(&job.messages)?;
+    let prompt = match &job.prompt_ids {
+        Some(ids) => ids.clone(),
+        None => engine.encode_chat(&job.messages)?,
+    };
     let context = engine.context_length();
     if job.strict_max_tokens && prompt.len() + job.params.max_new_tokens > context {
         return Err(EngineError::NoRoomForMaxTokens {

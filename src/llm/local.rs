@@ -14,8 +14,9 @@ use async_trait::async_trait;
 
 use super::spec::{resolve_local, ModelSpec, SpecError};
 use super::{
-    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, ContextLimits,
-    LlmError, OptionProbs, TokenUsage,
+    BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, CompletionPrompt,
+    CompletionRequest, CompletionResponse, ContextLimits, FinishReason, LlmError, OptionProbs,
+    TokenUsage,
 };
 use crate::engine::scheduler::{
     default_kv_budget, on_worker, worker, CancelOnDrop, Counters, GenJob, GenReply, Job, Task,
@@ -141,6 +142,27 @@ impl LocalBackend {
         self.counters.snapshot()
     }
 
+    /// [`LocalBackend::load`] with the Jinja chat template in `template` instead of the
+    /// model's own (`serve --chat-template FILE`; a base model has none). Not shared with
+    /// other loads: the template makes it another model.
+    pub async fn load_with_chat_template(
+        spec: &ModelSpec,
+        opts: &LoadOptions,
+        template: &std::path::Path,
+    ) -> Result<Arc<LocalBackend>, LocalLoadError> {
+        let files = resolve_local(spec).await?;
+        let path = files.path().to_path_buf();
+        let (opts, template) = (*opts, template.to_path_buf());
+        let engine = on_worker("loading", move || -> Result<Engine, EngineError> {
+            let mut engine = Engine::load(&files, &opts)?;
+            engine.set_chat_template(&template)?;
+            Ok(engine)
+        })
+        .await
+        .map_err(|message| EngineError::Load { path, message })??;
+        Ok(Self::from_engine(Arc::new(engine)))
+    }
+
     /// A backend over an engine built in memory (e.g. the policy weights after an RL
     /// update); not registered for reuse by [`LocalBackend::load`].
     pub fn from_engine(engine: Arc<Engine>) -> Arc<LocalBackend> {
@@ -196,6 +218,7 @@ impl LocalBackend {
         GenJob {
             engine: self.engine.clone(),
             messages: Vec::new(),
+            prompt_ids: None,
             params,
             strict_max_tokens: false,
             cancel: CancelFlag::default(),
@@ -291,6 +314,13 @@ fn to_llm_error(model: &str, e: EngineError) -> LlmError {
                 message: e.to_string(),
             }
         }
+        EngineError::NoChatTemplate(message) => LlmError::Unsupported {
+            backend: model.to_string(),
+            what: format!("chat completions: {message}"),
+        },
+        EngineError::InvalidPrompt { message, .. } => {
+            LlmError::InvalidRequest(format!("`prompt`: {message}"))
+        }
         other => LlmError::Local {
             model: model.to_string(),
             message: other.to_string(),
@@ -363,6 +393,108 @@ impl ChatBackend for LocalBackend {
         };
         self.run_job("scoring", self.scheduled(params, task), rx)
             .await
+    }
+
+    /// The prompt decodes in the batch like a chat prompt (the same scheduler, prefix cache
+    /// and budget); with `echo` and `logprobs` its tokens are scored on the model thread.
+    async fn complete(
+        &self,
+        req: &CompletionRequest,
+        sink: Option<&super::DeltaSink>,
+    ) -> Result<CompletionResponse, LlmError> {
+        req.validate()?;
+        let engine = self.engine.clone();
+        let as_llm = |e: EngineError| to_llm_error(engine.name(), e);
+        let (prompt_ids, prompt_text) = match &req.prompt {
+            CompletionPrompt::Text(t) => (engine.encode_raw(t).map_err(as_llm)?, t.clone()),
+            CompletionPrompt::Tokens(ids) => {
+                engine.check_prompt_ids(ids).map_err(as_llm)?;
+                (ids.clone(), engine.decode(ids).map_err(as_llm)?)
+            }
+        };
+        let prompt_logprobs = match (req.echo, req.logprobs) {
+            (true, Some(k)) => {
+                let (e, ids) = (engine.clone(), prompt_ids.clone());
+                let scored = on_worker("prompt scoring", move || e.prompt_logprobs(&ids, k))
+                    .await
+                    .map_err(|m| self.local_err(m))?;
+                Some(super::PromptLogprobs {
+                    first_token: engine.decode(&prompt_ids[..1]).map_err(as_llm)?,
+                    rest: scored.map_err(as_llm)?,
+                })
+            }
+            _ => None,
+        };
+        let (choices, completion_tokens, cached) = if req.max_tokens == 0 {
+            let empty = |index| Choice {
+                index,
+                content: String::new(),
+                finish_reason: FinishReason::Length,
+                token_ids: Some(Vec::new()),
+                logprobs: req.logprobs.map(|_| Vec::new()),
+            };
+            ((0..req.n).map(empty).collect(), 0, 0)
+        } else {
+            self.continue_ids(req, &prompt_ids, sink).await?
+        };
+        Ok(CompletionResponse {
+            usage: TokenUsage {
+                prompt_tokens: prompt_ids.len() as u64,
+                completion_tokens,
+                cached_prompt_tokens: cached,
+            },
+            prompt_ids,
+            prompt_text,
+            prompt_logprobs,
+            choices,
+        })
+    }
+}
+
+impl LocalBackend {
+    /// Generates `req.n` continuations of `prompt_ids`: (choices, completion tokens, cached
+    /// prompt tokens). Empty continuations are answers here (a base model may end at once).
+    async fn continue_ids(
+        &self,
+        req: &CompletionRequest,
+        prompt_ids: &[u32],
+        sink: Option<&super::DeltaSink>,
+    ) -> Result<(Vec<Choice>, u64, u64), LlmError> {
+        let params = GenParams {
+            temperature: req.temperature,
+            top_p: req.top_p,
+            max_new_tokens: req.max_tokens,
+            stop: req.stop.clone(),
+            seed: req.seed,
+            n: req.n,
+            ignore_eos: false,
+            logprobs: req.logprobs,
+        };
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let mut job = self.scheduled(params, Task::Generate(reply));
+        job.prompt_ids = Some(prompt_ids.to_vec());
+        job.strict_max_tokens = req.strict_max_tokens;
+        job.stream = sink.cloned().map(|sink| -> TokenSink {
+            Box::new(move |i: usize, text: &str, lps: &[TokenLogprob]| {
+                sink.send_with_logprobs(i, text, lps)
+            })
+        });
+        Counters::add(&self.counters.queued, 1);
+        let out = self.run_job("completion", job, rx).await?;
+        let completion_tokens = out.samples.iter().map(|s| s.tokens as u64).sum();
+        let choices = out
+            .samples
+            .into_iter()
+            .enumerate()
+            .map(|(index, s)| Choice {
+                index,
+                content: s.text,
+                finish_reason: s.finish,
+                token_ids: Some(s.token_ids),
+                logprobs: s.logprobs,
+            })
+            .collect();
+        Ok((choices, completion_tokens, out.cached_tokens as u64))
     }
 }
 

@@ -3,6 +3,7 @@
 //! scripted replies for tests — plus the on-disk request cache and per-role usage accounting.
 
 pub mod cache;
+pub mod completion;
 pub mod local;
 pub(crate) mod openai;
 pub(crate) mod parse;
@@ -22,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::engine::{ChatMessage, FinishReason, OptionProbs, TokenLogprob, TopLogprob};
 pub use cache::{CachedBackend, RequestCache};
+pub use completion::{CompletionPrompt, CompletionRequest, CompletionResponse, PromptLogprobs};
 pub use openai::OpenAiBackend;
 pub use spec::{EndpointOptions, ModelSpec};
 pub use usage::{
@@ -356,6 +358,20 @@ pub trait ChatBackend: Send + Sync {
         Err(LlmError::Unsupported {
             backend: self.id().to_string(),
             what: "log-probability scoring".into(),
+        })
+    }
+
+    /// Continues raw text or token ids with no chat template (`/v1/completions`), sending
+    /// each choice's text to `sink` as it is generated when one is given. Only local models
+    /// can answer; the default says so.
+    async fn complete(
+        &self,
+        _req: &CompletionRequest,
+        _sink: Option<&DeltaSink>,
+    ) -> Result<CompletionResponse, LlmError> {
+        Err(LlmError::Unsupported {
+            backend: self.id().to_string(),
+            what: "raw-text completions".into(),
         })
     }
 }

@@ -12,6 +12,7 @@
 //! its generation at the next token (or never starts it).
 
 mod auth;
+mod completions;
 mod error;
 mod request;
 mod response_format;
@@ -34,6 +35,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 pub use auth::{check_api_key, require_api_key, InvalidApiKey};
+pub use completions::{parse_completion, ParsedCompletion, DEFAULT_COMPLETION_TOKENS, MAX_PROMPTS};
 pub use error::ApiError;
 use error::{method_not_allowed, not_found};
 use request::check_context;
@@ -123,6 +125,8 @@ pub fn router(backend: SharedBackend, names: impl Into<ModelNames>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(text_completions))
+        .route("/completions", post(text_completions))
         .route("/v1/models", get(list_models))
         .route("/models", get(list_models))
         .route("/health", get(health))
@@ -341,19 +345,43 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
     })
 }
 
-async fn chat_completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    require_json(&headers)?;
-    let body = body.map_err(|rejection| ApiError {
+/// The body of a JSON request, or the error that says why there is none.
+fn json_body(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    require_json(headers)?;
+    body.map_err(|rejection| ApiError {
         status: rejection.status(),
         message: rejection.body_text(),
         kind: "invalid_request_error",
         param: None,
         code: None,
-    })?;
+    })
+}
+
+/// `POST /v1/completions`: raw text continued with no chat template.
+async fn text_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = json_body(&headers, body)?;
+    let parsed = parse_completion(&body)?;
+    if let Some(name) = parsed.model.as_deref() {
+        if !state.names.accepts(name) {
+            return Err(ApiError::model_not_found(name));
+        }
+    }
+    if let Some(limits) = state.backend.context_limits() {
+        completions::check_completion_context(&parsed, limits)?;
+    }
+    completions::answer(&state, parsed).await
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = json_body(&headers, body)?;
     let parsed = parse_request(&body)?;
     if let Some(name) = parsed.model.as_deref() {
         if !state.names.accepts(name) {

@@ -60,8 +60,8 @@ struct ChatCompletionBody {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-struct StreamOptions {
-    include_usage: Option<bool>,
+pub(super) struct StreamOptions {
+    pub(super) include_usage: Option<bool>,
 }
 
 /// One message. `role` and `content` keep apart a missing field and a `null` one: an
@@ -90,7 +90,7 @@ struct ContentPart {
 /// `stop`: one string or a list of them.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-enum Stop {
+pub(super) enum Stop {
     One(String),
     Many(Vec<String>),
 }
@@ -98,13 +98,13 @@ enum Stop {
 /// OpenAI takes any 64-bit integer as a seed; a negative one keeps its bits.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-enum Seed {
+pub(super) enum Seed {
     Unsigned(u64),
     Signed(i64),
 }
 
 impl Seed {
-    fn bits(&self) -> u64 {
+    pub(super) fn bits(&self) -> u64 {
         match *self {
             Seed::Unsigned(s) => s,
             Seed::Signed(s) => s as u64,
@@ -114,7 +114,7 @@ impl Seed {
 
 /// A count as given: a negative integer is kept so that its error can say so and print it.
 #[derive(Debug, Clone, Copy)]
-enum Count {
+pub(super) enum Count {
     Given(u64),
     Negative(i64),
 }
@@ -156,7 +156,7 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Presence<T> {
 /// A struct read only from a JSON object. A derived struct also accepts an array, filling its
 /// fields by position; a message written as `["user", "hi"]` must be refused, not guessed.
 #[derive(Debug)]
-struct Object<T>(T);
+pub(super) struct Object<T>(pub(super) T);
 
 impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -218,11 +218,10 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
     body.validate()
 }
 
-/// The 400 for a field of the wrong type, found by the path serde failed at.
-fn type_error_at(path: &serde_path_to_error::Path) -> ApiError {
+/// A failed field as the client wrote it (`messages[2].content`) and as a shape without
+/// indices (`messages[].content`), to look up what the field must be.
+pub(super) fn param_and_shape(path: &serde_path_to_error::Path) -> (String, String) {
     use serde_path_to_error::Segment;
-    // `param` names the field as the client wrote it (`messages[2].content`); `shape` drops the
-    // indices (`messages[].content`) to look up what the field must be.
     let (mut param, mut shape) = (String::new(), String::new());
     for segment in path.iter() {
         match segment {
@@ -238,6 +237,14 @@ fn type_error_at(path: &serde_path_to_error::Path) -> ApiError {
             Segment::Enum { .. } | Segment::Unknown => {}
         }
     }
+    (param, shape)
+}
+
+/// The 400 for a field of the wrong type, found by the path serde failed at.
+fn type_error_at(path: &serde_path_to_error::Path) -> ApiError {
+    // `param` names the field as the client wrote it (`messages[2].content`); `shape` drops the
+    // indices (`messages[].content`) to look up what the field must be.
+    let (mut param, shape) = param_and_shape(path);
     let expected = match shape.as_str() {
         "model" | "messages[].role" | "messages[].content[].text" => "a string",
         "messages" => "an array of messages",
@@ -361,7 +368,7 @@ fn parse_logprobs(on: Option<bool>, top: Option<Count>) -> Result<Option<usize>,
 
 /// Known fields whose silent omission would mislead the client: validated, and refused unless
 /// they ask for nothing (0, false, empty).
-fn refuse_unhonoured(
+pub(super) fn refuse_unhonoured(
     penalties: [(&str, &Option<Number>); 2],
     logit_bias: Option<&Map<String, Value>>,
     tools: Option<&Value>,
@@ -394,19 +401,19 @@ fn refuse_unhonoured(
     Ok(())
 }
 
-fn type_error(param: &str, expected: &str) -> ApiError {
+pub(super) fn type_error(param: &str, expected: &str) -> ApiError {
     let mut e = ApiError::invalid(format!("`{param}` must be {expected}"), Some(param));
     e.code = Some("invalid_type");
     e
 }
 
-fn out_of_range(param: &str, range: &str, got: impl fmt::Display) -> ApiError {
+pub(super) fn out_of_range(param: &str, range: &str, got: impl fmt::Display) -> ApiError {
     let mut e = ApiError::invalid(format!("`{param}` must be {range}, got {got}"), Some(param));
     e.code = Some("invalid_value");
     e
 }
 
-fn unsupported(param: &str, message: &str) -> ApiError {
+pub(super) fn unsupported(param: &str, message: &str) -> ApiError {
     let mut e = ApiError::invalid(message, Some(param));
     e.code = Some("unsupported_parameter");
     e
@@ -414,7 +421,7 @@ fn unsupported(param: &str, message: &str) -> ApiError {
 
 /// A JSON number in `[lo, hi]` (JSON has no NaN or infinity, and serde_json refuses numbers
 /// beyond f64, so a finite range check is all that is left), printed as written when refused.
-fn number_in(v: &Number, param: &str, lo: f64, hi: f64) -> Result<f64, ApiError> {
+pub(super) fn number_in(v: &Number, param: &str, lo: f64, hi: f64) -> Result<f64, ApiError> {
     let x = v.as_f64().ok_or_else(|| type_error(param, "a number"))?;
     if !(x.is_finite() && (lo..=hi).contains(&x)) {
         return Err(out_of_range(param, &format!("between {lo} and {hi}"), v));
@@ -422,7 +429,7 @@ fn number_in(v: &Number, param: &str, lo: f64, hi: f64) -> Result<f64, ApiError>
     Ok(x)
 }
 
-fn count(v: Count, param: &str) -> Result<usize, ApiError> {
+pub(super) fn count(v: Count, param: &str) -> Result<usize, ApiError> {
     match v {
         Count::Given(x) => Ok(usize::try_from(x).unwrap_or(usize::MAX)),
         Count::Negative(x) => Err(ApiError::invalid(
@@ -432,7 +439,7 @@ fn count(v: Count, param: &str) -> Result<usize, ApiError> {
     }
 }
 
-fn parse_stop(stop: Stop) -> Result<Vec<String>, ApiError> {
+pub(super) fn parse_stop(stop: Stop) -> Result<Vec<String>, ApiError> {
     let stops = match stop {
         Stop::One(s) => vec![s],
         Stop::Many(items) => items,

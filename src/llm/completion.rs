@@ -1,0 +1,104 @@
+//! Raw-text completions (`POST /v1/completions`): a prompt tokenized as it is, with no chat
+//! template, continued by the model — how base models are served, and how harnesses score
+//! log-likelihoods (`echo` with `logprobs` returns every prompt token's log-probability).
+
+use super::{Choice, LlmError, TokenLogprob, TokenUsage, MAX_STOP_BYTES, MAX_TOP_LOGPROBS};
+
+/// What to continue: text (tokenized with the tokenizer's own special tokens, a BOS where
+/// the model's tokenizer adds one) or token ids as they are.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CompletionPrompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// A completion request, independent of the transport.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompletionRequest {
+    pub prompt: CompletionPrompt,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// New tokens at most; 0 (only with `echo`) scores the prompt without generating.
+    pub max_tokens: usize,
+    pub n: usize,
+    pub stop: Vec<String>,
+    /// Sample `i` is drawn with seed `seed + i`.
+    pub seed: Option<u64>,
+    /// Each token's log-probability and this many most likely alternatives.
+    pub logprobs: Option<usize>,
+    /// Return the prompt with each choice (and, with `logprobs`, its tokens' log-probs).
+    pub echo: bool,
+    /// Refuse, rather than shorten, a request whose prompt leaves no room for `max_tokens`.
+    pub strict_max_tokens: bool,
+}
+
+impl CompletionRequest {
+    pub fn new(prompt: CompletionPrompt) -> Self {
+        Self {
+            prompt,
+            temperature: 1.0,
+            top_p: 1.0,
+            max_tokens: 16,
+            n: 1,
+            stop: Vec::new(),
+            seed: None,
+            logprobs: None,
+            echo: false,
+            strict_max_tokens: false,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), LlmError> {
+        let bad = |msg: String| Err(LlmError::InvalidRequest(msg));
+        if self.n == 0 {
+            return bad("`n` must be at least 1".into());
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!(
+                "`temperature` must be >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("`top_p` must be in (0, 1], got {}", self.top_p));
+        }
+        if self.max_tokens == 0 && !self.echo {
+            return bad("`max_tokens` must be at least 1 (0 only with `echo`)".into());
+        }
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return bad(format!(
+                "`logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"
+            ));
+        }
+        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return bad(format!(
+                "a `stop` string may be at most {MAX_STOP_BYTES} bytes, got one of {}",
+                long.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A finished completion: the prompt as the model read it, and `n` continuations.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompletionResponse {
+    /// The prompt's token ids.
+    pub prompt_ids: Vec<u32>,
+    /// The prompt's text (a token prompt decoded), what `echo` puts before each choice.
+    pub prompt_text: String,
+    /// With `echo` and `logprobs`: the prompt's tokens and their log-probabilities.
+    pub prompt_logprobs: Option<PromptLogprobs>,
+    /// The continuations (empty texts when `max_tokens` is 0); `content` excludes the prompt.
+    pub choices: Vec<Choice>,
+    pub usage: TokenUsage,
+}
+
+/// A prompt's tokens as the model scored them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptLogprobs {
+    /// The first token's text: nothing precedes it, so it has no log-probability.
+    pub first_token: String,
+    /// Every later token's log-probability given the tokens before it, with alternatives.
+    pub rest: Vec<TokenLogprob>,
+}
