@@ -297,11 +297,12 @@ async fn bad_model_inputs_name_the_file() {
         msg.contains("corrupt.gguf") && msg.contains("GGUF"),
         "{msg}"
     );
-    // A tokenizer_config.json without a chat template.
+    // A tokenizer_config.json whose chat template is not a template (one without any loads:
+    // a base model, tests/serve_completions.rs).
     let (_g, dir) = tiny_model_dir(&TinySpec::default());
     std::fs::write(
         dir.join("tokenizer_config.json"),
-        r#"{"eos_token": "<|im_end|>"}"#,
+        r#"{"eos_token": "<|im_end|>", "chat_template": 5}"#,
     )
     .unwrap();
     let msg = load(ModelSpec::HfDir(dir.clone())).await;

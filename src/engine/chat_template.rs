@@ -172,7 +172,7 @@ impl ChatTemplate {
             _ => {
                 return Err(TemplateError::Invalid {
                     source_name: name.clone(),
-                    message: "`chat_template` must be a string or a list of named templates".into(),
+                    message: "the chat template (`chat_template`) must be a string or a list of named templates".into(),
                 })
             }
         };
