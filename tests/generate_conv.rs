@@ -414,6 +414,14 @@ async fn kill_after_two_conversations(args: &[String], dir: &Path) -> usize {
 }
 
 /// Each conversation's turns (candidates, futures, scores, choices) by task id.
+/// `--merge` of the shard directories `shards` under `root` into `root/out`.
+fn merge_args(root: &Path, shards: &[&str], out: &str) -> Vec<String> {
+    let mut a: Vec<String> = vec!["--merge".into()];
+    a.extend(shards.iter().map(|s| root.join(s).display().to_string()));
+    a.extend(["--output".into(), root.join(out).display().to_string()]);
+    a
+}
+
 fn turns_by_task(out: &Path) -> std::collections::BTreeMap<String, Value> {
     std::fs::read_to_string(out.join("conversations.jsonl"))
         .unwrap()
@@ -569,19 +577,7 @@ async fn adaptive_runs_merge_and_rescore_without_calls() {
         );
     }
     let calls = server.requests();
-    let merge = |shards: &[&str], out: &str| {
-        let mut a: Vec<String> = vec!["--merge".into()];
-        a.extend(
-            shards
-                .iter()
-                .map(|s| tmp.path().join(s).display().to_string()),
-        );
-        a.extend([
-            "--output".into(),
-            tmp.path().join(out).display().to_string(),
-        ]);
-        a
-    };
+    let merge = |shards: &[&str], out: &str| merge_args(tmp.path(), shards, out);
     let out = run_bin(&merge(&["s0", "s1-wide"], "mixed")).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "shards with two rules merged");
@@ -1405,19 +1401,7 @@ async fn two_shards_merged_equal_one_unsharded_run() {
     assert!(!s0.is_empty() && !s1.is_empty(), "{s0:?} {s1:?}");
     assert!(s0.iter().all(|t| !s1.contains(t)), "disjoint shards");
 
-    let merge = |shards: &[&str], out: &str| {
-        let mut a: Vec<String> = vec!["--merge".into()];
-        a.extend(
-            shards
-                .iter()
-                .map(|s| tmp.path().join(s).display().to_string()),
-        );
-        a.extend([
-            "--output".into(),
-            tmp.path().join(out).display().to_string(),
-        ]);
-        a
-    };
+    let merge = |shards: &[&str], out: &str| merge_args(tmp.path(), shards, out);
     let calls = server.requests();
     let out = run_bin(&merge(&["s0", "s1"], "merged")).await;
     assert!(

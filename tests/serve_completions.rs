@@ -8,11 +8,8 @@ use common::model_util;
 use common::serve_util;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use collabllm::engine::llama::WeightFormat;
 use collabllm::engine::tiny::TinySpec;
 use collabllm::engine::GenParams;
 use collabllm::llm::local::{LoadOptions, LocalBackend};
@@ -22,29 +19,8 @@ use serve_util::{api_error, spawn_server};
 
 const PROMPT: &str = "Tell me about the sea.";
 
-async fn tiny_f32() -> (tempfile::TempDir, PathBuf, Arc<LocalBackend>) {
-    model_util::one_thread();
-    let (guard, dir) = model_util::tiny_model_dir(&TinySpec::default());
-    let opts = LoadOptions {
-        weights: WeightFormat::F32,
-        ..LoadOptions::default()
-    };
-    let backend = LocalBackend::load(&ModelSpec::HfDir(dir.clone()), &opts)
-        .await
-        .unwrap();
-    (guard, dir, backend)
-}
-
 async fn post(addr: SocketAddr, body: Value) -> (u16, String) {
-    let resp = reqwest::Client::new()
-        .post(format!("http://{addr}/v1/completions"))
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .expect("request sent");
-    let status = resp.status().as_u16();
-    (status, resp.text().await.expect("body read"))
+    serve_util::post_to(addr, "/v1/completions", body.to_string()).await
 }
 
 async fn post_ok(addr: SocketAddr, body: Value) -> Value {
@@ -90,7 +66,7 @@ fn joined(chunks: &[Value], choices: usize) -> (Vec<String>, Vec<Vec<Value>>, Ve
 
 #[tokio::test]
 async fn echoed_prompt_logprobs_are_the_trainers_log_softmax() {
-    let (_g, dir, backend) = tiny_f32().await;
+    let (_g, dir, backend) = model_util::load_tiny_f32(&TinySpec::default()).await;
     let ids = backend.engine().encode_raw(PROMPT).unwrap();
     let model =
         collabllm::train::model::TrainLlama::from_hf_dir(&dir, DType::F32, &Device::Cpu).unwrap();
@@ -168,7 +144,7 @@ async fn echoed_prompt_logprobs_are_the_trainers_log_softmax() {
 
 #[tokio::test]
 async fn greedy_continuations_batches_and_live_streams() {
-    let (_g, _dir, backend) = tiny_f32().await;
+    let (_g, _dir, backend) = model_util::load_tiny_f32(&TinySpec::default()).await;
     let ids = backend.engine().encode_raw(PROMPT).unwrap();
     let greedy = backend
         .engine()
@@ -258,7 +234,7 @@ async fn greedy_continuations_batches_and_live_streams() {
 
 #[tokio::test]
 async fn what_the_endpoint_cannot_do_is_a_named_400() {
-    let (_g, _dir, backend) = tiny_f32().await;
+    let (_g, _dir, backend) = model_util::load_tiny_f32(&TinySpec::default()).await;
     let vocab = backend.engine().model().config().vocab_size;
     let addr = spawn_server(backend, "tiny").await;
     for (body, param, needle) in [

@@ -502,19 +502,9 @@ async fn requests_over_the_kv_budget_are_refused() {
 #[tokio::test]
 async fn logprobs_are_the_models_log_softmax_streamed_too() {
     use candle_core::{DType, Device};
-    use collabllm::engine::llama::WeightFormat;
-    use collabllm::llm::local::{LoadOptions, LocalBackend};
-    use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest, ModelSpec};
+    use collabllm::llm::{ChatBackend, ChatMessage, ChatRequest};
 
-    model_util::one_thread();
-    let (_g, dir) = model_util::tiny_model_dir(&TinySpec::default());
-    let opts = LoadOptions {
-        weights: WeightFormat::F32,
-        ..LoadOptions::default()
-    };
-    let backend = LocalBackend::load(&ModelSpec::HfDir(dir.clone()), &opts)
-        .await
-        .unwrap();
+    let (_g, dir, backend) = model_util::load_tiny_f32(&TinySpec::default()).await;
     let messages = vec![ChatMessage::user("Tell me about the sea.".to_string())];
     let req = ChatRequest::new(messages.clone())
         .temperature(1.0)

@@ -612,14 +612,7 @@ impl Engine {
     /// Token ids of raw prompt text as the tokenizer itself encodes it (`tokenizer(text)` in
     /// transformers: with the BOS a model's tokenizer adds), refused when it cannot fit.
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>, EngineError> {
-        if text.len() > self.context_length.saturating_mul(self.max_token_bytes) {
-            return Err(EngineError::PromptTooManyBytes {
-                model: self.name.clone(),
-                bytes: text.len(),
-                context: self.context_length,
-                max_token_bytes: self.max_token_bytes,
-            });
-        }
+        self.check_prompt_bytes(text)?;
         let ids = self
             .codec
             .tokenizer
@@ -628,6 +621,20 @@ impl Engine {
             .map_err(|e| self.gen_err(format!("tokenizing: {e}")))?;
         self.check_prompt_ids(&ids)?;
         Ok(ids)
+    }
+
+    /// Refuses, before tokenizing (megabytes take seconds), text whose bytes alone prove it
+    /// cannot fit the context.
+    fn check_prompt_bytes(&self, text: &str) -> Result<(), EngineError> {
+        if text.len() > self.context_length.saturating_mul(self.max_token_bytes) {
+            return Err(EngineError::PromptTooManyBytes {
+                model: self.name.clone(),
+                bytes: text.len(),
+                context: self.context_length,
+                max_token_bytes: self.max_token_bytes,
+            });
+        }
+        Ok(())
     }
 
     /// Refuses token ids outside the vocabulary, an empty prompt, or one that fills the context.
@@ -692,14 +699,7 @@ impl Engine {
     /// bytes alone prove it cannot fit the context (tokenizing megabytes takes seconds).
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
         let text = self.render(messages)?;
-        if text.len() > self.context_length.saturating_mul(self.max_token_bytes) {
-            return Err(EngineError::PromptTooManyBytes {
-                model: self.name.clone(),
-                bytes: text.len(),
-                context: self.context_length,
-                max_token_bytes: self.max_token_bytes,
-            });
-        }
+        self.check_prompt_bytes(&text)?;
         let ids = self.encode(&text)?;
         if ids.len() >= self.context_length {
             return Err(EngineError::PromptTooLong {

@@ -2,7 +2,7 @@
 //! template, continued by the model — how base models are served, and how harnesses score
 //! log-likelihoods (`echo` with `logprobs` returns every prompt token's log-probability).
 
-use super::{Choice, LlmError, TokenLogprob, TokenUsage, MAX_STOP_BYTES, MAX_TOP_LOGPROBS};
+use super::{Choice, LlmError, Sampling, TokenLogprob, TokenUsage};
 
 /// What to continue: text (tokenized with the tokenizer's own special tokens, a BOS where
 /// the model's tokenizer adds one) or token ids as they are.
@@ -49,34 +49,25 @@ impl CompletionRequest {
     }
 
     pub fn validate(&self) -> Result<(), LlmError> {
-        let bad = |msg: String| Err(LlmError::InvalidRequest(msg));
-        if self.n == 0 {
-            return bad("`n` must be at least 1".into());
-        }
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!(
-                "`temperature` must be >= 0, got {}",
-                self.temperature
-            ));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("`top_p` must be in (0, 1], got {}", self.top_p));
-        }
         if self.max_tokens == 0 && !self.echo {
-            return bad("`max_tokens` must be at least 1 (0 only with `echo`)".into());
-        }
-        if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
-            return bad(format!(
-                "`logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"
+            return Err(LlmError::InvalidRequest(
+                "`max_tokens` must be at least 1 (0 only with `echo`)".into(),
             ));
         }
-        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
-            return bad(format!(
-                "a `stop` string may be at most {MAX_STOP_BYTES} bytes, got one of {}",
-                long.len()
-            ));
+        self.sampling().validate("logprobs")
+    }
+
+    /// The settings the continuations are sampled with.
+    pub fn sampling(&self) -> Sampling<'_> {
+        Sampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            max_tokens: self.max_tokens,
+            n: self.n,
+            stop: &self.stop,
+            seed: self.seed,
+            logprobs: self.logprobs,
         }
-        Ok(())
     }
 }
 

@@ -194,22 +194,24 @@ impl LocalBackend {
         stream: Option<TokenSink>,
     ) -> Result<(GenJob, GenReply), LlmError> {
         req.validate()?;
-        let params = GenParams {
-            temperature: req.temperature,
-            top_p: req.top_p,
-            max_new_tokens: req.max_tokens,
-            stop: req.stop.clone(),
-            seed: req.seed,
-            n: req.n,
-            ignore_eos: false,
-            logprobs: req.logprobs,
-        };
+        let (mut job, rx) =
+            self.generation(req.sampling().gen_params(), req.strict_max_tokens, stream);
+        job.messages = req.messages.clone();
+        Ok((job, rx))
+    }
+
+    /// A generation job (no prompt yet) and the receiver of its answer.
+    fn generation(
+        &self,
+        params: GenParams,
+        strict_max_tokens: bool,
+        stream: Option<TokenSink>,
+    ) -> (GenJob, GenReply) {
         let (reply, rx) = tokio::sync::oneshot::channel();
         let mut job = self.scheduled(params, Task::Generate(reply));
-        job.messages = req.messages.clone();
-        job.strict_max_tokens = req.strict_max_tokens;
+        job.strict_max_tokens = strict_max_tokens;
         job.stream = stream;
-        Ok((job, rx))
+        (job, rx)
     }
 
     /// A job of this backend (its limits, counters and a fresh cancel flag) for `task`, with
@@ -460,25 +462,14 @@ impl LocalBackend {
         prompt_ids: &[u32],
         sink: Option<&super::DeltaSink>,
     ) -> Result<(Vec<Choice>, u64, u64), LlmError> {
-        let params = GenParams {
-            temperature: req.temperature,
-            top_p: req.top_p,
-            max_new_tokens: req.max_tokens,
-            stop: req.stop.clone(),
-            seed: req.seed,
-            n: req.n,
-            ignore_eos: false,
-            logprobs: req.logprobs,
-        };
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        let mut job = self.scheduled(params, Task::Generate(reply));
-        job.prompt_ids = Some(prompt_ids.to_vec());
-        job.strict_max_tokens = req.strict_max_tokens;
-        job.stream = sink.cloned().map(|sink| -> TokenSink {
+        let stream = sink.cloned().map(|sink| -> TokenSink {
             Box::new(move |i: usize, text: &str, lps: &[TokenLogprob]| {
                 sink.send_with_logprobs(i, text, lps)
             })
         });
+        let (mut job, rx) =
+            self.generation(req.sampling().gen_params(), req.strict_max_tokens, stream);
+        job.prompt_ids = Some(prompt_ids.to_vec());
         Counters::add(&self.counters.queued, 1);
         let out = self.run_job("completion", job, rx).await?;
         let completion_tokens = out.samples.iter().map(|s| s.tokens as u64).sum();

@@ -120,6 +120,44 @@ impl ChatRequest {
         if self.messages.is_empty() {
             return bad("`messages` must not be empty".into());
         }
+        if self.max_tokens == 0 {
+            return bad("`max_tokens` must be at least 1".into());
+        }
+        self.sampling().validate("top_logprobs")
+    }
+
+    /// The settings the reply is sampled with.
+    pub fn sampling(&self) -> Sampling<'_> {
+        Sampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            max_tokens: self.max_tokens,
+            n: self.n,
+            stop: &self.stop,
+            seed: self.seed,
+            logprobs: self.logprobs,
+        }
+    }
+}
+
+/// The settings a generation samples with, shared by chat and raw completions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling<'a> {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub max_tokens: usize,
+    pub n: usize,
+    pub stop: &'a [String],
+    pub seed: Option<u64>,
+    pub logprobs: Option<usize>,
+}
+
+impl Sampling<'_> {
+    /// Checks the values (`max_tokens` is the request's own to check); `logprobs_field`
+    /// names the field that counts alternatives (`top_logprobs` in chat, `logprobs` in raw
+    /// completions).
+    pub fn validate(&self, logprobs_field: &str) -> Result<(), LlmError> {
+        let bad = |msg: String| Err(LlmError::InvalidRequest(msg));
         if self.n == 0 {
             return bad("`n` must be at least 1".into());
         }
@@ -132,12 +170,9 @@ impl ChatRequest {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("`top_p` must be in (0, 1], got {}", self.top_p));
         }
-        if self.max_tokens == 0 {
-            return bad("`max_tokens` must be at least 1".into());
-        }
         if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
             return bad(format!(
-                "`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"
+                "`{logprobs_field}` must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"
             ));
         }
         if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
@@ -147,6 +182,20 @@ impl ChatRequest {
             ));
         }
         Ok(())
+    }
+
+    /// The local engine's parameters for these settings.
+    pub fn gen_params(&self) -> crate::engine::GenParams {
+        crate::engine::GenParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            max_new_tokens: self.max_tokens,
+            stop: self.stop.to_vec(),
+            seed: self.seed,
+            n: self.n,
+            ignore_eos: false,
+            logprobs: self.logprobs,
+        }
     }
 }
 

@@ -21,10 +21,10 @@ use serde::Deserialize;
 use serde_json::{json, Map, Number, Value};
 
 use super::request::{
-    count, number_in, out_of_range, param_and_shape, parse_stop, refuse_unhonoured, type_error,
-    unsupported, Count, Object, Seed, Stop, StreamOptions,
+    count, out_of_range, param_and_shape, parse_stop, refuse_unhonoured, samples, temperature,
+    top_p, type_error, unsupported, Count, Object, Seed, Stop, StreamOptions,
 };
-use super::{unix_now, ApiError, AppState, ChatStats, MAX_N, MAX_TEMPERATURE};
+use super::{unix_now, ApiError, AppState, ChatStats};
 use crate::llm::{
     Choice, CompletionPrompt, CompletionRequest, CompletionResponse, ContextLimits, Delta,
     DeltaSink, LlmError, TokenLogprob, TokenUsage, MAX_TOP_LOGPROBS,
@@ -148,14 +148,10 @@ impl CompletionBody {
         let mut base = CompletionRequest::new(CompletionPrompt::Text(String::new()));
         base.echo = self.echo.unwrap_or(false);
         if let Some(v) = &self.temperature {
-            base.temperature = number_in(v, "temperature", 0.0, MAX_TEMPERATURE)? as f32;
+            base.temperature = temperature(v)?;
         }
         if let Some(v) = &self.top_p {
-            let p = number_in(v, "top_p", 0.0, 1.0)?;
-            if p == 0.0 {
-                return Err(out_of_range("top_p", "in (0, 1]", v));
-            }
-            base.top_p = p as f32;
+            base.top_p = top_p(v)?;
         }
         base.max_tokens = DEFAULT_COMPLETION_TOKENS;
         if let Some(v) = self.max_tokens {
@@ -170,10 +166,7 @@ impl CompletionBody {
             base.strict_max_tokens = true;
         }
         if let Some(v) = self.n {
-            base.n = count(v, "n")?;
-            if !(1..=MAX_N).contains(&base.n) {
-                return Err(out_of_range("n", &format!("between 1 and {MAX_N}"), base.n));
-            }
+            base.n = samples(v)?;
         }
         if let Some(v) = self.best_of {
             let best_of = count(v, "best_of")?;

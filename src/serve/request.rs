@@ -278,14 +278,10 @@ impl ChatCompletionBody {
         })?;
         let mut req = ChatRequest::new(parse_messages(messages)?);
         if let Some(v) = &self.temperature {
-            req.temperature = number_in(v, "temperature", 0.0, MAX_TEMPERATURE)? as f32;
+            req.temperature = temperature(v)?;
         }
         if let Some(v) = &self.top_p {
-            let p = number_in(v, "top_p", 0.0, 1.0)?;
-            if p == 0.0 {
-                return Err(out_of_range("top_p", "in (0, 1]", v));
-            }
-            req.top_p = p as f32;
+            req.top_p = top_p(v)?;
         }
         // A limit the client gives must fit beside the prompt; the default is only a cap.
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
@@ -301,10 +297,7 @@ impl ChatCompletionBody {
             req.strict_max_tokens = true;
         }
         if let Some(v) = self.n {
-            req.n = count(v, "n")?;
-            if !(1..=MAX_N).contains(&req.n) {
-                return Err(out_of_range("n", &format!("between 1 and {MAX_N}"), req.n));
-            }
+            req.n = samples(v)?;
         }
         if let Some(stop) = self.stop {
             req.stop = parse_stop(stop)?;
@@ -337,6 +330,29 @@ impl ChatCompletionBody {
             response_format,
         })
     }
+}
+
+/// `temperature`, in [0, 2].
+pub(super) fn temperature(v: &Number) -> Result<f32, ApiError> {
+    Ok(number_in(v, "temperature", 0.0, MAX_TEMPERATURE)? as f32)
+}
+
+/// `top_p`, in (0, 1].
+pub(super) fn top_p(v: &Number) -> Result<f32, ApiError> {
+    let p = number_in(v, "top_p", 0.0, 1.0)?;
+    if p == 0.0 {
+        return Err(out_of_range("top_p", "in (0, 1]", v));
+    }
+    Ok(p as f32)
+}
+
+/// `n`, between 1 and [`MAX_N`].
+pub(super) fn samples(v: Count) -> Result<usize, ApiError> {
+    let n = count(v, "n")?;
+    if !(1..=MAX_N).contains(&n) {
+        return Err(out_of_range("n", &format!("between 1 and {MAX_N}"), n));
+    }
+    Ok(n)
 }
 
 /// `logprobs` and `top_logprobs` (0 to 20; above 0 only with `logprobs: true`, as OpenAI

@@ -35,6 +35,21 @@ pub async fn load_tiny(spec: &TinySpec) -> (tempfile::TempDir, Arc<LocalBackend>
     (guard, backend)
 }
 
+/// The tiny random llama loaded with f32 weights (the exact reference path, whose numbers
+/// the trainer's match), and its directory.
+pub async fn load_tiny_f32(spec: &TinySpec) -> (tempfile::TempDir, PathBuf, Arc<LocalBackend>) {
+    one_thread();
+    let (guard, path) = tiny_model_dir(spec);
+    let opts = LoadOptions {
+        weights: collabllm::engine::llama::WeightFormat::F32,
+        ..LoadOptions::default()
+    };
+    let backend = LocalBackend::load(&ModelSpec::HfDir(path.clone()), &opts)
+        .await
+        .expect("loading the tiny model");
+    (guard, path, backend)
+}
+
 /// The default model's path; fails (never skips) with the command that fetches it.
 pub fn default_model_path() -> PathBuf {
     collabllm::llm::spec::default_model_path().unwrap_or_else(|e| {

@@ -44,8 +44,13 @@ pub fn openai_client(addr: SocketAddr) -> Client<OpenAIConfig> {
 
 /// `POST /v1/chat/completions` with a raw body: (status, body text).
 pub async fn post_raw(addr: SocketAddr, body: impl Into<String>) -> (u16, String) {
+    post_to(addr, "/v1/chat/completions", body).await
+}
+
+/// `POST` a JSON body to `path`: (status, body text).
+pub async fn post_to(addr: SocketAddr, path: &str, body: impl Into<String>) -> (u16, String) {
     let resp = reqwest::Client::new()
-        .post(format!("http://{addr}/v1/chat/completions"))
+        .post(format!("http://{addr}{path}"))
         .header("content-type", "application/json")
         .body(body.into())
         .send()
