@@ -269,18 +269,7 @@ impl LocalBackend {
         }
         let completion_tokens = out.samples.iter().map(|s| s.tokens as u64).sum();
         Ok(ChatResponse {
-            choices: out
-                .samples
-                .into_iter()
-                .enumerate()
-                .map(|(index, s)| Choice {
-                    index,
-                    content: s.text,
-                    finish_reason: s.finish,
-                    token_ids: Some(s.token_ids),
-                    logprobs: s.logprobs,
-                })
-                .collect(),
+            choices: choices_of(out.samples),
             usage: TokenUsage {
                 prompt_tokens: out.prompt_tokens as u64,
                 completion_tokens,
@@ -298,6 +287,21 @@ impl LocalBackend {
             message: e.to_string(),
         }
     }
+}
+
+/// The engine's samples as choices, in order.
+fn choices_of(samples: Vec<crate::engine::Generation>) -> Vec<Choice> {
+    samples
+        .into_iter()
+        .enumerate()
+        .map(|(index, s)| Choice {
+            index,
+            content: s.text,
+            finish_reason: s.finish,
+            token_ids: Some(s.token_ids),
+            logprobs: s.logprobs,
+        })
+        .collect()
 }
 
 fn to_llm_error(model: &str, e: EngineError) -> LlmError {
@@ -473,19 +477,8 @@ impl LocalBackend {
         Counters::add(&self.counters.queued, 1);
         let out = self.run_job("completion", job, rx).await?;
         let completion_tokens = out.samples.iter().map(|s| s.tokens as u64).sum();
-        let choices = out
-            .samples
-            .into_iter()
-            .enumerate()
-            .map(|(index, s)| Choice {
-                index,
-                content: s.text,
-                finish_reason: s.finish,
-                token_ids: Some(s.token_ids),
-                logprobs: s.logprobs,
-            })
-            .collect();
-        Ok((choices, completion_tokens, out.cached_tokens as u64))
+        let cached = out.cached_tokens as u64;
+        Ok((choices_of(out.samples), completion_tokens, cached))
     }
 }
 

@@ -21,8 +21,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Number, Value};
 
 use super::request::{
-    count, out_of_range, param_and_shape, parse_stop, refuse_unhonoured, samples, temperature,
-    top_p, type_error, unsupported, Count, Object, Seed, Stop, StreamOptions,
+    count, json_object, out_of_range, param_and_shape, parse_stop, refuse_unhonoured, samples,
+    temperature, top_p, type_error, unsupported, Count, Object, Seed, Stop, StreamOptions,
 };
 use super::{unix_now, ApiError, AppState, ChatStats};
 use crate::llm::{
@@ -94,14 +94,7 @@ const PROMPT_SHAPES: &str =
 
 /// Parses an OpenAI completion request body, every field checked by name before any work.
 pub fn parse_completion(body: &[u8]) -> Result<ParsedCompletion, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}"), None))?;
-    if !value.is_object() {
-        return Err(ApiError::invalid(
-            "the request body must be a JSON object",
-            None,
-        ));
-    }
+    let value = json_object(body)?;
     let body: CompletionBody = serde_path_to_error::deserialize(value).map_err(|e| {
         let (param, shape) = param_and_shape(e.path());
         let expected = match shape.as_str() {
@@ -512,14 +505,7 @@ impl Live {
                 }
                 self.queue.push_back(Event::default().data("[DONE]"));
             }
-            Err(e) => {
-                let err = ApiError::from_llm(&e);
-                tracing::warn!(error = %err.message, "stream failed");
-                let body = json!({"error": {"message": err.message, "type": err.kind,
-                                            "param": err.param, "code": err.code}});
-                self.queue
-                    .push_back(Event::default().data(body.to_string()));
-            }
+            Err(e) => self.queue.push_back(super::stream::error_event(&e)),
         }
     }
 

@@ -205,6 +205,14 @@ impl<'de> Deserialize<'de> for Content {
 /// naming the field, and known fields the server cannot honour (penalties, logit bias,
 /// tools) are refused rather than silently ignored.
 pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    let value = json_object(body)?;
+    let body: ChatCompletionBody =
+        serde_path_to_error::deserialize(value).map_err(|e| type_error_at(e.path()))?;
+    body.validate()
+}
+
+/// The body as a JSON object, or the 400 that says why it is not one.
+pub(super) fn json_object(body: &[u8]) -> Result<Value, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}"), None))?;
     if !value.is_object() {
@@ -213,9 +221,7 @@ pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
             None,
         ));
     }
-    let body: ChatCompletionBody =
-        serde_path_to_error::deserialize(value).map_err(|e| type_error_at(e.path()))?;
-    body.validate()
+    Ok(value)
 }
 
 /// A failed field as the client wrote it (`messages[2].content`) and as a shape without

@@ -85,6 +85,16 @@ pub(super) fn stream_response(
     Sse::new(stream).into_response()
 }
 
+/// A stream's failure after its status line is long gone: the error goes in the stream,
+/// OpenAI-shaped.
+pub(super) fn error_event(e: &LlmError) -> Event {
+    let err = ApiError::from_llm(e);
+    tracing::warn!(error = %err.message, "stream failed");
+    let body = json!({"error": {"message": err.message, "type": err.kind,
+                                "param": err.param, "code": err.code}});
+    Event::default().data(body.to_string())
+}
+
 type ChatFuture = std::pin::Pin<Box<dyn Future<Output = Result<ChatResponse, LlmError>> + Send>>;
 
 /// A streamed completion in flight: the generation's future (polled by the response body,
@@ -156,15 +166,7 @@ impl LiveStream {
                     "stream finished"
                 );
             }
-            // The status line is long gone: the error goes in the stream, OpenAI-shaped.
-            Err(e) => {
-                let err = ApiError::from_llm(&e);
-                tracing::warn!(error = %err.message, "stream failed");
-                let body = json!({"error": {"message": err.message, "type": err.kind,
-                                            "param": err.param, "code": err.code}});
-                self.queue
-                    .push_back(Event::default().data(body.to_string()));
-            }
+            Err(e) => self.queue.push_back(error_event(&e)),
         }
     }
 
