@@ -99,32 +99,12 @@ enum Command {
     /// generated tokens/s, mean latency, peak RSS. `--max-batch 1` is the one-request-at-a-time
     /// baseline.
     ServeThroughput(serve_throughput::Params),
-    /// One DPO optimizer step in f32 (batch 1 pair): seconds per step (forward, backward,
-    /// optimizer), tokens/s and peak RSS; full fine-tuning, or LoRA r=32 with `--lora`. Run
-    /// each mode in its own process: peak RSS is per process.
-    TrainStep {
-        /// Model spec (`default` is dequantized from its GGUF to f32).
-        #[arg(long, default_value = "default")]
-        model: ModelSpec,
-        /// Compute threads.
-        #[arg(long, default_value_t = 2, value_parser = at_least_one)]
-        threads: usize,
-        /// Prompt tokens.
-        #[arg(long, default_value_t = 128, value_parser = at_least_one)]
-        prompt_tokens: usize,
-        /// Tokens in each completion (chosen and rejected).
-        #[arg(long, default_value_t = 128, value_parser = at_least_one)]
-        completion_tokens: usize,
-        /// Timed steps after one warm-up step; the median is reported.
-        #[arg(long, default_value_t = 3, value_parser = at_least_one)]
-        steps: usize,
-        /// Train LoRA adapters (r=32, α=16, all seven projections) instead of all weights.
-        #[arg(long)]
-        lora: bool,
-        /// Recompute activations layer by layer in the backward pass (less memory).
-        #[arg(long)]
-        gradient_checkpointing: bool,
-    },
+    /// Optimizer steps timed: DPO (full or LoRA) or a GRPO update, on the CPU or a CUDA
+    /// device, of a model or of a named shape with random weights (`--shape llama-3.1-8b
+    /// --random-init`): seconds a step, tokens/s, peak memory against the estimate, and
+    /// model-FLOPs utilisation against the card's bf16 peak. Run each mode in its own
+    /// process: peak memory is per process.
+    TrainStep(train_step::Params),
 }
 
 /// Every bench count is at least 1: a zero would time nothing and print 0 (or infinite)
@@ -284,25 +264,10 @@ fn main() -> ExitCode {
             collabllm::cli::set_compute_threads(Some(threads));
             decode(model, prompt_tokens, new_tokens, n, repeats, weights)
         }
-        Command::TrainStep {
-            model,
-            threads,
-            prompt_tokens,
-            completion_tokens,
-            steps,
-            lora,
-            gradient_checkpointing,
-        } => {
-            collabllm::cli::set_compute_threads(Some(threads));
+        Command::TrainStep(p) => {
+            collabllm::cli::set_compute_threads(Some(p.threads));
             collabllm::cli::keep_freed_memory();
-            train_step::run(train_step::Params {
-                model,
-                prompt_tokens,
-                completion_tokens,
-                steps,
-                lora,
-                checkpointing: gradient_checkpointing,
-            })
+            train_step::run(p)
         }
         Command::AdaptiveReplay(p) => adaptive_replay::run(p),
         Command::Kernels(p) => on_runtime(p.threads, kernels::run(p)),

@@ -148,8 +148,12 @@ pub fn sequence_logps(
     if t < 2 {
         candle_core::bail!("sequences need at least two tokens");
     }
-    let dtype = logits.dtype();
-    let logp = super::model::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?)?;
+    // In f32 for half-precision logits, as `ops::token_logps`.
+    let dtype = match logits.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let logp = super::model::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?.to_dtype(dtype)?)?;
     let labels = input_ids
         .narrow(1, 1, t - 1)?
         .to_dtype(DType::U32)?
@@ -177,7 +181,8 @@ pub fn completion_logps(
         .index_select(&targets.positions, 0)?;
     let per_token = super::ops::token_logps(&model.logits_of(&selected)?, &targets.labels)?;
     // Row sums as one (rows, K) · (K, 1) product with the 0/1 membership matrix.
-    let member = targets.membership.to_dtype(hidden.dtype())?;
+    // f32 like the log-probs: row sums of a few hundred tokens lose whole nats in bf16.
+    let member = targets.membership.to_dtype(per_token.dtype())?;
     let sums = member.matmul(&per_token.unsqueeze(1)?)?.squeeze(1)?;
     Ok((sums, member.sum(1)?))
 }
@@ -196,7 +201,8 @@ pub fn completion_logps_stats(
     let logits = model.logits_of(&selected)?;
     let stats = TokenStats::of(&logits, targets)?;
     let per_token = super::ops::token_logps(&logits, &targets.labels)?;
-    let member = targets.membership.to_dtype(hidden.dtype())?;
+    // f32 like the log-probs: row sums of a few hundred tokens lose whole nats in bf16.
+    let member = targets.membership.to_dtype(per_token.dtype())?;
     let sums = member.matmul(&per_token.unsqueeze(1)?)?.squeeze(1)?;
     Ok((sums, member.sum(1)?, stats))
 }
@@ -421,6 +427,32 @@ pub fn token_mean_nll(sums: &Tensor, counts: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// bf16 weights give the f32 log-probs of their own logits: a pair's summed log-probs
+    /// over a few hundred tokens stay within a few hundredths of a nat of the f32 model's
+    /// (summed in bf16 they were off by whole nats, more than a DPO margin).
+    #[test]
+    fn bf16_models_sum_log_probs_in_f32() {
+        let cfg = crate::train::shapes::shape_config("tiny").unwrap();
+        let dev = Device::Cpu;
+        let pair = TokenizedPair {
+            prompt: (0..40).map(|i| (i * 7) % 500).collect(),
+            chosen: (0..300).map(|i| (i * 13 + 5) % 500).collect(),
+            rejected: (0..280).map(|i| (i * 11 + 3) % 500).collect(),
+        };
+        let sums = |dtype| {
+            let model = crate::train::shapes::random_model(&cfg, dtype, &dev, 1).unwrap();
+            let batch = PairBatch::new(std::slice::from_ref(&pair), 0, &dev).unwrap();
+            let lp = pair_logps_full(&model, &batch).unwrap();
+            assert_eq!(lp.chosen.dtype(), DType::F32);
+            [lp.chosen, lp.rejected].map(|t| t.to_vec1::<f32>().unwrap()[0])
+        };
+        let (f, b) = (sums(DType::F32), sums(DType::BF16));
+        assert!(f[0] < -1500.0, "{f:?}");
+        for (x, y) in f.iter().zip(&b) {
+            assert!((x - y).abs() < 0.1, "f32 {f:?} bf16 {b:?}");
+        }
+    }
 
     /// The diagnostics against their definitions, computed naively per token.
     #[test]

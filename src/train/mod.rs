@@ -28,6 +28,7 @@
 //! ```
 
 pub mod adamw;
+pub mod capacity;
 pub mod data;
 pub mod dpo;
 pub(crate) mod error;
@@ -38,6 +39,7 @@ pub mod ops;
 pub mod optim;
 pub mod rl;
 pub mod settings;
+pub mod shapes;
 
 pub use error::TrainError;
 
