@@ -142,7 +142,8 @@ pub struct MemoryEstimate {
     pub optimizer: u64,
     /// What the forward pass keeps for the backward pass.
     pub activations: u64,
-    /// Logits of the loss tokens over the vocabulary and their log-softmax and gradient.
+    /// One chunk of the loss tokens' logits over the vocabulary, with its log-softmax and
+    /// gradient (the head runs a chunk at a time).
     pub logits: u64,
 }
 
@@ -190,9 +191,12 @@ pub fn estimate_memory(cfg: &LlamaConfig, dtype: DType, step: &StepShape) -> Mem
         layers * layer_graph + tokens * h * b
     };
     let vocab = cfg.vocab_size as u64;
-    // The head's output, its f32 copy, the log-softmax's shifted values and result, and the
-    // gradient in f32 and in the head's type.
-    let logits = step.loss_tokens as u64 * vocab * (2 * b + 4 * 4);
+    // One chunk of the head at a time (`chunked_head`): its logits, their f32 copy, shifted
+    // values, exponentials, softmax and gradient, and the gradient in the head's type.
+    let chunk = step
+        .loss_tokens
+        .min(super::chunked_head::chunk_rows(cfg.vocab_size)) as u64;
+    let logits = chunk * vocab * (2 * b + 5 * 4);
     let reference = match (&step.trainable, step.extra_forwards) {
         (Trainable::Full, n) if n > 0 => params * b,
         _ => 0,

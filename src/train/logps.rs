@@ -179,7 +179,11 @@ pub fn completion_logps(
     let selected = hidden
         .reshape((n * t, h))?
         .index_select(&targets.positions, 0)?;
-    let per_token = super::ops::token_logps(&model.logits_of(&selected)?, &targets.labels)?;
+    let per_token = if super::head::applies(&selected, model.head_weight()) {
+        super::ops::token_logps(&model.logits_of(&selected)?, &targets.labels)?
+    } else {
+        super::chunked_head::token_logps(&selected, model.head_weight(), &targets.labels)?
+    };
     // Row sums as one (rows, K) · (K, 1) product with the 0/1 membership matrix.
     // f32 like the log-probs: row sums of a few hundred tokens lose whole nats in bf16.
     let member = targets.membership.to_dtype(per_token.dtype())?;
@@ -198,9 +202,19 @@ pub fn completion_logps_stats(
     let selected = hidden
         .reshape((n * t, h))?
         .index_select(&targets.positions, 0)?;
-    let logits = model.logits_of(&selected)?;
-    let stats = TokenStats::of(&logits, targets)?;
-    let per_token = super::ops::token_logps(&logits, &targets.labels)?;
+    let (per_token, stats) = if super::head::applies(&selected, model.head_weight()) {
+        let logits = model.logits_of(&selected)?;
+        let stats = TokenStats::of(&logits, targets)?;
+        (super::ops::token_logps(&logits, &targets.labels)?, stats)
+    } else {
+        // Never the whole (tokens, vocab) logits, nor their copy to the host.
+        let (logp, per_token) = super::chunked_head::token_logps_stats(
+            &selected,
+            model.head_weight(),
+            &targets.labels,
+        )?;
+        (logp, TokenStats::from_per_token(&per_token, targets))
+    };
     // f32 like the log-probs: row sums of a few hundred tokens lose whole nats in bf16.
     let member = targets.membership.to_dtype(per_token.dtype())?;
     let sums = member.matmul(&per_token.unsqueeze(1)?)?.squeeze(1)?;
@@ -223,7 +237,14 @@ impl TokenStats {
     /// From the (K, V) logits that predict `targets`' K tokens.
     pub fn of(logits: &Tensor, targets: &Targets) -> Result<Self> {
         let labels = targets.labels.to_vec1::<u32>()?;
-        let per_token = token_stats(logits, &labels)?;
+        Ok(Self::from_per_token(
+            &token_stats(logits, &labels)?,
+            targets,
+        ))
+    }
+
+    /// Row sums of per-token (mean logit, entropy, correct), in `targets`' order.
+    pub fn from_per_token(per_token: &[[f64; 3]], targets: &Targets) -> Self {
         let rows = targets.num_rows;
         let mut out = TokenStats {
             logit_mean: vec![0.0; rows],
@@ -237,7 +258,7 @@ impl TokenStats {
             out.correct[r] += correct;
             out.tokens[r] += 1.0;
         }
-        Ok(out)
+        out
     }
 
     /// `Σ field / Σ tokens` over `rows` (0 without tokens, as TRL).

@@ -519,9 +519,8 @@ impl RlTrainer {
                 if head::applies(&states, weight) {
                     fused_head_loss(&states, weight, &batch.targets, &terms, &cfg)
                 } else {
-                    let logits = policy.logits_of(&states)?;
                     let (loss, metrics, value) =
-                        composed_head_loss(&logits, &batch.targets, &terms, &cfg)?;
+                        composed_head_loss(policy, &states, &batch.targets, &terms, &cfg)?;
                     Ok((loss, (metrics, value, None)))
                 }
             })?;
@@ -611,22 +610,31 @@ fn fused_head_loss(
 }
 
 /// The PPO loss through candle's composed ops (other devices and dtypes): the entropy is
-/// logged on every step (TRL and verl do); without the bonus it is computed from detached
-/// logits and adds nothing to the backward pass.
+/// logged on every step (TRL and verl do). Without the entropy bonus the head runs a chunk of
+/// tokens at a time ([`crate::train::chunked_head`]) and the entropy comes detached from the
+/// same chunks; with it, the entropy needs its own gradient and the whole logits are kept.
 fn composed_head_loss(
-    logits: &Tensor,
+    policy: &TrainLlama,
+    states: &Tensor,
     targets: &Targets,
     terms: &PerToken,
     cfg: &PpoConfig,
 ) -> candle_core::Result<(Tensor, PpoMetrics, f64)> {
-    let logp = token_logps(logits, &targets.labels)?.to_dtype(DType::F32)?;
-    let logits = logits.to_dtype(DType::F32)?;
-    let entropy = if cfg.entropy_coef > 0.0 {
-        entropy_of_logits(&logits)?
-    } else {
-        crate::train::ops::token_entropy(&logits)?
-    };
-    terms.ppo(0..targets.labels.dim(0)?, &logp, &entropy, cfg)
+    let tokens = targets.labels.dim(0)?;
+    if cfg.entropy_coef == 0.0 {
+        let (logp, stats) = crate::train::chunked_head::token_logps_stats(
+            states,
+            policy.head_weight(),
+            &targets.labels,
+        )?;
+        let entropy: Vec<f32> = stats.iter().map(|s| s[1] as f32).collect();
+        let entropy = Tensor::from_vec(entropy, tokens, states.device())?;
+        return terms.ppo(0..tokens, &logp, &entropy, cfg);
+    }
+    let logits = policy.logits_of(states)?;
+    let logp = token_logps(&logits, &targets.labels)?.to_dtype(DType::F32)?;
+    let entropy = entropy_of_logits(&logits.to_dtype(DType::F32)?)?;
+    terms.ppo(0..tokens, &logp, &entropy, cfg)
 }
 
 /// One preference pair of an online DPO step.
