@@ -29,6 +29,7 @@
 
 pub mod adamw;
 pub mod capacity;
+pub mod chunked_attention;
 pub mod chunked_head;
 pub mod data;
 pub mod dpo;

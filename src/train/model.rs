@@ -871,16 +871,20 @@ impl TrainLlama {
             let y = self.blocked_attention(&q, &k, &v, blocks)?;
             return self.proj(&y, &layer.o);
         }
-        // Query head `j` reads key/value head `j / groups` (HF `repeat_kv`): the `groups`
-        // query heads of a key/value head are stacked along the query axis, so K and V are
-        // never copied `groups` times.
-        let q = q.reshape((b, kvh, groups * seq, hd))?;
-        let scores = q
-            .matmul(&k.t()?.contiguous()?)?
-            .reshape((b, nh, seq, seq))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let att = super::ops::masked_softmax(&scores, bias, scale)?;
-        let y = att.reshape((b, kvh, groups * seq, seq))?.matmul(&v)?; // (b, kvh, g·seq, hd)
+        let y = if super::ops::fused(&[&q, &k]) {
+            // Query head `j` reads key/value head `j / groups` (HF `repeat_kv`): the `groups`
+            // query heads of a key/value head are stacked along the query axis, so K and V
+            // are never copied `groups` times.
+            let q = q.reshape((b, kvh, groups * seq, hd))?;
+            let scores = q
+                .matmul(&k.t()?.contiguous()?)?
+                .reshape((b, nh, seq, seq))?;
+            let att = super::ops::masked_softmax(&scores, bias, scale)?;
+            att.reshape((b, kvh, groups * seq, seq))?.matmul(&v)? // (b, kvh, g·seq, hd)
+        } else {
+            super::chunked_attention::attention(&q, &k, &v, bias, scale)?
+        };
         let y = y
             .reshape((b, nh, seq, hd))?
             .transpose(1, 2)?
@@ -919,17 +923,17 @@ impl TrainLlama {
                 };
                 let (kb, vb) = (gather(&kr)?, gather(&vr)?);
                 let width = kb.dim(2)?;
-                let qb = qr.narrow(2, b.start, b.len)?.contiguous()?.reshape((
-                    1,
-                    kvh,
-                    groups * b.len,
-                    hd,
-                ))?;
-                let scores = qb
-                    .matmul(&kb.t()?.contiguous()?)?
-                    .reshape((1, nh, b.len, width))?;
-                let att = super::ops::masked_softmax(&scores, &b.bias, scale)?;
-                let y = att.reshape((1, kvh, groups * b.len, width))?.matmul(&vb)?;
+                let qb = qr.narrow(2, b.start, b.len)?.contiguous()?;
+                let y = if super::ops::fused(&[&qb, &kb]) {
+                    let qb = qb.reshape((1, kvh, groups * b.len, hd))?;
+                    let scores = qb
+                        .matmul(&kb.t()?.contiguous()?)?
+                        .reshape((1, nh, b.len, width))?;
+                    let att = super::ops::masked_softmax(&scores, &b.bias, scale)?;
+                    att.reshape((1, kvh, groups * b.len, width))?.matmul(&vb)?
+                } else {
+                    super::chunked_attention::attention(&qb, &kb, &vb, &b.bias, scale)?
+                };
                 parts.push(
                     y.reshape((1, nh, b.len, hd))?
                         .transpose(1, 2)?
