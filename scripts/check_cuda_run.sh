@@ -26,16 +26,7 @@ fails=0
 say() { echo "$*" | tee -a "$out/summary.txt"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-libs=$(python3 - <<'EOF'
-import glob, os, site
-dirs = set()
-for root in site.getsitepackages():
-    for pat in ("libcublas.so*", "libcurand.so*", "libcublasLt.so*", "libnvrtc.so*", "libcudart.so*"):
-        for f in glob.glob(f"{root}/nvidia/**/{pat}", recursive=True):
-            dirs.add(os.path.dirname(f))
-print(":".join(sorted(dirs)))
-EOF
-)
+libs=$(bash "$(dirname "${BASH_SOURCE[0]}")/cuda_lib_path.sh")
 export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
 threads=$(nproc)
 

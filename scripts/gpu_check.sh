@@ -20,6 +20,7 @@
 # RUN_TIMEOUT (seconds a run, default 100) and SHAPES_ONLY (a space-separated subset of the
 # table's row names) adjust it.
 set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=$(realpath -m "${1:?usage: gpu_check.sh OUT [BENCH]}")
 logs=$(realpath -m "${LOG_DIR:-$out/logs}")
 mkdir -p "$out" "$logs"
@@ -28,7 +29,7 @@ per_run=${RUN_TIMEOUT:-100}
 started=$(date +%s)
 
 if [[ -z $bench ]]; then
-  cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+  cd "$here/.." || exit 1
   bash scripts/check_cuda_build.sh --build || exit 1
   bench=target/cuda-check/release/bench
 fi
@@ -37,16 +38,7 @@ if [[ $bench == *.gz ]]; then
   bench=/tmp/collabllm-bench
 fi
 
-libs=$(python3 - <<'EOF'
-import glob, os, site
-dirs = set()
-for root in site.getsitepackages():
-    for pat in ("libcublas.so*", "libcurand.so*", "libcublasLt.so*", "libnvrtc.so*", "libcudart.so*"):
-        for f in glob.glob(f"{root}/nvidia/**/{pat}", recursive=True):
-            dirs.add(os.path.dirname(f))
-print(":".join(sorted(dirs)))
-EOF
-)
+libs=$(bash "$here/cuda_lib_path.sh")
 export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 runs="$out/runs.jsonl"

@@ -28,13 +28,7 @@ fn layer_params(cfg: &LlamaConfig) -> usize {
         cfg.num_attention_heads * cfg.head_dim(),
         cfg.num_kv_heads() * cfg.head_dim(),
     );
-    let proj: usize = LORA_TARGETS
-        .iter()
-        .map(|t| {
-            let (o, i) = proj_dims(cfg, t);
-            o * i
-        })
-        .sum();
+    let proj = layer_matmul_params(cfg);
     let bias = if cfg.family.qkv_bias() { q + 2 * kv } else { 0 };
     let qk_norm = if cfg.family.qk_norm() {
         2 * cfg.head_dim()
@@ -62,14 +56,18 @@ fn proj_dims(cfg: &LlamaConfig, target: &str) -> (usize, usize) {
 
 /// The weights that take part in matrix products per token: every projection and the head.
 pub fn matmul_params(cfg: &LlamaConfig) -> usize {
-    let proj: usize = LORA_TARGETS
+    cfg.num_hidden_layers * layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size
+}
+
+/// One layer's projection weights.
+fn layer_matmul_params(cfg: &LlamaConfig) -> usize {
+    LORA_TARGETS
         .iter()
         .map(|t| {
             let (o, i) = proj_dims(cfg, t);
             o * i
         })
-        .sum();
-    cfg.num_hidden_layers * proj + cfg.vocab_size * cfg.hidden_size
+        .sum()
 }
 
 /// LoRA's trainable parameters for rank `r` on `targets` of every layer.

@@ -10,7 +10,6 @@
 //! products): one extra `q·kᵀ` a layer, and the heads × queries × keys tensors of one chunk
 //! alive at a time. Softmax statistics are computed in f32 (f64 for f64 inputs).
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 /// f32 score bytes of one chunk (all rows and heads of a chunk of queries).
@@ -189,18 +188,6 @@ struct ChunkedAttention {
     rows: usize,
 }
 
-impl ChunkedAttention {
-    fn result<S: BackendStorage>(
-        &self,
-        pick: impl Fn(&candle_core::Storage) -> Option<&S>,
-    ) -> Result<(S, Shape)> {
-        let (storage, layout) = self.out.storage_and_layout();
-        let s = pick(&storage)
-            .ok_or_else(|| candle_core::Error::Msg("chunked attention: device mismatch".into()))?;
-        Ok((s.try_clone(layout)?, self.out.shape().clone()))
-    }
-}
-
 impl CustomOp3 for ChunkedAttention {
     fn name(&self) -> &'static str {
         "train-chunked-attention"
@@ -215,10 +202,7 @@ impl CustomOp3 for ChunkedAttention {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.result(|s| match s {
-            candle_core::Storage::Cpu(c) => Some(c),
-            _ => None,
-        })
+        super::ops::precomputed_cpu(&self.out)
     }
 
     fn cuda_fwd(
@@ -230,10 +214,7 @@ impl CustomOp3 for ChunkedAttention {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.result(|s| match s {
-            candle_core::Storage::Cuda(c) => Some(c),
-            _ => None,
-        })
+        super::ops::precomputed_cuda(&self.out)
     }
 
     fn bwd(
@@ -299,20 +280,8 @@ impl CustomOp3 for ChunkedAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::test_util::max_diff;
     use candle_core::{Device, Var};
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
 
     /// Against the composed ops (scores, masked softmax, values), grouped heads (4 query
     /// heads on 2 key/value heads), a causal mask with a padded key, chunks of 3 queries.

@@ -10,7 +10,6 @@
 //! chunk's logits, for one extra head product (Liger-Kernel's fused linear cross-entropy makes
 //! the same trade).
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 
 /// f32 logit bytes of one chunk.
@@ -142,18 +141,6 @@ struct ChunkedHead {
     rows: usize,
 }
 
-impl ChunkedHead {
-    fn result<S: BackendStorage>(
-        &self,
-        pick: impl Fn(&candle_core::Storage) -> Option<&S>,
-    ) -> Result<(S, Shape)> {
-        let (storage, layout) = self.logp.storage_and_layout();
-        let s = pick(&storage)
-            .ok_or_else(|| candle_core::Error::Msg("chunked head: device mismatch".into()))?;
-        Ok((s.try_clone(layout)?, self.logp.shape().clone()))
-    }
-}
-
 impl CustomOp2 for ChunkedHead {
     fn name(&self) -> &'static str {
         "train-chunked-head"
@@ -166,10 +153,7 @@ impl CustomOp2 for ChunkedHead {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.result(|s| match s {
-            candle_core::Storage::Cpu(c) => Some(c),
-            _ => None,
-        })
+        super::ops::precomputed_cpu(&self.logp)
     }
 
     fn cuda_fwd(
@@ -179,10 +163,7 @@ impl CustomOp2 for ChunkedHead {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.result(|s| match s {
-            candle_core::Storage::Cuda(c) => Some(c),
-            _ => None,
-        })
+        super::ops::precomputed_cuda(&self.logp)
     }
 
     fn bwd(
@@ -229,6 +210,7 @@ impl CustomOp2 for ChunkedHead {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::test_util::max_diff;
     use candle_core::{Device, Var};
 
     /// Values and gradients against the composed ops (full logits, log-softmax, gather),
@@ -252,17 +234,7 @@ mod tests {
                 .unwrap()
         };
         let chunked = token_logps_in(x.as_tensor(), w.as_tensor(), &labels, 3).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
-        assert!(diff(&composed, &chunked) < 1e-5);
+        assert!(max_diff(&composed, &chunked) < 1e-5);
         let ga = (&composed * &up)
             .unwrap()
             .sum_all()
@@ -280,14 +252,14 @@ mod tests {
                 ga.get(var.as_tensor()).unwrap(),
                 gb.get(var.as_tensor()).unwrap(),
             );
-            assert!(diff(a, b) < 1e-5, "{a} {b}");
+            assert!(max_diff(a, b) < 1e-5, "{a} {b}");
         }
         // A frozen head: the hidden states' gradient only.
         let frozen = w.as_tensor().detach();
         let out = token_logps_in(x.as_tensor(), &frozen, &labels, 3).unwrap();
         let g = (&out * &up).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(
-            diff(
+            max_diff(
                 g.get(x.as_tensor()).unwrap(),
                 ga.get(x.as_tensor()).unwrap()
             ) < 1e-5

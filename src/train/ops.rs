@@ -100,6 +100,26 @@ fn cpu_out(data: Vec<f32>, shape: &Shape) -> (CpuStorage, Shape) {
     (CpuStorage::F32(data), shape.clone())
 }
 
+/// The storage of `t`, computed beforehand with ordinary tensor ops, as a custom op's forward
+/// result: for ops whose forward needs no kernel of its own but whose backward is their own
+/// (`chunked_head`, `chunked_attention`). `t` must own its storage (fresh from `cat`).
+pub(crate) fn precomputed_cpu(t: &Tensor) -> Result<(CpuStorage, Shape)> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(s) => Ok((s.try_clone(layout)?, t.shape().clone())),
+        _ => candle_core::bail!("precomputed result: expected a CPU tensor"),
+    }
+}
+
+/// [`precomputed_cpu`] for CUDA.
+pub(crate) fn precomputed_cuda(t: &Tensor) -> Result<(candle_core::CudaStorage, Shape)> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, t.shape().clone())),
+        _ => candle_core::bail!("precomputed result: expected a CUDA tensor"),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // linear
 
