@@ -34,15 +34,7 @@ pub fn token_logps_in(
     labels: &Tensor,
     rows: usize,
 ) -> Result<Tensor> {
-    let (logp, _) = forward(hidden, weight, labels, rows, false)?;
-    hidden.apply_op2(
-        weight,
-        ChunkedHead {
-            logp,
-            labels: labels.to_dtype(DType::U32)?.contiguous()?,
-            rows,
-        },
-    )
+    Ok(with_gradient(hidden, weight, labels, rows, false)?.0)
 }
 
 /// [`token_logps`] and TRL's per-token diagnostics of the same logits (mean logit, entropy,
@@ -52,17 +44,24 @@ pub fn token_logps_stats(
     weight: &Tensor,
     labels: &Tensor,
 ) -> Result<(Tensor, Vec<[f64; 3]>)> {
-    let rows = chunk_rows(weight.dim(0)?);
-    let (logp, stats) = forward(hidden, weight, labels, rows, true)?;
-    let out = hidden.apply_op2(
-        weight,
-        ChunkedHead {
-            logp,
-            labels: labels.to_dtype(DType::U32)?.contiguous()?,
-            rows,
-        },
-    )?;
-    Ok((out, stats))
+    with_gradient(hidden, weight, labels, chunk_rows(weight.dim(0)?), true)
+}
+
+/// The forward pass, then the op that carries its result and owns its backward pass.
+fn with_gradient(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+    rows: usize,
+    stats: bool,
+) -> Result<(Tensor, Vec<[f64; 3]>)> {
+    let (logp, diag) = forward(hidden, weight, labels, rows, stats)?;
+    let op = ChunkedHead {
+        logp,
+        labels: labels.to_dtype(DType::U32)?.contiguous()?,
+        rows,
+    };
+    Ok((hidden.apply_op2(weight, op)?, diag))
 }
 
 /// The type log-probs are computed in: f32, or f64 for f64 weights.
