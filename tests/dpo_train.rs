@@ -1070,7 +1070,7 @@ fn resume_refuses_changed_settings_unless_overridden() {
 fn every_model_family_trains_full_and_lora() {
     let f = fixture();
     let dev = Device::Cpu;
-    for family in ["qwen2", "qwen3", "mistral"] {
+    for family in ["qwen2", "qwen3", "mistral", "gemma3_text"] {
         let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/families")
             .join(family);

@@ -1,4 +1,4 @@
-//! The model families besides llama (qwen2, qwen3, mistral) against transformers: tiny random
+//! The model families besides llama (qwen2, qwen3, mistral, gemma3_text) against transformers: tiny random
 //! checkpoints that transformers wrote, with its logits, log-probs, greedy tokens, rendered
 //! chat template and one DPO gradient norm (`scripts/make_family_fixtures.py`, run by hand;
 //! the fixtures are committed, so no Python is needed here). The inference engine, `serve`,
@@ -20,7 +20,7 @@ use collabllm::train::dpo::loss::{dpo_loss, DpoConfig};
 use collabllm::train::logps::{pair_logps, PairBatch, TokenizedPair};
 use collabllm::train::model::TrainLlama;
 
-const FAMILIES: [&str; 3] = ["qwen2", "qwen3", "mistral"];
+const FAMILIES: [&str; 4] = ["qwen2", "qwen3", "mistral", "gemma3_text"];
 
 fn dir(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -93,10 +93,12 @@ fn f32_engine(family: &str) -> Engine {
 
 #[test]
 fn configs_name_their_family() {
-    for (name, family) in FAMILIES
-        .iter()
-        .zip([Family::Qwen2, Family::Qwen3, Family::Mistral])
-    {
+    for (name, family) in FAMILIES.iter().zip([
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mistral,
+        Family::Gemma3,
+    ]) {
         let cfg = LlamaConfig::from_hf_json(&dir(name).join("config.json")).unwrap();
         assert_eq!(cfg.family, family);
         assert_eq!(cfg.family.model_type(), *name);
@@ -106,6 +108,17 @@ fn configs_name_their_family() {
         qwen3.head_dim(),
         16,
         "Qwen3's head_dim is given, not hidden / heads"
+    );
+    // Gemma 3: five sliding-window layers, then a global one; each kind its own rope base;
+    // the window caps the context.
+    let gemma = LlamaConfig::from_hf_json(&dir("gemma3_text").join("config.json")).unwrap();
+    let five_then_global: Vec<bool> = (0..6).map(|i| i < 5).collect();
+    assert_eq!(gemma.sliding_layers, five_then_global);
+    assert_eq!((gemma.rope_theta, gemma.local_rope_theta), (1e6, Some(1e4)));
+    assert!(gemma.tie_word_embeddings);
+    assert_eq!(
+        (gemma.max_position_embeddings, gemma.context_length()),
+        (256, 64)
     );
 }
 
@@ -262,15 +275,16 @@ fn training_logps_and_dpo_gradients_match_transformers() {
     }
 }
 
-/// The families llama.cpp writes under their own GGUF architecture (qwen2, qwen3; Mistral is
-/// written as `llama`): the GGUF of the same weights gives transformers' logits in the engine
-/// and its log-probs in the trainer, and its tokenizer and template (rebuilt from the GGUF
-/// metadata, `tokenizer.ggml.pre` `qwen2`) transformers' chat ids.
+/// The families llama.cpp writes under their own GGUF architecture (qwen2, qwen3, gemma3;
+/// Mistral is written as `llama`): the GGUF of the same weights gives transformers' logits in
+/// the engine and its log-probs in the trainer, and its tokenizer and template (rebuilt from
+/// the GGUF metadata: `tokenizer.ggml.pre` `qwen2`; Gemma's SentencePiece vocabulary, its
+/// norms stored as 1 + w) transformers' chat ids.
 #[test]
-fn gguf_files_of_qwen_families_match_transformers() {
+fn gguf_files_of_qwen_and_gemma_families_match_transformers() {
     one_thread();
     let dev = Device::Cpu;
-    for family in ["qwen2", "qwen3"] {
+    for family in ["qwen2", "qwen3", "gemma3_text"] {
         let r = reference(family);
         let path = dir(family).with_extension("gguf");
         let opts = LoadOptions {
@@ -293,6 +307,38 @@ fn gguf_files_of_qwen_families_match_transformers() {
     }
 }
 
+/// Gemma's SentencePiece tokenizer, from the HF folder's tokenizer.json and rebuilt from the
+/// GGUF's vocabulary (merges from token order, byte fallback, spaces as `▁`, BOS added), encodes
+/// raw text as transformers does: leading, doubled and trailing spaces, bytes of characters
+/// outside the vocabulary, newlines, special tokens written out; and decodes back to the text.
+#[test]
+fn gemma_tokenizers_encode_raw_text_as_transformers_does() {
+    let r = reference("gemma3_text");
+    let opts = LoadOptions {
+        weights: WeightFormat::F32,
+        ..LoadOptions::default()
+    };
+    let hf = Engine::load(&LocalModelFiles::HfDir(dir("gemma3_text")), &opts).unwrap();
+    let gguf_path = dir("gemma3_text").with_extension("gguf");
+    let gguf = Engine::load(&LocalModelFiles::Gguf(gguf_path), &opts).unwrap();
+    let cases = r["text_ids"].as_array().unwrap();
+    assert!(cases.len() >= 6);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case["ids"]);
+        for (what, engine) in [("tokenizer.json", &hf), ("GGUF", &gguf)] {
+            assert_eq!(engine.encode_raw(text).unwrap(), want, "{what}: {text:?}");
+            if !text.contains("<start_of_turn>") {
+                assert_eq!(
+                    engine.decode(&want[1..]).unwrap(),
+                    text,
+                    "{what}: decode {text:?}"
+                );
+            }
+        }
+    }
+}
+
 /// What the config reader refuses names the file and the field.
 #[test]
 fn unsupported_families_and_settings_are_refused_by_name() {
@@ -307,8 +353,8 @@ fn unsupported_families_and_settings_are_refused_by_name() {
         std::fs::write(&path, cfg.to_string()).unwrap();
         LlamaConfig::from_hf_json(&path).unwrap_err().to_string()
     };
-    let e = refused(&|c| c["model_type"] = "gemma3_text".into());
-    assert!(e.contains("model_type") && e.contains("gemma3_text"), "{e}");
+    let e = refused(&|c| c["model_type"] = "gemma2".into());
+    assert!(e.contains("model_type") && e.contains("gemma2"), "{e}");
     assert!(
         e.contains("qwen2, qwen3, mistral"),
         "names what is supported: {e}"

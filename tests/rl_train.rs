@@ -952,7 +952,7 @@ async fn every_model_family_runs_a_step() {
     })
     .collect();
     std::fs::write(&tasks, rows.join("\n")).unwrap();
-    for family in ["qwen2", "qwen3", "mistral"] {
+    for family in ["qwen2", "qwen3", "mistral", "gemma3_text"] {
         let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/families")
             .join(family);

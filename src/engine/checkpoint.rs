@@ -155,6 +155,11 @@ pub fn hf_tensor_names(cfg: &LlamaConfig) -> Vec<String> {
                 names.push(format!("{p}.self_attn.{n}.weight"));
             }
         }
+        if cfg.family.gemma() {
+            for n in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                names.push(format!("{p}.{n}.weight"));
+            }
+        }
     }
     names.push("model.norm.weight".to_string());
     if !cfg.tie_word_embeddings {

@@ -1,8 +1,9 @@
 //! The one reader of a model's hyper-parameters, for inference and training alike, and the
 //! one place that says which model families are supported ([`Family`]: llama, qwen2, qwen3,
-//! mistral): an HF `config.json` (transformers ≤ 4 writes the rope base as a top-level
+//! mistral, gemma3_text): an HF `config.json` (transformers ≤ 4 writes the rope base as a top-level
 //! `rope_theta` and its scaling as `rope_scaling`; transformers ≥ 5 writes both under
-//! `rope_parameters`) or the `<arch>.*` metadata of a GGUF file (`llama`, `qwen2`, `qwen3`).
+//! `rope_parameters`) or the `<arch>.*` metadata of a GGUF file (`llama`, `qwen2`, `qwen3`,
+//! `gemma3`).
 //!
 //! Nothing that changes the model's math is guessed: a family, rope type or rope key we do
 //! not implement, a field whose value we do not implement (`attention_bias: true` outside
@@ -30,7 +31,7 @@ pub const DEFAULT_ROPE_THETA: f64 = 10_000.0;
 pub const ROPE_TYPES: [&str; 3] = ["default", "linear", "llama3"];
 
 /// A supported model family: the llama maths with what each family adds. Everything else
-/// (`gemma3_text`, `phi3`, mixtures of experts, …) is refused by name.
+/// (`gemma2`, `phi3`, mixtures of experts, …) is refused by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Family {
     /// Llama 2/3, SmolLM2, TinyLlama.
@@ -43,11 +44,23 @@ pub enum Family {
     /// Mistral: llama maths with a sliding window, which is used only up to its length (the
     /// context is capped at the window: within it attention is full).
     Mistral,
+    /// Gemma 3 (text, dense): (1 + w) RMS norms, a norm after attention and after the MLP
+    /// besides the two before them, per-head query/key norms, embeddings scaled by
+    /// √hidden, GELU (tanh) in the MLP, tied head; sliding-window layers with their own rope
+    /// base between global ones. Like Mistral's, the window caps the context (see
+    /// [`LlamaConfig::context_length`]).
+    Gemma3,
 }
 
 impl Family {
     /// All supported families, as `model_type` names them.
-    pub const ALL: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral];
+    pub const ALL: [Family; 5] = [
+        Family::Llama,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mistral,
+        Family::Gemma3,
+    ];
 
     /// transformers' `model_type`.
     pub fn model_type(self) -> &'static str {
@@ -56,6 +69,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
+            Family::Gemma3 => "gemma3_text",
         }
     }
 
@@ -66,6 +80,7 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Mistral => "MistralForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -80,7 +95,13 @@ impl Family {
 
     /// Whether each query and key head is RMS-normed before the rotary embedding.
     pub fn qk_norm(self) -> bool {
-        self == Family::Qwen3
+        matches!(self, Family::Qwen3 | Family::Gemma3)
+    }
+
+    /// Gemma's layout: RMS norms scale by (1 + w), a norm after attention and after the
+    /// MLP, embeddings scaled by √hidden, GELU (tanh) instead of SiLU in the gated MLP.
+    pub fn gemma(self) -> bool {
+        self == Family::Gemma3
     }
 }
 
@@ -241,8 +262,28 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeScaling>,
     pub bos_token_id: Option<Value>,
     pub eos_token_id: Option<Value>,
-    /// Mistral's `sliding_window`, when the file gives one (see [`LlamaConfig::context_length`]).
+    /// Mistral's `sliding_window`, when the file gives one, and Gemma 3's when a layer slides
+    /// (see [`LlamaConfig::context_length`]).
     pub sliding_window: Option<usize>,
+    /// Gemma 3: per layer, whether it is a sliding-window layer (rotated with
+    /// `local_rope_theta`, unscaled); empty for the other families.
+    pub sliding_layers: Vec<bool>,
+    /// Gemma 3: the rope base of the sliding-window layers.
+    pub local_rope_theta: Option<f64>,
+}
+
+/// transformers' `Gemma3TextConfig` defaults: the global and local rope bases, the layer
+/// pattern (every sixth layer global; llama.cpp's too), the window, the head dimension and
+/// `query_pre_attn_scalar`.
+const GEMMA3_GLOBAL_THETA: f64 = 1_000_000.0;
+const GEMMA3_LOCAL_THETA: f64 = 10_000.0;
+const GEMMA3_PATTERN: usize = 6;
+const GEMMA3_WINDOW: usize = 4096;
+const GEMMA3_HEAD_DIM: usize = 256;
+
+/// Gemma 3's layer pattern: layer `i` slides unless `(i + 1)` is a multiple of `pattern`.
+fn gemma3_pattern(layers: usize, pattern: usize) -> Vec<bool> {
+    (0..layers).map(|i| (i + 1) % pattern.max(1) != 0).collect()
 }
 
 /// Top-level fields that change the math, with the one value we implement (absent and
@@ -511,10 +552,31 @@ fn family_neutral_fields(family: Family) -> &'static [(&'static str, Neutral)] {
         ],
         Family::Qwen2 => &[],
         Family::Qwen3 | Family::Mistral => &[("attention_bias", Neutral::False)],
+        Family::Gemma3 => &[
+            ("attention_bias", Neutral::False),
+            ("hidden_activation", Neutral::Str("gelu_pytorch_tanh")),
+            ("hidden_act", Neutral::Str("gelu_pytorch_tanh")),
+            ("use_bidirectional_attention", Neutral::False),
+        ],
     }
 }
 
 fn check_neutral_fields(f: &Fields, family: Family) -> Res<()> {
+    // Gemma 3's activation and layer types are its own (checked by the family's entries and
+    // `gemma3_layout`).
+    let general = NEUTRAL_FIELDS
+        .iter()
+        .filter(|(key, _)| !(family.gemma() && *key == "hidden_act"));
+    for (key, neutral) in general.chain(family_neutral_fields(family)) {
+        if let Some(v) = f.get(key) {
+            if !neutral.accepts(v) {
+                return Err(f.err(key, format!("{v}: {}", neutral.describe())));
+            }
+        }
+    }
+    if family.gemma() {
+        return Ok(());
+    }
     if let Some(v) = f.get("layer_types") {
         let all_full = v
             .as_array()
@@ -526,14 +588,159 @@ fn check_neutral_fields(f: &Fields, family: Family) -> Res<()> {
             ));
         }
     }
-    for (key, neutral) in NEUTRAL_FIELDS.iter().chain(family_neutral_fields(family)) {
-        if let Some(v) = f.get(key) {
-            if !neutral.accepts(v) {
-                return Err(f.err(key, format!("{v}: {}", neutral.describe())));
-            }
-        }
-    }
     Ok(())
+}
+
+/// What a Gemma 3 config says about its layers and rotary embeddings.
+struct Gemma3Layout {
+    sliding_layers: Vec<bool>,
+    window: Option<usize>,
+    global_theta: f64,
+    global_scaling: Option<RopeScaling>,
+    local_theta: f64,
+}
+
+/// Reads Gemma 3's `layer_types` (or `sliding_window_pattern`), `sliding_window`, rope bases
+/// (transformers 5: `rope_parameters.{full,sliding}_attention`; 4: `rope_theta`,
+/// `rope_local_base_freq`, `rope_scaling` for the global layers) and checks
+/// `query_pre_attn_scalar`.
+fn gemma3_layout(f: &Fields, layers: usize, head_dim: usize) -> Res<Gemma3Layout> {
+    let sliding_layers = match f.get("layer_types") {
+        Some(v) => {
+            let kinds = v
+                .as_array()
+                .filter(|a| a.len() == layers)
+                .ok_or_else(|| f.err("layer_types", format!("must list {layers} layer types")))?;
+            kinds
+                .iter()
+                .map(|k| match k.as_str() {
+                    Some("sliding_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(f.err(
+                        "layer_types",
+                        format!("{k}: only `sliding_attention` and `full_attention` layers exist"),
+                    )),
+                })
+                .collect::<Res<Vec<bool>>>()?
+        }
+        None => {
+            let pattern = f
+                .usize_opt("sliding_window_pattern")?
+                .unwrap_or(GEMMA3_PATTERN);
+            gemma3_pattern(layers, pattern)
+        }
+    };
+    let window = if sliding_layers.contains(&true) {
+        Some(f.usize_opt("sliding_window")?.unwrap_or(GEMMA3_WINDOW))
+    } else {
+        None
+    };
+    if window == Some(0) {
+        return Err(f.err("sliding_window", "0: must be at least 1"));
+    }
+    let scalar = f
+        .f64_opt("query_pre_attn_scalar", Range::above(0.0))?
+        .unwrap_or(GEMMA3_HEAD_DIM as f64);
+    if scalar != head_dim as f64 {
+        return Err(f.err(
+            "query_pre_attn_scalar",
+            format!(
+                "{scalar}: queries scaled by other than 1/√head_dim ({head_dim}) are not                  implemented"
+            ),
+        ));
+    }
+    let nested = f
+        .get("rope_parameters")
+        .and_then(Value::as_object)
+        .filter(|o| o.contains_key("full_attention") || o.contains_key("sliding_attention"));
+    let (global, local) = match nested {
+        Some(obj) => {
+            let part = |kind: &str| -> Res<Option<RopeDict>> {
+                let Some(v) = obj.get(kind) else {
+                    return Ok(None);
+                };
+                let key = format!("rope_parameters.{kind}");
+                let sub_obj = v
+                    .as_object()
+                    .ok_or_else(|| f.err(&key, format!("{v}: must be an object")))?;
+                let prefix = format!("{key}.");
+                parse_rope_dict(&Fields {
+                    path: f.path,
+                    obj: sub_obj,
+                    prefix: &prefix,
+                })
+                .map(Some)
+            };
+            let (g, l) = (part("full_attention")?, part("sliding_attention")?);
+            if let Some(k) = obj
+                .keys()
+                .find(|k| *k != "full_attention" && *k != "sliding_attention")
+            {
+                return Err(f.err(
+                    &format!("rope_parameters.{k}"),
+                    "unknown layer type (accepted: full_attention, sliding_attention)",
+                ));
+            }
+            let global = g.unwrap_or(RopeDict {
+                theta: None,
+                scaling: None,
+            });
+            let local = l.unwrap_or(RopeDict {
+                theta: None,
+                scaling: None,
+            });
+            (global, local)
+        }
+        None => {
+            let global = match f.get("rope_scaling").or_else(|| f.get("rope_parameters")) {
+                None => RopeDict {
+                    theta: None,
+                    scaling: None,
+                },
+                Some(v) => {
+                    let key = if f.get("rope_scaling").is_some() {
+                        "rope_scaling"
+                    } else {
+                        "rope_parameters"
+                    };
+                    let obj = v
+                        .as_object()
+                        .ok_or_else(|| f.err(key, format!("{v}: must be an object")))?;
+                    let prefix = format!("{key}.");
+                    parse_rope_dict(&Fields {
+                        path: f.path,
+                        obj,
+                        prefix: &prefix,
+                    })?
+                }
+            };
+            let top = f.f64_opt("rope_theta", Range::above(0.0))?;
+            let local = RopeDict {
+                theta: f.f64_opt("rope_local_base_freq", Range::above(0.0))?,
+                scaling: None,
+            };
+            (
+                RopeDict {
+                    theta: global.theta.or(top),
+                    scaling: global.scaling,
+                },
+                local,
+            )
+        }
+    };
+    if local.scaling.is_some() {
+        return Err(f.err(
+            "rope_parameters.sliding_attention",
+            "a scaled rope on the sliding-window layers is not implemented",
+        ));
+    }
+    Ok(Gemma3Layout {
+        sliding_layers,
+        window,
+        global_theta: global.theta.unwrap_or(GEMMA3_GLOBAL_THETA),
+        global_scaling: global.scaling,
+        local_theta: local.theta.unwrap_or(GEMMA3_LOCAL_THETA),
+    })
 }
 
 impl LlamaConfig {
@@ -561,6 +768,21 @@ impl LlamaConfig {
     /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them.
     pub fn inv_freqs(&self) -> Vec<f64> {
         rope_inv_freqs(self.rope_theta, self.head_dim(), self.rope_scaling.as_ref())
+    }
+
+    /// Gemma 3: the inverse frequencies of the sliding-window layers (their own base,
+    /// unscaled); `None` when no layer slides.
+    pub fn local_inv_freqs(&self) -> Option<Vec<f64>> {
+        if !self.sliding_layers.contains(&true) {
+            return None;
+        }
+        let theta = self.local_rope_theta.unwrap_or(GEMMA3_LOCAL_THETA);
+        Some(rope_inv_freqs(theta, self.head_dim(), None))
+    }
+
+    /// Whether layer `i` is a sliding-window layer (its rotary table is the local one).
+    pub fn layer_slides(&self, i: usize) -> bool {
+        self.sliding_layers.get(i).copied().unwrap_or(false)
     }
 
     /// Reads an HF `config.json`.
@@ -604,19 +826,35 @@ impl LlamaConfig {
 
         let hidden_size = f.usize_req("hidden_size")?;
         let heads = f.usize_req("num_attention_heads")?;
+        let layers = f.usize_req("num_hidden_layers")?;
+        let head_dim = match (f.usize_opt("head_dim")?, family.gemma()) {
+            // transformers' `Gemma3TextConfig` default, not hidden / heads.
+            (None, true) => Some(GEMMA3_HEAD_DIM),
+            (d, _) => d,
+        };
+        let gemma = family
+            .gemma()
+            .then(|| gemma3_layout(&f, layers, head_dim.unwrap_or(GEMMA3_HEAD_DIM)))
+            .transpose()?;
         let cfg = Self {
             family,
-            sliding_window,
+            sliding_window: gemma.as_ref().map_or(sliding_window, |g| g.window),
+            sliding_layers: gemma
+                .as_ref()
+                .map(|g| g.sliding_layers.clone())
+                .unwrap_or_default(),
+            local_rope_theta: gemma.as_ref().map(|g| g.local_theta),
             vocab_size: f.usize_req("vocab_size")?,
             hidden_size,
             intermediate_size: f.usize_req("intermediate_size")?,
-            num_hidden_layers: f.usize_req("num_hidden_layers")?,
+            num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: f.usize_opt("num_key_value_heads")?,
-            head_dim: f.usize_opt("head_dim")?,
+            head_dim,
             rms_norm_eps: f.f64_req("rms_norm_eps", Range::above(0.0))?,
             max_position_embeddings: f.usize_req("max_position_embeddings")?,
-            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            // Gemma ties its head to the embedding unless the file says otherwise.
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(family.gemma()),
             rope_theta: 0.0,
             rope_scaling: None,
             bos_token_id: f.get("bos_token_id").cloned(),
@@ -628,7 +866,10 @@ impl LlamaConfig {
                 format!("{hidden_size} is not a multiple of num_attention_heads {heads}"),
             ));
         }
-        let (rope_theta, rope_scaling) = parse_rope(&f)?;
+        let (rope_theta, rope_scaling) = match &gemma {
+            Some(g) => (g.global_theta, g.global_scaling.clone()),
+            None => parse_rope(&f)?,
+        };
         let cfg = Self {
             rope_theta,
             rope_scaling,
@@ -703,10 +944,11 @@ impl LlamaConfig {
             "llama" => Family::Llama,
             "qwen2" => Family::Qwen2,
             "qwen3" => Family::Qwen3,
+            "gemma3" => Family::Gemma3,
             other => {
                 return Err(format!(
                     "`general.architecture`: `{other}` is not supported (supported: llama, \
-                     qwen2, qwen3)"
+                     qwen2, qwen3, gemma3)"
                 ))
             }
         };
@@ -771,18 +1013,35 @@ impl LlamaConfig {
         let rms = positive(&rms_key, opt_f(&rms_key)?)?
             .ok_or_else(|| format!("`{rms_key}`: required key missing"))?;
         let theta_key = key("rope.freq_base");
+        let layers = req_u("block_count")?;
+        let gemma = if family.gemma() {
+            Some(gguf_gemma3_layout(
+                content, arch, layers, hidden, heads, head_dim, &opt_f,
+            )?)
+        } else {
+            None
+        };
         let cfg = Self {
             family,
-            sliding_window: None,
+            sliding_window: gemma.as_ref().and_then(|g| g.window),
+            sliding_layers: gemma
+                .as_ref()
+                .map(|g| g.sliding_layers.clone())
+                .unwrap_or_default(),
+            local_rope_theta: gemma.as_ref().map(|g| g.local_theta),
             vocab_size: vocab,
             hidden_size: hidden,
             intermediate_size: req_u("feed_forward_length")?,
-            num_hidden_layers: req_u("block_count")?,
+            num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: Some(opt_u("attention.head_count_kv").unwrap_or(heads)),
             head_dim: Some(head_dim),
             rms_norm_eps: rms,
-            rope_theta: positive(&theta_key, opt_f(&theta_key)?)?.unwrap_or(DEFAULT_ROPE_THETA),
+            rope_theta: positive(&theta_key, opt_f(&theta_key)?)?.unwrap_or(if family.gemma() {
+                GEMMA3_GLOBAL_THETA
+            } else {
+                DEFAULT_ROPE_THETA
+            }),
             max_position_embeddings: req_u("context_length")?,
             tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
             rope_scaling: gguf_rope_scaling(content, arch, &opt_f)?,
@@ -860,6 +1119,14 @@ impl LlamaConfig {
             want(&t("ffn_gate"), &[im, h])?;
             want(&t("ffn_up"), &[im, h])?;
             want(&t("ffn_down"), &[h, im])?;
+            if self.family.qk_norm() {
+                want(&t("attn_q_norm"), &[hd])?;
+                want(&t("attn_k_norm"), &[hd])?;
+            }
+            if self.family.gemma() {
+                want(&t("post_attention_norm"), &[h])?;
+                want(&t("post_ffw_norm"), &[h])?;
+            }
         }
         let beyond = format!("blk.{}.", self.num_hidden_layers);
         if let Some(name) = content.tensor_infos.keys().find(|n| n.starts_with(&beyond)) {
@@ -880,6 +1147,70 @@ const MAX_HEADS: usize = 1_024;
 const MAX_HEAD_DIM: usize = 1_024;
 /// Qwen2.5-1M declares 1,010,000 positions.
 const MAX_POSITIONS: usize = 1 << 21;
+
+/// Gemma 3's layers as llama.cpp reads them: every sixth layer global (an explicit
+/// `<arch>.attention.sliding_window_pattern` array wins), the window from
+/// `<arch>.attention.sliding_window`, the local rope base from `<arch>.rope.freq_base_swa`
+/// (llama.cpp's 10000 when absent). llama.cpp scales the 27B model's queries by
+/// hidden / heads rather than the head dimension, which is not implemented.
+fn gguf_gemma3_layout(
+    content: &gguf_file::Content,
+    arch: &str,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    head_dim: usize,
+    opt_f: &dyn Fn(&str) -> Result<Option<f64>, String>,
+) -> Result<Gemma3Layout, String> {
+    if layers == 62 && hidden / heads != head_dim {
+        return Err(format!(
+            "`{arch}.block_count`: Gemma 3 27B scales its queries by 1/√(hidden / heads) = \
+             1/√{}, not 1/√head_dim; not implemented",
+            hidden / heads
+        ));
+    }
+    let pattern_key = format!("{arch}.attention.sliding_window_pattern");
+    let sliding_layers = match content.metadata.get(&pattern_key) {
+        Some(v) => match v.to_vec() {
+            Ok(flags) => {
+                let flags: Vec<bool> = flags.iter().filter_map(|f| f.to_bool().ok()).collect();
+                if flags.len() != layers {
+                    return Err(format!("`{pattern_key}`: must hold {layers} booleans"));
+                }
+                flags
+            }
+            Err(_) => gemma3_pattern(
+                layers,
+                meta_u32(content, &pattern_key).unwrap_or(0) as usize,
+            ),
+        },
+        None => gemma3_pattern(layers, GEMMA3_PATTERN),
+    };
+    let window_key = format!("{arch}.attention.sliding_window");
+    let window = match meta_u32(content, &window_key) {
+        Some(0) => return Err(format!("`{window_key}`: 0: must be at least 1")),
+        Some(w) => Some(w as usize),
+        None if sliding_layers.contains(&true) => {
+            return Err(format!("`{window_key}`: required key missing"))
+        }
+        None => None,
+    };
+    let local_key = format!("{arch}.rope.freq_base_swa");
+    let local_theta = match opt_f(&local_key)? {
+        Some(x) if !(x.is_finite() && x > 0.0) => {
+            return Err(format!("`{local_key}`: {x}: must be a finite number > 0"))
+        }
+        Some(x) => x,
+        None => GEMMA3_LOCAL_THETA,
+    };
+    Ok(Gemma3Layout {
+        window: window.filter(|_| sliding_layers.contains(&true)),
+        sliding_layers,
+        global_theta: GEMMA3_GLOBAL_THETA,
+        global_scaling: None,
+        local_theta,
+    })
+}
 
 /// `<arch>.rope.scaling.type` (`none` | `linear`; llama.cpp's older `<arch>.rope.scale_linear`
 /// too). Llama 3 GGUFs carry their scaling as the `rope_freqs` tensor instead.
@@ -961,7 +1292,7 @@ mod tests {
             ("head_dim", 3.into(), "head_dim"),
             ("num_key_value_heads", 3.into(), "num_key_value_heads"),
             ("rms_norm_eps", (-1.0).into(), "rms_norm_eps"),
-            ("model_type", "gemma3_text".into(), "model_type"),
+            ("model_type", "gemma2".into(), "model_type"),
         ] {
             let mut v = base();
             v[key] = val;

@@ -1,4 +1,5 @@
-//! Rebuilds a byte-level BPE tokenizer (the HF `tokenizers` kind) from a GGUF file's metadata.
+//! Rebuilds a tokenizer (the HF `tokenizers` kind) from a GGUF file's metadata: byte-level
+//! BPE, and Gemma's SentencePiece vocabulary (see `gemma_sentencepiece`).
 //!
 //! candle's own `Tokenizer::from_gguf` adds a prefix space to the byte-level pre-tokenizer,
 //! which turns SmolLM2's "system" into "Ġsystem". Here the pieces are assembled as
@@ -7,13 +8,21 @@
 //! as a special token so that chat-template markers encode to one id each.
 
 use candle_core::quantized::gguf_file::{Content, Value};
+use std::collections::HashMap;
+
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::replace::Replace;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 /// GGUF token types (llama.cpp `llama_token_type`).
@@ -106,15 +115,174 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, String> {
     }
 }
 
-/// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata.
+/// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata: byte-level
+/// BPE (`gpt2`), or the SentencePiece vocabulary of a Gemma 3 file (`llama`).
 pub fn tokenizer_from_gguf(content: &Content) -> Result<Tokenizer, String> {
     let model = meta_str(content, "tokenizer.ggml.model").unwrap_or("");
-    if model != "gpt2" {
-        return Err(format!(
-            "tokenizer model `{model}` is not supported (only byte-level BPE, `gpt2`); load the \
-             model from its HF directory (tokenizer.json) instead"
-        ));
+    let arch = meta_str(content, "general.architecture").unwrap_or("");
+    match model {
+        "gpt2" => byte_level_bpe(content),
+        "llama" if arch == "gemma3" => gemma_sentencepiece(content),
+        _ => Err(format!(
+            "tokenizer model `{model}` is not supported for architecture `{arch}` (byte-level \
+             BPE, `gpt2`; SentencePiece, `llama`, for gemma3); load the model from its HF \
+             directory (tokenizer.json) instead"
+        )),
     }
+}
+
+/// Gemma's SentencePiece vocabulary as the BPE that its `tokenizer.json` is (and that
+/// transformers rebuilds from the same file): byte fallback, spaces as `▁` by a normalizer,
+/// no prefix space. The file has no merges: they are every split of a token into two tokens
+/// of the vocabulary, ranked by the token's place in the file (Gemma's scores do not follow
+/// its merge order), then the longer left piece, then the longer right one.
+fn gemma_sentencepiece(content: &Content) -> Result<Tokenizer, String> {
+    // A token of two or more spaces is stored as spaces; the vocabulary spells spaces `▁`.
+    let tokens: Vec<String> = string_array(content, "tokenizer.ggml.tokens")?
+        .into_iter()
+        .map(|t| {
+            if t.contains(' ') && t.trim().is_empty() {
+                SPM_SPACE.to_string().repeat(t.chars().count())
+            } else {
+                t
+            }
+        })
+        .collect();
+    let types = int_array(content, "tokenizer.ggml.token_type").unwrap_or_default();
+    let vocab: HashMap<String, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let merges = merges_by_position(&tokens, &vocab);
+    let token_at = |key: &str| -> Option<String> {
+        meta_u32(content, key).and_then(|id| tokens.get(id as usize).cloned())
+    };
+    let mut bpe = BPE::builder()
+        .vocab_and_merges(
+            vocab
+                .iter()
+                .map(|(t, &i)| (t.clone(), i))
+                .collect::<tokenizers::models::bpe::Vocab>(),
+            merges,
+        )
+        .byte_fallback(true)
+        .fuse_unk(true);
+    if let Some(unk) = token_at("tokenizer.ggml.unknown_token_id") {
+        bpe = bpe.unk_token(unk);
+    }
+    let bpe = bpe.build().map_err(|e| format!("building BPE: {e}"))?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    let space = SPM_SPACE.to_string();
+    let normalizer = Replace::new(" ", space.as_str()).map_err(|e| format!("normalizer: {e}"))?;
+    tokenizer
+        .with_normalizer(Some(normalizer))
+        .map_err(|e| format!("normalizer: {e}"))?;
+    tokenizer.with_decoder(Some(DecoderWrapper::Sequence(DecoderSequence::new(vec![
+        DecoderWrapper::Replace(Replace::new(space.as_str(), " ").map_err(|e| e.to_string())?),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ]))));
+    // Control tokens are special; user-defined ones (Gemma's runs of newlines, HTML tags) are
+    // plain added tokens, matched whole in the text as llama.cpp does.
+    let typed = |want: i32| -> Vec<&String> {
+        tokens
+            .iter()
+            .zip(types.iter().chain(std::iter::repeat(&1)))
+            .filter(|(_, &t)| t == want)
+            .map(|(tok, _)| tok)
+            .collect()
+    };
+    let special: Vec<AddedToken> = typed(TOKEN_TYPE_CONTROL)
+        .into_iter()
+        .map(|t| AddedToken::from(t.clone(), true).normalized(false))
+        .collect();
+    tokenizer
+        .add_special_tokens(special)
+        .map_err(|e| format!("special tokens: {e}"))?;
+    let user: Vec<AddedToken> = typed(TOKEN_TYPE_USER_DEFINED)
+        .into_iter()
+        .map(|t| AddedToken::from(t.clone(), false).normalized(false))
+        .collect();
+    tokenizer
+        .add_tokens(user)
+        .map_err(|e| format!("added tokens: {e}"))?;
+    // llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+    let add_bos = content
+        .metadata
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(|v| v.to_bool().ok())
+        .unwrap_or(true);
+    if let (true, Some(bos)) = (add_bos, token_at("tokenizer.ggml.bos_token_id")) {
+        let id = vocab[&bos];
+        let processor = TemplateProcessing::builder()
+            .try_single(vec![bos.clone(), "$A".to_string()])
+            .map_err(|e| format!("BOS template: {e}"))?
+            .try_pair(vec![bos.clone(), "$A".into(), "$B".into()])
+            .map_err(|e| format!("BOS template: {e}"))?
+            .special_tokens(vec![(bos, id)])
+            .build()
+            .map_err(|e| format!("BOS template: {e}"))?;
+        tokenizer.with_post_processor(Some(processor));
+    }
+    Ok(tokenizer)
+}
+
+/// SentencePiece's space.
+const SPM_SPACE: char = '\u{2581}';
+
+/// The merges a SentencePiece vocabulary implies, best first: for each token in file order,
+/// each split into two tokens of the vocabulary (by the pieces' ids), all ranked by the
+/// token's position, then the longer left piece, then the longer right one (transformers'
+/// `generate_merges` with positions as scores, so that both tokenize alike).
+fn merges_by_position(tokens: &[String], vocab: &HashMap<String, u32>) -> Vec<(String, String)> {
+    struct Merge<'a> {
+        rank: u32,
+        left: &'a str,
+        right: &'a str,
+        left_chars: usize,
+        right_chars: usize,
+    }
+    let mut merges = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for token in tokens {
+        if !seen.insert(token.as_str()) {
+            continue;
+        }
+        let rank = vocab[token];
+        let mut local: Vec<(u32, u32, Merge)> = token
+            .char_indices()
+            .skip(1)
+            .filter_map(|(at, _)| {
+                let (left, right) = token.split_at(at);
+                let (l, r) = (*vocab.get(left)?, *vocab.get(right)?);
+                let merge = Merge {
+                    rank,
+                    left,
+                    right,
+                    left_chars: left.chars().count(),
+                    right_chars: right.chars().count(),
+                };
+                Some((l, r, merge))
+            })
+            .collect();
+        local.sort_by_key(|(l, r, _)| (*l, *r));
+        merges.extend(local.into_iter().map(|(_, _, m)| m));
+    }
+    // Stable: equal keys keep the order above, as Python's reversed sort does.
+    merges.sort_by(|a, b| {
+        a.rank
+            .cmp(&b.rank)
+            .then(b.left_chars.cmp(&a.left_chars))
+            .then(b.right_chars.cmp(&a.right_chars))
+    });
+    merges
+        .into_iter()
+        .map(|m| (m.left.to_string(), m.right.to_string()))
+        .collect()
+}
+
+fn byte_level_bpe(content: &Content) -> Result<Tokenizer, String> {
     let tokens = string_array(content, "tokenizer.ggml.tokens")?;
     let merges_raw = string_array(content, "tokenizer.ggml.merges")?;
     let types = int_array(content, "tokenizer.ggml.token_type").unwrap_or_default();

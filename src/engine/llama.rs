@@ -153,10 +153,16 @@ struct Layer {
     /// Biases of the q, k and v projections (Qwen2).
     qkv_bias: Option<[Tensor; 3]>,
     /// RMS-norm weights of each query and key head, applied before the rotary embedding
-    /// (Qwen3).
+    /// (Qwen3, Gemma 3).
     qk_norm: Option<[Tensor; 2]>,
     wo: Linear,
+    /// Gemma: the norm of the attention's output before the residual add.
+    post_attn_norm: Option<Tensor>,
+    /// The norm before the MLP (`post_attention_layernorm` in llama, Gemma's
+    /// `pre_feedforward_layernorm`).
     ffn_norm: Tensor,
+    /// Gemma: the norm of the MLP's output before the residual add.
+    post_ffn_norm: Option<Tensor>,
     /// gate and up projections.
     gate_up: Group,
     w_down: Linear,
@@ -624,12 +630,40 @@ pub struct LlamaModel {
     norm: Tensor,
     lm_head: Linear,
     interleaved_rope: bool,
+    /// The rotary tables: the model's, then (Gemma 3) the sliding-window layers' own.
+    ropes: Vec<Rope>,
+    device: Device,
+}
+
+/// One rotary table (positions × head_dim/2).
+struct Rope {
     cos: Tensor,
     sin: Tensor,
     /// `cos` and `sin` as host values on the CPU (empty elsewhere): `cpu_attention` rotates
     /// with slices of them (a conversion per layer and request otherwise).
-    rope_host: (Vec<f32>, Vec<f32>),
-    device: Device,
+    host: (Vec<f32>, Vec<f32>),
+}
+
+impl Rope {
+    /// The model's tables, then the local ones when some layers slide (Gemma 3).
+    fn all(cfg: &LlamaConfig, factors: Option<Vec<f32>>, device: &Device) -> Result<Vec<Rope>> {
+        let (cos, sin) = rope_tables(cfg, factors, device)?;
+        let mut ropes = vec![Rope::new(cos, sin)?];
+        if let Some((cos, sin)) = local_rope_tables(cfg, device)? {
+            ropes.push(Rope::new(cos, sin)?);
+        }
+        Ok(ropes)
+    }
+
+    fn new(cos: Tensor, sin: Tensor) -> Result<Rope> {
+        let host = host_tables(&cos, &sin)?;
+        Ok(Rope { cos, sin, host })
+    }
+
+    /// The tables of positions `pos..pos + seq`.
+    fn narrow(&self, pos: usize, seq: usize) -> Result<(Tensor, Tensor)> {
+        Ok((self.cos.narrow(0, pos, seq)?, self.sin.narrow(0, pos, seq)?))
+    }
 }
 
 /// A layer's element-wise ops (residual adds, silu(gate)·up) for CPU f32 tensors, on the
@@ -1013,6 +1047,24 @@ fn tensor_to_linear(t: Tensor, format: WeightFormat) -> Result<Linear> {
     Ok(Linear::Candle(QMatMul::Tensor(t)))
 }
 
+/// A norm weight under its HF name as the model multiplies by it: Gemma's HF checkpoints
+/// store w of (1 + w) (computed in f32, as transformers does); llama.cpp's GGUFs store 1 + w.
+fn hf_norm(cfg: &LlamaConfig, w: Tensor) -> Result<Tensor> {
+    if cfg.family.gemma() {
+        w.to_dtype(DType::F32)? + 1.0
+    } else {
+        Ok(w)
+    }
+}
+
+/// `x` RMS-normed by `w` where the layer has such a norm (Gemma's after attention and MLP).
+fn post_norm(x: Tensor, w: &Option<Tensor>, eps: f32) -> Result<Tensor> {
+    match w {
+        Some(w) => elementwise::rms_norm(&x, w, eps),
+        None => Ok(x),
+    }
+}
+
 /// The error of a config that unties the output head from the embedding while the weights
 /// have no head of their own.
 pub(crate) const UNTIED_WITHOUT_HEAD: &str =
@@ -1032,12 +1084,26 @@ pub(crate) fn rope_tables(
             *x /= f64::from(k);
         }
     }
-    let n = cfg.max_position_embeddings;
+    tables_of(&inv, cfg.context_length(), dev)
+}
+
+/// Gemma 3's tables for its sliding-window layers (their own base), if any layer slides.
+pub(crate) fn local_rope_tables(
+    cfg: &LlamaConfig,
+    dev: &Device,
+) -> Result<Option<(Tensor, Tensor)>> {
+    cfg.local_inv_freqs()
+        .map(|inv| tables_of(&inv, cfg.context_length(), dev))
+        .transpose()
+}
+
+/// cos/sin tables of `n` positions for the inverse frequencies `inv`.
+fn tables_of(inv: &[f64], n: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
     let half = inv.len();
     let mut cos = Vec::with_capacity(n * half);
     let mut sin = Vec::with_capacity(n * half);
     for p in 0..n {
-        for f in &inv {
+        for f in inv {
             let a = p as f64 * f;
             cos.push(a.cos() as f32);
             sin.push(a.sin() as f32);
@@ -1106,9 +1172,20 @@ impl LlamaModel {
             } else {
                 None
             };
+            // llama.cpp's converter stores Gemma's norms as (1 + w) already.
+            let (post_attn_norm, post_ffn_norm) = if cfg.family.gemma() {
+                (
+                    Some(vector("post_attention_norm.weight")?),
+                    Some(vector("post_ffw_norm.weight")?),
+                )
+            } else {
+                (None, None)
+            };
             layers.push(Layer {
                 qkv_bias,
                 qk_norm,
+                post_attn_norm,
+                post_ffn_norm,
                 attn_norm: get(&format!("{p}.attn_norm.weight"))?.dequantize(device)?,
                 ffn_norm: get(&format!("{p}.ffn_norm.weight"))?.dequantize(device)?,
                 qkv,
@@ -1119,8 +1196,7 @@ impl LlamaModel {
         }
         // The embedding table stays quantized: rows are dequantized on lookup.
         let embed = QMatMul::from_arc(embed_q)?;
-        let (cos, sin) = rope_tables(&cfg, factors, device)?;
-        let rope_host = host_tables(&cos, &sin)?;
+        let ropes = Rope::all(&cfg, factors, device)?;
         // llama.cpp permutes Q/K rows for the interleaved rotary embedding in llama GGUFs
         // only; Qwen's keep the HF (half-split, "NEOX") layout.
         let interleaved_rope = gguf_qk_permuted(&cfg);
@@ -1131,9 +1207,7 @@ impl LlamaModel {
             norm,
             lm_head,
             interleaved_rope,
-            cos,
-            sin,
-            rope_host,
+            ropes,
             device: device.clone(),
         };
         model.weights_on_huge_pages();
@@ -1239,16 +1313,33 @@ impl LlamaModel {
                 None
             };
             let qk_norm = if cfg.family.qk_norm() {
-                let norm = |n: &str| vb.get(cfg.head_dim(), &format!("{p}.self_attn.{n}.weight"));
+                let norm = |n: &str| {
+                    hf_norm(
+                        &cfg,
+                        vb.get(cfg.head_dim(), &format!("{p}.self_attn.{n}.weight"))?,
+                    )
+                };
                 Some([norm("q_norm")?, norm("k_norm")?])
             } else {
                 None
             };
+            let norm = |n: &str| hf_norm(&cfg, vb.get(h, &format!("{p}.{n}.weight"))?);
+            let (ffn_norm, post_attn_norm, post_ffn_norm) = if cfg.family.gemma() {
+                (
+                    norm("pre_feedforward_layernorm")?,
+                    Some(norm("post_attention_layernorm")?),
+                    Some(norm("post_feedforward_layernorm")?),
+                )
+            } else {
+                (norm("post_attention_layernorm")?, None, None)
+            };
             Ok(Layer {
                 qkv_bias,
                 qk_norm,
-                attn_norm: vb.get(h, &format!("{p}.input_layernorm.weight"))?,
-                ffn_norm: vb.get(h, &format!("{p}.post_attention_layernorm.weight"))?,
+                post_attn_norm,
+                post_ffn_norm,
+                attn_norm: norm("input_layernorm")?,
+                ffn_norm,
                 qkv: Group::new(vec![
                     lin("self_attn.q_proj", (q_out, h))?,
                     lin("self_attn.k_proj", (kv_out, h))?,
@@ -1273,9 +1364,8 @@ impl LlamaModel {
             })
         });
         let (lm_head, layers) = (lm_head?, layers?);
-        let norm = vb.get(h, "model.norm.weight")?;
-        let (cos, sin) = rope_tables(&cfg, factors, device)?;
-        let rope_host = host_tables(&cos, &sin)?;
+        let norm = hf_norm(&cfg, vb.get(h, "model.norm.weight")?)?;
+        let ropes = Rope::all(&cfg, factors, device)?;
         Ok(Self {
             cfg,
             embed: QMatMul::Tensor(embed_w),
@@ -1283,9 +1373,7 @@ impl LlamaModel {
             norm,
             lm_head,
             interleaved_rope: false,
-            cos,
-            sin,
-            rope_host,
+            ropes,
             device: device.clone(),
         })
     }
@@ -1302,7 +1390,7 @@ impl LlamaModel {
         let value = if self.kv_f16() {
             2
         } else {
-            self.cos.dtype().size_in_bytes()
+            self.ropes[0].cos.dtype().size_in_bytes()
         };
         let cfg = &self.cfg;
         cfg.num_hidden_layers * 2 * cfg.num_kv_heads() * cfg.head_dim() * value
@@ -1356,9 +1444,12 @@ impl LlamaModel {
                 self.cfg.context_length()
             );
         }
-        let x = self.embed.embedding(tokens)?.to_dtype(DType::F32)?;
-        let cos = self.cos.narrow(0, pos, seq)?;
-        let sin = self.sin.narrow(0, pos, seq)?;
+        let x = self.embed_tokens(tokens)?;
+        let trig = self
+            .ropes
+            .iter()
+            .map(|r| r.narrow(pos, seq))
+            .collect::<Result<Vec<_>>>()?;
         // The CPU attention is causal by construction (see `attend`).
         let mask = if seq > 1 && !self.device.is_cpu() {
             Some(self.causal_mask(seq, pos)?)
@@ -1366,7 +1457,8 @@ impl LlamaModel {
             None
         };
         let normed = self.blocks(x, |i, q, k, v| {
-            self.attend(i, q, k, v, &cos, &sin, mask.as_ref(), cache)
+            let (cos, sin) = &trig[self.rope_index(i)];
+            self.attend(i, q, k, v, cos, sin, mask.as_ref(), cache)
         })?;
         cache.len = pos + seq;
         Ok(normed)
@@ -1394,12 +1486,33 @@ impl LlamaModel {
                 attention(&q, &k, &v)?
             }
         };
-        let (x, h) = elementwise::add_rms_norm(x, &layer.wo.forward(&y)?, &layer.ffn_norm, eps)?;
+        let out = post_norm(layer.wo.forward(&y)?, &layer.post_attn_norm, eps)?;
+        let (x, h) = elementwise::add_rms_norm(x, &out, &layer.ffn_norm, eps)?;
         let [gate, up] = &layer.gate_up.forward(&h)?[..] else {
             candle_core::bail!("the gate/up projections gave no two outputs");
         };
-        let down = layer.w_down.forward(&elementwise::swiglu(gate, up)?)?;
+        let act = if self.cfg.family.gemma() {
+            // GELU with the tanh approximation (`gelu_pytorch_tanh`).
+            (gate.gelu()? * up)?
+        } else {
+            elementwise::swiglu(gate, up)?
+        };
+        let down = post_norm(layer.w_down.forward(&act)?, &layer.post_ffn_norm, eps)?;
         elementwise::add_rms_norm(&x, &down, next_norm, eps)
+    }
+
+    /// Token embeddings as f32, scaled by √hidden for Gemma.
+    fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
+        let x = self.embed.embedding(tokens)?.to_dtype(DType::F32)?;
+        if !self.cfg.family.gemma() {
+            return Ok(x);
+        }
+        x * f64::from((self.cfg.hidden_size as f32).sqrt())
+    }
+
+    /// Which of `ropes` layer `i` rotates with.
+    fn rope_index(&self, i: usize) -> usize {
+        usize::from(self.cfg.layer_slides(i) && self.ropes.len() > 1)
     }
 
     /// What a family does to the projections before attention: Qwen2's q/k/v biases, Qwen3's
@@ -1491,7 +1604,7 @@ impl LlamaModel {
         };
         let (seq, half) = (q.dims.1, self.cfg.head_dim() / 2);
         let positions = cache.len * half..(cache.len + seq) * half;
-        let (cos, sin) = &self.rope_host;
+        let (cos, sin) = &self.ropes[self.rope_index(layer_idx)].host;
         let (Some(cos), Some(sin)) = (cos.get(positions.clone()), sin.get(positions)) else {
             candle_core::bail!(
                 "positions {}..{} past the rope tables",
@@ -1670,16 +1783,17 @@ impl LlamaModel {
             } else {
                 None
             };
-            let (cos, sin) = (
-                self.cos.narrow(0, c.len, seq)?,
-                self.sin.narrow(0, c.len, seq)?,
-            );
+            let tables = self
+                .ropes
+                .iter()
+                .map(|r| r.narrow(c.len, seq))
+                .collect::<Result<Vec<_>>>()?;
             shapes.push((rows, seq));
-            trig.push((cos, sin, mask));
+            trig.push((tables, mask));
         }
         let total: usize = tokens.iter().map(|t| t.len()).sum();
         let ids = Tensor::from_vec(tokens.concat(), (total, 1), &self.device)?;
-        let x = self.embed.embedding(&ids)?.to_dtype(DType::F32)?;
+        let x = self.embed_tokens(&ids)?;
         let mut x = self.blocks(x, |i, q, k, v| {
             if self.cpu_attention(q) {
                 return self.groups_cpu_attention(i, [q, k, v], &shapes, caches);
@@ -1696,7 +1810,8 @@ impl LlamaModel {
                 .par_iter_mut()
                 .zip(parts.par_iter())
                 .zip(trig.par_iter())
-                .map(|((cache, (q, k, v)), (cos, sin, mask))| {
+                .map(|((cache, (q, k, v)), (tables, mask))| {
+                    let (cos, sin) = &tables[self.rope_index(i)];
                     let y = self.attend(i, q, k, v, cos, sin, mask.as_ref(), cache)?;
                     y.reshape(((), 1, y.dim(2)?))
                 })
@@ -1851,7 +1966,39 @@ pub fn hf_tensors_from_gguf(path: &Path, device: &Device) -> std::result::Result
         "model.embed_tokens.weight".to_string(),
         get("token_embd.weight")?,
     );
-    tensors.insert("model.norm.weight".to_string(), get("output_norm.weight")?);
+    // Gemma's GGUF norms are 1 + w; HF names hold w.
+    let gemma = cfg.family.gemma();
+    let unshift = |name: &str, w: Tensor| -> std::result::Result<Tensor, String> {
+        if gemma {
+            (w - 1.0).map_err(|e| err(&format!("tensor `{name}`: {e}")))
+        } else {
+            Ok(w)
+        }
+    };
+    let name = "output_norm.weight";
+    tensors.insert("model.norm.weight".to_string(), unshift(name, get(name)?)?);
+    let norms: &[(&str, &str)] = if gemma {
+        &[
+            ("attn_norm", "input_layernorm"),
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+            ("attn_q_norm", "self_attn.q_norm"),
+            ("attn_k_norm", "self_attn.k_norm"),
+        ]
+    } else if cfg.family.qk_norm() {
+        &[
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_q_norm", "self_attn.q_norm"),
+            ("attn_k_norm", "self_attn.k_norm"),
+        ]
+    } else {
+        &[
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+        ]
+    };
     if content.tensor_infos.contains_key("output.weight") {
         tensors.insert("lm_head.weight".to_string(), get("output.weight")?);
     }
@@ -1867,9 +2014,11 @@ pub fn hf_tensors_from_gguf(path: &Path, device: &Device) -> std::result::Result
     for i in 0..cfg.num_hidden_layers {
         let g = format!("blk.{i}");
         let h = format!("model.layers.{i}");
+        for (gg, hf) in norms {
+            let name = format!("{g}.{gg}.weight");
+            tensors.insert(format!("{h}.{hf}.weight"), unshift(&name, get(&name)?)?);
+        }
         for (gg, hf) in [
-            ("attn_norm", "input_layernorm"),
-            ("ffn_norm", "post_attention_layernorm"),
             ("attn_v", "self_attn.v_proj"),
             ("attn_output", "self_attn.o_proj"),
             ("ffn_gate", "mlp.gate_proj"),
@@ -1898,14 +2047,6 @@ pub fn hf_tensors_from_gguf(path: &Path, device: &Device) -> std::result::Result
                 tensors.insert(
                     format!("{h}.self_attn.{hf}.bias"),
                     get(&format!("{g}.{gg}.bias"))?,
-                );
-            }
-        }
-        if cfg.family.qk_norm() {
-            for (gg, hf) in [("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")] {
-                tensors.insert(
-                    format!("{h}.self_attn.{hf}.weight"),
-                    get(&format!("{g}.{gg}.weight"))?,
                 );
             }
         }

@@ -1,4 +1,5 @@
-//! A trainable llama-family model (SmolLM2, Llama 2/3, TinyLlama, Qwen2/2.5, Qwen3, Mistral;
+//! A trainable llama-family model (SmolLM2, Llama 2/3, TinyLlama, Qwen2/2.5, Qwen3, Mistral,
+//! Gemma 3;
 //! [`crate::engine::config::Family`] says what each adds) built from differentiable ops only
 //! (never candle-nn's fast kernels, which have no backward and silently cut the
 //! gradient): the ops of [`super::ops`], each with an explicit backward, and `rope_slow`.
@@ -18,7 +19,7 @@ use candle_nn::VarMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::error::TrainError;
-use crate::engine::llama::{rope_tables, LlamaConfig, RopeScaling};
+use crate::engine::llama::{local_rope_tables, rope_tables, LlamaConfig, RopeScaling};
 use crate::engine::peft::{peft_tensor_name, AdapterConfig};
 
 /// Additive bias for masked attention scores. Finite, so that a row whose keys are all masked
@@ -27,8 +28,16 @@ const MASKED: f64 = -1e9;
 
 struct TrainLayer {
     input_norm: Tensor,
+    /// The norm before the MLP (`post_attention_layernorm`; Gemma's
+    /// `pre_feedforward_layernorm`).
     post_norm: Tensor,
-    /// Per-head RMS-norm weights of the queries and keys (Qwen3).
+    /// Gemma: the norms of the attention's and the MLP's outputs
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`).
+    attn_out_norm: Option<Tensor>,
+    mlp_out_norm: Option<Tensor>,
+    /// Gemma 3: a sliding-window layer (rotated with the local rope tables).
+    sliding: bool,
+    /// Per-head RMS-norm weights of the queries and keys (Qwen3, Gemma 3).
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
     q: Proj,
@@ -173,6 +182,8 @@ struct LayerContext {
     bias: Tensor,
     cos: Tensor,
     sin: Tensor,
+    /// Gemma 3: the sliding-window layers' rope tables.
+    local: Option<(Tensor, Tensor)>,
     /// Per row, per block: (first query, queries, the block's keys as ranges of the row,
     /// its bias (1, 1, queries, keys)); `None`: dense attention over `bias`.
     blocks: Option<Vec<Vec<Block>>>,
@@ -271,6 +282,8 @@ pub struct TrainLlama {
     lm_head: Option<Tensor>,
     cos: Tensor,
     sin: Tensor,
+    /// Gemma 3: the sliding-window layers' rope tables.
+    local_rope: Option<(Tensor, Tensor)>,
     /// GGUF `rope_freqs` factors the tables were built with (Llama 3 GGUFs), if any.
     rope_factors: Option<Vec<f32>>,
     dtype: DType,
@@ -345,9 +358,21 @@ impl TrainLlama {
                 opt("self_attn.k_norm.weight", norm)?,
             );
             let mut g = |n: &str| get(&format!("{p}.{n}.weight"));
+            let (post_norm, attn_out_norm, mlp_out_norm) = if cfg.family.gemma() {
+                (
+                    g("pre_feedforward_layernorm")?,
+                    Some(g("post_attention_layernorm")?),
+                    Some(g("post_feedforward_layernorm")?),
+                )
+            } else {
+                (g("post_attention_layernorm")?, None, None)
+            };
             layers.push(TrainLayer {
                 input_norm: g("input_layernorm")?,
-                post_norm: g("post_attention_layernorm")?,
+                post_norm,
+                attn_out_norm,
+                mlp_out_norm,
+                sliding: cfg.layer_slides(i),
                 q_norm,
                 k_norm,
                 q: Proj::with_bias(g("self_attn.q_proj")?, q_bias),
@@ -366,7 +391,12 @@ impl TrainLlama {
             Some(get("lm_head.weight")?)
         };
         let (cos, sin) = rope_tables(&cfg, factors.clone(), device)?;
+        let local_rope = match local_rope_tables(&cfg, device)? {
+            Some((c, s)) => Some((c.to_dtype(dtype)?, s.to_dtype(dtype)?)),
+            None => None,
+        };
         Ok(Self {
+            local_rope,
             cfg,
             rope_factors: factors,
             varmap,
@@ -681,14 +711,21 @@ impl TrainLlama {
                 self.cfg.context_length()
             );
         }
-        let (cos, sin) = match &layout.positions {
-            None => (self.cos.narrow(0, 0, seq)?, self.sin.narrow(0, 0, seq)?),
-            Some(p) => {
-                let idx = p.flatten_all()?;
-                let half = self.cos.dim(1)?;
-                let table = |t: &Tensor| t.index_select(&idx, 0)?.reshape((b, 1, seq, half));
-                (table(&self.cos)?, table(&self.sin)?)
+        let tables_at = |cos: &Tensor, sin: &Tensor| -> Result<(Tensor, Tensor)> {
+            match &layout.positions {
+                None => Ok((cos.narrow(0, 0, seq)?, sin.narrow(0, 0, seq)?)),
+                Some(p) => {
+                    let idx = p.flatten_all()?;
+                    let half = cos.dim(1)?;
+                    let table = |t: &Tensor| t.index_select(&idx, 0)?.reshape((b, 1, seq, half));
+                    Ok((table(cos)?, table(sin)?))
+                }
             }
+        };
+        let (cos, sin) = tables_at(&self.cos, &self.sin)?;
+        let local = match &self.local_rope {
+            Some((c, s)) => Some(tables_at(c, s)?),
+            None => None,
         };
         let blocks = match &layout.blocks {
             Some(rows) if rows.len() == b => Some(
@@ -709,28 +746,60 @@ impl TrainLlama {
             bias: layout.bias.to_dtype(self.dtype)?,
             cos,
             sin,
+            local,
             blocks,
         })
     }
 
     fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
         let (b, seq) = tokens.dims2()?;
-        self.embed
+        let x = self
+            .embed
             .index_select(&tokens.flatten_all()?, 0)?
-            .reshape((b, seq, self.cfg.hidden_size))
+            .reshape((b, seq, self.cfg.hidden_size))?;
+        if !self.cfg.family.gemma() {
+            return Ok(x);
+        }
+        // Gemma scales its embeddings by √hidden (in the model's float type).
+        x * f64::from((self.cfg.hidden_size as f32).sqrt())
+    }
+
+    /// RMS norm of `x` by the weight `w` as the family applies it: Gemma's scale by (1 + w).
+    fn apply_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let eps = self.cfg.rms_norm_eps as f32;
+        if self.cfg.family.gemma() {
+            super::ops::rms_norm(x, &(w + 1.0)?, eps)
+        } else {
+            super::ops::rms_norm(x, w, eps)
+        }
+    }
+
+    /// `x` normed by `w` where the layer has such a norm (Gemma's output norms).
+    fn maybe_norm(&self, x: Tensor, w: &Option<Tensor>) -> Result<Tensor> {
+        match w {
+            Some(w) => self.apply_norm(&x, w),
+            None => Ok(x),
+        }
     }
 
     fn layer_forward(&self, layer: &TrainLayer, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
-        let eps = self.cfg.rms_norm_eps as f32;
-        let hs = super::ops::rms_norm(x, &layer.input_norm, eps)?;
-        let x = (x + self.attention(layer, &hs, ctx)?)?;
-        let hs = super::ops::rms_norm(&x, &layer.post_norm, eps)?;
-        let act = super::ops::swiglu(&self.proj(&hs, &layer.gate)?, &self.proj(&hs, &layer.up)?)?;
-        x + self.proj(&act, &layer.down)?
+        let hs = self.apply_norm(x, &layer.input_norm)?;
+        let attn = self.maybe_norm(self.attention(layer, &hs, ctx)?, &layer.attn_out_norm)?;
+        let x = (x + attn)?;
+        let hs = self.apply_norm(&x, &layer.post_norm)?;
+        let (gate, up) = (self.proj(&hs, &layer.gate)?, self.proj(&hs, &layer.up)?);
+        let act = if self.cfg.family.gemma() {
+            // GELU with the tanh approximation (`gelu_pytorch_tanh`).
+            (gate.gelu()? * up)?
+        } else {
+            super::ops::swiglu(&gate, &up)?
+        };
+        let down = self.maybe_norm(self.proj(&act, &layer.down)?, &layer.mlp_out_norm)?;
+        x + down
     }
 
     fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        super::ops::rms_norm(x, &self.norm, self.cfg.rms_norm_eps as f32)
+        self.apply_norm(x, &self.norm)
     }
 
     /// Logits of final-normed hidden states (…, hidden) → (…, vocab).
@@ -841,7 +910,11 @@ impl TrainLlama {
     }
 
     fn attention(&self, layer: &TrainLayer, x: &Tensor, ctx: &LayerContext) -> Result<Tensor> {
-        let (cos, sin, bias) = (&ctx.cos, &ctx.sin, &ctx.bias);
+        let (cos, sin) = match (&ctx.local, layer.sliding) {
+            (Some((c, s)), true) => (c, s),
+            _ => (&ctx.cos, &ctx.sin),
+        };
+        let bias = &ctx.bias;
         let (b, seq, _) = x.dims3()?;
         let (nh, kvh, hd) = (
             self.cfg.num_attention_heads,
@@ -852,16 +925,16 @@ impl TrainLlama {
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()
         };
-        let eps = self.cfg.rms_norm_eps as f32;
-        // Qwen3: each query and key head RMS-normed before the rotary embedding.
-        let head_norm =
-            |t: Tensor, n: usize, w: &Option<Tensor>| -> Result<Tensor> {
-                match w {
-                    None => Ok(t),
-                    Some(w) => super::ops::rms_norm(&t.reshape((b, seq, n, hd))?, w, eps)?
-                        .reshape((b, seq, n * hd)),
+        // Qwen3, Gemma 3: each query and key head RMS-normed before the rotary embedding.
+        let head_norm = |t: Tensor, n: usize, w: &Option<Tensor>| -> Result<Tensor> {
+            match w {
+                None => Ok(t),
+                Some(w) => {
+                    self.apply_norm(&t.reshape((b, seq, n, hd))?, w)?
+                        .reshape((b, seq, n * hd))
                 }
-            };
+            }
+        };
         let q = heads(head_norm(self.proj(x, &layer.q)?, nh, &layer.q_norm)?, nh)?;
         let k = heads(head_norm(self.proj(x, &layer.k)?, kvh, &layer.k_norm)?, kvh)?;
         let v = heads(self.proj(x, &layer.v)?, kvh)?;
@@ -1029,7 +1102,25 @@ impl TrainLlama {
             serde_json::json!([c.family.architecture()]),
         );
         set("model_type", c.family.model_type().into());
-        set("hidden_act", "silu".into());
+        if c.family.gemma() {
+            set("hidden_activation", "gelu_pytorch_tanh".into());
+            let kinds: Vec<&str> = (0..c.num_hidden_layers)
+                .map(|i| {
+                    if c.layer_slides(i) {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            set("layer_types", kinds.into());
+            set("query_pre_attn_scalar", c.head_dim().into());
+            if let Some(w) = c.sliding_window {
+                set("sliding_window", w.into());
+            }
+        } else {
+            set("hidden_act", "silu".into());
+        }
         set("vocab_size", c.vocab_size.into());
         set("hidden_size", c.hidden_size.into());
         set("intermediate_size", c.intermediate_size.into());
@@ -1157,6 +1248,10 @@ impl TrainLlama {
 /// Writes `c`'s rope base and scaling into a config object, in the form it already uses.
 fn write_rope(obj: &mut serde_json::Map<String, serde_json::Value>, c: &LlamaConfig) {
     let scaling = c.rope_scaling.as_ref().map(RopeScaling::to_json);
+    if c.family.gemma() {
+        write_gemma3_rope(obj, c, scaling);
+        return;
+    }
     if obj.get("rope_parameters").is_some_and(|v| !v.is_null()) {
         // transformers ≥ 5's form: one dict, and no top-level copy that could disagree.
         let mut rope = scaling.unwrap_or_default();
@@ -1171,6 +1266,44 @@ fn write_rope(obj: &mut serde_json::Map<String, serde_json::Value>, c: &LlamaCon
             Some(s) => obj.insert("rope_scaling".into(), s.into()),
             None => obj.remove("rope_scaling"),
         };
+    }
+}
+
+/// Gemma 3's two rope settings: transformers 5's `rope_parameters` per layer type unless the
+/// source config uses transformers 4's `rope_theta` / `rope_local_base_freq` / `rope_scaling`.
+fn write_gemma3_rope(
+    obj: &mut serde_json::Map<String, serde_json::Value>,
+    c: &LlamaConfig,
+    scaling: Option<serde_json::Map<String, serde_json::Value>>,
+) {
+    let local = c.local_rope_theta;
+    let legacy = obj.get("rope_theta").is_some_and(|v| !v.is_null())
+        && !obj.get("rope_parameters").is_some_and(|v| !v.is_null());
+    if legacy {
+        obj.insert("rope_theta".into(), c.rope_theta.into());
+        if let Some(l) = local {
+            obj.insert("rope_local_base_freq".into(), l.into());
+        }
+        match scaling {
+            Some(s) => obj.insert("rope_scaling".into(), s.into()),
+            None => obj.remove("rope_scaling"),
+        };
+        return;
+    }
+    let mut full = scaling.unwrap_or_default();
+    full.entry("rope_type").or_insert("default".into());
+    full.insert("rope_theta".into(), c.rope_theta.into());
+    let mut rope = serde_json::Map::new();
+    rope.insert("full_attention".into(), full.into());
+    if let Some(l) = local {
+        rope.insert(
+            "sliding_attention".into(),
+            serde_json::json!({"rope_type": "default", "rope_theta": l}),
+        );
+    }
+    obj.insert("rope_parameters".into(), rope.into());
+    for k in ["rope_theta", "rope_scaling", "rope_local_base_freq"] {
+        obj.remove(k);
     }
 }
 
