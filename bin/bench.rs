@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::builder::TypedValueParser;
 use clap::{Parser, Subcommand};
 use collabllm::engine::llama::WeightFormat;
-use collabllm::engine::{Engine, GenParams, LoadOptions};
+use collabllm::engine::{Engine, EngineError, GenParams, LoadOptions};
 use collabllm::llm::spec::resolve_local;
 use collabllm::llm::{ChatMessage, ModelSpec};
 
@@ -33,7 +33,8 @@ enum Command {
         /// Compute threads.
         #[arg(long, default_value_t = 2, value_parser = at_least_one)]
         threads: usize,
-        /// Approximate prompt length in tokens (the chat template's own tokens included).
+        /// Approximate prompt length in tokens (the chat template's own tokens included; raw
+        /// text for a base model without a chat template).
         #[arg(long, default_value_t = 200, value_parser = at_least_one)]
         prompt_tokens: usize,
         /// Tokens generated per sample (end-of-turn is ignored so every run is this long).
@@ -163,13 +164,18 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// A user message whose rendered prompt is about `target` tokens long.
+/// A user message whose rendered prompt is about `target` tokens long (raw text, as
+/// `/v1/completions` sends it, for a base model without a chat template).
 fn prompt_of(engine: &Engine, target: usize) -> anyhow::Result<Vec<u32>> {
     let sentence = "The committee reviewed the quarterly report on river water quality, \
                     noting that nitrate levels fell while turbidity rose after the spring floods. ";
     let mut text = String::new();
     loop {
-        let ids = engine.encode(&engine.render(&[ChatMessage::user(text.clone())])?)?;
+        let ids = match engine.render(&[ChatMessage::user(text.clone())]) {
+            Ok(rendered) => engine.encode(&rendered)?,
+            Err(EngineError::NoChatTemplate(_)) => engine.encode_raw(&text)?,
+            Err(e) => return Err(e.into()),
+        };
         if ids.len() >= target {
             return Ok(ids);
         }

@@ -52,6 +52,18 @@ impl LocalModelFiles {
             LocalModelFiles::Adapter { dir, .. } => dir,
         }
     }
+
+    /// The model's configuration (an adapter's: its base's), read without loading weights.
+    pub fn config(&self) -> Result<LlamaConfig, EngineError> {
+        match self {
+            LocalModelFiles::Gguf(p) => {
+                let (_, content) = read_gguf(p)?;
+                LlamaConfig::from_gguf_checked(&content).map_err(|e| load_err(p, e))
+            }
+            LocalModelFiles::HfDir(d) => read_hf_config(d),
+            LocalModelFiles::Adapter { base, .. } => base.config(),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -183,6 +183,7 @@ pub fn train_until(
     let cfg = &recorded;
 
     let files = local_model_files(cfg)?;
+    check_max_length(cfg, &files.config()?)?;
     let codec = ChatCodec::load(&files)?;
     let device = parse_device(&cfg.optim.device)?;
     let dtype = parse_dtype(&cfg.dtype, &device)?;
@@ -383,6 +384,26 @@ fn load_data(
         train_stats,
         eval,
     })
+}
+
+/// Refuses a `--max-length` the model cannot hold (Gemma 3's sliding window caps its context
+/// at 512 positions for 270M and 1B) before any data is read: every longer row would fail
+/// mid-run.
+fn check_max_length(cfg: &TrainConfig, model: &crate::engine::llama::LlamaConfig) -> Result<()> {
+    let context = model.context_length();
+    if cfg.max_length <= context {
+        return Ok(());
+    }
+    let why = if model.sliding_window == Some(context) {
+        " (its sliding window caps it: attention past the window is not implemented)"
+    } else {
+        ""
+    };
+    Err(TrainError::Setting(format!(
+        "--max-length {} is longer than the model's context of {context} positions{why}; \
+         pass --max-length {context} or less",
+        cfg.max_length
+    )))
 }
 
 /// The policy to train: the weights of `files`, with LoRA adapters when configured.
