@@ -132,8 +132,8 @@ struct Args {
     /// row of its own, add `--model proactive:SPEC` instead.
     #[arg(long, value_name = "FILE|proactive")]
     system_prompt: Option<SystemPromptSource>,
-    /// How local models hold their weights: `auto` (GGUF Q4_1/Q5_x re-quantized to Q8_0,
-    /// safetensors in f32), `q8` (every linear layer in Q8_0: fastest, and puts a GGUF base and
+    /// How local models hold their weights: `auto` (GGUF Q5_x and, on the CPU, K-quants
+    /// re-quantized to Q8_0, safetensors in f32), `q8` (every linear layer in Q8_0: fastest, and puts a GGUF base and
     /// a merged dpo_train checkpoint on the same footing), `native`, `f32`.
     #[arg(long, value_name = "FORMAT", value_parser = clap::builder::PossibleValuesParser::new(WeightFormat::NAMES)
               .try_map(|s| s.parse::<WeightFormat>()))]

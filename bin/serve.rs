@@ -66,10 +66,11 @@ struct Args {
     aliases: Vec<String>,
 
     /// How the weights are held in memory: `auto` (the file's own quantization, Q8_0 and Q4_1
-    /// in our CPU kernel, GGUF Q5_0/Q5_1 re-quantized to Q8_0; safetensors in f32), `q8`
+    /// in our CPU kernel, GGUF Q5_0/Q5_1 and (on the CPU) K-quants re-quantized to Q8_0;
+    /// safetensors in f32), `q8`
     /// (every linear layer re-quantized to Q8_0; output differs slightly from the original
     /// weights), `native` (each GGUF tensor in the file's own type: what the file holds, with
-    /// candle's slower kernels for Q5_x), `f32` (dequantized
+    /// candle's slower kernels for Q5_x and K-quants), `f32` (dequantized
     /// to f32: the exact reference, for checking output token for token against
     /// transformers; about 4x the memory of q8 and slower).
     #[arg(long, value_name = "FORMAT", default_value = "auto",

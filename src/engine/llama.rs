@@ -28,8 +28,8 @@ pub use super::config::{LlamaConfig, RopeScaling};
 #[serde(into = "String", try_from = "String")]
 pub enum WeightFormat {
     /// Keep what the file has (Q8_0 and, on the CPU, Q4_1 in our int8 kernel), except
-    /// quantized formats without a fast CPU kernel (Q5_x; Q4_1 on other devices), which are
-    /// re-quantized to Q8_0.
+    /// quantized formats without a fast CPU kernel (Q5_x, and on the CPU the K-quants; Q4_1
+    /// on other devices), which are re-quantized to Q8_0.
     #[default]
     Auto,
     /// Re-quantize every linear layer to Q8_0 (~4× less memory traffic than f32).
@@ -1016,6 +1016,13 @@ fn to_linear_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<Linear> {
         (WeightFormat::Auto, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) => {
             Some(GgmlDType::Q8_0)
         }
+        // candle's K-quant kernels decode on the CPU at a fraction of our int8 kernel's speed
+        // (Gemma 3 270M Q4_K_M: 44 against 62 tokens/s with its Q4_K and Q6_K layers in
+        // Q8_0, BENCHMARKS.md).
+        (
+            WeightFormat::Auto,
+            GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K,
+        ) if ours => Some(GgmlDType::Q8_0),
         (WeightFormat::Auto | WeightFormat::Native, d) => Some(d),
     };
     let candle = |m: Result<QMatMul>| m.map(Linear::Candle);
