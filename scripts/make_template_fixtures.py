@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Writes tests/fixtures/templates/cases.json: transformers' renderings of the Qwen2.5 and
-Qwen3 chat templates (tests/fixtures/templates/*.jinja, as the models' tokenizer files ship
-them) for a few conversations: with and without a system message, multi-turn, with a
+"""Writes tests/fixtures/templates/cases.json: transformers' renderings of the Qwen2.5, Qwen3
+and Gemma 3 chat templates (tests/fixtures/templates/*.jinja, as the models' tokenizer files
+ship them; Gemma 3's folds a system message into the first user turn and names the assistant
+`model`) for a few conversations: with and without a system message, multi-turn, with a
 reasoning trace in an earlier assistant turn (Qwen3 drops it), with and without the
 generation prompt. The Rust test renders the same templates with the crate's template
 engine and compares. Tested with transformers 5.24.
@@ -34,7 +35,12 @@ def main() -> int:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     cases = []
-    for name in ["qwen2.5", "qwen3"]:
+    # Each template with the special tokens its tokenizer gives it.
+    for name, (bos, eos) in {
+        "qwen2.5": ("", "<|im_end|>"),
+        "qwen3": ("", "<|im_end|>"),
+        "gemma3": ("<bos>", "<eos>"),
+    }.items():
         template = open(os.path.join(HERE, f"{name}.jinja")).read()
         for conv, messages in CONVERSATIONS.items():
             for gen in [True, False]:
@@ -42,8 +48,8 @@ def main() -> int:
                     conversations=[messages],
                     chat_template=template,
                     add_generation_prompt=gen,
-                    bos_token="",
-                    eos_token="<|im_end|>",
+                    bos_token=bos,
+                    eos_token=eos,
                 )
                 cases.append(
                     {
@@ -51,6 +57,8 @@ def main() -> int:
                         "conversation": conv,
                         "messages": messages,
                         "add_generation_prompt": gen,
+                        "bos_token": bos,
+                        "eos_token": eos,
                         "rendered": rendered[0],
                     }
                 )

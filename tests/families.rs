@@ -379,21 +379,26 @@ fn unsupported_families_and_settings_are_refused_by_name() {
     assert_eq!((c.max_position_embeddings, c.context_length()), (256, 100));
 }
 
-/// The Qwen2.5 and Qwen3 chat templates, as the models ship them, render in the crate's
-/// template engine exactly as transformers renders them (`scripts/make_template_fixtures.py`):
-/// a system message or none, multi-turn, Qwen3's reasoning trace dropped from earlier turns,
-/// with and without the generation prompt.
+/// The Qwen2.5, Qwen3 and Gemma 3 chat templates, as the models ship them, render in the
+/// crate's template engine exactly as transformers renders them
+/// (`scripts/make_template_fixtures.py`): a system message or none (Gemma folds it into the
+/// first user turn), multi-turn, Qwen3's reasoning trace dropped from earlier turns, with and
+/// without the generation prompt.
 #[test]
-fn qwen_chat_templates_render_as_transformers_does() {
+fn qwen_and_gemma_chat_templates_render_as_transformers_does() {
     use collabllm::engine::chat_template::ChatTemplate;
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
     let cases: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(root.join("cases.json")).unwrap()).unwrap();
-    assert_eq!(cases.len(), 12);
+    assert_eq!(cases.len(), 18);
     for case in cases {
         let name = case["template"].as_str().unwrap();
         let source = std::fs::read_to_string(root.join(name)).unwrap();
-        let template = ChatTemplate::new(&source, name, "", "<|im_end|>").unwrap();
+        let (bos, eos) = (
+            case["bos_token"].as_str().unwrap(),
+            case["eos_token"].as_str().unwrap(),
+        );
+        let template = ChatTemplate::new(&source, name, bos, eos).unwrap();
         let messages: Vec<ChatMessage> = case["messages"]
             .as_array()
             .unwrap()
