@@ -25,7 +25,8 @@ margin at every greedy step). reference.json records, computed in float64 unless
   float32, the precision `serve --weights f32` runs in);
 - one DPO case: prompt/chosen/rejected ids, beta, fixed reference log-probs, the policy's
   completion log-probs, TRL's sigmoid loss and the global gradient L2 norm;
-- gemma3_text only: `text_ids`, texts (edge spaces, runs of spaces, upper case, digits,
+- gemma3_text only: `past_window`, a 150-token sequence and a DPO pair past the sliding
+  window (logits, log-probs); `text_ids`, texts (edge spaces, runs of spaces, upper case, digits,
   non-ASCII, a newline, a literal <start_of_turn>) and their ids from the HF tokenizer with
   `add_special_tokens=True`, for checking a tokenizer rebuilt from the GGUF.
 
@@ -349,6 +350,27 @@ def check_gemma_ids(tok, c, chat_ids) -> None:
         raise SystemExit(f"gemma3_text: a sequence of {longest} tokens is too close to the window")
 
 
+def past_window(model, torch):
+    """gemma3_text: a sequence of 150 tokens, past the 64-token window of the sliding layers:
+    its logits and log-probs, and a DPO pair whose prompt (100 tokens) and completions reach
+    past the window, computed in float64."""
+    ids = [GEMMA_BOS] + [6 + (i * 97 + 13) % (len(GEMMA_TOKENS) - 6) for i in range(149)]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+        logp = torch.log_softmax(logits, dim=-1)
+        prompt, chosen, rejected = ids[:100], ids[100:140] + [EOT], ids[120:150] + [EOT]
+        return {
+            "ids": ids,
+            "next_logits": [float(v) for v in logits[-1]],
+            "token_logps": [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))],
+            "prompt": prompt,
+            "chosen": chosen,
+            "rejected": rejected,
+            "policy_chosen_logp": float(completion_logp(model, torch, prompt, chosen)),
+            "policy_rejected_logp": float(completion_logp(model, torch, prompt, rejected)),
+        }
+
+
 def make(family: str, out_dir: str, seed: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -417,6 +439,7 @@ def make(family: str, out_dir: str, seed: int) -> None:
         ref["text_ids"] = [
             {"text": t, "ids": tok(t, add_special_tokens=True)["input_ids"]} for t in GEMMA_TEXTS
         ]
+        ref["past_window"] = past_window(f64, torch)
     ref["made_with"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(ref, f, indent=1)

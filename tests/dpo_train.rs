@@ -1090,15 +1090,14 @@ fn every_model_family_trains_full_and_lora() {
         cfg.max_steps = Some(2);
         cfg.optim.lr = 1e-2;
         if family == "gemma3_text" {
-            // Its sliding window (64) caps the context: a longer --max-length is refused
-            // before any data is read.
+            // A --max-length past the model's positions is refused before any data is read.
+            cfg.max_length = 1024;
             let err = train(&cfg, false).unwrap_err().to_string();
             assert!(
-                err.contains(&format!("--max-length {}", cfg.max_length))
-                    && err.contains("context of 64 positions"),
+                err.contains("--max-length 1024") && err.contains("context of 256 positions"),
                 "{err}"
             );
-            cfg.max_length = 64;
+            cfg.max_length = 128;
         }
         train(&cfg, false).unwrap();
         let full = cfg.output.join("final");
@@ -1123,9 +1122,6 @@ fn every_model_family_trains_full_and_lora() {
         cfg.model = model.display().to_string();
         cfg.max_steps = Some(2);
         cfg.optim.lr = 1e-2;
-        if family == "gemma3_text" {
-            cfg.max_length = 64;
-        }
         cfg.lora = small_lora();
         train(&cfg, false).unwrap();
         let adapter_dir = cfg.output.join("final");

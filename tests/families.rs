@@ -110,7 +110,7 @@ fn configs_name_their_family() {
         "Qwen3's head_dim is given, not hidden / heads"
     );
     // Gemma 3: five sliding-window layers, then a global one; each kind its own rope base;
-    // the window caps the context.
+    // the sliding layers attend within their window, which caps nothing.
     let gemma = LlamaConfig::from_hf_json(&dir("gemma3_text").join("config.json")).unwrap();
     let five_then_global: Vec<bool> = (0..6).map(|i| i < 5).collect();
     assert_eq!(gemma.sliding_layers, five_then_global);
@@ -118,7 +118,12 @@ fn configs_name_their_family() {
     assert!(gemma.tie_word_embeddings);
     assert_eq!(
         (gemma.max_position_embeddings, gemma.context_length()),
-        (256, 64)
+        (256, 256)
+    );
+    let windows: Vec<Option<usize>> = (0..6).map(|i| gemma.attention_window(i)).collect();
+    assert_eq!(
+        windows,
+        [Some(64), Some(64), Some(64), Some(64), Some(64), None]
     );
 }
 
@@ -304,6 +309,103 @@ fn gguf_files_of_qwen_and_gemma_families_match_transformers() {
         let model = TrainLlama::from_gguf(&path, DType::F64, &dev).unwrap();
         assert_eq!(model.config().family.model_type(), family);
         check_token_logps(&model, &r, 1e-6, &format!("{family} GGUF"));
+    }
+}
+
+/// Gemma 3 past its sliding window (64 positions; 150 tokens): each sliding layer's query
+/// reads only the 64 keys up to its own. The engine gives transformers' logits whether the
+/// sequence arrives at once, as a prompt then one token at a time (the cache's decode path),
+/// through the continuous-batching steps (a prefill then decode steps), or as two samples
+/// forked from one prompt (the window starting inside their shared keys), from the HF folder
+/// and from the GGUF; the trainer gives its log-probs over the sequence, and over a DPO pair
+/// packed as one row (prompt of 100 tokens, completions past the window).
+#[test]
+fn gemma_sliding_window_layers_match_transformers_past_the_window() {
+    one_thread();
+    let r = reference("gemma3_text");
+    let long = &r["past_window"];
+    let seq = ids(&long["ids"]);
+    let want = floats(&long["next_logits"]);
+    let close = |got: &[f32], what: &str| {
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        assert!(d < 1e-4, "{what}: max |Δlogit| {d:e} vs transformers");
+    };
+    let opts = LoadOptions {
+        weights: WeightFormat::F32,
+        ..LoadOptions::default()
+    };
+    let gguf = dir("gemma3_text").with_extension("gguf");
+    for files in [
+        LocalModelFiles::HfDir(dir("gemma3_text")),
+        LocalModelFiles::Gguf(gguf),
+    ] {
+        let what = files.path().display().to_string();
+        let engine = Engine::load(&files, &opts).unwrap();
+        close(&engine.next_token_logits(&seq).unwrap(), &what);
+        let m = engine.model();
+        let dev = m.device().clone();
+        // A prompt inside the window, then one token at a time past it.
+        let mut cache = m.new_cache(seq.len());
+        let row = |t: &[u32]| Tensor::new(t, &dev).unwrap().unsqueeze(0).unwrap();
+        let mut last = m.forward_last(&row(&seq[..40]), &mut cache).unwrap();
+        for i in 40..seq.len() {
+            last = m.forward_last(&row(&seq[i..=i]), &mut cache).unwrap();
+        }
+        let got: Vec<f32> = last.squeeze(0).unwrap().to_vec1().unwrap();
+        close(&got, &format!("{what}, decoded one token at a time"));
+        // The scheduler's path: a prefill past the window, then decode steps.
+        let mut cache = m.new_cache(seq.len());
+        let mut out = m
+            .forward_prefill(&[&seq[..100]], &mut [&mut cache])
+            .unwrap();
+        for i in 100..seq.len() {
+            out = m.forward_decode(&[&seq[i..=i]], &mut [&mut cache]).unwrap();
+        }
+        let got: Vec<f32> = out[0].squeeze(0).unwrap().to_vec1().unwrap();
+        close(&got, &format!("{what}, prefill and decode steps"));
+        // Two samples forked from one prompt share its keys; the window starts inside them.
+        let mut cache = m.new_cache(100);
+        m.forward_prefill(&[&seq[..100]], &mut [&mut cache]).unwrap();
+        let mut forked = cache.fork(2, seq.len() - 100).unwrap();
+        for i in 100..seq.len() {
+            let both = [seq[i], seq[i]];
+            out = m.forward_decode(&[&both], &mut [&mut forked]).unwrap();
+        }
+        for r in 0..2 {
+            let got: Vec<f32> = out[0].get(r).unwrap().to_vec1().unwrap();
+            close(&got, &format!("{what}, sample {r} of a forked prompt"));
+        }
+    }
+
+    let dev = Device::Cpu;
+    let model = TrainLlama::from_hf_dir(&dir("gemma3_text"), DType::F64, &dev).unwrap();
+    let logp = common::model_util::trainer_log_probs(&model, &seq);
+    for (t, want) in floats(&long["token_logps"]).iter().enumerate() {
+        let got = logp[t][seq[t + 1] as usize];
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "trainer: token {} log-prob {got} vs {want}",
+            t + 1
+        );
+    }
+    let pair = TokenizedPair {
+        prompt: ids(&long["prompt"]),
+        chosen: ids(&long["chosen"]),
+        rejected: ids(&long["rejected"]),
+    };
+    let batch = PairBatch::new(&[pair], 0, &dev).unwrap();
+    let (pc, pr) = pair_logps(&model, &batch, false).unwrap();
+    let scalar = |t: &Tensor| t.to_vec1::<f64>().unwrap()[0];
+    for (got, key) in [(&pc, "policy_chosen_logp"), (&pr, "policy_rejected_logp")] {
+        let (got, want) = (scalar(got), long[key].as_f64().unwrap());
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs(),
+            "trainer, packed pair: {key} {got} vs {want}"
+        );
     }
 }
 

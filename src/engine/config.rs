@@ -46,9 +46,9 @@ pub enum Family {
     Mistral,
     /// Gemma 3 (text, dense): (1 + w) RMS norms, a norm after attention and after the MLP
     /// besides the two before them, per-head query/key norms, embeddings scaled by
-    /// √hidden, GELU (tanh) in the MLP, tied head; sliding-window layers with their own rope
-    /// base between global ones. Like Mistral's, the window caps the context (see
-    /// [`LlamaConfig::context_length`]).
+    /// √hidden, GELU (tanh) in the MLP, tied head; sliding-window layers (each query reads
+    /// the `sliding_window` keys up to its own, [`LlamaConfig::attention_window`]) with
+    /// their own rope base between global ones.
     Gemma3,
 }
 
@@ -757,12 +757,25 @@ impl LlamaConfig {
 
     /// Positions a sequence may hold: `max_position_embeddings`, or a shorter sliding window
     /// (Mistral): up to the window's length attention is full, so the model is exact there,
-    /// and longer sequences are refused rather than attended differently.
+    /// and longer sequences are refused rather than attended differently. Gemma 3's
+    /// sliding layers attend within their window ([`LlamaConfig::attention_window`]), so
+    /// its window caps nothing.
     pub fn context_length(&self) -> usize {
-        self.sliding_window
-            .map_or(self.max_position_embeddings, |w| {
-                w.min(self.max_position_embeddings)
-            })
+        match self.sliding_window {
+            Some(w) if !self.family.gemma() => w.min(self.max_position_embeddings),
+            _ => self.max_position_embeddings,
+        }
+    }
+
+    /// Gemma 3: layer `i`'s window when it is a sliding-window layer: a query at position
+    /// `p` reads the keys at `p − window < j ≤ p` (transformers' sliding mask). `None`: the
+    /// layer reads every key up to its own position.
+    pub fn attention_window(&self, i: usize) -> Option<usize> {
+        if self.family.gemma() && self.layer_slides(i) {
+            self.sliding_window
+        } else {
+            None
+        }
     }
 
     /// Inverse frequencies of the rotary embedding, `head_dim / 2` of them.

@@ -601,6 +601,72 @@ pub struct QueryGroup<'a> {
     pub pos: usize,
 }
 
+/// Attention of a group under a sliding window (Gemma 3's local layers), once the window
+/// leaves early keys out: the query at position `p` reads the keys at `p − window < j ≤ p`.
+/// Candle's ops over the window's keys, in f32 (the kernels above read every key from the
+/// first); the arithmetic of transformers' eager attention with its sliding mask. Returns
+/// (rows, seq, heads·hd).
+pub fn attend_window(g: &QueryGroup, window: usize) -> Result<Tensor> {
+    let (rows, heads, seq, d) = g.q.dims4()?;
+    let (krows, kv_heads, own, _) = g.k.dims4()?;
+    let shared = shared_len(g.prefix, g.k, d)?;
+    let total = shared + own;
+    if total != g.pos + seq || krows != rows || kv_heads == 0 || heads % kv_heads != 0 {
+        candle_core::bail!(
+            "windowed attention of {rows}×{heads} heads at positions {}..{} over {krows}×\
+             {kv_heads} KV heads of {total}",
+            g.pos,
+            g.pos + seq
+        );
+    }
+    // The first key any query of the group reads.
+    let first = (g.pos + 1).saturating_sub(window);
+    let span = |prefix: Option<&Tensor>, own_part: &Tensor| -> Result<Tensor> {
+        let mut parts = Vec::with_capacity(2);
+        if let (Some(p), true) = (prefix, first < shared) {
+            let p = p.narrow(2, first, shared - first)?.to_dtype(DType::F32)?;
+            parts.push(
+                p.broadcast_as((rows, kv_heads, shared - first, d))?
+                    .contiguous()?,
+            );
+        }
+        let from = first.saturating_sub(shared);
+        parts.push(own_part.narrow(2, from, own - from)?.to_dtype(DType::F32)?);
+        Tensor::cat(&parts, 2)?.contiguous()
+    };
+    let k = span(g.prefix.map(|p| p.0), g.k)?;
+    let v = span(g.prefix.map(|p| p.1), g.v)?;
+    let len = total - first;
+    let groups = heads / kv_heads;
+    // Query head `h` reads KV head `h / groups`: a KV head's query heads stacked along the
+    // query axis.
+    let q =
+        g.q.to_dtype(DType::F32)?
+            .contiguous()?
+            .reshape((rows, kv_heads, groups * seq, d))?;
+    let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (d as f64).sqrt()))?;
+    let mut mask = Vec::with_capacity(groups * seq * len);
+    for _ in 0..groups {
+        for i in 0..seq {
+            let p = g.pos + i;
+            mask.extend((first..total).map(|j| {
+                if j <= p && j + window > p {
+                    0f32
+                } else {
+                    f32::NEG_INFINITY
+                }
+            }));
+        }
+    }
+    let mask = Tensor::from_vec(mask, (groups * seq, len), q.device())?;
+    let att = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+    att.matmul(&v)?
+        .reshape((rows, heads, seq, d))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, seq, heads * d))
+}
+
 /// A group's dimensions, checked.
 #[derive(Clone, Copy)]
 struct GroupDims {

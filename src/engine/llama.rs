@@ -611,6 +611,47 @@ struct CpuAttention {
     pos: usize,
 }
 
+/// A decode step's keys and values past a sliding window, cut to the window: the one query
+/// reads them all, so the plain kernels serve it (the cache's keys are rotated already, and
+/// the kernels place the query after its keys).
+struct WindowView {
+    prefix: Option<(Tensor, Tensor)>,
+    k: Tensor,
+    v: Tensor,
+    pos: usize,
+}
+
+impl WindowView {
+    fn of(p: &CpuAttention, window: usize) -> Result<Self> {
+        let shared = p.prefix.as_ref().map_or(Ok(0), |(k, _)| k.dim(2))?;
+        let own = p.k.dim(2)?;
+        let first = (shared + own).saturating_sub(window);
+        let (prefix, k, v) = if first >= shared {
+            let (from, n) = (first - shared, own - (first - shared));
+            (None, p.k.narrow(2, from, n)?, p.v.narrow(2, from, n)?)
+        } else {
+            let cut = |t: &Tensor| t.narrow(2, first, shared - first);
+            let prefix = match &p.prefix {
+                Some((pk, pv)) => Some((cut(pk)?, cut(pv)?)),
+                None => None,
+            };
+            (prefix, p.k.clone(), p.v.clone())
+        };
+        let pos = shared + own - first - 1;
+        Ok(Self { prefix, k, v, pos })
+    }
+
+    fn group<'a>(&'a self, q: &'a Tensor) -> cpu_attention::QueryGroup<'a> {
+        cpu_attention::QueryGroup {
+            q,
+            prefix: self.prefix.as_ref().map(|(k, v)| (k, v)),
+            k: &self.k,
+            v: &self.v,
+            pos: self.pos,
+        }
+    }
+}
+
 impl CpuAttention {
     fn group(&self) -> cpu_attention::QueryGroup<'_> {
         cpu_attention::QueryGroup {
@@ -1573,21 +1614,28 @@ impl LlamaModel {
 
     /// (groups·seq, pos+seq) additive mask: query row `j·seq + i` sees keys `0..=pos+i`.
     fn causal_mask(&self, seq: usize, pos: usize) -> Result<Tensor> {
+        self.attention_mask(seq, pos, None)
+    }
+
+    /// [`Self::causal_mask`], and within `window` keys of each query when one is given.
+    fn attention_mask(&self, seq: usize, pos: usize, window: Option<usize>) -> Result<Tensor> {
         let groups = self.cfg.num_attention_heads / self.cfg.num_kv_heads();
         let total = pos + seq;
         let mut m = Vec::with_capacity(groups * seq * total);
         for _ in 0..groups {
             for i in 0..seq {
-                for j in 0..total {
-                    m.push(if j <= pos + i {
-                        0f32
-                    } else {
-                        f32::NEG_INFINITY
-                    });
-                }
+                let p = pos + i;
+                let seen = |j: usize| j <= p && window.is_none_or(|w| j + w > p);
+                m.extend((0..total).map(|j| if seen(j) { 0f32 } else { f32::NEG_INFINITY }));
             }
         }
         Tensor::from_vec(m, (groups * seq, total), &self.device)
+    }
+
+    /// Layer `i`'s sliding window when positions up to `end` reach past it (so some query
+    /// must leave early keys out); `None` while attention is plain causal.
+    fn window_in_use(&self, i: usize, end: usize) -> Option<usize> {
+        self.cfg.attention_window(i).filter(|&w| end > w)
     }
 
     /// Whether attention over `q` runs in [`cpu_attention`] (row- and chunk-independent
@@ -1665,8 +1713,23 @@ impl LlamaModel {
                 self.prepare_cpu_attention(layer_idx, qkv, cache)
             })??;
             let g = p.group();
-            return cpu_attention::attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos);
+            return match self.window_in_use(layer_idx, g.pos + seq) {
+                Some(w) if seq == 1 => {
+                    let view = WindowView::of(&p, w)?;
+                    let g = view.group(&p.q);
+                    cpu_attention::attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos)
+                }
+                Some(w) => cpu_attention::attend_window(&g, w),
+                None => cpu_attention::attend_causal_after(g.q, g.prefix, g.k, g.v, g.pos),
+            };
         }
+        // A sliding-window layer past its window masks the keys before it, also in decode.
+        let pos = cache.len;
+        let window_mask = match self.window_in_use(layer_idx, pos + seq) {
+            Some(w) => Some(self.attention_mask(seq, pos, Some(w))?),
+            None => None,
+        };
+        let mask = window_mask.as_ref().or(mask);
         // (b, seq, heads·hd) -> (b, heads, seq, hd)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             t.reshape((b, seq, n, hd))?.transpose(1, 2)?.contiguous()
@@ -1883,9 +1946,26 @@ impl LlamaModel {
         })?
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
+        // Past a sliding layer's window a decode step reads the window's keys with the others;
+        // a prompt piece (each query its own window) attends alone.
+        let seq_of = |p: &CpuAttention| p.q.dim(2).unwrap_or(0);
+        let slid = |p: &CpuAttention| self.window_in_use(layer, p.pos + seq_of(p));
+        let alone = |p: &CpuAttention| slid(p).is_some() && seq_of(p) > 1;
+        let views = prepared
+            .iter()
+            .map(|p| match slid(p) {
+                Some(w) if seq_of(p) == 1 => WindowView::of(p, w).map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let (decoding, pieces): (Vec<cpu_attention::QueryGroup>, Vec<_>) = prepared
             .iter()
-            .map(CpuAttention::group)
+            .zip(&views)
+            .filter(|(p, _)| !alone(p))
+            .map(|(p, view)| match view {
+                Some(view) => view.group(&p.q),
+                None => p.group(),
+            })
             .partition(|g| g.q.dim(2).is_ok_and(|seq| seq == 1));
         let decoded = if decoding.is_empty() {
             None
@@ -1895,12 +1975,19 @@ impl LlamaModel {
         if decoding.len() == prepared.len() {
             return Ok(decoded.expect("some groups decode"));
         }
-        let mut prefilled = cpu_attention::attend_groups(&pieces)?.into_iter();
+        let mut prefilled = if pieces.is_empty() {
+            Vec::new().into_iter()
+        } else {
+            cpu_attention::attend_groups(&pieces)?.into_iter()
+        };
         let mut ys = Vec::with_capacity(prepared.len());
         let mut row = 0;
         for p in &prepared {
             let (rows, _, seq, _) = p.q.dims4()?;
-            if seq == 1 {
+            if let (Some(w), true) = (slid(p), alone(p)) {
+                let y = cpu_attention::attend_window(&p.group(), w)?;
+                ys.push(y.reshape((rows * seq, 1, ()))?);
+            } else if seq == 1 {
                 let d = decoded.as_ref().expect("this group decodes");
                 ys.push(d.narrow(0, row, rows)?);
                 row += rows;

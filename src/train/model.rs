@@ -184,6 +184,9 @@ struct LayerContext {
     sin: Tensor,
     /// Gemma 3: the sliding-window layers' rope tables.
     local: Option<(Tensor, Tensor)>,
+    /// Gemma 3: `bias` with the keys outside the sliding window masked too, when the rows
+    /// reach past it.
+    local_bias: Option<Tensor>,
     /// Per row, per block: (first query, queries, the block's keys as ranges of the row,
     /// its bias (1, 1, queries, keys)); `None`: dense attention over `bias`.
     blocks: Option<Vec<Vec<Block>>>,
@@ -195,15 +198,19 @@ struct Block {
     len: usize,
     keys: Vec<(usize, usize)>,
     bias: Tensor,
+    /// Gemma 3's sliding layers: `bias` within the window, when the block reaches past it.
+    local_bias: Option<Tensor>,
 }
 
 impl Block {
     /// Queries `start..start + len` reading the keys in `shared` (all visible) and their own
-    /// range (causally).
+    /// range (causally); with a `window`, the sliding layers' bias too (query `i` sits at
+    /// position `p + i`, key column `c` at position `c`).
     fn new(
         start: usize,
         len: usize,
         shared: Option<usize>,
+        window: Option<usize>,
         dtype: DType,
         dev: &Device,
     ) -> Result<Self> {
@@ -214,6 +221,17 @@ impl Block {
             let row = &mut bias[i * width..(i + 1) * width];
             row[..p + i + 1].fill(0.0);
         }
+        let local_bias = match window {
+            Some(w) if width > w => {
+                let mut local = bias.clone();
+                for i in 0..len {
+                    let first = (p + i + 1).saturating_sub(w);
+                    local[i * width..i * width + first].fill(MASKED as f32);
+                }
+                Some(Tensor::from_vec(local, (1, 1, len, width), dev)?.to_dtype(dtype)?)
+            }
+            _ => None,
+        };
         let mut keys = Vec::with_capacity(2);
         if p > 0 {
             keys.push((0, p));
@@ -224,8 +242,34 @@ impl Block {
             len,
             keys,
             bias: Tensor::from_vec(bias, (1, 1, len, width), dev)?.to_dtype(dtype)?,
+            local_bias,
         })
     }
+}
+
+/// `layout`'s bias with the keys a sliding window of `window` positions leaves out masked
+/// too: a query at rotary position `p` reads keys at positions `p − window < q ≤ p`
+/// (positions 0, 1, … when the layout gives none).
+fn window_bias(layout: &BatchLayout, window: usize) -> Result<Tensor> {
+    let (b, _, seq, _) = layout.bias.dims4()?;
+    let positions: Vec<u32> = match &layout.positions {
+        Some(p) => p.flatten_all()?.to_vec1()?,
+        None => (0..b).flat_map(|_| 0..seq as u32).collect(),
+    };
+    let mut extra = vec![0f32; b * seq * seq];
+    for r in 0..b {
+        let pos = &positions[r * seq..(r + 1) * seq];
+        for (i, &pi) in pos.iter().enumerate() {
+            let row = &mut extra[(r * seq + i) * seq..(r * seq + i + 1) * seq];
+            for (j, &pj) in pos.iter().enumerate() {
+                if pj as usize + window <= pi as usize {
+                    row[j] = MASKED as f32;
+                }
+            }
+        }
+    }
+    let extra = Tensor::from_vec(extra, (b, 1, seq, seq), layout.bias.device())?;
+    layout.bias.to_dtype(DType::F32)? + extra
 }
 
 /// A projection weight (out, in), its bias (Qwen2's q/k/v) and, once LoRA is enabled on it,
@@ -727,14 +771,16 @@ impl TrainLlama {
             Some((c, s)) => Some(tables_at(c, s)?),
             None => None,
         };
+        let window = self.window();
         let blocks = match &layout.blocks {
             Some(rows) if rows.len() == b => Some(
                 rows.iter()
                     .map(|r| {
-                        let dev = tokens.device();
-                        let mut blocks = vec![Block::new(0, r.prompt, None, self.dtype, dev)?];
+                        let (dev, dt) = (tokens.device(), self.dtype);
+                        let mut blocks = vec![Block::new(0, r.prompt, None, window, dt, dev)?];
                         for &(start, len) in &r.segments {
-                            blocks.push(Block::new(start, len, Some(r.prompt), self.dtype, dev)?);
+                            let shared = Some(r.prompt);
+                            blocks.push(Block::new(start, len, shared, window, dt, dev)?);
                         }
                         Ok(blocks)
                     })
@@ -742,13 +788,23 @@ impl TrainLlama {
             ),
             _ => None,
         };
+        let local_bias = match window {
+            Some(w) if max_pos > w => Some(window_bias(layout, w)?.to_dtype(self.dtype)?),
+            _ => None,
+        };
         Ok(LayerContext {
             bias: layout.bias.to_dtype(self.dtype)?,
             cos,
             sin,
             local,
+            local_bias,
             blocks,
         })
+    }
+
+    /// Gemma 3: the sliding layers' window (every sliding layer has the same).
+    fn window(&self) -> Option<usize> {
+        (0..self.layers.len()).find_map(|i| self.cfg.attention_window(i))
     }
 
     fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
@@ -914,7 +970,10 @@ impl TrainLlama {
             (Some((c, s)), true) => (c, s),
             _ => (&ctx.cos, &ctx.sin),
         };
-        let bias = &ctx.bias;
+        let bias = match (&ctx.local_bias, layer.sliding) {
+            (Some(b), true) => b,
+            _ => &ctx.bias,
+        };
         let (b, seq, _) = x.dims3()?;
         let (nh, kvh, hd) = (
             self.cfg.num_attention_heads,
@@ -941,7 +1000,7 @@ impl TrainLlama {
         let q = super::ops::rope(&q, cos, sin)?;
         let k = super::ops::rope(&k, cos, sin)?;
         if let Some(blocks) = &ctx.blocks {
-            let y = self.blocked_attention(&q, &k, &v, blocks)?;
+            let y = self.blocked_attention(&q, &k, &v, blocks, layer.sliding)?;
             return self.proj(&y, &layer.o);
         }
         let scale = 1.0 / (hd as f64).sqrt();
@@ -975,6 +1034,7 @@ impl TrainLlama {
         k: &Tensor,
         v: &Tensor,
         blocks: &[Vec<Block>],
+        sliding: bool,
     ) -> Result<Tensor> {
         let (_, nh, seq, hd) = q.dims4()?;
         let kvh = k.dim(1)?;
@@ -997,15 +1057,19 @@ impl TrainLlama {
                 let (kb, vb) = (gather(&kr)?, gather(&vr)?);
                 let width = kb.dim(2)?;
                 let qb = qr.narrow(2, b.start, b.len)?.contiguous()?;
+                let bias = match (&b.local_bias, sliding) {
+                    (Some(local), true) => local,
+                    _ => &b.bias,
+                };
                 let y = if super::ops::fused(&[&qb, &kb]) {
                     let qb = qb.reshape((1, kvh, groups * b.len, hd))?;
                     let scores = qb
                         .matmul(&kb.t()?.contiguous()?)?
                         .reshape((1, nh, b.len, width))?;
-                    let att = super::ops::masked_softmax(&scores, &b.bias, scale)?;
+                    let att = super::ops::masked_softmax(&scores, bias, scale)?;
                     att.reshape((1, kvh, groups * b.len, width))?.matmul(&vb)?
                 } else {
-                    super::chunked_attention::attention(&qb, &kb, &vb, &b.bias, scale)?
+                    super::chunked_attention::attention(&qb, &kb, &vb, bias, scale)?
                 };
                 parts.push(
                     y.reshape((1, nh, b.len, hd))?

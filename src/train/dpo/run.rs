@@ -386,16 +386,15 @@ fn load_data(
     })
 }
 
-/// Refuses a `--max-length` the model cannot hold (Gemma 3's sliding window caps its context
-/// at 512 positions for 270M and 1B) before any data is read: every longer row would fail
-/// mid-run.
+/// Refuses a `--max-length` the model cannot hold (its positions, or Mistral's window) before
+/// any data is read: every longer row would fail mid-run.
 fn check_max_length(cfg: &TrainConfig, model: &crate::engine::llama::LlamaConfig) -> Result<()> {
     let context = model.context_length();
     if cfg.max_length <= context {
         return Ok(());
     }
     let why = if model.sliding_window == Some(context) {
-        " (its sliding window caps it: attention past the window is not implemented)"
+        " (its sliding window caps it)"
     } else {
         ""
     };
