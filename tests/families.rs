@@ -369,11 +369,13 @@ fn gemma_sliding_window_layers_match_transformers_past_the_window() {
         close(&got, &format!("{what}, prefill and decode steps"));
         // Two samples forked from one prompt share its keys; the window starts inside them.
         let mut cache = m.new_cache(100);
-        m.forward_prefill(&[&seq[..100]], &mut [&mut cache]).unwrap();
+        m.forward_prefill(&[&seq[..100]], &mut [&mut cache])
+            .unwrap();
         let mut forked = cache.fork(2, seq.len() - 100).unwrap();
-        for i in 100..seq.len() {
-            let both = [seq[i], seq[i]];
-            out = m.forward_decode(&[&both], &mut [&mut forked]).unwrap();
+        for &token in &seq[100..] {
+            out = m
+                .forward_decode(&[&[token, token]], &mut [&mut forked])
+                .unwrap();
         }
         for r in 0..2 {
             let got: Vec<f32> = out[0].get(r).unwrap().to_vec1().unwrap();

@@ -1342,7 +1342,7 @@ fn write_gemma3_rope(
 ) {
     let local = c.local_rope_theta;
     let legacy = obj.get("rope_theta").is_some_and(|v| !v.is_null())
-        && !obj.get("rope_parameters").is_some_and(|v| !v.is_null());
+        && obj.get("rope_parameters").is_none_or(|v| v.is_null());
     if legacy {
         obj.insert("rope_theta".into(), c.rope_theta.into());
         if let Some(l) = local {
