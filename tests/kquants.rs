@@ -7,7 +7,7 @@
 //! widths K-quants can hold (rows of 256).
 
 mod common;
-use common::model_util::one_thread;
+use common::model_util::{max_abs_diff, one_thread};
 
 use std::path::Path;
 
@@ -202,14 +202,6 @@ fn engine_logits(path: &Path, format: WeightFormat, ids: &[u32]) -> Vec<f32> {
     model.last_logits(ids).unwrap()
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn k_quant_ggufs_load_in_every_architecture() {
     one_thread();
@@ -229,7 +221,7 @@ fn k_quant_ggufs_load_in_every_architecture() {
             assert!(scale > 0.1, "{what}: logits of a dead model ({scale})");
             for format in [WeightFormat::Auto, WeightFormat::Native] {
                 let got = engine_logits(&path, format, &ids);
-                let d = max_diff(&got, &exact);
+                let d = max_abs_diff(&got, &exact);
                 // candle's K-quant kernels quantize the activations to 8 bits.
                 assert!(
                     d <= 0.01 * scale,
@@ -244,7 +236,7 @@ fn k_quant_ggufs_load_in_every_architecture() {
                 .unwrap();
             let logits = model.forward(&input, None).unwrap().squeeze(0).unwrap();
             let last: Vec<f32> = logits.get(ids.len() - 1).unwrap().to_vec1().unwrap();
-            let d = max_diff(&last, &exact);
+            let d = max_abs_diff(&last, &exact);
             assert!(
                 d < 1e-4 * scale.max(1.0),
                 "{what}: trainer vs engine on the dequantized weights: {d}"

@@ -4,7 +4,7 @@
 
 mod common;
 use collabllm::train::settings::{RlDefaults, TrainerSettings};
-use common::model_util;
+use common::model_util::{self, max_abs_diff};
 
 use std::path::Path;
 
@@ -421,13 +421,6 @@ fn train_last_logits(model: &TrainLlama, ids: &[u32]) -> Vec<f32> {
         .unwrap()
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn sync_serves_the_updated_weights() {
     for lora in [false, true] {
@@ -438,7 +431,7 @@ fn sync_serves_the_updated_weights() {
         let e0 =
             sync::policy_engine(t.policy(), codec2(), "tiny", 0, None, WeightFormat::F32).unwrap();
         let l0 = last_logits(&e0, &ids);
-        assert!(max_diff(&l0, &train_last_logits(t.policy(), &ids)) < 1e-4);
+        assert!(max_abs_diff(&l0, &train_last_logits(t.policy(), &ids)) < 1e-4);
         t.update(&codec, &yes_groups()).unwrap();
         let start = std::time::Instant::now();
         let backend =
@@ -446,20 +439,23 @@ fn sync_serves_the_updated_weights() {
         eprintln!("sync (tiny, f32, lora {lora}): {:?}", start.elapsed());
         let l1 = last_logits(backend.engine(), &ids);
         assert!(
-            max_diff(&l1, &train_last_logits(t.policy(), &ids)) < 1e-4,
+            max_abs_diff(&l1, &train_last_logits(t.policy(), &ids)) < 1e-4,
             "lora {lora}"
         );
         assert!(
-            max_diff(&l0, &l1) > 1e-3,
+            max_abs_diff(&l0, &l1) > 1e-3,
             "lora {lora}: the update changed nothing"
         );
         assert_eq!(backend.engine().fingerprint(), "update-1");
         // The engine of the previous version kept its own weights.
-        assert!(max_diff(&last_logits(&e0, &ids), &l0) < 1e-6, "lora {lora}");
+        assert!(
+            max_abs_diff(&last_logits(&e0, &ids), &l0) < 1e-6,
+            "lora {lora}"
+        );
         // Q8 re-quantization serves approximately the same weights.
         let q =
             sync::policy_engine(t.policy(), codec2(), "tiny", 1, None, WeightFormat::Q8_0).unwrap();
-        assert!(max_diff(&last_logits(&q, &ids), &l1) < 0.5);
+        assert!(max_abs_diff(&last_logits(&q, &ids), &l1) < 0.5);
     }
 }
 

@@ -6,7 +6,7 @@
 //! keeps the rope base; what we do not implement is refused, naming the field.
 
 mod common;
-use common::model_util;
+use common::model_util::{self, max_abs_diff};
 
 use std::path::{Path, PathBuf};
 
@@ -100,14 +100,6 @@ fn training_logits_logps(dir: &Path) -> (Vec<f32>, Vec<f32>) {
     )
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn transformers_5_config_gives_the_classic_logits_in_inference_and_training() {
     one_thread();
@@ -128,22 +120,25 @@ fn transformers_5_config_gives_the_classic_logits_in_inference_and_training() {
         inference_logits(&new),
         inference_logits(&wrong),
     );
-    assert_eq!(max_diff(&i_old, &i_new), 0.0);
-    assert!(max_diff(&i_old, &i_wrong) > 1e-2, "rope base has no effect");
+    assert_eq!(max_abs_diff(&i_old, &i_new), 0.0);
+    assert!(
+        max_abs_diff(&i_old, &i_wrong) > 1e-2,
+        "rope base has no effect"
+    );
 
     let ((t_old, lp_old), (t_new, lp_new), (_, lp_wrong)) = (
         training_logits_logps(&old),
         training_logits_logps(&new),
         training_logits_logps(&wrong),
     );
-    assert_eq!(max_diff(&lp_old, &lp_new), 0.0);
-    assert_eq!(max_diff(&t_old, &t_new), 0.0);
-    assert!(max_diff(&lp_old, &lp_wrong) > 1e-2);
+    assert_eq!(max_abs_diff(&lp_old, &lp_new), 0.0);
+    assert_eq!(max_abs_diff(&t_old, &t_new), 0.0);
+    assert!(max_abs_diff(&lp_old, &lp_wrong) > 1e-2);
     // Inference and training read the same settings into the same tables.
     assert!(
-        max_diff(&i_old, &t_old) < 1e-4,
+        max_abs_diff(&i_old, &t_old) < 1e-4,
         "{}",
-        max_diff(&i_old, &t_old)
+        max_abs_diff(&i_old, &t_old)
     );
 
     for dir in [&old, &new] {
@@ -241,11 +236,11 @@ fn linear_and_llama3_scaling_change_the_logits_alike_in_inference_and_training()
     for dir in [&linear, &llama3] {
         let inf = inference_logits(dir);
         let (tr, _) = training_logits_logps(dir);
-        assert!(max_diff(&inf, &base) > 1e-2, "{}", dir.display());
-        assert!(max_diff(&inf, &tr) < 1e-4, "{}", dir.display());
+        assert!(max_abs_diff(&inf, &base) > 1e-2, "{}", dir.display());
+        assert!(max_abs_diff(&inf, &tr) < 1e-4, "{}", dir.display());
         seen.push(inf);
     }
-    assert!(max_diff(&seen[0], &seen[1]) > 1e-3);
+    assert!(max_abs_diff(&seen[0], &seen[1]) > 1e-3);
 }
 
 fn assert_refused(dir: &Path, field: &str) {
@@ -373,6 +368,6 @@ fn checkpoints_keep_the_rope_settings_they_were_loaded_with() {
     assert_eq!(cfg["rope_theta"], json!(100000.0), "{cfg}");
     assert_eq!(cfg["rope_scaling"]["rope_type"], "llama3", "{cfg}");
     assert_eq!(rope(&out), (want.rope_theta, want.rope_scaling));
-    let d = max_diff(&inference_logits(&out), &inference_logits(&src));
+    let d = max_abs_diff(&inference_logits(&out), &inference_logits(&src));
     assert!(d < 1e-5, "checkpoint logits differ by {d}");
 }

@@ -4,7 +4,7 @@
 //! weights and answers to the names it was given.
 
 mod common;
-use common::model_util;
+use common::model_util::{self, max_abs_diff};
 
 use common::serve_util;
 use std::process::{Child, Command, Stdio};
@@ -21,14 +21,6 @@ use serde_json::{json, Value};
 
 fn messages() -> Vec<ChatMessage> {
     vec![ChatMessage::user("What is the capital of France?")]
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]

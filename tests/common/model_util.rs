@@ -165,3 +165,12 @@ pub fn trainer_log_probs(
         .to_vec2::<f64>()
         .unwrap()
 }
+
+/// The largest |a − b| over two logit vectors of the same length.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "vectors of different lengths");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
