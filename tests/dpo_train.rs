@@ -1473,3 +1473,92 @@ fn a_config_file_sets_what_the_flags_do_not() {
         "{err}"
     );
 }
+
+/// A base model (the Gemma 3 fixture without its chat template) trains on TRL's standard
+/// form, plain strings, as TRL tokenizes it: the prompt as the tokenizer encodes raw text
+/// (with its BOS), each completion's text alone, then the end-of-text id. A conversation
+/// without a template is refused with the reason.
+#[test]
+fn a_base_model_trains_on_plain_text_pairs() {
+    use arrow::array::{ArrayRef, StringArray};
+    use arrow::record_batch::RecordBatch;
+    one_thread();
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("gemma-base");
+    std::fs::create_dir_all(&base).unwrap();
+    let fixture =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/gemma3_text");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(fixture.join(f), base.join(f)).unwrap();
+    }
+    let mut tok_cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    tok_cfg.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(base.join("tokenizer_config.json"), tok_cfg.to_string()).unwrap();
+
+    let col = |v: &[&str]| -> ArrayRef { std::sync::Arc::new(StringArray::from(v.to_vec())) };
+    let batch = RecordBatch::try_from_iter([
+        (
+            "prompt",
+            col(&["the answer is", "say hi", "is the sky blue", "name a dog"]),
+        ),
+        ("chosen", col(&[" yes", " hi there", " yes it is", " rex"])),
+        ("rejected", col(&[" no", " bye", " no", " a cat"])),
+    ])
+    .unwrap();
+    let data = tmp.path().join("plain.parquet");
+    let file = std::fs::File::create(&data).unwrap();
+    let mut w = parquet::arrow::ArrowWriter::try_new(file, batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+
+    let codec = ChatCodec::load(&LocalModelFiles::HfDir(base.clone())).unwrap();
+    assert!(!codec.template.is_present());
+    let rows = collabllm::dataset::read_pairs_parquet(&data).unwrap();
+    let (pairs, _) = tokenize_pairs(&codec, &rows, 64, &data).unwrap();
+    let raw = |text: &str, specials: bool| -> Vec<u32> {
+        codec
+            .tokenizer
+            .encode(text, specials)
+            .unwrap()
+            .get_ids()
+            .to_vec()
+    };
+    let eos = codec.eos_ids[0];
+    assert_eq!(pairs[0].prompt, raw("the answer is", true));
+    assert_eq!(pairs[0].prompt[0], 2, "the BOS the tokenizer adds");
+    assert_eq!(pairs[0].chosen, [raw(" yes", false), vec![eos]].concat());
+    assert_eq!(pairs[0].rejected, [raw(" no", false), vec![eos]].concat());
+
+    let mut cfg = TrainConfig::new(
+        data.clone(),
+        &base.display().to_string(),
+        tmp.path().join("out"),
+    );
+    cfg.batch_size = 2;
+    cfg.max_length = 64;
+    cfg.max_steps = Some(2);
+    cfg.optim.warmup_ratio = 0.0;
+    cfg.lora = small_lora();
+    let summary = train(&cfg, false).unwrap();
+    assert_eq!(summary.steps, 2);
+
+    // A conversation has no text without a template.
+    let mut conv = rows[0].clone();
+    conv.prompt
+        .insert(0, ChatMessage::new("system", "Be brief."));
+    let err = tokenize_pairs(&codec, &[conv], 64, &data)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no chat template") && err.contains("plain-text pairs"),
+        "{err}"
+    );
+}

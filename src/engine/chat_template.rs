@@ -111,6 +111,14 @@ impl ChatTemplate {
         self.env.is_some()
     }
 
+    /// What a render of a missing template says (naming the model's files).
+    pub fn missing_reason(&self) -> String {
+        TemplateError::Missing {
+            source_name: self.source_name.clone(),
+        }
+        .to_string()
+    }
+
     /// This template's special tokens with another template source (`--chat-template FILE`).
     pub fn replaced(&self, source: &str, source_name: &str) -> Result<Self, TemplateError> {
         Self::new(source, source_name, &self.bos_token, &self.eos_token)

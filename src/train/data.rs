@@ -4,7 +4,8 @@
 //! added to what the template writes. Histories too long for `max_length` lose their oldest
 //! whole turns after the opening (the system message and the first user message — the task,
 //! or a game's rules — always stay); a pair that still does not fit is dropped and counted —
-//! one side of a pair is never cut alone.
+//! one side of a pair is never cut alone. A model without a chat template (a base model)
+//! trains on text instead: see [`tokenize_text_pair`].
 
 use std::path::{Path, PathBuf};
 
@@ -186,6 +187,9 @@ fn tokenize_once(
     prompt: &[ChatMessage],
     row: &PairRow,
 ) -> Result<TokenizedPair, String> {
+    if !codec.template.is_present() {
+        return tokenize_text_pair(codec, prompt, row);
+    }
     let prompt_ids = render_ids(codec, prompt, true)?;
     let side = |completion: &[ChatMessage], what: &str| -> Result<Vec<u32>, String> {
         let mut all = prompt.to_vec();
@@ -196,6 +200,49 @@ fn tokenize_once(
         chosen: side(&row.chosen, "chosen")?,
         rejected: side(&row.rejected, "rejected")?,
         prompt: prompt_ids,
+    })
+}
+
+/// A pair for a model without a chat template (a base model), as TRL tokenizes its standard
+/// (plain-string) form: the prompt as the tokenizer encodes raw text (with the BOS it adds,
+/// as `tokenizer(text)` does), each completion's text encoded alone after it, then the
+/// end-of-text id. Only a prompt of one message and completions of one message each (the
+/// standard form as read) are text; a conversation needs a template.
+fn tokenize_text_pair(
+    codec: &ChatCodec,
+    prompt: &[ChatMessage],
+    row: &PairRow,
+) -> Result<TokenizedPair, String> {
+    let no_template = || {
+        format!(
+            "{}; without one only plain-text pairs train (one prompt string, one chosen and \
+             one rejected string)",
+            codec.template.missing_reason()
+        )
+    };
+    let ([p], [chosen], [rejected]) = (prompt, &row.chosen[..], &row.rejected[..]) else {
+        return Err(no_template());
+    };
+    let eos = *codec
+        .eos_ids
+        .first()
+        .ok_or("the tokenizer names no end-of-text token to close a completion with")?;
+    let encode = |text: &str, specials: bool| -> Result<Vec<u32>, String> {
+        codec
+            .tokenizer
+            .encode(text, specials)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| format!("tokenizing: {e}"))
+    };
+    let completion = |m: &ChatMessage| -> Result<Vec<u32>, String> {
+        let mut ids = encode(&m.content, false)?;
+        ids.push(eos);
+        Ok(ids)
+    };
+    Ok(TokenizedPair {
+        prompt: encode(&p.content, true)?,
+        chosen: completion(chosen)?,
+        rejected: completion(rejected)?,
     })
 }
 
