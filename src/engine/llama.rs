@@ -1058,7 +1058,7 @@ fn to_linear_shared(t: Arc<QTensor>, format: WeightFormat) -> Result<Linear> {
             Some(GgmlDType::Q8_0)
         }
         // candle's K-quant kernels decode on the CPU at a fraction of our int8 kernel's speed
-        // (Gemma 3 270M Q4_K_M: 44 against 62 tokens/s with its Q4_K and Q6_K layers in
+        // (Gemma 3 270M Q4_K_M: 43.7 against 60 tokens/s with its Q4_K and Q6_K layers in
         // Q8_0, BENCHMARKS.md).
         (
             WeightFormat::Auto,
