@@ -127,6 +127,10 @@ struct Args {
     /// Candidate replies per turn, N.
     #[arg(long, value_name = "N")]
     candidates: Option<usize>,
+    /// Sampling temperature of the candidates (0: greedy, all N alike) [default: 0.7]; a
+    /// higher one makes more candidates differ in what they do.
+    #[arg(long, value_name = "T", value_parser = collabllm::rollout::user::Sampling::TEMPERATURE.parser())]
+    temperature: Option<f64>,
     /// Simulated futures per candidate, S; 0 scores each reply alone (the single-turn reward,
     /// the paper's ablation: pairs from the same candidates without looking ahead);
     /// `adaptive`: every candidate gets --adaptive-min futures, then more only while its
@@ -181,9 +185,24 @@ struct Args {
     /// Minimum MR gap between chosen and rejected.
     #[arg(long, value_name = "G", value_parser = config::MIN_GAP.parser())]
     min_gap: Option<f64>,
-    /// Pairs per turn: best (best vs worst) or all (every pair above the gap).
+    /// Pairs per turn: best (best vs worst), all (every pair above the gap), contrast (action
+    /// contrast: the best reply against the worst one that takes the other action, a question
+    /// vs an answer by the task's question detector; a turn whose replies all take one action
+    /// yields none) or contrast_or_best (contrast where the turn has both actions, else best
+    /// vs worst).
     #[arg(long, value_name = "MODE")]
     pairs: Option<PairMode>,
+    /// Balance the pairs across strata, repeatable or comma-separated: task metadata fields
+    /// (e.g. `stated` for clarify's vague vs stated requests) or `turn` / `action` (the
+    /// chosen reply's); each stratum keeps as many pairs as the smallest (within each
+    /// --balance-within group), drawn with --seed. Counts by stratum and action go to the
+    /// manifest. Re-scorable without calls.
+    #[arg(long, value_name = "FIELD", value_delimiter = ',')]
+    balance_by: Vec<String>,
+    /// With --balance-by: balance each group of this task metadata field on its own (e.g.
+    /// `template`: vague and stated 1:1 per template).
+    #[arg(long, value_name = "FIELD")]
+    balance_within: Option<String>,
     /// Fraction of candidates drawn with the proactive prompt; int(N·R) of them, as upstream.
     #[arg(long, value_name = "R", value_parser = config::PROACT_RATIO.parser())]
     proact_ratio: Option<f64>,
@@ -237,7 +256,7 @@ struct Args {
     #[arg(long, value_name = "DIR")]
     prompts: Option<PathBuf>,
     /// Rebuild MR, pairs and parquet files from conversations.jsonl with the given weights,
-    /// --min-gap, --pairs and --mr-formula, without any model call.
+    /// --min-gap, --pairs, --balance-by and --mr-formula, without any model call.
     #[arg(long)]
     rescore: bool,
     /// Print the plan and an upper bound on the model calls, then exit.
@@ -333,6 +352,15 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
         rollout: user, judge, concurrency, judge_mode, interactivity_scale
     );
     apply_samples(args, &mut cfg)?;
+    if let Some(t) = args.temperature {
+        cfg.policy_sampling.temperature = t as f32;
+    }
+    if !args.balance_by.is_empty() {
+        cfg.balance_by = args.balance_by.clone();
+    }
+    if args.balance_within.is_some() {
+        cfg.balance_within = args.balance_within.clone();
+    }
     cfg.set_max_tokens(&args.max_tokens);
     if args.task_type.is_some() {
         cfg.task_type = args.task_type;
@@ -550,6 +578,8 @@ mod tests {
         // The adaptive flags state their defaults by hand: they must be the rule's.
         let rule = collabllm::reward::adaptive::AdaptiveRule::default();
         assert_eq!((rule.min_futures, rule.max_futures, rule.z), (2, 8, 1.0));
+        // --temperature states the policy sampling's default by hand.
+        assert_eq!(cfg.policy_sampling.temperature, 0.7);
         // The adaptive rule's defaults live in `reward::adaptive::AdaptiveRule`, a table
         // that is absent from a default config.
         let described = [
@@ -564,11 +594,14 @@ mod tests {
             "max_tokens",
             "threads",
             "max_messages",
+            "temperature",
         ];
         let without_setting = [
             "adaptive_max",
             "adaptive_min",
             "adaptive_z",
+            "balance_by",
+            "balance_within",
             "config",
             "dry_run",
             "export",
@@ -582,6 +615,7 @@ mod tests {
             "push_to_hub",
             "rescore",
             "task_desc",
+            "temperature",
         ];
         collabllm::cli::assert_help_matches_config(
             Args::command(),

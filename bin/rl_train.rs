@@ -12,6 +12,7 @@ use collabllm::llm::ModelSpec;
 use collabllm::reward::judge::{InteractivityScale, JudgeMode};
 use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
+use collabllm::reward::pairs::PairMode;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
 use collabllm::task::TaskType;
 use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig, TruncatedReward};
@@ -209,6 +210,22 @@ struct Args {
     /// Online DPO: minimum MR gap between best and worst of a group.
     #[arg(long, value_name = "G", value_parser = rl::MIN_GAP.parser())]
     min_gap: Option<f64>,
+    /// Online DPO: the pair a group yields — best (best vs worst reward), contrast (the best
+    /// against the worst response that takes the other action, ask vs answer; none when all
+    /// take one) or contrast_or_best (contrast where possible, else best vs worst).
+    #[arg(long, value_name = "MODE")]
+    pairs: Option<PairMode>,
+    /// Draw each step's prompts evenly from the values of this task metadata field (e.g.
+    /// `stated`: half stated, half vague clarify requests), each value's tasks in their own
+    /// seeded epochs [default: one shuffled order over all tasks].
+    #[arg(long, value_name = "FIELD")]
+    balance_by: Option<String>,
+    /// Share of a step's prompts that start one exchange later: the current policy replies to
+    /// the opening once and, where the simulated user answers instead of ending, the group
+    /// answers that — the later turns the policy itself reaches (e.g. a clarify request after
+    /// the user gave the detail) train too. In [0, 1].
+    #[arg(long, value_name = "P", value_parser = rl::CONTINUE_RATE.parser())]
+    continue_rate: Option<f64>,
     /// Train LoRA adapters of rank R (1 to 4096; PEFT layout) instead of all weights.
     #[arg(long, value_name = "R")]
     lora_r: Option<usize>,
@@ -324,6 +341,8 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         max_length,
         beta,
         min_gap,
+        pairs,
+        continue_rate,
         lora_alpha,
         sampler_weights,
         token_counter,
@@ -344,6 +363,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         eval_tasks,
         eval_every,
         eval_max_tasks,
+        balance_by,
         lora_r;
         optim: save_steps;
         rollout: threads, prompts
@@ -416,8 +436,16 @@ mod tests {
     #[test]
     fn help_matches_the_config() {
         let cfg = RlRunConfig::default();
-        let described = ["metrics", "threads", "lr", "save_steps", "eval_every"];
+        let described = [
+            "metrics",
+            "threads",
+            "lr",
+            "save_steps",
+            "eval_every",
+            "balance_by",
+        ];
         let without_setting = [
+            "balance_by",
             "compat",
             "config",
             "max_tokens",

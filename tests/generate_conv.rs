@@ -2092,3 +2092,113 @@ async fn clarify_pairs_rank_questions_by_their_future_or_alone() {
         );
     }
 }
+
+/// Action-contrast pairs at every assistant turn, on a scripted clarify conversation. Three
+/// candidates a turn: a question, an answer that uses the detail where it is known, and a
+/// generic answer; the futures' assistant answers with the detail once given. On a vague
+/// request the question wins the first turn (0.7) and the contrast pairs it against an
+/// answer; at the second turn, after the user gave the name, "use it now" (1.0) beats "ask
+/// again" (0.7) — a pair best-vs-worst would never make (it pairs the two answers, 1.0 vs
+/// 0). Balanced 1:1 by `stated`, the surplus of vague pairs is left out and counted.
+#[tokio::test]
+async fn action_contrast_pairs_at_every_turn_balanced_by_stratum() {
+    let answer = |last: &str| match stated_name(last) {
+        Some(name) => format!("Happy birthday, {name}!"),
+        None => "Happy birthday!".to_string(),
+    };
+    let policy = ScriptedBackend::new("policy", move |req, i| {
+        let last = req
+            .messages
+            .last()
+            .map(|m| m.content.as_str())
+            .unwrap_or("");
+        Ok(match (req.n, i) {
+            // The futures' assistant (one sample): answers.
+            (1, _) => answer(last),
+            (_, 0) => "What is your friend's name?".to_string(),
+            (_, 1) => answer(last),
+            _ => "Happy birthday!".to_string(),
+        })
+    });
+    let out = tempfile::tempdir().unwrap();
+    let cfg = GenerateConfig {
+        tasks: "clarify:train".into(),
+        output: out.path().join("run"),
+        candidates: 3,
+        samples: 1,
+        window: 2,
+        max_messages: 5,
+        max_tasks: Some(8),
+        proact_ratio: 0.0,
+        test_fraction: 0.0,
+        pairs: collabllm::reward::pairs::PairMode::Contrast,
+        ..GenerateConfig::default()
+    };
+    cfg.validate().unwrap();
+    let role = |name: &str| Role::from_backend(name, "scripted", policy.clone(), None, None);
+    let summary = generate_scripted(&cfg, role("policy"), role("assistant")).await;
+    assert_eq!(summary.tasks_done_now, 8, "{summary}");
+    let read = |cfg: &GenerateConfig| {
+        collabllm::dataset::read_pairs_parquet(&cfg.output.join("pairs/train.parquet")).unwrap()
+    };
+    let counts = |cfg: &GenerateConfig| -> Value {
+        let m: Value = serde_json::from_str(
+            &std::fs::read_to_string(cfg.output.join("manifest.json")).unwrap(),
+        )
+        .unwrap();
+        m["counts"].clone()
+    };
+    let pairs = read(&cfg);
+    // 4 vague requests × 2 turns + 4 stated × 1.
+    assert_eq!(pairs.len(), 12);
+    let c = counts(&cfg);
+    assert_eq!(c["pairs_per_turn"], serde_json::json!({"0": 8, "1": 4}));
+    assert_eq!(
+        c["pairs_by_stratum_action"],
+        serde_json::json!({"answer>ask": 8, "ask>answer": 4})
+    );
+    for p in pairs.iter().filter(|p| p.turn_id == 1) {
+        // After the user's answer: the name used now, over the same question again.
+        let name = stated_name(&p.prompt.last().unwrap().content).unwrap();
+        assert_eq!(p.chosen[0].content, format!("Happy birthday, {name}!"));
+        assert_eq!(p.rejected[0].content, "What is your friend's name?");
+        assert!((p.score_chosen - 1.0).abs() < 1e-9 && (p.score_rejected - 0.7).abs() < 1e-9);
+    }
+    // Best vs worst pairs the two answers at the second turn instead.
+    let best = GenerateConfig {
+        pairs: collabllm::reward::pairs::PairMode::Best,
+        ..cfg.clone()
+    };
+    collabllm::generate::rescore(&best).unwrap();
+    for p in read(&best).iter().filter(|p| p.turn_id == 1) {
+        assert_eq!(p.rejected[0].content, "Happy birthday!");
+    }
+    // Balanced by stated within the template: 4 and 4, the 4 extra vague pairs left out.
+    let balanced = GenerateConfig {
+        balance_by: vec!["stated".into()],
+        balance_within: Some("template".into()),
+        ..cfg.clone()
+    };
+    collabllm::generate::rescore(&balanced).unwrap();
+    let pairs = read(&balanced);
+    assert_eq!(pairs.len(), 8);
+    let c = counts(&balanced);
+    assert_eq!(c["pairs_selected"], 12);
+    assert_eq!(c["pairs_left_out_by_balance"], 4);
+    let by: std::collections::BTreeMap<String, u64> =
+        serde_json::from_value(c["pairs_by_stratum_action"].clone()).unwrap();
+    assert_eq!(by["stated=true answer>ask"], 4);
+    let vague: u64 = by
+        .iter()
+        .filter(|(k, _)| k.starts_with("stated=false"))
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(vague, 4, "{by:?}");
+    // A field no task has is refused by name.
+    let bad = GenerateConfig {
+        balance_by: vec!["stratum".into()],
+        ..cfg.clone()
+    };
+    let err = collabllm::generate::rescore(&bad).unwrap_err().to_string();
+    assert!(err.contains("no metadata field `stratum`"), "{err}");
+}

@@ -39,6 +39,12 @@ fn clarify_views(
         "task_reward".into(),
         serde_json::json!(used.zip(questions).map(|(u, q)| clarify::task_reward(u, q))),
     );
+    // A question asked again after the user answered the first (the scripted user answers
+    // every question): the over-asking the task reward charges twice.
+    metrics.insert(
+        "repeated_question".into(),
+        serde_json::json!(questions.map(|q| if q >= 2.0 { 1.0 } else { 0.0 })),
+    );
     metrics.insert(format!("detail_used_{mine}"), serde_json::json!(used));
     metrics.insert(format!("asked_{mine}"), serde_json::json!(asked));
     metrics.insert(format!("detail_used_{other}"), serde_json::Value::Null);
@@ -219,6 +225,13 @@ impl DialogueRunner {
         // The unit that repeats across tasks (a clarify template), for clustered intervals.
         if let Some(t) = clarify::template_of(task) {
             record["template"] = serde_json::json!(t);
+            // Which held-out set (near `test`, far `far`) and kind of detail, for studies
+            // that report them apart.
+            for key in ["split", "kind"] {
+                if let Some(v) = task.metadata.get(key).filter(|v| v.is_string()) {
+                    record[key] = v.clone();
+                }
+            }
         }
         Ok(record)
     }

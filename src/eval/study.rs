@@ -16,7 +16,18 @@
 //! - pooled over seeds, the difference of means with a percentile bootstrap interval that
 //!   resamples *clusters* (an object carries all its seeds' games with it, a template all
 //!   its requests, so the interval does not pretend that repeats of one unit are independent),
-//!   and the bootstrap's two-sided p (twice the smaller tail beyond 0).
+//!   and the bootstrap's two-sided p (twice the smaller tail beyond 0);
+//! - pooled over seeds, the *cluster-level* sign-flip test (the primary test where clusters
+//!   are templates): each cluster's difference, pooled over its seeds, keeps or flips its
+//!   sign at random under the null that the two arms are exchangeable within a cluster; the
+//!   statistic is the pooled difference (clusters weighted by their conversations), and p
+//!   the share of the 2^m sign patterns (exact up to 22 clusters, else 200,000 random ones)
+//!   at least as far from 0. Per-seed sign tests treat conversations of one cluster as
+//!   independent; this test does not.
+//!
+//! The secondary `ask_macro_f1` (clarify) is the macro F1 of the ask/answer decision over
+//! a run's first replies: a question is the right action on a vague request, an answer on a
+//! stated one.
 //!
 //! The output (`study.json`, `study.md`) holds every per-cluster outcome, so the numbers can be
 //! checked and recomputed, and whatever the spec carries under `[meta]` (commands, revision,
@@ -82,6 +93,10 @@ pub struct StudySpec {
     /// 1 (default 0.10).
     #[serde(default = "default_token_tolerance")]
     pub token_tolerance: f64,
+    /// Keep only the records whose top-level field equals the value (e.g. `{ split = "far" }`
+    /// for clarify's far-transfer templates); empty: every record.
+    #[serde(default)]
+    pub filter: BTreeMap<String, String>,
     /// Seed of the bootstrap.
     #[serde(default)]
     pub seed: u64,
@@ -182,6 +197,89 @@ pub struct ComparisonResult {
     pub ci95: (f64, f64),
     pub p_bootstrap: f64,
     pub clusters: usize,
+    /// The cluster-level sign-flip test of the pooled difference.
+    pub sign_flip: SignFlip,
+}
+
+/// A cluster-level sign-flip (permutation) test: clusters whose pooled difference favours
+/// the arm, the other, or neither, and the two-sided p.
+#[derive(Clone, Debug, Serialize)]
+pub struct SignFlip {
+    pub favour_arm: usize,
+    pub favour_against: usize,
+    pub ties: usize,
+    pub p: f64,
+    /// `exact` (every sign pattern) or `monte_carlo` (random patterns).
+    pub method: String,
+}
+
+/// Sign patterns a test enumerates exactly; beyond, [`SIGN_FLIP_DRAWS`] random ones.
+const SIGN_FLIP_EXACT_MAX: usize = 22;
+const SIGN_FLIP_DRAWS: usize = 200_000;
+
+/// The two-sided sign-flip test of `Σ w_c d_c` (cluster differences `d`, weights `w`).
+pub fn sign_flip_test(d: &[f64], w: &[f64], seed: u64) -> SignFlip {
+    let observed: f64 = d.iter().zip(w).map(|(d, w)| d * w).sum();
+    let terms: Vec<f64> = d.iter().zip(w).map(|(d, w)| (d * w).abs()).collect();
+    // A pattern counts when its statistic is as far from 0 as the observed one; the slack
+    // absorbs the rounding of sums taken in another order.
+    let tol = 1e-12 * (1.0 + terms.iter().sum::<f64>());
+    let extreme = |t: f64| t.abs() >= observed.abs() - tol;
+    let m = terms.len();
+    let (hits, total, method) = if m <= SIGN_FLIP_EXACT_MAX {
+        let mut hits = 0u64;
+        for mask in 0u64..(1u64 << m) {
+            let t: f64 = (0..m)
+                .map(|i| {
+                    if mask >> i & 1 == 1 {
+                        -terms[i]
+                    } else {
+                        terms[i]
+                    }
+                })
+                .sum();
+            hits += u64::from(extreme(t));
+        }
+        (hits as f64, (1u64 << m) as f64, "exact")
+    } else {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut hits = 1u64; // the observed pattern itself (a valid Monte Carlo p)
+        for _ in 0..SIGN_FLIP_DRAWS {
+            let t: f64 = terms
+                .iter()
+                .map(|x| if rng.random_bool(0.5) { -x } else { *x })
+                .sum();
+            hits += u64::from(extreme(t));
+        }
+        (hits as f64, (SIGN_FLIP_DRAWS + 1) as f64, "monte_carlo")
+    };
+    SignFlip {
+        favour_arm: d.iter().filter(|x| **x > 0.0).count(),
+        favour_against: d.iter().filter(|x| **x < 0.0).count(),
+        ties: d.iter().filter(|x| **x == 0.0).count(),
+        p: (hits / total).min(1.0),
+        method: method.into(),
+    }
+}
+
+/// Each cluster's difference pooled over seeds (the mean over seeds of the two arms' cluster
+/// means) and its weight (its share of a seed's conversations).
+fn cluster_differences(ca: &[&Vec<(f64, f64)>], cb: &[&Vec<(f64, f64)>]) -> (Vec<f64>, Vec<f64>) {
+    let seeds = ca.first().map_or(0, |c| c.len()).max(1);
+    let total: f64 = ca.iter().map(|c| c.first().map_or(0.0, |x| x.1)).sum();
+    let mut d = Vec::with_capacity(ca.len());
+    let mut w = Vec::with_capacity(ca.len());
+    for (a, b) in ca.iter().zip(cb) {
+        let mean = |c: &Vec<(f64, f64)>| {
+            c.iter()
+                .map(|(y, n)| if *n > 0.0 { y / n } else { 0.0 })
+                .sum::<f64>()
+                / seeds as f64
+        };
+        d.push(mean(a) - mean(b));
+        w.push(a.first().map_or(0.0, |x| x.1) / total.max(1.0));
+    }
+    (d, w)
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -276,7 +374,13 @@ fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
     let mut outcomes = BTreeMap::new();
     let mut clusters = BTreeMap::new();
     let mut sums: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-    for (i, r) in recs.iter().enumerate() {
+    let mut decisions = AskDecisions::default();
+    let kept = |r: &serde_json::Value| {
+        spec.filter
+            .iter()
+            .all(|(k, v)| r.get(k).and_then(|x| x.as_str()) == Some(v.as_str()))
+    };
+    for (i, r) in recs.iter().enumerate().filter(|(_, r)| kept(r)) {
         let (unit, repeat) = unit_of(r)
             .ok_or_else(|| input_err(&path, format!("record {}: no object or task id", i + 1)))?;
         let key = format!("{unit}#{repeat}");
@@ -304,6 +408,7 @@ fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
             clusters.insert(key.clone(), t.to_string());
         }
         outcomes.insert(key, y);
+        decisions.add(r);
         for m in &spec.secondary {
             if let Some(v) = metric_of(r, m) {
                 let e = sums.entry(m.clone()).or_default();
@@ -311,6 +416,12 @@ fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
                 e.1 += 1;
             }
         }
+    }
+    if outcomes.is_empty() {
+        return Err(input_err(
+            &path,
+            format!("no record matches the filter {:?}", spec.filter),
+        ));
     }
     let n = outcomes.len();
     let successes = outcomes.values().filter(|v| **v >= 0.5).count();
@@ -338,11 +449,61 @@ fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
             .secondary
             .iter()
             .map(|m| {
-                let v = sums.get(m).map(|(s, k)| s / *k as f64);
+                let v = match m.as_str() {
+                    ASK_MACRO_F1 => decisions.macro_f1(),
+                    _ => sums.get(m).map(|(s, k)| s / *k as f64),
+                };
                 (m.clone(), v)
             })
             .collect(),
     })
+}
+
+/// The secondary that scores a clarify run's ask/answer decisions as a classifier.
+pub const ASK_MACRO_F1: &str = "ask_macro_f1";
+
+/// Clarify's first-reply decisions as a confusion table: asked on a vague request (right),
+/// answered it, asked on a stated one, answered it (right).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AskDecisions {
+    pub asked_vague: f64,
+    pub answered_vague: f64,
+    pub asked_stated: f64,
+    pub answered_stated: f64,
+}
+
+impl AskDecisions {
+    /// Counts a record by its `asked_vague` / `asked_stated` metric (whichever it has).
+    fn add(&mut self, rec: &serde_json::Value) {
+        if let Some(a) = metric_of(rec, "asked_vague") {
+            self.asked_vague += a;
+            self.answered_vague += 1.0 - a;
+        } else if let Some(a) = metric_of(rec, "asked_stated") {
+            self.asked_stated += a;
+            self.answered_stated += 1.0 - a;
+        }
+    }
+
+    /// The mean of the F1 of "ask" (positive: vague) and of "answer" (positive: stated);
+    /// `None` without both kinds of request. A class never predicted nor present scores 0.
+    pub fn macro_f1(&self) -> Option<f64> {
+        let vague = self.asked_vague + self.answered_vague;
+        let stated = self.asked_stated + self.answered_stated;
+        if vague == 0.0 || stated == 0.0 {
+            return None;
+        }
+        let f1 = |tp: f64, fp: f64, fn_: f64| {
+            let d = 2.0 * tp + fp + fn_;
+            if d > 0.0 {
+                2.0 * tp / d
+            } else {
+                0.0
+            }
+        };
+        let ask = f1(self.asked_vague, self.asked_stated, self.answered_vague);
+        let answer = f1(self.answered_stated, self.answered_vague, self.asked_stated);
+        Some((ask + answer) / 2.0)
+    }
 }
 
 /// The cluster of a conversation's key: its template where the run records one, else the
@@ -481,6 +642,8 @@ fn compare_arms(a: &ArmResult, b: &ArmResult, seed: u64) -> Result<ComparisonRes
     let below = boots.iter().filter(|d| **d <= 0.0).count() as f64 / boots.len() as f64;
     let above = boots.iter().filter(|d| **d >= 0.0).count() as f64 / boots.len() as f64;
     let ci95 = percentile_interval(&mut boots);
+    let (d, w) = cluster_differences(&ca, &cb);
+    let sign_flip = sign_flip_test(&d, &w, seed);
     Ok(ComparisonResult {
         arm: a.name.clone(),
         against: b.name.clone(),
@@ -489,6 +652,7 @@ fn compare_arms(a: &ArmResult, b: &ArmResult, seed: u64) -> Result<ComparisonRes
         ci95,
         p_bootstrap: (2.0 * below.min(above)).min(1.0),
         clusters: m,
+        sign_flip,
     })
 }
 
@@ -656,6 +820,14 @@ fn fmt_p(p: f64) -> String {
     }
 }
 
+fn fmt_sign_flip_p(p: f64) -> String {
+    if p < 0.001 {
+        format!("{p:.1e}")
+    } else {
+        format!("{p:.3}")
+    }
+}
+
 impl StudyResult {
     /// Whether every record of every arm had a 0/1 outcome (rates and McNemar tests).
     pub fn binary(&self) -> bool {
@@ -734,7 +906,7 @@ impl StudyResult {
             ("", "sign-test p", "b (baseline better) / c (arm better)")
         };
         out.push_str(&format!(
-            "\n| comparison | difference, pooled (95% bootstrap CI) | bootstrap p | per seed: {b_c}, {test} |\n|---|---|---|---|\n"
+            "\n| comparison | difference, pooled (95% bootstrap CI) | bootstrap p | clusters for / against the arm, sign-flip p | per seed: {b_c}, {test} |\n|---|---|---|---|---|\n"
         ));
         for c in &self.comparisons {
             let seeds: Vec<String> = c
@@ -742,14 +914,18 @@ impl StudyResult {
                 .iter()
                 .map(|s| format!("{} / {}, {}", s.b, s.c, fmt_p(s.mcnemar_p)))
                 .collect();
+            let f = &c.sign_flip;
             out.push_str(&format!(
-                "| {} vs {} | {}{unit} ({} to {}) | {} | {} |\n",
+                "| {} vs {} | {}{unit} ({} to {}) | {} | {} / {}, {} | {} |\n",
                 c.arm,
                 c.against,
                 diff(c.pooled_difference),
                 diff(c.ci95.0),
                 diff(c.ci95.1),
                 fmt_p(c.p_bootstrap),
+                f.favour_arm,
+                f.favour_against,
+                fmt_sign_flip_p(f.p),
                 seeds.join("; ")
             ));
         }
@@ -810,10 +986,60 @@ mod tests {
                 })
                 .collect(),
             seed: 1,
+            filter: BTreeMap::new(),
             matched: Vec::new(),
             token_tolerance: TOKEN_TOLERANCE,
             meta: toml::Table::new(),
         }
+    }
+
+    /// Hand-computed: three clusters all for the arm are 2 of 8 sign patterns as extreme;
+    /// differences 0.5, 0.3, −0.1 (equal weights) are matched by 4 of 8 (±(0.5+0.3±0.1)).
+    #[test]
+    fn the_sign_flip_test_counts_sign_patterns_at_the_cluster_level() {
+        let w = [1.0 / 3.0; 3];
+        let t = sign_flip_test(&[1.0, 1.0, 1.0], &w, 0);
+        assert_eq!((t.favour_arm, t.favour_against, t.ties), (3, 0, 0));
+        assert!((t.p - 0.25).abs() < 1e-12, "{t:?}");
+        assert_eq!(t.method, "exact");
+        let t = sign_flip_test(&[0.5, 0.3, -0.1], &w, 0);
+        assert_eq!((t.favour_arm, t.favour_against), (2, 1));
+        assert!((t.p - 0.5).abs() < 1e-12, "{t:?}");
+        // Weights matter: one large cluster decides every pattern's size (|±0.4 ± 0.05 ±
+        // 0.05| ≥ 0.3 = |observed|), so two small clusters for the arm prove nothing.
+        let t = sign_flip_test(&[0.5, 0.5, -0.5], &[0.1, 0.1, 0.8], 0);
+        assert_eq!(t.p, 1.0, "{t:?}");
+        let t = sign_flip_test(&[0.5, 0.5, 0.5], &[0.1, 0.1, 0.8], 0);
+        assert!((t.p - 0.25).abs() < 1e-12, "{t:?}");
+        // Twelve clusters all for the arm: 2 of 4096.
+        let t = sign_flip_test(&[0.2; 12], &[1.0 / 12.0; 12], 0);
+        assert!((t.p - 2.0 / 4096.0).abs() < 1e-12, "{t:?}");
+        // Beyond the exact limit the random patterns agree with the binomial answer: 30
+        // equal clusters, 20 for and 10 against (p = P(|2B − 30| ≥ 10) = 0.0987).
+        let d: Vec<f64> = (0..30).map(|i| if i < 20 { 1.0 } else { -1.0 }).collect();
+        let t = sign_flip_test(&d, &[1.0 / 30.0; 30], 3);
+        assert_eq!(t.method, "monte_carlo");
+        assert!((t.p - 0.0987).abs() < 0.005, "{t:?}");
+    }
+
+    #[test]
+    fn the_ask_macro_f1_scores_first_reply_decisions() {
+        let d = AskDecisions {
+            asked_vague: 8.0,
+            answered_vague: 2.0,
+            asked_stated: 1.0,
+            answered_stated: 9.0,
+        };
+        let want = (16.0 / 19.0 + 18.0 / 21.0) / 2.0;
+        assert!((d.macro_f1().unwrap() - want).abs() < 1e-12);
+        // Always asking: ask F1 2·10/(20 + 10) = 2/3, answer F1 0.
+        let always = AskDecisions {
+            asked_vague: 10.0,
+            asked_stated: 10.0,
+            ..Default::default()
+        };
+        assert!((always.macro_f1().unwrap() - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!(AskDecisions::default().macro_f1(), None);
     }
 
     #[test]
@@ -869,7 +1095,8 @@ mod tests {
         let lines: String = (0..n)
             .map(|i| {
                 let rec = serde_json::json!({"task_id": format!("t{i}"), "repeat": 0,
-                    "template": tpl(i), "metrics": {"task_reward": y(i)}});
+                    "template": tpl(i), "split": if tpl(i) == "far" { "far" } else { "test" },
+                    "metrics": {"task_reward": y(i)}});
                 format!("{rec}\n")
             })
             .collect();
@@ -912,6 +1139,10 @@ mod tests {
             "{}",
             r.table()
         );
+        // The sign-flip test sees two templates, one for the arm and one tied: every sign
+        // pattern is as far from 0, p = 1.
+        assert_eq!((c.sign_flip.favour_arm, c.sign_flip.ties), (1, 1));
+        assert_eq!(c.sign_flip.p, 1.0);
         // By request instead, the same data looks four times as certain.
         sp.cluster = ClusterBy::Task;
         let by_request = run_study(&sp).unwrap();
@@ -924,6 +1155,28 @@ mod tests {
         sp.cluster = ClusterBy::Template;
         let err = run_study(&sp).unwrap_err().to_string();
         assert!(err.contains("no `template` to cluster by"), "{err}");
+    }
+
+    /// A filter keeps one held-out set: the far template's requests only, or none at all.
+    #[test]
+    fn a_filter_keeps_the_records_of_one_set() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tpl = |i: usize| if i < 3 { "near" } else { "far" };
+        let base = clarify_dir(tmp.path(), "base", 5, tpl, |_| 0.0);
+        let arm = clarify_dir(tmp.path(), "arm", 5, tpl, |i| if i < 3 { 0.3 } else { 1.0 });
+        let mut sp = spec(
+            vec![("base", vec![base]), ("arm", vec![arm])],
+            &[("arm", "base")],
+        );
+        sp.primary = "task_reward".into();
+        sp.secondary.clear();
+        sp.filter = [("split".to_string(), "far".to_string())].into();
+        let r = run_study(&sp).unwrap();
+        assert_eq!(r.arms[1].seeds[0].n, 2);
+        assert!((r.comparisons[0].pooled_difference - 1.0).abs() < 1e-12);
+        sp.filter = [("split".to_string(), "dev".to_string())].into();
+        let err = run_study(&sp).unwrap_err().to_string();
+        assert!(err.contains("no record matches the filter"), "{err}");
     }
 
     /// A training output directory as `dpo_train` leaves it.

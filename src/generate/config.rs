@@ -74,6 +74,14 @@ pub struct GenerateConfig {
     /// Minimum MR gap between chosen and rejected.
     pub min_gap: f64,
     pub pairs: PairMode,
+    /// Balance the pair set across request strata: the fields whose values name a stratum
+    /// (task metadata keys, or `turn` and `action`), e.g. `["stated"]`; empty: no balancing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub balance_by: Vec<String>,
+    /// With `balance_by`: the field whose value names a group balanced on its own (e.g.
+    /// `template`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance_within: Option<String>,
     pub seed: u64,
     /// Share of conversations in pairs/test.parquet.
     pub test_fraction: f64,
@@ -129,6 +137,8 @@ impl Default for GenerateConfig {
             mr_formula: MrFormula::Mean,
             min_gap: 0.02,
             pairs: PairMode::Best,
+            balance_by: Vec::new(),
+            balance_within: None,
             seed: 0,
             test_fraction: 0.1,
             policy_sampling: Sampling::default(),
@@ -179,6 +189,12 @@ impl GenerateConfig {
         in_range("proact_ratio", self.proact_ratio, PROACT_RATIO)?;
         in_range("test_fraction", self.test_fraction, TEST_FRACTION)?;
         in_range("min_gap", self.min_gap, MIN_GAP)?;
+        self.balance()
+            .validate()
+            .map_err(|m| ConfigError::Invalid {
+                field: "balance_by".into(),
+                message: m,
+            })?;
         check_future_questioner(
             self.rollout.future_questioner,
             self.plays_twenty_questions(),
@@ -239,6 +255,14 @@ impl GenerateConfig {
                 TokenRole::Judge => self.rollout.judge_max_tokens = n,
                 TokenRole::Extractor => self.rollout.extractor_max_tokens = n,
             }
+        }
+    }
+
+    /// How the pair set is balanced across strata.
+    pub fn balance(&self) -> crate::reward::pairs::Balance {
+        crate::reward::pairs::Balance {
+            by: self.balance_by.clone(),
+            within: self.balance_within.clone(),
         }
     }
 

@@ -16,7 +16,7 @@ use crate::llm::ChatMessage;
 use crate::reward::pairs::{select_pairs, PairMode};
 use crate::run::{now_secs, ManifestHeader, RunStatus};
 use crate::task::source::{read_source, source_name, tasks_from_flat, SourceError};
-use crate::task::{write_tasks_jsonl, TaskType};
+use crate::task::{write_tasks_jsonl, Action, TaskType};
 
 /// Settings of an import.
 #[derive(Clone, Debug)]
@@ -104,7 +104,8 @@ pub fn pairs_from_flat(
     let mut without = 0;
     for g in &groups {
         let scores: Vec<Option<f64>> = g.iter().map(|r| Some(r.score)).collect();
-        let chosen = select_pairs(&scores, min_gap, mode);
+        let actions: Vec<Action> = g.iter().map(|r| Action::of_reply(&r.completion)).collect();
+        let chosen = select_pairs(&scores, &actions, min_gap, mode);
         if chosen.is_empty() {
             without += 1;
         }

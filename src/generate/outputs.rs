@@ -13,8 +13,9 @@ use crate::dataset::sft::{sft_from_flat, write_sft_parquet};
 use crate::dataset::DatasetError;
 use crate::llm::{ChatMessage, FinishReason};
 use crate::reward::mr::{multiturn_reward, MrFormula};
-use crate::reward::pairs::{select_pairs, PairMode};
+use crate::reward::pairs::{balanced, select_pairs, Balance, PairMode};
 use crate::rollout::records::{CandidateRecord, ConversationRecord};
+use crate::task::Action;
 
 /// How records become pairs.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -24,6 +25,8 @@ pub struct Scoring {
     pub formula: MrFormula,
     pub min_gap: f64,
     pub pairs: PairMode,
+    /// Balance of the pair set across request strata (before the split).
+    pub balance: Balance,
     pub test_fraction: f64,
     pub seed: u64,
 }
@@ -46,6 +49,8 @@ pub enum OutputError {
     },
     #[error(transparent)]
     Write(#[from] crate::run::WriteError),
+    #[error("balance field `{field}`: task {task} has no metadata field `{field}` (pseudo-fields: turn, action)")]
+    BalanceField { field: String, task: String },
 }
 
 /// Counts and means for the summary and the manifest.
@@ -65,6 +70,12 @@ pub struct DatasetStats {
     pub missing_scores: BTreeMap<String, usize>,
     /// Pairs by turn index.
     pub pairs_per_turn: BTreeMap<u32, usize>,
+    /// Pairs by stratum (the balance fields' values, when set) and by the actions of the
+    /// chosen and the rejected reply (`ask>answer`: a question preferred to an answer).
+    pub pairs_by_stratum_action: BTreeMap<String, usize>,
+    /// Pairs the turns yielded before balancing, and how many balancing left out.
+    pub pairs_selected: usize,
+    pub pairs_left_out_by_balance: usize,
     /// Candidates cut at their token cap (`finish_reason` "length").
     pub candidates_truncated: usize,
     /// Sessions whose accuracy has both a judge verdict and a programmatic check of an
@@ -115,6 +126,7 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
         ..Default::default()
     };
     let mut pairs = Vec::new();
+    let mut keys: Vec<PairKey> = Vec::new();
     let mut flat = Vec::new();
     let (mut sum_c, mut sum_r) = (0.0, 0.0);
     for rec in records {
@@ -160,12 +172,20 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
                     rewards: rewards_json(cand, weights, scoring.formula),
                 });
             }
-            let selected = select_pairs(&mrs, scoring.min_gap, scoring.pairs);
+            let actions: Vec<Action> = turn
+                .candidates
+                .iter()
+                .map(|c| rec.task_type.action_of(&c.text))
+                .collect();
+            let selected = select_pairs(&mrs, &actions, scoring.min_gap, scoring.pairs);
             if selected.is_empty() {
+                let one_action = actions.iter().all(|a| *a == actions[0]);
                 let reason = if turn.candidates.len() < 2 {
                     "fewer than 2 candidates"
                 } else if mrs.iter().filter(|m| m.is_some()).count() < 2 {
                     "missing scores"
+                } else if scoring.pairs == PairMode::Contrast && one_action {
+                    "one action only"
                 } else {
                     "gap below min_gap"
                 };
@@ -173,9 +193,27 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
             }
             for (c, r) in selected {
                 let (mc, mr) = (mrs[c].unwrap_or(0.0), mrs[r].unwrap_or(0.0));
-                sum_c += mc;
-                sum_r += mr;
-                *stats.pairs_per_turn.entry(turn.turn_id).or_default() += 1;
+                keys.push(PairKey {
+                    group: balance_value(
+                        rec,
+                        turn.turn_id,
+                        actions[c],
+                        scoring.balance.within.as_deref(),
+                    )?,
+                    stratum: scoring
+                        .balance
+                        .by
+                        .iter()
+                        .map(|f| {
+                            balance_value(rec, turn.turn_id, actions[c], Some(f))
+                                .map(|v| format!("{f}={v}"))
+                        })
+                        .collect::<Result<Vec<_>, _>>()?
+                        .join(","),
+                    actions: format!("{}>{}", actions[c].as_str(), actions[r].as_str()),
+                    turn: turn.turn_id,
+                    scores: (mc, mr),
+                });
                 pairs.push(PairRow {
                     prompt: turn.history.clone(),
                     chosen: vec![ChatMessage::assistant(turn.candidates[c].text.clone())],
@@ -192,6 +230,35 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
         stats.accuracy_disagreement_rate =
             Some(stats.accuracy_disagreements as f64 / stats.accuracy_checks as f64);
     }
+    stats.pairs_selected = pairs.len();
+    let keep: Vec<usize> = if scoring.balance.is_off() {
+        (0..pairs.len()).collect()
+    } else {
+        let strata: Vec<(String, String)> = keys
+            .iter()
+            .map(|k| (k.group.clone(), k.stratum.clone()))
+            .collect();
+        balanced(&strata, scoring.seed)
+    };
+    stats.pairs_left_out_by_balance = pairs.len() - keep.len();
+    let mut kept = Vec::with_capacity(keep.len());
+    let mut pairs = pairs.into_iter().map(Some).collect::<Vec<_>>();
+    for i in keep {
+        let k = &keys[i];
+        sum_c += k.scores.0;
+        sum_r += k.scores.1;
+        *stats.pairs_per_turn.entry(k.turn).or_default() += 1;
+        let name = if k.stratum.is_empty() {
+            k.actions.clone()
+        } else {
+            format!("{} {}", k.stratum, k.actions)
+        };
+        *stats.pairs_by_stratum_action.entry(name).or_default() += 1;
+        if let Some(p) = pairs[i].take() {
+            kept.push(p);
+        }
+    }
+    let pairs = kept;
     let n = pairs.len();
     if n > 0 {
         stats.mean_mr_chosen = Some(sum_c / n as f64);
@@ -206,6 +273,40 @@ pub fn build(records: &[ConversationRecord], scoring: &Scoring) -> Result<Built,
         flat,
         stats,
     })
+}
+
+/// What balancing and the counts need to know of a pair.
+struct PairKey {
+    group: String,
+    stratum: String,
+    /// `chosen>rejected` actions.
+    actions: String,
+    turn: u32,
+    scores: (f64, f64),
+}
+
+/// The value of a balance field for a pair of `rec` at `turn` whose chosen reply takes
+/// `action`: a task metadata field, or the pseudo-fields `turn` and `action`; `None` (no
+/// field) is the empty group.
+fn balance_value(
+    rec: &ConversationRecord,
+    turn: u32,
+    action: Action,
+    field: Option<&str>,
+) -> Result<String, OutputError> {
+    match field {
+        None => Ok(String::new()),
+        Some("turn") => Ok(turn.to_string()),
+        Some("action") => Ok(action.as_str().to_string()),
+        Some(f) => match rec.metadata.get(f).filter(|v| !v.is_null()) {
+            Some(serde_json::Value::String(s)) => Ok(s.clone()),
+            Some(v) => Ok(v.to_string()),
+            None => Err(OutputError::BalanceField {
+                field: f.to_string(),
+                task: rec.task_id.clone(),
+            }),
+        },
+    }
 }
 
 /// Upstream's `sessions`: each simulated future's messages (user first).

@@ -381,8 +381,8 @@ fn check_resume(cfg: &GenerateConfig) -> anyhow::Result<()> {
     if !changed.is_empty() {
         bail!(
             "{} was made with different settings ({}); resume with the same settings, \
-             or choose a new --output (weights, --min-gap, --pairs and --mr-formula may change: \
-             they only re-score)",
+             or choose a new --output (weights, --min-gap, --pairs, --balance-by and \
+             --mr-formula may change: they only re-score)",
             cfg.output.display(),
             changed.join(", ")
         );
@@ -396,6 +396,7 @@ fn scoring(cfg: &GenerateConfig) -> Scoring {
         formula: cfg.mr_formula,
         min_gap: cfg.min_gap,
         pairs: cfg.pairs,
+        balance: cfg.balance(),
         test_fraction: cfg.test_fraction,
         seed: cfg.seed,
     }
@@ -720,6 +721,7 @@ pub fn rescore(cfg: &GenerateConfig) -> anyhow::Result<RunSummary> {
         "at": now_secs(),
         "metrics": cfg.metrics, "mr_formula": cfg.mr_formula,
         "min_gap": cfg.min_gap, "pairs": cfg.pairs,
+        "balance_by": cfg.balance_by, "balance_within": cfg.balance_within,
     });
     outputs::write_json_atomic(&path, &m)?;
     Ok(RunSummary {
@@ -799,7 +801,12 @@ impl Progress {
         for turn in &rec.turns {
             // The MR each candidate was chosen by, under the run's own weights.
             let mrs: Vec<Option<f64>> = turn.candidates.iter().map(|c| c.mr).collect();
-            n += select_pairs(&mrs, p.cfg.min_gap, p.cfg.pairs).len();
+            let actions: Vec<_> = turn
+                .candidates
+                .iter()
+                .map(|c| rec.task_type.action_of(&c.text))
+                .collect();
+            n += select_pairs(&mrs, &actions, p.cfg.min_gap, p.cfg.pairs).len();
         }
         self.pairs.fetch_add(n, Ordering::Relaxed);
         self.tasks.inc(1);

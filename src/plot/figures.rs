@@ -997,8 +997,84 @@ pub fn study(studies: &[(String, super::inputs::Study)], palette: &Palette) -> V
             title: s.title.clone(),
             panels: vec![arm_panel, diff_panel],
         });
+        figs.extend(asking(name, s, palette));
     }
     figs
+}
+
+/// Clarify studies that report `asked_vague` and `asked_stated`: where each arm asks, one
+/// ring per seed and a filled dot for the mean over seeds, x the share of stated requests
+/// asked about (needless), y the share of vague ones (needed); the ideal corner (0, 1) is
+/// marked. An arm that asks everyone sits on the diagonal.
+fn asking(name: &str, s: &super::inputs::Study, palette: &Palette) -> Option<Figure> {
+    let point = |m: &BTreeMap<String, Option<f64>>| {
+        Some((
+            m.get("asked_stated").copied()??,
+            m.get("asked_vague").copied()??,
+        ))
+    };
+    let mut layers = vec![
+        Layer {
+            label: None,
+            color: OKABE_ITO[6],
+            shape: Shape::Line {
+                points: vec![(0.0, 0.0), (1.0, 1.0)],
+                dashed: true,
+                faint: true,
+                markers: false,
+            },
+        },
+        Layer {
+            label: None,
+            color: OKABE_ITO[6],
+            shape: Shape::Label {
+                x: 0.0,
+                y: 1.0,
+                text: "ideal: ask only when vague".into(),
+            },
+        },
+    ];
+    for a in &s.arms {
+        let Some(mean) = point(&a.secondary) else {
+            continue;
+        };
+        let color = palette.color(&a.name);
+        let seeds: Vec<(f64, f64)> = a.seeds.iter().filter_map(|x| point(&x.secondary)).collect();
+        if seeds.len() > 1 {
+            layers.push(Layer {
+                label: None,
+                color,
+                shape: Shape::Markers {
+                    points: seeds,
+                    marker: Marker::Circle { filled: false },
+                },
+            });
+        }
+        layers.push(Layer {
+            label: Some(a.name.clone()),
+            color,
+            shape: Shape::Markers {
+                points: vec![mean],
+                marker: Marker::Circle { filled: true },
+            },
+        });
+    }
+    if layers.len() == 2 {
+        return None;
+    }
+    let mut panel = Panel::xy(
+        "asked on stated requests (needless)",
+        "asked on vague requests (needed)",
+        layers,
+    );
+    panel.x_range = Some((0.0, 1.0));
+    panel.y_from_zero = true;
+    panel.legend_at = LegendAt::LowerRight;
+    Some(Figure {
+        name: format!("{name}-asking"),
+        title: format!("{}: where each arm asks (rings: seeds)", s.title),
+        panels: vec![panel],
+    })
 }
 
 /// One row of a forest plot.

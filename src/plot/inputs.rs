@@ -344,11 +344,17 @@ pub struct StudyArm {
     pub pooled_rate: f64,
     pub pooled_ci95: (f64, f64),
     pub seeds: Vec<StudySeed>,
+    /// Secondary metric → mean over seeds (absent in older files).
+    #[serde(default)]
+    pub secondary: std::collections::BTreeMap<String, Option<f64>>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
 pub struct StudySeed {
     pub rate: f64,
+    /// Secondary metric → this seed's mean (absent in older files).
+    #[serde(default)]
+    pub secondary: std::collections::BTreeMap<String, Option<f64>>,
     /// Every outcome 0 or 1 (absent in older files: a rate).
     #[serde(default = "yes")]
     pub binary: bool,

@@ -199,7 +199,7 @@ pub fn pair_of(futures: &[Vec<f64>], min_gap: f64) -> Option<(usize, usize)> {
         .iter()
         .map(|r| (!r.is_empty()).then(|| mean_of(r)))
         .collect();
-    select_pairs(&means, min_gap, PairMode::Best)
+    select_pairs(&means, &[], min_gap, PairMode::Best)
         .first()
         .copied()
 }

@@ -49,13 +49,17 @@ pub const PLACEHOLDER: &str = "{d}";
 /// The built-in templates (the file form of [`TemplateRow`], one per line).
 const BUILTIN: &str = include_str!("../../data/clarify_templates.jsonl");
 
-/// Which requests.
+/// Which requests. A template belongs to `train`, `test` (near transfer: held-out wordings
+/// of the training templates' detail kinds) or `far` (far transfer: a detail kind no
+/// training template has); `heldout` selects `test` and `far`, `all` every template.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Split {
     #[default]
     Train,
     Test,
+    Far,
+    Heldout,
     All,
 }
 
@@ -64,12 +68,18 @@ impl Split {
         match self {
             Split::Train => "train",
             Split::Test => "test",
+            Split::Far => "far",
+            Split::Heldout => "heldout",
             Split::All => "all",
         }
     }
 
     fn holds(self, template_split: Split) -> bool {
-        self == Split::All || self == template_split
+        match self {
+            Split::All => true,
+            Split::Heldout => matches!(template_split, Split::Test | Split::Far),
+            _ => self == template_split,
+        }
     }
 }
 
@@ -79,8 +89,12 @@ impl FromStr for Split {
         match s.trim() {
             "train" => Ok(Split::Train),
             "test" => Ok(Split::Test),
+            "far" => Ok(Split::Far),
+            "heldout" => Ok(Split::Heldout),
             "all" => Ok(Split::All),
-            other => Err(format!("`{other}`: expected train, test or all")),
+            other => Err(format!(
+                "`{other}`: expected train, test, far, heldout or all"
+            )),
         }
     }
 }
@@ -95,8 +109,8 @@ pub struct ClarifySource {
 
 /// The source named by a `clarify:...` tasks source; `None` for any other source.
 ///
-/// `clarify:train|test|all` are the built-in templates; `clarify:PATH` every template of a
-/// JSONL file and `clarify:PATH#train|test|all` one split of it.
+/// `clarify:train|test|far|heldout|all` are the built-in templates; `clarify:PATH` every
+/// template of a JSONL file and `clarify:PATH#SPLIT` one split of it.
 pub fn source_split(tasks: &str) -> Option<Result<ClarifySource, String>> {
     let rest = tasks.strip_prefix(SOURCE)?;
     Some(parse_source(rest).map_err(|e| format!("--tasks {tasks}: {e}")))
@@ -112,7 +126,7 @@ fn parse_source(rest: &str) -> Result<ClarifySource, String> {
     };
     if !path.ends_with(".jsonl") {
         return Err(format!(
-            "`{rest}`: expected train, test, all, or a .jsonl file of templates (PATH or PATH#split)"
+            "`{rest}`: expected train, test, far, heldout, all, or a .jsonl file of templates (PATH or PATH#split)"
         ));
     }
     Ok(ClarifySource {
@@ -142,15 +156,16 @@ pub enum TemplateError {
 /// One line of a template file.
 ///
 /// ```json
-/// {"id": "birthday", "split": "train",
+/// {"id": "birthday", "split": "train", "kind": "name",
 ///  "stated": "Write a birthday greeting for my friend {d}.",
 ///  "vague": "Write a birthday greeting for my friend.",
 ///  "user_answer": "My friend's name is {d}.", "values": ["Maya", "Liam"]}
 /// ```
 ///
 /// `stated` and `user_answer` hold the placeholder `{d}`, `vague` does not and names no
-/// value; `values` is non-empty and has no repeats; `split` is `train` (the default) or
-/// `test`. The mixed demonstrator ([`Demonstrator`]) also needs `answer` (a reply that uses
+/// value; `values` is non-empty and has no repeats; `split` is `train` (the default), `test`
+/// (held out: near transfer) or `far` (held out: far transfer, a detail `kind` no training
+/// template has); `kind` is optional, lowercase letters and `_`. The mixed demonstrator ([`Demonstrator`]) also needs `answer` (a reply that uses
 /// `{d}`), `generic` (the same reply without the detail) and optionally `question` (a short
 /// clarifying question): only on the templates it demonstrates.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -159,6 +174,10 @@ pub struct TemplateRow {
     pub id: String,
     #[serde(default)]
     pub split: Option<String>,
+    /// The kind of detail (`name`, `day`, `time`, `city`, `date`, `code`, …): what far
+    /// transfer holds out, and a stratum in reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
     pub stated: String,
     pub vague: String,
     pub user_answer: String,
@@ -192,10 +211,16 @@ impl TemplateRow {
                 self.id
             ));
         }
+        if let Some(kind) = &self.kind {
+            if kind.is_empty() || !kind.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                return Err(format!("`kind` `{kind}`: use lowercase letters and `_`"));
+            }
+        }
         let split = match self.split.as_deref().unwrap_or("train") {
             "train" => Split::Train,
             "test" => Split::Test,
-            other => return Err(format!("`split` `{other}`: expected train or test")),
+            "far" => Split::Far,
+            other => return Err(format!("`split` `{other}`: expected train, test or far")),
         };
         for (field, text) in [("stated", &self.stated), ("user_answer", &self.user_answer)] {
             if !text.contains(PLACEHOLDER) {
@@ -214,12 +239,21 @@ impl TemplateRow {
             return Err("`values` is empty: give the detail's values".into());
         }
         let mut seen = BTreeSet::new();
+        let mut ids: std::collections::BTreeMap<String, &str> = Default::default();
         for v in &self.values {
             if v.trim().is_empty() {
                 return Err("`values` holds an empty value".into());
             }
             if !seen.insert(v.to_lowercase()) {
                 return Err(format!("`values` repeats `{v}`"));
+            }
+            // A value names its requests' task ids: two that differ only in punctuation or
+            // case would share one id (and count as one conversation).
+            if let Some(first) = ids.insert(slug(v), v) {
+                return Err(format!(
+                    "`values` `{first}` and `{v}` make the same task id ({}): change one",
+                    slug(v)
+                ));
             }
             if uses_detail(&self.vague, v) {
                 return Err(format!("`vague` names the value `{v}`"));
@@ -298,9 +332,17 @@ pub fn source_templates(src: &ClarifySource) -> Result<Vec<Template>, TemplateEr
     match &src.file {
         None => Ok(builtin_templates()),
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|source| TemplateError::Read {
+            let bytes = std::fs::read(path).map_err(|source| TemplateError::Read {
                 path: path.clone(),
                 source,
+            })?;
+            let text = String::from_utf8(bytes).map_err(|e| {
+                let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+                TemplateError::Line {
+                    path: path.clone(),
+                    line: 1 + valid.iter().filter(|b| **b == b'\n').count(),
+                    message: "not UTF-8 text".into(),
+                }
             })?;
             parse_templates(path, &text)
         }
@@ -355,6 +397,9 @@ pub fn tasks_of(templates: &[Template], split: Split) -> Vec<Task> {
                     "user_answer": fill(&r.user_answer, value),
                     "split": t.split.as_str(),
                 });
+                if let Some(kind) = &r.kind {
+                    metadata["kind"] = serde_json::json!(kind);
+                }
                 // What the mixed demonstrator says, where the template gives it.
                 for (key, text) in [
                     ("question", r.question.clone()),
@@ -538,10 +583,45 @@ mod tests {
         let all = parse_templates(Path::new("builtin"), BUILTIN).unwrap();
         assert_eq!(builtin_templates(), all);
         let (train, test): (Vec<_>, Vec<_>) = all.iter().partition(|t| t.split == Split::Train);
-        assert!(test.len() >= 8, "{} held-out templates", test.len());
+        let near = test.iter().filter(|t| t.split == Split::Test).count();
+        let far: Vec<&&Template> = test.iter().filter(|t| t.split == Split::Far).collect();
+        assert!(
+            near >= 8 && far.len() >= 10,
+            "{near} near, {} far",
+            far.len()
+        );
+        // Every template names its detail's kind; far transfer holds out whole kinds: no far
+        // template's kind is a training template's, and near ones use training kinds only.
+        let kind = |t: &Template| t.row.kind.clone().unwrap();
+        let train_kinds: BTreeSet<String> = train.iter().map(|t| kind(t)).collect();
+        for t in &test {
+            let k = kind(t);
+            assert_eq!(
+                train_kinds.contains(&k),
+                t.split == Split::Test,
+                "{}: kind {k}",
+                t.row.id
+            );
+        }
+        let far_kinds: BTreeSet<String> = far.iter().map(|t| kind(t)).collect();
+        assert!(far_kinds.len() >= 5, "{far_kinds:?}");
+        // The far templates' user answers are worded unlike any training or near one.
+        let frame = |t: &Template| t.row.user_answer.replace(PLACEHOLDER, "");
+        let familiar: BTreeSet<String> = all
+            .iter()
+            .filter(|t| t.split != Split::Far)
+            .map(frame)
+            .collect();
+        for t in &far {
+            assert!(!familiar.contains(&frame(t)), "{}", t.row.id);
+        }
         // No held-out request repeats a training request's text, stated or vague.
         let train_tasks = tasks(Split::Train);
-        let test_tasks = tasks(Split::Test);
+        let test_tasks = tasks(Split::Heldout);
+        assert_eq!(
+            test_tasks.len(),
+            tasks(Split::Test).len() + tasks(Split::Far).len()
+        );
         let texts = |ts: &[Task]| -> BTreeSet<String> {
             ts.iter()
                 .map(|t| t.metadata["request"].as_str().unwrap().to_string())
@@ -624,6 +704,11 @@ mod tests {
         std::fs::write(&path, format!("{GOOD}\n")).unwrap();
         let err = load(&src("#test")).unwrap_err().to_string();
         assert!(err.contains("no template in split `test`"), "{err}");
+        let mut latin1 = format!("{GOOD}\n").into_bytes();
+        latin1.extend_from_slice(b"{\"id\": \"caf\xe9\"}\n");
+        std::fs::write(&path, latin1).unwrap();
+        let err = load(&src("")).unwrap_err().to_string();
+        assert!(err.ends_with("line 2: not UTF-8 text"), "{err}");
     }
 
     #[test]
@@ -652,6 +737,10 @@ mod tests {
             (
                 GOOD.replace("\"Liam\"", "\"friend\""),
                 "`vague` names the value `friend`",
+            ),
+            (
+                GOOD.replace("[\"Maya\", \"Liam\"]", "[\"Mary Ann\", \"Mary_Ann\"]"),
+                "`values` `Mary Ann` and `Mary_Ann` make the same task id (mary-ann)",
             ),
             (GOOD.replace("\"birthday\"", "\"a b\""), "`id` `a b`"),
             (

@@ -43,6 +43,33 @@ pub enum UserKind {
     Scripted,
 }
 
+/// What a reply does to the conversation: asks the user something, or answers. Action-contrast
+/// preference pairs (`--pairs contrast`) pair replies that differ in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    Ask,
+    Answer,
+}
+
+impl Action {
+    /// A dialogue reply's action: one that asks something has a question mark.
+    pub fn of_reply(reply: &str) -> Action {
+        if super::clarify::is_question(reply) {
+            Action::Ask
+        } else {
+            Action::Answer
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Ask => "ask",
+            Action::Answer => "answer",
+        }
+    }
+}
+
 /// The facts of one task type.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TaskFacts {
@@ -148,6 +175,7 @@ const CLARIFY: TaskFacts = TaskFacts {
         "clarifying_questions",
         "asked_stated",
         "asked_vague",
+        "repeated_question",
     ],
     // Scored by rule: the questions asked, not a judge's interactivity.
     interaction_metric: "clarifying_questions",
@@ -185,6 +213,17 @@ impl TaskType {
     /// with a simulated user.
     pub fn is_game(self) -> bool {
         self.facts().user == UserKind::Oracle
+    }
+
+    /// What `reply` does, by this type's question detector: in a dialogue a reply that asks
+    /// something has a question mark (clarify's scripted user answers exactly those); every
+    /// 20 Questions move is a question.
+    pub fn action_of(self, reply: &str) -> Action {
+        if self.is_game() {
+            Action::Ask
+        } else {
+            Action::of_reply(reply)
+        }
     }
 
     /// `"math, doc_edit, code, twenty_questions, clarify"`.

@@ -29,7 +29,7 @@ pub mod prompts;
 pub mod source;
 pub mod twenty_questions;
 
-pub use kind::{TaskFacts, TaskType, UnknownTaskType, UserKind};
+pub use kind::{Action, TaskFacts, TaskType, UnknownTaskType, UserKind};
 
 /// One task: hidden goal `prompt` (= q), `reference` (= a: answer, target document, reference
 /// solution), and free-form `metadata` (e.g. `tests` for code tasks).

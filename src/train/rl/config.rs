@@ -22,6 +22,7 @@ use crate::llm::tokens::TokenCounterKind;
 use crate::llm::ModelSpec;
 use crate::reward::judge::InteractivityScale;
 use crate::reward::mr::MrFormula;
+use crate::reward::pairs::PairMode;
 use crate::rollout::config::{
     check_future_questioner, check_futures, check_sampling, check_task_source, Compat,
     CompatRecord, ConfigError, RolloutConfig, UnknownKeys, DEFAULT_TASKS,
@@ -50,6 +51,8 @@ pub const TOP_P: Range = Sampling::TOP_P;
 /// Online DPO: β and the minimum MR gap of a pair.
 pub const BETA: Range = Range::above(0.0);
 pub use crate::reward::pairs::MIN_GAP;
+/// Share of a step's prompts that start one exchange later: a probability.
+pub const CONTINUE_RATE: Range = Range::closed(0.0, 1.0);
 
 /// What the update does with a group of scored responses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -218,6 +221,20 @@ pub struct RlRunConfig {
     /// Online DPO: β and the minimum MR gap between best and worst.
     pub beta: f64,
     pub min_gap: f64,
+    /// Online DPO: which pair a group yields (best vs worst, or action contrast).
+    #[serde(default)]
+    pub pairs: PairMode,
+    /// Each step's prompts drawn evenly from the values of this task metadata field (e.g.
+    /// `stated`: as many stated as vague clarify requests), each value's tasks in their own
+    /// seeded epochs; `None`: one shuffled order over all tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance_by: Option<String>,
+    /// Share of a step's prompts that start one exchange later: the current policy replies
+    /// to the opening once and, where the simulated user answers rather than ends, the group
+    /// answers that (so later turns, e.g. "answer now that the detail is given", train on
+    /// the states the policy itself reaches); 0: every prompt is an opening.
+    #[serde(default)]
+    pub continue_rate: f64,
     /// LoRA rank; none = full fine-tuning.
     pub lora_r: Option<usize>,
     pub lora_alpha: f64,
@@ -294,6 +311,9 @@ impl Default for RlRunConfig {
             max_length: 2048,
             beta: 0.1,
             min_gap: 0.02,
+            pairs: PairMode::Best,
+            balance_by: None,
+            continue_rate: 0.0,
             lora_r: None,
             lora_alpha: 16.0,
             lora_targets: LORA_TARGETS.map(String::from).to_vec(),
@@ -610,6 +630,20 @@ impl RlRunConfig {
         check("top_p", self.top_p, TOP_P)?;
         check("beta", self.beta, BETA)?;
         check("min_gap", self.min_gap, MIN_GAP)?;
+        check("continue_rate", self.continue_rate, CONTINUE_RATE)?;
+        if self
+            .balance_by
+            .as_deref()
+            .is_some_and(|f| f.trim().is_empty())
+        {
+            return Err(invalid("balance_by", "an empty field name"));
+        }
+        if self.pairs != PairMode::Best && self.algo != Algo::OnlineDpo {
+            return Err(invalid(
+                "pairs",
+                format!("{}: only online_dpo makes pairs", self.pairs.as_str()),
+            ));
+        }
         let spec: ModelSpec = self
             .model
             .parse()
@@ -672,6 +706,12 @@ impl RlRunConfig {
             }
             if self.truncated == TruncatedReward::default() {
                 o.remove("truncated");
+            }
+            if self.pairs == PairMode::default() {
+                o.remove("pairs");
+            }
+            if self.continue_rate == 0.0 {
+                o.remove("continue_rate");
             }
         }
         v

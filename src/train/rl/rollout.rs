@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use futures::StreamExt;
+use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use super::config::{Opening, RlRunConfig};
@@ -274,6 +275,12 @@ impl Rollout<'_> {
                 Err(e) => return Ok(Opened::UserFailed(e)),
             },
         };
+        let prompt = if self.continues(task, split, step, i) {
+            self.one_exchange_later(policy, task, prompt, split, step, i)
+                .await?
+        } else {
+            prompt
+        };
         let s = self.cfg.policy_sampling();
         let req = s
             .request(prompt.clone())
@@ -306,6 +313,59 @@ impl Rollout<'_> {
             })
             .collect();
         Ok(Opened::Sampled(prompt, prompt_tokens, choices))
+    }
+
+    /// Whether training prompt `i` of `step` starts one exchange later (`continue_rate`).
+    fn continues(&self, task: &Task, split: &str, step: &str, i: &str) -> bool {
+        let rate = self.cfg.continue_rate;
+        if split != "train" || rate <= 0.0 {
+            return false;
+        }
+        let seed = self.seed(task, &["rl-continue-draw", split, step, i]);
+        rand::Rng::random_bool(&mut rand::rngs::StdRng::seed_from_u64(seed), rate.min(1.0))
+    }
+
+    /// `prompt` one exchange later: the policy's reply (one sample) and the simulated user's
+    /// answer to it. Where the user ends the conversation instead (the reply finished the
+    /// task), the opening is kept.
+    async fn one_exchange_later(
+        &self,
+        policy: &Role,
+        task: &Task,
+        prompt: Vec<ChatMessage>,
+        split: &str,
+        step: &str,
+        i: &str,
+    ) -> anyhow::Result<Vec<ChatMessage>> {
+        let req = self
+            .cfg
+            .policy_sampling()
+            .request(prompt.clone())
+            .seed(self.seed(task, &["rl-continue", split, step, i]));
+        let resp = policy
+            .backend
+            .chat(&req)
+            .await
+            .map_err(|e| anyhow::anyhow!("policy sampling for task {}: {e}", task.id))?;
+        let Some(reply) = resp.choices.into_iter().next() else {
+            return Ok(prompt);
+        };
+        let mut later = prompt.clone();
+        later.push(ChatMessage::assistant(reply.content));
+        let seed = self.seed(task, &["rl-continue-user", split, step, i]);
+        match self.user.next_messages(task, &later, 1, seed).await {
+            Ok(turns) => match turns.into_iter().next() {
+                Some(u) if !u.terminated => {
+                    later.push(ChatMessage::user(u.text));
+                    Ok(later)
+                }
+                _ => Ok(prompt),
+            },
+            Err(e) => {
+                tracing::warn!(task = %task.id, error = %e, "the simulated user could not answer the policy's first reply; the prompt stays the opening");
+                Ok(prompt)
+            }
+        }
     }
 
     /// A 20 Questions prompt after a demonstrator prefix drawn for (task, split, step, prompt).
@@ -426,4 +486,79 @@ fn metric_means(
             (!vals.is_empty()).then(|| (m.clone(), vals.iter().sum::<f64>() / vals.len() as f64))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::llm::scripted::ScriptedBackend;
+    use crate::task::clarify::{self, Split};
+    use crate::task::prompts::Prompts;
+
+    /// `--continue-rate 1` on clarify: where the policy's first reply asks, the prompt becomes
+    /// request, question, the user's answer; where it answers (the user ends), the opening
+    /// stays. Evaluation prompts never continue.
+    #[tokio::test]
+    async fn prompts_continue_one_exchange_later_where_the_user_answers() {
+        let cfg = RlRunConfig {
+            continue_rate: 1.0,
+            ..RlRunConfig::default()
+        };
+        let policy = ScriptedBackend::new("policy", |req, _| {
+            // Asks on vague requests, answers on stated ones.
+            let first = req.messages[0].content.as_str();
+            Ok(if first.contains("my friend.") {
+                "What is your friend's name?".to_string()
+            } else {
+                "Happy birthday!".to_string()
+            })
+        });
+        let policy = Role::from_backend("policy", "scripted", policy, None, None);
+        let user = UserSimulator {
+            role: policy.clone(),
+            prompts: Arc::new(Prompts::builtin().unwrap()),
+            sampling: Default::default(),
+            termination: "[[TERMINATE CHAT]]".into(),
+            json: false,
+            retries: 0,
+            oracle: Default::default(),
+            max_questions: 20,
+        };
+        let rollout = Rollout {
+            cfg: &cfg,
+            user: &user,
+            future_questioner: None,
+        };
+        let tasks = clarify::tasks(Split::Train);
+        let (vague, stated) = (&tasks[1], &tasks[0]);
+        assert!(!clarify::is_stated(vague) && clarify::is_stated(stated));
+        for (task, split, later) in [
+            (vague, "train", true),
+            (stated, "train", false),
+            (vague, "eval", false),
+        ] {
+            let p = RlPrompt::of_task(task.clone());
+            let Opened::Sampled(prompt, _, _) =
+                rollout.open(&policy, &p, split, "1", "0", 2).await.unwrap()
+            else {
+                panic!("not opened")
+            };
+            if later {
+                assert_eq!(prompt.len(), 3, "{prompt:?}");
+                assert_eq!(prompt[1].content, "What is your friend's name?");
+                assert_eq!(prompt[2].content, task.metadata["user_answer"]);
+            } else {
+                assert_eq!(prompt.len(), 1, "{prompt:?}");
+            }
+        }
+        // The rate is a probability: 0 never continues.
+        let never = RlRunConfig::default();
+        let rollout = Rollout {
+            cfg: &never,
+            ..rollout
+        };
+        assert!(!rollout.continues(vague, "train", "1", "0"));
+    }
 }

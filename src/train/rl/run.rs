@@ -263,6 +263,73 @@ pub fn step_tasks<T: Clone>(tasks: &[T], seed: u64, step: u64, batch: usize) -> 
         .collect()
 }
 
+/// The prompts of a run, grouped into the strata a step draws evenly from (`--balance-by`):
+/// one stratum per value of the field, in the values' sorted order; one stratum of every
+/// prompt without the setting.
+pub struct PromptStrata {
+    strata: Vec<Vec<RlPrompt>>,
+}
+
+impl PromptStrata {
+    /// Groups `prompts` by `field` of their task's metadata; a task without the field is an
+    /// error naming it.
+    pub fn new(prompts: Vec<RlPrompt>, field: Option<&str>) -> anyhow::Result<Self> {
+        let Some(field) = field else {
+            return Ok(Self {
+                strata: vec![prompts],
+            });
+        };
+        let mut by: BTreeMap<String, Vec<RlPrompt>> = BTreeMap::new();
+        for p in prompts {
+            let Some(v) = p.task.metadata.get(field).filter(|v| !v.is_null()) else {
+                bail!(
+                    "--balance-by {field}: task {} has no metadata field `{field}`",
+                    p.task.id
+                );
+            };
+            let key = v.as_str().map_or_else(|| v.to_string(), str::to_string);
+            by.entry(key).or_default().push(p);
+        }
+        Ok(Self {
+            strata: by.into_values().collect(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.strata.iter().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every prompt, stratum after stratum.
+    pub fn all(&self) -> Vec<RlPrompt> {
+        self.strata.concat()
+    }
+
+    /// The `batch` prompts of `step`: prompt i of a step from stratum i mod k (k strata),
+    /// each stratum in its own seeded epochs ([`step_tasks`]), so the order depends on (seed,
+    /// step) only and a resumed run continues it exactly.
+    pub fn step(&self, seed: u64, step: u64, batch: usize) -> Vec<RlPrompt> {
+        let k = self.strata.len().max(1);
+        if k == 1 {
+            return step_tasks(&self.strata[0], seed, step, batch);
+        }
+        let mut drawn: Vec<std::vec::IntoIter<RlPrompt>> = self
+            .strata
+            .iter()
+            .enumerate()
+            .map(|(s, tasks)| {
+                let per_step = (0..batch).filter(|i| i % k == s).count();
+                let stratum_seed = derive_seed(seed, &["rl-stratum", &s.to_string()]);
+                step_tasks(tasks, stratum_seed, step, per_step).into_iter()
+            })
+            .collect();
+        (0..batch).filter_map(|i| drawn[i % k].next()).collect()
+    }
+}
+
 /// Keeps the lines of a JSONL file whose `step` is at most `step` (and that parse: a torn
 /// last line is dropped), rewriting it atomically. Missing file: nothing to do.
 pub fn truncate_jsonl(path: &Path, step: u64) -> Result<usize, TrainError> {
@@ -483,14 +550,14 @@ impl<'a> Run<'a> {
         &self,
         trainer: &mut RlTrainer,
         policy: Role,
-        tasks: &[RlPrompt],
+        tasks: &PromptStrata,
         eval_tasks: Option<&[RlPrompt]>,
         step: u64,
     ) -> anyhow::Result<(Role, Map<String, Value>)> {
         let cfg = self.cfg;
         let step_started = Instant::now();
         let usage_before = self.roles.usage();
-        let batch = step_tasks(tasks, cfg.optim.seed, step, cfg.batch_prompts);
+        let batch = tasks.step(cfg.optim.seed, step, cfg.batch_prompts);
         let scorer = self.scorer(&policy);
         let rollout = self
             .rollout()
@@ -513,7 +580,7 @@ impl<'a> Run<'a> {
         let groups: Vec<super::Group> = rollout.groups.iter().map(GroupRecord::to_group).collect();
         let update_started = Instant::now();
         let report = match cfg.algo {
-            Algo::OnlineDpo => trainer.dpo_update(&self.codec, &groups, cfg.min_gap)?,
+            Algo::OnlineDpo => trainer.dpo_update(&self.codec, &groups, cfg.min_gap, cfg.pairs)?,
             _ => trainer.update(&self.codec, &groups)?,
         };
         let update_s = update_started.elapsed().as_secs_f64();
@@ -642,7 +709,10 @@ pub async fn rl_train_until(
         None => None,
     };
     cfg.tasks_sha256 = Some(tasks_sha256(&tasks, eval_raw.as_ref().map(|e| &e.1)));
-    let tasks = rl_prompts(&cfg, &cfg.tasks, tasks).await?;
+    let tasks = PromptStrata::new(
+        rl_prompts(&cfg, &cfg.tasks, tasks).await?,
+        cfg.balance_by.as_deref(),
+    )?;
     let eval_tasks = match eval_raw {
         Some((source, raw)) => Some(rl_prompts(&cfg, &source, raw).await?),
         None => None,
@@ -996,8 +1066,10 @@ fn step_log(
 }
 
 /// Clarify-or-answer: the share of sampled responses that ask a question, on vague and on
-/// stated requests (`clarify/asked_vague`, `clarify/asked_stated`; absent when the step held
-/// no such request): the mechanism the two rewards differ on, visible at every step.
+/// stated requests (`clarify/asked_vague`, `clarify/asked_stated`), and after the user has
+/// answered a question (`clarify/asked_again`, prompts that start one exchange later); each
+/// absent when the step held no such prompt: the mechanism the two rewards differ on,
+/// visible at every step.
 fn clarify_ask_log(
     log: &mut Map<String, Value>,
     prefix: &str,
@@ -1010,12 +1082,13 @@ fn clarify_ask_log(
         .filter(|p| p.task.task_type == crate::task::TaskType::Clarify)
         .map(|p| (p.task.id.as_str(), clarify::is_stated(&p.task)))
         .collect();
-    let mut counts = [(0usize, 0usize); 2];
+    let mut counts = [(0usize, 0usize); 3];
     for g in &rollout.groups {
         let Some(&s) = stated.get(g.task_id.as_str()) else {
             continue;
         };
-        let c = &mut counts[usize::from(s)];
+        let later = g.prompt.iter().any(|m| m.role == "assistant");
+        let c = &mut counts[if later { 2 } else { usize::from(s) }];
         c.0 += g
             .responses
             .iter()
@@ -1023,7 +1096,7 @@ fn clarify_ask_log(
             .count();
         c.1 += g.responses.len();
     }
-    for (kind, (asked, n)) in ["vague", "stated"].iter().zip(counts) {
+    for (kind, (asked, n)) in ["vague", "stated", "again"].iter().zip(counts) {
         if n > 0 {
             log.insert(
                 format!("{prefix}clarify/asked_{kind}"),
@@ -1127,6 +1200,72 @@ mod tests {
         );
         let all_seeds: Vec<Vec<String>> = (0..6).map(|s| ids(s, 1)).collect();
         assert!(all_seeds.iter().any(|x| *x != all_seeds[0]), "seeded");
+    }
+
+    /// Clarify-like prompts, 6 vague and 2 stated: a balanced step of 4 holds 2 of each, every
+    /// stated prompt comes back once an epoch of its stratum, and a task without the field is
+    /// refused by name.
+    #[test]
+    fn balanced_steps_draw_evenly_from_each_stratum() {
+        let prompts: Vec<RlPrompt> = tasks(8)
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut t)| {
+                t.metadata = json!({"stated": i >= 6});
+                RlPrompt::of_task(t)
+            })
+            .collect();
+        let strata = PromptStrata::new(prompts.clone(), Some("stated")).unwrap();
+        assert_eq!(strata.len(), 8);
+        let stated = |p: &RlPrompt| p.task.metadata["stated"] == json!(true);
+        let mut stated_seen = Vec::new();
+        for step in 1..=5 {
+            let batch = strata.step(3, step, 4);
+            assert_eq!(batch.len(), 4);
+            assert_eq!(batch.iter().filter(|p| stated(p)).count(), 2, "step {step}");
+            stated_seen.extend(
+                batch
+                    .iter()
+                    .filter(|p| stated(p))
+                    .map(|p| p.task.id.clone()),
+            );
+            assert_eq!(
+                batch.iter().map(|p| &p.task.id).collect::<Vec<_>>(),
+                strata
+                    .step(3, step, 4)
+                    .iter()
+                    .map(|p| &p.task.id)
+                    .collect::<Vec<_>>(),
+                "a resumed step takes the same prompts"
+            );
+        }
+        // The stated stratum's epoch is 2 prompts: each comes once per step.
+        for pair in stated_seen.chunks(2) {
+            assert_ne!(pair[0], pair[1]);
+        }
+        // An odd batch gives the extra prompt to the first stratum (stated=false sorts first).
+        assert_eq!(strata.step(3, 1, 3).iter().filter(|p| stated(p)).count(), 1);
+        // Without the setting: one stratum, the plain order.
+        let plain = PromptStrata::new(prompts.clone(), None).unwrap();
+        assert_eq!(
+            plain
+                .step(3, 2, 4)
+                .iter()
+                .map(|p| &p.task.id)
+                .collect::<Vec<_>>(),
+            step_tasks(&prompts, 3, 2, 4)
+                .iter()
+                .map(|p| &p.task.id)
+                .collect::<Vec<_>>()
+        );
+        let err = PromptStrata::new(prompts, Some("template"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("task t0 has no metadata field `template`"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -653,6 +653,7 @@ impl RlTrainer {
         codec: &ChatCodec,
         groups: &[Group],
         min_gap: f64,
+        mode: crate::reward::pairs::PairMode,
     ) -> Result<UpdateReport, RlError> {
         let dcfg = self
             .cfg
@@ -664,11 +665,12 @@ impl RlTrainer {
         let mut too_long = 0;
         for (gi, g) in groups.iter().enumerate() {
             let rewards: Vec<Option<f64>> = g.responses.iter().map(|r| r.reward).collect();
-            let picked = crate::reward::pairs::select_pairs(
-                &rewards,
-                min_gap,
-                crate::reward::pairs::PairMode::Best,
-            );
+            let actions: Vec<crate::task::Action> = g
+                .responses
+                .iter()
+                .map(|r| crate::task::Action::of_reply(&r.text))
+                .collect();
+            let picked = crate::reward::pairs::select_pairs(&rewards, &actions, min_gap, mode);
             for (c, r) in picked {
                 let tok = |i: usize| {
                     response_tokens(codec, &g.prompt, &g.responses[i]).map_err(|message| {
