@@ -17,24 +17,31 @@
 #   with the reference and random questioners as anchors.
 #   Primary endpoint, fixed before the runs: success within 20 questions.
 # Study 2, the ablation: multiturn-aware reward (MR) against the single-turn reward on
-#   clarify-or-answer, held-out *templates* (request kinds and wordings no training request
-#   uses). From the default model:
+#   clarify-or-answer, held-out *templates*: near (new wordings of the training detail kinds)
+#   and far (detail kinds no training template has). Per seed, everything its own (its
+#   demonstrator conversations, warm start, data order, pairs and evaluation seed):
 #     warm        SFT on the mixed demonstrator's conversations of training requests (asks on
 #                 vague requests with probability ASK_RATE, needlessly on stated ones with
-#                 NEEDLESS_ASK_RATE), so sampling explores both behaviours; its sampled ask
-#                 rate is measured before any preference or RL training;
-#   then from that one warm start, three seeds each (seeds share no generated data) of
-#     dpo_mr      DPO on generate_conv pairs ranked by MR (one future: the scripted user
-#                 answers, the warm start replies),
-#     dpo_st      DPO on pairs ranked by the single-turn reward (--samples 0), the same number
-#                 of pairs (--max-pairs), steps and learning rate,
-#     grpo_mr     Dr. GRPO with MR, and
-#     grpo_st     Dr. GRPO with the single-turn reward, same steps and settings;
-#   every arm (and the base) evaluated in f32 weights, greedy and sampled (T 0.7, several
-#   samples per request). Co-primary endpoints, fixed before the runs: the task reward
-#   (detail used − 0.3 × clarifying questions) and detail_used; secondary: ask rate on vague
-#   and on stated requests, turns, tokens. Intervals from a bootstrap that resamples
-#   templates; per-seed McNemar (detail_used) and sign tests (task reward).
+#                 NEEDLESS_ASK_RATE; two conversations a request), so a request's own samples
+#                 hold both actions; its sampled ask rates are measured before any training;
+#   then from that warm start
+#     dpo_mr      two rounds of DPO (with an NLL term on the chosen reply) on generate_conv
+#                 pairs ranked by MR (one future: the scripted user answers, the policy
+#                 replies): action-contrast pairs (a question against an answer) balanced
+#                 1:1 between vague and stated requests per template; round 2's pairs come
+#                 from the round-1 model on the other half of the training requests,
+#     dpo_st      the same on pairs ranked by the single-turn reward (--samples 0), the same
+#                 requests, sampler and settings (round 1: the same number of pairs),
+#     grpo_mr     GRPO with MR: every step half vague, half stated requests, a quarter of the
+#                 prompts one exchange later (the policy's own first reply and the answer),
+#     grpo_st     the same with the single-turn reward;
+#   every arm (and the base) evaluated in f32 weights, greedy and sampled (T 0.7).
+#   Primary endpoint, fixed before the runs: the task reward (detail used − 0.3 per question)
+#   on the held-out templates pooled over seeds; primary test: the template-level sign-flip
+#   test (the template-resampling bootstrap interval beside it; per-seed sign tests
+#   secondary). Also reported: ask rate on vague and on stated requests, macro F1 of the
+#   ask/answer decision, conversations with a repeated question, turns, tokens; near and far
+#   apart.
 #
 # Each study's statistics come from `eval_multiturn --study`. The results go to
 # docs/results/method_results.json (--quick: method_results_quick.json; a study that is not
@@ -45,8 +52,8 @@
 #            nothing): ~17 min on 2 cores for clarify alone.
 #            Without it: 20 Questions ~2.5 h (per seed: SFT start 13 min, DAgger games 5,
 #            pairs 12, three matched arms of 16 steps 15; evaluation of 15 models 10 min; the
-#            futures cost no model call), clarify ~80 min on 2 cores (warm start 5 min, per seed
-#            pairs 4, DPO 2, GRPO 8 min; evaluation of 14 models 28 min).
+#            futures cost no model call), clarify ~4 h on 2 cores (see docs/results.md for
+#            each stage's cost).
 #   --only   run one study.
 #   --out    working directory [default: outputs/method_results or outputs/method_results-quick]
 # Every stage resumes: rerun the same command after an interruption.
@@ -88,7 +95,7 @@ if [[ $quick == 1 ]]; then
   # sampled evaluation repeats.
   c_demo=(--repeats 1); c_sft=(--max-steps 10)
   c_probe=(--max-tasks 40 --repeats 1)
-  c_gen=(--max-tasks 24); c_epochs=1
+  c_gen=(--max-tasks 48); c_candidates=4; c_epochs=1
   c_grpo=(--max-steps 3 --batch-prompts 2)
   c_eval=(--max-tasks 24); c_sampled=1
 else
@@ -100,12 +107,18 @@ else
   dagger_games=(--objects 40); max_pairs_20q=64; batch_tokens_20q=2048
   token_tolerance=0.1
   gen=(--max-messages 9 --max-tasks 64)
-  c_demo=(--repeats 2); c_sft=(--epochs 2)
-  c_probe=(--repeats 1)
-  c_gen=(); c_epochs=1
-  c_grpo=(--max-steps 24 --batch-prompts 4)
-  c_eval=(); c_sampled=2
+  c_demo=(--repeats 2); c_sft=(--epochs 1)
+  c_probe=(--max-tasks 120 --repeats 1)
+  c_gen=(); c_candidates=6; c_epochs=3
+  c_grpo=(--max-steps 48 --batch-prompts 4)
+  c_eval=(); c_sampled=1
 fi
+# Clarify settings shared by --quick and the full run, chosen on a validation split of the
+# training templates (docs/results.md): action-contrast pairs, DPO lr and epochs, the NLL
+# weight on chosen replies (0 made DPO stop asking altogether), GRPO's lr and the share of
+# prompts one exchange later.
+c_dpo_lr="${C_DPO_LR:-5e-5}"; c_nll="${C_NLL:-1}"
+c_grpo_lr="${C_GRPO_LR:-1e-5}"; c_continue="${C_CONTINUE:-0.25}"
 threads="${THREADS:-$(nproc)}"
 bin="${BIN_DIR:-target/release}"
 
@@ -192,19 +205,20 @@ study_20q() {
 }
 
 # --- Study 2: the ablation on clarify-or-answer ---------------------------------------------
-# Evaluates model $2 as arm $1: greedy on every held-out request, and sampled (T 0.7,
-# c_sampled samples per request); f32 weights for every arm, the base included.
+# Evaluates model $2 as arm $1 with evaluation seed $3: greedy on every held-out request (near
+# and far templates), and sampled (T 0.7, c_sampled samples per request); f32 weights for every
+# arm, the base included.
 evaluate_clarify() {
-  local common=(--task clarify --tasks clarify:test --weights f32 --max-tokens 48
-    --threads "$threads" "${c_eval[@]}")
+  local common=(--task clarify --tasks clarify:heldout --weights f32 --max-tokens 48
+    --seed "$3" --threads "$threads" "${c_eval[@]}")
   run "$bin/eval_multiturn" "${common[@]}" --model "$2" --output "$c/eval/greedy/$1"
   run "$bin/eval_multiturn" "${common[@]}" --model "$2" --temperature 0.7 \
     --repeats "$c_sampled" --output "$c/eval/sampled/$1"
 }
-# The sampled ask rates of model $2 on training requests (T 0.7), as probe $1.
+# The sampled ask rates of model $2 on training requests (T 0.7), as probe $1 of seed $3.
 probe_clarify() {
   run "$bin/eval_multiturn" --task clarify --tasks clarify:train --weights f32 --max-tokens 48 \
-    --temperature 0.7 --seed 7 "${c_probe[@]}" --threads "$threads" --model "$2" \
+    --temperature 0.7 --seed "$3" "${c_probe[@]}" --threads "$threads" --model "$2" \
     --output "$c/probe/$1"
 }
 # Training pairs of a generate_conv run.
@@ -215,55 +229,76 @@ pair_count() {
 # Optimizer steps in one epoch of $1 pairs at batch 4.
 epoch_steps() { echo $(( ($1 + 3) / 4 )); }
 
+# Pairs of round $2 for reward $1 (mr: one future; st: the reply alone) from policy $3, on
+# shard $4 of the training requests, into $5: action-contrast pairs (the best reply against the
+# worst one that takes the other action: ask vs answer; in round 2, where a turn's replies all
+# take one action, best against worst), balanced 1:1 between vague and stated requests within
+# each template.
+clarify_pairs() {
+  local samples=1; [[ $1 == st ]] && samples=0
+  local c_pairs=contrast; [[ $2 == 2 ]] && c_pairs=contrast_or_best
+  run "$bin/generate_conv" --task-type clarify --tasks clarify:train --policy "$3" \
+    --assistant "$3" --candidates "$c_candidates" --temperature 1.0 --samples "$samples" \
+    --window 2 --max-messages 5 --proact-ratio 0 --max-tokens policy=48 --pairs "$c_pairs" \
+    --balance-by stated --balance-within template --shard "$4" "${c_gen[@]}" --seed "$s" \
+    --threads "$threads" --output "$5"
+}
+
 study_clarify() {
   c="$out/clarify"
-  # The warm start: SFT on the mixed demonstrator's conversations of training requests.
-  run "$bin/eval_multiturn" --task clarify --tasks clarify:train --model demonstrator \
-    --ask-rate "$ask_rate" --needless-ask-rate "$needless_ask_rate" "${c_demo[@]}" --sft \
-    --output "$c/demo"
-  train "$c/warm" --loss sft --data "$c/demo/sft/demonstrator.parquet" --lr 1e-4 \
-    --batch-size 8 "${c_sft[@]}"
-  warm="$c/warm/final"
-  # Exploration, measured before any preference or RL training: sampled ask rates.
-  probe_clarify warm "$warm"
   for s in "${seeds[@]}"; do
-    # Offline DPO on generate_conv pairs: the same candidates' generator, MR or single-turn.
-    for reward in mr st; do
-      samples=1; [[ $reward == st ]] && samples=0
-      run "$bin/generate_conv" --task-type clarify --tasks clarify:train --policy "$warm" \
-        --assistant "$warm" --candidates 4 --samples "$samples" --window 2 --max-messages 5 \
-        --proact-ratio 0 --max-tokens policy=48 "${c_gen[@]}" --seed "$s" --threads "$threads" \
-        --output "$c/pairs-$reward-s$s"
-    done
-    # The same number of pairs for both rewards: the smaller count, sampled with the seed.
-    local n_mr n_st k
-    n_mr=$(pair_count "$c/pairs-mr-s$s"); n_st=$(pair_count "$c/pairs-st-s$s")
-    k=$(( n_mr < n_st ? n_mr : n_st ))
-    for reward in mr st; do
-      train "$c/dpo_$reward-s$s" --data "$c/pairs-$reward-s$s" --model "$warm" --lr 2e-5 \
-        --sft-weight 1 --batch-size 4 --epochs "$c_epochs" --max-pairs "$k" \
-        --save-steps "$(epoch_steps "$k")" --seed "$s"
-      # The ask rate after every epoch (the last one is final/).
-      for ((e = 1; e < c_epochs; e++)); do
-        probe_clarify "dpo_$reward-s$s-epoch$e" \
-          "$c/dpo_$reward-s$s/checkpoint-$(( e * $(epoch_steps "$k") ))"
+    local d="$c/s$s"
+    # This seed's warm start: its own demonstrator conversations of training requests, SFT
+    # with its own data order.
+    run "$bin/eval_multiturn" --task clarify --tasks clarify:train --model demonstrator \
+      --ask-rate "$ask_rate" --needless-ask-rate "$needless_ask_rate" "${c_demo[@]}" \
+      --seed "$((100 * s))" --sft --output "$d/demo"
+    train "$d/warm" --loss sft --data "$d/demo/sft/demonstrator.parquet" --lr 1e-4 \
+      --batch-size 8 "${c_sft[@]}" --seed "$s"
+    local warm="$d/warm/final"
+    # Exploration, measured before any preference or RL training: sampled ask rates.
+    probe_clarify "warm-s$s" "$warm" "$((100 * s + 7))"
+    # Offline DPO, two rounds: round 1 on pairs from the warm start (half of the training
+    # requests), round 2 on pairs from the round-1 model itself (the other half), so the
+    # second round scores the trained policy's own mistakes. Both rewards see the same
+    # requests, candidates' sampler and settings; round 1 trains on as many pairs for both.
+    local n_mr n_st k round
+    for round in 1 2; do
+      for reward in mr st; do
+        local policy="$warm"
+        [[ $round == 2 ]] && policy="$d/dpo_$reward-r1/final"
+        clarify_pairs "$reward" "$round" "$policy" "$((round - 1))/2" "$d/pairs-$reward-r$round"
       done
-      probe_clarify "dpo_$reward-s$s-epoch$c_epochs" "$c/dpo_$reward-s$s/final"
+      n_mr=$(pair_count "$d/pairs-mr-r$round"); n_st=$(pair_count "$d/pairs-st-r$round")
+      k=$(( n_mr < n_st ? n_mr : n_st ))
+      for reward in mr st; do
+        local start="$warm" limit=(--max-pairs "$k")
+        [[ $round == 2 ]] && { start="$d/dpo_$reward-r1/final"; limit=(); }
+        train "$d/dpo_$reward-r$round" --data "$d/pairs-$reward-r$round" --model "$start" \
+          --lr "$c_dpo_lr" --sft-weight "$c_nll" --batch-size 4 --epochs "$c_epochs" \
+          "${limit[@]}" --seed "$s"
+        probe_clarify "dpo_$reward-r$round-s$s" "$d/dpo_$reward-r$round/final" "$((100 * s + 7))"
+      done
     done
-    # Online GRPO: MR (one future) against the single-turn reward; ask rates every step.
+    # Online GRPO from the warm start: MR (one future) against the single-turn reward; every
+    # step half vague, half stated requests; a share of the prompts one exchange later (after
+    # the policy's own first reply and the user's answer); ask rates logged every step.
     for reward in mr st; do
-      samples=1; [[ $reward == st ]] && samples=0
+      local samples=1; [[ $reward == st ]] && samples=0
       run "$bin/rl_train" --model "$warm" --tasks clarify:train --samples "$samples" \
-        --window 2 --algo drgrpo --lr 1e-5 --kl-coef 0.01 --group-size 8 --micro-batch 8 \
-        --max-new-tokens 48 "${c_grpo[@]}" --seed "$s" --threads "$threads" \
-        --output "$c/grpo_$reward-s$s" --resume
+        --window 2 --algo grpo --balance-by stated --continue-rate "$c_continue" \
+        --temperature 1.0 --lr "$c_grpo_lr" --kl-coef 0.01 --group-size 8 --micro-batch 8 \
+        --max-new-tokens 48 \
+        "${c_grpo[@]}" --seed "$s" --threads "$threads" --output "$d/grpo_$reward" --resume
     done
   done
-  evaluate_clarify base default
-  evaluate_clarify warm "$warm"
+  evaluate_clarify base default 0
   for s in "${seeds[@]}"; do
-    for arm in dpo_mr dpo_st grpo_mr grpo_st; do
-      evaluate_clarify "$arm-s$s" "$c/$arm-s$s/final"
+    local d="$c/s$s" e=$((1000 * s))
+    evaluate_clarify "warm-s$s" "$d/warm/final" "$e"
+    for reward in mr st; do
+      evaluate_clarify "dpo_$reward-s$s" "$d/dpo_$reward-r2/final" "$e"
+      evaluate_clarify "grpo_$reward-s$s" "$d/grpo_$reward/final" "$e"
     done
   done
 }
@@ -312,14 +347,24 @@ EOF
   cp "$out/figures/study-20q.png" "docs/figures/method_results_20q$suffix.png"
 }
 
-# One clarify study: evaluation mode $1 (greedy, sampled), primary outcome $2.
+# The training runs of clarify arm $1 (its directory under each seed).
+trained_clarify() {
+  local a=(); for s in "${seeds[@]}"; do a+=("\"$c/s$s/$1\""); done; (IFS=,; echo "${a[*]}")
+}
+
+# One clarify study: evaluation mode $1 (greedy, sampled), primary outcome $2, held-out set $3
+# (near: held-out wordings of the training kinds; far: kinds no training template has;
+# heldout: both).
 clarify_spec() {
-  local mode="$1" primary="$2" e="$c/eval/$1"
+  local mode="$1" primary="$2" set="$3" e="$c/eval/$1" filter=""
+  [[ $set == near ]] && filter='filter = { split = "test" }'
+  [[ $set == far ]] && filter='filter = { split = "far" }'
   cat <<EOF
-title = "Clarify-or-answer, held-out templates ($mode): $primary"
+title = "Clarify-or-answer, $set held-out templates ($mode): $primary"
 primary = "$primary"
 cluster = "template"
-secondary = ["task_reward", "detail_used", "asked_vague", "asked_stated", "detail_used_vague", "detail_used_stated", "turns", "tokens_read_k"]
+$filter
+secondary = ["task_reward", "detail_used", "asked_vague", "asked_stated", "ask_macro_f1", "repeated_question", "clarifying_questions", "detail_used_vague", "detail_used_stated", "turns", "tokens_read_k"]
 seed = 0
 comparisons = [
   { arm = "dpo_mr", against = "dpo_st" }, { arm = "grpo_mr", against = "grpo_st" },
@@ -328,28 +373,41 @@ comparisons = [
   { arm = "warm", against = "base" },
 ]
 EOF
-  for a in base warm; do printf '[[arms]]\nname = "%s"\nruns = ["%s"]\n' "$a" "$e/$a"; done
-  for a in dpo_mr dpo_st grpo_mr grpo_st; do
-    printf '[[arms]]\nname = "%s"\nruns = [%s]\n' "$a" "$(runs "$e/$a")"
+  printf '[[arms]]\nname = "base"\nruns = ["%s"]\n' "$e/base"
+  printf '[[arms]]\nname = "warm"\nruns = [%s]\ntrained = [%s]\n' "$(runs "$e/warm")" \
+    "$(trained_clarify warm)"
+  for a in dpo_mr dpo_st; do
+    printf '[[arms]]\nname = "%s"\nruns = [%s]\ntrained = [%s]\n' "$a" "$(runs "$e/$a")" \
+      "$(trained_clarify "$a-r2")"
+  done
+  for a in grpo_mr grpo_st; do
+    printf '[[arms]]\nname = "%s"\nruns = [%s]\ntrained = [%s]\n' "$a" "$(runs "$e/$a")" \
+      "$(trained_clarify "$a")"
   done
   meta
 }
 
 stats_clarify() {
+  local mode set
   for mode in greedy sampled; do
-    for primary in task_reward detail_used; do
-      clarify_spec "$mode" "$primary" > "$out/study-clarify-$mode-$primary.toml"
-      "$bin/eval_multiturn" --study "$out/study-clarify-$mode-$primary.toml" \
-        --output "$out/study-clarify-$mode-$primary"
+    for set in heldout near far; do
+      clarify_spec "$mode" task_reward "$set" > "$out/study-clarify-$set-$mode-task_reward.toml"
+      "$bin/eval_multiturn" --study "$out/study-clarify-$set-$mode-task_reward.toml" \
+        --output "$out/study-clarify-$set-$mode-task_reward"
     done
+    clarify_spec "$mode" detail_used heldout > "$out/study-clarify-heldout-$mode-detail_used.toml"
+    "$bin/eval_multiturn" --study "$out/study-clarify-heldout-$mode-detail_used.toml" \
+      --output "$out/study-clarify-heldout-$mode-detail_used"
   done
-  "$bin/plot" study "$out/study-clarify-greedy-task_reward" \
-    "$out/study-clarify-sampled-task_reward" --output "$out/figures"
-  "$bin/plot" rl "$c"/grpo_*-s* --smooth 0.7 --output "$out/figures/clarify-grpo"
-  cp "$out/figures/study-clarify-greedy-task_reward.png" \
+  "$bin/plot" study "$out/study-clarify-heldout-greedy-task_reward" \
+    "$out/study-clarify-heldout-sampled-task_reward" --output "$out/figures"
+  "$bin/plot" rl "$c"/s*/grpo_* --smooth 0.7 --output "$out/figures/clarify-grpo"
+  cp "$out/figures/study-clarify-heldout-greedy-task_reward.png" \
     "docs/figures/method_results_clarify$suffix.png"
-  cp "$out/figures/study-clarify-sampled-task_reward.png" \
+  cp "$out/figures/study-clarify-heldout-sampled-task_reward.png" \
     "docs/figures/method_results_clarify_sampled$suffix.png"
+  cp "$out/figures/study-clarify-heldout-sampled-task_reward-asking.png" \
+    "docs/figures/method_results_clarify_asking$suffix.png"
   cp "$out/figures/clarify-grpo/rl_ask_rate.png" \
     "docs/figures/method_results_clarify_ask_rate$suffix.png"
 }

@@ -15,30 +15,46 @@ def clarify(out):
     c = {}
     for mode in ("greedy", "sampled"):
         c[mode] = {
-            p: json.load(open(f"{out}/study-clarify-{mode}-{p}/study.json"))
-            for p in ("task_reward", "detail_used")
+            held: json.load(open(f"{out}/study-clarify-{held}-{mode}-task_reward/study.json"))
+            for held in ("heldout", "near", "far")
         }
-    # Sampled ask rates on training requests: the warm start before any training, and each
-    # DPO epoch's model. GRPO's are logged every step (clarify/asked_* in logs.jsonl).
+        c[mode]["heldout_detail_used"] = json.load(
+            open(f"{out}/study-clarify-heldout-{mode}-detail_used/study.json")
+        )
+    # Sampled ask rates on training requests: each seed's warm start before any training, and
+    # each DPO round's model. GRPO's are logged every step (clarify/asked_* in logs.jsonl).
     probes = {}
     for d in sorted(glob.glob(f"{out}/clarify/probe/*")):
         metrics = json.load(open(f"{d}/summary.json"))["models"][0]["metrics"]
         probes[os.path.basename(d)] = {
             k: (metrics.get(k) or {}).get("mean")
-            for k in ("asked_vague", "asked_stated", "task_reward", "detail_used")
+            for k in (
+                "asked_vague",
+                "asked_stated",
+                "repeated_question",
+                "task_reward",
+                "detail_used",
+            )
         }
     c["ask_rate_probes"] = probes
-    keys = ("step", "reward", "clarify/asked_vague", "clarify/asked_stated")
+    keys = (
+        "step",
+        "reward",
+        "clarify/asked_vague",
+        "clarify/asked_stated",
+        "clarify/asked_again",
+        "num_tokens",
+    )
     c["grpo_ask_rates"] = {
-        os.path.basename(d): [
+        d.split("/clarify/")[1]: [
             {k: row.get(k) for k in keys}
             for row in map(json.loads, open(f"{d}/logs.jsonl"))
         ]
-        for d in sorted(glob.glob(f"{out}/clarify/grpo_*-s*"))
+        for d in sorted(glob.glob(f"{out}/clarify/s*/grpo_*"))
     }
     c["pairs"] = {
-        os.path.basename(d): json.load(open(f"{d}/manifest.json"))["counts"]
-        for d in sorted(glob.glob(f"{out}/clarify/pairs-*-s*"))
+        d.split("/clarify/")[1]: json.load(open(f"{d}/manifest.json"))["counts"]
+        for d in sorted(glob.glob(f"{out}/clarify/s*/pairs-*"))
     }
     return c
 
