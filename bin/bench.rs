@@ -212,7 +212,7 @@ fn decode(
         stop: Vec::new(),
         seed: Some(0),
         n,
-        ignore_eos: true,
+        eos: collabllm::engine::EosRule::Ignore,
         logprobs: None,
     };
     engine.generate(&prompt, &params(1)).context("warm-up")?;

@@ -170,7 +170,7 @@ fn prefix_reuse_gives_the_tokens_of_a_cold_run() {
         stop: Vec::new(),
         seed: Some(11),
         n: 2,
-        ignore_eos: false,
+        eos: collabllm::engine::EosRule::AfterText,
         logprobs: None,
     };
     let mut cached = Vec::new();

@@ -125,7 +125,7 @@ fn q8_batched_samples_equal_single_stream_samples() {
         stop: Vec::new(),
         seed: Some(seed),
         n,
-        ignore_eos: false,
+        eos: collabllm::engine::EosRule::AfterText,
         logprobs: None,
     };
     let batch = engine.generate(&prompt, &params(4, 11)).unwrap();

@@ -157,7 +157,7 @@ async fn greedy_continuations_batches_and_live_streams() {
                 stop: Vec::new(),
                 seed: None,
                 n: 1,
-                ignore_eos: false,
+                eos: collabllm::engine::EosRule::AfterText,
                 logprobs: None,
             },
         )

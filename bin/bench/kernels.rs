@@ -241,7 +241,7 @@ fn engine_steps(
         stop: Vec::new(),
         seed: Some(0),
         n: 1,
-        ignore_eos: true,
+        eos: collabllm::engine::EosRule::Ignore,
         logprobs: None,
     };
     engine.generate(

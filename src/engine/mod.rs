@@ -36,5 +36,6 @@ pub mod weights;
 pub use messages::{ChatMessage, FinishReason, OptionProbs, TokenLogprob, TopLogprob};
 pub use runtime::{
     base_hf_tensors, fingerprint, option_probs_after, CancelFlag, ChatCodec, Engine, EngineError,
-    GenOutput, GenParams, GenState, Generation, LoadOptions, LocalModelFiles, Prefill, TokenSink,
+    EosRule, GenOutput, GenParams, GenState, Generation, LoadOptions, LocalModelFiles, Prefill,
+    TokenSink,
 };

@@ -9,6 +9,7 @@
 //! engine's tests.
 
 use super::llama::KvCache;
+use super::TokenLogprob;
 
 /// Fewer shared tokens than this are prefilled again: the copy and bookkeeping are not
 /// worth it.
@@ -16,6 +17,19 @@ const MIN_REUSE: usize = 16;
 
 /// Default budget of the stored caches, in bytes.
 pub const DEFAULT_BUDGET_BYTES: usize = 256 << 20;
+
+/// Most prompt tokens whose scores are kept (a few hundred bytes each).
+const SCORED_BUDGET_TOKENS: usize = 1 << 16;
+
+/// A prompt scored token by token (`echo` with `logprobs`).
+struct Scored {
+    tokens: Vec<u32>,
+    /// Alternatives recorded per token.
+    top: usize,
+    /// `scores[i]`: token `i + 1`'s log-probability record.
+    scores: Vec<TokenLogprob>,
+    last_used: u64,
+}
 
 struct Entry {
     tokens: Vec<u32>,
@@ -39,6 +53,10 @@ pub enum Hit {
 /// The stored prompt caches of one engine, least recently used evicted first.
 pub struct PrefixCache {
     entries: Vec<Entry>,
+    /// Scored prompts, beside their caches: a prompt that starts like one scores only the
+    /// rest (lm-evaluation-harness scores every choice after the same question).
+    scored: Vec<Scored>,
+    scored_tokens: usize,
     budget_bytes: usize,
     bytes_per_token: usize,
     used_tokens: usize,
@@ -51,6 +69,8 @@ impl PrefixCache {
     pub fn new(budget_bytes: usize, bytes_per_token: usize) -> Self {
         PrefixCache {
             entries: Vec::new(),
+            scored: Vec::new(),
+            scored_tokens: 0,
             budget_bytes,
             bytes_per_token: bytes_per_token.max(1),
             used_tokens: 0,
@@ -66,6 +86,63 @@ impl PrefixCache {
     pub fn clear(&mut self) {
         self.entries.clear();
         self.used_tokens = 0;
+        self.scored.clear();
+        self.scored_tokens = 0;
+    }
+
+    /// The longest start of `tokens` shared with a prompt scored with `top` alternatives, at
+    /// least [`MIN_REUSE`] tokens: its length and the scores of its tokens from the second
+    /// on (`scores[i]` is token `i + 1`'s, which depends on tokens `0..=i + 1` only).
+    pub fn scored_start(
+        &mut self,
+        tokens: &[u32],
+        top: usize,
+    ) -> Option<(usize, Vec<TokenLogprob>)> {
+        self.clock += 1;
+        let (i, shared) = self
+            .scored
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.top == top)
+            .map(|(i, s)| (i, common_prefix(&s.tokens, tokens)))
+            .max_by_key(|&(_, shared)| shared)?;
+        if shared < MIN_REUSE {
+            return None;
+        }
+        let s = &mut self.scored[i];
+        s.last_used = self.clock;
+        Some((shared, s.scores[..shared - 1].to_vec()))
+    }
+
+    /// Keeps a scored prompt's scores (`scores[i]` for token `i + 1`), the least recently
+    /// used leaving past the budget; nothing is kept when reuse is off.
+    pub fn insert_scored(&mut self, tokens: &[u32], top: usize, scores: Vec<TokenLogprob>) {
+        if self.budget_bytes == 0 || tokens.len() > SCORED_BUDGET_TOKENS {
+            return;
+        }
+        self.clock += 1;
+        if let Some(s) = self
+            .scored
+            .iter_mut()
+            .find(|s| s.top == top && s.tokens == tokens)
+        {
+            s.last_used = self.clock;
+            return;
+        }
+        while self.scored_tokens + tokens.len() > SCORED_BUDGET_TOKENS {
+            let Some(oldest) = (0..self.scored.len()).min_by_key(|&i| self.scored[i].last_used)
+            else {
+                break;
+            };
+            self.scored_tokens -= self.scored.swap_remove(oldest).tokens.len();
+        }
+        self.scored_tokens += tokens.len();
+        self.scored.push(Scored {
+            tokens: tokens.to_vec(),
+            top,
+            scores,
+            last_used: self.clock,
+        });
     }
 
     /// Bytes held by the stored caches.

@@ -158,10 +158,27 @@ pub struct GenParams {
     /// Sample `i` uses seed `seed + i`; `None` draws a fresh seed.
     pub seed: Option<u64>,
     pub n: usize,
-    /// Keep generating through end-of-turn tokens (fixed-length benchmarks only).
-    pub ignore_eos: bool,
+    /// When a sampled end-of-sequence token ends a sample.
+    pub eos: EosRule,
     /// Record each sampled token's log-probability and this many alternatives (≤ 20).
     pub logprobs: Option<usize>,
+}
+
+/// When a sampled end-of-sequence (end-of-turn) token ends a sample.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EosRule {
+    /// Only once the sample has visible text: the token is withheld before that. A chat
+    /// reply is never empty (a small model's likeliest first token is often end-of-turn, and
+    /// an empty reply answers nothing); chat requests and every role use this.
+    #[default]
+    AfterText,
+    /// Wherever the model samples it, as transformers' `generate`, vLLM and llama.cpp do: raw
+    /// completions, which must continue a prompt exactly as the model would (an empty text
+    /// is an answer there). With log-probabilities the ending token is recorded too, as the
+    /// last entry (harnesses that read one generated token after the prompt count on it).
+    Stop,
+    /// Never: every sample runs to `max_new_tokens` (fixed-length benchmarks).
+    Ignore,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -198,6 +215,8 @@ pub struct Engine {
     context_length: usize,
     max_token_bytes: usize,
     prefix_cache: Mutex<PrefixCache>,
+    /// Set once a text prompt that wrote out its own BOS was read with one BOS (logged once).
+    bos_noted: AtomicBool,
 }
 
 /// The text side of a model: tokenizer, chat template and end-of-turn ids, loadable without
@@ -469,6 +488,7 @@ impl Engine {
             context_length,
             max_token_bytes: 0,
             prefix_cache,
+            bos_noted: AtomicBool::new(false),
         })
     }
 
@@ -488,6 +508,7 @@ impl Engine {
             context_length,
             max_token_bytes: 0,
             prefix_cache,
+            bos_noted: AtomicBool::new(false),
         })
     }
 
@@ -523,6 +544,7 @@ impl Engine {
             context_length,
             max_token_bytes: 0,
             prefix_cache,
+            bos_noted: AtomicBool::new(false),
         })
     }
 
@@ -545,6 +567,7 @@ impl Engine {
             context_length,
             max_token_bytes,
             prefix_cache,
+            bos_noted: AtomicBool::new(false),
         }
     }
 
@@ -600,9 +623,19 @@ impl Engine {
 
     /// The chat prompt as the model's own template writes it.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        self.render_conversation(messages, true)
+    }
+
+    /// The conversation as the model's own template writes it, with the assistant's opening
+    /// when `add_generation_prompt`.
+    pub fn render_conversation(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, EngineError> {
         self.codec
             .template
-            .render(messages, true)
+            .render(messages, add_generation_prompt)
             .map_err(|e| match e {
                 super::chat_template::TemplateError::Missing { .. } => {
                     EngineError::NoChatTemplate(e.to_string())
@@ -622,17 +655,89 @@ impl Engine {
     }
 
     /// Token ids of raw prompt text as the tokenizer itself encodes it (`tokenizer(text)` in
-    /// transformers: with the BOS a model's tokenizer adds), refused when it cannot fit.
+    /// transformers: with the BOS a model's tokenizer adds, but not a second one when the text
+    /// writes it out, see [`Engine::tokenize_text`]), refused when it cannot fit.
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>, EngineError> {
-        self.check_prompt_bytes(text)?;
-        let ids = self
-            .codec
-            .tokenizer
-            .encode(text, true)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| self.gen_err(format!("tokenizing: {e}")))?;
+        let ids = self.tokenize_text(text, true)?;
         self.check_prompt_ids(&ids)?;
         Ok(ids)
+    }
+
+    /// Token ids of `text`, refused only when its bytes alone prove it cannot fit the context.
+    /// With `add_special_tokens` the tokenizer adds what it adds to a text (a BOS for most
+    /// SentencePiece and Llama 3 vocabularies), except that a text which already starts with
+    /// the BOS token gets no second one, as llama.cpp's server reads it: harnesses that
+    /// decode token prompts back to text (lm-evaluation-harness with `add_bos_token`) write
+    /// it out, and two BOS tokens put the model off-distribution.
+    pub fn tokenize_text(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        self.check_prompt_bytes(text)?;
+        let tokenizer = &self.codec.tokenizer;
+        let encode = |text: &str, special: bool| {
+            tokenizer
+                .encode(text, special)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| self.gen_err(format!("tokenizing: {e}")))
+        };
+        let mut ids = encode(text, add_special_tokens)?;
+        if !add_special_tokens {
+            return Ok(ids);
+        }
+        if let Some(bos) = self.added_bos()? {
+            let written = tokenizer
+                .id_to_token(bos)
+                .is_some_and(|t| text.starts_with(t.as_str()));
+            if written && ids.len() >= 2 && ids[0] == bos && ids[1] == bos {
+                ids.remove(0);
+                if !self.bos_noted.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        model = %self.name,
+                        "a text prompt starts with the BOS token written out: it is read \
+                         with that one BOS, none added (said once)"
+                    );
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// The BOS id the tokenizer puts before every text it encodes with special tokens, if
+    /// it adds one (what it makes of the empty text).
+    pub fn added_bos(&self) -> Result<Option<u32>, EngineError> {
+        let added = self
+            .codec
+            .tokenizer
+            .encode("", true)
+            .map_err(|e| self.gen_err(format!("tokenizing: {e}")))?;
+        let bos = self
+            .codec
+            .tokenizer
+            .token_to_id(self.codec.template.bos_token());
+        Ok(added
+            .get_ids()
+            .first()
+            .copied()
+            .filter(|&id| Some(id) == bos))
+    }
+
+    /// The text of `ids` with their special tokens written out (`tokenizer.decode(ids)` in
+    /// transformers, vLLM's `/detokenize`): encoded again with [`Engine::tokenize_text`] it
+    /// gives the ids back. Ids outside the vocabulary are refused.
+    pub fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
+        let vocab = self.model.config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::InvalidPrompt {
+                model: self.name.clone(),
+                message: format!("token id {bad} is outside the vocabulary (0..{vocab})"),
+            });
+        }
+        self.codec
+            .tokenizer
+            .decode(ids, false)
+            .map_err(|e| self.gen_err(format!("decoding: {e}")))
     }
 
     /// Refuses, before tokenizing (megabytes take seconds), text whose bytes alone prove it
@@ -676,7 +781,9 @@ impl Engine {
 
     /// Each prompt token's log-probability given the tokens before it, from the second token
     /// on, with the `top` most likely alternatives (`echo` with `logprobs`). The prompt runs
-    /// in pieces so that only one piece's vocabulary logits are held at once.
+    /// in pieces so that only one piece's vocabulary logits are held at once. Its keys and
+    /// values are then stored as a prefilled prompt, so a continuation of it (the one token
+    /// lm-evaluation-harness asks after each scored prompt) needs no second prefill.
     pub fn prompt_logprobs(
         &self,
         ids: &[u32],
@@ -684,26 +791,61 @@ impl Engine {
     ) -> Result<Vec<TokenLogprob>, EngineError> {
         const PIECE: usize = 128;
         self.check_prompt_ids(ids)?;
-        let mut cache = self.model.new_cache(ids.len());
-        let mut out = Vec::with_capacity(ids.len() - 1);
         let err = |e: candle_core::Error| self.gen_err(format!("scoring the prompt: {e}"));
-        for (p, piece) in ids.chunks(PIECE).enumerate() {
+        // A prompt that starts like a scored one (the same question before another choice)
+        // takes that start's scores and stored keys and values, and runs only the rest.
+        let reuse = {
+            let mut stored = self.prefix_cache();
+            match stored.scored_start(ids, top) {
+                Some((shared, scores)) => stored
+                    .lookup(ids)
+                    .map_err(err)?
+                    .map(|hit| (shared, scores, hit)),
+                None => None,
+            }
+        };
+        let (begin, mut out, mut cache) = match reuse {
+            Some((shared, scores, Hit::Exact { .. })) if shared == ids.len() => {
+                // The same prompt again: its scores, and its cache is already stored.
+                return Ok(scores);
+            }
+            Some((shared, scores, hit)) => {
+                let (cache, len) = match hit {
+                    Hit::Exact { cache, .. } => (cache, ids.len()),
+                    Hit::Prefix { cache, len } => (cache, len),
+                };
+                // Positions whose cache and next token's score are both stored.
+                let begin = len.min(shared - 1);
+                let cache = cache.prefix(begin, ids.len()).map_err(err)?;
+                let mut out = scores;
+                out.truncate(begin);
+                (begin, out, cache)
+            }
+            None => (0, Vec::new(), self.model.new_cache(ids.len())),
+        };
+        out.reserve(ids.len() - 1 - out.len());
+        let mut last = Vec::new();
+        for (p, piece) in ids[begin..].chunks(PIECE).enumerate() {
             let t = Tensor::new(piece, self.model.device())
                 .and_then(|t| t.unsqueeze(0))
                 .map_err(err)?;
-            let logits: Vec<Vec<f32>> = self
+            let mut logits: Vec<Vec<f32>> = self
                 .model
                 .forward_all(&t, &mut cache)
                 .and_then(|l| l.squeeze(0)?.to_dtype(DType::F32)?.to_vec2())
                 .map_err(err)?;
             for (j, row) in logits.iter().enumerate() {
-                let Some(&next) = ids.get(p * PIECE + j + 1) else {
+                let Some(&next) = ids.get(begin + p * PIECE + j + 1) else {
                     break;
                 };
                 let (lp, alts) = log_softmax_at(row, next, top);
                 out.push(self.token_logprob(next, lp, &alts, false)?);
             }
+            last = logits.pop().unwrap_or_default();
         }
+        let mut stored = self.prefix_cache();
+        stored.insert(ids, cache, last);
+        stored.insert_scored(ids, top, out.clone());
         Ok(out)
     }
 
@@ -1091,7 +1233,7 @@ impl Engine {
             prompt_tokens: prompt.len(),
             cached_tokens,
             stop: params.stop.clone(),
-            ignore_eos: params.ignore_eos,
+            eos: params.eos,
             logprobs: params.logprobs,
             max_new,
             step: 0,
@@ -1177,12 +1319,10 @@ impl Engine {
         let mut keep = Vec::with_capacity(state.rows.len());
         let last = state.step + 1 == state.max_new;
         for (r, row) in state.rows.iter_mut().enumerate() {
-            // An empty reply is never an answer: end-of-turn is withheld until the reply
-            // has visible text.
-            let banned: &[u32] = if state.ignore_eos || row.text.trim().is_empty() {
-                &self.codec.eos_ids
-            } else {
-                &[]
+            let banned: &[u32] = match state.eos {
+                EosRule::Ignore => &self.codec.eos_ids,
+                EosRule::AfterText if row.text.trim().is_empty() => &self.codec.eos_ids,
+                EosRule::AfterText | EosRule::Stop => &[],
             };
             let (tok, scored) = state
                 .logits
@@ -1195,6 +1335,18 @@ impl Engine {
             state.generated += 1;
             let finish = if self.codec.eos_ids.contains(&tok) {
                 row.end = Some(tok);
+                if let (EosRule::Stop, Some(list), Some((logprob, top))) =
+                    (state.eos, row.logprobs.as_mut(), scored)
+                {
+                    let first = list.is_empty();
+                    let mut entry = self.token_logprob(tok, logprob, &top, first)?;
+                    // A special token decodes to nothing; its name says what ended the text.
+                    if entry.token.is_empty() {
+                        entry.token = self.codec.tokenizer.id_to_token(tok).unwrap_or_default();
+                    }
+                    list.push(entry);
+                    row.token_ends.push(row.text.len());
+                }
                 Some(FinishReason::Stop)
             } else {
                 if let (Some(list), Some((logprob, top))) = (row.logprobs.as_mut(), scored) {
@@ -1385,7 +1537,7 @@ pub struct GenState {
     prompt_tokens: usize,
     cached_tokens: usize,
     stop: Vec<String>,
-    ignore_eos: bool,
+    eos: EosRule,
     logprobs: Option<usize>,
     max_new: usize,
     step: usize,
@@ -1659,7 +1811,7 @@ mod tests {
             stop: Vec::new(),
             seed: Some(1),
             n,
-            ignore_eos: true,
+            eos: EosRule::Ignore,
             logprobs: None,
         };
         let mut state = engine.start_prefilled(prefill, &params).unwrap();
@@ -1668,6 +1820,43 @@ mod tests {
         }
         assert_eq!(state.generated(), n * max_new);
         (reserved, computed + state.cache.own_bytes(), cached)
+    }
+
+    /// A prompt scored after another with the same start (a second choice after the same
+    /// question) takes that start's scores and keys and values and scores as it does cold;
+    /// the same prompt again gives its scores back; a continuation of a scored prompt finds
+    /// it prefilled.
+    #[test]
+    fn prompts_that_start_like_a_scored_one_score_as_they_do_cold() {
+        let (_dir, engine) = tiny_engine();
+        let question = engine
+            .encode_raw(&"Question: which of these is the sea? ".repeat(4))
+            .unwrap();
+        let with = |choice: &str| {
+            let mut ids = question.clone();
+            ids.extend(engine.encode(choice).unwrap());
+            ids
+        };
+        let (a, b) = (with(" the ocean"), with(" a river and a lake"));
+        let cold_b = engine.prompt_logprobs(&b, 2).unwrap();
+        engine.clear_prefix_cache();
+        let cold_a = engine.prompt_logprobs(&a, 2).unwrap();
+        let warm_b = engine.prompt_logprobs(&b, 2).unwrap();
+        assert_eq!(warm_b.len(), b.len() - 1);
+        for (i, (w, c)) in warm_b.iter().zip(&cold_b).enumerate() {
+            assert_eq!((w.id, &w.token), (c.id, &c.token), "token {}", i + 1);
+            // f32 sums in another order over passes of other sizes: equal to float noise.
+            assert!((w.logprob - c.logprob).abs() < 1e-5, "token {}", i + 1);
+            let alts = |t: &TokenLogprob| t.top.iter().map(|a| a.id).collect::<Vec<_>>();
+            assert_eq!(alts(w), alts(c), "token {}", i + 1);
+        }
+        assert_eq!(engine.prompt_logprobs(&a, 2).unwrap(), cold_a, "a repeat");
+        let prefill = engine.begin_prefill(&b).unwrap();
+        assert_eq!(
+            prefill.cached_tokens,
+            b.len(),
+            "the scored prompt is stored"
+        );
     }
 
     /// A generation never holds more key/value memory than it reserved (the scheduler's

@@ -93,3 +93,49 @@ pub struct PromptLogprobs {
     /// Every later token's log-probability given the tokens before it, with alternatives.
     pub rest: Vec<TokenLogprob>,
 }
+
+/// What vLLM's `/tokenize` reads: text as a raw completion prompt is read, or a
+/// conversation as the model's chat template renders it for a chat request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TokenizeInput {
+    /// With `add_special_tokens` (vLLM's default for text) the tokens a text prompt of
+    /// `/v1/completions` is read as: the BOS the tokenizer adds, none when the text writes
+    /// one out.
+    Text {
+        text: String,
+        add_special_tokens: bool,
+    },
+    /// The rendered conversation; the template writes the special tokens, so
+    /// `add_special_tokens` (default false, as vLLM) adds the tokenizer's on top.
+    Chat {
+        messages: Vec<super::ChatMessage>,
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+    },
+}
+
+/// The tokens of a [`TokenizeInput`]: ids and each one's vocabulary string.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tokenized {
+    pub ids: Vec<u32>,
+    pub token_strs: Vec<String>,
+}
+
+/// A model's tokenizer as vLLM's `/tokenizer_info` reports it (the fields of an HF
+/// `tokenizer_config.json` that clients read): enough for lm-evaluation-harness's remote
+/// tokenizer, which asks `/tokenize` for the ids of `eos_token` and `bos_token` and renders
+/// `chat_template` itself.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenizerInfo {
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub pad_token: Option<String>,
+    pub unk_token: Option<String>,
+    /// The Jinja chat template, when the model has one.
+    pub chat_template: Option<String>,
+    /// The context the server reads: prompt and completion tokens together.
+    pub model_max_length: usize,
+    /// Whether text is encoded with a BOS in front ([`TokenizeInput::Text`] with special
+    /// tokens, and text prompts of `/v1/completions`).
+    pub add_bos_token: bool,
+}

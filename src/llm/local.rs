@@ -16,14 +16,14 @@ use super::spec::{resolve_local, ModelSpec, SpecError};
 use super::{
     BackendId, ChatBackend, ChatMessage, ChatRequest, ChatResponse, Choice, CompletionPrompt,
     CompletionRequest, CompletionResponse, ContextLimits, FinishReason, LlmError, OptionProbs,
-    TokenUsage,
+    TokenUsage, TokenizeInput, Tokenized, TokenizerInfo,
 };
 use crate::engine::scheduler::{
     default_kv_budget, on_worker, worker, CancelOnDrop, Counters, GenJob, GenReply, Job, Task,
 };
 pub use crate::engine::scheduler::{LocalStats, DEFAULT_MAX_BATCH, PREFILL_CHUNK};
 pub use crate::engine::LoadOptions;
-use crate::engine::{CancelFlag, Engine, EngineError, GenParams, TokenLogprob, TokenSink};
+use crate::engine::{CancelFlag, Engine, EngineError, EosRule, GenParams, TokenLogprob, TokenSink};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LocalLoadError {
@@ -389,7 +389,7 @@ impl ChatBackend for LocalBackend {
             stop: Vec::new(),
             seed: None,
             n: 1,
-            ignore_eos: false,
+            eos: EosRule::AfterText,
             logprobs: None,
         };
         let task = Task::Score {
@@ -455,6 +455,72 @@ impl ChatBackend for LocalBackend {
             choices,
         })
     }
+
+    /// Tokenized off the async threads: a long text takes a while (1.3 MB: 0.6 s).
+    async fn tokenize(&self, input: &TokenizeInput) -> Result<Tokenized, LlmError> {
+        let (engine, input) = (self.engine.clone(), input.clone());
+        let name = self.engine.name().to_string();
+        tokio::task::spawn_blocking(move || -> Result<Tokenized, EngineError> {
+            let ids = match &input {
+                TokenizeInput::Text {
+                    text,
+                    add_special_tokens,
+                } => engine.tokenize_text(text, *add_special_tokens)?,
+                TokenizeInput::Chat {
+                    messages,
+                    add_generation_prompt,
+                    add_special_tokens,
+                } => {
+                    let text = engine.render_conversation(messages, *add_generation_prompt)?;
+                    engine.tokenize_text(&text, *add_special_tokens)?
+                }
+            };
+            let tokenizer = engine.tokenizer();
+            let token_strs = ids
+                .iter()
+                .map(|&id| tokenizer.id_to_token(id).unwrap_or_default())
+                .collect();
+            Ok(Tokenized { ids, token_strs })
+        })
+        .await
+        .map_err(|e| self.local_err(format!("tokenizing: {e}")))?
+        .map_err(|e| to_llm_error(&name, e))
+    }
+
+    async fn detokenize(&self, ids: &[u32]) -> Result<String, LlmError> {
+        self.engine.detokenize(ids).map_err(|e| match e {
+            EngineError::InvalidPrompt { message, .. } => {
+                LlmError::InvalidRequest(format!("`tokens`: {message}"))
+            }
+            e => to_llm_error(self.engine.name(), e),
+        })
+    }
+
+    fn tokenizer_info(&self) -> Option<TokenizerInfo> {
+        let codec = self.engine.codec();
+        let named = |t: &str| (!t.is_empty()).then(|| t.to_string());
+        // An HF `tokenizer_config.json` may write a token as an AddedToken object.
+        let special = |key: &str| match codec.special_tokens.get(key) {
+            Some(serde_json::Value::String(t)) => named(t),
+            Some(serde_json::Value::Object(o)) => o
+                .get("content")
+                .and_then(serde_json::Value::as_str)
+                .and_then(named),
+            _ => None,
+        };
+        Some(TokenizerInfo {
+            bos_token: named(codec.template.bos_token()),
+            eos_token: named(codec.template.eos_token()),
+            pad_token: special("pad_token"),
+            unk_token: special("unk_token"),
+            chat_template: codec
+                .template
+                .is_present()
+                .then(|| codec.template.source().to_string()),
+            model_max_length: self.engine.context_length(),
+            add_bos_token: self.engine.added_bos().ok().flatten().is_some(),
+        })
+    }
 }
 
 impl LocalBackend {
@@ -471,8 +537,12 @@ impl LocalBackend {
                 sink.send_with_logprobs(i, text, lps)
             })
         });
-        let (mut job, rx) =
-            self.generation(req.sampling().gen_params(), req.strict_max_tokens, stream);
+        // A raw completion decodes as the model does: it may end at its first token.
+        let params = GenParams {
+            eos: EosRule::Stop,
+            ..req.sampling().gen_params()
+        };
+        let (mut job, rx) = self.generation(params, req.strict_max_tokens, stream);
         job.prompt_ids = Some(prompt_ids.to_vec());
         Counters::add(&self.counters.queued, 1);
         let out = self.run_job("completion", job, rx).await?;

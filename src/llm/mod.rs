@@ -23,7 +23,10 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::engine::{ChatMessage, FinishReason, OptionProbs, TokenLogprob, TopLogprob};
 pub use cache::{CachedBackend, RequestCache};
-pub use completion::{CompletionPrompt, CompletionRequest, CompletionResponse, PromptLogprobs};
+pub use completion::{
+    CompletionPrompt, CompletionRequest, CompletionResponse, PromptLogprobs, TokenizeInput,
+    Tokenized, TokenizerInfo,
+};
 pub use openai::OpenAiBackend;
 pub use spec::{EndpointOptions, ModelSpec};
 pub use usage::{
@@ -193,7 +196,7 @@ impl Sampling<'_> {
             stop: self.stop.to_vec(),
             seed: self.seed,
             n: self.n,
-            ignore_eos: false,
+            eos: crate::engine::EosRule::AfterText,
             logprobs: self.logprobs,
         }
     }
@@ -422,6 +425,29 @@ pub trait ChatBackend: Send + Sync {
             backend: self.id().to_string(),
             what: "raw-text completions".into(),
         })
+    }
+
+    /// The tokens of `input` as this backend's model reads them (vLLM's `/tokenize`). Only
+    /// local models can answer; the default says so.
+    async fn tokenize(&self, _input: &TokenizeInput) -> Result<Tokenized, LlmError> {
+        Err(LlmError::Unsupported {
+            backend: self.id().to_string(),
+            what: "tokenizing".into(),
+        })
+    }
+
+    /// The text of token ids, special tokens written out (vLLM's `/detokenize`). Only local
+    /// models can answer; the default says so.
+    async fn detokenize(&self, _ids: &[u32]) -> Result<String, LlmError> {
+        Err(LlmError::Unsupported {
+            backend: self.id().to_string(),
+            what: "detokenizing".into(),
+        })
+    }
+
+    /// The model's tokenizer settings (vLLM's `/tokenizer_info`), when it is local.
+    fn tokenizer_info(&self) -> Option<TokenizerInfo> {
+        None
     }
 }
 

@@ -69,14 +69,18 @@ pub fn assert_joining_mid_decode_equals_alone(engine: &collabllm::engine::Engine
             .encode(&engine.render(&[ChatMessage::user(text)]).unwrap())
             .unwrap()
     };
-    let params = |n, temperature, seed, ignore_eos| GenParams {
+    let params = |n, temperature, seed, ignore_eos: bool| GenParams {
         temperature,
         top_p: 0.9,
         max_new_tokens: 24,
         stop: Vec::new(),
         seed: Some(seed),
         n,
-        ignore_eos,
+        eos: if ignore_eos {
+            collabllm::engine::EosRule::Ignore
+        } else {
+            collabllm::engine::EosRule::AfterText
+        },
         logprobs: None,
     };
     let cases = [
