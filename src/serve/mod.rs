@@ -1,5 +1,6 @@
 //! OpenAI-compatible HTTP front over any [`ChatBackend`](crate::llm::ChatBackend): `POST /v1/chat/completions`
-//! (plain and SSE streaming), `GET /v1/models`, `GET /health`. Single-model server: a request's
+//! (plain and SSE streaming), `POST /v1/completions`, `GET /v1/models`, `GET /health`, and
+//! vLLM's `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. Single-model server: a request's
 //! `model` must be the served id or one of its aliases (else 404 `model_not_found`), and
 //! responses report the served id. Errors are OpenAI-shaped JSON
 //! (`{"error": {message, type, param, code}}`), for malformed input as well as backend
@@ -17,6 +18,7 @@ mod error;
 mod request;
 mod response_format;
 mod stream;
+mod tokenize;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -42,6 +44,7 @@ use request::check_context;
 pub use request::{parse_request, ParsedRequest};
 pub use response_format::ResponseFormat;
 use stream::{live_stream, stream_response};
+pub use tokenize::{parse_detokenize, parse_tokenize, ParsedTokenize};
 
 use crate::llm::{ChatResponse, Choice, SharedBackend, TokenLogprob};
 
@@ -129,6 +132,10 @@ pub fn router(backend: SharedBackend, names: impl Into<ModelNames>) -> Router {
         .route("/completions", post(text_completions))
         .route("/v1/models", get(list_models))
         .route("/models", get(list_models))
+        // vLLM's tokenizer endpoints, at the root as vLLM serves them.
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/tokenizer_info", get(tokenize::tokenizer_info))
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .fallback(not_found)

@@ -64,11 +64,14 @@ pub(super) struct StreamOptions {
     pub(super) include_usage: Option<bool>,
 }
 
+/// `messages` as sent (chat completions, and a conversation to tokenize).
+pub(super) type Messages = Vec<Object<MessageBody>>;
+
 /// One message. `role` and `content` keep apart a missing field and a `null` one: an
 /// assistant turn may carry `content: null`, a user turn may not.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-struct MessageBody {
+pub(super) struct MessageBody {
     role: Presence<String>,
     content: Presence<Content>,
 }
@@ -247,7 +250,7 @@ pub(super) fn param_and_shape(path: &serde_path_to_error::Path) -> (String, Stri
 }
 
 /// The 400 for a field of the wrong type, found by the path serde failed at.
-fn type_error_at(path: &serde_path_to_error::Path) -> ApiError {
+pub(super) fn type_error_at(path: &serde_path_to_error::Path) -> ApiError {
     // `param` names the field as the client wrote it (`messages[2].content`); `shape` drops the
     // indices (`messages[].content`) to look up what the field must be.
     let (mut param, shape) = param_and_shape(path);
@@ -519,7 +522,7 @@ pub(super) fn check_context(parsed: &ParsedRequest, limits: ContextLimits) -> Re
     Ok(())
 }
 
-fn parse_messages(items: Vec<Object<MessageBody>>) -> Result<Vec<ChatMessage>, ApiError> {
+pub(super) fn parse_messages(items: Messages) -> Result<Vec<ChatMessage>, ApiError> {
     if items.is_empty() {
         return Err(ApiError::invalid(
             "`messages` must not be empty",
