@@ -14,7 +14,9 @@ use collabllm::serve::ModelNames;
 ///
 /// Endpoints: POST /v1/chat/completions and POST /v1/completions (raw text or token ids, no
 /// chat template; `echo` with `logprobs` scores the prompt; `stream: true` for SSE on both),
-/// GET /v1/models, GET /health. Any OpenAI client works with base URL http://HOST:PORT/v1 and any API key.
+/// GET /v1/models, GET /health, and vLLM's POST /tokenize, POST /detokenize and GET
+/// /tokenizer_info (lm-evaluation-harness's `local-completions` tokenizes through them, so it
+/// needs only the URL). Any OpenAI client works with base URL http://HOST:PORT/v1 and any API key.
 /// One model per server: a request's `model` must be the reported id (--model-id), the
 /// --model value as given, or an --alias; any other name is a 404 `model_not_found`.
 ///
