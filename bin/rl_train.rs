@@ -215,6 +215,10 @@ struct Args {
     /// take one) or contrast_or_best (contrast where possible, else best vs worst).
     #[arg(long, value_name = "MODE")]
     pairs: Option<PairMode>,
+    /// Temperature of the policy's replies inside futures (0: greedy) [default: --temperature].
+    /// A lower one makes a response's reward depend less on a lucky or unlucky future.
+    #[arg(long, value_name = "T", value_parser = rl::FUTURE_TEMPERATURE.parser())]
+    future_temperature: Option<f64>,
     /// Draw each step's prompts evenly from the values of this task metadata field (e.g.
     /// `stated`: half stated, half vague clarify requests), each value's tasks in their own
     /// seeded epochs [default: one shuffled order over all tasks].
@@ -364,6 +368,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
         eval_every,
         eval_max_tasks,
         balance_by,
+        future_temperature,
         lora_r;
         optim: save_steps;
         rollout: threads, prompts
@@ -443,10 +448,12 @@ mod tests {
             "save_steps",
             "eval_every",
             "balance_by",
+            "future_temperature",
         ];
         let without_setting = [
             "balance_by",
             "compat",
+            "future_temperature",
             "config",
             "max_tokens",
             "metric_preset",

@@ -118,7 +118,7 @@ fi
 # weight on chosen replies (0 made DPO stop asking altogether), GRPO's lr and the share of
 # prompts one exchange later.
 c_dpo_lr="${C_DPO_LR:-5e-5}"; c_nll="${C_NLL:-1}"
-c_grpo_lr="${C_GRPO_LR:-1e-5}"; c_continue="${C_CONTINUE:-0.25}"
+c_grpo_lr="${C_GRPO_LR:-3e-5}"; c_continue="${C_CONTINUE:-0.25}"
 threads="${THREADS:-$(nproc)}"
 bin="${BIN_DIR:-target/release}"
 
@@ -287,8 +287,8 @@ study_clarify() {
       local samples=1; [[ $reward == st ]] && samples=0
       run "$bin/rl_train" --model "$warm" --tasks clarify:train --samples "$samples" \
         --window 2 --algo grpo --balance-by stated --continue-rate "$c_continue" \
-        --temperature 1.0 --lr "$c_grpo_lr" --kl-coef 0.01 --group-size 8 --micro-batch 8 \
-        --max-new-tokens 48 \
+        --temperature 1.0 --top-p 1.0 --future-temperature 0 --loss-agg seq-mean-token-mean \
+        --lr "$c_grpo_lr" --kl-coef 0.01 --group-size 8 --micro-batch 8 --max-new-tokens 48 \
         "${c_grpo[@]}" --seed "$s" --threads "$threads" --output "$d/grpo_$reward" --resume
     done
   done

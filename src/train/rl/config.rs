@@ -48,6 +48,8 @@ pub const ENTROPY_COEF: Range = Range::closed(0.0, 1e3);
 /// and carry no signal).
 pub const TEMPERATURE: Range = Range::open_closed(0.0, 10.0);
 pub const TOP_P: Range = Sampling::TOP_P;
+/// Temperature of the policy inside futures: 0 (greedy) or more.
+pub const FUTURE_TEMPERATURE: Range = Range::closed(0.0, 10.0);
 /// Online DPO: β and the minimum MR gap of a pair.
 pub const BETA: Range = Range::above(0.0);
 pub use crate::reward::pairs::MIN_GAP;
@@ -197,6 +199,11 @@ pub struct RlRunConfig {
     pub max_new_tokens: usize,
     pub temperature: f64,
     pub top_p: f64,
+    /// Temperature of the policy's replies inside futures; `None`: `temperature`. A lower one
+    /// makes a response's one-future reward less of a coin toss (GRPO's normalised
+    /// advantages weigh a lone failed future as much as a lone success).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub future_temperature: Option<f64>,
     pub max_steps: usize,
     /// Metric weights; empty = the task type's defaults.
     pub metrics: BTreeMap<String, f64>,
@@ -296,6 +303,7 @@ impl Default for RlRunConfig {
             max_new_tokens: 256,
             temperature: 0.7,
             top_p: 0.9,
+            future_temperature: None,
             max_steps: 50,
             metrics: BTreeMap::new(),
             mr_formula: MrFormula::Mean,
@@ -415,6 +423,14 @@ impl RlRunConfig {
             temperature: self.temperature as f32,
             top_p: self.top_p as f32,
             max_tokens: self.max_new_tokens,
+        }
+    }
+
+    /// The policy's sampling inside futures: `future_temperature` when set.
+    pub fn future_sampling(&self) -> Sampling {
+        Sampling {
+            temperature: self.future_temperature.unwrap_or(self.temperature) as f32,
+            ..self.policy_sampling()
         }
     }
 
@@ -627,6 +643,9 @@ impl RlRunConfig {
         check("clip_ratio_c", self.clip_ratio_c, CLIP_RATIO_C)?;
         check("entropy_coef", self.entropy_coef, ENTROPY_COEF)?;
         check("temperature", self.temperature, TEMPERATURE)?;
+        if let Some(t) = self.future_temperature {
+            check("future_temperature", t, FUTURE_TEMPERATURE)?;
+        }
         check("top_p", self.top_p, TOP_P)?;
         check("beta", self.beta, BETA)?;
         check("min_gap", self.min_gap, MIN_GAP)?;
@@ -837,6 +856,30 @@ mod tests {
             },
             "eval_every",
         );
+        bad(
+            RlRunConfig {
+                future_temperature: Some(f64::NAN),
+                ..Default::default()
+            },
+            "future_temperature",
+        );
+    }
+
+    #[test]
+    fn futures_sample_at_their_own_temperature() {
+        let cfg = RlRunConfig {
+            temperature: 1.0,
+            top_p: 0.9,
+            ..Default::default()
+        };
+        assert_eq!(cfg.future_sampling().temperature, 1.0, "unset: the policy's");
+        let greedy = RlRunConfig {
+            future_temperature: Some(0.0),
+            ..cfg
+        };
+        let (policy, futures) = (greedy.policy_sampling(), greedy.future_sampling());
+        assert_eq!((policy.temperature, futures.temperature), (1.0, 0.0));
+        assert_eq!(futures.top_p, policy.top_p, "only the temperature differs");
     }
 
     #[test]

@@ -186,7 +186,7 @@ impl Rollout<'_> {
         let runner = FutureRunner {
             user: self.user,
             assistant: self.future_questioner.unwrap_or(policy),
-            assistant_sampling: &self.cfg.policy_sampling(),
+            assistant_sampling: &self.cfg.future_sampling(),
             scorer,
             samples: self.cfg.samples,
             window: self.cfg.window,
