@@ -872,7 +872,11 @@ mod tests {
             top_p: 0.9,
             ..Default::default()
         };
-        assert_eq!(cfg.future_sampling().temperature, 1.0, "unset: the policy's");
+        assert_eq!(
+            cfg.future_sampling().temperature,
+            1.0,
+            "unset: the policy's"
+        );
         let greedy = RlRunConfig {
             future_temperature: Some(0.0),
             ..cfg
