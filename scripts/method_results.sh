@@ -274,6 +274,13 @@ study_clarify() {
       for reward in mr st; do
         local start="$warm" limit=(--max-pairs "$k")
         [[ $round == 2 ]] && { start="$d/dpo_$reward-r1/final"; limit=(); }
+        # A round-1 model whose candidates all score alike leaves round 2 no pair (the
+        # single-turn arm, once it never asks): the round-1 model is then the arm's model.
+        if [[ $round == 2 && $(pair_count "$d/pairs-$reward-r2") == 0 ]]; then
+          echo "== no round-2 pair for $reward (seed $s): dpo_$reward-r2 is dpo_$reward-r1"
+          ln -sfn "dpo_$reward-r1" "$d/dpo_$reward-r2"
+          continue
+        fi
         train "$d/dpo_$reward-r$round" --data "$d/pairs-$reward-r$round" --model "$start" \
           --lr "$c_dpo_lr" --sft-weight "$c_nll" --batch-size 4 --epochs "$c_epochs" \
           "${limit[@]}" --seed "$s"
