@@ -453,8 +453,8 @@ mod tests {
         let without_setting = [
             "balance_by",
             "compat",
-            "future_temperature",
             "config",
+            "future_temperature",
             "max_tokens",
             "metric_preset",
             "ppo_mini_batch",
