@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use collabllm::hub;
+use collabllm::run::{check_output_dir, Parents};
 use collabllm::train::dpo::{train_until, TrainConfig, DEFAULT_OUTPUT};
 use collabllm::train::settings::{DpoDefaults, LoraOptions, Schedule, TrainerDefaults, LORA_LR};
 
@@ -54,8 +55,9 @@ struct Args {
     #[arg(long, value_name = "SPEC", default_value = "default")]
     model: String,
 
-    /// Output directory (logs, checkpoints, final model). Refuses to overwrite a finished or
-    /// interrupted run unless --resume.
+    /// Output directory (logs, checkpoints, final model), created with any missing parent
+    /// folders; an existing path that is not a directory is refused. Refuses to overwrite a
+    /// finished or interrupted run unless --resume.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_OUTPUT)]
     output: PathBuf,
 
@@ -367,6 +369,7 @@ fn main() -> ExitCode {
     };
     let existed = cfg.output.exists();
     let result = (|| {
+        check_output_dir("--output", &cfg.output, Parents::Create)?;
         check_hub(repo.as_deref())?;
         // SIGINT/SIGTERM stop after the step in progress, which is saved; the listener runs
         // on a runtime of its own beside the (synchronous) training loop.

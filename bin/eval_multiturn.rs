@@ -59,7 +59,9 @@ struct Args {
         required_unless_present_any = ["transcripts", "compare", "study"]
     )]
     models: Vec<EvalModel>,
-    /// Output directory (with --compare: where compare.json and compare.md go, optional).
+    /// Output directory (with --compare: where compare.json and compare.md go, optional),
+    /// created with any missing parent folders; an existing path that is not a directory is
+    /// refused.
     #[arg(long, value_name = "DIR", required_unless_present = "compare")]
     output: Option<PathBuf>,
     /// Statistics of a trained-arms study from finished evaluations: a TOML file naming the
@@ -162,7 +164,8 @@ struct Args {
     /// (`prompt` = the state as the questioner saw it, `chosen` = the demonstrator's question,
     /// `rejected` = the questioner's own, scores = their expected gains). A questioner's
     /// earlier rows in FILE are replaced, others' kept, so DAgger rounds grow one file;
-    /// `dpo_train --loss sft --data FILE` trains on the labels only.
+    /// `dpo_train --loss sft --data FILE` trains on the labels only. FILE's folder must exist,
+    /// and an existing FILE must be a regular file (both checked before any game).
     #[arg(long, value_name = "FILE")]
     dagger: Option<PathBuf>,
     /// Clarify `demonstrator`: probability of a clarifying question on a vague request.
@@ -291,6 +294,19 @@ async fn run(cfg: EvalConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every output path, checked before any work: an existing one of the wrong kind is refused,
+/// as is a missing folder of --dagger's file.
+fn check_outputs(args: &Args) -> anyhow::Result<()> {
+    use collabllm::run::{check_output_dir, check_output_file, Parents};
+    if let Some(dir) = &args.output {
+        check_output_dir("--output", dir, Parents::Create)?;
+    }
+    if let Some(file) = &args.dagger {
+        check_output_file("--dagger", file, Parents::MustExist)?;
+    }
+    Ok(())
+}
+
 /// `--compare`: the table, and its files when --output is given.
 fn compare(runs: &[PathBuf], output: Option<&std::path::Path>) -> anyhow::Result<()> {
     let cmp = eval::compare::compare_runs(runs, output)?;
@@ -331,6 +347,9 @@ fn main() -> ExitCode {
         REQUIRED,
     );
     collabllm::cli::init_logging();
+    if let Err(e) = check_outputs(&args) {
+        return collabllm::cli::exit_on_error(Err(e));
+    }
     if !args.compare.is_empty() {
         return collabllm::cli::exit_on_error(compare(&args.compare, args.output.as_deref()));
     }

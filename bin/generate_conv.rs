@@ -19,7 +19,7 @@ use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
-use collabllm::run::{RunLock, Shutdown};
+use collabllm::run::{check_output_dir, Parents, RunLock, Shutdown};
 use collabllm::task::prompts::SystemPromptSource;
 use collabllm::task::twenty_questions::chat::QUESTION_MAX_TOKENS;
 use collabllm::task::TaskType;
@@ -94,7 +94,8 @@ struct Args {
     /// conversation with --test-fraction and --seed) from --output's flat.parquet.
     #[arg(long, value_name = "FORMAT", value_parser = ["verl"], conflicts_with_all = ["rescore", "dry_run"])]
     export: Option<String>,
-    /// Directory of the exported files [default: <output>/verl].
+    /// Directory of the exported files, created with any missing parent folders [default:
+    /// <output>/verl].
     #[arg(long, value_name = "DIR", requires = "export")]
     export_dir: Option<PathBuf>,
     /// With --export: the task description given to verl's simulated user [default: from each
@@ -105,7 +106,8 @@ struct Args {
     /// (prompts/verl_system.txt), e.g. the recipe's own.
     #[arg(long, value_name = "FILE", requires = "export")]
     system_prompt: Option<PathBuf>,
-    /// Run directory.
+    /// Run directory, created with any missing parent folders (an existing path that is not
+    /// a directory is refused).
     #[arg(long, value_name = "DIR")]
     output: Option<PathBuf>,
     /// TOML file with any of the settings below (flags override it).
@@ -416,6 +418,10 @@ fn resolve(args: &Args) -> anyhow::Result<GenerateConfig> {
     cfg.rollout.prices.extend(args.prices.iter().cloned());
     args.endpoint.apply(&mut cfg.rollout.endpoint);
     cfg.validate()?;
+    check_output_dir("--output", &cfg.output, Parents::Create)?;
+    if let Some(dir) = &args.export_dir {
+        check_output_dir("--export-dir", dir, Parents::Create)?;
+    }
     Ok(cfg)
 }
 

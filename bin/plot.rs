@@ -113,7 +113,8 @@ enum Command {
 
 #[derive(ClapArgs, Debug)]
 struct Common {
-    /// Directory the figures are written to (created if missing).
+    /// Directory the figures are written to (created, with any missing parent folders, if
+    /// missing; an existing path that is not a directory is refused).
     #[arg(long, default_value = "outputs/figures")]
     output: PathBuf,
     /// Figure width in pixels; fonts scale with it (1200 = 8 in at 150 dpi).
@@ -139,7 +140,8 @@ impl std::fmt::Display for Fmt {
     }
 }
 
-fn options(c: Common, smooth: Option<f64>, min_gap: Option<f64>) -> Options {
+fn options(c: Common, smooth: Option<f64>, min_gap: Option<f64>) -> anyhow::Result<Options> {
+    collabllm::run::check_output_dir("--output", &c.output, collabllm::run::Parents::Create)?;
     let mut formats: Vec<Format> = c
         .format
         .iter()
@@ -150,13 +152,13 @@ fn options(c: Common, smooth: Option<f64>, min_gap: Option<f64>) -> Options {
         .collect();
     formats.sort();
     formats.dedup();
-    Options {
+    Ok(Options {
         output: c.output,
         width: c.width,
         formats,
         smooth,
         min_gap,
-    }
+    })
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
@@ -165,31 +167,33 @@ fn run(args: Args) -> anyhow::Result<()> {
             runs,
             common,
             smooth,
-        } => plot::plot_train(&runs, &options(common, smooth, None))?,
+        } => plot::plot_train(&runs, &options(common, smooth, None)?)?,
         Command::Rl {
             runs,
             common,
             smooth,
-        } => plot::plot_rl(&runs, &options(common, smooth, None))?,
+        } => plot::plot_rl(&runs, &options(common, smooth, None)?)?,
         Command::Data {
             runs,
             common,
             min_gap,
-        } => plot::plot_data(&runs, &options(common, None, min_gap))?,
-        Command::Eval { evals, common } => plot::plot_eval(&evals, &options(common, None, None))?,
-        Command::TwentyQ { evals, common } => plot::plot_20q(&evals, &options(common, None, None))?,
+        } => plot::plot_data(&runs, &options(common, None, min_gap)?)?,
+        Command::Eval { evals, common } => plot::plot_eval(&evals, &options(common, None, None)?)?,
+        Command::TwentyQ { evals, common } => {
+            plot::plot_20q(&evals, &options(common, None, None)?)?
+        }
         Command::Study { studies, common } => {
-            plot::plot_study(&studies, &options(common, None, None))?
+            plot::plot_study(&studies, &options(common, None, None)?)?
         }
         Command::Adaptive { files, common } => {
-            plot::plot_adaptive(&files, &options(common, None, None))?
+            plot::plot_adaptive(&files, &options(common, None, None)?)?
         }
         Command::All {
             dirs,
             common,
             smooth,
             min_gap,
-        } => plot::plot_all(&dirs, &options(common, smooth, min_gap))?,
+        } => plot::plot_all(&dirs, &options(common, smooth, min_gap)?)?,
     };
     for w in &written {
         for f in &w.files {

@@ -58,7 +58,9 @@ struct Common {
     /// visibility.
     #[arg(long)]
     public: bool,
-    /// Write the exact repository layout into DIR instead of uploading (no token needed).
+    /// Write the exact repository layout into DIR instead of uploading (no token needed). DIR
+    /// is created, with any missing parent folders; an existing DIR must be an empty folder
+    /// or an earlier dry run.
     #[arg(long, value_name = "DIR")]
     dry_run: Option<PathBuf>,
     /// Hub URL [default: HF_ENDPOINT, else https://huggingface.co].
@@ -89,6 +91,10 @@ impl Common {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    let (What::Dataset { common, .. } | What::Model { common, .. }) = &cli.what;
+    if let Some(dir) = &common.dry_run {
+        collabllm::run::check_output_dir("--dry-run", dir, collabllm::run::Parents::Create)?;
+    }
     let report = match &cli.what {
         What::Dataset { dir, flat, common } => {
             hub::push_dataset_dir(dir, &common.repo, *flat, &common.options())

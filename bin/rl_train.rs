@@ -14,6 +14,7 @@ use collabllm::reward::metrics::parse_metric_weight;
 use collabllm::reward::mr::MrFormula;
 use collabllm::reward::pairs::PairMode;
 use collabllm::rollout::user::{parse_role_max_tokens, TokenRole};
+use collabllm::run::{check_output_dir, Parents};
 use collabllm::task::TaskType;
 use collabllm::train::rl::config::{self as rl, Algo, Opening, RlRunConfig, TruncatedReward};
 use collabllm::train::rl::run::rl_train_until;
@@ -68,7 +69,8 @@ struct Args {
     /// Use only the first K held-out tasks.
     #[arg(long, value_name = "K")]
     eval_max_tasks: Option<usize>,
-    /// Run directory.
+    /// Run directory, created with any missing parent folders (an existing path that is not
+    /// a directory is refused).
     #[arg(long, value_name = "DIR")]
     output: Option<PathBuf>,
     /// TOML file with any of the settings (field names as in rl_config.json); flags override it.
@@ -398,6 +400,7 @@ fn resolve(args: &Args) -> anyhow::Result<RlRunConfig> {
     );
     args.endpoint.apply(&mut cfg.rollout.endpoint);
     cfg.validate()?;
+    check_output_dir("--output", &cfg.output, Parents::Create)?;
     Ok(cfg)
 }
 

@@ -455,3 +455,155 @@ async fn dry_run_bound_holds_when_the_judge_is_re_asked() {
         .unwrap_or_else(|| panic!("{stdout}"));
     assert_eq!(row[5].parse::<u64>().unwrap(), judge_reasks, "{stdout}");
 }
+
+fn mkfifo(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo touches no memory of ours.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+}
+
+fn is_fifo(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(path)
+        .map(|m| m.file_type().is_fifo())
+        .unwrap_or(false)
+}
+
+/// Every output flag of every binary is checked before any work: a FIFO where a run folder or
+/// a file is meant, a directory where a file is meant and a missing parent folder of a file
+/// are refused naming the flag and the path, no request is sent, and the FIFO stays a FIFO.
+#[tokio::test]
+async fn every_binary_refuses_an_output_of_the_wrong_kind_before_any_work() {
+    let server = collab_server().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("pipe");
+    mkfifo(&fifo);
+    let fifo_s = fifo.to_str().unwrap().to_string();
+    let dir = tmp.path().join("a-folder");
+    std::fs::create_dir(&dir).unwrap();
+    let dir_s = dir.to_str().unwrap().to_string();
+    let missing = tmp.path().join("no/such/dagger.parquet");
+    let missing_s = missing.to_str().unwrap().to_string();
+    let run_dir = tmp.path().join("run");
+    let spec = format!("openai:scripted@{}", server.base_url);
+    let pairs = tmp.path().join("pairs.parquet");
+    let pairs_s = pairs.to_str().unwrap().to_string();
+    let eval_20q = |extra: &[&str]| {
+        let mut a = strings(&["--task", "twenty_questions", "--model", "reference"]);
+        a.extend(strings(&["--objects", "1", "--oracle", "table"]));
+        a.extend(strings(extra));
+        a
+    };
+    let cases: Vec<(&str, Vec<String>, &str, &str, &str)> = vec![
+        (
+            env!("CARGO_BIN_EXE_generate_conv"),
+            generate_args(&server, &fifo, 2),
+            "--output",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_generate_conv"),
+            {
+                let mut a = generate_args(&server, &run_dir, 2);
+                a.extend(strings(&["--export", "verl", "--export-dir", &fifo_s]));
+                a
+            },
+            "--export-dir",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_eval_multiturn"),
+            eval_args(&server, &fifo, 2),
+            "--output",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_eval_multiturn"),
+            eval_20q(&["--output", run_dir.to_str().unwrap(), "--dagger", &fifo_s]),
+            "--dagger",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_eval_multiturn"),
+            eval_20q(&["--output", run_dir.to_str().unwrap(), "--dagger", &dir_s]),
+            "--dagger",
+            dir_s.as_str(),
+            "a directory",
+        ),
+        (
+            env!("CARGO_BIN_EXE_eval_multiturn"),
+            eval_20q(&[
+                "--output",
+                run_dir.to_str().unwrap(),
+                "--dagger",
+                missing_s.as_str(),
+            ]),
+            "--dagger",
+            missing_s.as_str(),
+            "does not exist",
+        ),
+        (
+            env!("CARGO_BIN_EXE_dpo_train"),
+            strings(&["--data", &pairs_s, "--output", &fifo_s]),
+            "--output",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_rl_train"),
+            {
+                let tasks = data("math.jsonl");
+                strings(&["--tasks", &tasks, "--policy", &spec, "--output", &fifo_s])
+            },
+            "--output",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_plot"),
+            strings(&["train", &dir_s, "--output", &fifo_s]),
+            "--output",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_push_hf"),
+            strings(&["model", &dir_s, "--repo", "o/n", "--dry-run", &fifo_s]),
+            "--dry-run",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_bench"),
+            strings(&["adaptive-replay", &dir_s, "--json", &fifo_s]),
+            "--json",
+            fifo_s.as_str(),
+            "a FIFO",
+        ),
+        (
+            env!("CARGO_BIN_EXE_bench"),
+            strings(&["adaptive-replay", &dir_s, "--json", &dir_s]),
+            "--json",
+            dir_s.as_str(),
+            "a directory",
+        ),
+    ];
+    for (bin, args, flag, path, what) in cases {
+        let res = run(bin, &args).await;
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert_ne!(res.status.code(), Some(0), "{bin} {args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{flag} {path}")) && stderr.contains(what),
+            "{bin} {flag}: {stderr}"
+        );
+        assert!(is_fifo(&fifo), "{bin} {flag} replaced the FIFO");
+        assert!(dir.is_dir() && !run_dir.exists(), "{bin} {flag}");
+        assert!(!missing.parent().unwrap().exists(), "{bin} {flag}");
+    }
+    assert_eq!(server.requests(), 0);
+}

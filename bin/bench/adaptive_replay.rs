@@ -26,7 +26,8 @@ pub struct Params {
     /// The pair's minimum MR gap (generate_conv's --min-gap).
     #[arg(long, default_value_t = 0.02)]
     min_gap: f64,
-    /// Also write the table as JSON (for `plot adaptive`).
+    /// Also write the table as JSON (for `plot adaptive`); its folder must exist, and an
+    /// existing FILE must be a regular file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
 }
@@ -121,6 +122,9 @@ fn replay_all(all: &[Turn], rule: &AdaptiveRule, p: &Params) -> Point {
 }
 
 pub fn run(p: Params) -> anyhow::Result<()> {
+    if let Some(path) = &p.json {
+        collabllm::run::check_output_file("--json", path, collabllm::run::Parents::MustExist)?;
+    }
     let mut all = Vec::new();
     for r in &p.runs {
         all.extend(turns(r)?);
@@ -164,8 +168,7 @@ pub fn run(p: Params) -> anyhow::Result<()> {
         let runs: Vec<String> = p.runs.iter().map(|r| r.display().to_string()).collect();
         let doc = serde_json::json!({"runs": runs, "turns": all.len(), "stored_futures": stored,
             "max_futures": max_s, "orders": p.orders, "min_gap": p.min_gap, "points": points});
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        collabllm::run::write_atomic(path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
     }
     Ok(())
 }

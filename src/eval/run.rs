@@ -822,9 +822,6 @@ fn write_dagger(
         tracing::info!("--dagger: {label}: {} labelled states", new.len());
         rows.extend(new);
     }
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
     write_pairs_parquet(path, &rows).with_context(|| format!("writing {}", path.display()))?;
     tracing::info!("{}: {} DAgger rows in all", path.display(), rows.len());
     Ok(())

@@ -61,7 +61,10 @@ pub(crate) struct AtomicFile {
 }
 
 impl AtomicFile {
+    /// Refuses a destination that is neither absent, a regular file nor a symbolic link (a
+    /// device, FIFO, socket or directory is never replaced).
     pub(crate) fn create(dest: &Path) -> io::Result<(Self, File)> {
+        super::output::check_replaceable(dest)?;
         let dir = parent_dir(dest);
         let name = dest
             .file_name()

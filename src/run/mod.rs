@@ -18,6 +18,10 @@
 //!   [`Interrupted`], the error a run returns after recording status `interrupted`; binaries
 //!   exit with 128 + the signal's number.
 //!
+//! - `output`: [`check_output_file`] / [`check_output_dir`], every binary's output flags
+//!   checked before work starts (an existing destination of the wrong kind, a device, FIFO,
+//!   socket or directory where a file is meant, is refused by name; missing parents are an
+//!   error unless the flag creates them).
 //! - `checksums`: [`write_checksums`] / [`verify_checksums`], the per-file SHA-256 of a
 //!   checkpoint directory, checked before a resume.
 //!
@@ -29,6 +33,7 @@ mod jobs;
 mod lock;
 mod log;
 mod manifest;
+mod output;
 mod signal;
 
 pub(crate) use atomic::AtomicFile;
@@ -43,6 +48,7 @@ pub use manifest::{
     changed_keys, changed_settings, write_finished_summary, write_interrupted_summary, Manifest,
     ManifestError, ManifestHeader, RunStatus,
 };
+pub use output::{check_output_dir, check_output_file, file_type_name, OutputPathError, Parents};
 pub use signal::{interrupted_exit_code, Interrupted, Shutdown, Signal};
 
 /// Seconds since the Unix epoch (manifest times).
