@@ -310,6 +310,29 @@ fn lora_learns_saves_reloads_and_merges() {
     );
 }
 
+/// A run killed before its first checkpoint resumes from step 0: the steps it logged are
+/// played again, so their lines go first (one line per step, never two).
+#[test]
+fn resume_without_a_checkpoint_logs_each_step_once() {
+    let f = fixture();
+    let mut cfg = config(&f, "no-checkpoint");
+    cfg.max_steps = Some(4);
+    cfg.stop_after = Some(2);
+    let err = train(&cfg, false).unwrap_err();
+    assert!(err.to_string().contains("stopped after step 2"), "{err}");
+    assert_eq!(train_lines(&cfg.output).len(), 2);
+    assert!(!cfg.output.join("checkpoint-2").exists());
+    cfg.stop_after = None;
+    cfg.resume = true;
+    let summary = train(&cfg, false).unwrap();
+    assert_eq!(summary.resumed_from, None);
+    let steps: Vec<u64> = train_lines(&cfg.output)
+        .iter()
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3, 4]);
+}
+
 #[test]
 fn resume_continues_with_the_same_state() {
     let f = fixture();

@@ -389,6 +389,28 @@ async fn resume_after_a_checkpoint_takes_the_same_next_steps() {
     assert_eq!(ra, rb, "the same prompts, responses, futures and scores");
 }
 
+/// A run "killed" before any checkpoint (its final/ and summary gone) resumes from step 0:
+/// the steps it logged and the rollouts it recorded are played again, so their lines go
+/// first; each step has one line in logs.jsonl.
+#[tokio::test(flavor = "multi_thread")]
+async fn resume_without_a_checkpoint_logs_each_step_once() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    ok(&run_bin(&args(&server, &model, &out, &[])).await);
+    std::fs::remove_dir_all(out.join("final")).unwrap();
+    std::fs::remove_file(out.join("rl_summary.json")).unwrap();
+    let rollouts = jsonl(&out.join("rollouts.jsonl")).len();
+    ok(&run_bin(&args(&server, &model, &out, &["--resume"])).await);
+    let steps: Vec<u64> = jsonl(&out.join("logs.jsonl"))
+        .iter()
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3]);
+    assert_eq!(jsonl(&out.join("rollouts.jsonl")).len(), rollouts);
+}
+
 /// `--resume` on a task file whose content changed at the same path is refused by name.
 #[tokio::test(flavor = "multi_thread")]
 async fn resume_refuses_tasks_that_changed_under_the_same_path() {

@@ -502,6 +502,9 @@ fn restore_latest(
             "--resume: no checkpoint in {}; starting fresh",
             cfg.output.display()
         );
+        // Steps logged before the kill are played again: their lines go, as after a
+        // checkpoint's step.
+        truncate_logs(&cfg.output.join("logs.jsonl"), 0)?;
         return Ok(fresh);
     };
     restore_checkpoint(model, opt, &dir, &state)?;
