@@ -84,7 +84,9 @@ struct Args {
     /// an eval_multiturn output directory (every model in it is a row) or a --transcripts
     /// output; the first row is the base. Prints success with 95% Wilson intervals, mean turns,
     /// turns on a win, information gain per question, unparsed rate and McNemar's exact test.
-    #[arg(long, value_name = "RUN", num_args = 1.., conflicts_with = "models")]
+    /// Takes no flag but --output (a run's settings are its own; any other flag is refused),
+    /// and a run named twice is refused.
+    #[arg(long, value_name = "RUN", num_args = 1.., conflicts_with_all = COMPARE_CONFLICTS)]
     compare: Vec<PathBuf>,
     /// Tasks for math/doc_edit/code/clarify, read as generate_conv reads them: a JSONL or
     /// parquet task file, an upstream flat parquet file, hf:<org>/<name>, or clarify:SPLIT
@@ -215,6 +217,46 @@ fn parse_eval_max_tokens(s: &str) -> Result<(TokenRole, usize), String> {
         Err(_) => parse_role_max_tokens(s),
     }
 }
+
+/// Every flag but --output: --compare reads finished runs, whose settings are their own.
+const COMPARE_CONFLICTS: &[&str] = &[
+    "task",
+    "models",
+    "study",
+    "transcripts",
+    "tasks",
+    "user",
+    "judge",
+    "max_tasks",
+    "seed",
+    "repeats",
+    "max_turns",
+    "concurrency",
+    "oracle",
+    "objects",
+    "split",
+    "system_prompt",
+    "weights",
+    "max_questions",
+    "exclude_runs",
+    "allow_overlap",
+    "temperature",
+    "sft",
+    "dagger",
+    "ask_rate",
+    "needless_ask_rate",
+    "max_tokens",
+    "interactivity_scale",
+    "token_counter",
+    "judge_mode",
+    "api_key_env",
+    "max_concurrency",
+    "timeout",
+    "max_retries",
+    "prices",
+    "threads",
+    "prompts",
+];
 
 /// Flags that must be given: their config values are no defaults.
 const REQUIRED: &[&str] = &["task", "output"];

@@ -1539,6 +1539,32 @@ fn flags_the_task_does_not_read_are_refused() {
             ][..],
             "--split",
         ),
+        (
+            &[
+                "--task",
+                "math",
+                "--model",
+                "default",
+                "--max-questions",
+                "5",
+            ][..],
+            "--max-questions",
+        ),
+        (
+            &["--task", "math", "--model", "default", "--ask-rate", "0.3"][..],
+            "--ask-rate",
+        ),
+        (
+            &[
+                "--task",
+                "twenty_questions",
+                "--model",
+                "random",
+                "--needless-ask-rate",
+                "0.5",
+            ][..],
+            "--needless-ask-rate",
+        ),
     ] {
         let res = run_bin(&[args, &["--output", out]].concat());
         let err = String::from_utf8_lossy(&res.stderr);
@@ -1572,6 +1598,37 @@ fn flags_the_task_does_not_read_are_refused() {
     );
     assert!(!Path::new(out).join("sft/random.parquet").exists());
     assert!(err.contains("won no game"), "{err}");
+}
+
+/// `--compare` reads finished runs: a run flag beside it (`--max-tasks`, `--temperature`, …)
+/// is refused by name rather than ignored, and a run named twice (in any spelling) too.
+#[test]
+fn compare_refuses_run_flags_and_a_run_compared_with_itself() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    let b = tmp.path().join("b");
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    for (extra, flag) in [
+        (&["--max-tasks", "3"][..], "--max-tasks"),
+        (&["--temperature", "1.5"][..], "--temperature"),
+        (&["--seed", "3"][..], "--seed"),
+        (&["--task", "twenty_questions"][..], "--task"),
+    ] {
+        let res = run_bin(&[&["--compare", a, b][..], extra].concat());
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(!res.status.success(), "{extra:?}: {err}");
+        assert!(
+            err.contains(flag) && err.contains("--compare"),
+            "{extra:?}: {err}"
+        );
+    }
+    let same = format!("{}/../a", b);
+    let res = run_bin(&["--compare", a, &same]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(err.contains("twice") && err.contains(a), "{err}");
 }
 
 /// `--dagger FILE`: every state a questioner asked at, labelled with the demonstrator's

@@ -25,6 +25,13 @@ pub const Z95: f64 = 1.959_963_984_540_054;
 pub enum CompareError {
     #[error("{}: {message}", path.display())]
     Input { path: PathBuf, message: String },
+    /// One run given twice (under any spelling of its path): it would be compared with itself.
+    #[error("--compare names {} twice ({first} and {second}); a run compared with itself tells nothing", path.display())]
+    SameRun {
+        path: PathBuf,
+        first: String,
+        second: String,
+    },
     #[error("--compare needs at least two models in all, got {0}")]
     TooFew(usize),
     #[error("the compared runs share no game (object and repeat); nothing to pair")]
@@ -345,6 +352,7 @@ pub fn compare(inputs: &[CompareInput]) -> Result<Comparison, CompareError> {
 
 /// Reads the runs and compares them; with `output`, writes `compare.json` and `compare.md`.
 pub fn compare_runs(runs: &[PathBuf], output: Option<&Path>) -> Result<Comparison, CompareError> {
+    refuse_repeated_runs(runs)?;
     super::comparable::check_comparable(runs).map_err(CompareError::Incomparable)?;
     let mut inputs = Vec::new();
     let mut dirs = Vec::new();
@@ -376,6 +384,23 @@ pub fn compare_runs(runs: &[PathBuf], output: Option<&Path>) -> Result<Compariso
         write_atomic(&dir.join("compare.md"), cmp.table().as_bytes())?;
     }
     Ok(cmp)
+}
+
+/// A run named twice, as the same path or through another spelling of it (`./a`, a link),
+/// is refused.
+fn refuse_repeated_runs(runs: &[PathBuf]) -> Result<(), CompareError> {
+    let mut seen: BTreeMap<PathBuf, &PathBuf> = BTreeMap::new();
+    for r in runs {
+        let key = std::fs::canonicalize(r).unwrap_or_else(|_| r.clone());
+        if let Some(first) = seen.insert(key.clone(), r) {
+            return Err(CompareError::SameRun {
+                path: key,
+                first: first.display().to_string(),
+                second: r.display().to_string(),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn fmt_p(p: f64) -> String {

@@ -521,6 +521,16 @@ impl EvalConfig {
                 format!("{flag} is not used by --task {}; {instead}", self.task),
             )
         };
+        let demonstrator = crate::task::clarify::Demonstrator::DEFAULT;
+        if self.task != TaskType::Clarify {
+            let instead = "it sets the clarify demonstrator (--task clarify --model demonstrator)";
+            if self.ask_rate != demonstrator.ask_rate {
+                return Err(ignored("ask_rate", "--ask-rate", instead));
+            }
+            if self.needless_ask_rate != demonstrator.needless_ask_rate {
+                return Err(ignored("needless_ask_rate", "--needless-ask-rate", instead));
+            }
+        }
         if self.task.is_game() {
             if self.max_tasks.is_some() {
                 return Err(ignored(
@@ -539,6 +549,9 @@ impl EvalConfig {
             return Ok(());
         }
         let dialogue = "it is a 20 Questions setting";
+        if self.rollout.max_questions != crate::task::twenty_questions::MAX_QUESTIONS {
+            return Err(ignored("max_questions", "--max-questions", dialogue));
+        }
         if self.objects != ObjectSelection::All {
             return Err(ignored("objects", "--objects", dialogue));
         }
