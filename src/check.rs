@@ -133,6 +133,20 @@ impl fmt::Display for Range {
     }
 }
 
+/// `text` cut to at most `max` bytes on a character boundary, marked with `…` when cut: the
+/// form in which a user's or a client's string is echoed in an error or a log line, so a
+/// megabyte key never becomes a megabyte message.
+pub fn clip(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
 /// An integer setting that must be at least `min`: `name value: must be at least min`.
 pub fn at_least(name: &str, v: usize, min: usize) -> Result<usize, String> {
     if v >= min {
@@ -177,6 +191,13 @@ mod tests {
         assert_eq!(Range::above(0.0).check("--beta", 0.5), Ok(0.5));
         assert!(Range::finite().check("w", f64::INFINITY).is_err());
         assert!(Range::finite().check("w", -3.0).is_ok());
+    }
+
+    #[test]
+    fn clip_cuts_on_a_character_boundary() {
+        assert_eq!(clip("short", 80), "short");
+        assert_eq!(clip("ééé", 3), "é…");
+        assert!(clip(&"k".repeat(1 << 20), 80).len() <= 80 + "…".len());
     }
 
     #[test]

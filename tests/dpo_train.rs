@@ -208,9 +208,10 @@ fn dpo_learns_the_toy_preference_with_trl_metrics() {
     ] {
         assert!(out.join(f).is_file(), "final/ lacks {f}");
     }
-    // The reference cache lives beside the data and a second run uses it.
+    // The reference cache lives in the run's own folder: a run never writes into its --data.
     let cache = summary.ref_cache.expect("a reference cache file");
-    assert!(cache.starts_with(&f.data), "{}", cache.display());
+    assert!(cache.starts_with(&cfg.output), "{}", cache.display());
+    assert!(!f.data.join("ref_logps").exists());
 }
 
 #[test]
@@ -1217,6 +1218,51 @@ fn checkpoints_keep_the_base_dtype_unless_told() {
     }
 }
 
+/// A weight beyond f16's range (1e6 in a row of the embedding no pair uses): saving in f16 is
+/// refused naming the limit, and neither the full run's `final.tmp/` nor a LoRA merge's
+/// `merged.tmp/` is left behind.
+#[test]
+fn an_f16_refusal_leaves_no_temporary_folder() {
+    let f = fixture();
+    let big = f.root.join("tiny-big");
+    std::fs::create_dir_all(&big).unwrap();
+    for entry in std::fs::read_dir(&f.model).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|e| e != "safetensors") {
+            std::fs::copy(&p, big.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut tensors: HashMap<String, Tensor> =
+        candle_core::safetensors::load(f.model.join("model.safetensors"), &Device::Cpu).unwrap();
+    let name = "model.embed_tokens.weight";
+    let mut rows: Vec<Vec<f32>> = tensors[name].to_vec2().unwrap();
+    let last = rows.len() - 1;
+    rows[last][0] = 1e6;
+    tensors.insert(name.into(), Tensor::new(rows, &Device::Cpu).unwrap());
+    collabllm::engine::weights::save_safetensors(&tensors, &big.join("model.safetensors")).unwrap();
+    for (out, lora, tmp) in [
+        ("f16-full", false, "final.tmp"),
+        ("f16-merge", true, "merged.tmp"),
+    ] {
+        let mut cfg = config(&f, out);
+        cfg.model = big.display().to_string();
+        cfg.max_steps = Some(1);
+        cfg.optim.lr = 1e-6;
+        cfg.save_dtype = "f16".into();
+        if lora {
+            cfg.lora = small_lora();
+            cfg.merge = true;
+        }
+        let err = train(&cfg, false).unwrap_err().to_string();
+        assert!(err.contains("65504"), "{out}: {err}");
+        assert!(!cfg.output.join(tmp).exists(), "{out}: {tmp} left behind");
+        if lora {
+            // The adapter (saved in f32) is in place; only the merge was refused.
+            assert!(cfg.output.join("final/adapter_model.safetensors").is_file());
+        }
+    }
+}
+
 /// `save_base` with LoRA on the embedded default (a GGUF): the base as trained on is written to
 /// `<output>/base/` and recorded as the adapter's base, so the adapter folder loads alone —
 /// resolved offline to that base, with the trainer's base + adapter logits.
@@ -1472,7 +1518,10 @@ fn a_config_file_sets_what_the_flags_do_not() {
     for (text, key) in [
         ("betta = 0.3\n", "betta"),
         ("resume = true\n", "resume"),
-        ("beta = \"high\"\n", "wrong type"),
+        ("beta = \"high\"\n", "`beta` = \"high\": invalid type"),
+        ("epochs = -1\n", "`epochs` = -1: invalid value"),
+        ("lr = nan\n", "`lr` = nan: not a finite number"),
+        ("[lora]\nr = \"four\"\n", "`lora` = "),
     ] {
         let bad = f.root.join("bad.toml");
         std::fs::write(&bad, format!("data = \"{}\"\n{text}", f.data.display())).unwrap();

@@ -468,6 +468,12 @@ fn unsupported_families_and_settings_are_refused_by_name() {
     let e =
         refused(&|c| c["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]));
     assert!(e.contains("layer_types"), "{e}");
+    // Too short a list of (supported) layer types: every layer must be listed.
+    let e = refused(&|c| c["layer_types"] = serde_json::json!(["full_attention"]));
+    assert!(
+        e.contains("layer_types") && e.contains("1 layer types for 2 layers"),
+        "{e}"
+    );
     let e = refused(&|c| {
         c["model_type"] = "qwen3".into();
         c["attention_bias"] = true.into();
@@ -516,5 +522,62 @@ fn qwen_and_gemma_chat_templates_render_as_transformers_does() {
             "{name} {} (generation prompt: {gen})",
             case["conversation"]
         );
+    }
+}
+
+/// A GGUF file whose special token ids lie outside its vocabulary (`eos_token_id` = 4e9) is
+/// refused at load, naming the key, rather than loaded with an end-of-sequence that never
+/// comes.
+#[test]
+fn a_gguf_special_token_outside_the_vocabulary_is_refused() {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let src = dir("qwen2").with_extension("gguf");
+    let mut reader = std::fs::File::open(&src).unwrap();
+    let content = gguf_file::Content::read(&mut reader).unwrap();
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|name| {
+            let t = content.tensor(&mut reader, name, &Device::Cpu).unwrap();
+            (name.clone(), t)
+        })
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |key: &str, id: u32| -> PathBuf {
+        let path = tmp.path().join(format!("{}.gguf", key.replace('.', "_")));
+        let mut metadata: Vec<(&str, Value)> = content
+            .metadata
+            .iter()
+            .filter(|(k, _)| k.as_str() != key)
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        metadata.push((key, Value::U32(id)));
+        let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+        let ts: Vec<(&str, &candle_core::quantized::QTensor)> =
+            tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+        let mut f = std::fs::File::create(&path).unwrap();
+        gguf_file::write(&mut f, &meta, &ts).unwrap();
+        path
+    };
+    // The file rewritten as it is loads (the rewrite itself changes nothing).
+    let eos = content.metadata["tokenizer.ggml.eos_token_id"]
+        .to_u32()
+        .unwrap();
+    ChatCodec::load(&LocalModelFiles::Gguf(write(
+        "tokenizer.ggml.eos_token_id",
+        eos,
+    )))
+    .unwrap();
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id"] {
+        let bad = write(key, 4_000_000_000);
+        let Err(err) = ChatCodec::load(&LocalModelFiles::Gguf(bad.clone())) else {
+            panic!("{key} = 4e9 loaded");
+        };
+        let err = err.to_string();
+        assert!(
+            err.contains(key) && err.contains("not a token id") && err.contains("4000000000"),
+            "{err}"
+        );
+        assert!(err.contains(&bad.display().to_string()), "{err}");
     }
 }

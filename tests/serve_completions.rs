@@ -235,7 +235,12 @@ async fn greedy_continuations_batches_and_live_streams() {
 #[tokio::test]
 async fn what_the_endpoint_cannot_do_is_a_named_400() {
     let (_g, _dir, backend) = model_util::load_tiny_f32(&TinySpec::default()).await;
-    let vocab = backend.engine().model().config().vocab_size;
+    let config = backend.engine().model().config();
+    let vocab = config.vocab_size;
+    assert_eq!(
+        config.max_position_embeddings, 1024,
+        "the prompt below is one token over"
+    );
     let addr = spawn_server(backend, "tiny").await;
     for (body, param, needle) in [
         (json!({}), "prompt", "missing required parameter"),
@@ -277,6 +282,21 @@ async fn what_the_endpoint_cannot_do_is_a_named_400() {
             "outside the vocabulary",
         ),
         (json!({"prompt": "x", "model": "other"}), "model", "other"),
+        (
+            json!({"prompt": vec![1u32; 1025]}),
+            "prompt",
+            "does not fit the context length",
+        ),
+        (
+            json!({"prompt": "x", "response_format": {"type": "json_object"}}),
+            "response_format",
+            "not supported by /v1/completions",
+        ),
+        (
+            json!({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+            "not supported by /v1/completions",
+        ),
     ] {
         let (status, text) = post(addr, body.clone()).await;
         let err = api_error(&text);

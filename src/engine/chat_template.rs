@@ -74,6 +74,14 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<Self, TemplateError> {
+        if source.trim().is_empty() {
+            return Err(TemplateError::Invalid {
+                source_name: source_name.into(),
+                message: "the chat template is empty (it would render every conversation as \
+                          no text); give a template, or none for a base model"
+                    .into(),
+            });
+        }
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -318,5 +326,13 @@ mod tests {
             "hi!"
         );
         assert_eq!(given.eos_token(), "</s>");
+        // An empty template (`--chat-template` of an empty file) is refused, naming it.
+        for empty in ["", " \n\t"] {
+            let err = t.replaced(empty, "empty.jinja").unwrap_err().to_string();
+            assert!(
+                err.contains("empty.jinja") && err.contains("empty"),
+                "{err}"
+            );
+        }
     }
 }

@@ -561,6 +561,11 @@ fn family_neutral_fields(family: Family) -> &'static [(&'static str, Neutral)] {
     }
 }
 
+/// A config value as an error quotes it: at most 80 bytes of its JSON.
+fn clip_json(v: &Value) -> String {
+    crate::check::clip(&v.to_string(), 80)
+}
+
 fn check_neutral_fields(f: &Fields, family: Family) -> Res<()> {
     // Gemma 3's activation and layer types are its own (checked by the family's entries and
     // `gemma3_layout`).
@@ -584,8 +589,20 @@ fn check_neutral_fields(f: &Fields, family: Family) -> Res<()> {
         if !all_full {
             return Err(f.err(
                 "layer_types",
-                format!("{v}: only `full_attention` layers are implemented"),
+                format!(
+                    "{}: only `full_attention` layers are implemented",
+                    clip_json(v)
+                ),
             ));
+        }
+        let listed = v.as_array().map_or(0, Vec::len);
+        if let Some(layers) = f.usize_opt("num_hidden_layers")? {
+            if listed != layers {
+                return Err(f.err(
+                    "layer_types",
+                    format!("lists {listed} layer types for {layers} layers (num_hidden_layers)"),
+                ));
+            }
         }
     }
     Ok(())

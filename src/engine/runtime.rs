@@ -99,6 +99,12 @@ pub enum EngineError {
         max_tokens: usize,
         context: usize,
     },
+    /// A chat template that rendered a conversation as no tokens.
+    #[error(
+        "{model}: the chat template ({template}) rendered these messages as no tokens; check \
+         the template"
+    )]
+    EmptyChatPrompt { model: String, template: String },
     /// A chat request to a model without a chat template.
     #[error("{0}")]
     NoChatTemplate(String),
@@ -338,6 +344,29 @@ impl ChatCodec {
 
     fn from_gguf(path: &Path, content: &gguf_file::Content) -> Result<Self, EngineError> {
         let tokenizer = tokenizer_from_gguf(content).map_err(|e| load_err(path, e))?;
+        // A special token's id names a token of the vocabulary, or the file is refused (an
+        // id of 4e9 would otherwise be an end-of-sequence that never comes, and a padding
+        // id past the embedding table).
+        let vocab = tokenizer.get_vocab_size(true);
+        for key in [
+            "tokenizer.ggml.bos_token_id",
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.padding_token_id",
+            "tokenizer.ggml.unknown_token_id",
+        ] {
+            let Some(value) = content.metadata.get(key) else {
+                continue;
+            };
+            if !meta_u32(content, key).is_some_and(|id| (id as usize) < vocab) {
+                return Err(load_err(
+                    path,
+                    format!(
+                        "`{key}` = {}: not a token id of this vocabulary ({vocab} tokens)",
+                        crate::check::clip(&format!("{value:?}"), 80)
+                    ),
+                ));
+            }
+        }
         let token_str = |key: &str| {
             meta_u32(content, key)
                 .and_then(|id| tokenizer.id_to_token(id))
@@ -855,6 +884,12 @@ impl Engine {
         let text = self.render(messages)?;
         self.check_prompt_bytes(&text)?;
         let ids = self.encode(&text)?;
+        if ids.is_empty() {
+            return Err(EngineError::EmptyChatPrompt {
+                model: self.name.clone(),
+                template: self.codec.template.source_name().to_string(),
+            });
+        }
         if ids.len() >= self.context_length {
             return Err(EngineError::PromptTooLong {
                 model: self.name.clone(),

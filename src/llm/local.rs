@@ -324,6 +324,7 @@ fn to_llm_error(model: &str, e: EngineError) -> LlmError {
             backend: model.to_string(),
             what: format!("chat completions: {message}"),
         },
+        EngineError::EmptyChatPrompt { .. } => LlmError::InvalidRequest(format!("`messages`: {e}")),
         EngineError::InvalidPrompt { message, .. } => {
             LlmError::InvalidRequest(format!("`prompt`: {message}"))
         }

@@ -56,7 +56,8 @@ impl ParsedCompletion {
     }
 }
 
-/// The body as sent; `null` counts as absent and unknown fields are ignored, as OpenAI does.
+/// The body as sent; `null` counts as absent and unknown fields are ignored, as OpenAI does,
+/// but for chat's parameters (`response_format`, `tools`, …), which are refused by name.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 struct CompletionBody {
@@ -77,6 +78,12 @@ struct CompletionBody {
     presence_penalty: Option<Number>,
     frequency_penalty: Option<Number>,
     logit_bias: Option<Map<String, Value>>,
+    // Chat parameters this route cannot honour: refused by name, never ignored.
+    response_format: Option<Value>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    functions: Option<Value>,
+    function_call: Option<Value>,
 }
 
 /// The four shapes of `prompt`.
@@ -175,6 +182,23 @@ impl CompletionBody {
                 "suffix",
                 "`suffix` is not supported by this server",
             ));
+        }
+        for (name, given) in [
+            ("response_format", self.response_format.is_some()),
+            ("tools", self.tools.is_some()),
+            ("tool_choice", self.tool_choice.is_some()),
+            ("functions", self.functions.is_some()),
+            ("function_call", self.function_call.is_some()),
+        ] {
+            if given {
+                return Err(unsupported(
+                    name,
+                    &format!(
+                        "`{name}` is not supported by /v1/completions (raw text); use \
+                         /v1/chat/completions"
+                    ),
+                ));
+            }
         }
         if let Some(stop) = self.stop {
             base.stop = parse_stop(stop)?;
@@ -377,7 +401,7 @@ pub(super) async fn answer(
     let responses =
         futures::future::try_join_all(parsed.requests.iter().map(|r| backend.complete(r, None)))
             .await
-            .map_err(|e| ApiError::from_llm(&e))?;
+            .map_err(|e| ApiError::from_completion_llm(&e))?;
     let stats = ChatStats {
         n: parsed.n() * parsed.requests.len(),
         stream: parsed.stream,
@@ -565,7 +589,7 @@ async fn live_stream(state: &AppState, parsed: ParsedCompletion) -> Result<Respo
             result = gen => {
                 live.gen = None;
                 match result {
-                    Err(e) => return Err(ApiError::from_llm(&e)),
+                    Err(e) => return Err(ApiError::from_completion_llm(&e)),
                     ok => live.push_end(ok),
                 }
             }

@@ -68,6 +68,16 @@ impl ApiError {
         }
     }
 
+    /// [`ApiError::from_llm`] for `/v1/completions`, whose prompt is the field `prompt`:
+    /// a prompt too long for the context names it, not chat's `messages`.
+    pub(super) fn from_completion_llm(e: &LlmError) -> Self {
+        let mut err = Self::from_llm(e);
+        if err.param.as_deref() == Some("messages") {
+            err.param = Some("prompt".into());
+        }
+        err
+    }
+
     pub(super) fn context_exceeded(message: String, param: &str) -> Self {
         let mut err = Self::invalid(message, Some(param));
         err.code = Some("context_length_exceeded");

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
+use crate::check::clip;
+
 /// What the client asked the reply to be.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub enum ResponseFormat {
@@ -89,26 +91,14 @@ const MAX_MESSAGE_BYTES: usize = 1_000;
 /// Branch errors of an `anyOf` quoted at most.
 const MAX_QUOTED_BRANCHES: usize = 3;
 
-/// `e` cut to at most `max` bytes on a character boundary, marked with `…` when cut.
-fn shorten_to(e: &str, max: usize) -> String {
-    if e.len() <= max {
-        return e.to_string();
-    }
-    let mut end = max;
-    while !e.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &e[..end])
-}
-
 /// An error of one branch as quoted in its parent's: at most 300 bytes.
 fn shorten(e: &str) -> String {
-    shorten_to(e, 300)
+    clip(e, 300)
 }
 
 /// A value as quoted in an error: at most 80 bytes of its JSON.
 fn quote(v: &Value) -> String {
-    shorten_to(&v.to_string(), 80)
+    clip(&v.to_string(), 80)
 }
 
 /// What one reply's check may still spend: work units and a deadline.
@@ -232,7 +222,7 @@ impl ResponseFormat {
             }
             Self::JsonSchema { schema, .. } => {
                 validate(&value, schema, schema, "$", 0, &Budget::new())
-                    .map_err(|e| shorten_to(&e, MAX_MESSAGE_BYTES))?
+                    .map_err(|e| clip(&e, MAX_MESSAGE_BYTES))?
             }
         }
         Ok(json.to_string())

@@ -210,17 +210,51 @@ impl TrainConfig {
                     format!("unknown setting `{key}` (the keys are those of training_args.json)"),
                 ));
             }
-            if !from_flags.contains(key) {
-                let v = serde_json::to_value(value)?;
-                merged[key.as_str()] = v;
+            if from_flags.contains(key) {
+                continue;
             }
+            // JSON has no NaN or infinity: serde_json would turn them into null.
+            if has_non_finite(value) {
+                return Err(TrainError::input(
+                    path,
+                    format!(
+                        "`{key}` = {}: not a finite number (nan and inf are refused)",
+                        shown(value)
+                    ),
+                ));
+            }
+            merged[key.as_str()] = serde_json::to_value(value)?;
         }
-        let mut cfg: TrainConfig = serde_json::from_value(merged)
-            .map_err(|e| TrainError::input(path, format!("a setting has the wrong type: {e}")))?;
+        let mut cfg: TrainConfig = match serde_json::from_value(merged.clone()) {
+            Ok(cfg) => cfg,
+            Err(e) => return Err(self.wrong_type(path, &file, &merged, e)),
+        };
         if !from_flags.contains("lr") && !file.contains_key("lr") {
             cfg.optim.lr = if cfg.lora.is_some() { lora_lr } else { full_lr };
         }
         Ok(cfg)
+    }
+
+    /// The error of a file whose settings do not deserialize, naming the first key that fails
+    /// alone on top of `self` (serde's own message names the type, never the key).
+    fn wrong_type(
+        &self,
+        path: &Path,
+        file: &toml::Table,
+        merged: &serde_json::Value,
+        e: serde_json::Error,
+    ) -> TrainError {
+        let Ok(base) = serde_json::to_value(self) else {
+            return TrainError::input(path, format!("a setting has the wrong type: {e}"));
+        };
+        for (key, value) in file {
+            let mut one = base.clone();
+            one[key.as_str()] = merged[key.as_str()].clone();
+            if let Err(e) = serde_json::from_value::<TrainConfig>(one) {
+                return TrainError::input(path, format!("`{key}` = {}: {e}", shown(value)));
+            }
+        }
+        TrainError::input(path, format!("a setting has the wrong type: {e}"))
     }
 
     pub fn objective(&self) -> Result<Objective> {
@@ -326,4 +360,19 @@ pub(crate) fn parse_dtype(s: &str, device: &Device) -> Result<DType> {
             "unknown dtype `{s}` (f32, bf16 or auto)"
         ))),
     }
+}
+
+/// Whether a TOML value holds a NaN or infinite float anywhere.
+fn has_non_finite(v: &toml::Value) -> bool {
+    match v {
+        toml::Value::Float(f) => !f.is_finite(),
+        toml::Value::Array(a) => a.iter().any(has_non_finite),
+        toml::Value::Table(t) => t.values().any(has_non_finite),
+        _ => false,
+    }
+}
+
+/// A file's value as an error shows it: at most 80 bytes (a long value is cut, marked `…`).
+fn shown(v: &toml::Value) -> String {
+    crate::check::clip(&v.to_string(), 80)
 }

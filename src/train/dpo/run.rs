@@ -928,9 +928,11 @@ struct RefCacheFile {
 
 type RefValues = (Vec<(f64, f64)>, Option<Vec<(f64, f64)>>, Option<PathBuf>);
 
-/// Reference log-probs of every pair: from the cache when its key matches, else computed
-/// with the adapters off and written beside the data (or in the output when the data's
-/// folder is read-only).
+/// Reference log-probs of every pair: from the cache when its key matches (the run's own
+/// `ref_logps/`, or one an older version wrote beside the data), else computed with the
+/// adapters off and written into the run's `ref_logps/`: a run never writes into its inputs.
+/// Keys are SHA-256 of the data, the model's weights and the template, so a stale file is
+/// never used.
 #[allow(clippy::too_many_arguments)]
 fn reference_logps(
     model: &TrainLlama,
@@ -950,7 +952,7 @@ fn reference_logps(
         .join(&name);
     let in_output = cfg.output.join("ref_logps").join(&name);
     if cfg.ref_cache {
-        for p in [&beside, &in_output] {
+        for p in [&in_output, &beside] {
             if let Ok(text) = std::fs::read_to_string(p) {
                 if let Ok(c) = serde_json::from_str::<RefCacheFile>(&text) {
                     let sizes_ok = c.key == key
@@ -997,13 +999,13 @@ fn reference_logps(
             train: train_ref.clone(),
             eval: eval_ref.clone(),
         };
-        for p in [&beside, &in_output] {
-            let ok = p.parent().map(std::fs::create_dir_all).transpose().is_ok()
-                && write_json_atomic(p, &file).is_ok();
-            if ok {
-                written = Some(p.clone());
-                break;
-            }
+        let dir = cfg.output.join("ref_logps");
+        match std::fs::create_dir_all(&dir)
+            .map_err(|e| e.to_string())
+            .and_then(|()| write_json_atomic(&in_output, &file).map_err(|e| e.to_string()))
+        {
+            Ok(()) => written = Some(in_output.clone()),
+            Err(e) => tracing::warn!("reference log-probs not cached: {e}"),
         }
     }
     Ok((train_ref, eval_ref, written))
@@ -1337,11 +1339,23 @@ fn save_full_model(run: &Run, dir: &Path) -> Result<()> {
     ensure_finite(run.model, dir)?;
     let tmp = dir.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
-    run.model.save_hf(&tmp, None)?;
-    run.codec.save_hf(&tmp)?;
+    removed_on_error(&tmp, || {
+        run.model.save_hf(&tmp, None)?;
+        run.codec.save_hf(&tmp)
+    })?;
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir).map_err(TrainError::io("saving", dir))?;
     Ok(())
+}
+
+/// Runs `write` (which fills the temporary folder `tmp`); on its error `tmp` is removed, so a
+/// refused save (an f16 overflow, a full disk) leaves no half-written `*.tmp/` behind.
+fn removed_on_error(tmp: &Path, write: impl FnOnce() -> Result<()>) -> Result<()> {
+    let result = write();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(tmp);
+    }
+    result
 }
 
 /// Refuses to save a model with a non-finite weight (whatever produced it).
@@ -1361,18 +1375,21 @@ fn save_checkpoint(run: &Run, opt: &AdamW, dir: &Path, step: usize) -> Result<()
     ensure_finite(run.model, dir)?;
     let tmp = dir.with_extension("tmp");
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(TrainError::io("creating", &tmp))?;
-    save_model_files(run, &tmp)?;
-    opt.save(&tmp.join("optimizer.safetensors"))?;
-    let state = TrainerState {
-        global_step: step,
-        total_steps: run.total_steps,
-        epoch: run.epoch_at(step),
-        optimizer_steps: opt.step_count(),
-    };
-    write_json_atomic(&tmp.join("trainer_state.json"), &state)?;
-    write_json_atomic(&tmp.join("training_args.json"), run.cfg)?;
-    crate::run::write_checksums(&tmp)?;
+    removed_on_error(&tmp, || {
+        std::fs::create_dir_all(&tmp).map_err(TrainError::io("creating", &tmp))?;
+        save_model_files(run, &tmp)?;
+        opt.save(&tmp.join("optimizer.safetensors"))?;
+        let state = TrainerState {
+            global_step: step,
+            total_steps: run.total_steps,
+            epoch: run.epoch_at(step),
+            optimizer_steps: opt.step_count(),
+        };
+        write_json_atomic(&tmp.join("trainer_state.json"), &state)?;
+        write_json_atomic(&tmp.join("training_args.json"), run.cfg)?;
+        crate::run::write_checksums(&tmp)?;
+        Ok(())
+    })?;
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir).map_err(TrainError::io("saving", dir))?;
     Ok(())
