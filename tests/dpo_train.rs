@@ -1368,6 +1368,18 @@ fn resume_finishes_an_interrupted_merge() {
     cfg.merge = true;
     train(&cfg, false).unwrap();
     let merged_weights = std::fs::read(cfg.output.join("merged/model.safetensors")).unwrap();
+    // merged/ has its checksums as every checkpoint folder does: a flipped byte is named.
+    collabllm::run::verify_checksums(&cfg.output.join("merged")).unwrap();
+    let listed = collabllm::run::recorded_checksums(&cfg.output.join("merged"))
+        .unwrap()
+        .expect("merged/checksums.json");
+    assert!(listed.contains_key("model.safetensors"), "{listed:?}");
+    let mut flipped = merged_weights.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 1;
+    std::fs::write(cfg.output.join("merged/model.safetensors"), &flipped).unwrap();
+    let e = collabllm::run::verify_checksums(&cfg.output.join("merged")).unwrap_err();
+    assert!(e.contains("model.safetensors"), "{e}");
     let steps = train_lines(&cfg.output).len();
     // What the kill leaves: final/, no summary, a partial merge.
     std::fs::remove_dir_all(cfg.output.join("merged")).unwrap();

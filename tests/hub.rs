@@ -837,3 +837,62 @@ async fn broken_checkpoints_are_refused_before_any_upload() {
     assert!(hub.commits().is_empty(), "nothing was pushed");
     assert_eq!(hub.lfs_uploads(), 0);
 }
+
+/// A checkpoint folder without checksums.json: a link to a file outside the folder, or to a
+/// folder outside it, is refused naming the link before anything is uploaded; a link to a
+/// file inside is published as that file; dot-files (`.env`, `.git/`) are skipped. With a
+/// partial list (an empty one), the push refuses the files it leaves out, as `--resume` does.
+#[tokio::test]
+async fn links_out_of_the_folder_are_refused_and_hidden_files_skipped() {
+    let hub = FakeHub::start(TOKEN).await;
+    let o = opts(&hub, TOKEN);
+    let (_g, dir) = model_util::tiny_model_dir(&collabllm::engine::tiny::TinySpec::default());
+    let outside = tempfile::tempdir().unwrap();
+    let secret = outside.path().join("passwd");
+    std::fs::write(&secret, "root:x:0:0").unwrap();
+    std::fs::create_dir_all(outside.path().join("secrets")).unwrap();
+    std::fs::write(outside.path().join("secrets/key"), "k").unwrap();
+    let push = |dir: PathBuf, o: PushOptions| async move {
+        hub::push_model_dir(&dir, "alice/linked", &o).await
+    };
+
+    let link = dir.join("notes.txt");
+    std::os::unix::fs::symlink(&secret, &link).unwrap();
+    let e = push(dir.clone(), o.clone()).await.unwrap_err().to_string();
+    assert!(
+        e.contains("`notes.txt` is a symbolic link") && e.contains("out of the folder"),
+        "{e}"
+    );
+    std::fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink(outside.path().join("secrets"), dir.join("extra")).unwrap();
+    let e = push(dir.clone(), o.clone()).await.unwrap_err().to_string();
+    assert!(e.contains("`extra` is a symbolic link"), "{e}");
+    std::fs::remove_file(dir.join("extra")).unwrap();
+    assert!(hub.commits().is_empty(), "nothing was pushed");
+    assert_eq!(hub.lfs_uploads(), 0);
+
+    // A link inside the folder is published as the file; hidden files are skipped.
+    std::fs::write(dir.join("notes.md"), "about").unwrap();
+    std::os::unix::fs::symlink(dir.join("notes.md"), dir.join("notes.txt")).unwrap();
+    std::fs::write(dir.join(".env"), "HF_TOKEN=x").unwrap();
+    std::fs::create_dir_all(dir.join(".git")).unwrap();
+    std::fs::write(dir.join(".git/config"), "x").unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("layout");
+    let dry = PushOptions {
+        dry_run: Some(out.clone()),
+        ..o.clone()
+    };
+    push(dir.clone(), dry.clone()).await.unwrap();
+    assert_eq!(std::fs::read(out.join("notes.txt")).unwrap(), b"about");
+    assert!(!out.join(".env").exists() && !out.join(".git").exists());
+
+    // An empty checksum list verifies nothing: refused, naming what it leaves out.
+    std::fs::write(
+        dir.join(collabllm::run::CHECKSUMS_FILE),
+        r#"{"sha256": {}}"#,
+    )
+    .unwrap();
+    let e = push(dir.clone(), dry).await.unwrap_err().to_string();
+    assert!(e.contains("not listed") && e.contains("config.json"), "{e}");
+}

@@ -457,6 +457,7 @@ pub fn dataset_files(run_dir: &Path, repo: &str, flat: bool) -> Result<Vec<RepoF
         }
         Err(e) => return Err(e.into()),
     };
+    let root = std::fs::canonicalize(run_dir).map_err(|e| io_err(run_dir, e))?;
     let mut files = Vec::new();
     let mut configs = Vec::new();
     let mut wanted = vec![(
@@ -476,12 +477,18 @@ pub fn dataset_files(run_dir: &Path, repo: &str, flat: bool) -> Result<Vec<RepoF
             fields: Vec::new(),
         };
         for (split, path) in splits {
-            if !path.exists() {
+            if std::fs::symlink_metadata(&path).is_err() {
                 return Err(HubError::Layout {
                     path,
                     message: "missing (run generate_conv to the end first)".into(),
                 });
             }
+            let rel = path
+                .strip_prefix(run_dir)
+                .unwrap_or(&path)
+                .display()
+                .to_string();
+            let path = inside_file(&root, &path, &rel)?;
             let (s, fields, file) = split_of(config, split, path)?;
             if s.num_examples == 0 {
                 continue;
@@ -541,8 +548,9 @@ pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
         path: dir.to_path_buf(),
         message,
     })?;
+    let root = std::fs::canonicalize(dir).map_err(|e| io_err(dir, e))?;
     let mut files = Vec::new();
-    collect(dir, "", &mut files)?;
+    collect(&root, &root, "", &mut files)?;
     refuse_unlisted(dir, &files)?;
     // The optimizer state only serves `dpo_train --resume`; HF does not publish it either.
     // Nor the checksums of what `--resume` reads (they list the optimizer state too).
@@ -554,6 +562,16 @@ pub fn model_files(dir: &Path, repo: &str) -> Result<Vec<RepoFile>, HubError> {
     });
     files.sort_by(|a, b| a.path_in_repo.cmp(&b.path_in_repo));
     let names: Vec<String> = files.iter().map(|f| f.path_in_repo.clone()).collect();
+    if crate::run::recorded_checksums(dir).ok().flatten().is_none() {
+        // Nothing vouches for these files: say which are published before any upload.
+        tracing::warn!(
+            "{}: no {}, so nothing is verified; publishing the {} files found: {}",
+            dir.display(),
+            crate::run::CHECKSUMS_FILE,
+            names.len(),
+            names.join(", ")
+        );
+    }
     let card = model_card(dir, repo, peft, &names);
     files.push(RepoFile::bytes("README.md", card.into_bytes()));
     Ok(files)
@@ -595,20 +613,75 @@ fn refuse_unlisted(dir: &Path, files: &[RepoFile]) -> Result<(), HubError> {
     })
 }
 
-fn collect(dir: &Path, prefix: &str, out: &mut Vec<RepoFile>) -> Result<(), HubError> {
-    let entries = std::fs::read_dir(dir).map_err(|e| io_err(dir, e))?;
-    for e in entries {
-        let e = e.map_err(|e| io_err(dir, e))?;
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') {
-            continue; // Temporary and hidden files.
+/// The file a published path reads: `path` itself, or for a symbolic link its target when
+/// that is a regular file inside the folder being published (`root`, canonical). Any other
+/// link (out of the folder, to a folder, dangling) is refused naming the link: a publish
+/// never reads the host's files.
+pub(crate) fn inside_file(root: &Path, path: &Path, rel: &str) -> Result<PathBuf, HubError> {
+    let meta = std::fs::symlink_metadata(path).map_err(|e| io_err(path, e))?;
+    let refuse = |message: String| HubError::Layout {
+        path: path.to_path_buf(),
+        message,
+    };
+    if meta.file_type().is_file() {
+        // A regular file, but maybe reached through a linked folder.
+        let real = std::fs::canonicalize(path).map_err(|e| io_err(path, e))?;
+        if !real.starts_with(root) {
+            return Err(refuse(format!(
+                "`{rel}` lies out of the folder being published ({}), reached through a \
+                 linked folder; push_hf never follows links out of the folder",
+                real.display()
+            )));
         }
+        return Ok(path.to_path_buf());
+    }
+    if !meta.file_type().is_symlink() {
+        return Err(refuse(format!(
+            "`{rel}` is {}, not a regular file; not published",
+            crate::run::file_type_name(&meta.file_type())
+        )));
+    }
+    let shown = std::fs::read_link(path)
+        .map(|t| t.display().to_string())
+        .unwrap_or_default();
+    let why = match std::fs::canonicalize(path) {
+        Err(_) => "which leads nowhere",
+        Ok(target) if !target.starts_with(root) => "out of the folder being published",
+        Ok(target) if !target.is_file() => "to something that is not a regular file",
+        Ok(target) => return Ok(target),
+    };
+    Err(refuse(format!(
+        "`{rel}` is a symbolic link ({shown}) {why}; push_hf never follows links out of the \
+         folder: replace it with the file itself"
+    )))
+}
+
+/// Every file under `dir` (within `root`, canonical) to publish: hidden files (`.env`,
+/// `.git/`, …) are skipped with a message; links only as [`inside_file`] allows.
+fn collect(root: &Path, dir: &Path, prefix: &str, out: &mut Vec<RepoFile>) -> Result<(), HubError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| io_err(dir, e))?;
+    let mut entries: Vec<std::fs::DirEntry> = entries
+        .collect::<std::io::Result<_>>()
+        .map_err(|e| io_err(dir, e))?;
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let name = e.file_name().to_string_lossy().into_owned();
         let path = e.path();
         let rel = format!("{prefix}{name}");
-        if path.is_dir() {
-            collect(&path, &format!("{rel}/"), out)?;
+        let kind = e.file_type().map_err(|err| io_err(&path, err))?;
+        if name.starts_with('.') {
+            tracing::warn!(
+                "{}: skipping `{rel}{}`: hidden files are never published",
+                root.display(),
+                if kind.is_dir() { "/" } else { "" }
+            );
+            continue;
+        }
+        if kind.is_dir() {
+            collect(root, &path, &format!("{rel}/"), out)?;
         } else {
-            out.push(RepoFile::file(rel, path));
+            let file = inside_file(root, &path, &rel)?;
+            out.push(RepoFile::file(rel, file));
         }
     }
     Ok(())

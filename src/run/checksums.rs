@@ -1,6 +1,12 @@
 //! Per-file SHA-256 of a checkpoint directory (`checksums.json`), written when the checkpoint
-//! is saved and checked before it is resumed from: flipped bytes or a file replaced by
-//! hand are refused by name, not found later as a "non-finite loss".
+//! is saved and checked before it is resumed from, loaded for training or published: flipped
+//! bytes or a file replaced by hand are refused by name, not found later as a "non-finite
+//! loss".
+//!
+//! One rule for every reader ([`verify_checksums`]): each listed file must have its recorded
+//! digest, and each file of the folder must be listed (hidden files and the regenerated
+//! `README.md` excepted), so a partial or empty list refuses the same files on `--resume` as
+//! on `push_hf`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -78,12 +84,48 @@ pub fn recorded_checksums(dir: &Path) -> Result<Option<BTreeMap<String, String>>
     Ok(Some(out))
 }
 
-/// Checks every file `checksums.json` lists; a checkpoint without one (written by an older
-/// version) passes, a damaged list does not. The error names the file.
+/// Files of a folder that a checksum list must name: every entry but hidden ones, the list
+/// itself and `README.md` (a model card, regenerated on every push), sorted.
+pub fn files_to_list(dir: &Path) -> Result<Vec<String>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut names = Vec::new();
+    for e in entries {
+        let e = e.map_err(|e| format!("{}: {e}", dir.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') || name == CHECKSUMS_FILE || name == "README.md" {
+            continue;
+        }
+        names.push(name);
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Checks every file `checksums.json` lists, and that it lists every file of the folder (see
+/// the module docs); a checkpoint without a list (written by an older version) passes, a
+/// damaged list does not. The error names the file.
 pub fn verify_checksums(dir: &Path) -> Result<(), String> {
     let Some(sums) = recorded_checksums(dir)? else {
         return Ok(());
     };
+    let unlisted: Vec<String> = files_to_list(dir)?
+        .into_iter()
+        .filter(|name| !sums.contains_key(name))
+        .collect();
+    if !unlisted.is_empty() {
+        return Err(format!(
+            "{}: {} not listed in {CHECKSUMS_FILE} (added after the checkpoint was saved, or \
+             the list is partial), so the folder cannot be verified: {}; remove them, or use \
+             a copy of the folder without them",
+            dir.display(),
+            if unlisted.len() == 1 {
+                "a file is"
+            } else {
+                "files are"
+            },
+            unlisted.join(", ")
+        ));
+    }
     for (name, want) in sums {
         let path = dir.join(&name);
         let got = sha256_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -91,8 +133,9 @@ pub fn verify_checksums(dir: &Path) -> Result<(), String> {
             return Err(format!(
                 "{}: its SHA-256 differs from the one recorded in {CHECKSUMS_FILE} when the \
                  checkpoint was saved, so the file is corrupt or was replaced. Resume from \
-                 another checkpoint; or, if you changed `{name}` on purpose, remove its entry \
-                 from {CHECKSUMS_FILE} to accept it unverified",
+                 another checkpoint; or, if you changed `{name}` on purpose, delete \
+                 {CHECKSUMS_FILE} to accept the folder unverified (a list must name every \
+                 file)",
                 path.display()
             ));
         }
@@ -145,5 +188,31 @@ mod tests {
         }
         std::fs::remove_file(&list).unwrap();
         assert_eq!(recorded_checksums(dir.path()).unwrap(), None);
+    }
+
+    /// A partial list (an empty one included) refuses the files it leaves out, by name; a
+    /// hidden file and a README.md need no entry.
+    #[test]
+    fn a_partial_list_refuses_what_it_leaves_out() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("model.safetensors"), b"weights").unwrap();
+        std::fs::write(dir.path().join("config.json"), b"{}").unwrap();
+        let list = dir.path().join(CHECKSUMS_FILE);
+        std::fs::write(&list, b"{\"sha256\": {}}").unwrap();
+        let e = verify_checksums(dir.path()).unwrap_err();
+        assert!(
+            e.contains("not listed") && e.contains("config.json, model.safetensors"),
+            "{e}"
+        );
+        write_checksums(dir.path()).unwrap();
+        std::fs::write(dir.path().join(".hidden"), b"x").unwrap();
+        std::fs::write(dir.path().join("README.md"), b"card").unwrap();
+        verify_checksums(dir.path()).unwrap();
+        std::fs::write(dir.path().join("evil.py"), b"import os").unwrap();
+        let e = verify_checksums(dir.path()).unwrap_err();
+        assert!(
+            e.contains("a file is not listed") && e.contains("evil.py"),
+            "{e}"
+        );
     }
 }

@@ -39,7 +39,8 @@ mod signal;
 pub(crate) use atomic::AtomicFile;
 pub use atomic::{sync_dir, write_atomic, write_json_atomic, WriteError};
 pub use checksums::{
-    recorded_checksums, sha256_file, verify_checksums, write_checksums, CHECKSUMS_FILE,
+    files_to_list, recorded_checksums, sha256_file, verify_checksums, write_checksums,
+    CHECKSUMS_FILE,
 };
 pub use jobs::drive_jobs;
 pub use lock::{LockError, RunLock, LOCK_FILE};

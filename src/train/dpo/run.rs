@@ -680,6 +680,7 @@ fn save_base(
         };
         model.save_hf(&tmp, source)?;
         codec.save_hf(&tmp)?;
+        crate::run::write_checksums(&tmp)?;
         std::fs::rename(&tmp, &dir).map_err(TrainError::io("renaming into place", &dir))?;
     }
     let abs = std::fs::canonicalize(&dir).map_err(TrainError::io("resolving", &dir))?;
@@ -1341,7 +1342,9 @@ fn save_full_model(run: &Run, dir: &Path) -> Result<()> {
     let _ = std::fs::remove_dir_all(&tmp);
     removed_on_error(&tmp, || {
         run.model.save_hf(&tmp, None)?;
-        run.codec.save_hf(&tmp)
+        run.codec.save_hf(&tmp)?;
+        crate::run::write_checksums(&tmp)?;
+        Ok(())
     })?;
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir).map_err(TrainError::io("saving", dir))?;
