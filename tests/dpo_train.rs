@@ -334,6 +334,47 @@ fn resume_without_a_checkpoint_logs_each_step_once() {
     assert_eq!(steps, vec![1, 2, 3, 4]);
 }
 
+/// The base model's identity (its weight files' fingerprint) is recorded in
+/// training_args.json; `--resume` on weights replaced under the same path is refused by name
+/// (the reference log-probs would otherwise be recomputed from the new weights), unless
+/// `--resume-override model-sha256` accepts them.
+#[test]
+fn resume_refuses_a_base_whose_weights_changed_under_the_same_path() {
+    let f = fixture();
+    let model = f.root.join("base-model");
+    std::fs::create_dir_all(&model).unwrap();
+    for entry in std::fs::read_dir(&f.model).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, model.join(p.file_name().unwrap())).unwrap();
+    }
+    let mut cfg = config(&f, "changed-base");
+    cfg.model = model.display().to_string();
+    cfg.max_steps = Some(3);
+    cfg.optim.save_steps = Some(1);
+    cfg.stop_after = Some(1);
+    train(&cfg, false).unwrap_err();
+    let recorded = read_args(&cfg.output)["model_sha256"].clone();
+    assert_eq!(recorded.as_str().map(str::len), Some(16), "{recorded}");
+    let (_g, other) = tiny_model_dir(&TinySpec {
+        seed: 99,
+        ..TinySpec::default()
+    });
+    std::fs::copy(
+        other.join("model.safetensors"),
+        model.join("model.safetensors"),
+    )
+    .unwrap();
+    cfg.stop_after = None;
+    cfg.resume = true;
+    let err = train(&cfg, false).unwrap_err().to_string();
+    assert!(err.contains("--model-sha256 was"), "{err}");
+    assert!(!cfg.output.join("final").exists());
+    cfg.resume_override = vec!["model-sha256".into()];
+    let summary = train(&cfg, false).unwrap();
+    assert_eq!(summary.resumed_from, Some(1));
+    assert_ne!(read_args(&cfg.output)["model_sha256"], recorded);
+}
+
 #[test]
 fn resume_continues_with_the_same_state() {
     let f = fixture();

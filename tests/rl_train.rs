@@ -411,6 +411,41 @@ async fn resume_without_a_checkpoint_logs_each_step_once() {
     assert_eq!(jsonl(&out.join("rollouts.jsonl")).len(), rollouts);
 }
 
+/// `--resume` on a policy whose weights were replaced under the same path is refused by name
+/// (`rl_config.json` records the weights' fingerprint as `model_sha256`).
+#[tokio::test(flavor = "multi_thread")]
+async fn resume_refuses_a_model_whose_weights_changed_under_the_same_path() {
+    let server = server().await;
+    let (_g, model) = tiny();
+    let (_g2, other) = model_util::tiny_model_dir(&TinySpec {
+        seed: 99,
+        ..TinySpec::default()
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    ok(&run_bin(&args(&server, &model, &out, &["--max-steps", "1"])).await);
+    let recorded: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rl_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(recorded["model_sha256"].as_str().map(str::len), Some(16));
+    std::fs::copy(
+        other.join("model.safetensors"),
+        model.join("model.safetensors"),
+    )
+    .unwrap();
+    let o = run_bin(&args(
+        &server,
+        &model,
+        &out,
+        &["--max-steps", "2", "--resume"],
+    ))
+    .await;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("model-sha256"), "{err}");
+    assert_eq!(jsonl(&out.join("logs.jsonl")).len(), 1);
+}
+
 /// `--resume` on a task file whose content changed at the same path is refused by name.
 #[tokio::test(flavor = "multi_thread")]
 async fn resume_refuses_tasks_that_changed_under_the_same_path() {

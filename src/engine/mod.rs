@@ -35,7 +35,7 @@ pub mod weights;
 
 pub use messages::{ChatMessage, FinishReason, OptionProbs, TokenLogprob, TopLogprob};
 pub use runtime::{
-    base_hf_tensors, fingerprint, option_probs_after, CancelFlag, ChatCodec, Engine, EngineError,
-    EosRule, GenOutput, GenParams, GenState, Generation, LoadOptions, LocalModelFiles, Prefill,
-    TokenSink,
+    base_hf_tensors, fingerprint, model_fingerprint, option_probs_after, weight_files, CancelFlag,
+    ChatCodec, Engine, EngineError, EosRule, GenOutput, GenParams, GenState, Generation,
+    LoadOptions, LocalModelFiles, Prefill, TokenSink,
 };

@@ -266,6 +266,28 @@ pub fn fingerprint(files: &[PathBuf]) -> Result<String, EngineError> {
     Ok(hex::encode(h.finalize())[..16].to_string())
 }
 
+/// The weight files of a local model, in the order [`fingerprint`] reads them: a GGUF file; an
+/// HF folder's safetensors; an adapter's base's, then its weights and config.
+pub fn weight_files(files: &LocalModelFiles) -> Result<Vec<PathBuf>, EngineError> {
+    Ok(match files {
+        LocalModelFiles::Gguf(p) => vec![p.clone()],
+        LocalModelFiles::HfDir(d) => safetensors_in(d)?,
+        LocalModelFiles::Adapter { dir, base } => {
+            let mut v = weight_files(base)?;
+            v.push(dir.join(super::peft::ADAPTER_WEIGHTS));
+            v.push(dir.join(super::peft::ADAPTER_CONFIG));
+            v
+        }
+    })
+}
+
+/// A local model's identity before it is loaded: the [`fingerprint`] of its
+/// [`weight_files`] (for a GGUF file or an HF folder, what [`Engine::fingerprint`] reports
+/// once loaded).
+pub fn model_fingerprint(files: &LocalModelFiles) -> Result<String, EngineError> {
+    fingerprint(&weight_files(files)?)
+}
+
 fn json_ids(v: Option<&serde_json::Value>) -> Vec<u32> {
     match v {
         Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| x as u32).into_iter().collect(),

@@ -91,6 +91,12 @@ pub struct TrainConfig {
     /// content changed under the same path (`--resume-override data-sha256` accepts it).
     #[serde(default)]
     pub data_sha256: Option<String>,
+    /// Fingerprint of the model's weight files (the engine's: SHA-256 of their bytes, 16 hex
+    /// digits; an adapter's with its base's), set by [`train`](super::train): `--resume`
+    /// refuses weights replaced under the same path (`--resume-override model-sha256`
+    /// accepts them).
+    #[serde(default)]
+    pub model_sha256: Option<String>,
 }
 
 /// The settings that change a run's math, by flag name: `--resume` refuses to change any of
@@ -120,6 +126,7 @@ pub const RESUME_SETTINGS: &[&str] = &[
     "seed",
     "dtype",
     "data-sha256",
+    "model-sha256",
 ];
 
 /// One setting a `--resume --resume-override` changed, as recorded in `training_args.json`.
@@ -166,6 +173,7 @@ impl TrainConfig {
             resume_override: Vec::new(),
             resume_overrides: Vec::new(),
             data_sha256: None,
+            model_sha256: None,
             optim: TrainerSettings::default(),
         }
     }
@@ -177,6 +185,7 @@ impl TrainConfig {
         "resume_override",
         "resume_overrides",
         "data_sha256",
+        "model_sha256",
         "stop_after",
     ];
 

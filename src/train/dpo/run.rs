@@ -179,10 +179,11 @@ pub fn train_until(
     let sha = crate::run::sha256_file(&data_paths.train)
         .map_err(TrainError::io("reading", &data_paths.train))?;
     hashed.data_sha256 = Some(sha);
+    let files = local_model_files(&hashed)?;
+    hashed.model_sha256 = Some(crate::engine::model_fingerprint(&files)?);
     let recorded = resume_args(&hashed)?;
     let cfg = &recorded;
 
-    let files = local_model_files(cfg)?;
     check_max_length(cfg, &files.config()?)?;
     let codec = ChatCodec::load(&files)?;
     let device = parse_device(&cfg.optim.device)?;

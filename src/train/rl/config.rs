@@ -272,6 +272,10 @@ pub struct RlRunConfig {
     /// refuses a run whose task file changed under the same path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks_sha256: Option<String>,
+    /// Fingerprint of the policy's weight files (the engine's: SHA-256 of their bytes, 16 hex
+    /// digits), set by rl_train: `--resume` refuses weights replaced under the same path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_sha256: Option<String>,
     /// Optimizer, schedule, clipping, device, seed and checkpoint settings, shared with
     /// dpo_train (top-level keys, as all the others).
     #[serde(flatten)]
@@ -334,6 +338,7 @@ impl Default for RlRunConfig {
             compat: None,
             ppo_mini_batch: None,
             tasks_sha256: None,
+            model_sha256: None,
             optim: TrainerSettings::default(),
             rollout: RolloutConfig::default(),
             unknown_keys: UnknownKeys::default(),

@@ -416,10 +416,13 @@ fn check_output(cfg: &RlRunConfig, resume: bool) -> Result<(), TrainError> {
     let old: RlRunConfig = serde_json::from_str(&text)
         .map_err(|e| TrainError::input(&path, format!("not an rl_train configuration: {e}")))?;
     let mut now = cfg.identity();
-    if old.tasks_sha256.is_none() {
-        // A run recorded before task hashes were: nothing to compare.
-        if let Some(o) = now.as_object_mut() {
+    // A run recorded before task or model hashes were: nothing to compare.
+    if let Some(o) = now.as_object_mut() {
+        if old.tasks_sha256.is_none() {
             o.remove("tasks_sha256");
+        }
+        if old.model_sha256.is_none() {
+            o.remove("model_sha256");
         }
     }
     let changed: Vec<String> = crate::run::changed_keys(&old.identity(), &now)
@@ -727,6 +730,12 @@ pub async fn rl_train_until(
             cfg.rollout.judge
         );
     }
+    // The policy's identity, so that weights replaced under the same path refuse a resume.
+    let spec: ModelSpec = cfg.model.parse()?;
+    let files = resolve_local(&spec)
+        .await
+        .with_context(|| format!("--model {}", cfg.model))?;
+    cfg.model_sha256 = Some(crate::engine::model_fingerprint(&files)?);
     std::fs::create_dir_all(&cfg.output)
         .with_context(|| format!("creating {}", cfg.output.display()))?;
     // One writer per run directory: a second rl_train on the same --output stops here.
@@ -743,10 +752,6 @@ pub async fn rl_train_until(
         }
     }
 
-    let spec: ModelSpec = cfg.model.parse()?;
-    let files = resolve_local(&spec)
-        .await
-        .with_context(|| format!("--model {}", cfg.model))?;
     let codec = ChatCodec::load(&files)?;
     let pad_id = codec.eos_ids.first().copied().unwrap_or(0);
     let model = load_policy(&cfg, &files)?;
