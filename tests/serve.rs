@@ -859,3 +859,32 @@ fn binary_help_and_spec_checks() {
         assert!(err.contains(bad[2]), "{bad:?}: {err}");
     }
 }
+
+/// A client's string is never echoed whole: a 1 MB `model`, `role`, schema property name,
+/// `$ref` or type name comes back in an error of under 2 KB (and the log line is as short).
+#[tokio::test]
+async fn megabyte_client_strings_come_back_cut() {
+    let addr = echo_server().await;
+    let big = "k".repeat(1 << 20);
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let schema = |schema: Value| {
+        json!({"messages": user, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "schema": schema}}})
+    };
+    for body in [
+        json!({"model": big, "messages": user}),
+        json!({"messages": [{"role": big, "content": "x"}]}),
+        schema(json!({"type": "object", "properties": {big.as_str(): {"type": "nonsense"}}})),
+        schema(json!({"$ref": big})),
+        schema(json!({"type": big})),
+    ] {
+        let (status, text) = post_raw(addr, body.to_string()).await;
+        assert!(
+            (400..500).contains(&status),
+            "{status}: {}",
+            &text[..200.min(text.len())]
+        );
+        assert!(text.len() < 2048, "an error of {} bytes", text.len());
+        assert!(api_error(&text)["message"].is_string(), "{text}");
+    }
+}

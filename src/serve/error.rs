@@ -135,18 +135,40 @@ pub(super) fn backticked(msg: &str) -> Option<String> {
     Some(msg[start..start + len].to_string())
 }
 
+/// Bytes of an error's message at most, as a client and the log see it: a client's string
+/// quoted in it (a 1 MB key, `model`, `role`, `$ref`) is cut, never echoed whole.
+pub(super) const MAX_ERROR_MESSAGE_BYTES: usize = 1_000;
+/// Bytes of an error's `param` at most (a path of client-chosen keys).
+pub(super) const MAX_ERROR_PARAM_BYTES: usize = 200;
+
+impl ApiError {
+    /// The error as it leaves the server: message and param cut to their bounds.
+    pub(super) fn capped(mut self) -> Self {
+        if self.message.len() > MAX_ERROR_MESSAGE_BYTES {
+            self.message = crate::check::clip(&self.message, MAX_ERROR_MESSAGE_BYTES);
+        }
+        if let Some(p) = self.param.as_mut() {
+            if p.len() > MAX_ERROR_PARAM_BYTES {
+                *p = crate::check::clip(p, MAX_ERROR_PARAM_BYTES);
+            }
+        }
+        self
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let this = self.capped();
         let body = json!({
             "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
+                "message": this.message,
+                "type": this.kind,
+                "param": this.param,
+                "code": this.code,
             }
         });
-        let mut resp = (self.status, Json(body)).into_response();
-        resp.extensions_mut().insert(ErrorNote(self.message));
+        let mut resp = (this.status, Json(body)).into_response();
+        resp.extensions_mut().insert(ErrorNote(this.message));
         resp
     }
 }

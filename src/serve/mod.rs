@@ -499,7 +499,8 @@ struct ErrorNote(String);
 async fn access_log(req: Request, next: Next) -> Response {
     let started = Instant::now();
     let method = req.method().clone();
-    let path = req.uri().path().to_string();
+    // A client's path is logged cut, as error messages are.
+    let path = crate::check::clip(req.uri().path(), 200);
     let resp = next.run(req).await;
     let status = resp.status().as_u16();
     let latency_ms = started.elapsed().as_millis() as u64;

@@ -88,7 +88,7 @@ pub(super) fn stream_response(
 /// A stream's failure after its status line is long gone: the error goes in the stream,
 /// OpenAI-shaped.
 pub(super) fn error_event(e: &LlmError) -> Event {
-    let err = ApiError::from_llm(e);
+    let err = ApiError::from_llm(e).capped();
     tracing::warn!(error = %err.message, "stream failed");
     let body = json!({"error": {"message": err.message, "type": err.kind,
                                 "param": err.param, "code": err.code}});
