@@ -113,6 +113,7 @@ struct Args {
     /// A Jinja chat template (HF's format: `messages`, `add_generation_prompt`, `bos_token`,
     /// `eos_token`) to use instead of the model's own. A model whose files carry none (a base
     /// model) answers /v1/completions, and refuses chat completions (400) unless given one.
+    /// At most 1 MiB; an empty (or all-whitespace) file is refused.
     #[arg(long, value_name = "FILE")]
     chat_template: Option<std::path::PathBuf>,
 }

@@ -35,6 +35,33 @@ pub enum TemplateError {
 /// would otherwise hold a request for hours); it runs out in well under a second.
 pub const MAX_RENDER_FUEL: u64 = 10_000_000;
 
+/// Bytes of a chat template at most: real ones are 1–20 KB (Qwen3's 4 KB, Gemma 3's 1.5 KB);
+/// a larger file (`--chat-template /dev/zero`) is refused after reading this much, never read
+/// until memory runs out.
+pub const MAX_TEMPLATE_BYTES: usize = 1 << 20;
+
+/// Reads a template file, at most [`MAX_TEMPLATE_BYTES`] of it (more is refused by name).
+pub fn read_template_file(path: &Path) -> Result<String, TemplateError> {
+    use std::io::Read;
+    let name = path.display().to_string();
+    let invalid = |message: String| TemplateError::Invalid {
+        source_name: name.clone(),
+        message,
+    };
+    let file = std::fs::File::open(path).map_err(|e| invalid(e.to_string()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_TEMPLATE_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| invalid(e.to_string()))?;
+    if bytes.len() > MAX_TEMPLATE_BYTES {
+        return Err(invalid(format!(
+            "the chat template is larger than {MAX_TEMPLATE_BYTES} bytes (1 MiB); no real \
+             template is"
+        )));
+    }
+    String::from_utf8(bytes).map_err(|_| invalid("the chat template is not UTF-8 text".into()))
+}
+
 /// A compiled chat template plus the special tokens it may refer to.
 #[derive(Clone)]
 pub struct ChatTemplate {
@@ -74,6 +101,16 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<Self, TemplateError> {
+        if source.len() > MAX_TEMPLATE_BYTES {
+            return Err(TemplateError::Invalid {
+                source_name: source_name.into(),
+                message: format!(
+                    "the chat template is {} bytes, more than {MAX_TEMPLATE_BYTES} (1 MiB); no \
+                     real template is",
+                    source.len()
+                ),
+            });
+        }
         if source.trim().is_empty() {
             return Err(TemplateError::Invalid {
                 source_name: source_name.into(),
@@ -156,10 +193,7 @@ impl ChatTemplate {
         };
         let jinja_file = path.with_file_name("chat_template.jinja");
         if jinja_file.is_file() {
-            let src = std::fs::read_to_string(&jinja_file).map_err(|e| TemplateError::Invalid {
-                source_name: jinja_file.display().to_string(),
-                message: e.to_string(),
-            })?;
+            let src = read_template_file(&jinja_file)?;
             return Self::new(
                 &src,
                 &jinja_file.display().to_string(),
@@ -326,6 +360,11 @@ mod tests {
             "hi!"
         );
         assert_eq!(given.eos_token(), "</s>");
+        // A file larger than any template is refused after 1 MiB of it.
+        let big = dir.path().join("big.jinja");
+        std::fs::write(&big, vec![b'x'; MAX_TEMPLATE_BYTES + 1]).unwrap();
+        let err = read_template_file(&big).unwrap_err().to_string();
+        assert!(err.contains("big.jinja") && err.contains("1 MiB"), "{err}");
         // An empty template (`--chat-template` of an empty file) is refused, naming it.
         for empty in ["", " \n\t"] {
             let err = t.replaced(empty, "empty.jinja").unwrap_err().to_string();

@@ -625,7 +625,8 @@ impl Engine {
     /// Uses the Jinja chat template in `path` instead of the model's own (a base model has
     /// none): what `serve --chat-template FILE` loads.
     pub fn set_chat_template(&mut self, path: &Path) -> Result<(), EngineError> {
-        let source = std::fs::read_to_string(path).map_err(|e| load_err(path, e))?;
+        let source =
+            super::chat_template::read_template_file(path).map_err(|e| load_err(path, e))?;
         self.codec.template = self
             .codec
             .template
