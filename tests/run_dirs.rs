@@ -486,7 +486,6 @@ async fn every_binary_refuses_an_output_of_the_wrong_kind_before_any_work() {
     let missing = tmp.path().join("no/such/dagger.parquet");
     let missing_s = missing.to_str().unwrap().to_string();
     let run_dir = tmp.path().join("run");
-    let spec = format!("openai:scripted@{}", server.base_url);
     let pairs = tmp.path().join("pairs.parquet");
     let pairs_s = pairs.to_str().unwrap().to_string();
     let eval_20q = |extra: &[&str]| {
@@ -558,7 +557,7 @@ async fn every_binary_refuses_an_output_of_the_wrong_kind_before_any_work() {
             env!("CARGO_BIN_EXE_rl_train"),
             {
                 let tasks = data("math.jsonl");
-                strings(&["--tasks", &tasks, "--policy", &spec, "--output", &fifo_s])
+                strings(&["--tasks", &tasks, "--output", &fifo_s])
             },
             "--output",
             fifo_s.as_str(),

@@ -237,10 +237,20 @@ async fn what_the_endpoint_cannot_do_is_a_named_400() {
     let (_g, _dir, backend) = model_util::load_tiny_f32(&TinySpec::default()).await;
     let config = backend.engine().model().config();
     let vocab = config.vocab_size;
-    assert_eq!(
-        config.max_position_embeddings, 1024,
-        "the prompt below is one token over"
-    );
+    // A text under the byte bound (so tokenized) with more tokens than the context: the
+    // engine refuses it, and the error names `prompt`, not chat's `messages`.
+    let engine = backend.engine().clone();
+    let context = config.max_position_embeddings;
+    let max_bytes = context * engine.max_token_bytes();
+    let long_text = (1..)
+        .map(|k| "a ".repeat(100 * k))
+        .take_while(|t| t.len() <= max_bytes)
+        .find(|t| {
+            engine
+                .tokenize_text(t, true)
+                .is_ok_and(|ids| ids.len() >= context)
+        })
+        .expect("a text under the byte bound with too many tokens");
     let addr = spawn_server(backend, "tiny").await;
     for (body, param, needle) in [
         (json!({}), "prompt", "missing required parameter"),
@@ -283,7 +293,7 @@ async fn what_the_endpoint_cannot_do_is_a_named_400() {
         ),
         (json!({"prompt": "x", "model": "other"}), "model", "other"),
         (
-            json!({"prompt": vec![1u32; 1025]}),
+            json!({"prompt": long_text}),
             "prompt",
             "does not fit the context length",
         ),
