@@ -326,3 +326,40 @@ async fn a_raw_completion_whose_greedy_token_is_eos_stops() {
         .trim()
         .is_empty());
 }
+
+/// Text prompts are tokenized off the async threads: while two requests of 6 prompts of
+/// 1.2 MB each are tokenized (each under the byte bound, so counted exactly, then refused for
+/// the context), `GET /health` answers within 1 s on a server of two async threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_answers_while_huge_text_prompts_are_tokenized() {
+    use std::time::{Duration, Instant};
+    model_util::one_thread();
+    let path = model_util::default_model_path();
+    let backend = LocalBackend::load(&ModelSpec::Gguf(path), &LoadOptions::default())
+        .await
+        .unwrap();
+    let addr = spawn_server(backend, "default").await;
+    let prompt = "word ".repeat(240_000);
+    let body = json!({"prompt": vec![prompt; 6], "max_tokens": 1}).to_string();
+    let busy: Vec<_> = (0..2)
+        .map(|_| {
+            let body = body.clone();
+            tokio::spawn(async move { serve_util::post_to(addr, "/v1/completions", body).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut worst = Duration::ZERO;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let (status, _) = serve_util::get_raw(addr, "/health").await;
+        assert_eq!(status, 200);
+        worst = worst.max(t.elapsed());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for b in busy {
+        let (status, text) = b.await.unwrap();
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains("context"), "{text}");
+    }
+    assert!(worst < Duration::from_secs(1), "/health took {worst:?}");
+}
