@@ -379,7 +379,7 @@ impl ChatCodec {
             let Some(value) = content.metadata.get(key) else {
                 continue;
             };
-            if !meta_u32(content, key).is_some_and(|id| (id as usize) < vocab) {
+            if meta_u32(content, key).is_none_or(|id| (id as usize) >= vocab) {
                 return Err(load_err(
                     path,
                     format!(
