@@ -49,11 +49,11 @@
 #
 # Usage: bash scripts/method_results.sh [--quick] [--only 20q|clarify] [--out DIR]
 #   --quick  small sizes everywhere (a smoke run of the whole pipeline, its numbers mean
-#            nothing): ~17 min on 2 cores for clarify alone.
+#            nothing).
 #            Without it: 20 Questions ~2.5 h (per seed: SFT start 13 min, DAgger games 5,
 #            pairs 12, three matched arms of 16 steps 15; evaluation of 15 models 10 min; the
-#            futures cost no model call), clarify ~4 h on 2 cores (see docs/results.md for
-#            each stage's cost).
+#            futures cost no model call), clarify ~2 h a seed on 2 cores, ~6 h for three (see
+#            docs/results.md for each stage's cost).
 #   --only   run one study.
 #   --out    working directory [default: outputs/method_results or outputs/method_results-quick]
 # Every stage resumes: rerun the same command after an interruption.
