@@ -695,3 +695,45 @@ async fn the_binary_refuses_unsendable_keys_and_logs_refusals() {
     assert!(refused[0].contains("/v1/chat/completions"), "{log}");
     assert!(!log.contains("s3cret") && !log.contains("guess1"), "{log}");
 }
+
+/// A client that leaves while its long prompt is prefilled, nothing else running, stops the
+/// prefill between rounds of `IDLE_PREFILL_CHUNKS` chunks: the rest of the prompt is never
+/// run (it used to be prefilled whole in one pass, however long, after its client had gone).
+#[tokio::test]
+async fn an_abandoned_long_prompt_stops_prefilling() {
+    use collabllm::engine::scheduler::IDLE_PREFILL_CHUNKS;
+    let spec = TinySpec {
+        hidden_size: 512,
+        intermediate_size: 2048,
+        num_hidden_layers: 6,
+        num_attention_heads: 8,
+        num_key_value_heads: 4,
+        max_position_embeddings: 8192,
+        ..TinySpec::default()
+    };
+    let _timed = TIMED.lock().await;
+    let (_g, backend) = never_ending_tiny(&spec).await;
+    let addr = spawn_server(backend.clone(), "tiny").await;
+    let before = backend.stats();
+    // The tiny tokenizer has one token per byte.
+    let prompt = "The sea is wide and deep. ".repeat(240);
+    let request = open_request(addr, &greedy(&prompt, 4, false)).await;
+    wait_for("the prefill to start", || {
+        backend.stats().prefill_passes > before.prefill_passes
+    })
+    .await;
+    drop(request);
+    wait_for("the request to stop", || {
+        backend.stats().cancelled > before.cancelled
+    })
+    .await;
+    let after = backend.stats();
+    let ran = after.prefill_positions - before.prefill_positions;
+    let round = (collabllm::llm::local::PREFILL_CHUNK * IDLE_PREFILL_CHUNKS) as u64;
+    assert!(
+        ran <= 2 * round && ran < prompt.len() as u64,
+        "{ran} of {} prompt positions prefilled after the client left",
+        prompt.len()
+    );
+    assert_eq!(after.decode_steps, before.decode_steps, "{after:?}");
+}

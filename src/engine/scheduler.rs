@@ -86,9 +86,14 @@ pub const DEFAULT_MAX_BATCH: usize = 16;
 /// Prompt positions a request's prefill runs per scheduler round while other generations
 /// are decoding, unless a backend says otherwise ([`LocalBackend::set_prefill_chunk`]): a
 /// long prompt then delays their next token by one chunk's time instead of its whole
-/// prefill (with nothing decoding, a prompt is prefilled at once). The cache and logits are
-/// the same bits whatever the chunk size (`cpu_attention`).
+/// prefill (with nothing decoding, [`IDLE_PREFILL_CHUNKS`] chunks a round). The cache and
+/// logits are the same bits whatever the chunk size (`cpu_attention`).
 pub const PREFILL_CHUNK: usize = 256;
+
+/// Chunks a prompt prefills per round while nothing decodes: large passes keep the matrix
+/// products efficient, and between rounds a request whose client left is dropped, so an
+/// abandoned long prompt stops after at most this many chunks instead of running to its end.
+pub const IDLE_PREFILL_CHUNKS: usize = 4;
 
 /// The key/value memory requests in flight may reserve unless a backend says otherwise:
 /// [`DEFAULT_MAX_BATCH`] rows at the model's full context, but at most half the memory the
@@ -312,6 +317,9 @@ impl Scheduler {
         if sizes.iter().any(|&n| n > 0) {
             let backends = self.prefilling.iter().take(taken).map(|p| &p.job.counters);
             Counters::once_each(backends, |c| &c.prefill_passes);
+            for (p, &n) in self.prefilling.iter().zip(&sizes) {
+                Counters::add(&p.job.counters.prefill_positions, n as u64);
+            }
         }
         let mut prefills: Vec<&mut Prefill> = self
             .prefilling
@@ -507,8 +515,8 @@ fn begin(job: &GenJob) -> Result<Prefill, EngineError> {
 
 /// Prompt positions each of the front prefills runs this round, in one forward pass (`needs`:
 /// what each has left, in queue order, all of one model): with something decoding, `chunk`
-/// in all; otherwise the first prompt whole and what is left of `chunk` after it (0: the first
-/// prompt whole, alone). When the first prompt needs more than that, shorter ones behind it
+/// in all; otherwise the first prompt up to [`IDLE_PREFILL_CHUNKS`] chunks and what is left
+/// of `chunk` after it (0: the first prompt whole, alone). When the first prompt needs more than that, shorter ones behind it
 /// go first, each whole, up to half a chunk in all: otherwise a long cold prompt would take
 /// every round's budget while they wait; it still gets at least half a chunk a round. The
 /// pass covers a prefix of the queue: the result's length, each prompt in it with positions
@@ -518,7 +526,13 @@ pub(crate) fn chunk_sizes(needs: &[usize], chunk: usize, decoding: bool) -> Vec<
         return Vec::new();
     };
     let mut sizes = vec![0; needs.len()];
-    let mut budget = if decoding { chunk } else { front.max(chunk) };
+    let idle = match chunk {
+        0 => front,
+        _ => front
+            .min(chunk.saturating_mul(IDLE_PREFILL_CHUNKS))
+            .max(chunk),
+    };
+    let mut budget = if decoding { chunk } else { idle };
     if front > budget || (!decoding && front > chunk) {
         let mut allowance = chunk / 2;
         for (size, &need) in sizes.iter_mut().zip(needs).skip(1) {
@@ -650,6 +664,8 @@ pub struct LocalStats {
     /// Forward passes that ran prompt positions of this backend's requests (requests
     /// prefilled together share one).
     pub prefill_passes: u64,
+    /// Prompt positions those passes ran (cached prefixes not counted).
+    pub prefill_positions: u64,
     /// Requests that waited for room in the key/value budget before they started (see
     /// [`LocalBackend::set_kv_budget_bytes`]).
     pub kv_waits: u64,
@@ -664,6 +680,7 @@ pub(crate) struct Counters {
     pub(crate) skipped: AtomicU64,
     pub(crate) decode_steps: AtomicU64,
     pub(crate) prefill_passes: AtomicU64,
+    pub(crate) prefill_positions: AtomicU64,
     pub(crate) kv_waits: AtomicU64,
 }
 
@@ -696,6 +713,7 @@ impl Counters {
             skipped: get(&self.skipped),
             decode_steps: get(&self.decode_steps),
             prefill_passes: get(&self.prefill_passes),
+            prefill_positions: get(&self.prefill_positions),
             kv_waits: get(&self.kv_waits),
         }
     }
@@ -721,8 +739,10 @@ mod tests {
             vec![206, 1, 20, 30]
         );
         assert_eq!(chunk_sizes(&[8000, 100, 100], 256, true), vec![156, 100]);
-        // Nothing decoding: the front whole, the short ones beside it, the rest of the chunk.
-        assert_eq!(chunk_sizes(&[8000, 20, 9000], 256, false), vec![8000, 20]);
+        // Nothing decoding: the front up to IDLE_PREFILL_CHUNKS chunks (so a request whose
+        // client left stops between them), the short ones beside it, the rest of the chunk.
+        assert_eq!(chunk_sizes(&[8000, 20, 9000], 256, false), vec![1024, 20]);
+        assert_eq!(chunk_sizes(&[1000, 20], 256, false), vec![1000, 20]);
         assert_eq!(chunk_sizes(&[100, 50, 400], 256, false), vec![100, 50, 106]);
         assert_eq!(chunk_sizes(&[8000, 20], 0, false), vec![8000]);
         assert_eq!(chunk_sizes(&[0, 0], 256, true), vec![0, 0]);

@@ -91,6 +91,26 @@ const MAX_MESSAGE_BYTES: usize = 1_000;
 /// Branch errors of an `anyOf` quoted at most.
 const MAX_QUOTED_BRANCHES: usize = 3;
 
+/// Bytes of a schema or reply path (`response_format.json_schema.schema.properties.a…`) at
+/// most. A path names where a check failed; built whole, each level would copy every
+/// ancestor's key again (a schema of nested 200 KB property names: gigabytes), so paths keep
+/// their head and their last steps.
+const MAX_PATH_BYTES: usize = 200;
+/// Bytes of one key in a path at most.
+const MAX_PATH_KEY_BYTES: usize = 40;
+
+/// `at` followed by `sep` and `key` (`.name`, `[3]`), at most about [`MAX_PATH_BYTES`]: a long
+/// `at` keeps its first half and is marked `…`.
+fn child_path(at: &str, sep: &str, key: &str) -> String {
+    let key = clip(key, MAX_PATH_KEY_BYTES);
+    if at.len() + sep.len() + key.len() <= MAX_PATH_BYTES {
+        return format!("{at}{sep}{key}");
+    }
+    let head = clip(at, MAX_PATH_BYTES / 2);
+    let head = head.strip_suffix('…').unwrap_or(&head);
+    format!("{head}…{sep}{key}")
+}
+
 /// An error of one branch as quoted in its parent's: at most 300 bytes.
 fn shorten(e: &str) -> String {
     clip(e, 300)
@@ -284,7 +304,7 @@ fn check_schema(schema: &Value, root: &Value, at: &str, depth: usize) -> Result<
         _ => return Err(invalid(at, format!("`{at}` must be a schema object"))),
     };
     for (key, v) in obj {
-        let here = format!("{at}.{key}");
+        let here = child_path(at, ".", key);
         if ANNOTATIONS.contains(&key.as_str()) {
             continue;
         }
@@ -315,7 +335,7 @@ fn check_schema(schema: &Value, root: &Value, at: &str, depth: usize) -> Result<
                     .as_object()
                     .ok_or_else(|| invalid(&here, format!("`{here}` must be an object")))?;
                 for (name, sub) in props {
-                    check_schema(sub, root, &format!("{here}.{name}"), depth + 1)?;
+                    check_schema(sub, root, &child_path(&here, ".", name), depth + 1)?;
                 }
             }
             "required" => require(
@@ -330,7 +350,12 @@ fn check_schema(schema: &Value, root: &Value, at: &str, depth: usize) -> Result<
                     .filter(|a| !a.is_empty())
                     .ok_or_else(|| invalid(&here, format!("`{here}` must be a non-empty array")))?;
                 for (i, sub) in subs.iter().enumerate() {
-                    check_schema(sub, root, &format!("{here}[{i}]"), depth + 1)?;
+                    check_schema(
+                        sub,
+                        root,
+                        &child_path(&here, "", &format!("[{i}]")),
+                        depth + 1,
+                    )?;
                 }
             }
             "enum" => require(v.is_array(), &here, "an array")?,
@@ -514,7 +539,7 @@ fn validate(
                 item,
                 item_schema,
                 root,
-                &format!("{at}[{i}]"),
+                &child_path(at, "", &format!("[{i}]")),
                 depth + 1,
                 steps,
             )?;
@@ -582,7 +607,7 @@ fn check_object(
     }
     let props = obj.get("properties").and_then(Value::as_object);
     for (key, v) in fields {
-        let here = format!("{at}.{key}");
+        let here = child_path(at, ".", key);
         match props.and_then(|p| p.get(key)) {
             Some(sub) => validate(v, sub, root, &here, depth + 1, steps)?,
             None => match obj.get("additionalProperties") {
@@ -668,6 +693,34 @@ mod tests {
             "type": "json_schema",
             "json_schema": {"name": "answer", "schema": schema, "strict": true}
         }))
+    }
+
+    /// A schema of 60 nested 200 KB property names (12 MB, about the deepest a request's JSON
+    /// can nest) is checked with paths of bounded size: built whole, each level copied every
+    /// ancestor's name again (360 MB here, gigabytes for the server at once). Its error names
+    /// the place in under 2 KB.
+    #[test]
+    fn nested_long_names_build_bounded_paths() {
+        let mut schema = json!({"type": "object", "patternProperties": {}});
+        for d in 0..60 {
+            let name = format!("{d}{}", "n".repeat(200_000));
+            schema = json!({"type": "object", "properties": {name: schema}});
+        }
+        let started = std::time::Instant::now();
+        let e = schema_format(schema).unwrap_err();
+        assert!(started.elapsed() < std::time::Duration::from_millis(500));
+        assert!(e.param.len() <= 2 * MAX_PATH_BYTES, "{}", e.param.len());
+        assert!(e.message.len() < 2_000, "{}", e.message.len());
+        assert!(e
+            .param
+            .starts_with("response_format.json_schema.schema.properties.59n"));
+        assert!(e.param.ends_with(".patternProperties"), "{}", e.param);
+        assert_eq!(child_path("a", ".", "b"), "a.b");
+        let long = child_path(&"x".repeat(300), "", "[7]");
+        assert!(
+            long.ends_with("…[7]") && long.len() < MAX_PATH_BYTES,
+            "{long}"
+        );
     }
 
     #[test]
