@@ -60,6 +60,11 @@
 # BIN_DIR=DIR uses the binaries in DIR instead of building target/release; THREADS=N sets
 # the compute threads; SEEDS="1 2 3" the seeds; ASK_RATE / NEEDLESS_ASK_RATE the
 # demonstrator's rates; LR_20Q the one learning rate of the matched 20 Questions arms.
+# RECORDED_SEEDS="1" (clarify only): seeds run in an earlier sitting, pooled from what their
+# studies recorded under docs/results/clarify_seeds/sN/ (every arm's outcomes per held-out
+# request and its training summary, written when a seed finishes) instead of being run
+# again; e.g. `RECORDED_SEEDS=1 SEEDS=2` runs seed 2 and pools it with seed 1. Seeds take
+# about 2 h each on 2 cores, so three fit one sitting only on a larger machine.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -81,11 +86,20 @@ while [[ $# -gt 0 ]]; do
 done
 
 read -r -a seeds <<< "${SEEDS:-1 2 3}"
+read -r -a recorded <<< "${RECORDED_SEEDS:-}"
+for r in "${recorded[@]}"; do
+  for s in "${seeds[@]}"; do
+    [[ $r == "$s" ]] && { echo "seed $s is in SEEDS and RECORDED_SEEDS: give it once" >&2; exit 2; }
+  done
+done
+[[ ${#recorded[@]} -gt 0 && $only != clarify ]] && {
+  echo "RECORDED_SEEDS is for the clarify study: add --only clarify" >&2; exit 2; }
 ask_rate="${ASK_RATE:-0.5}"
 needless_ask_rate="${NEEDLESS_ASK_RATE:-0.15}"
 if [[ $quick == 1 ]]; then
   out="${out:-outputs/method_results-quick}"
   results=docs/results/method_results_quick.json
+  seeds_dir=docs/results/clarify_seeds_quick
   demo_repeats=1; sft_steps=(--max-steps 12)
   dagger_games=(--objects 12); max_pairs_20q=1000000; batch_tokens_20q=2048
   # A few steps cannot average batches out: --quick states a looser match.
@@ -101,6 +115,7 @@ if [[ $quick == 1 ]]; then
 else
   out="${out:-outputs/method_results}"
   results=docs/results/method_results.json
+  seeds_dir=docs/results/clarify_seeds
   # Sizes for 2 cores (an SFT step of 8 rows ~24 s, a DPO step ~16 s, a matched DAgger step
   # ~35 s; pairs from 64 games ~12 min): ~55 min a seed.
   demo_repeats=2; sft_steps=(--epochs 1)
@@ -354,9 +369,21 @@ EOF
   cp "$out/figures/study-20q.png" "docs/figures/method_results_20q$suffix.png"
 }
 
-# The training runs of clarify arm $1 (its directory under each seed).
+# The evaluated runs of clarify arm $1 in study $2, one per seed: a recorded seed's file
+# (docs/results/clarify_seeds/sN/STUDY/ARM.json), then this sitting's evaluations.
+runs_clarify() {
+  local a=() s
+  for s in "${recorded[@]}"; do a+=("\"$seeds_dir/s$s/$2/$1.json\""); done
+  for s in "${seeds[@]}"; do a+=("\"$c/eval/$3/$1-s$s\""); done
+  (IFS=,; echo "${a[*]}")
+}
+# The training runs of clarify arm $1 (its directory under each seed; $2 its name in the
+# study) in study $3: a recorded seed's file carries its training summary.
 trained_clarify() {
-  local a=(); for s in "${seeds[@]}"; do a+=("\"$c/s$s/$1\""); done; (IFS=,; echo "${a[*]}")
+  local a=() s
+  for s in "${recorded[@]}"; do a+=("\"$seeds_dir/s$s/$3/$2.json\""); done
+  for s in "${seeds[@]}"; do a+=("\"$c/s$s/$1\""); done
+  (IFS=,; echo "${a[*]}")
 }
 
 # One clarify study: evaluation mode $1 (greedy, sampled), primary outcome $2, held-out set $3
@@ -364,6 +391,7 @@ trained_clarify() {
 # heldout: both).
 clarify_spec() {
   local mode="$1" primary="$2" set="$3" e="$c/eval/$1" filter=""
+  local name="study-clarify-$3-$1-$2"
   [[ $set == near ]] && filter='filter = { split = "test" }'
   [[ $set == far ]] && filter='filter = { split = "far" }'
   cat <<EOF
@@ -381,15 +409,11 @@ comparisons = [
 ]
 EOF
   printf '[[arms]]\nname = "base"\nruns = ["%s"]\n' "$e/base"
-  printf '[[arms]]\nname = "warm"\nruns = [%s]\ntrained = [%s]\n' "$(runs "$e/warm")" \
-    "$(trained_clarify warm)"
-  for a in dpo_mr dpo_st; do
-    printf '[[arms]]\nname = "%s"\nruns = [%s]\ntrained = [%s]\n' "$a" "$(runs "$e/$a")" \
-      "$(trained_clarify "$a-r2")"
-  done
-  for a in grpo_mr grpo_st; do
-    printf '[[arms]]\nname = "%s"\nruns = [%s]\ntrained = [%s]\n' "$a" "$(runs "$e/$a")" \
-      "$(trained_clarify "$a")"
+  local a dir
+  for a in warm dpo_mr dpo_st grpo_mr grpo_st; do
+    dir="$a"; [[ $a == dpo_* ]] && dir="$a-r2"
+    printf '[[arms]]\nname = "%s"\nruns = [%s]\ntrained = [%s]\n' "$a" \
+      "$(runs_clarify "$a" "$name" "$mode")" "$(trained_clarify "$dir" "$a" "$name")"
   done
   meta
 }
@@ -417,6 +441,24 @@ stats_clarify() {
     "docs/figures/method_results_clarify_asking$suffix.png"
   cp "$out/figures/clarify-grpo/rl_ask_rate.png" \
     "docs/figures/method_results_clarify_ask_rate$suffix.png"
+  record_clarify_seeds
+}
+
+# Records this sitting's seeds for later pooling (RECORDED_SEEDS): each study writes every
+# arm's seeds as seeds/ARM-K.json (K its position among the study's runs: recorded seeds
+# first).
+record_clarify_seeds() {
+  local study name a i p s
+  for study in "$out"/study-clarify-*/; do
+    name=$(basename "$study")
+    for a in warm dpo_mr dpo_st grpo_mr grpo_st; do
+      for i in "${!seeds[@]}"; do
+        s=${seeds[$i]}; p=$(( ${#recorded[@]} + i + 1 ))
+        mkdir -p "$seeds_dir/s$s/$name"
+        cp "$study/seeds/$a-$p.json" "$seeds_dir/s$s/$name/$a.json"
+      done
+    done
+  done
 }
 
 if [[ $only != clarify ]]; then study_20q; stats_20q; fi

@@ -11,7 +11,9 @@ import os
 import sys
 
 
-def clarify(out):
+def clarify(out, old):
+    """The clarify section; a seed pooled from its record (RECORDED_SEEDS) keeps its probes,
+    GRPO curves and pair counts from the previous results file."""
     c = {}
     for mode in ("greedy", "sampled"):
         c[mode] = {
@@ -36,7 +38,7 @@ def clarify(out):
                 "detail_used",
             )
         }
-    c["ask_rate_probes"] = probes
+    c["ask_rate_probes"] = {**old.get("ask_rate_probes", {}), **probes}
     keys = (
         "step",
         "reward",
@@ -45,14 +47,14 @@ def clarify(out):
         "clarify/asked_again",
         "num_tokens",
     )
-    c["grpo_ask_rates"] = {
+    c["grpo_ask_rates"] = old.get("grpo_ask_rates", {}) | {
         d.split("/clarify/")[1]: [
             {k: row.get(k) for k in keys}
             for row in map(json.loads, open(f"{d}/logs.jsonl"))
         ]
         for d in sorted(glob.glob(f"{out}/clarify/s*/grpo_*"))
     }
-    c["pairs"] = {
+    c["pairs"] = old.get("pairs", {}) | {
         d.split("/clarify/")[1]: json.load(open(f"{d}/manifest.json"))["counts"]
         for d in sorted(glob.glob(f"{out}/clarify/s*/pairs-*"))
     }
@@ -65,7 +67,7 @@ def main():
     if only != "clarify":
         doc["twenty_questions"] = json.load(open(f"{out}/study-20q/study.json"))
     if only != "20q":
-        doc["clarify"] = clarify(out)
+        doc["clarify"] = clarify(out, doc.get("clarify", {}))
     with open(results, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")

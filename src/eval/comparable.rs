@@ -22,9 +22,12 @@ pub const COMPARABLE_SETTINGS: &[&str] = &[
     "max_turns",
 ];
 
+/// The comparable settings of one run, by name.
+pub type Settings = BTreeMap<String, Value>;
+
 /// The comparable settings `dir`'s manifest records (none for a directory without one, such
 /// as a `--transcripts` output).
-fn recorded(dir: &Path) -> Result<BTreeMap<&'static str, Value>, String> {
+pub fn recorded(dir: &Path) -> Result<Settings, String> {
     let path = dir.join(MANIFEST_FILE);
     let manifest = crate::run::Manifest::read(&path).map_err(|e| e.to_string())?;
     let Some(m) = manifest else {
@@ -34,7 +37,7 @@ fn recorded(dir: &Path) -> Result<BTreeMap<&'static str, Value>, String> {
         .iter()
         .filter_map(|k| {
             let v = m.config.get(*k)?;
-            (!v.is_null()).then(|| (*k, v.clone()))
+            (!v.is_null()).then(|| (k.to_string(), v.clone()))
         })
         .collect())
 }
@@ -50,20 +53,22 @@ pub fn check_comparable(dirs: &[PathBuf]) -> Result<(), String> {
     }
     let settings = unique
         .iter()
-        .map(|d| recorded(d).map(|s| (*d, s)))
+        .map(|d| recorded(d).map(|s| (d.display().to_string(), s)))
         .collect::<Result<Vec<_>, _>>()?;
+    check_settings(&settings)
+}
+
+/// [`check_comparable`] on runs' settings already read: `(name, settings)` of each.
+pub fn check_settings(settings: &[(String, Settings)]) -> Result<(), String> {
     for key in COMPARABLE_SETTINGS {
-        let values: Vec<(&PathBuf, &Value)> = settings
+        let values: Vec<(&String, &Value)> = settings
             .iter()
-            .filter_map(|(d, s)| s.get(key).map(|v| (*d, v)))
+            .filter_map(|(d, s)| s.get(*key).map(|v| (d, v)))
             .collect();
         if values.iter().all(|(_, v)| *v == values[0].1) {
             continue;
         }
-        let each: Vec<String> = values
-            .iter()
-            .map(|(d, v)| format!("{} has {v}", d.display()))
-            .collect();
+        let each: Vec<String> = values.iter().map(|(d, v)| format!("{d} has {v}")).collect();
         return Err(format!(
             "the runs differ in `{key}` ({}): their numbers are not comparable; compare or \
              pool runs made with the same {key}",

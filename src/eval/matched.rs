@@ -6,13 +6,13 @@
 
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Default largest ratio of trained tokens between matched arms of one seed, minus 1.
 pub const TOKEN_TOLERANCE: f64 = 0.10;
 
 /// What one training run did, read from its output directory.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainedRun {
     pub dir: String,
     pub steps: u64,

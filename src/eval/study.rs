@@ -32,6 +32,15 @@
 //! The output (`study.json`, `study.md`) holds every per-cluster outcome, so the numbers can be
 //! checked and recomputed, and whatever the spec carries under `[meta]` (commands, revision,
 //! wall time).
+//!
+//! **Recorded seeds.** Each study also writes `seeds/ARM-K.json`: seed K of an arm (its
+//! position in `runs`, from 1) as a self-contained record — its outcomes by conversation,
+//! clusters and secondaries, its evaluation's comparable settings, its training summary and
+//! the spec fields they depend on (`primary`, `cluster`, `filter`, `secondary`). A later
+//! study may name such a file in an arm's `runs` (and in `trained`, for its training summary)
+//! instead of an evaluation directory, so seeds run in different sittings or on different
+//! machines pool without their evaluation outputs; a record made under other spec fields is
+//! refused.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -40,6 +49,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use super::comparable::{check_settings, recorded as comparable_settings, Settings};
 use super::compare::{mcnemar_exact, wilson_interval, Z95};
 use super::matched::{check_matched, read_trained_run, TrainedRun, TOKEN_TOLERANCE};
 use super::records::read_records;
@@ -138,7 +148,7 @@ pub struct ComparisonSpec {
 }
 
 /// One run of an arm: outcomes by conversation, and the secondary metrics' values.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RunOutcomes {
     pub run: String,
     pub label: String,
@@ -154,10 +164,87 @@ pub struct RunOutcomes {
     /// `task#repeat` (20 Questions: `object-NNN#repeat`) → outcome.
     pub outcomes: BTreeMap<String, f64>,
     /// `task#repeat` → its cluster, where the cluster is not the task.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub clusters: BTreeMap<String, String>,
     /// metric → mean over the records that have it.
     pub secondary: BTreeMap<String, Option<f64>>,
+    /// The evaluation's comparable settings (kept in a recorded seed, not in `study.json`).
+    #[serde(skip)]
+    pub comparable: Settings,
+}
+
+/// The format tag of a recorded seed (`seeds/ARM-K.json`).
+pub const SEED_FORMAT: &str = "collabllm-study-seed/1";
+
+/// One seed of an arm as a study records it for later pooling (see the module docs).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecordedSeed {
+    pub format: String,
+    pub primary: String,
+    pub cluster: ClusterBy,
+    pub filter: BTreeMap<String, String>,
+    pub secondary: Vec<String>,
+    /// The evaluation's comparable settings (an empty map: not compared).
+    pub comparable: Settings,
+    pub outcomes: RunOutcomes,
+    /// The training summary of the seed's model, when the arm named its training run.
+    pub trained: Option<TrainedRun>,
+}
+
+/// Whether an arm's run (or trained run) names a recorded seed rather than a directory.
+fn is_recorded(run: &str) -> bool {
+    run.ends_with(".json")
+}
+
+/// Reads a recorded seed and refuses one made under other spec fields than `spec`'s.
+fn read_recorded(spec: &StudySpec, run: &str) -> Result<RecordedSeed, StudyError> {
+    let path = Path::new(run);
+    let text = std::fs::read_to_string(path).map_err(|e| input_err(path, e.to_string()))?;
+    let seed: RecordedSeed = serde_json::from_str(&text)
+        .map_err(|e| input_err(path, format!("not a recorded seed: {e}")))?;
+    if seed.format != SEED_FORMAT {
+        return Err(input_err(
+            path,
+            format!("format `{}`, expected `{SEED_FORMAT}`", seed.format),
+        ));
+    }
+    let sorted = |v: &[String]| v.iter().cloned().collect::<BTreeSet<_>>();
+    let differs = [
+        (
+            "primary",
+            seed.primary != spec.primary,
+            format!("{:?}", seed.primary),
+            format!("{:?}", spec.primary),
+        ),
+        (
+            "cluster",
+            seed.cluster != spec.cluster,
+            format!("{:?}", seed.cluster),
+            format!("{:?}", spec.cluster),
+        ),
+        (
+            "filter",
+            seed.filter != spec.filter,
+            format!("{:?}", seed.filter),
+            format!("{:?}", spec.filter),
+        ),
+        (
+            "secondary",
+            sorted(&seed.secondary) != sorted(&spec.secondary),
+            format!("{:?}", seed.secondary),
+            format!("{:?}", spec.secondary),
+        ),
+    ];
+    if let Some((field, _, was, is)) = differs.into_iter().find(|d| d.1) {
+        return Err(input_err(
+            path,
+            format!(
+                "recorded with {field} {was}, this study's is {is}: pool seeds of the same study"
+            ),
+        ));
+    }
+    Ok(seed)
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -329,13 +416,17 @@ fn split_run(run: &str) -> (PathBuf, Option<String>) {
     }
 }
 
-fn run_dir(run: &str) -> PathBuf {
-    split_run(run).0
-}
-
-/// Reads one run (`DIR` or `DIR:label`) of an arm.
+/// Reads one run (`DIR`, `DIR:label` or a recorded seed's `.json`) of an arm.
 fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
+    if is_recorded(run) {
+        let seed = read_recorded(spec, run)?;
+        return Ok(RunOutcomes {
+            comparable: seed.comparable,
+            ..seed.outcomes
+        });
+    }
     let (dir, label) = split_run(run);
+    let comparable = comparable_settings(&dir).map_err(StudyError::Spec)?;
     let conv = dir.join(CONVERSATIONS_DIR);
     let label = match label {
         Some(l) => l,
@@ -445,6 +536,7 @@ fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
         binary,
         outcomes,
         clusters,
+        comparable,
         secondary: spec
             .secondary
             .iter()
@@ -717,19 +809,20 @@ pub fn run_study(spec: &StudySpec) -> Result<StudyResult, StudyError> {
             return Err(StudyError::Spec(format!("arm `{}` is named twice", a.name)));
         }
     }
-    let dirs: Vec<PathBuf> = spec
-        .arms
-        .iter()
-        .flat_map(|a| &a.runs)
-        .map(|r| run_dir(r))
-        .collect();
-    super::comparable::check_comparable(&dirs).map_err(StudyError::Spec)?;
     let training = check_training(spec)?;
     let arms = spec
         .arms
         .iter()
         .map(|a| arm_result(spec, a, spec.seed))
         .collect::<Result<Vec<_>, _>>()?;
+    let settings: Vec<(String, Settings)> = spec
+        .arms
+        .iter()
+        .zip(&arms)
+        .flat_map(|(a, r)| a.runs.iter().zip(&r.seeds))
+        .map(|(name, s)| (name.clone(), s.comparable.clone()))
+        .collect();
+    check_settings(&settings).map_err(StudyError::Spec)?;
     let comparisons = spec
         .comparisons
         .iter()
@@ -761,9 +854,15 @@ fn check_training(spec: &StudySpec) -> Result<BTreeMap<String, Vec<TrainedRun>>,
         let runs = a
             .trained
             .iter()
-            .map(|d| read_trained_run(d))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(StudyError::Spec)?;
+            .map(|d| {
+                if !is_recorded(d) {
+                    return read_trained_run(d).map_err(StudyError::Spec);
+                }
+                read_recorded(spec, d)?
+                    .trained
+                    .ok_or_else(|| input_err(Path::new(d), "records no training run"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         training.insert(a.name.clone(), runs);
     }
     if !(spec.token_tolerance.is_finite() && (0.0..=1.0).contains(&spec.token_tolerance)) {
@@ -802,7 +901,46 @@ pub fn study_files(spec_path: &Path, output: &Path) -> anyhow::Result<StudyResul
     let json = serde_json::to_string_pretty(&result)?;
     write_atomic(&output.join("study.json"), json.as_bytes())?;
     write_atomic(&output.join("study.md"), result.table().as_bytes())?;
+    write_recorded_seeds(&spec, &result, &output.join("seeds"))?;
     Ok(result)
+}
+
+/// Writes every arm's seeds as `dir/ARM-K.json` (see [`RecordedSeed`]).
+fn write_recorded_seeds(spec: &StudySpec, result: &StudyResult, dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| input_err(dir, e.to_string()))?;
+    for arm in &result.arms {
+        for (k, outcomes) in arm.seeds.iter().enumerate() {
+            let seed = RecordedSeed {
+                format: SEED_FORMAT.to_string(),
+                primary: spec.primary.clone(),
+                cluster: spec.cluster,
+                filter: spec.filter.clone(),
+                secondary: spec.secondary.clone(),
+                comparable: outcomes.comparable.clone(),
+                outcomes: outcomes.clone(),
+                trained: result
+                    .training
+                    .get(&arm.name)
+                    .and_then(|t| t.get(k))
+                    .cloned(),
+            };
+            let json = serde_json::to_string_pretty(&seed)?;
+            // An arm's name is the spec's text: only its plain characters make the file name.
+            let name: String = arm
+                .name
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            write_atomic(&dir.join(format!("{name}-{}.json", k + 1)), json.as_bytes())?;
+        }
+    }
+    Ok(())
 }
 
 fn pct(x: f64) -> String {
@@ -1230,6 +1368,69 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("matched arm `dpo`"));
+    }
+
+    /// Seed 1 of every arm read back from the records a first study wrote pools exactly as
+    /// its evaluation did (outcomes, secondaries, training summary); records made under
+    /// another primary or with other comparable settings are refused by name.
+    #[test]
+    fn recorded_seeds_pool_like_their_runs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let runs = |arm: &str, shift: usize| -> Vec<String> {
+            (0..2)
+                .map(|s| {
+                    run_dir(root, &format!("{arm}-e{s}"), 9, |i| {
+                        (i + s + shift) % 3 == 0
+                    })
+                })
+                .collect()
+        };
+        let mut live = spec(
+            vec![("a", runs("a", 0)), ("b", runs("b", 1))],
+            &[("a", "b")],
+        );
+        live.arms[0].trained = (0..2)
+            .map(|k| trained_dir(root, &format!("a-t{k}"), 30, 1000 + k as u64))
+            .collect();
+        let first = run_study(&live).unwrap();
+        let seeds = root.join("seeds");
+        write_recorded_seeds(&live, &first, &seeds).unwrap();
+        let record = |arm: &str| seeds.join(format!("{arm}-1.json")).display().to_string();
+        let mut mixed = live.clone();
+        for arm in &mut mixed.arms {
+            arm.runs[0] = record(&arm.name);
+        }
+        mixed.arms[0].trained[0] = record("a");
+        let second = run_study(&mixed).unwrap();
+        fn json<T: Serialize>(v: &T) -> serde_json::Value {
+            serde_json::to_value(v).unwrap()
+        }
+        assert_eq!(json(&first.arms), json(&second.arms));
+        assert_eq!(json(&first.comparisons), json(&second.comparisons));
+        assert_eq!(first.training["a"][0], second.training["a"][0]);
+        assert_eq!(second.training["a"][0].num_tokens, 1000);
+
+        let mut other_primary = mixed.clone();
+        other_primary.primary = "turns".into();
+        let e = run_study(&other_primary).unwrap_err().to_string();
+        assert!(
+            e.contains("a-1.json") && e.contains("recorded with primary \"detail_used\""),
+            "{e}"
+        );
+
+        for (arm, weights) in [("a", "f32"), ("b", "q8")] {
+            let path = record(arm);
+            let mut v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            v["comparable"] = serde_json::json!({ "weights": weights });
+            std::fs::write(&path, v.to_string()).unwrap();
+        }
+        let e = run_study(&mixed).unwrap_err().to_string();
+        assert!(
+            e.contains("differ in `weights`") && e.contains("b-1.json has \"q8\""),
+            "{e}"
+        );
     }
 
     #[test]
