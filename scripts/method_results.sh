@@ -465,5 +465,5 @@ if [[ $only != clarify ]]; then study_20q; stats_20q; fi
 if [[ $only != 20q ]]; then study_clarify; stats_clarify; fi
 
 # The results file: the studies run now; a study not run keeps its section.
-python3 scripts/method_results_collect.py "$out" "$results" "$only"
+python3 scripts/method_results_collect.py "$out" "$results" "$only" "${recorded[*]}"
 echo "finished in $(( $(date +%s) - started )) s; results: $results; tables: $out/study-*/study.md"

@@ -30,10 +30,10 @@ use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::tokens::TokenCounter;
 use crate::llm::usage::recorded_usage;
 use crate::llm::{add_usage, Price, UsageSnapshot};
-use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{task_metric, Scorer};
 use crate::reward::sandbox::SandboxLimits;
-use crate::rollout::user::{Sampling, UserSimulator};
+use crate::rollout::simulated::{simulated_roles, Simulated};
+use crate::rollout::user::Sampling;
 use crate::run::{
     changed_settings, drive_jobs, now_secs, write_json_atomic, Interrupted, ManifestHeader,
     RunLock, RunStatus, Shutdown,
@@ -81,15 +81,11 @@ impl EvalRoles {
             });
         }
         let dialogue = !cfg.task.is_game();
-        let user = if dialogue {
-            Some(build("user".into(), &cfg.rollout.user).await?)
+        let (user, judge) = if dialogue {
+            let (user, judge) = simulated_roles(&cfg.rollout, &load, cache.clone()).await?;
+            (Some(user), Some(judge))
         } else {
-            None
-        };
-        let judge = if dialogue {
-            Some(build("judge".into(), &cfg.rollout.judge).await?)
-        } else {
-            None
+            (None, None)
         };
         let oracle = match (cfg.oracle.model(), dialogue) {
             (Some(s), false) => Some(build("oracle".into(), s).await?),
@@ -545,37 +541,20 @@ fn dialogue_jobs(
     tasks: &Arc<Vec<Task>>,
     pending: Vec<(usize, Item)>,
 ) -> anyhow::Result<Vec<Job>> {
-    let (Some(user), Some(judge_role)) = (&roles.user, &roles.judge) else {
+    let (Some(user), Some(judge)) = (&roles.user, &roles.judge) else {
         bail!("math/doc_edit/code evaluation needs a user simulator and a judge role");
     };
-    if cfg.rollout.judge_mode == JudgeMode::Logprob && judge_role.engine.is_none() {
-        bail!(
-            "--judge-mode logprob needs a local judge model; {} is an endpoint",
-            judge_role.spec
-        );
-    }
-    let judge = Arc::new(Judge {
-        role: judge_role.clone(),
-        prompts: prompts.clone(),
-        mode: cfg.rollout.judge_mode,
-        retries: cfg.rollout.judge_retries,
-        max_tokens: cfg.rollout.judge_max_tokens,
-        extract_max_tokens: cfg.rollout.extractor_max_tokens,
-        interactivity_scale: cfg.rollout.interactivity_scale,
-    });
+    // Dialogue tasks only: 20 Questions evaluation plays its games through `games`.
+    let Simulated { user, judge } = Simulated::new(
+        user.clone(),
+        judge.clone(),
+        &cfg.rollout,
+        prompts.clone(),
+        Default::default(),
+    );
     let metric = task_metric(cfg.task).unwrap_or("accuracy");
     let runner = Arc::new(DialogueRunner {
-        user: UserSimulator {
-            role: user.clone(),
-            prompts: prompts.clone(),
-            sampling: cfg.rollout.user_sampling.clone(),
-            termination: cfg.rollout.termination.clone(),
-            json: user.engine.is_none(),
-            retries: cfg.rollout.user_retries,
-            // Dialogue tasks only: 20 Questions evaluation plays its games through `games`.
-            oracle: Default::default(),
-            max_questions: cfg.rollout.max_questions,
-        },
+        user,
         task_metric: metric,
         max_turns: cfg.max_turns,
         sampling: cfg.assistant_sampling.clone(),

@@ -181,6 +181,11 @@ pub const SEED_FORMAT: &str = "collabllm-study-seed/1";
 #[serde(deny_unknown_fields)]
 pub struct RecordedSeed {
     pub format: String,
+    /// The study (its title: for clarify, the held-out set, evaluation mode and outcome) and
+    /// the arm the seed was recorded for: a record pools only into the same arm of the same
+    /// study.
+    pub title: String,
+    pub arm: String,
     pub primary: String,
     pub cluster: ClusterBy,
     pub filter: BTreeMap<String, String>,
@@ -197,8 +202,9 @@ fn is_recorded(run: &str) -> bool {
     run.ends_with(".json")
 }
 
-/// Reads a recorded seed and refuses one made under other spec fields than `spec`'s.
-fn read_recorded(spec: &StudySpec, run: &str) -> Result<RecordedSeed, StudyError> {
+/// Reads a recorded seed of arm `arm` and refuses one recorded for another arm or study, or
+/// under other spec fields than `spec`'s.
+fn read_recorded(spec: &StudySpec, arm: &str, run: &str) -> Result<RecordedSeed, StudyError> {
     let path = Path::new(run);
     let text = std::fs::read_to_string(path).map_err(|e| input_err(path, e.to_string()))?;
     let seed: RecordedSeed = serde_json::from_str(&text)
@@ -211,6 +217,18 @@ fn read_recorded(spec: &StudySpec, run: &str) -> Result<RecordedSeed, StudyError
     }
     let sorted = |v: &[String]| v.iter().cloned().collect::<BTreeSet<_>>();
     let differs = [
+        (
+            "title",
+            seed.title != spec.title,
+            format!("{:?}", seed.title),
+            format!("{:?}", spec.title),
+        ),
+        (
+            "arm",
+            seed.arm != arm,
+            format!("{:?}", seed.arm),
+            format!("{arm:?}"),
+        ),
         (
             "primary",
             seed.primary != spec.primary,
@@ -240,7 +258,8 @@ fn read_recorded(spec: &StudySpec, run: &str) -> Result<RecordedSeed, StudyError
         return Err(input_err(
             path,
             format!(
-                "recorded with {field} {was}, this study's is {is}: pool seeds of the same study"
+                "recorded with {field} {was}, here it is {is}: pool seeds of the same arm of the \
+                 same study"
             ),
         ));
     }
@@ -416,10 +435,18 @@ fn split_run(run: &str) -> (PathBuf, Option<String>) {
     }
 }
 
-/// Reads one run (`DIR`, `DIR:label` or a recorded seed's `.json`) of an arm.
-fn read_run(spec: &StudySpec, run: &str) -> Result<RunOutcomes, StudyError> {
+/// The comparable settings of one run of arm `arm`: its manifest's, or its record's.
+fn run_settings(spec: &StudySpec, arm: &str, run: &str) -> Result<Settings, StudyError> {
     if is_recorded(run) {
-        let seed = read_recorded(spec, run)?;
+        return Ok(read_recorded(spec, arm, run)?.comparable);
+    }
+    comparable_settings(&split_run(run).0).map_err(StudyError::Spec)
+}
+
+/// Reads one run (`DIR`, `DIR:label` or a recorded seed's `.json`) of arm `arm`.
+fn read_run(spec: &StudySpec, arm: &str, run: &str) -> Result<RunOutcomes, StudyError> {
+    if is_recorded(run) {
+        let seed = read_recorded(spec, arm, run)?;
         return Ok(RunOutcomes {
             comparable: seed.comparable,
             ..seed.outcomes
@@ -755,8 +782,17 @@ fn arm_result(spec: &StudySpec, a: &ArmSpec, seed: u64) -> Result<ArmResult, Stu
     let seeds = a
         .runs
         .iter()
-        .map(|r| read_run(spec, r))
+        .map(|r| read_run(spec, &a.name, r))
         .collect::<Result<Vec<_>, _>>()?;
+    let mut origins = BTreeSet::new();
+    for s in &seeds {
+        if !origins.insert((s.run.as_str(), s.label.as_str())) {
+            return Err(StudyError::Spec(format!(
+                "arm `{}` holds the run {} twice (a recorded seed and its own evaluation?)",
+                a.name, s.run
+            )));
+        }
+    }
     let runs: Vec<&RunOutcomes> = seeds.iter().collect();
     let mut keys: BTreeSet<String> = seeds[0].outcomes.keys().cloned().collect();
     for r in &seeds[1..] {
@@ -809,20 +845,20 @@ pub fn run_study(spec: &StudySpec) -> Result<StudyResult, StudyError> {
             return Err(StudyError::Spec(format!("arm `{}` is named twice", a.name)));
         }
     }
+    // Settings first: runs that do not measure the same thing are refused before any reading.
+    let mut settings: Vec<(String, Settings)> = Vec::new();
+    for a in &spec.arms {
+        for r in &a.runs {
+            settings.push((r.clone(), run_settings(spec, &a.name, r)?));
+        }
+    }
+    check_settings(&settings).map_err(StudyError::Spec)?;
     let training = check_training(spec)?;
     let arms = spec
         .arms
         .iter()
         .map(|a| arm_result(spec, a, spec.seed))
         .collect::<Result<Vec<_>, _>>()?;
-    let settings: Vec<(String, Settings)> = spec
-        .arms
-        .iter()
-        .zip(&arms)
-        .flat_map(|(a, r)| a.runs.iter().zip(&r.seeds))
-        .map(|(name, s)| (name.clone(), s.comparable.clone()))
-        .collect();
-    check_settings(&settings).map_err(StudyError::Spec)?;
     let comparisons = spec
         .comparisons
         .iter()
@@ -858,7 +894,7 @@ fn check_training(spec: &StudySpec) -> Result<BTreeMap<String, Vec<TrainedRun>>,
                 if !is_recorded(d) {
                     return read_trained_run(d).map_err(StudyError::Spec);
                 }
-                read_recorded(spec, d)?
+                read_recorded(spec, &a.name, d)?
                     .trained
                     .ok_or_else(|| input_err(Path::new(d), "records no training run"))
             })
@@ -907,11 +943,46 @@ pub fn study_files(spec_path: &Path, output: &Path) -> anyhow::Result<StudyResul
 
 /// Writes every arm's seeds as `dir/ARM-K.json` (see [`RecordedSeed`]).
 fn write_recorded_seeds(spec: &StudySpec, result: &StudyResult, dir: &Path) -> anyhow::Result<()> {
+    // An arm's name is the spec's text: only its plain characters make the file name.
+    let file_name = |arm: &str| -> String {
+        arm.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    };
+    let mut names = BTreeSet::new();
+    for arm in &result.arms {
+        if !names.insert(file_name(&arm.name)) {
+            return Err(StudyError::Spec(format!(
+                "arms named like `{}` share the record file name {}: rename one",
+                arm.name,
+                file_name(&arm.name)
+            ))
+            .into());
+        }
+    }
+    // Records an earlier study left in this folder (other arms, more seeds) would read as
+    // this one's.
+    if dir.is_dir() {
+        for entry in std::fs::read_dir(dir).map_err(|e| input_err(dir, e.to_string()))? {
+            let path = entry.map_err(|e| input_err(dir, e.to_string()))?.path();
+            if path.extension().is_some_and(|x| x == "json") {
+                std::fs::remove_file(&path).map_err(|e| input_err(&path, e.to_string()))?;
+            }
+        }
+    }
     std::fs::create_dir_all(dir).map_err(|e| input_err(dir, e.to_string()))?;
     for arm in &result.arms {
         for (k, outcomes) in arm.seeds.iter().enumerate() {
             let seed = RecordedSeed {
                 format: SEED_FORMAT.to_string(),
+                title: spec.title.clone(),
+                arm: arm.name.clone(),
                 primary: spec.primary.clone(),
                 cluster: spec.cluster,
                 filter: spec.filter.clone(),
@@ -925,18 +996,7 @@ fn write_recorded_seeds(spec: &StudySpec, result: &StudyResult, dir: &Path) -> a
                     .cloned(),
             };
             let json = serde_json::to_string_pretty(&seed)?;
-            // An arm's name is the spec's text: only its plain characters make the file name.
-            let name: String = arm
-                .name
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '-' {
-                        c
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
+            let name = file_name(&arm.name);
             write_atomic(&dir.join(format!("{name}-{}.json", k + 1)), json.as_bytes())?;
         }
     }
@@ -1418,6 +1478,22 @@ mod tests {
             e.contains("a-1.json") && e.contains("recorded with primary \"detail_used\""),
             "{e}"
         );
+        let mut other_filter = mixed.clone();
+        other_filter.filter = BTreeMap::from([("split".to_string(), "far".to_string())]);
+        let e = run_study(&other_filter).unwrap_err().to_string();
+        assert!(e.contains("recorded with filter {}"), "{e}");
+        // Another arm's record, or a record beside its own evaluation, is refused.
+        let mut swapped = mixed.clone();
+        swapped.arms[1].runs[0] = record("a");
+        let e = run_study(&swapped).unwrap_err().to_string();
+        assert!(
+            e.contains("recorded with arm \"a\", here it is \"b\""),
+            "{e}"
+        );
+        let mut twice = mixed.clone();
+        twice.arms[1].runs[1] = live.arms[1].runs[0].clone();
+        let e = run_study(&twice).unwrap_err().to_string();
+        assert!(e.contains("holds the run") && e.contains("b-e0"), "{e}");
 
         for (arm, weights) in [("a", "f32"), ("b", "q8")] {
             let path = record(arm);
@@ -1429,6 +1505,26 @@ mod tests {
         let e = run_study(&mixed).unwrap_err().to_string();
         assert!(
             e.contains("differ in `weights`") && e.contains("b-1.json has \"q8\""),
+            "{e}"
+        );
+        // A record against a live run whose manifest records another setting.
+        for (arm, weights) in [("a", "q4"), ("b", "q4")] {
+            let path = record(arm);
+            let mut v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            v["comparable"] = serde_json::json!({ "weights": weights });
+            std::fs::write(&path, v.to_string()).unwrap();
+        }
+        std::fs::write(
+            Path::new(&mixed.arms[0].runs[1]).join(super::super::run::MANIFEST_FILE),
+            serde_json::json!({"tool": "collabllm-rs eval_multiturn", "status": "complete",
+                "config": {"weights": "f32"}})
+            .to_string(),
+        )
+        .unwrap();
+        let e = run_study(&mixed).unwrap_err().to_string();
+        assert!(
+            e.contains("differ in `weights`") && e.contains("a-e1 has \"f32\""),
             "{e}"
         );
     }
