@@ -730,8 +730,10 @@ async fn an_abandoned_long_prompt_stops_prefilling() {
     let after = backend.stats();
     let ran = after.prefill_positions - before.prefill_positions;
     let round = (collabllm::llm::local::PREFILL_CHUNK * IDLE_PREFILL_CHUNKS) as u64;
+    // The round under way when the client left counts, and one more may start before the
+    // server notices; the prompt is six rounds long.
     assert!(
-        ran <= 2 * round && ran < prompt.len() as u64,
+        ran <= 3 * round && ran < prompt.len() as u64,
         "{ran} of {} prompt positions prefilled after the client left",
         prompt.len()
     );

@@ -37,7 +37,8 @@ pub(crate) struct GenJob {
     /// Key/value bytes this request's backend lets requests in flight reserve (see
     /// [`LocalBackend::set_kv_budget_bytes`]).
     pub(crate) kv_budget: usize,
-    /// Prompt positions prefilled per round while others decode (0: the whole prompt).
+    /// Prompt positions prefilled per round while others decode, `IDLE_PREFILL_CHUNKS` times
+    /// as many while none do (0: the whole prompt at once).
     pub(crate) prefill_chunk: usize,
     pub(crate) stream: Option<TokenSink>,
     pub(crate) task: Task,
@@ -285,8 +286,9 @@ impl Scheduler {
         }
     }
 
-    /// Up to one chunk of prefill work (one whole prompt when nothing is decoding or the
-    /// chunk size is 0, with more prompts up to a chunk behind it), oldest request first, in
+    /// Up to one chunk of prefill work ([`IDLE_PREFILL_CHUNKS`] chunks of one prompt when
+    /// nothing is decoding, the prompt whole when the chunk size is 0, with more prompts up to
+    /// a chunk behind it; requests whose client left are dropped first), oldest request first, in
     /// one forward pass for all the requests it covers; finished prefills join the decode
     /// batch. Requests whose prompt is already cached cost nothing here, so as many of them
     /// join in one round as are waiting.
@@ -516,8 +518,9 @@ fn begin(job: &GenJob) -> Result<Prefill, EngineError> {
 /// Prompt positions each of the front prefills runs this round, in one forward pass (`needs`:
 /// what each has left, in queue order, all of one model): with something decoding, `chunk`
 /// in all; otherwise the first prompt up to [`IDLE_PREFILL_CHUNKS`] chunks and what is left
-/// of `chunk` after it (0: the first prompt whole, alone). When the first prompt needs more than that, shorter ones behind it
-/// go first, each whole, up to half a chunk in all: otherwise a long cold prompt would take
+/// of `chunk` after it (0: the first prompt whole, alone, so a client that leaves does not
+/// stop it). When the first prompt needs more than that, shorter ones behind it go first,
+/// each whole, up to half a chunk in all: otherwise a long cold prompt would take
 /// every round's budget while they wait; it still gets at least half a chunk a round. The
 /// pass covers a prefix of the queue: the result's length, each prompt in it with positions
 /// left given at least one, and the exact repeats (nothing left) just behind it taken along.

@@ -708,7 +708,7 @@ mod tests {
         }
         let started = std::time::Instant::now();
         let e = schema_format(schema).unwrap_err();
-        assert!(started.elapsed() < std::time::Duration::from_millis(500));
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
         assert!(e.param.len() <= 2 * MAX_PATH_BYTES, "{}", e.param.len());
         assert!(e.message.len() < 2_000, "{}", e.message.len());
         assert!(e
