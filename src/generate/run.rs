@@ -26,13 +26,12 @@ use crate::llm::roles::{roles_cost_usd, Role};
 use crate::llm::tokens::TokenCounter;
 use crate::llm::usage::recorded_usage;
 use crate::llm::{add_usage, with_usage_scope, Price, UsageSnapshot};
-use crate::reward::judge::{Judge, JudgeMode};
 use crate::reward::metrics::{default_weights, Scorer};
 use crate::reward::pairs::select_pairs;
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::futures::future_questioner_role;
 use crate::rollout::records::{now_secs, read_records, ConversationLog, ConversationRecord};
-use crate::rollout::user::UserSimulator;
+use crate::rollout::simulated::{simulated_roles, Simulated};
 use crate::run::{
     changed_settings, drive_jobs, Interrupted, ManifestHeader, RunLock, RunStatus, Shutdown,
 };
@@ -62,8 +61,7 @@ impl Roles {
             async move { Role::build(name, spec, &cfg.rollout.endpoint, &load, cache).await }
         };
         let policy = build("policy", &cfg.policy).await?;
-        let user = build("user", &cfg.rollout.user).await?;
-        let judge = build("judge", &cfg.rollout.judge).await?;
+        let (user, judge) = simulated_roles(&cfg.rollout, &load, cache.clone()).await?;
         let assistant = match future_questioner_role(cfg.rollout.future_questioner)
             .map_err(anyhow::Error::msg)?
         {
@@ -585,29 +583,18 @@ async fn run_prepared(
     let tokens = TokenCounter::of_kind(cfg.token_counter, roles.policy.engine.as_ref())
         .map_err(anyhow::Error::msg)?;
     let token_name = tokens.name();
-    let judge = Arc::new(Judge {
-        role: roles.judge.clone(),
-        prompts: prompts.clone(),
-        mode: cfg.rollout.judge_mode,
-        retries: cfg.rollout.judge_retries,
-        max_tokens: cfg.rollout.judge_max_tokens,
-        extract_max_tokens: cfg.rollout.extractor_max_tokens,
-        interactivity_scale: cfg.rollout.interactivity_scale,
-    });
+    let Simulated { user, judge } = Simulated::new(
+        roles.user.clone(),
+        roles.judge.clone(),
+        &cfg.rollout,
+        prompts.clone(),
+        cfg.oracle,
+    );
     let pipeline = Arc::new(Pipeline {
         prompts: prompts.clone(),
         policy: roles.policy.clone(),
         assistant: roles.assistant.clone(),
-        user: UserSimulator {
-            role: roles.user.clone(),
-            prompts: prompts.clone(),
-            sampling: cfg.rollout.user_sampling.clone(),
-            termination: cfg.rollout.termination.clone(),
-            json: roles.user.engine.is_none(),
-            retries: cfg.rollout.user_retries,
-            oracle: cfg.oracle,
-            max_questions: cfg.rollout.max_questions,
-        },
+        user,
         system_prompt: cfg.system_prompt.clone(),
         scorer: Scorer {
             judge,
@@ -627,12 +614,6 @@ async fn run_prepared(
         prompts.source.clone(),
     );
     manifest.write(RunStatus::Running, None, &[])?;
-    if cfg.rollout.judge_mode == JudgeMode::Logprob && roles.judge.engine.is_none() {
-        bail!(
-            "--judge-mode logprob needs a local judge model; {} is an endpoint",
-            roles.judge.spec
-        );
-    }
 
     let progress = Progress::new(pending.len(), done.len(), tasks.len());
     let ticker = progress.spawn_ticker(roles.clone());

@@ -226,6 +226,15 @@ impl RolloutConfig {
         if self.termination.trim().is_empty() {
             return Err(invalid("termination", "must not be empty"));
         }
+        if self.judge_mode == JudgeMode::Logprob && !self.judge.is_local() {
+            return Err(invalid(
+                "judge_mode",
+                format!(
+                    "logprob needs a local judge model; {} is an endpoint",
+                    self.judge
+                ),
+            ));
+        }
         in_range(
             "sandbox_timeout_s",
             self.sandbox_timeout_s,

@@ -5,4 +5,5 @@
 pub mod config;
 pub(crate) mod futures;
 pub mod records;
+pub mod simulated;
 pub mod user;

@@ -46,10 +46,11 @@ use crate::llm::spec::{resolve_local, LocalModelFiles, ModelSpec};
 use crate::llm::tokens::{TokenCounter, TokenCounterKind};
 use crate::llm::usage::{MeteredBackend, UsageMeter};
 use crate::llm::{SharedBackend, UsageSnapshot};
-use crate::reward::judge::{Judge, JudgeMode};
+use crate::reward::judge::Judge;
 use crate::reward::metrics::Scorer;
 use crate::reward::sandbox::SandboxLimits;
 use crate::rollout::futures::future_questioner_role;
+use crate::rollout::simulated::{simulated_roles, Simulated};
 use crate::rollout::user::{derive_seed, UserSimulator};
 use crate::task::prompts::Prompts;
 use crate::task::Task;
@@ -489,23 +490,15 @@ impl<'a> Run<'a> {
         prompts: Arc<Prompts>,
     ) -> anyhow::Result<Run<'a>> {
         let cache = RequestCache::open(cfg.output.join("cache"))?;
-        let load = LoadOptions::default();
-        let user = Role::build(
-            "user",
-            &cfg.rollout.user,
-            &cfg.rollout.endpoint,
-            &load,
-            Some(cache.clone()),
-        )
-        .await?;
-        let judge = Role::build(
-            "judge",
-            &cfg.rollout.judge,
-            &cfg.rollout.endpoint,
-            &load,
-            Some(cache.clone()),
-        )
-        .await?;
+        let (user, judge) =
+            simulated_roles(&cfg.rollout, &LoadOptions::default(), Some(cache.clone())).await?;
+        let simulated = Simulated::new(
+            user.clone(),
+            judge.clone(),
+            &cfg.rollout,
+            prompts,
+            cfg.oracle,
+        );
         let roles = Roles {
             user: user.clone(),
             judge: judge.clone(),
@@ -524,25 +517,8 @@ impl<'a> Run<'a> {
             tokens_seen: Default::default(),
             format: cfg.weight_format()?,
             codec,
-            judge: Arc::new(Judge {
-                role: judge,
-                prompts: prompts.clone(),
-                mode: cfg.rollout.judge_mode,
-                retries: cfg.rollout.judge_retries,
-                max_tokens: cfg.rollout.judge_max_tokens,
-                extract_max_tokens: cfg.rollout.extractor_max_tokens,
-                interactivity_scale: cfg.rollout.interactivity_scale,
-            }),
-            user: UserSimulator {
-                json: user.engine.is_none(),
-                role: user,
-                prompts,
-                sampling: cfg.rollout.user_sampling.clone(),
-                termination: cfg.rollout.termination.clone(),
-                retries: cfg.rollout.user_retries,
-                oracle: cfg.oracle,
-                max_questions: cfg.rollout.max_questions,
-            },
+            judge: simulated.judge,
+            user: simulated.user,
             roles,
         })
     }
@@ -724,12 +700,6 @@ pub async fn rl_train_until(
         Some(dir) => Prompts::from_dir(dir)?,
         None => Prompts::builtin()?,
     });
-    if cfg.rollout.judge_mode == JudgeMode::Logprob && !cfg.rollout.judge.is_local() {
-        bail!(
-            "--judge-mode logprob needs a local judge model; {} is an endpoint",
-            cfg.rollout.judge
-        );
-    }
     // The policy's identity, so that weights replaced under the same path refuse a resume.
     let spec: ModelSpec = cfg.model.parse()?;
     let files = resolve_local(&spec)
