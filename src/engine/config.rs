@@ -8,7 +8,7 @@
 //! Nothing that changes the model's math is guessed: a family, rope type or rope key we do
 //! not implement, a field whose value we do not implement (`attention_bias: true` outside
 //! Qwen2, `hidden_act` other than `silu`, a sliding window in use, sliding-attention
-//! `layer_types`, partial rotary embeddings, …) or a missing required field is a [`ConfigError`] naming the file and the field. The defaults
+//! `layer_types`, partial rotary embeddings, …) or a missing required field is a [`ModelConfigError`] naming the file and the field. The defaults
 //! left are transformers' own for `LlamaConfig` (`rope_theta` 10000 when the file names
 //! none, `num_key_value_heads` = heads, `head_dim` = hidden / heads, untied head).
 //!
@@ -107,7 +107,7 @@ impl Family {
 
 /// Why a model's configuration was refused: the file, and the field when one is to blame.
 #[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
+pub enum ModelConfigError {
     #[error("{}: {message}", path.display())]
     File { path: PathBuf, message: String },
     #[error("{}: `{field}`: {message}", path.display())]
@@ -118,12 +118,12 @@ pub enum ConfigError {
     },
 }
 
-impl ConfigError {
+impl ModelConfigError {
     /// The offending field (`rope_parameters.rope_type`, `llama.rope.scaling.type`, …).
     pub fn field(&self) -> Option<&str> {
         match self {
-            ConfigError::File { .. } => None,
-            ConfigError::Field { field, .. } => Some(field),
+            ModelConfigError::File { .. } => None,
+            ModelConfigError::Field { field, .. } => Some(field),
         }
     }
 }
@@ -338,11 +338,11 @@ struct Fields<'a> {
     prefix: &'a str,
 }
 
-type Res<T> = Result<T, ConfigError>;
+type Res<T> = Result<T, ModelConfigError>;
 
 impl Fields<'_> {
-    fn err(&self, key: &str, message: impl Into<String>) -> ConfigError {
-        ConfigError::Field {
+    fn err(&self, key: &str, message: impl Into<String>) -> ModelConfigError {
+        ModelConfigError::Field {
             path: self.path.to_path_buf(),
             field: format!("{}{key}", self.prefix),
             message: message.into(),
@@ -816,8 +816,8 @@ impl LlamaConfig {
     }
 
     /// Reads an HF `config.json`.
-    pub fn from_hf_json(path: &Path) -> Result<Self, ConfigError> {
-        let file_err = |message: String| ConfigError::File {
+    pub fn from_hf_json(path: &Path) -> Result<Self, ModelConfigError> {
+        let file_err = |message: String| ModelConfigError::File {
             path: path.to_path_buf(),
             message,
         };
@@ -828,8 +828,8 @@ impl LlamaConfig {
     }
 
     /// Reads an HF config already parsed; `path` names it in errors.
-    pub fn from_hf_value(value: &Value, path: &Path) -> Result<Self, ConfigError> {
-        let obj = value.as_object().ok_or_else(|| ConfigError::File {
+    pub fn from_hf_value(value: &Value, path: &Path) -> Result<Self, ModelConfigError> {
+        let obj = value.as_object().ok_or_else(|| ModelConfigError::File {
             path: path.to_path_buf(),
             message: "not a JSON object".into(),
         })?;
@@ -1283,7 +1283,7 @@ mod tests {
         })
     }
 
-    fn read(v: Value) -> Result<LlamaConfig, ConfigError> {
+    fn read(v: Value) -> Result<LlamaConfig, ModelConfigError> {
         LlamaConfig::from_hf_value(&v, Path::new("m/config.json"))
     }
 

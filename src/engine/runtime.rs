@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplate;
-use super::config::ConfigError;
+use super::config::ModelConfigError;
 use super::detok::{self, IncrementalText};
 use super::gguf_tokenizer::{meta_str, meta_u32, tokenizer_from_gguf};
 use super::llama::{KvCache, LlamaConfig, LlamaModel, WeightFormat};
@@ -316,8 +316,8 @@ fn read_json(dir: &Path, name: &str) -> Result<serde_json::Value, EngineError> {
 fn read_hf_config(dir: &Path) -> Result<LlamaConfig, EngineError> {
     let path = dir.join("config.json");
     LlamaConfig::from_hf_json(&path).map_err(|e| match e {
-        ConfigError::File { path, message } => EngineError::Load { path, message },
-        ConfigError::Field {
+        ModelConfigError::File { path, message } => EngineError::Load { path, message },
+        ModelConfigError::Field {
             path,
             field,
             message,

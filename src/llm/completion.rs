@@ -2,7 +2,7 @@
 //! template, continued by the model — how base models are served, and how harnesses score
 //! log-likelihoods (`echo` with `logprobs` returns every prompt token's log-probability).
 
-use super::{Choice, LlmError, Sampling, TokenLogprob, TokenUsage};
+use super::{Choice, LlmError, RequestSampling, TokenLogprob, TokenUsage};
 
 /// What to continue: text (tokenized with the tokenizer's own special tokens, a BOS where
 /// the model's tokenizer adds one) or token ids as they are.
@@ -58,8 +58,8 @@ impl CompletionRequest {
     }
 
     /// The settings the continuations are sampled with.
-    pub fn sampling(&self) -> Sampling<'_> {
-        Sampling {
+    pub fn sampling(&self) -> RequestSampling<'_> {
+        RequestSampling {
             temperature: self.temperature,
             top_p: self.top_p,
             max_tokens: self.max_tokens,

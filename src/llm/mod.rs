@@ -130,8 +130,8 @@ impl ChatRequest {
     }
 
     /// The settings the reply is sampled with.
-    pub fn sampling(&self) -> Sampling<'_> {
-        Sampling {
+    pub fn sampling(&self) -> RequestSampling<'_> {
+        RequestSampling {
             temperature: self.temperature,
             top_p: self.top_p,
             max_tokens: self.max_tokens,
@@ -145,7 +145,7 @@ impl ChatRequest {
 
 /// The settings a generation samples with, shared by chat and raw completions.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Sampling<'a> {
+pub struct RequestSampling<'a> {
     pub temperature: f32,
     pub top_p: f32,
     pub max_tokens: usize,
@@ -155,7 +155,7 @@ pub struct Sampling<'a> {
     pub logprobs: Option<usize>,
 }
 
-impl Sampling<'_> {
+impl RequestSampling<'_> {
     /// Checks the values (`max_tokens` is the request's own to check); `logprobs_field`
     /// names the field that counts alternatives (`top_logprobs` in chat, `logprobs` in raw
     /// completions).

@@ -137,7 +137,7 @@ fn parse_source(rest: &str) -> Result<ClarifySource, String> {
 
 /// A template file that cannot be used; names the file and the line (1-based).
 #[derive(Debug, thiserror::Error)]
-pub enum TemplateError {
+pub enum ClarifyTemplateError {
     #[error("{}: cannot read: {source}", path.display())]
     Read {
         path: PathBuf,
@@ -288,8 +288,8 @@ impl TemplateRow {
 }
 
 /// Parses a template file's text; `path` only names it in errors.
-pub fn parse_templates(path: &Path, text: &str) -> Result<Vec<Template>, TemplateError> {
-    let at = |line: usize, message: String| TemplateError::Line {
+pub fn parse_templates(path: &Path, text: &str) -> Result<Vec<Template>, ClarifyTemplateError> {
+    let at = |line: usize, message: String| ClarifyTemplateError::Line {
         path: path.to_path_buf(),
         line,
         message,
@@ -313,7 +313,7 @@ pub fn parse_templates(path: &Path, text: &str) -> Result<Vec<Template>, Templat
         out.push(t);
     }
     if out.is_empty() {
-        return Err(TemplateError::File {
+        return Err(ClarifyTemplateError::File {
             path: path.to_path_buf(),
             message: "no templates".into(),
         });
@@ -328,17 +328,17 @@ pub fn builtin_templates() -> Vec<Template> {
 }
 
 /// The templates of a source (every split).
-pub fn source_templates(src: &ClarifySource) -> Result<Vec<Template>, TemplateError> {
+pub fn source_templates(src: &ClarifySource) -> Result<Vec<Template>, ClarifyTemplateError> {
     match &src.file {
         None => Ok(builtin_templates()),
         Some(path) => {
-            let bytes = std::fs::read(path).map_err(|source| TemplateError::Read {
+            let bytes = std::fs::read(path).map_err(|source| ClarifyTemplateError::Read {
                 path: path.clone(),
                 source,
             })?;
             let text = String::from_utf8(bytes).map_err(|e| {
                 let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
-                TemplateError::Line {
+                ClarifyTemplateError::Line {
                     path: path.clone(),
                     line: 1 + valid.iter().filter(|b| **b == b'\n').count(),
                     message: "not UTF-8 text".into(),
@@ -351,11 +351,11 @@ pub fn source_templates(src: &ClarifySource) -> Result<Vec<Template>, TemplateEr
 
 /// The requests of a source's split, in a fixed order: per template, per value, the stated
 /// request then the vague one.
-pub fn load(src: &ClarifySource) -> Result<Vec<Task>, TemplateError> {
+pub fn load(src: &ClarifySource) -> Result<Vec<Task>, ClarifyTemplateError> {
     let templates = source_templates(src)?;
     let tasks = tasks_of(&templates, src.split);
     if tasks.is_empty() {
-        return Err(TemplateError::File {
+        return Err(ClarifyTemplateError::File {
             path: src
                 .file
                 .clone()
@@ -574,7 +574,7 @@ mod tests {
 
     const GOOD: &str = r#"{"id": "birthday", "stated": "Greet my friend {d}.", "vague": "Greet my friend.", "user_answer": "My friend is {d}.", "values": ["Maya", "Liam"]}"#;
 
-    fn parse(text: &str) -> Result<Vec<Template>, TemplateError> {
+    fn parse(text: &str) -> Result<Vec<Template>, ClarifyTemplateError> {
         parse_templates(Path::new("t.jsonl"), text)
     }
 

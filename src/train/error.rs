@@ -65,7 +65,7 @@ pub enum TrainError {
     #[error(transparent)]
     Engine(#[from] crate::engine::EngineError),
     #[error(transparent)]
-    Config(#[from] crate::engine::config::ConfigError),
+    Config(#[from] crate::engine::config::ModelConfigError),
     #[error(transparent)]
     Peft(#[from] crate::engine::peft::PeftError),
 }
