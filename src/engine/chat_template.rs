@@ -35,6 +35,12 @@ pub enum TemplateError {
 /// would otherwise hold a request for hours); it runs out in well under a second.
 pub const MAX_RENDER_FUEL: u64 = 10_000_000;
 
+/// Bytes a render may write beyond [`RENDER_BYTES_PER_MESSAGE_BYTE`] times the messages' own:
+/// the system prompt and role markers of real templates are well under this.
+pub const RENDER_OVERHEAD_BYTES: usize = 1 << 20;
+/// How many times its messages' bytes a render may write (real templates write each once).
+pub const RENDER_BYTES_PER_MESSAGE_BYTE: usize = 4;
+
 /// Bytes of a chat template at most: real ones are 1–20 KB (Qwen3's 4 KB, Gemma 3's 1.5 KB);
 /// a larger file (`--chat-template /dev/zero`) is refused after reading this much, never read
 /// until memory runs out.
@@ -78,6 +84,28 @@ impl std::fmt::Debug for ChatTemplate {
         f.debug_struct("ChatTemplate")
             .field("source_name", &self.source_name)
             .finish_non_exhaustive()
+    }
+}
+
+/// A render's output, refusing writes past `limit` bytes (the render then stops with an error).
+struct BoundedOutput {
+    bytes: Vec<u8>,
+    limit: usize,
+    over: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len().saturating_add(buf.len()) > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered text is over its bound"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -242,16 +270,47 @@ impl ChatTemplate {
         let tmpl = env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| self.render_error(e))?;
-        tmpl.render(RenderContext {
-            messages,
-            add_generation_prompt,
-            bos_token: &self.bos_token,
-            eos_token: &self.eos_token,
+        // The output is bounded as it is written: a template that writes a message a million
+        // times stops at the bound instead of filling memory.
+        let limit = messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .fold(0usize, usize::saturating_add)
+            .saturating_mul(RENDER_BYTES_PER_MESSAGE_BYTE)
+            .saturating_add(RENDER_OVERHEAD_BYTES);
+        let mut out = BoundedOutput {
+            bytes: Vec::new(),
+            limit,
+            over: false,
+        };
+        let rendered = tmpl.render_captured_to(
+            RenderContext {
+                messages,
+                add_generation_prompt,
+                bos_token: &self.bos_token,
+                eos_token: &self.eos_token,
+            },
+            &mut out,
+        );
+        if out.over {
+            return Err(TemplateError::Render {
+                source_name: self.source_name.clone(),
+                message: format!(
+                    "rendering the chat template wrote more than {limit} bytes ({}× the \
+                     messages' bytes + 1 MiB) and was stopped",
+                    RENDER_BYTES_PER_MESSAGE_BYTE
+                ),
+            });
+        }
+        rendered.map_err(|e| self.render_error(e))?;
+        String::from_utf8(out.bytes).map_err(|_| TemplateError::Render {
+            source_name: self.source_name.clone(),
+            message: "the chat template rendered text that is not UTF-8".into(),
         })
-        .map_err(|e| self.render_error(e))
     }
 
     fn render_error(&self, e: minijinja::Error) -> TemplateError {
+        // (Output over the bound is reported by `render` itself.)
         let message = if e.kind() == ErrorKind::OutOfFuel {
             format!(
                 "rendering the chat template took more than {MAX_RENDER_FUEL} template \
@@ -287,12 +346,30 @@ mod tests {
     /// SmolLM2-135M-Instruct's template, as stored in its GGUF and tokenizer_config.json.
     pub const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+    /// A template that writes a message over and over stops at the output bound (4× the
+    /// messages' bytes + 1 MiB), naming the file, instead of writing 100 MB; a real template
+    /// on the same 100 KB message renders.
+    #[test]
+    fn a_template_that_writes_without_end_is_stopped() {
+        let repeating = "{% for i in range(1000) %}{{ messages[0].content }}{% endfor %}";
+        let t = ChatTemplate::new(repeating, "repeating.jinja", "", "").unwrap();
+        let long = [ChatMessage::user("x".repeat(100_000))];
+        let e = t.render(&long, true).unwrap_err().to_string();
+        assert!(
+            e.contains("repeating.jinja") && e.contains("wrote more than 1448592 bytes"),
+            "{e}"
+        );
+        let real = ChatTemplate::new(SMOLLM2, "smollm2.jinja", "", "").unwrap();
+        assert!(real.render(&long, true).unwrap().len() > 100_000);
+    }
+
     /// Nested loops over large ranges would render for hours: the fuel stops them quickly,
-    /// with an error naming the file, while a long real conversation renders.
+    /// with an error naming the file, while a long real conversation renders. (They write
+    /// nothing: one that writes meets the output bound first.)
     #[test]
     fn a_template_that_loops_without_end_is_stopped() {
-        let looping = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}\
-                       {% endfor %}";
+        let looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% set k = i %}\
+                       {% endfor %}{% endfor %}";
         let t = ChatTemplate::new(looping, "looping.jinja", "", "").unwrap();
         let started = std::time::Instant::now();
         let e = t.render(&[ChatMessage::user("hi")], true).unwrap_err();
