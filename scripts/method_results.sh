@@ -52,7 +52,7 @@
 #            nothing).
 #            Without it: 20 Questions ~2.5 h (per seed: SFT start 13 min, DAgger games 5,
 #            pairs 12, three matched arms of 16 steps 15; evaluation of 15 models 10 min; the
-#            futures cost no model call), clarify ~2 h a seed on 2 cores, ~6 h for three (see
+#            futures cost no model call), clarify ~1.5-2 h a seed on 2 cores (seeds in separate sittings: RECORDED_SEEDS) (see
 #            docs/results.md for each stage's cost).
 #   --only   run one study.
 #   --out    working directory [default: outputs/method_results or outputs/method_results-quick]
