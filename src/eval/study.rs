@@ -1441,7 +1441,7 @@ mod tests {
             (0..2)
                 .map(|s| {
                     run_dir(root, &format!("{arm}-e{s}"), 9, |i| {
-                        (i + s + shift) % 3 == 0
+                        (i + s + shift).is_multiple_of(3)
                     })
                 })
                 .collect()
