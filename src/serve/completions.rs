@@ -24,7 +24,7 @@ use super::request::{
     count, json_object, out_of_range, param_and_shape, parse_stop, refuse_unhonoured, samples,
     temperature, top_p, type_error, unsupported, Count, Object, Seed, Stop, StreamOptions,
 };
-use super::{unix_now, ApiError, AppState, ChatStats};
+use super::{response_id, unix_now, ApiError, AppState, ChatStats, ResponseKind};
 use crate::llm::{
     Choice, CompletionPrompt, CompletionRequest, CompletionResponse, ContextLimits, Delta,
     DeltaSink, LlmError, TokenLogprob, TokenUsage, MAX_TOP_LOGPROBS,
@@ -277,14 +277,6 @@ pub(super) fn check_completion_context(
     Ok(())
 }
 
-fn completion_id() -> String {
-    format!(
-        "cmpl-{:016x}{:08x}",
-        rand::random::<u64>(),
-        rand::random::<u32>()
-    )
-}
-
 /// The usage of a batch of prompts, OpenAI-shaped.
 fn usage_json(responses: &[CompletionResponse]) -> Value {
     let mut u = TokenUsage::default();
@@ -408,7 +400,11 @@ pub(super) async fn answer(
         prompt_tokens: responses.iter().map(|r| r.usage.prompt_tokens).sum(),
         completion_tokens: responses.iter().map(|r| r.usage.completion_tokens).sum(),
     };
-    let (id, created, model) = (completion_id(), unix_now(), state.names.id().to_string());
+    let (id, created, model) = (
+        response_id(ResponseKind::Completion),
+        unix_now(),
+        state.names.id().to_string(),
+    );
     let mut response = if parsed.stream {
         // With `echo` the prompt goes first, so the stream is written from the finished
         // answer: per choice its whole text, then its finish.
@@ -572,7 +568,7 @@ async fn live_stream(state: &AppState, parsed: ParsedCompletion) -> Result<Respo
         gen: Some(gen),
         pieces,
         writer: Writer {
-            id: completion_id(),
+            id: response_id(ResponseKind::Completion),
             created: unix_now(),
             model: state.names.id().to_string(),
         },

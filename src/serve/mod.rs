@@ -235,9 +235,22 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn completion_id() -> String {
+/// The kind of response an id names: OpenAI's `chatcmpl-…` and `cmpl-…`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ResponseKind {
+    Chat,
+    Completion,
+}
+
+/// A response's id (every chunk of a stream carries its response's): the kind's prefix and
+/// 96 random bits in hex, as OpenAI's are shaped.
+pub(crate) fn response_id(kind: ResponseKind) -> String {
+    let prefix = match kind {
+        ResponseKind::Chat => "chatcmpl",
+        ResponseKind::Completion => "cmpl",
+    };
     format!(
-        "chatcmpl-{:016x}{:08x}",
+        "{prefix}-{:016x}{:08x}",
         rand::random::<u64>(),
         rand::random::<u32>()
     )
@@ -416,7 +429,7 @@ async fn chat_completions(
         prompt_tokens: resp.usage.prompt_tokens,
         completion_tokens: resp.usage.completion_tokens,
     };
-    let id = completion_id();
+    let id = response_id(ResponseKind::Chat);
     let created = unix_now();
     let mut response = if parsed.stream {
         stream_response(
@@ -529,6 +542,23 @@ mod tests {
 
     fn parse(v: Value) -> Result<ParsedRequest, ApiError> {
         parse_request(v.to_string().as_bytes())
+    }
+
+    /// One id maker for both routes: OpenAI's prefixes, 24 hex digits, a new id each time.
+    #[test]
+    fn response_ids_are_shaped_like_openais() {
+        for (kind, prefix) in [
+            (ResponseKind::Chat, "chatcmpl-"),
+            (ResponseKind::Completion, "cmpl-"),
+        ] {
+            let id = response_id(kind);
+            let hex = id.strip_prefix(prefix).unwrap();
+            assert!(
+                hex.len() == 24 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+                "{id}"
+            );
+            assert_ne!(id, response_id(kind));
+        }
     }
 
     #[test]

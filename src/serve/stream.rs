@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 use std::future::Future;
 
 use super::{
-    completion_id, logprobs_json, logprobs_object, unix_now, ApiError, AppState, ChatStats, Chunk,
-    ParsedRequest, Usage,
+    logprobs_json, logprobs_object, response_id, unix_now, ApiError, AppState, ChatStats, Chunk,
+    ParsedRequest, ResponseKind, Usage,
 };
 use crate::llm::{ChatResponse, Delta, LlmError, TokenLogprob};
 
@@ -203,7 +203,7 @@ pub(super) async fn live_stream(
         gen: Some(gen),
         rx,
         writer: ChunkWriter {
-            id: completion_id(),
+            id: response_id(ResponseKind::Chat),
             created: unix_now(),
             model: state.names.id().to_string(),
         },
