@@ -179,20 +179,25 @@ async fn never_ending_tiny(
     (guard, backend)
 }
 
-/// Abandoned requests stop: the running one at its next token, the queued ones before they
-/// start, so the next client does not wait for work nobody will read.
-#[tokio::test]
-async fn a_client_that_leaves_cancels_its_generation() {
-    // Big enough that a token takes a few milliseconds, so a long request takes seconds.
-    let spec = TinySpec {
+/// The tiny model made big enough that a token takes a few milliseconds (a long request takes
+/// seconds), with a context of `positions`.
+fn slow_tiny(positions: usize) -> TinySpec {
+    TinySpec {
         hidden_size: 512,
         intermediate_size: 2048,
         num_hidden_layers: 6,
         num_attention_heads: 8,
         num_key_value_heads: 4,
-        max_position_embeddings: 4096,
+        max_position_embeddings: positions,
         ..TinySpec::default()
-    };
+    }
+}
+
+/// Abandoned requests stop: the running one at its next token, the queued ones before they
+/// start, so the next client does not wait for work nobody will read.
+#[tokio::test]
+async fn a_client_that_leaves_cancels_its_generation() {
+    let spec = slow_tiny(4096);
     let _timed = TIMED.lock().await;
     let (_g, backend) = never_ending_tiny(&spec).await;
     // One request at a time, so that two requests queue behind the long one.
@@ -334,15 +339,7 @@ async fn oversized_requests_are_refused_before_any_work() {
 /// other long one goes on.
 #[tokio::test]
 async fn a_client_that_leaves_frees_its_batch_row() {
-    let spec = TinySpec {
-        hidden_size: 512,
-        intermediate_size: 2048,
-        num_hidden_layers: 6,
-        num_attention_heads: 8,
-        num_key_value_heads: 4,
-        max_position_embeddings: 4096,
-        ..TinySpec::default()
-    };
+    let spec = slow_tiny(4096);
     let _timed = TIMED.lock().await;
     let (_g, backend) = never_ending_tiny(&spec).await;
     backend.set_max_batch(2);
@@ -702,15 +699,7 @@ async fn the_binary_refuses_unsendable_keys_and_logs_refusals() {
 #[tokio::test]
 async fn an_abandoned_long_prompt_stops_prefilling() {
     use collabllm::engine::scheduler::IDLE_PREFILL_CHUNKS;
-    let spec = TinySpec {
-        hidden_size: 512,
-        intermediate_size: 2048,
-        num_hidden_layers: 6,
-        num_attention_heads: 8,
-        num_key_value_heads: 4,
-        max_position_embeddings: 8192,
-        ..TinySpec::default()
-    };
+    let spec = slow_tiny(8192);
     let _timed = TIMED.lock().await;
     let (_g, backend) = never_ending_tiny(&spec).await;
     let addr = spawn_server(backend.clone(), "tiny").await;

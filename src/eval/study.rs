@@ -1495,26 +1495,24 @@ mod tests {
         let e = run_study(&twice).unwrap_err().to_string();
         assert!(e.contains("holds the run") && e.contains("b-e0"), "{e}");
 
-        for (arm, weights) in [("a", "f32"), ("b", "q8")] {
+        // Rewrites a record's comparable settings to `weights`.
+        let set_weights = |arm: &str, weights: &str| {
             let path = record(arm);
             let mut v: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
             v["comparable"] = serde_json::json!({ "weights": weights });
             std::fs::write(&path, v.to_string()).unwrap();
-        }
+        };
+        set_weights("a", "f32");
+        set_weights("b", "q8");
         let e = run_study(&mixed).unwrap_err().to_string();
         assert!(
             e.contains("differ in `weights`") && e.contains("b-1.json has \"q8\""),
             "{e}"
         );
         // A record against a live run whose manifest records another setting.
-        for (arm, weights) in [("a", "q4"), ("b", "q4")] {
-            let path = record(arm);
-            let mut v: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            v["comparable"] = serde_json::json!({ "weights": weights });
-            std::fs::write(&path, v.to_string()).unwrap();
-        }
+        set_weights("a", "q4");
+        set_weights("b", "q4");
         std::fs::write(
             Path::new(&mixed.arms[0].runs[1]).join(super::super::run::MANIFEST_FILE),
             serde_json::json!({"tool": "collabllm-rs eval_multiturn", "status": "complete",
